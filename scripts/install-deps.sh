@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs Sinew's build and test dependencies from Debian. Idempotent: packages that
+# are already installed are skipped, so running it twice costs one dpkg query.
+set -euo pipefail
+
+PACKAGES=(
+  build-essential cmake ninja-build ccache pkg-config git python3
+  clang-format
+  libtorch-dev
+  libopenmpi-dev openmpi-bin
+  libboost-dev libboost-system-dev
+  libgloo-dev
+  libgtest-dev
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#PACKAGES[@]} packages present"
+  exit 0
+fi
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+echo "install-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -q
+$SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
