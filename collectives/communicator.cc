@@ -1,0 +1,77 @@
+#include "sinew/collectives/communicator.h"
+
+#include <algorithm>
+
+#include "sinew/config.h"
+
+namespace sinew {
+namespace collectives {
+namespace {
+
+int rankOfSelf(const CommunicatorOptions& o) {
+  SINEW_ENFORCE(!o.members.empty(), "communicator '", o.name, "' of epoch ", o.epoch,
+                " has no members");
+  auto count = std::count(o.members.begin(), o.members.end(), o.self);
+  SINEW_ENFORCE(count == 1, "worker ", o.self, " appears ", count,
+                " times in the member list of communicator '", o.name, "' (epoch ", o.epoch, ")");
+  std::vector<int> sorted = o.members;
+  std::sort(sorted.begin(), sorted.end());
+  SINEW_ENFORCE(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(),
+                "member list of communicator '", o.name, "' has a duplicate worker id");
+  SINEW_ENFORCE(o.timeout.count() > 0 && o.initTimeout.count() > 0,
+                "communicator timeouts must be positive, got timeout=", o.timeout.count(),
+                " ms initTimeout=", o.initTimeout.count(), " ms");
+  return static_cast<int>(std::find(o.members.begin(), o.members.end(), o.self) -
+                          o.members.begin());
+}
+
+}  // namespace
+
+Communicator::Communicator(CommunicatorOptions options)
+    : options_(std::move(options)), rank_(rankOfSelf(options_)) {}
+
+std::string dtypeName(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return "float32";
+    case at::kDouble:
+      return "float64";
+    case at::kHalf:
+      return "float16";
+    case at::kBFloat16:
+      return "bfloat16";
+    case at::kLong:
+      return "int64";
+    case at::kInt:
+      return "int32";
+    case at::kByte:
+      return "uint8";
+    case at::kChar:
+      return "int8";
+    case at::kBool:
+      return "bool";
+    default:
+      return std::string(c10::toString(t.scalar_type()));
+  }
+}
+
+std::unique_ptr<Communicator> createCommunicator(const std::string& deviceType,
+                                                 const std::shared_ptr<Store>& store,
+                                                 const CommunicatorOptions& options) {
+  if (deviceType == "cpu") return createGlooCommunicator(store, options);
+  if (deviceType == "cuda") return createNcclCommunicator(store, options);
+  SINEW_THROW(InvalidArgument, "no communicator backend for device type '", deviceType,
+              "' (expected cpu or cuda)");
+}
+
+#if !SINEW_WITH_NCCL
+std::unique_ptr<Communicator> createNcclCommunicator(const std::shared_ptr<Store>&,
+                                                     const CommunicatorOptions& options) {
+  SINEW_THROW(InvalidArgument, "communicator '", options.name,
+              "': this Sinew was built without NCCL (SINEW_WITH_NCCL=OFF); rebuild with a "
+              "CUDA toolkit that has NCCL to use CUDA tensors");
+}
+#endif
+
+}  // namespace collectives
+}  // namespace sinew

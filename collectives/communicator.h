@@ -1,0 +1,147 @@
+#pragma once
+
+// Communicators: collectives and point-to-point transfers of at::Tensor among a fixed
+// member list for one epoch (DESIGN.md section 2).
+//
+// A communicator is never repaired. Every operation has a deadline; any failure
+// (PeerLost, Timeout, Aborted) leaves the communicator dead: it tells the other members
+// why (so they fail with the same cause instead of waiting for their deadlines), closes
+// its connections, and every later call throws the same error. Survivors then build a
+// new communicator for the next epoch, normally under a new store prefix.
+//
+// Thread safety: operations must be issued by one thread at a time, in the same order on
+// every member. abort(), error() and the accessors may be called from any thread, at any
+// time; abort() makes a blocked operation throw Aborted promptly (well under 100 ms).
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "sinew/collectives/error.h"
+#include "sinew/collectives/store.h"
+
+namespace sinew {
+namespace collectives {
+
+enum class ReduceOp {
+  kSum,
+  // Sum divided by the number of members; integer tensors round toward zero.
+  kAvg,
+};
+
+// Use the communicator's default operation timeout.
+constexpr std::chrono::milliseconds kDefaultOpTimeout{-1};
+
+struct CommunicatorOptions {
+  // Worker ids of the members; a member's rank is its index in this list. Ids are stable
+  // for a worker's lifetime, ranks are per communicator.
+  std::vector<int> members;
+  // This process's worker id; must appear exactly once in members.
+  int self = -1;
+  // The epoch this communicator belongs to; rendezvous keys are namespaced by it, so
+  // members of different epochs never meet.
+  int64_t epoch = 0;
+  // Distinguishes several communicators of one epoch (e.g. per pipeline stage group).
+  std::string name = "default";
+  // Deadline for building the communicator (rendezvous and connecting every pair).
+  std::chrono::milliseconds initTimeout{60000};
+  // Default deadline of each operation.
+  std::chrono::milliseconds timeout{30000};
+  // Address to listen on for peer connections (Gloo's TCP transport).
+  std::string hostname = "127.0.0.1";
+  // CUDA device index for the NCCL backend; -1 means the current device.
+  int device = -1;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  int rank() const { return rank_; }
+  int size() const { return static_cast<int>(options_.members.size()); }
+  int64_t epoch() const { return options_.epoch; }
+  int self() const { return options_.self; }
+  const std::vector<int>& members() const { return options_.members; }
+  // The worker id of a rank. REQUIRES: 0 <= rank < size().
+  int workerOf(int rank) const { return options_.members.at(rank); }
+  // The backend's name: "gloo" or "nccl".
+  virtual const char* backend() const = 0;
+
+  // In-place reduction of t across all members.
+  // REQUIRES: t is contiguous, of a supported dtype and device, the same shape everywhere.
+  virtual void allreduce(at::Tensor& t, ReduceOp op = ReduceOp::kSum,
+                         std::chrono::milliseconds timeout = kDefaultOpTimeout) = 0;
+
+  // Copies root's t into every member's t. REQUIRES: same shape and dtype everywhere.
+  virtual void broadcast(at::Tensor& t, int root,
+                         std::chrono::milliseconds timeout = kDefaultOpTimeout) = 0;
+
+  // output = concatenation of every member's input along a new leading dimension of
+  // size(): output[r] is rank r's input. REQUIRES: output has size() * input.numel()
+  // elements, the input's dtype, and is contiguous.
+  virtual void allgather(at::Tensor& output, const at::Tensor& input,
+                         std::chrono::milliseconds timeout = kDefaultOpTimeout) = 0;
+
+  // Sends t to rank dst. Messages between two ranks with the same tag arrive in order;
+  // the receiver's tensor must have the same number of bytes. Like MPI_Ssend it may
+  // block until dst has posted the matching recv, so two members must not both send to
+  // each other first.
+  virtual void send(const at::Tensor& t, int dst, uint32_t tag,
+                    std::chrono::milliseconds timeout = kDefaultOpTimeout) = 0;
+
+  // Receives into t a message sent by rank src with the given tag.
+  virtual void recv(at::Tensor& t, int src, uint32_t tag,
+                    std::chrono::milliseconds timeout = kDefaultOpTimeout) = 0;
+
+  // Returns after every member entered the barrier.
+  virtual void barrier(std::chrono::milliseconds timeout = kDefaultOpTimeout) = 0;
+
+  // Fails the communicator: a blocked or later operation throws Aborted, and the other
+  // members' operations fail with Aborted naming this worker. Idempotent.
+  virtual void abort() = 0;
+
+  // The failure that killed this communicator, or null while it is healthy. Failures are
+  // detected even between operations (a member's death is noticed when its connection
+  // closes), so callers can poll this as a failure detector.
+  virtual std::exception_ptr error() const = 0;
+
+ protected:
+  explicit Communicator(CommunicatorOptions options);
+  std::chrono::milliseconds resolveTimeout(std::chrono::milliseconds t) const {
+    return t.count() < 0 ? options_.timeout : t;
+  }
+
+  const CommunicatorOptions options_;
+  const int rank_;
+};
+
+// Builds a Gloo communicator for CPU tensors of dtype float32, float64, float16,
+// bfloat16 and int64. Blocks until every member has connected or initTimeout passes
+// (Timeout naming the members that did not show up). The store is used only for
+// rendezvous, under the prefix "sinew/comm/<name>/epoch/<epoch>".
+std::unique_ptr<Communicator> createGlooCommunicator(const std::shared_ptr<Store>& store,
+                                                     const CommunicatorOptions& options);
+
+// Builds an NCCL communicator for CUDA tensors (non-blocking init polled against
+// initTimeout, ncclCommAbort on failure). A small Gloo communicator among the same
+// members runs beside it to notice a dead peer and name it, which NCCL cannot.
+// Throws InvalidArgument if Sinew was built without NCCL (SINEW_WITH_NCCL=0).
+std::unique_ptr<Communicator> createNcclCommunicator(const std::shared_ptr<Store>& store,
+                                                     const CommunicatorOptions& options);
+
+// Builds the backend that suits tensors of the given device type ("cpu" → Gloo,
+// "cuda" → NCCL).
+std::unique_ptr<Communicator> createCommunicator(const std::string& deviceType,
+                                                 const std::shared_ptr<Store>& store,
+                                                 const CommunicatorOptions& options);
+
+// "float32", "bfloat16", ...: the dtype names used in error messages.
+std::string dtypeName(const at::Tensor& t);
+
+}  // namespace collectives
+}  // namespace sinew

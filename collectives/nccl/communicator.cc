@@ -1,0 +1,386 @@
+// NCCL backend of Communicator, for CUDA tensors.
+//
+// NCCL cannot say which peer died and a plain NCCL call can hang forever, so:
+//  1. The communicator is created non-blocking (ncclConfig_t.blocking = 0) and every
+//     call's completion, like the initialisation, is polled against the deadline:
+//     cudaStreamQuery, ncclCommGetAsyncError, the abort flag and the sentinel.
+//  2. The sentinel is a Gloo communicator among the same members (name + "/sentinel")
+//     that carries no data: its watchers notice a member whose process died and name it,
+//     and its goodbyes tell the other members when this one fails.
+//  3. On any failure the NCCL communicator is aborted (ncclCommAbort) and the sentinel
+//     destroyed, which tells the peers; every later call throws the same error.
+// Operations run on a stream of our own created without cudaStreamNonBlocking, so they
+// are ordered after work queued on the legacy default stream (libtorch's default); each
+// call returns after its stream work completed.
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <ATen/ATen.h>
+
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "sinew/collectives/communicator.h"
+#include "sinew/collectives/prefix_store.h"
+
+#ifndef NCCL_VERSION_CODE
+#define NCCL_VERSION_CODE 0
+#endif
+#ifndef NCCL_VERSION
+#define NCCL_VERSION(X, Y, Z) ((X) * 10000 + (Y) * 100 + (Z))
+#endif
+
+namespace sinew {
+namespace collectives {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// How often a waiting call polls the stream and NCCL's asynchronous error.
+constexpr std::chrono::microseconds kPollInterval{50};
+
+ncclDataType_t ncclType(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return ncclFloat32;
+    case at::kDouble:
+      return ncclFloat64;
+    case at::kHalf:
+      return ncclFloat16;
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 10, 0)
+    case at::kBFloat16:
+      return ncclBfloat16;
+#endif
+    case at::kLong:
+      return ncclInt64;
+    case at::kInt:
+      return ncclInt32;
+    case at::kByte:
+      return ncclUint8;
+    case at::kChar:
+      return ncclInt8;
+    default:
+      SINEW_THROW(InvalidArgument, "nccl: unsupported dtype ", dtypeName(t));
+  }
+}
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(const std::shared_ptr<Store>& store, const CommunicatorOptions& options);
+  ~NcclCommunicator() override;
+
+  const char* backend() const override { return "nccl"; }
+  void allreduce(at::Tensor& t, ReduceOp op, std::chrono::milliseconds timeout) override;
+  void broadcast(at::Tensor& t, int root, std::chrono::milliseconds timeout) override;
+  void allgather(at::Tensor& output, const at::Tensor& input,
+                 std::chrono::milliseconds timeout) override;
+  void send(const at::Tensor& t, int dst, uint32_t tag,
+            std::chrono::milliseconds timeout) override;
+  void recv(at::Tensor& t, int src, uint32_t tag, std::chrono::milliseconds timeout) override;
+  void barrier(std::chrono::milliseconds timeout) override;
+  void abort() override;
+  std::exception_ptr error() const override;
+
+ private:
+  std::string describe() const;
+  void validate(const at::Tensor& t, const char* op) const;
+  void checkCuda(cudaError_t e, const char* what);
+  // Runs one NCCL call and waits for its completion (protocol step 1).
+  template <typename F>
+  void run(const char* name, std::chrono::milliseconds timeout, F&& enqueue);
+  // Polls until NCCL leaves ncclInProgress (and, if wantStream, the stream drained).
+  void waitFor(const char* name, Clock::time_point deadline, std::chrono::milliseconds timeout,
+               bool wantStream);
+  [[noreturn]] void failAndThrow(std::exception_ptr error);
+
+  ncclComm_t comm_ = nullptr;
+  bool ncclAborted_ = false;  // Operation thread (and destructor) only.
+  cudaStream_t stream_ = nullptr;
+  int device_ = 0;
+  std::atomic<bool> abortRequested_{false};
+
+  mutable std::mutex mu_;
+  // Guarded by mu_.
+  std::exception_ptr failure_;
+  std::unique_ptr<Communicator> sentinel_;  // Null once failed.
+};
+
+std::string NcclCommunicator::describe() const {
+  std::ostringstream os;
+  os << "communicator '" << options_.name << "' (nccl, epoch " << epoch() << ", worker "
+     << self() << ", rank " << rank_ << "/" << size() << ", cuda:" << device_ << ")";
+  return os.str();
+}
+
+void NcclCommunicator::checkCuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    SINEW_THROW(IoError, describe(), ": ", what, ": ", cudaGetErrorString(e));
+  }
+}
+
+NcclCommunicator::NcclCommunicator(const std::shared_ptr<Store>& store,
+                                   const CommunicatorOptions& options)
+    : Communicator(options) {
+  auto deadline = Clock::now() + options_.initTimeout;
+  if (options_.device >= 0) {
+    device_ = options_.device;
+  } else {
+    checkCuda(cudaGetDevice(&device_), "cudaGetDevice");
+  }
+  checkCuda(cudaSetDevice(device_), "cudaSetDevice");
+
+  CommunicatorOptions sentinelOptions = options_;
+  sentinelOptions.name = options_.name + "/sentinel";
+  sentinel_ = createGlooCommunicator(store, sentinelOptions);
+
+  auto prefixed = std::make_shared<PrefixStore>(
+      "sinew/comm/" + options_.name + "/epoch/" + std::to_string(epoch()) + "/nccl", store);
+  ncclUniqueId id;
+  if (rank_ == 0) {
+    ncclResult_t r = ncclGetUniqueId(&id);
+    if (r != ncclSuccess) {
+      SINEW_THROW(IoError, describe(), ": ncclGetUniqueId: ", ncclGetErrorString(r));
+    }
+    prefixed->set("unique_id", Bytes(reinterpret_cast<uint8_t*>(&id),
+                                     reinterpret_cast<uint8_t*>(&id) + sizeof(id)));
+  } else {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    Bytes b = prefixed->get("unique_id", std::max(left, std::chrono::milliseconds(1)));
+    SINEW_ENFORCE(b.size() == sizeof(id), describe(), ": NCCL unique id has ", b.size(),
+                  " bytes, expected ", sizeof(id));
+    std::memcpy(&id, b.data(), sizeof(id));
+  }
+
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclResult_t r = ncclCommInitRankConfig(&comm_, size(), id, rank_, &config);
+  if (r != ncclSuccess && r != ncclInProgress) {
+    SINEW_THROW(IoError, describe(), ": ncclCommInitRankConfig: ", ncclGetErrorString(r));
+  }
+  waitFor("init", deadline, options_.initTimeout, /*wantStream=*/false);
+  checkCuda(cudaStreamCreateWithFlags(&stream_, cudaStreamDefault), "cudaStreamCreate");
+}
+
+NcclCommunicator::~NcclCommunicator() {
+  if (comm_ != nullptr && !ncclAborted_) {
+    bool failed = error() != nullptr || abortRequested_.load();
+    if (failed) {
+      ncclCommAbort(comm_);
+    } else {
+      // A healthy communicator is finalized, bounded by a deadline.
+      cudaSetDevice(device_);
+      if (stream_) cudaStreamSynchronize(stream_);
+      ncclCommFinalize(comm_);
+      ncclResult_t state = ncclInProgress;
+      auto deadline = Clock::now() + std::chrono::seconds(5);
+      while (ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state == ncclInProgress &&
+             Clock::now() < deadline) {
+        std::this_thread::sleep_for(kPollInterval);
+      }
+      if (state == ncclSuccess) {
+        ncclCommDestroy(comm_);
+      } else {
+        ncclCommAbort(comm_);
+      }
+    }
+  }
+  if (stream_) cudaStreamDestroy(stream_);
+  std::unique_ptr<Communicator> sentinel;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    sentinel = std::move(sentinel_);
+  }
+}
+
+void NcclCommunicator::failAndThrow(std::exception_ptr error) {
+  std::unique_ptr<Communicator> sentinel;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failure_) failure_ = error;
+    error = failure_;
+    sentinel = std::move(sentinel_);
+  }
+  // Protocol step 3. Only the operation thread touches comm_, so no call can race this.
+  if (comm_ != nullptr && !ncclAborted_) {
+    ncclCommAbort(comm_);
+    ncclAborted_ = true;
+  }
+  if (sentinel) {
+    sentinel->abort();
+    sentinel.reset();  // Its goodbyes tell the other members.
+  }
+  std::rethrow_exception(error);
+}
+
+void NcclCommunicator::waitFor(const char* name, Clock::time_point deadline,
+                               std::chrono::milliseconds timeout, bool wantStream) {
+  for (;;) {
+    ncclResult_t state = ncclSuccess;
+    ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
+    if (r != ncclSuccess || (state != ncclSuccess && state != ncclInProgress)) {
+      std::ostringstream os;
+      os << describe() << ": " << name << ": NCCL error "
+         << ncclGetErrorString(r != ncclSuccess ? r : state);
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 13, 0)
+      const char* last = ncclGetLastError(comm_);
+      if (last && *last) os << " (" << last << ")";
+#endif
+      failAndThrow(std::make_exception_ptr(Aborted(os.str())));
+    }
+    bool done = state == ncclSuccess;
+    if (done && wantStream) {
+      cudaError_t q = cudaStreamQuery(stream_);
+      if (q == cudaErrorNotReady) {
+        done = false;
+      } else if (q != cudaSuccess) {
+        failAndThrow(std::make_exception_ptr(IoError(describe() + ": " + name +
+                                                     ": CUDA error " + cudaGetErrorString(q))));
+      }
+    }
+    if (done) return;
+    std::exception_ptr peerFailure;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (sentinel_) peerFailure = sentinel_->error();
+    }
+    if (peerFailure) failAndThrow(peerFailure);
+    if (abortRequested_.load()) {
+      failAndThrow(std::make_exception_ptr(Aborted(describe() + ": abort() was called")));
+    }
+    if (Clock::now() > deadline) {
+      std::ostringstream os;
+      os << describe() << ": " << name << " timed out after " << timeout.count() << " ms";
+      failAndThrow(std::make_exception_ptr(Timeout(os.str())));
+    }
+    std::this_thread::sleep_for(kPollInterval);
+  }
+}
+
+template <typename F>
+void NcclCommunicator::run(const char* name, std::chrono::milliseconds timeout, F&& enqueue) {
+  if (auto e = error()) failAndThrow(e);
+  auto deadline = Clock::now() + timeout;
+  checkCuda(cudaSetDevice(device_), "cudaSetDevice");
+  ncclResult_t r = enqueue();
+  if (r != ncclSuccess && r != ncclInProgress) {
+    failAndThrow(std::make_exception_ptr(
+        Aborted(describe() + ": " + name + ": " + ncclGetErrorString(r))));
+  }
+  waitFor(name, deadline, timeout, /*wantStream=*/true);
+}
+
+void NcclCommunicator::validate(const at::Tensor& t, const char* op) const {
+  if (!t.defined() || !t.is_cuda()) {
+    SINEW_THROW(InvalidArgument, describe(), ": ", op, ": the nccl backend takes CUDA tensors");
+  }
+  if (t.device().index() != device_) {
+    SINEW_THROW(InvalidArgument, describe(), ": ", op, ": tensor on ", t.device().str(),
+                ", communicator on cuda:", device_);
+  }
+  if (!t.is_contiguous()) {
+    SINEW_THROW(InvalidArgument, describe(), ": ", op, ": tensor must be contiguous");
+  }
+  ncclType(t);
+}
+
+void NcclCommunicator::allreduce(at::Tensor& t, ReduceOp op, std::chrono::milliseconds timeout) {
+  validate(t, "allreduce");
+  timeout = resolveTimeout(timeout);
+  bool intAvg = op == ReduceOp::kAvg && t.scalar_type() == at::kLong;
+  ncclRedOp_t red = ncclSum;
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 10, 0)
+  if (op == ReduceOp::kAvg && !intAvg) red = ncclAvg;
+  bool divideAfter = intAvg;
+#else
+  bool divideAfter = op == ReduceOp::kAvg;
+#endif
+  run("allreduce", timeout, [&] {
+    return ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), ncclType(t), red, comm_,
+                         stream_);
+  });
+  if (divideAfter && size() > 1) {
+    if (intAvg) {
+      t.div_(size(), "trunc");
+    } else {
+      t.div_(size());
+    }
+  }
+}
+
+void NcclCommunicator::broadcast(at::Tensor& t, int root, std::chrono::milliseconds timeout) {
+  validate(t, "broadcast");
+  SINEW_ENFORCE(root >= 0 && root < size(), describe(), ": broadcast root ", root,
+                " out of range");
+  run("broadcast", resolveTimeout(timeout), [&] {
+    return ncclBroadcast(t.data_ptr(), t.data_ptr(), t.numel(), ncclType(t), root, comm_,
+                         stream_);
+  });
+}
+
+void NcclCommunicator::allgather(at::Tensor& output, const at::Tensor& input,
+                                 std::chrono::milliseconds timeout) {
+  validate(input, "allgather");
+  validate(output, "allgather");
+  SINEW_ENFORCE(output.scalar_type() == input.scalar_type() &&
+                    output.numel() == input.numel() * size(),
+                describe(), ": allgather output must hold ", input.numel() * size(), " ",
+                dtypeName(input), " elements");
+  run("allgather", resolveTimeout(timeout), [&] {
+    return ncclAllGather(input.data_ptr(), output.data_ptr(), input.numel(), ncclType(input),
+                         comm_, stream_);
+  });
+}
+
+// NCCL has no tags: messages between two ranks arrive in the order they were sent.
+void NcclCommunicator::send(const at::Tensor& t, int dst, uint32_t tag,
+                            std::chrono::milliseconds timeout) {
+  validate(t, "send");
+  SINEW_ENFORCE(dst >= 0 && dst < size() && dst != rank_, describe(), ": send to rank ", dst,
+                " is not another member");
+  run("send", resolveTimeout(timeout), [&] {
+    return ncclSend(t.data_ptr(), t.numel(), ncclType(t), dst, comm_, stream_);
+  });
+}
+
+void NcclCommunicator::recv(at::Tensor& t, int src, uint32_t tag,
+                            std::chrono::milliseconds timeout) {
+  validate(t, "recv");
+  SINEW_ENFORCE(src >= 0 && src < size() && src != rank_, describe(), ": recv from rank ", src,
+                " is not another member");
+  run("recv", resolveTimeout(timeout), [&] {
+    return ncclRecv(t.data_ptr(), t.numel(), ncclType(t), src, comm_, stream_);
+  });
+}
+
+void NcclCommunicator::barrier(std::chrono::milliseconds timeout) {
+  at::Tensor one = at::ones({1}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, device_));
+  allreduce(one, ReduceOp::kSum, timeout);
+}
+
+// The operation thread, which polls the flag every kPollInterval, aborts NCCL itself, so
+// ncclCommAbort never races a call on the same communicator.
+void NcclCommunicator::abort() {
+  abortRequested_.store(true);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!failure_) failure_ = std::make_exception_ptr(Aborted(describe() + ": abort() was called"));
+}
+
+std::exception_ptr NcclCommunicator::error() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (failure_) return failure_;
+  return sentinel_ ? sentinel_->error() : nullptr;
+}
+
+}  // namespace
+
+std::unique_ptr<Communicator> createNcclCommunicator(const std::shared_ptr<Store>& store,
+                                                     const CommunicatorOptions& options) {
+  return std::make_unique<NcclCommunicator>(store, options);
+}
+
+}  // namespace collectives
+}  // namespace sinew

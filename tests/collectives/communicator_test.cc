@@ -1,0 +1,443 @@
+// Communicator tests with forked processes: results for every op, dtype and size across
+// world sizes 1-8, and failures of real processes (SIGKILL, SIGSTOP, abort()) with
+// rebuilds under the next epoch.
+
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <atomic>
+#include <iostream>
+#include <thread>
+
+#include "multiproc.h"
+#include "sinew/collectives/communicator.h"
+#include "sinew/collectives/tcp_store.h"
+
+namespace sinew {
+namespace collectives {
+namespace {
+
+using testing::monotonicMicros;
+using testing::ProcessGroup;
+using namespace std::chrono_literals;
+
+// Worker ids deliberately differ from ranks, so errors that name workers are checked.
+constexpr int kWorkerBase = 10;
+
+std::vector<int> workerIds(int world) {
+  std::vector<int> ids;
+  for (int r = 0; r < world; ++r) ids.push_back(kWorkerBase + r);
+  return ids;
+}
+
+CommunicatorOptions options(std::vector<int> members, int self, int64_t epoch,
+                            std::chrono::milliseconds timeout = 60s) {
+  CommunicatorOptions o;
+  o.members = std::move(members);
+  o.self = self;
+  o.epoch = epoch;
+  o.timeout = timeout;
+  o.initTimeout = 60s;
+  return o;
+}
+
+std::shared_ptr<Store> connect(uint16_t port) {
+  return std::make_shared<TcpStore>("127.0.0.1", port, TcpStoreOptions());
+}
+
+// Counts and prints mismatches inside a child process.
+struct ChildChecker {
+  int rank;
+  int failures = 0;
+  void expect(bool ok, const std::string& what) {
+    if (!ok) {
+      failures++;
+      std::cerr << "rank " << rank << ": FAILED: " << what << std::endl;
+    }
+  }
+};
+
+at::Tensor pattern(int64_t n, int64_t modulus, double offset, at::ScalarType type) {
+  return (at::arange(n, at::kDouble).remainder(modulus) + offset).to(type);
+}
+
+// Runs every operation for every dtype and a range of sizes; returns the failure count.
+int checkAllOps(Communicator& comm, ChildChecker& c, bool huge) {
+  const int P = comm.size();
+  const int r = comm.rank();
+  const std::vector<at::ScalarType> types = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16,
+                                             at::kLong};
+  const std::vector<int64_t> sizes = {1, 2, 7, 1000, 262147};
+  for (auto type : types) {
+    for (int64_t n : sizes) {
+      std::string tag = std::string(c10::toString(type)) + " n=" + std::to_string(n) +
+                        " P=" + std::to_string(P);
+      // Values are small integers, exact in every dtype (bfloat16 holds integers to 256).
+      at::Tensor t = pattern(n, 17, r, type);
+      comm.allreduce(t, ReduceOp::kSum);
+      at::Tensor want = (pattern(n, 17, 0, at::kDouble) * P + P * (P - 1) / 2.0).to(type);
+      c.expect(at::equal(t, want), "allreduce sum " + tag);
+
+      t = pattern(n, 17, r, type);
+      comm.allreduce(t, ReduceOp::kAvg);
+      at::Tensor avg = pattern(n, 17, 0, at::kDouble) + (P - 1) / 2.0;
+      want = type == at::kLong ? avg.floor().to(type) : avg.to(type);
+      c.expect(at::equal(t, want), "allreduce avg " + tag);
+
+      int root = static_cast<int>(n % P);
+      at::Tensor src = pattern(n, 251, 3 * root, type == at::kLong ? at::kLong : at::kDouble)
+                           .remainder(200)
+                           .to(type);
+      t = r == root ? src.clone() : at::zeros({n}, type);
+      comm.broadcast(t, root);
+      c.expect(at::equal(t, src), "broadcast root=" + std::to_string(root) + " " + tag);
+
+      at::Tensor out = at::empty({P * n}, type);
+      comm.allgather(out, pattern(n, 13, 3 * r, type));
+      for (int q = 0; q < P; ++q) {
+        c.expect(at::equal(out.narrow(0, q * n, n), pattern(n, 13, 3 * q, type)),
+                 "allgather block " + std::to_string(q) + " " + tag);
+      }
+
+      if (P > 1) {
+        // A ring of sends; even ranks send first so no two members block on each other.
+        at::Tensor mine = pattern(n, 29, r, type);
+        at::Tensor got = at::zeros({n}, type);
+        int right = (r + 1) % P, left = (r + P - 1) % P;
+        uint32_t msgTag = 7 + static_cast<uint32_t>(n % 5);
+        if (r % 2 == 0) {
+          comm.send(mine, right, msgTag);
+          comm.recv(got, left, msgTag);
+        } else {
+          comm.recv(got, left, msgTag);
+          comm.send(mine, right, msgTag);
+        }
+        c.expect(at::equal(got, pattern(n, 29, left, type)), "send/recv " + tag);
+      }
+    }
+  }
+  comm.barrier();
+  if (huge) {
+    // 64 MiB of float32.
+    const int64_t n = 16 * 1024 * 1024;
+    at::Tensor t = pattern(n, 17, r, at::kFloat);
+    comm.allreduce(t, ReduceOp::kSum);
+    c.expect(at::equal(t, (pattern(n, 17, 0, at::kDouble) * P + P * (P - 1) / 2.0).to(at::kFloat)),
+             "allreduce 64 MiB");
+    at::Tensor b = r == 0 ? pattern(n, 101, 1, at::kFloat) : at::zeros({n}, at::kFloat);
+    comm.broadcast(b, 0);
+    c.expect(at::equal(b, pattern(n, 101, 1, at::kFloat)), "broadcast 64 MiB");
+    const int64_t part = n / P;
+    at::Tensor out = at::empty({part * P}, at::kFloat);
+    comm.allgather(out, pattern(part, 13, r, at::kFloat));
+    for (int q = 0; q < P; ++q) {
+      c.expect(at::equal(out.narrow(0, q * part, part), pattern(part, 13, q, at::kFloat)),
+               "allgather 64 MiB block " + std::to_string(q));
+    }
+  }
+  return c.failures;
+}
+
+class CommunicatorWorldTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(CommunicatorWorldTest, EveryOpDtypeAndSize) {
+  const int world = GetParam();
+  TcpStoreServer server{TcpStoreServerOptions()};
+  ProcessGroup group;
+  for (int r = 0; r < world; ++r) {
+    group.spawn([&, r] {
+      at::set_num_threads(1);
+      auto store = connect(server.port());
+      auto comm = createGlooCommunicator(store, options(workerIds(world), kWorkerBase + r, 0));
+      ChildChecker c{r};
+      if (comm->rank() != r || comm->size() != world || comm->workerOf(r) != kWorkerBase + r) {
+        return 3;
+      }
+      return checkAllOps(*comm, c, /*huge=*/true) == 0 ? 0 : 1;
+    });
+  }
+  auto exits = group.waitAll(240s);
+  for (int r = 0; r < world; ++r) {
+    EXPECT_TRUE(exits[r].exited && exits[r].code == 0) << "rank " << r << " " << exits[r].str();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, CommunicatorWorldTest, ::testing::Range(1, 9),
+                         [](const auto& info) { return "world" + std::to_string(info.param); });
+
+// Members that never show up are named in the Timeout.
+TEST(CommunicatorTest, InitTimeoutNamesMissingMember) {
+  TcpStoreServer server{TcpStoreServerOptions()};
+  ProcessGroup group;
+  for (int r = 0; r < 2; ++r) {
+    group.spawn([&, r] {
+      auto store = connect(server.port());
+      auto o = options(workerIds(3), kWorkerBase + r, 0);
+      o.initTimeout = 800ms;
+      auto start = std::chrono::steady_clock::now();
+      try {
+        createGlooCommunicator(store, o);
+      } catch (const Timeout& e) {
+        auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                      std::chrono::steady_clock::now() - start)
+                      .count();
+        std::string what = e.what();
+        bool named = what.find("workers 12") != std::string::npos;
+        if (!named) std::cerr << "message does not name worker 12: " << what << std::endl;
+        return named && ms >= 800 && ms < 2000 ? 0 : 1;
+      }
+      return 2;
+    });
+  }
+  auto exits = group.waitAll(30s);
+  for (auto& e : exits) EXPECT_TRUE(e.exited && e.code == 0) << e.str();
+}
+
+TEST(CommunicatorTest, RejectsBadArguments) {
+  auto store = std::make_shared<TcpStoreServer>(TcpStoreServerOptions());
+  auto client = connect(store->port());
+  EXPECT_THROW(createGlooCommunicator(client, options({1, 2, 1}, 1, 0)), InvalidArgument);
+  EXPECT_THROW(createGlooCommunicator(client, options({1, 2}, 5, 0)), InvalidArgument);
+  ProcessGroup group;
+  group.spawn([&] {
+    auto comm = createGlooCommunicator(connect(store->port()), options({4}, 4, 0));
+    at::Tensor ints = at::ones({4}, at::kInt);
+    try {
+      comm->allreduce(ints);
+      return 1;
+    } catch (const InvalidArgument& e) {
+      if (std::string(e.what()).find("int32") == std::string::npos) return 2;
+    }
+    at::Tensor strided = at::ones({4, 4}).t();
+    try {
+      comm->allreduce(strided);
+      return 3;
+    } catch (const InvalidArgument&) {
+    }
+    // Bad arguments do not kill the communicator.
+    at::Tensor ok = at::ones({4});
+    comm->allreduce(ok);
+    return comm->error() == nullptr ? 0 : 4;
+  });
+  auto exits = group.waitAll(30s);
+  EXPECT_TRUE(exits[0].exited && exits[0].code == 0) << exits[0].str();
+}
+
+// SIGKILL one member of four during 16 MiB allreduces: every survivor gets PeerLost naming
+// it within 1 s, then the survivors build epoch 1 without it and allreduce correctly.
+TEST(CommunicatorFailureTest, SigkillDuringAllreduce) {
+  constexpr int kWorld = 4;
+  constexpr int kVictim = 2;
+  TcpStoreServer server{TcpStoreServerOptions()};
+  ProcessGroup group;
+  for (int r = 0; r < kWorld; ++r) {
+    group.spawn([&, r] {
+      at::set_num_threads(1);
+      auto store = connect(server.port());
+      auto comm = createGlooCommunicator(store, options(workerIds(kWorld), kWorkerBase + r, 0));
+      at::Tensor t = at::empty({4 * 1024 * 1024}, at::kFloat);  // 16 MiB
+      for (int iter = 0;; ++iter) {
+        t.fill_(r + 1);
+        try {
+          comm->allreduce(t);
+        } catch (const PeerLost& e) {
+          int64_t now = monotonicMicros();
+          store->set("caught/" + std::to_string(r),
+                     toBytes(std::to_string(now) + " " + std::to_string(e.worker())));
+          break;
+        } catch (const Error& e) {
+          std::cerr << "rank " << r << ": unexpected " << e.what() << std::endl;
+          return 2;
+        }
+        if (t[0].item<float>() != 10.0f) return 3;
+        if (iter == 1) store->set("ready/" + std::to_string(r), toBytes("1"));
+      }
+      // Survivors rebuild without the victim under epoch 1.
+      std::vector<int> survivors;
+      for (int q = 0; q < kWorld; ++q) {
+        if (q != kVictim) survivors.push_back(kWorkerBase + q);
+      }
+      auto next = createGlooCommunicator(store, options(survivors, kWorkerBase + r, 1));
+      at::Tensor u = at::full({1 << 20}, r + 1, at::kFloat);
+      next->allreduce(u);
+      float want = 1 + 2 + 4;  // Ranks 0, 1, 3 contribute r + 1.
+      if (!at::equal(u, at::full({1 << 20}, want, at::kFloat))) return 4;
+      return 0;
+    });
+  }
+  auto store = connect(server.port());
+  std::vector<std::string> ready;
+  for (int r = 0; r < kWorld; ++r) ready.push_back("ready/" + std::to_string(r));
+  store->wait(ready, 60s);
+  int64_t killedAt = monotonicMicros();
+  group.signal(kVictim, SIGKILL);
+  auto exits = group.waitAll(60s);
+  EXPECT_TRUE(exits[kVictim].signaled && exits[kVictim].signal == SIGKILL);
+  for (int r = 0; r < kWorld; ++r) {
+    if (r == kVictim) continue;
+    EXPECT_TRUE(exits[r].exited && exits[r].code == 0) << "rank " << r << " " << exits[r].str();
+    auto caught = toString(store->get("caught/" + std::to_string(r), 1s));
+    int64_t at = std::stoll(caught.substr(0, caught.find(' ')));
+    int worker = std::stoi(caught.substr(caught.find(' ') + 1));
+    EXPECT_EQ(worker, kWorkerBase + kVictim) << "rank " << r;
+    EXPECT_LT(at - killedAt, 1000000) << "rank " << r << " noticed after " << (at - killedAt)
+                                      << " us";
+  }
+}
+
+// SIGSTOP one member: survivors get Timeout at their deadline (+-200 ms), then rebuild.
+TEST(CommunicatorFailureTest, SigstopGivesTimeoutAtDeadline) {
+  constexpr int kWorld = 4;
+  constexpr int kVictim = 1;
+  constexpr auto kOpTimeout = 1500ms;
+  TcpStoreServer server{TcpStoreServerOptions()};
+  ProcessGroup group;
+  for (int r = 0; r < kWorld; ++r) {
+    group.spawn([&, r] {
+      at::set_num_threads(1);
+      auto store = connect(server.port());
+      auto comm = createGlooCommunicator(
+          store, options(workerIds(kWorld), kWorkerBase + r, 0, kOpTimeout));
+      at::Tensor t = at::empty({1024 * 1024}, at::kFloat);
+      for (int iter = 0;; ++iter) {
+        t.fill_(1);
+        auto start = std::chrono::steady_clock::now();
+        try {
+          comm->allreduce(t);
+        } catch (const Timeout& e) {
+          auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                        std::chrono::steady_clock::now() - start)
+                        .count();
+          store->set("elapsed/" + std::to_string(r), toBytes(std::to_string(ms)));
+          break;
+        } catch (const Error& e) {
+          std::cerr << "rank " << r << ": unexpected " << e.what() << std::endl;
+          return 2;
+        }
+        if (iter == 1) store->set("ready/" + std::to_string(r), toBytes("1"));
+      }
+      std::vector<int> survivors;
+      for (int q = 0; q < kWorld; ++q) {
+        if (q != kVictim) survivors.push_back(kWorkerBase + q);
+      }
+      auto next = createGlooCommunicator(store, options(survivors, kWorkerBase + r, 1));
+      at::Tensor u = at::full({1000}, 2.0, at::kFloat);
+      next->allreduce(u, ReduceOp::kAvg);
+      store->set("done/" + std::to_string(r), toBytes("1"));
+      return at::equal(u, at::full({1000}, 2.0, at::kFloat)) ? 0 : 4;
+    });
+  }
+  auto store = connect(server.port());
+  std::vector<std::string> ready, done;
+  for (int r = 0; r < kWorld; ++r) {
+    ready.push_back("ready/" + std::to_string(r));
+    if (r != kVictim) done.push_back("done/" + std::to_string(r));
+  }
+  store->wait(ready, 60s);
+  group.signal(kVictim, SIGSTOP);
+  store->wait(done, 30s);
+  group.signal(kVictim, SIGKILL);
+  group.signal(kVictim, SIGCONT);
+  auto exits = group.waitAll(30s);
+  for (int r = 0; r < kWorld; ++r) {
+    if (r == kVictim) continue;
+    EXPECT_TRUE(exits[r].exited && exits[r].code == 0) << "rank " << r << " " << exits[r].str();
+    int ms = std::stoi(toString(store->get("elapsed/" + std::to_string(r), 1s)));
+    EXPECT_GE(ms, 1500 - 200) << "rank " << r;
+    EXPECT_LE(ms, 1500 + 200) << "rank " << r;
+  }
+}
+
+// abort() from another thread ends a blocked recv with Aborted within 100 ms, and the
+// peer learns that this worker aborted.
+TEST(CommunicatorFailureTest, AbortFromAnotherThreadUnblocks) {
+  TcpStoreServer server{TcpStoreServerOptions()};
+  ProcessGroup group;
+  for (int r = 0; r < 2; ++r) {
+    group.spawn([&, r] {
+      at::set_num_threads(1);
+      auto store = connect(server.port());
+      auto comm = createGlooCommunicator(store, options(workerIds(2), kWorkerBase + r, 0));
+      if (r == 0) {
+        std::atomic<int64_t> abortedAt{0};
+        std::thread aborter([&] {
+          std::this_thread::sleep_for(300ms);  // Let recv block first.
+          abortedAt = monotonicMicros();
+          comm->abort();
+        });
+        at::Tensor t = at::zeros({16});
+        int rc = 1;
+        try {
+          comm->recv(t, 1, 3);  // Rank 1 never sends.
+        } catch (const Aborted&) {
+          int64_t latency = monotonicMicros() - abortedAt.load();
+          std::cerr << "abort latency " << latency << " us" << std::endl;
+          rc = latency < 100000 ? 0 : 5;
+        }
+        aborter.join();
+        return rc;
+      }
+      // Rank 1 is idle; its communicator notices the abort as an error.
+      auto deadline = std::chrono::steady_clock::now() + 10s;
+      while (!comm->error() && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(1ms);
+      }
+      try {
+        if (comm->error()) std::rethrow_exception(comm->error());
+        return 6;
+      } catch (const Aborted& e) {
+        return std::string(e.what()).find("worker 10 aborted") != std::string::npos ? 0 : 7;
+      } catch (...) {
+        return 8;
+      }
+    });
+  }
+  auto exits = group.waitAll(30s);
+  for (auto& e : exits) EXPECT_TRUE(e.exited && e.code == 0) << e.str();
+}
+
+// Ten failures and rebuilds in a row: each epoch one member aborts mid-job; everyone
+// gets Aborted naming it and builds the next epoch, whose allreduce is correct.
+TEST(CommunicatorFailureTest, TenRebuildsInARow) {
+  constexpr int kWorld = 4;
+  TcpStoreServer server{TcpStoreServerOptions()};
+  ProcessGroup group;
+  for (int r = 0; r < kWorld; ++r) {
+    group.spawn([&, r] {
+      at::set_num_threads(1);
+      auto store = connect(server.port());
+      for (int epoch = 0; epoch <= 10; ++epoch) {
+        auto comm =
+            createGlooCommunicator(store, options(workerIds(kWorld), kWorkerBase + r, epoch));
+        at::Tensor t = at::full({100000}, double(r + epoch), at::kDouble);
+        comm->allreduce(t);
+        double want = 0 + 1 + 2 + 3 + kWorld * epoch;
+        if (!at::equal(t, at::full({100000}, want, at::kDouble))) return 10 + epoch;
+        if (epoch == 10) break;
+        int culprit = epoch % kWorld;
+        if (r == culprit) comm->abort();
+        try {
+          at::Tensor big = at::ones({1 << 20});
+          comm->allreduce(big, ReduceOp::kSum, 10s);
+          return 30 + epoch;  // The epoch had to fail.
+        } catch (const Aborted& e) {
+          std::string want = "worker " + std::to_string(kWorkerBase + culprit) + " abort";
+          if (r != culprit && std::string(e.what()).find(want) == std::string::npos) {
+            std::cerr << "rank " << r << ": " << e.what() << std::endl;
+            return 50 + epoch;
+          }
+        }
+      }
+      return 0;
+    });
+  }
+  auto exits = group.waitAll(120s);
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_TRUE(exits[r].exited && exits[r].code == 0) << "rank " << r << " " << exits[r].str();
+  }
+}
+
+}  // namespace
+}  // namespace collectives
+}  // namespace sinew
