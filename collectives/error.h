@@ -78,12 +78,12 @@ template <typename E, typename... Args>
 
 // Checks an invariant; on failure throws sinew::InvalidArgument whose message is the
 // failed condition, the streamed arguments and the file and line (Gloo's GLOO_ENFORCE).
-#define SINEW_ENFORCE(cond, ...)                                                  \
-  do {                                                                            \
-    if (!(cond)) {                                                                \
-      ::sinew::detail::throwWithLocation<::sinew::InvalidArgument>(               \
-          __FILE__, __LINE__, "check failed: " #cond ". ", ##__VA_ARGS__);        \
-    }                                                                             \
+#define SINEW_ENFORCE(cond, ...)                                           \
+  do {                                                                     \
+    if (!(cond)) {                                                         \
+      ::sinew::detail::throwWithLocation<::sinew::InvalidArgument>(        \
+          __FILE__, __LINE__, "check failed: " #cond ". ", ##__VA_ARGS__); \
+    }                                                                      \
   } while (0)
 
 // Throws the given sinew error type with a streamed message plus file and line.

@@ -25,8 +25,7 @@ int64_t PrefixStore::add(const std::string& key, int64_t delta) {
   return store_->add(join(key), delta);
 }
 
-Bytes PrefixStore::compareSet(const std::string& key, const Bytes& expected,
-                              const Bytes& desired) {
+Bytes PrefixStore::compareSet(const std::string& key, const Bytes& expected, const Bytes& desired) {
   return store_->compareSet(join(key), expected, desired);
 }
 

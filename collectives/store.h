@@ -47,8 +47,7 @@ class Store {
   // Atomically: if key's value equals expected (an absent key equals an empty
   // `expected`), sets it to desired. Returns the value the key holds afterwards (desired
   // on success, the current value otherwise; empty if absent and not set).
-  virtual Bytes compareSet(const std::string& key, const Bytes& expected,
-                           const Bytes& desired) = 0;
+  virtual Bytes compareSet(const std::string& key, const Bytes& expected, const Bytes& desired) = 0;
 
   // Waits until every key is set. Throws Timeout naming the missing keys.
   virtual void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) = 0;

@@ -10,6 +10,7 @@
 // Usage: collectives_demo [--workers N] [--steps S] [--kill-worker W] [--kill-step K]
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <signal.h>
 #include <sys/wait.h>
@@ -101,18 +102,18 @@ int runWorker(const Args& a, int self, uint16_t port) {
     try {
       comm->allreduce(g, ReduceOp::kAvg);
     } catch (const PeerLost& e) {
-      double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
-                                                             start)
-                      .count();
+      double ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+              .count();
       members.erase(std::remove(members.begin(), members.end(), e.worker()), members.end());
       o.members = members;
       o.epoch = ++epoch;
       comm.reset();
       auto rebuildStart = std::chrono::steady_clock::now();
       comm = createGlooCommunicator(store, o);
-      double rebuildMs = std::chrono::duration<double, std::milli>(
-                             std::chrono::steady_clock::now() - rebuildStart)
-                             .count();
+      double rebuildMs =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - rebuildStart)
+              .count();
       std::printf(
           "[worker %d] step %d: lost worker %d (noticed in %.1f ms); epoch %lld with %zu "
           "workers built in %.1f ms; redoing the step\n",
@@ -145,8 +146,8 @@ int runWorker(const Args& a, int self, uint16_t port) {
 int main(int argc, char** argv) {
   Args a = parse(argc, argv);
   TcpStoreServer server{TcpStoreServerOptions()};
-  std::printf("collectives_demo: %d workers, %d steps, worker %d is killed at step %d\n",
-              a.workers, a.steps, a.killWorker, a.killStep);
+  std::printf("collectives_demo: %d workers, %d steps, worker %d is killed at step %d\n", a.workers,
+              a.steps, a.killWorker, a.killStep);
   std::fflush(stdout);
   std::vector<pid_t> pids;
   for (int w = 0; w < a.workers; ++w) {

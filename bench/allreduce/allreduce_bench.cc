@@ -12,11 +12,13 @@
 #include <mpi.h>
 
 #include <gloo/allreduce.h>
+#include <gloo/math.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/file_store.h>
 #include <gloo/transport/tcp/device.h>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <unistd.h>
 
@@ -127,8 +129,7 @@ int runWorker(const std::string& variant, int argc, char** argv) {
       ms = timeMedianMs(
           s.iterations,
           [&] {
-            MPI_Allreduce(MPI_IN_PLACE, t.data_ptr<float>(), n, MPI_FLOAT, MPI_SUM,
-                          MPI_COMM_WORLD);
+            MPI_Allreduce(MPI_IN_PLACE, t.data_ptr<float>(), n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
           },
           mpiBarrier);
     }
@@ -164,7 +165,8 @@ int runWorker(const std::string& variant, int argc, char** argv) {
   server.reset();
   if (rank == 0 && !glooDir.empty()) {
     std::string cmd = "rm -rf '" + glooDir + "'";
-    if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "could not remove %s\n", glooDir.c_str());
+    if (std::system(cmd.c_str()) != 0)
+      std::fprintf(stderr, "could not remove %s\n", glooDir.c_str());
   }
   MPI_Finalize();
   return 0;

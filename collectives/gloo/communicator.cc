@@ -139,8 +139,7 @@ void reduceSum(at::ScalarType type, void* dst, const void* src, size_t n) {
     case at::kLong:
       return addInto(static_cast<int64_t*>(dst), static_cast<const int64_t*>(src), n);
     case at::kHalf:
-      return addIntoViaFloat(static_cast<c10::Half*>(dst), static_cast<const c10::Half*>(src),
-                             n);
+      return addIntoViaFloat(static_cast<c10::Half*>(dst), static_cast<const c10::Half*>(src), n);
     case at::kBFloat16:
       return addIntoViaFloat(static_cast<c10::BFloat16*>(dst),
                              static_cast<const c10::BFloat16*>(src), n);
@@ -164,8 +163,7 @@ class GlooCommunicator final : public Communicator {
   void broadcast(at::Tensor& t, int root, std::chrono::milliseconds timeout) override;
   void allgather(at::Tensor& output, const at::Tensor& input,
                  std::chrono::milliseconds timeout) override;
-  void send(const at::Tensor& t, int dst, uint32_t tag,
-            std::chrono::milliseconds timeout) override;
+  void send(const at::Tensor& t, int dst, uint32_t tag, std::chrono::milliseconds timeout) override;
   void recv(at::Tensor& t, int src, uint32_t tag, std::chrono::milliseconds timeout) override;
   void barrier(std::chrono::milliseconds timeout) override;
   void abort() override;
@@ -218,8 +216,8 @@ class GlooCommunicator final : public Communicator {
   void validate(const at::Tensor& t, const char* op, bool needReduce) const;
 
   void ringReduceScatter(UnboundBuffer* sendBuf, UnboundBuffer* scratchBuf, char* data,
-                         char* scratch, const Segmenter& seg, size_t esize,
-                         at::ScalarType type, uint64_t slot);
+                         char* scratch, const Segmenter& seg, size_t esize, at::ScalarType type,
+                         uint64_t slot);
   void ringAllgather(UnboundBuffer* sendBuf, UnboundBuffer* recvBuf, const Segmenter& seg,
                      size_t esize, int shift, uint64_t slot);
   // Throws the recorded failure, if any; every operation starts with it.
@@ -240,8 +238,8 @@ class GlooCommunicator final : public Communicator {
   std::vector<std::unique_ptr<UnboundBuffer>> controlBufs_;
   std::vector<std::thread> watchers_;
   std::thread timer_;
-  uint64_t collectiveSeq_ = 0;        // Operation thread only.
-  std::atomic<int> waitingOn_{-1};    // Rank the operation thread waits for, or -1.
+  uint64_t collectiveSeq_ = 0;      // Operation thread only.
+  std::atomic<int> waitingOn_{-1};  // Rank the operation thread waits for, or -1.
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
@@ -269,8 +267,8 @@ GlooCommunicator::GlooCommunicator(const std::shared_ptr<Store>& store,
 
 std::string GlooCommunicator::describe() const {
   std::ostringstream os;
-  os << "communicator '" << options_.name << "' (gloo, epoch " << epoch() << ", worker "
-     << self() << ", rank " << rank_ << "/" << size() << ")";
+  os << "communicator '" << options_.name << "' (gloo, epoch " << epoch() << ", worker " << self()
+     << ", rank " << rank_ << "/" << size() << ")";
   return os.str();
 }
 
@@ -290,8 +288,8 @@ void GlooCommunicator::connect(const std::shared_ptr<Store>& store) {
     for (int r = 0; r < size(); ++r) {
       if (!prefixed->check({keys[r]})) missing << " " << workerOf(r);
     }
-    SINEW_THROW(Timeout, describe(), ": members did not join within ",
-                options_.initTimeout.count(), " ms: workers", missing.str());
+    SINEW_THROW(Timeout, describe(), ": members did not join within ", options_.initTimeout.count(),
+                " ms: workers", missing.str());
   }
 
   // 2. Full mesh of TCP pairs through Gloo's rendezvous.
@@ -359,8 +357,7 @@ void GlooCommunicator::watch(int peer) {
     std::ostringstream os;
     os << describe() << ": lost worker " << worker << " (rank " << peer
        << "): its connection broke without a goodbye (" << v.detail << ")";
-    failLocked(std::make_exception_ptr(PeerLost(worker, os.str())), GoodbyeKind::kPeerLost,
-               worker);
+    failLocked(std::make_exception_ptr(PeerLost(worker, os.str())), GoodbyeKind::kPeerLost, worker);
     return;
   }
   auto kind = static_cast<GoodbyeKind>(v.goodbye.kind);
@@ -394,15 +391,15 @@ void GlooCommunicator::timerLoop() {
     }
     uint64_t generation = opGeneration_;
     auto deadline = *deadline_;
-    bool changed = cv_.wait_until(lock, deadline, [&] {
-      return stopping_ || opGeneration_ != generation || !deadline_;
-    });
+    bool changed = cv_.wait_until(
+        lock, deadline, [&] { return stopping_ || opGeneration_ != generation || !deadline_; });
     if (changed) continue;
     std::ostringstream os;
     int waiting = waitingOn_.load();
     os << describe() << ": " << (activeOp_ ? activeOp_ : "operation") << " timed out after "
        << activeTimeout_.count() << " ms";
-    if (waiting >= 0) os << " waiting for worker " << workerOf(waiting) << " (rank " << waiting << ")";
+    if (waiting >= 0)
+      os << " waiting for worker " << workerOf(waiting) << " (rank " << waiting << ")";
     failLocked(std::make_exception_ptr(Timeout(os.str())), GoodbyeKind::kTimeout, self());
     deadline_.reset();
   }
@@ -426,8 +423,8 @@ void GlooCommunicator::fail(std::exception_ptr error, GoodbyeKind kind, int work
 }
 
 void GlooCommunicator::abort() {
-  fail(std::make_exception_ptr(Aborted(describe() + ": abort() was called")),
-       GoodbyeKind::kAborted, self());
+  fail(std::make_exception_ptr(Aborted(describe() + ": abort() was called")), GoodbyeKind::kAborted,
+       self());
 }
 
 std::exception_ptr GlooCommunicator::error() const {
@@ -448,8 +445,7 @@ void GlooCommunicator::throwFailure() {
 void GlooCommunicator::onPairError(int peer, const std::string& what) {
   std::unique_lock<std::mutex> lock(mu_);
   // The peer's watcher sees the same broken connection, after any Goodbye it delivered.
-  cv_.wait_for(lock, kVerdictWait,
-               [&] { return verdicts_[peer].kind != VerdictKind::kNone; });
+  cv_.wait_for(lock, kVerdictWait, [&] { return verdicts_[peer].kind != VerdictKind::kNone; });
   const Verdict& v = verdicts_[peer];
   int worker = workerOf(peer);
   std::ostringstream os;
@@ -461,8 +457,7 @@ void GlooCommunicator::onPairError(int peer, const std::string& what) {
     failLocked(std::make_exception_ptr(Aborted(os.str())), GoodbyeKind::kAborted, worker);
   } else if (v.kind != VerdictKind::kGoodbye) {
     os << "lost worker " << worker << " (rank " << peer << "): " << what;
-    failLocked(std::make_exception_ptr(PeerLost(worker, os.str())), GoodbyeKind::kPeerLost,
-               worker);
+    failLocked(std::make_exception_ptr(PeerLost(worker, os.str())), GoodbyeKind::kPeerLost, worker);
   }
   // Otherwise the watcher already failed us with the Goodbye's cause.
   std::exception_ptr e = failure_;
@@ -529,8 +524,8 @@ void GlooCommunicator::runOp(const char* name, std::chrono::milliseconds timeout
     if (error()) throwFailure();
     body();
   } catch (const gloo::Exception& e) {
-    fail(std::make_exception_ptr(Aborted(describe() + ": " + name + ": transport error: " +
-                                         e.what())),
+    fail(std::make_exception_ptr(
+             Aborted(describe() + ": " + name + ": transport error: " + e.what())),
          GoodbyeKind::kAborted, self());
   } catch (...) {
     // Usually the recorded failure rethrown; otherwise this exception becomes it.
@@ -554,8 +549,8 @@ void GlooCommunicator::shutdown() {
   }
   if (context_) {
     // Tell every peer whose connection still works why we leave (protocol step 2).
-    std::vector<Goodbye> out(size(), Goodbye{kGoodbyeMagic, static_cast<uint32_t>(kind),
-                                              static_cast<int64_t>(worker)});
+    std::vector<Goodbye> out(
+        size(), Goodbye{kGoodbyeMagic, static_cast<uint32_t>(kind), static_cast<int64_t>(worker)});
     auto buf = buffer(out.data(), out.size() * sizeof(Goodbye));
     int posted = 0;
     for (int r = 0; r < size(); ++r) {
@@ -671,8 +666,7 @@ void GlooCommunicator::ringReduceScatter(UnboundBuffer* sendBuf, UnboundBuffer* 
 // (r + shift - t) to the right and receives block (r + shift - t - 1) from the left,
 // forwarding each segment as soon as it has arrived.
 void GlooCommunicator::ringAllgather(UnboundBuffer* sendBuf, UnboundBuffer* recvBuf,
-                                     const Segmenter& seg, size_t esize, int shift,
-                                     uint64_t slot) {
+                                     const Segmenter& seg, size_t esize, int shift, uint64_t slot) {
   const int P = size();
   const size_t S = seg.segments;
   auto block = [&](size_t t, int extra) { return (rank_ + shift - int(t) - extra + 2 * P) % P; };
@@ -741,8 +735,7 @@ void GlooCommunicator::allreduce(at::Tensor& t, ReduceOp op, std::chrono::millis
 void GlooCommunicator::broadcast(at::Tensor& t, int root, std::chrono::milliseconds timeout) {
   validate(t, "broadcast", false);
   checkAlive();
-  SINEW_ENFORCE(root >= 0 && root < size(), describe(), ": broadcast root ", root,
-                " out of range");
+  SINEW_ENFORCE(root >= 0 && root < size(), describe(), ": broadcast root ", root, " out of range");
   timeout = resolveTimeout(timeout);
   const int P = size();
   if (P == 1 || t.numel() == 0) return;

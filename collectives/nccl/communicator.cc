@@ -31,7 +31,7 @@
 #define NCCL_VERSION_CODE 0
 #endif
 #ifndef NCCL_VERSION
-#define NCCL_VERSION(X, Y, Z) ((X) * 10000 + (Y) * 100 + (Z))
+#define NCCL_VERSION(X, Y, Z) ((X)*10000 + (Y)*100 + (Z))
 #endif
 
 namespace sinew {
@@ -78,8 +78,7 @@ class NcclCommunicator final : public Communicator {
   void broadcast(at::Tensor& t, int root, std::chrono::milliseconds timeout) override;
   void allgather(at::Tensor& output, const at::Tensor& input,
                  std::chrono::milliseconds timeout) override;
-  void send(const at::Tensor& t, int dst, uint32_t tag,
-            std::chrono::milliseconds timeout) override;
+  void send(const at::Tensor& t, int dst, uint32_t tag, std::chrono::milliseconds timeout) override;
   void recv(at::Tensor& t, int src, uint32_t tag, std::chrono::milliseconds timeout) override;
   void barrier(std::chrono::milliseconds timeout) override;
   void abort() override;
@@ -111,8 +110,8 @@ class NcclCommunicator final : public Communicator {
 
 std::string NcclCommunicator::describe() const {
   std::ostringstream os;
-  os << "communicator '" << options_.name << "' (nccl, epoch " << epoch() << ", worker "
-     << self() << ", rank " << rank_ << "/" << size() << ", cuda:" << device_ << ")";
+  os << "communicator '" << options_.name << "' (nccl, epoch " << epoch() << ", worker " << self()
+     << ", rank " << rank_ << "/" << size() << ", cuda:" << device_ << ")";
   return os.str();
 }
 
@@ -237,8 +236,8 @@ void NcclCommunicator::waitFor(const char* name, Clock::time_point deadline,
       if (q == cudaErrorNotReady) {
         done = false;
       } else if (q != cudaSuccess) {
-        failAndThrow(std::make_exception_ptr(IoError(describe() + ": " + name +
-                                                     ": CUDA error " + cudaGetErrorString(q))));
+        failAndThrow(std::make_exception_ptr(
+            IoError(describe() + ": " + name + ": CUDA error " + cudaGetErrorString(q))));
       }
     }
     if (done) return;
@@ -267,8 +266,8 @@ void NcclCommunicator::run(const char* name, std::chrono::milliseconds timeout, 
   checkCuda(cudaSetDevice(device_), "cudaSetDevice");
   ncclResult_t r = enqueue();
   if (r != ncclSuccess && r != ncclInProgress) {
-    failAndThrow(std::make_exception_ptr(
-        Aborted(describe() + ": " + name + ": " + ncclGetErrorString(r))));
+    failAndThrow(
+        std::make_exception_ptr(Aborted(describe() + ": " + name + ": " + ncclGetErrorString(r))));
   }
   waitFor(name, deadline, timeout, /*wantStream=*/true);
 }
@@ -299,8 +298,7 @@ void NcclCommunicator::allreduce(at::Tensor& t, ReduceOp op, std::chrono::millis
   bool divideAfter = op == ReduceOp::kAvg;
 #endif
   run("allreduce", timeout, [&] {
-    return ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), ncclType(t), red, comm_,
-                         stream_);
+    return ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), ncclType(t), red, comm_, stream_);
   });
   if (divideAfter && size() > 1) {
     if (intAvg) {
@@ -313,11 +311,9 @@ void NcclCommunicator::allreduce(at::Tensor& t, ReduceOp op, std::chrono::millis
 
 void NcclCommunicator::broadcast(at::Tensor& t, int root, std::chrono::milliseconds timeout) {
   validate(t, "broadcast");
-  SINEW_ENFORCE(root >= 0 && root < size(), describe(), ": broadcast root ", root,
-                " out of range");
+  SINEW_ENFORCE(root >= 0 && root < size(), describe(), ": broadcast root ", root, " out of range");
   run("broadcast", resolveTimeout(timeout), [&] {
-    return ncclBroadcast(t.data_ptr(), t.data_ptr(), t.numel(), ncclType(t), root, comm_,
-                         stream_);
+    return ncclBroadcast(t.data_ptr(), t.data_ptr(), t.numel(), ncclType(t), root, comm_, stream_);
   });
 }
 
@@ -325,13 +321,13 @@ void NcclCommunicator::allgather(at::Tensor& output, const at::Tensor& input,
                                  std::chrono::milliseconds timeout) {
   validate(input, "allgather");
   validate(output, "allgather");
-  SINEW_ENFORCE(output.scalar_type() == input.scalar_type() &&
-                    output.numel() == input.numel() * size(),
-                describe(), ": allgather output must hold ", input.numel() * size(), " ",
-                dtypeName(input), " elements");
+  SINEW_ENFORCE(
+      output.scalar_type() == input.scalar_type() && output.numel() == input.numel() * size(),
+      describe(), ": allgather output must hold ", input.numel() * size(), " ", dtypeName(input),
+      " elements");
   run("allgather", resolveTimeout(timeout), [&] {
-    return ncclAllGather(input.data_ptr(), output.data_ptr(), input.numel(), ncclType(input),
-                         comm_, stream_);
+    return ncclAllGather(input.data_ptr(), output.data_ptr(), input.numel(), ncclType(input), comm_,
+                         stream_);
   });
 }
 
@@ -341,9 +337,8 @@ void NcclCommunicator::send(const at::Tensor& t, int dst, uint32_t tag,
   validate(t, "send");
   SINEW_ENFORCE(dst >= 0 && dst < size() && dst != rank_, describe(), ": send to rank ", dst,
                 " is not another member");
-  run("send", resolveTimeout(timeout), [&] {
-    return ncclSend(t.data_ptr(), t.numel(), ncclType(t), dst, comm_, stream_);
-  });
+  run("send", resolveTimeout(timeout),
+      [&] { return ncclSend(t.data_ptr(), t.numel(), ncclType(t), dst, comm_, stream_); });
 }
 
 void NcclCommunicator::recv(at::Tensor& t, int src, uint32_t tag,
@@ -351,9 +346,8 @@ void NcclCommunicator::recv(at::Tensor& t, int src, uint32_t tag,
   validate(t, "recv");
   SINEW_ENFORCE(src >= 0 && src < size() && src != rank_, describe(), ": recv from rank ", src,
                 " is not another member");
-  run("recv", resolveTimeout(timeout), [&] {
-    return ncclRecv(t.data_ptr(), t.numel(), ncclType(t), src, comm_, stream_);
-  });
+  run("recv", resolveTimeout(timeout),
+      [&] { return ncclRecv(t.data_ptr(), t.numel(), ncclType(t), src, comm_, stream_); });
 }
 
 void NcclCommunicator::barrier(std::chrono::milliseconds timeout) {

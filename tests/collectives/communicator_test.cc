@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <atomic>
 #include <iostream>
@@ -71,8 +72,8 @@ int checkAllOps(Communicator& comm, ChildChecker& c, bool huge) {
   const std::vector<int64_t> sizes = {1, 2, 7, 1000, 262147};
   for (auto type : types) {
     for (int64_t n : sizes) {
-      std::string tag = std::string(c10::toString(type)) + " n=" + std::to_string(n) +
-                        " P=" + std::to_string(P);
+      std::string tag =
+          std::string(c10::toString(type)) + " n=" + std::to_string(n) + " P=" + std::to_string(P);
       // Values are small integers, exact in every dtype (bfloat16 holds integers to 256).
       at::Tensor t = pattern(n, 17, r, type);
       comm.allreduce(t, ReduceOp::kSum);
@@ -281,8 +282,8 @@ TEST(CommunicatorFailureTest, SigkillDuringAllreduce) {
     int64_t at = std::stoll(caught.substr(0, caught.find(' ')));
     int worker = std::stoi(caught.substr(caught.find(' ') + 1));
     EXPECT_EQ(worker, kWorkerBase + kVictim) << "rank " << r;
-    EXPECT_LT(at - killedAt, 1000000) << "rank " << r << " noticed after " << (at - killedAt)
-                                      << " us";
+    EXPECT_LT(at - killedAt, 1000000)
+        << "rank " << r << " noticed after " << (at - killedAt) << " us";
   }
 }
 
@@ -297,8 +298,8 @@ TEST(CommunicatorFailureTest, SigstopGivesTimeoutAtDeadline) {
     group.spawn([&, r] {
       at::set_num_threads(1);
       auto store = connect(server.port());
-      auto comm = createGlooCommunicator(
-          store, options(workerIds(kWorld), kWorkerBase + r, 0, kOpTimeout));
+      auto comm =
+          createGlooCommunicator(store, options(workerIds(kWorld), kWorkerBase + r, 0, kOpTimeout));
       at::Tensor t = at::empty({1024 * 1024}, at::kFloat);
       for (int iter = 0;; ++iter) {
         t.fill_(1);

@@ -27,7 +27,7 @@ inline int64_t monotonicMicros() {
 }
 
 struct ChildExit {
-  bool exited = false;    // Exited normally; code holds the status.
+  bool exited = false;  // Exited normally; code holds the status.
   int code = -1;
   bool signaled = false;  // Killed by a signal; signal holds it.
   int signal = 0;
