@@ -101,7 +101,7 @@ int runWorker(const Args& a, int self, uint16_t port) {
     auto start = std::chrono::steady_clock::now();
     try {
       comm->allreduce(g, ReduceOp::kAvg);
-    } catch (const PeerLost& e) {
+    } catch (const sinew::PeerLost& e) {
       double ms =
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
               .count();

@@ -11,6 +11,7 @@ PACKAGES=(
   libboost-dev libboost-system-dev
   libgloo-dev
   libgtest-dev
+  nlohmann-json3-dev
 )
 
 missing=()
