@@ -1,0 +1,107 @@
+#pragma once
+
+// Instantiation and batch split (DESIGN.md section 4): how many pipelines of each template
+// to run on the live nodes, and how many of the global batch's B microbatches each pipeline
+// runs. Both are exact (docs/planner.md, "Instantiation" and "Batch split").
+//
+// The iteration time of a set of pipelines is the slowest pipeline's 1F1B time for its
+// microbatches, PipelineTemplate::iterationTicks(b); the throughput is B / iteration time. The
+// global batch B never changes, so maximising throughput is minimising that iteration time.
+//
+// Thread safety: pure functions over plain values.
+
+#include <cstdint>
+#include <vector>
+
+#include "sinew/pipeline/template_planner.h"
+
+namespace sinew {
+namespace pipeline {
+
+struct PlanOptions {
+  // f: the plan runs at least f + 1 pipelines, so that every layer survives f pipeline losses.
+  int fault_tolerance = 0;
+  // B: microbatches in the global batch. >= 1.
+  int64_t global_microbatches = 1;
+};
+
+// The microbatches of each pipeline: sum is exactly B, and the slowest pipeline is as fast as
+// any integer split allows.
+struct BatchSplit {
+  std::vector<int64_t> microbatches;  // one per pipeline, in the order given
+  int64_t iteration_ticks = 0;        // max over pipelines of iterationTicks(microbatches)
+};
+
+// Splits B microbatches over pipelines of the given templates, exactly minimising the slowest
+// pipeline's time: binary search on the makespan Z, each pipeline taking the most microbatches
+// that finish by Z (time is non-decreasing in b). Among optimal splits it returns the one that
+// gives every pipeline the most it can take by Z* - 1 and hands the rest out in pipeline order.
+// Throws sinew::InvalidArgument if a template is missing, B < 1 or no pipelines are given.
+BatchSplit splitBatch(const TemplateSet& templates, const std::vector<int>& pipeline_nodes,
+                      int64_t global_microbatches);
+
+struct PipelineInstance {
+  int nodes = 0;  // its template
+  int64_t microbatches = 0;
+  int64_t iteration_ticks = 0;
+};
+
+struct Instantiation {
+  // Largest templates first.
+  std::vector<PipelineInstance> pipelines;
+  // Nodes left unused: 0 unless no combination of the templates covers all N nodes with
+  // f + 1 pipelines (possible only when memory leaves gaps in the template sizes).
+  int idle_nodes = 0;
+  int64_t iteration_ticks = 0;
+};
+
+// Chooses the pipelines (a multiset of template sizes summing to N, or to the largest coverable
+// N' <= N, with at least f + 1 pipelines) and their batch split that minimise the iteration time
+// over all such choices and all integer splits of B: binary search on the makespan Z with an
+// exact unbounded knapsack "most microbatches finishable by Z" over (nodes, pipelines). Among
+// optimal choices it takes the one that can finish the most microbatches by the optimum.
+// O(N * (f + 2) * |templates| * log(Z)) time.
+// Throws sinew::InvalidArgument for nodes < 1, f < 0, B < 1, or when f + 1 pipelines do not
+// fit on N nodes ("fault tolerance too large").
+Instantiation instantiate(const TemplateSet& templates, int nodes, const PlanOptions& options);
+
+// A pipeline placed on nodes.
+struct PipelinePlan {
+  int nodes = 0;              // its template
+  std::vector<int> node_ids;  // node_ids[i] runs the template's node i
+  int64_t microbatches = 0;
+  int64_t iteration_ticks = 0;
+};
+
+struct Plan {
+  // The f the plan aims for: it runs >= f + 1 pipelines unless a reconfiguration left too few
+  // nodes for that.
+  int fault_tolerance = 0;
+  int64_t global_microbatches = 0;
+  std::vector<PipelinePlan> pipelines;
+  std::vector<int> idle_node_ids;
+  int64_t iteration_ticks = 0;
+};
+
+// instantiate() over the given nodes, which go to the pipelines in order (the first pipeline
+// gets the first nodes). Throws sinew::InvalidArgument as instantiate() or for repeated or
+// negative node ids.
+Plan makePlan(const TemplateSet& templates, const std::vector<int>& node_ids,
+              const PlanOptions& options);
+
+// One worker (one device) of a plan and the layers it holds.
+struct WorkerAssignment {
+  int node_id = 0;
+  int device = 0;
+  int pipeline = 0;  // index in Plan::pipelines
+  int stage = 0;     // index in the template's stages
+  int first_layer = 0;
+  int end_layer = 0;  // layers [first_layer, end_layer)
+};
+
+// Every worker of the plan, by pipeline, then stage, then device. Throws
+// sinew::InvalidArgument if a pipeline's template is missing or its node count differs.
+std::vector<WorkerAssignment> workerAssignments(const TemplateSet& templates, const Plan& plan);
+
+}  // namespace pipeline
+}  // namespace sinew

@@ -1,0 +1,67 @@
+#pragma once
+
+// The layer profiler (DESIGN.md section 4, "Profiles"): runs each layer's forward and backward
+// on one microbatch and measures what the planner needs (sinew/pipeline/profile.h).
+//
+// Layers are given generically, as a forward callable over at::Tensor plus the parameters it
+// trains, so the profiler does not depend on how the runtime builds models (LayerSpec). The
+// layers run in order: layer l + 1 is profiled on the (detached) output of layer l.
+//
+// Per layer, over `repeats` timed runs after `warmup` untimed ones, the median of:
+//   forward_ns:  y = forward(x), with x requiring grad (if floating point) as in training;
+//   backward_ns: y.backward(ones_like(y)), i.e. the gradients of x and of every parameter.
+// On a CUDA tensor each timed section ends by reading one element back (a synchronisation).
+// Bytes: param_bytes = sum of the parameters' bytes, optimizer_bytes = optimizer_state_factor
+// x param_bytes, output_bytes = bytes of y, activation_bytes = the layer's own estimate if it
+// gives one (>= 0), else bytes of x + bytes of y (the input and output kept for backward; a
+// lower bound for layers that save larger intermediates).
+//
+// Thread safety: profileLayers() runs the layers on the calling thread; callers must not run
+// the same layers concurrently. Blocking: it takes (warmup + repeats) x the layers' time.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "sinew/pipeline/profile.h"
+
+namespace sinew {
+namespace pipeline {
+
+struct ProfiledLayer {
+  std::string name;
+  // The layer's forward for one microbatch. Must be differentiable in its input and in
+  // `parameters`.
+  std::function<at::Tensor(const at::Tensor&)> forward;
+  // The tensors the layer trains (requires_grad). Their gradients are reset after each run.
+  std::vector<at::Tensor> parameters;
+  // Bytes kept for backward per microbatch, if the layer knows better than the profiler's
+  // estimate (input + output bytes); -1: use the estimate.
+  int64_t activation_bytes = -1;
+};
+
+struct ProfilerOptions {
+  // Untimed runs per layer before measuring. >= 0.
+  int warmup = 2;
+  // Timed runs per layer; the median is kept. >= 1.
+  int repeats = 5;
+  // Optimizer state bytes per parameter byte (2 for Adam's two moments in the parameters'
+  // dtype). >= 0.
+  double optimizer_state_factor = 2.0;
+  // Copied into the profile (machines are not measured here).
+  JobSpec job;
+  // Samples per microbatch of `input`, recorded in the profile (0: unknown).
+  int64_t microbatch_size = 0;
+};
+
+// Profiles `layers` on the microbatch `input`. Throws sinew::InvalidArgument for no layers, a
+// layer without forward, bad options, or a layer whose forward or backward throws (the message
+// names the layer and its index), and as validateProfile() for the result.
+Profile profileLayers(const std::vector<ProfiledLayer>& layers, const at::Tensor& input,
+                      const ProfilerOptions& options);
+
+}  // namespace pipeline
+}  // namespace sinew

@@ -1,0 +1,293 @@
+#include "sinew/pipeline/reconfiguration.h"
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <sstream>
+#include <utility>
+
+#include "sinew/collectives/error.h"
+
+namespace sinew {
+namespace pipeline {
+namespace {
+
+// A pipeline while the next plan is being built.
+struct Draft {
+  std::vector<int> node_ids;
+  bool alive = true;
+  bool deficient = false;  // no template for its node count yet
+};
+
+std::string joinIds(const std::vector<int>& ids) {
+  std::ostringstream os;
+  for (size_t i = 0; i < ids.size(); ++i) os << (i ? "," : "") << ids[i];
+  return os.str();
+}
+
+// Re-plans all survivors, keeping as many of f + 1 pipelines as they can hold.
+Plan replan(const TemplateSet& templates, const std::vector<int>& survivors, const Plan& current) {
+  const int n = static_cast<int>(survivors.size());
+  if (n < templates.min_nodes) {
+    SINEW_THROW(InvalidArgument, "reconfigure: ", n,
+                " surviving nodes cannot hold the model (n_min = ", templates.min_nodes,
+                "); restore from a checkpoint on more nodes");
+  }
+  int f = std::min(current.fault_tolerance, n / templates.min_nodes - 1);
+  for (; f >= 0; --f) {
+    try {
+      return makePlan(templates, survivors, {f, current.global_microbatches});
+    } catch (const InvalidArgument&) {
+      // Gaps in the template sizes can leave no combination with f + 1 pipelines; try fewer.
+      if (f == 0) throw;
+    }
+  }
+  SINEW_THROW(InvalidArgument, "reconfigure: no plan for ", n, " nodes");
+}
+
+}  // namespace
+
+const char* reconfigurationKindName(ReconfigurationKind kind) {
+  switch (kind) {
+    case ReconfigurationKind::kUnchanged:
+      return "unchanged";
+    case ReconfigurationKind::kShrink:
+      return "shrink";
+    case ReconfigurationKind::kUseIdle:
+      return "use-idle";
+    case ReconfigurationKind::kBorrow:
+      return "borrow";
+    case ReconfigurationKind::kMerge:
+      return "merge";
+    case ReconfigurationKind::kReplan:
+      return "replan";
+  }
+  return "unknown";
+}
+
+Reconfiguration reconfigure(const TemplateSet& templates, const Plan& current,
+                            const std::vector<int>& lost_node_ids) {
+  std::set<int> in_plan(current.idle_node_ids.begin(), current.idle_node_ids.end());
+  for (const PipelinePlan& p : current.pipelines)
+    in_plan.insert(p.node_ids.begin(), p.node_ids.end());
+  std::set<int> lost;
+  for (int id : lost_node_ids) {
+    if (!in_plan.count(id)) {
+      SINEW_THROW(InvalidArgument, "reconfigure: lost node ", id, " is not in the plan");
+    }
+    lost.insert(id);
+  }
+  Reconfiguration r;
+  auto note = [&](ReconfigurationKind kind, const std::string& step) {
+    r.kind = std::max(r.kind, kind);
+    r.steps.push_back(step);
+  };
+
+  // 1. Remove the lost nodes; pipelines keep their survivors in order.
+  std::vector<Draft> drafts(current.pipelines.size());
+  std::vector<int> idle;
+  std::vector<int> survivors;  // all surviving nodes, pipelines first, in plan order
+  bool any_pipeline_hit = false;
+  for (size_t p = 0; p < current.pipelines.size(); ++p) {
+    std::vector<int> lost_here;
+    for (int id : current.pipelines[p].node_ids) {
+      if (lost.count(id)) {
+        lost_here.push_back(id);
+      } else {
+        drafts[p].node_ids.push_back(id);
+        survivors.push_back(id);
+      }
+    }
+    if (lost_here.empty()) continue;
+    any_pipeline_hit = true;
+    const int m = static_cast<int>(drafts[p].node_ids.size());
+    std::ostringstream os;
+    os << "pipeline " << p << " lost node" << (lost_here.size() > 1 ? "s " : " ")
+       << joinIds(lost_here);
+    // 2. Shrink to the template for the survivors, if there is one.
+    if (m == 0) {
+      drafts[p].alive = false;
+      os << ": no node left, pipeline removed";
+      note(ReconfigurationKind::kShrink, os.str());
+    } else if (templates.find(m) != nullptr) {
+      os << ": shrinks to the " << m << "-node template";
+      note(ReconfigurationKind::kShrink, os.str());
+    } else {
+      drafts[p].deficient = true;
+      os << ": " << m << " nodes left, no template";
+      r.steps.push_back(os.str());
+    }
+  }
+  for (int id : current.idle_node_ids) {
+    if (!lost.count(id)) {
+      idle.push_back(id);
+      survivors.push_back(id);
+    }
+  }
+  if (!any_pipeline_hit) {
+    r.plan = current;
+    r.plan.idle_node_ids = idle;
+    return r;
+  }
+
+  bool need_replan = false;
+  // 3. Fix pipelines without a template: idle nodes, then borrow, then merge.
+  for (size_t p = 0; p < drafts.size() && !need_replan; ++p) {
+    Draft& dp = drafts[p];
+    if (!dp.alive || !dp.deficient) continue;
+    const int m = static_cast<int>(dp.node_ids.size());
+    bool fixed = false;
+    for (int k = 1; k <= static_cast<int>(idle.size()); ++k) {
+      if (templates.find(m + k) == nullptr) continue;
+      std::vector<int> taken(idle.begin(), idle.begin() + k);
+      idle.erase(idle.begin(), idle.begin() + k);
+      dp.node_ids.insert(dp.node_ids.end(), taken.begin(), taken.end());
+      note(ReconfigurationKind::kUseIdle, "pipeline " + std::to_string(p) + " takes idle node" +
+                                              (k > 1 ? "s " : " ") + joinIds(taken) + ": " +
+                                              std::to_string(m + k) + "-node template");
+      fixed = true;
+      break;
+    }
+    if (!fixed) {
+      // The largest other pipeline with a template (ties: the first).
+      int q = -1;
+      for (size_t o = 0; o < drafts.size(); ++o) {
+        if (o == p || !drafts[o].alive || drafts[o].deficient) continue;
+        if (q < 0 || drafts[o].node_ids.size() > drafts[q].node_ids.size()) q = static_cast<int>(o);
+      }
+      if (q >= 0) {
+        Draft& dq = drafts[q];
+        const int nq = static_cast<int>(dq.node_ids.size());
+        for (int k = 1; k < nq; ++k) {
+          if (templates.find(m + k) == nullptr || templates.find(nq - k) == nullptr) continue;
+          std::vector<int> taken(dq.node_ids.end() - k, dq.node_ids.end());
+          dq.node_ids.resize(nq - k);
+          dp.node_ids.insert(dp.node_ids.end(), taken.begin(), taken.end());
+          note(ReconfigurationKind::kBorrow,
+               "pipeline " + std::to_string(p) + " borrows node" + (k > 1 ? "s " : " ") +
+                   joinIds(taken) + " from pipeline " + std::to_string(q) + ": " +
+                   std::to_string(m + k) + " and " + std::to_string(nq - k) + "-node templates");
+          fixed = true;
+          break;
+        }
+      }
+    }
+    if (!fixed) {
+      // Merge into the smallest other pipeline whose combined size has a template.
+      int q = -1;
+      for (size_t o = 0; o < drafts.size(); ++o) {
+        if (o == p || !drafts[o].alive) continue;
+        int combined = m + static_cast<int>(drafts[o].node_ids.size());
+        if (templates.find(combined) == nullptr) continue;
+        if (q < 0 || drafts[o].node_ids.size() < drafts[q].node_ids.size()) q = static_cast<int>(o);
+      }
+      if (q >= 0) {
+        Draft& dq = drafts[q];
+        dq.node_ids.insert(dq.node_ids.end(), dp.node_ids.begin(), dp.node_ids.end());
+        dq.deficient = false;
+        dp.alive = false;
+        note(ReconfigurationKind::kMerge,
+             "pipeline " + std::to_string(p) + " merges into pipeline " + std::to_string(q) + ": " +
+                 std::to_string(dq.node_ids.size()) + "-node template");
+        fixed = true;
+      }
+    }
+    if (fixed) {
+      dp.deficient = false;
+    } else {
+      need_replan = true;
+    }
+  }
+  int alive = 0;
+  for (const Draft& d : drafts) alive += d.alive ? 1 : 0;
+  const int total = static_cast<int>(survivors.size());
+  // 4. Keep f + 1 pipelines whenever the survivors can hold them.
+  if (!need_replan && alive < current.fault_tolerance + 1 &&
+      total >= (current.fault_tolerance + 1) * templates.min_nodes) {
+    need_replan = true;
+  }
+  if (need_replan || alive == 0) {
+    r.plan = replan(templates, survivors, current);
+    r.plan.fault_tolerance = current.fault_tolerance;  // keep aiming for f + 1 pipelines
+    note(ReconfigurationKind::kReplan,
+         "re-plan all " + std::to_string(total) +
+             " surviving nodes: " + std::to_string(r.plan.pipelines.size()) + " pipelines");
+  } else {
+    // 5. Assemble the plan and re-split the unchanged global batch.
+    Plan& plan = r.plan;
+    plan.fault_tolerance = current.fault_tolerance;
+    plan.global_microbatches = current.global_microbatches;
+    plan.idle_node_ids = idle;
+    std::vector<int> sizes;
+    for (const Draft& d : drafts) {
+      if (!d.alive) continue;
+      PipelinePlan pp;
+      pp.nodes = static_cast<int>(d.node_ids.size());
+      pp.node_ids = d.node_ids;
+      sizes.push_back(pp.nodes);
+      plan.pipelines.push_back(std::move(pp));
+    }
+    BatchSplit split = splitBatch(templates, sizes, current.global_microbatches);
+    for (size_t p = 0; p < plan.pipelines.size(); ++p) {
+      plan.pipelines[p].microbatches = split.microbatches[p];
+      plan.pipelines[p].iteration_ticks =
+          templates.find(sizes[p])->iterationTicks(split.microbatches[p]);
+    }
+    plan.iteration_ticks = split.iteration_ticks;
+  }
+  // 6. What each worker must fetch.
+  r.copies = layerCopies(templates, current, r.plan, lost_node_ids);
+  return r;
+}
+
+std::vector<LayerCopy> layerCopies(const TemplateSet& templates, const Plan& previous,
+                                   const Plan& next, const std::vector<int>& lost_node_ids) {
+  const std::set<int> lost(lost_node_ids.begin(), lost_node_ids.end());
+  const int L = templates.num_layers;
+  std::vector<WorkerAssignment> before = workerAssignments(templates, previous);
+  std::vector<WorkerAssignment> after = workerAssignments(templates, next);
+  // Old holdings of surviving workers: by (node, device), by node, and the first holder of each
+  // layer in plan order.
+  std::map<std::pair<int, int>, std::pair<int, int>> held;
+  std::map<int, std::vector<const WorkerAssignment*>> by_node;
+  std::vector<std::pair<int, int>> first_holder(L, {-1, -1});
+  for (const WorkerAssignment& w : before) {
+    if (lost.count(w.node_id)) continue;
+    held[{w.node_id, w.device}] = {w.first_layer, w.end_layer};
+    by_node[w.node_id].push_back(&w);
+    for (int l = w.first_layer; l < w.end_layer; ++l) {
+      if (first_holder[l].first < 0) first_holder[l] = {w.node_id, w.device};
+    }
+  }
+  std::vector<LayerCopy> copies;
+  for (const WorkerAssignment& w : after) {
+    std::pair<int, int> had{0, 0};
+    auto it = held.find({w.node_id, w.device});
+    if (it != held.end()) had = it->second;
+    for (int l = w.first_layer; l < w.end_layer; ++l) {
+      if (l >= had.first && l < had.second) continue;
+      std::pair<int, int> source = first_holder[l];
+      auto node_it = by_node.find(w.node_id);
+      if (node_it != by_node.end()) {
+        for (const WorkerAssignment* o : node_it->second) {
+          if (l >= o->first_layer && l < o->end_layer) {
+            source = {o->node_id, o->device};
+            break;
+          }
+        }
+      }
+      if (!copies.empty() && copies.back().node_id == w.node_id &&
+          copies.back().device == w.device && copies.back().end_layer == l &&
+          copies.back().source_node_id == source.first &&
+          copies.back().source_device == source.second) {
+        copies.back().end_layer = l + 1;
+      } else {
+        copies.push_back({w.node_id, w.device, l, l + 1, source.first, source.second});
+      }
+    }
+  }
+  return copies;
+}
+
+}  // namespace pipeline
+}  // namespace sinew

@@ -1,0 +1,72 @@
+#pragma once
+
+// The next plan after node losses (DESIGN.md section 4, "Reconfiguration"), as a pure
+// function the runtime calls with the templates computed at start. Pipelines that lost no node
+// keep their nodes and layers; an affected pipeline, in order of preference:
+//   1. shrinks: runs the template for its surviving node count on its survivors;
+//   2. takes idle nodes (left over by an earlier plan) up to the next template size;
+//   3. borrows nodes from the largest pipeline, which shrinks to a smaller template;
+//   4. merges with the smallest other pipeline whose combined size has a template.
+// If none applies, or the plan would fall below f + 1 pipelines although the survivors could
+// hold f + 1, all survivors are re-planned with instantiate(). The global batch is unchanged
+// and re-split exactly (splitBatch). Then, for every worker, the layers it must now hold that
+// it did not hold before, and where to copy them from.
+//
+// Thread safety: pure function over plain values.
+
+#include <string>
+#include <vector>
+
+#include "sinew/pipeline/instantiation.h"
+#include "sinew/pipeline/template_planner.h"
+
+namespace sinew {
+namespace pipeline {
+
+// Layers [first_layer, end_layer) that worker (node_id, device) needs and did not hold, to be
+// copied from worker (source_node_id, source_device), a survivor that held them in the old
+// plan: one on the same node if there is one, else the first in plan order. source_node_id is
+// -1 when no replica survived: the layers come from a checkpoint.
+struct LayerCopy {
+  int node_id = 0;
+  int device = 0;
+  int first_layer = 0;
+  int end_layer = 0;
+  int source_node_id = -1;
+  int source_device = -1;
+};
+
+enum class ReconfigurationKind {
+  kUnchanged,  // no node of the plan was lost (or only idle ones)
+  kShrink,
+  kUseIdle,
+  kBorrow,
+  kMerge,
+  kReplan,
+};
+
+const char* reconfigurationKindName(ReconfigurationKind kind);
+
+struct Reconfiguration {
+  Plan plan;
+  // The most drastic step taken (kReplan > kMerge > kBorrow > kUseIdle > kShrink).
+  ReconfigurationKind kind = ReconfigurationKind::kUnchanged;
+  // One line per step, for logs: e.g. "pipeline 1 lost node 7: shrinks to the 3-node template".
+  std::vector<std::string> steps;
+  std::vector<LayerCopy> copies;
+};
+
+// REQUIRES: `current` was made from `templates` (makePlan or an earlier reconfigure).
+// Throws sinew::InvalidArgument if a lost node id is not in the plan, or if the survivors are
+// fewer than templates.min_nodes (the model no longer fits: restore from a checkpoint on more
+// nodes).
+Reconfiguration reconfigure(const TemplateSet& templates, const Plan& current,
+                            const std::vector<int>& lost_node_ids);
+
+// Layers each worker of `next` holds that it did not hold in `previous`, with sources among
+// the workers of `previous` that are not in `lost_node_ids` (see LayerCopy).
+std::vector<LayerCopy> layerCopies(const TemplateSet& templates, const Plan& previous,
+                                   const Plan& next, const std::vector<int>& lost_node_ids);
+
+}  // namespace pipeline
+}  // namespace sinew

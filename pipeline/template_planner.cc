@@ -1,0 +1,463 @@
+#include "sinew/pipeline/template_planner.h"
+
+#include <algorithm>
+#include <limits>
+#include <utility>
+
+#include "sinew/collectives/error.h"
+
+// The algorithm and its proof of exactness are in docs/planner.md; the comments here refer to
+// its sections. Notation: L layers, G devices per node, d a stage width, S = n * G / d stages,
+// t(i, j) the compute ticks of stage [i, j), c(i, j) its fill ticks, M the microbatches.
+
+namespace sinew {
+namespace pipeline {
+namespace {
+
+constexpr int64_t kInf = std::numeric_limits<int64_t>::max() / 4;
+// Bound on (L + 1) * (S_max + 1) table entries for one width (16 bytes each).
+constexpr int64_t kMaxTableEntries = int64_t{1} << 27;
+
+// A split of the layers into stages: ends[s] is the end layer (exclusive) of stage s.
+struct Split {
+  bool feasible = false;
+  int64_t fill = kInf;        // sum of fill ticks
+  int64_t bottleneck = kInf;  // max of compute ticks
+  std::vector<int> ends;
+};
+
+// Everything the planner does for one stage width d (docs/planner.md, "Algorithm").
+class WidthPlanner {
+ public:
+  WidthPlanner(const CostModel& model, int w, int max_stages)
+      : model_(model), w_(w), L_(model.numLayers()), K_(max_stages) {
+    fill_prefix_.resize(L_ + 1);
+    for (int l = 0; l <= L_; ++l) {
+      fill_prefix_[l] = model_.computeTicks(0, l, w_) + model_.allreduceTicks(0, l, w_);
+    }
+    deque_index_.resize(L_ + 2);
+    deque_value_.resize(L_ + 2);
+  }
+
+  int maxStages() const { return K_; }
+
+  // Step 1: for every S in [1, K], the least bottleneck T*(S) of a feasible S-stage split, the
+  // fill of one split achieving it, and the least fill g_inf(S) of any feasible split.
+  void computeBounds() {
+    computeBottlenecks();
+    computeUnboundedFills();
+  }
+  int64_t leastBottleneck(int S) const { return least_bottleneck_[S]; }
+  int64_t bottleneckSplitFill(int S) const { return bottleneck_split_fill_[S]; }
+  int64_t leastFill(int S) const { return least_fill_[S]; }
+
+  // Step 2: the least-fill split into S stages whose compute ticks are all <= T
+  // (T = kInf: unbounded), breaking ties towards shorter early stages.
+  Split leastFillSplit(int64_t T, int S);
+
+ private:
+  int64_t t(int i, int j) const { return model_.computeTicks(i, j, w_); }
+  bool fits(int i, int j, int64_t k) const { return model_.fits(i, j, w_, k); }
+  // c(i, j) = h_base(j) - fill_prefix_[i], h_base(j) = fill_prefix_[j] + boundary(j).
+  int64_t hBase(int j) const { return fill_prefix_[j] + model_.boundaryTicks(j); }
+
+  void computeBottlenecks();
+  void computeUnboundedFills();
+
+  // One row of the windowed min-plus recurrence (docs/planner.md, "Least fill under a bound"):
+  // for i from i_hi down to i_lo,
+  //   f(i, k) = min over j in (i, J(i)] of hBase(j) + prev(j) - fill_prefix_[i],
+  // where prev(j) is finite only for j in [j_lo, j_hi] and J(i) is the largest j <= min(jT[i],
+  // j_hi) such that stage [i, j) fits at position k. J(i) is non-increasing as i decreases, and
+  // stages enter the window from the left, so a monotone deque gives O(1) amortised per i.
+  template <typename Prev, typename Store>
+  void windowRow(int k, const std::vector<int>& jT, int i_lo, int i_hi, int j_lo, int j_hi,
+                 const Prev& prev, const Store& store);
+
+  const CostModel& model_;
+  const int w_;
+  const int L_;
+  const int K_;
+  std::vector<int64_t> fill_prefix_;
+  std::vector<int64_t> least_bottleneck_;
+  std::vector<int64_t> bottleneck_split_fill_;
+  std::vector<int64_t> least_fill_;
+  // Scratch, reused across calls.
+  std::vector<int> deque_index_;
+  std::vector<int64_t> deque_value_;
+  std::vector<int> jT_, iT_, lo_suf_, lo_pre_, row_lo_, row_hi_;
+  std::vector<int64_t> row_offset_;
+  std::vector<int64_t> band_f_;
+  std::vector<int> band_arg_;
+};
+
+template <typename Prev, typename Store>
+void WidthPlanner::windowRow(int k, const std::vector<int>& jT, int i_lo, int i_hi, int j_lo,
+                             int j_hi, const Prev& prev, const Store& store) {
+  if (i_lo > i_hi) return;
+  // J for i = i_hi: binary search for the last fitting end (fits is monotone in j).
+  int cap = std::min(jT[i_hi], j_hi);
+  int lo = i_hi, hi = cap;  // answer in [i_hi, cap]; i_hi means "none"
+  while (lo < hi) {
+    int mid = lo + (hi - lo + 1) / 2;
+    if (fits(i_hi, mid, k)) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  int J = lo;
+  // Deque over positions [head, tail): indices increase and values strictly decrease from head
+  // to tail, so the minimum is at tail - 1. Pushes go to the head.
+  int head = L_ + 1, tail = L_ + 1;
+  auto push = [&](int j) {
+    if (j < j_lo || j > j_hi) return;
+    int64_t p = prev(j);
+    if (p >= kInf) return;
+    int64_t v = hBase(j) + p;
+    while (head < tail && deque_value_[head] >= v) ++head;
+    --head;
+    deque_index_[head] = j;
+    deque_value_[head] = v;
+  };
+  for (int j = J; j > i_hi; --j) push(j);
+  for (int i = i_hi;;) {
+    while (head < tail && deque_index_[tail - 1] > J) --tail;
+    if (head < tail) {
+      store(i, deque_value_[tail - 1] - fill_prefix_[i], deque_index_[tail - 1]);
+    } else {
+      store(i, kInf, -1);
+    }
+    if (i == i_lo) break;
+    --i;
+    push(i + 1);
+    while (J > i && (J > jT[i] || !fits(i, J, k))) --J;
+  }
+}
+
+void WidthPlanner::computeBottlenecks() {
+  // b(i, k): least bottleneck of a feasible split of [i, L) into k stages, the first at
+  // position k (docs/planner.md, "Least bottleneck"). Rows k = 0..K, columns i = 0..L.
+  const int64_t cols = L_ + 1;
+  std::vector<int64_t> b(static_cast<size_t>((K_ + 1) * cols), kInf);
+  std::vector<int32_t> arg(static_cast<size_t>((K_ + 1) * cols), -1);
+  b[L_] = 0;  // b(L, 0)
+  for (int k = 1; k <= K_; ++k) {
+    int64_t* row = &b[k * cols];
+    int32_t* row_arg = &arg[k * cols];
+    const int64_t* prev = &b[(k - 1) * cols];
+    for (int i = L_ - k; i >= 0; --i) {
+      if (k == 1) {
+        if (fits(i, L_, 1)) {
+          row[i] = t(i, L_);
+          row_arg[i] = L_;
+        }
+        continue;
+      }
+      int64_t best = kInf;
+      int best_j = -1;
+      for (int j = i + 1; j <= L_ - (k - 1); ++j) {
+        if (!fits(i, j, k)) break;
+        int64_t tij = t(i, j);
+        if (tij >= best) break;  // t(i, j) grows with j: no later j can be strictly better
+        int64_t pj = prev[j];
+        if (pj >= kInf) continue;
+        int64_t v = std::max(tij, pj);
+        if (v < best) {
+          best = v;
+          best_j = j;
+        }
+      }
+      row[i] = best;
+      row_arg[i] = best_j;
+    }
+  }
+  least_bottleneck_.assign(K_ + 1, kInf);
+  bottleneck_split_fill_.assign(K_ + 1, kInf);
+  for (int S = 1; S <= K_; ++S) {
+    least_bottleneck_[S] = b[S * cols];
+    if (least_bottleneck_[S] >= kInf) continue;
+    int64_t fill = 0;
+    int i = 0;
+    for (int k = S; k >= 1; --k) {
+      int j = arg[k * cols + i];
+      fill += fill_prefix_[j] - fill_prefix_[i] + model_.boundaryTicks(j);
+      i = j;
+    }
+    bottleneck_split_fill_[S] = fill;
+  }
+}
+
+void WidthPlanner::computeUnboundedFills() {
+  // g_inf(S) = f(0, S) of the least-fill recurrence without a bottleneck bound, for all S at
+  // once: row k covers i in [0, L - k].
+  std::vector<int> jT(L_ + 1, L_);
+  std::vector<int64_t> prev(L_ + 1, kInf), cur(L_ + 1, kInf);
+  prev[L_] = 0;
+  least_fill_.assign(K_ + 1, kInf);
+  for (int k = 1; k <= K_; ++k) {
+    std::fill(cur.begin(), cur.end(), kInf);
+    windowRow(
+        k, jT, 0, L_ - k, k - 1 == 0 ? L_ : 1, k - 1 == 0 ? L_ : L_ - (k - 1),
+        [&](int j) { return prev[j]; }, [&](int i, int64_t v, int) { cur[i] = v; });
+    least_fill_[k] = cur[0];
+    std::swap(prev, cur);
+  }
+}
+
+Split WidthPlanner::leastFillSplit(int64_t T, int S) {
+  Split result;
+  if (S < 1 || S > L_) return result;
+  // jT[i]: last end j with t(i, j) <= T; iT[i]: first start with t(iT, i) <= T.
+  jT_.assign(L_ + 1, L_);
+  iT_.assign(L_ + 1, 0);
+  if (T < kInf) {
+    int j = 0;
+    for (int i = 0; i < L_; ++i) {
+      j = std::max(j, i);
+      while (j < L_ && t(i, j + 1) <= T) ++j;
+      if (j == i) return result;  // layer i alone exceeds T
+      jT_[i] = j;
+    }
+    int s = 0;
+    for (int i = 1; i <= L_; ++i) {
+      while (t(s, i) > T) ++s;
+      iT_[i] = s;
+    }
+  }
+  // Fewest stages covering [i, L) and [0, i) with compute <= T (memory ignored): bounds that
+  // confine the DP to a band of (i, k) states (docs/planner.md, "Band").
+  lo_suf_.assign(L_ + 1, 0);
+  for (int i = L_ - 1; i >= 0; --i) lo_suf_[i] = 1 + lo_suf_[jT_[i]];
+  lo_pre_.assign(L_ + 1, 0);
+  for (int i = 1; i <= L_; ++i) lo_pre_[i] = 1 + lo_pre_[iT_[i]];
+  if (lo_suf_[0] > S) return result;
+  // Row k holds i in [row_lo_[k], row_hi_[k]]: kl(i) = max(lo_suf(i), S - i) <= k <=
+  // kh(i) = min(L - i, S - lo_pre(i)); both bounds are non-increasing in i, so each row is an
+  // interval.
+  row_lo_.assign(S + 1, L_ + 1);
+  row_hi_.assign(S + 1, -1);
+  for (int i = 0; i <= L_; ++i) {
+    int kl = std::max(lo_suf_[i], S - i);
+    int kh = std::min(L_ - i, S - lo_pre_[i]);
+    if (i == L_) kl = kh = 0;
+    for (int k = std::max(kl, 0); k <= kh; ++k) {
+      row_lo_[k] = std::min(row_lo_[k], i);
+      row_hi_[k] = std::max(row_hi_[k], i);
+    }
+  }
+  if (row_hi_[S] < 0 || row_lo_[S] != 0) return result;
+  row_offset_.assign(S + 2, 0);
+  for (int k = 0; k <= S; ++k) {
+    int64_t n = row_hi_[k] >= row_lo_[k] ? row_hi_[k] - row_lo_[k] + 1 : 0;
+    row_offset_[k + 1] = row_offset_[k] + n;
+  }
+  band_f_.assign(row_offset_[S + 1], kInf);
+  band_arg_.assign(row_offset_[S + 1], -1);
+  // Row 0 is the single state i = L.
+  band_f_[row_offset_[0] + (L_ - row_lo_[0])] = 0;
+  for (int k = 1; k <= S; ++k) {
+    const int plo = row_lo_[k - 1], phi = row_hi_[k - 1];
+    const int64_t poff = row_offset_[k - 1], off = row_offset_[k];
+    const int lo = row_lo_[k];
+    int j_hi = std::min(phi, L_ - (k - 1));
+    windowRow(
+        k, jT_, row_lo_[k], row_hi_[k], plo, j_hi, [&](int j) { return band_f_[poff + (j - plo)]; },
+        [&](int i, int64_t v, int j) {
+          band_f_[off + (i - lo)] = v;
+          band_arg_[off + (i - lo)] = j;
+        });
+  }
+  int64_t total = band_f_[row_offset_[S]];
+  if (total >= kInf) return result;
+  result.feasible = true;
+  result.fill = total;
+  result.bottleneck = 0;
+  int i = 0;
+  for (int k = S; k >= 1; --k) {
+    int j = band_arg_[row_offset_[k] + (i - row_lo_[k])];
+    result.ends.push_back(j);
+    result.bottleneck = std::max(result.bottleneck, t(i, j));
+    i = j;
+  }
+  return result;
+}
+
+int64_t mulSat(int64_t a, int64_t b) {
+  __int128 p = static_cast<__int128>(a) * b;
+  return p >= kInf ? kInf : static_cast<int64_t>(p);
+}
+
+}  // namespace
+
+int64_t templateMicrobatches(int64_t global_microbatches, int nodes, int total_nodes) {
+  __int128 num = static_cast<__int128>(2) * global_microbatches * nodes + total_nodes;
+  int64_t m = static_cast<int64_t>(num / (static_cast<__int128>(2) * total_nodes));
+  return std::max<int64_t>(1, m);
+}
+
+const PipelineTemplate* TemplateSet::find(int nodes) const {
+  auto it = std::lower_bound(templates.begin(), templates.end(), nodes,
+                             [](const PipelineTemplate& t, int n) { return t.nodes < n; });
+  return it != templates.end() && it->nodes == nodes ? &*it : nullptr;
+}
+
+TemplateSet planTemplates(const Profile& profile, const TemplateOptions& options) {
+  if (options.nodes < 1 || options.nodes > (1 << 20)) {
+    SINEW_THROW(InvalidArgument, "planTemplates: nodes must be in [1, 2^20], got ", options.nodes);
+  }
+  if (options.fault_tolerance < 0 || options.fault_tolerance >= options.nodes) {
+    SINEW_THROW(InvalidArgument,
+                "planTemplates: fault_tolerance must be in [0, nodes - 1 = ", options.nodes - 1,
+                "], got ", options.fault_tolerance);
+  }
+  if (options.global_microbatches < 1) {
+    SINEW_THROW(InvalidArgument, "planTemplates: global_microbatches must be >= 1, got ",
+                options.global_microbatches);
+  }
+  CostModel model(profile);
+  if (static_cast<__int128>(options.global_microbatches + 1) * model.maxPipelineFillTicks() >=
+      (static_cast<__int128>(1) << 62)) {
+    SINEW_THROW(InvalidArgument, "planTemplates: global_microbatches=", options.global_microbatches,
+                " times a pipeline's fill time (", model.maxPipelineFillTicks(),
+                " ticks) overflows 62 bits");
+  }
+  const int L = model.numLayers();
+  const int G = model.devicesPerNode();
+  const int N = options.nodes;
+  const int f = options.fault_tolerance;
+  const std::vector<int>& widths = model.widths();
+
+  // Step 1 (docs/planner.md): bounds for every width and every stage count the job could use.
+  std::vector<WidthPlanner> planners;
+  planners.reserve(widths.size());
+  for (size_t w = 0; w < widths.size(); ++w) {
+    int64_t most = static_cast<int64_t>(N - f) * G / widths[w];
+    int K = static_cast<int>(std::min<int64_t>(L, most));
+    if (static_cast<int64_t>(L + 1) * (K + 1) > kMaxTableEntries) {
+      SINEW_THROW(InvalidArgument, "planTemplates: ", L, " layers x ", K,
+                  " stages is beyond the planner's table limit of 2^27 entries");
+    }
+    planners.emplace_back(model, static_cast<int>(w), K);
+    planners.back().computeBounds();
+  }
+  // The stage counts that need exactly n nodes at width d: S in ((n - 1) * G / d, n * G / d]
+  // (the last node may keep devices idle), capped at the planner's K for that width.
+  auto stageRange = [&](int n, size_t w) -> std::pair<int, int> {
+    const int64_t per_node = G / widths[w];
+    const int64_t lo = static_cast<int64_t>(n - 1) * per_node + 1;
+    const int64_t hi =
+        std::min<int64_t>(static_cast<int64_t>(n) * per_node, planners[w].maxStages());
+    return {static_cast<int>(std::min<int64_t>(lo, hi + 1)), static_cast<int>(hi)};
+  };
+  auto feasible = [&](int n) {
+    for (size_t w = 0; w < widths.size(); ++w) {
+      auto r = stageRange(n, w);
+      for (int S = r.second; S >= r.first; --S) {
+        if (planners[w].leastBottleneck(S) < kInf) return true;
+      }
+    }
+    return false;
+  };
+
+  TemplateSet set;
+  set.devices_per_node = G;
+  set.num_layers = L;
+  int n_min = 0;
+  for (int n = 1; n <= std::min(N - f, L); ++n) {
+    if (feasible(n)) {
+      n_min = n;
+      break;
+    }
+  }
+  if (n_min == 0) {
+    SINEW_THROW(InvalidArgument, "planTemplates: the model (", L,
+                " layers) fits no pipeline of up to nodes - fault_tolerance = ", N - f,
+                " nodes with device_memory_bytes=", model.deviceMemoryBytes(),
+                " and devices_per_node=", G);
+  }
+  if (static_cast<int64_t>(f + 1) * n_min > N) {
+    SINEW_THROW(InvalidArgument, "planTemplates: fault_tolerance=", f,
+                " needs (f + 1) * n_min = ", static_cast<int64_t>(f + 1) * n_min,
+                " nodes (n_min = ", n_min, ") but nodes=", N);
+  }
+  set.min_nodes = n_min;
+  set.max_nodes = std::min(N - f * n_min, L);
+
+  // Step 2: for each n, each width, descend over bottleneck bounds (docs/planner.md, "Exact
+  // search over the bottleneck").
+  for (int n = n_min; n <= set.max_nodes; ++n) {
+    const int64_t M = templateMicrobatches(options.global_microbatches, n, N);
+    int64_t best = kInf;
+    int best_w = -1;
+    int best_S = -1;
+    int64_t best_T = kInf;
+    // Widths largest first, stage counts most first: on equal cost the earlier candidate stays.
+    for (size_t w = 0; w < widths.size(); ++w) {
+      const std::pair<int, int> range = stageRange(n, w);
+      for (int S = range.second; S >= range.first; --S) {
+        WidthPlanner& p = planners[w];
+        const int64_t t_star = p.leastBottleneck(S);
+        if (t_star >= kInf) continue;
+        const int64_t g_inf = p.leastFill(S);
+        if (g_inf + mulSat(M - 1, t_star) >= best) continue;
+        int64_t phi0 = p.bottleneckSplitFill(S) + mulSat(M - 1, t_star);
+        if (phi0 < best) {
+          best = phi0;
+          best_w = static_cast<int>(w);
+          best_S = S;
+          best_T = t_star;
+        }
+        if (phi0 == g_inf + mulSat(M - 1, t_star)) continue;  // meets the lower bound
+        // Any split with phi < best has bottleneck <= (best - g_inf - 1) / (M - 1).
+        int64_t T = M == 1 ? kInf : (best - g_inf - 1) / (M - 1);
+        while (T >= t_star) {
+          Split s = p.leastFillSplit(T, S);
+          if (!s.feasible) break;
+          int64_t phi = s.fill + mulSat(M - 1, s.bottleneck);
+          if (phi < best) {
+            best = phi;
+            best_w = static_cast<int>(w);
+            best_S = S;
+            best_T = T;
+          }
+          if (s.fill + mulSat(M - 1, t_star) >= best) break;
+          T = s.bottleneck - 1;
+          if (M > 1) T = std::min(T, (best - g_inf - 1) / (M - 1));
+        }
+      }
+    }
+    if (best_w < 0) continue;  // no feasible template on n nodes
+    const int d = widths[best_w];
+    const int S = best_S;
+    Split s = planners[best_w].leastFillSplit(best_T, S);
+    SINEW_ENFORCE(s.feasible && s.fill + mulSat(M - 1, s.bottleneck) == best,
+                  "planner reconstruction disagrees for n=", n);
+    PipelineTemplate tpl;
+    tpl.nodes = n;
+    tpl.stage_devices = d;
+    tpl.microbatches = M;
+    tpl.fill_ticks = s.fill;
+    tpl.bottleneck_ticks = s.bottleneck;
+    const int per_node = G / d;
+    int first = 0;
+    for (int st = 0; st < S; ++st) {
+      StageAssignment a;
+      a.first_layer = first;
+      a.end_layer = s.ends[st];
+      a.node = st / per_node;
+      a.first_device = (st % per_node) * d;
+      a.devices = d;
+      a.compute_ticks = model.computeTicks(first, a.end_layer, best_w);
+      a.fill_ticks = model.fillTicks(first, a.end_layer, best_w);
+      a.memory_bytes = model.memoryBytes(first, a.end_layer, best_w, S - st);
+      tpl.stages.push_back(a);
+      first = a.end_layer;
+    }
+    set.templates.push_back(std::move(tpl));
+  }
+  return set;
+}
+
+}  // namespace pipeline
+}  // namespace sinew

@@ -1,0 +1,222 @@
+// sinew-plan: plans a job from a layer profile (docs/profile_format.md) and prints the
+// templates, the chosen instantiation and the batch split (docs/planner.md).
+//
+//   sinew-plan profile.json --nodes N --fault-tolerance f --microbatches B [--table]
+//
+// Prints JSON by default (deterministic: the same input gives the same bytes) and a table for
+// humans with --table. Exit status: 0 on success, 1 for an invalid profile or an infeasible
+// plan (the message says why), 2 for bad command-line arguments.
+
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "sinew/collectives/error.h"
+#include "sinew/pipeline/instantiation.h"
+#include "sinew/pipeline/profile.h"
+#include "sinew/pipeline/template_planner.h"
+
+namespace {
+
+using nlohmann::json;
+using namespace sinew::pipeline;
+
+constexpr const char* kUsage =
+    "usage: sinew-plan PROFILE.json --nodes N --fault-tolerance F --microbatches B [--table]\n"
+    "  PROFILE.json        layer profile (docs/profile_format.md)\n"
+    "  --nodes N           live nodes (>= 1)\n"
+    "  --fault-tolerance F pipelines that may be lost; the plan runs >= F + 1 (default 0)\n"
+    "  --microbatches B    microbatches in the global batch (>= 1)\n"
+    "  --table             print tables for humans instead of JSON\n";
+
+struct Args {
+  std::string profile;
+  int64_t nodes = -1;
+  int64_t fault_tolerance = 0;
+  int64_t microbatches = -1;
+  bool table = false;
+};
+
+[[noreturn]] void usageError(const std::string& what) {
+  std::cerr << "sinew-plan: " << what << "\n" << kUsage;
+  std::exit(2);
+}
+
+int64_t parseInt(const std::string& flag, const std::string& text) {
+  errno = 0;
+  char* end = nullptr;
+  long long v = std::strtoll(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0' || errno == ERANGE) {
+    usageError(flag + " needs an integer, got '" + text + "'");
+  }
+  return v;
+}
+
+Args parseArgs(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    std::string value;
+    bool has_value = false;
+    size_t eq = arg.find('=');
+    if (arg.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value = arg.substr(eq + 1);
+      arg = arg.substr(0, eq);
+      has_value = true;
+    }
+    auto next = [&]() -> std::string {
+      if (has_value) return value;
+      if (i + 1 >= argc) usageError(arg + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "--nodes") {
+      a.nodes = parseInt(arg, next());
+    } else if (arg == "--fault-tolerance") {
+      a.fault_tolerance = parseInt(arg, next());
+    } else if (arg == "--microbatches") {
+      a.microbatches = parseInt(arg, next());
+    } else if (arg == "--table") {
+      a.table = true;
+    } else if (arg == "-h" || arg == "--help") {
+      std::cout << kUsage;
+      std::exit(0);
+    } else if (arg.rfind("-", 0) == 0) {
+      usageError("unknown option " + arg);
+    } else if (a.profile.empty()) {
+      a.profile = arg;
+    } else {
+      usageError("more than one profile given: '" + a.profile + "' and '" + arg + "'");
+    }
+  }
+  if (a.profile.empty()) usageError("no profile given");
+  if (a.nodes < 1 || a.nodes > (1 << 20)) {
+    usageError("--nodes must be in [1, 2^20], got " + std::to_string(a.nodes));
+  }
+  if (a.fault_tolerance < 0 || a.fault_tolerance >= a.nodes) {
+    usageError("--fault-tolerance must be in [0, nodes - 1], got " +
+               std::to_string(a.fault_tolerance));
+  }
+  if (a.microbatches < 1) {
+    usageError("--microbatches must be >= 1, got " + std::to_string(a.microbatches));
+  }
+  return a;
+}
+
+// Ticks are 1/G ns (sinew/pipeline/cost_model.h).
+double ticksToMs(int64_t ticks, int G) { return static_cast<double>(ticks) / G / 1e6; }
+
+json templateJson(const PipelineTemplate& t, int G) {
+  json stages = json::array();
+  for (const StageAssignment& s : t.stages) {
+    stages.push_back({{"first_layer", s.first_layer},
+                      {"end_layer", s.end_layer},
+                      {"node", s.node},
+                      {"first_device", s.first_device},
+                      {"devices", s.devices},
+                      {"compute_ms", ticksToMs(s.compute_ticks, G)},
+                      {"fill_ms", ticksToMs(s.fill_ticks, G)},
+                      {"memory_bytes", s.memory_bytes}});
+  }
+  return {{"nodes", t.nodes},
+          {"stage_devices", t.stage_devices},
+          {"microbatches", t.microbatches},
+          {"fill_ticks", t.fill_ticks},
+          {"bottleneck_ticks", t.bottleneck_ticks},
+          {"iteration_ms", ticksToMs(t.iterationTicks(t.microbatches), G)},
+          {"stages", stages}};
+}
+
+std::string layerRanges(const PipelineTemplate& t) {
+  std::ostringstream os;
+  for (size_t s = 0; s < t.stages.size(); ++s) {
+    if (s) os << ' ';
+    os << t.stages[s].first_layer << '-' << t.stages[s].end_layer - 1;
+  }
+  return os.str();
+}
+
+void printTable(const Profile& p, const TemplateSet& set, const Plan& plan, const Args& a) {
+  const int G = set.devices_per_node;
+  std::printf("profile %s: %d layers, %d devices per node, %lld bytes per device\n",
+              a.profile.c_str(), set.num_layers, G,
+              static_cast<long long>(p.job.device_memory_bytes));
+  std::printf("nodes %lld, fault tolerance %lld, microbatches %lld; templates for %d..%d nodes\n\n",
+              static_cast<long long>(a.nodes), static_cast<long long>(a.fault_tolerance),
+              static_cast<long long>(a.microbatches), set.min_nodes, set.max_nodes);
+  std::printf("%6s %6s %7s %6s %13s %13s  %s\n", "nodes", "width", "stages", "M", "iteration_ms",
+              "bottleneck_ms", "layers per stage");
+  for (const PipelineTemplate& t : set.templates) {
+    std::printf("%6d %6d %7zu %6lld %13.3f %13.3f  %s\n", t.nodes, t.stage_devices, t.stages.size(),
+                static_cast<long long>(t.microbatches),
+                ticksToMs(t.iterationTicks(t.microbatches), G), ticksToMs(t.bottleneck_ticks, G),
+                layerRanges(t).c_str());
+  }
+  std::printf("\n%8s %6s %13s %13s  %s\n", "pipeline", "nodes", "microbatches", "iteration_ms",
+              "node ids");
+  for (size_t i = 0; i < plan.pipelines.size(); ++i) {
+    const PipelinePlan& pp = plan.pipelines[i];
+    std::ostringstream ids;
+    for (size_t k = 0; k < pp.node_ids.size(); ++k) ids << (k ? "," : "") << pp.node_ids[k];
+    std::printf("%8zu %6d %13lld %13.3f  %s\n", i, pp.nodes,
+                static_cast<long long>(pp.microbatches), ticksToMs(pp.iteration_ticks, G),
+                ids.str().c_str());
+  }
+  std::printf("\niteration %.3f ms, %zu idle nodes\n", ticksToMs(plan.iteration_ticks, G),
+              plan.idle_node_ids.size());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a = parseArgs(argc, argv);
+  try {
+    Profile profile = loadProfile(a.profile);
+    const int N = static_cast<int>(a.nodes);
+    const int f = static_cast<int>(a.fault_tolerance);
+    TemplateSet set = planTemplates(profile, {N, f, a.microbatches});
+    std::vector<int> node_ids(N);
+    for (int i = 0; i < N; ++i) node_ids[i] = i;
+    Plan plan = makePlan(set, node_ids, {f, a.microbatches});
+    if (a.table) {
+      printTable(profile, set, plan, a);
+      return 0;
+    }
+    const int G = set.devices_per_node;
+    json templates = json::array();
+    for (const PipelineTemplate& t : set.templates) templates.push_back(templateJson(t, G));
+    json pipelines = json::array();
+    for (const PipelinePlan& pp : plan.pipelines) {
+      pipelines.push_back({{"nodes", pp.nodes},
+                           {"node_ids", pp.node_ids},
+                           {"microbatches", pp.microbatches},
+                           {"iteration_ticks", pp.iteration_ticks},
+                           {"iteration_ms", ticksToMs(pp.iteration_ticks, G)}});
+    }
+    json out = {{"layers", set.num_layers},
+                {"devices_per_node", G},
+                {"ticks_per_ns", G},
+                {"nodes", N},
+                {"fault_tolerance", f},
+                {"microbatches", a.microbatches},
+                {"min_nodes", set.min_nodes},
+                {"max_nodes", set.max_nodes},
+                {"templates", templates},
+                {"plan",
+                 {{"pipelines", pipelines},
+                  {"idle_node_ids", plan.idle_node_ids},
+                  {"iteration_ticks", plan.iteration_ticks},
+                  {"iteration_ms", ticksToMs(plan.iteration_ticks, G)}}}};
+    std::cout << out.dump(2) << "\n";
+  } catch (const sinew::Error& e) {
+    std::cerr << "sinew-plan: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,87 @@
+#include "sinew/pipeline/profiler.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <gtest/gtest.h>
+
+#include <stdexcept>
+
+#include "sinew/collectives/error.h"
+#include "sinew/pipeline/template_planner.h"
+
+namespace sinew {
+namespace pipeline {
+namespace {
+
+// A linear layer (+ ReLU) built from at::linear, with its weight and bias.
+ProfiledLayer linearLayer(const std::string& name, int64_t in, int64_t out, bool relu) {
+  at::Tensor w = at::randn({out, in}).mul_(0.1).requires_grad_(true);
+  at::Tensor b = at::zeros({out}).requires_grad_(true);
+  ProfiledLayer l;
+  l.name = name;
+  l.parameters = {w, b};
+  l.forward = [w, b, relu](const at::Tensor& x) {
+    at::Tensor y = at::linear(x, w, b);
+    return relu ? at::relu(y) : y;
+  };
+  return l;
+}
+
+TEST(ProfilerTest, MeasuresTimesAndBytesOfLinearLayers) {
+  at::set_num_threads(1);
+  at::manual_seed(0);
+  std::vector<ProfiledLayer> layers = {linearLayer("fc1", 64, 256, true),
+                                       linearLayer("fc2", 256, 32, false)};
+  ProfilerOptions o;
+  o.repeats = 3;
+  o.microbatch_size = 16;
+  o.job.devices_per_node = 2;
+  o.job.device_memory_bytes = 1 << 30;
+  Profile p = profileLayers(layers, at::randn({16, 64}), o);
+  ASSERT_EQ(p.layers.size(), 2u);
+  EXPECT_EQ(p.microbatch_size, 16);
+  EXPECT_EQ(p.job.devices_per_node, 2);
+  const LayerCost& a = p.layers[0];
+  EXPECT_EQ(a.name, "fc1");
+  EXPECT_EQ(a.param_bytes, (64 * 256 + 256) * 4);
+  EXPECT_EQ(a.optimizer_bytes, 2 * a.param_bytes);
+  EXPECT_EQ(a.output_bytes, 16 * 256 * 4);
+  EXPECT_EQ(a.activation_bytes, 16 * 64 * 4 + 16 * 256 * 4);
+  EXPECT_GT(a.forward_ns, 0);
+  EXPECT_GT(a.backward_ns, 0);
+  const LayerCost& b = p.layers[1];
+  EXPECT_EQ(b.param_bytes, (256 * 32 + 32) * 4);
+  EXPECT_EQ(b.output_bytes, 16 * 32 * 4);
+  EXPECT_GT(b.forward_ns, 0);
+  // Gradients were reset after profiling, and the result plans.
+  EXPECT_FALSE(layers[0].parameters[0].grad().defined());
+  TemplateSet set = planTemplates(p, {2, 0, 4});
+  EXPECT_FALSE(set.templates.empty());
+}
+
+TEST(ProfilerTest, ReportsTheFailingLayerAndBadOptions) {
+  at::set_num_threads(1);
+  std::vector<ProfiledLayer> layers = {linearLayer("fc1", 8, 8, true)};
+  ProfiledLayer bad;
+  bad.name = "broken";
+  bad.forward = [](const at::Tensor&) -> at::Tensor { throw std::runtime_error("boom"); };
+  layers.push_back(bad);
+  ProfilerOptions o;
+  o.job.device_memory_bytes = 1 << 20;
+  try {
+    profileLayers(layers, at::randn({2, 8}), o);
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("layers[1] ('broken') failed: boom"), std::string::npos)
+        << e.what();
+  }
+  o.repeats = 0;
+  EXPECT_THROW(profileLayers({linearLayer("x", 2, 2, false)}, at::randn({1, 2}), o),
+               InvalidArgument);
+  o.repeats = 1;
+  EXPECT_THROW(profileLayers({}, at::randn({1, 2}), o), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace pipeline
+}  // namespace sinew

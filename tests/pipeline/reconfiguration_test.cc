@@ -1,0 +1,246 @@
+#include "sinew/pipeline/reconfiguration.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <numeric>
+#include <random>
+#include <set>
+
+#include "brute_force.h"
+#include "sinew/collectives/error.h"
+
+namespace sinew {
+namespace pipeline {
+namespace {
+
+// Templates of the given node counts, 2 devices per node, 2 * n one-device stages over
+// L = 2 * max(sizes) layers, with costs that make larger pipelines faster.
+TemplateSet makeTemplates(const std::vector<int>& sizes) {
+  TemplateSet set;
+  set.devices_per_node = 2;
+  set.num_layers = 2 * *std::max_element(sizes.begin(), sizes.end());
+  set.min_nodes = sizes.front();
+  set.max_nodes = sizes.back();
+  for (int n : sizes) {
+    PipelineTemplate t;
+    t.nodes = n;
+    t.stage_devices = 1;
+    const int S = 2 * n;
+    for (int s = 0; s < S; ++s) {
+      StageAssignment a;
+      a.first_layer = s * set.num_layers / S;
+      a.end_layer = (s + 1) * set.num_layers / S;
+      a.node = s / 2;
+      a.first_device = s % 2;
+      a.devices = 1;
+      t.stages.push_back(a);
+    }
+    t.fill_ticks = 1000 + 10 * n;
+    t.bottleneck_ticks = 600 / n;
+    set.templates.push_back(t);
+  }
+  return set;
+}
+
+Plan handPlan(const TemplateSet& set, const std::vector<std::vector<int>>& pipelines,
+              const std::vector<int>& idle, int f, int64_t B) {
+  Plan plan;
+  plan.fault_tolerance = f;
+  plan.global_microbatches = B;
+  std::vector<int> sizes;
+  for (const auto& ids : pipelines) {
+    PipelinePlan p;
+    p.nodes = static_cast<int>(ids.size());
+    p.node_ids = ids;
+    sizes.push_back(p.nodes);
+    plan.pipelines.push_back(p);
+  }
+  BatchSplit split = splitBatch(set, sizes, B);
+  for (size_t p = 0; p < sizes.size(); ++p) {
+    plan.pipelines[p].microbatches = split.microbatches[p];
+    plan.pipelines[p].iteration_ticks = set.find(sizes[p])->iterationTicks(split.microbatches[p]);
+  }
+  plan.iteration_ticks = split.iteration_ticks;
+  plan.idle_node_ids = idle;
+  return plan;
+}
+
+// Invariants of any plan reconfigure() returns, and of its layer copies.
+void checkReconfiguration(const TemplateSet& set, const Plan& before, const std::set<int>& lost,
+                          const Reconfiguration& r) {
+  const Plan& plan = r.plan;
+  std::set<int> seen;
+  std::vector<const PipelineTemplate*> pipes;
+  int64_t sum = 0, z = 0;
+  for (const PipelinePlan& p : plan.pipelines) {
+    ASSERT_EQ(static_cast<int>(p.node_ids.size()), p.nodes);
+    const PipelineTemplate* t = set.find(p.nodes);
+    ASSERT_NE(t, nullptr) << "pipeline of " << p.nodes << " nodes has no template";
+    pipes.push_back(t);
+    for (int id : p.node_ids) {
+      EXPECT_TRUE(seen.insert(id).second) << "node " << id << " used twice";
+      EXPECT_EQ(lost.count(id), 0u) << "lost node " << id << " still in the plan";
+    }
+    EXPECT_EQ(p.iteration_ticks, t->iterationTicks(p.microbatches));
+    sum += p.microbatches;
+    z = std::max(z, p.iteration_ticks);
+  }
+  for (int id : plan.idle_node_ids) EXPECT_TRUE(seen.insert(id).second);
+  EXPECT_EQ(sum, before.global_microbatches);  // the global batch never changes
+  EXPECT_EQ(plan.iteration_ticks, z);
+  if (before.global_microbatches <= 10 && pipes.size() <= 4) {
+    EXPECT_EQ(z, testing::bruteSplitMakespan(pipes, before.global_microbatches));
+  }
+  // Every surviving node of the old plan is somewhere in the new one.
+  for (const PipelinePlan& p : before.pipelines) {
+    for (int id : p.node_ids) EXPECT_TRUE(lost.count(id) || seen.count(id)) << id;
+  }
+  // Each worker holds its layers after the copies: it held them or a copy brings them from a
+  // survivor that held them.
+  std::map<std::pair<int, int>, std::pair<int, int>> held;
+  for (const WorkerAssignment& w : workerAssignments(set, before)) {
+    if (!lost.count(w.node_id)) held[{w.node_id, w.device}] = {w.first_layer, w.end_layer};
+  }
+  std::map<std::pair<int, int>, std::set<int>> copied;
+  for (const LayerCopy& c : r.copies) {
+    EXPECT_LT(c.first_layer, c.end_layer);
+    if (c.source_node_id >= 0) {
+      EXPECT_EQ(lost.count(c.source_node_id), 0u);
+      auto it = held.find({c.source_node_id, c.source_device});
+      ASSERT_NE(it, held.end());
+      EXPECT_LE(it->second.first, c.first_layer);
+      EXPECT_GE(it->second.second, c.end_layer);
+    }
+    for (int l = c.first_layer; l < c.end_layer; ++l) copied[{c.node_id, c.device}].insert(l);
+  }
+  for (const WorkerAssignment& w : workerAssignments(set, plan)) {
+    auto it = held.find({w.node_id, w.device});
+    for (int l = w.first_layer; l < w.end_layer; ++l) {
+      bool had = it != held.end() && it->second.first <= l && l < it->second.second;
+      const bool copied_here = copied[std::make_pair(w.node_id, w.device)].count(l) > 0;
+      EXPECT_TRUE(had || copied_here)
+          << "worker " << w.node_id << "/" << w.device << " lacks layer " << l;
+    }
+  }
+}
+
+TEST(ReconfigurationTest, ShrinksToTheTemplateWithOneNodeFewer) {
+  TemplateSet set = makeTemplates({2, 3, 4});
+  Plan plan = handPlan(set, {{0, 1, 2, 3}, {4, 5, 6, 7}}, {}, 1, 20);
+  Reconfiguration r = reconfigure(set, plan, {1});
+  EXPECT_EQ(r.kind, ReconfigurationKind::kShrink);
+  ASSERT_EQ(r.plan.pipelines.size(), 2u);
+  EXPECT_EQ(r.plan.pipelines[0].node_ids, (std::vector<int>{0, 2, 3}));
+  EXPECT_EQ(r.plan.pipelines[1].node_ids, (std::vector<int>{4, 5, 6, 7}));
+  checkReconfiguration(set, plan, {1}, r);
+  // The faster 4-node pipeline takes more of the batch.
+  EXPECT_GT(r.plan.pipelines[1].microbatches, r.plan.pipelines[0].microbatches);
+}
+
+TEST(ReconfigurationTest, TakesIdleNodesBeforeBorrowing) {
+  TemplateSet set = makeTemplates({2, 4});
+  Plan plan = handPlan(set, {{0, 1, 2, 3}, {4, 5, 6, 7}}, {8}, 1, 8);
+  Reconfiguration r = reconfigure(set, plan, {0});
+  EXPECT_EQ(r.kind, ReconfigurationKind::kUseIdle);
+  EXPECT_EQ(r.plan.pipelines[0].node_ids, (std::vector<int>{1, 2, 3, 8}));
+  EXPECT_TRUE(r.plan.idle_node_ids.empty());
+  checkReconfiguration(set, plan, {0}, r);
+}
+
+TEST(ReconfigurationTest, BorrowsFromTheLargestPipeline) {
+  TemplateSet set = makeTemplates({2, 3, 4});
+  Plan plan = handPlan(set, {{0, 1, 2}, {3, 4, 5, 6}}, {}, 1, 8);
+  Reconfiguration r = reconfigure(set, plan, {0, 2});
+  EXPECT_EQ(r.kind, ReconfigurationKind::kBorrow);
+  EXPECT_EQ(r.plan.pipelines[0].node_ids, (std::vector<int>{1, 6}));
+  EXPECT_EQ(r.plan.pipelines[1].node_ids, (std::vector<int>{3, 4, 5}));
+  checkReconfiguration(set, plan, {0, 2}, r);
+  // Node 6 now runs layers it did not hold, copied from a surviving replica.
+  bool node6 = false;
+  for (const LayerCopy& c : r.copies) node6 |= c.node_id == 6 && c.source_node_id >= 0;
+  EXPECT_TRUE(node6);
+}
+
+TEST(ReconfigurationTest, MergesWhenBorrowingCannotHelp) {
+  TemplateSet set = makeTemplates({2, 3});
+  Plan plan = handPlan(set, {{0, 1}, {2, 3}, {4, 5}}, {}, 1, 9);
+  Reconfiguration r = reconfigure(set, plan, {0});
+  EXPECT_EQ(r.kind, ReconfigurationKind::kMerge);
+  ASSERT_EQ(r.plan.pipelines.size(), 2u);
+  EXPECT_EQ(r.plan.pipelines[0].node_ids, (std::vector<int>{2, 3, 1}));
+  checkReconfiguration(set, plan, {0}, r);
+}
+
+TEST(ReconfigurationTest, ReplansWhenNothingElseWorks) {
+  TemplateSet set = makeTemplates({2});
+  Plan plan = handPlan(set, {{0, 1}, {2, 3}}, {}, 1, 4);
+  Reconfiguration r = reconfigure(set, plan, {0});
+  EXPECT_EQ(r.kind, ReconfigurationKind::kReplan);
+  ASSERT_EQ(r.plan.pipelines.size(), 1u);  // 3 nodes hold only one 2-node pipeline
+  EXPECT_EQ(r.plan.idle_node_ids.size(), 1u);
+  EXPECT_EQ(r.plan.fault_tolerance, 1);  // still aims for f + 1 when nodes come back
+  checkReconfiguration(set, plan, {0}, r);
+}
+
+TEST(ReconfigurationTest, ErrorsAndUnchangedPlans) {
+  TemplateSet set = makeTemplates({2, 3});
+  Plan plan = handPlan(set, {{0, 1}, {2, 3}}, {4}, 1, 4);
+  EXPECT_THROW(reconfigure(set, plan, {9}), InvalidArgument);
+  try {
+    reconfigure(set, plan, {0, 1, 2, 4});
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("n_min = 2"), std::string::npos) << e.what();
+  }
+  Reconfiguration r = reconfigure(set, plan, {4});  // an idle node
+  EXPECT_EQ(r.kind, ReconfigurationKind::kUnchanged);
+  EXPECT_TRUE(r.plan.idle_node_ids.empty());
+  EXPECT_TRUE(r.copies.empty());
+}
+
+TEST(ReconfigurationTest, RandomLossSequencesKeepInvariantsAndAreDeterministic) {
+  std::mt19937_64 rng(31);
+  int steps = 0;
+  for (int iter = 0; iter < 200; ++iter) {
+    const int n_min = 1 + static_cast<int>(rng() % 3);
+    const int N = n_min * 2 + static_cast<int>(rng() % 8);
+    const int f = static_cast<int>(rng() % 2);
+    std::vector<int> sizes{n_min};
+    for (int n = n_min + 1; n <= N - f * n_min; ++n) {
+      if (rng() % 3 != 0) sizes.push_back(n);
+    }
+    TemplateSet set = makeTemplates(sizes);
+    std::vector<int> ids(N);
+    std::iota(ids.begin(), ids.end(), 100);
+    const int64_t B = 1 + static_cast<int64_t>(rng() % 10);
+    Plan plan = makePlan(set, ids, {f, B});
+    std::set<int> alive(ids.begin(), ids.end());
+    while (true) {
+      std::vector<int> live(alive.begin(), alive.end());
+      std::vector<int> lost{live[rng() % live.size()]};
+      if (rng() % 3 == 0 && live.size() > 1) {
+        int other = live[rng() % live.size()];
+        if (other != lost[0]) lost.push_back(other);
+      }
+      for (int id : lost) alive.erase(id);
+      if (static_cast<int>(alive.size()) < n_min) {
+        EXPECT_THROW(reconfigure(set, plan, lost), InvalidArgument);
+        break;
+      }
+      Reconfiguration r = reconfigure(set, plan, lost);
+      Reconfiguration again = reconfigure(set, plan, lost);
+      ASSERT_EQ(r.steps, again.steps);
+      checkReconfiguration(set, plan, std::set<int>(lost.begin(), lost.end()), r);
+      if (::testing::Test::HasFailure()) return;
+      plan = r.plan;
+      ++steps;
+    }
+  }
+  EXPECT_GT(steps, 300);
+}
+
+}  // namespace
+}  // namespace pipeline
+}  // namespace sinew

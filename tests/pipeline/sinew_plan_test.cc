@@ -1,0 +1,86 @@
+// End-to-end tests of the sinew-plan tool on docs/profile_example.json. SINEW_PLAN_PATH and
+// SINEW_PROFILE_EXAMPLE are set by tests/pipeline/CMakeLists.txt.
+
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace {
+
+struct ToolRun {
+  int status = -1;
+  std::string out;  // stdout and stderr
+};
+
+ToolRun runPlan(const std::string& args) {
+  std::string cmd = std::string(SINEW_PLAN_PATH) + " " + args + " 2>&1";
+  ToolRun r;
+  FILE* f = popen(cmd.c_str(), "r");
+  if (f == nullptr) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), f)) > 0) r.out.append(buf, n);
+  int st = pclose(f);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return r;
+}
+
+const std::string kProfile = SINEW_PROFILE_EXAMPLE;
+
+TEST(SinewPlanTest, PrintsTemplatesInstantiationAndSplitAsDeterministicJson) {
+  const std::string args = kProfile + " --nodes 8 --fault-tolerance 1 --microbatches 16";
+  ToolRun a = runPlan(args);
+  ASSERT_EQ(a.status, 0) << a.out;
+  ToolRun b = runPlan(args);
+  EXPECT_EQ(a.out, b.out);  // byte for byte
+  nlohmann::json j = nlohmann::json::parse(a.out);
+  EXPECT_EQ(j["nodes"], 8);
+  EXPECT_EQ(j["layers"], 16);
+  ASSERT_FALSE(j["templates"].empty());
+  EXPECT_EQ(j["templates"][0]["nodes"], j["min_nodes"]);
+  for (const auto& t : j["templates"]) {
+    ASSERT_FALSE(t["stages"].empty());
+    EXPECT_EQ(t["stages"][0]["first_layer"], 0);
+    EXPECT_EQ(t["stages"].back()["end_layer"], 16);
+  }
+  const auto& pipelines = j["plan"]["pipelines"];
+  EXPECT_GE(pipelines.size(), 2u);  // f + 1
+  int64_t sum = 0;
+  int nodes = 0;
+  for (const auto& p : pipelines) {
+    sum += p["microbatches"].get<int64_t>();
+    nodes += p["nodes"].get<int>();
+  }
+  EXPECT_EQ(sum, 16);
+  EXPECT_EQ(nodes + static_cast<int>(j["plan"]["idle_node_ids"].size()), 8);
+}
+
+TEST(SinewPlanTest, TableForHumans) {
+  ToolRun r = runPlan(kProfile + " --nodes=8 --fault-tolerance=1 --microbatches=16 --table");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("layers per stage"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("iteration"), std::string::npos) << r.out;
+}
+
+TEST(SinewPlanTest, BadArgumentsAndProfilesAreReported) {
+  ToolRun r = runPlan(kProfile + " --nodes 8 --microbatches zero");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.out.find("--microbatches needs an integer, got 'zero'"), std::string::npos) << r.out;
+  r = runPlan(kProfile + " --nodes 3 --fault-tolerance 1 --microbatches 4");
+  EXPECT_EQ(r.status, 1);  // the model needs 2 nodes, so f = 1 needs 4
+  EXPECT_NE(r.out.find("fault_tolerance=1"), std::string::npos) << r.out;
+  r = runPlan("/nonexistent/profile.json --nodes 2 --microbatches 4");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.out.find("/nonexistent/profile.json"), std::string::npos) << r.out;
+  const std::string bad = ::testing::TempDir() + "sinew_plan_bad.json";
+  std::ofstream(bad) << R"({"job": {"devices_per_node": 1}, "layers": []})";
+  r = runPlan(bad + " --nodes 2 --microbatches 4");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.out.find("job.device_memory_bytes"), std::string::npos) << r.out;
+}
+
+}  // namespace
