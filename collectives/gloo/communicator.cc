@@ -27,6 +27,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <signal.h>
+
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -257,10 +259,24 @@ class GlooCommunicator final : public Communicator {
   bool closed_ = false;
 };
 
+// Gloo's TCP pairs write with writev, which raises SIGPIPE when the peer's socket is gone.
+// A dead peer must surface as PeerLost, not kill this process, so SIGPIPE is ignored when it
+// still has its default action (a handler the program installed is left alone), as c10d does.
+void ignoreSigpipe() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction current {};
+    if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+      ::signal(SIGPIPE, SIG_IGN);
+    }
+  });
+}
+
 GlooCommunicator::GlooCommunicator(const std::shared_ptr<Store>& store,
                                    const CommunicatorOptions& options)
     : Communicator(options), verdicts_(options.members.size()) {
   SINEW_ENFORCE(store != nullptr, "createGlooCommunicator needs a store");
+  ignoreSigpipe();
   if (size() > 1) connect(store);
   timer_ = std::thread([this] { timerLoop(); });
 }

@@ -1,0 +1,612 @@
+#include "sinew/runtime/coordinator.h"
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/read.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/write.hpp>
+
+#include <algorithm>
+#include <array>
+#include <condition_variable>
+#include <cstdio>
+#include <deque>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <random>
+#include <set>
+#include <thread>
+
+#include "sinew/collectives/error.h"
+#include "sinew/collectives/tcp_store.h"
+#include "sinew/runtime/detail/wire.h"
+
+namespace sinew {
+namespace runtime {
+
+namespace asio = boost::asio;
+using asio::ip::tcp;
+using boost::system::error_code;
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+namespace {
+
+double wallSeconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+class Coordinator::Impl {
+ public:
+  class Session;
+
+  explicit Impl(CoordinatorOptions options)
+      : options_(std::move(options)), acceptor_(io_), checkTimer_(io_), startTimer_(io_) {
+    if (options_.token == 0) {
+      std::random_device rd;
+      options_.token = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ 1;
+    }
+    SINEW_ENFORCE(options_.expectedWorkers >= 1, "coordinator expects ", options_.expectedWorkers,
+                  " workers; needs at least 1");
+    SINEW_ENFORCE(
+        options_.heartbeatInterval.count() > 0 && options_.deadAfter > options_.heartbeatInterval,
+        "dead-after (", options_.deadAfter.count(), " ms) must exceed the heartbeat interval (",
+        options_.heartbeatInterval.count(), " ms)");
+    if (!options_.eventLogPath.empty()) {
+      events_.open(options_.eventLogPath, std::ios::app);
+    }
+    collectives::TcpStoreServerOptions so;
+    so.host = options_.host;
+    so.log = options_.log;
+    store_ = std::make_unique<collectives::TcpStoreServer>(so);
+
+    error_code ec;
+    tcp::endpoint ep(asio::ip::make_address(options_.host, ec), options_.port);
+    if (ec) SINEW_THROW(IoError, "coordinator: bad listen address '", options_.host, "'");
+    acceptor_.open(ep.protocol(), ec);
+    if (!ec) acceptor_.set_option(tcp::acceptor::reuse_address(true), ec);
+    if (!ec) acceptor_.bind(ep, ec);
+    if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
+    if (ec) {
+      SINEW_THROW(IoError, "coordinator: cannot listen on ", options_.host, ":", options_.port,
+                  ": ", ec.message());
+    }
+    port_ = acceptor_.local_endpoint().port();
+    accept();
+    scheduleCheck();
+    startTimer_.expires_after(options_.startTimeout);
+    startTimer_.async_wait([this](error_code e) {
+      if (e) return;
+      std::lock_guard<std::mutex> lock(mu_);
+      if (epoch_ < 0 && !hellos_.empty()) formFirstEpoch("start timeout");
+    });
+    thread_ = std::thread([this] { io_.run(); });
+  }
+
+  ~Impl() {
+    asio::post(io_, [this] {
+      error_code ec;
+      acceptor_.close(ec);
+      checkTimer_.cancel();
+      startTimer_.cancel();
+      auto sessions = sessions_;
+      for (auto& s : sessions) closeSession(s);
+    });
+    thread_.join();
+  }
+
+  CoordinatorStatus status() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    CoordinatorStatus s;
+    s.epoch = epoch_;
+    s.committedStep = committed_;
+    s.members = members_;
+    s.dead = dead_;
+    s.done = std::vector<int>(done_.begin(), done_.end());
+    s.finished = finished_;
+    s.droppedConnections = dropped_;
+    s.ignoredMessages = ignored_;
+    return s;
+  }
+
+  bool waitFinished(std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, timeout, [&] { return finished_ || (epoch_ >= 0 && members_.empty()); });
+    return finished_ && !done_.empty();
+  }
+
+  void log(const std::string& line) {
+    std::string full = "sinew coordinator: " + line;
+    if (options_.log) {
+      options_.log(full);
+    } else {
+      std::fprintf(stderr, "%s\n", full.c_str());
+    }
+  }
+
+  CoordinatorOptions options_;
+  uint16_t port_ = 0;
+  std::unique_ptr<collectives::TcpStoreServer> store_;
+
+ private:
+  friend class Session;
+  struct Worker {
+    int id = -1;
+    std::string node;
+    int64_t pid = 0;
+    std::shared_ptr<Session> session;
+    Clock::time_point lastHeard;
+    bool hasState = false;  // held the model in an epoch (not a joiner awaiting state)
+  };
+
+  void accept();
+  void scheduleCheck();
+  void closeSession(const std::shared_ptr<Session>& s);
+
+  // Everything below runs on the io thread with mu_ held.
+  void onMessage(const std::shared_ptr<Session>& s, const wire::Header& h, const json& body);
+  void onHello(const std::shared_ptr<Session>& s, const json& body);
+  void onVote(int worker, int64_t epoch, int64_t step);
+  void onDone(int worker, int64_t step);
+  void onSessionClosed(const std::shared_ptr<Session>& s, const std::string& why);
+  void declareDead(int worker, const std::string& why);
+  void formFirstEpoch(const std::string& why);
+  void newEpoch(const std::string& why, std::vector<int> joiners);
+  json epochBody(const std::vector<int>& joined, bool sync) const;
+  void send(int worker, wire::Type type, const json& body);
+  void event(json e);
+  void checkFinished();
+
+  asio::io_context io_;
+  tcp::acceptor acceptor_;
+  asio::steady_timer checkTimer_;
+  asio::steady_timer startTimer_;
+  std::thread thread_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  // Guarded by mu_.
+  std::set<std::shared_ptr<Session>> sessions_;
+  std::map<int, Worker> workers_;  // every worker that said hello and is not dead
+  std::vector<int> hellos_;        // ids before the first epoch formed
+  std::vector<int> pendingJoin_;   // joined after the first epoch; added at a step boundary
+  std::vector<int> members_;
+  std::vector<int> dead_;
+  std::set<int> done_;
+  std::map<int64_t, std::set<int>> votes_;  // step -> voters, for the current epoch
+  int64_t epoch_ = -1;
+  int64_t committed_ = -1;
+  int nextId_ = 0;
+  bool finished_ = false;
+  int64_t dropped_ = 0;
+  int64_t ignored_ = 0;
+  std::ofstream events_;
+};
+
+// One connection. Reads header, then payload, then dispatches, forever; writes are queued.
+class Coordinator::Impl::Session : public std::enable_shared_from_this<Session> {
+ public:
+  Session(Impl* owner, tcp::socket socket) : owner_(owner), socket_(std::move(socket)) {
+    error_code ec;
+    auto ep = socket_.remote_endpoint(ec);
+    peer_ = ec ? "an unknown peer" : ep.address().to_string() + ":" + std::to_string(ep.port());
+  }
+
+  void start() { readHeader(); }
+
+  void write(std::vector<uint8_t> bytes, bool closeAfter = false) {
+    if (closed_) return;
+    queue_.push_back(std::move(bytes));
+    closeAfterWrite_ = closeAfterWrite_ || closeAfter;
+    if (queue_.size() == 1) writeNext();
+  }
+
+  void close() {
+    if (closed_) return;
+    closed_ = true;
+    error_code ec;
+    socket_.shutdown(tcp::socket::shutdown_both, ec);
+    socket_.close(ec);
+  }
+
+  // Drops the connection for a protocol violation.
+  void drop(const std::string& why) {
+    owner_->log("dropping connection from " + describe() + ": " + why);
+    owner_->dropped_++;
+    owner_->onSessionClosed(shared_from_this(), "protocol violation: " + why);
+  }
+
+  std::string describe() const {
+    return worker_ >= 0 ? "worker " + std::to_string(worker_) + " (" + peer_ + ")" : peer_;
+  }
+
+  int worker_ = -1;
+  bool closed_ = false;
+
+ private:
+  void readHeader() {
+    auto self = shared_from_this();
+    asio::async_read(socket_, asio::buffer(header_), [this, self](error_code ec, size_t) {
+      if (closed_) return;
+      std::lock_guard<std::mutex> lock(owner_->mu_);
+      if (ec) {
+        return owner_->onSessionClosed(self,
+                                       ec == asio::error::eof ? "connection closed" : ec.message());
+      }
+      std::string why;
+      if (!wire::decodeHeader(header_.data(), owner_->options_.maxMessageBytes, &h_, &why)) {
+        return drop(why);
+      }
+      if (h_.token != owner_->options_.token) {
+        return drop(std::string("wrong job token on a ") + wire::typeName(h_.type) + " message");
+      }
+      payload_.assign(h_.length, 0);
+      readPayload();
+    });
+  }
+
+  void readPayload() {
+    auto self = shared_from_this();
+    asio::async_read(socket_, asio::buffer(payload_), [this, self](error_code ec, size_t) {
+      if (closed_) return;
+      std::lock_guard<std::mutex> lock(owner_->mu_);
+      if (ec) {
+        return owner_->onSessionClosed(self, std::string("connection closed in the middle of a ") +
+                                                 wire::typeName(h_.type) + " message");
+      }
+      json body;
+      std::string why;
+      if (!wire::decodeBody(payload_, &body, &why)) {
+        return drop(std::string("malformed ") + wire::typeName(h_.type) + " message: " + why);
+      }
+      try {
+        owner_->onMessage(self, h_, body);
+      } catch (const std::exception& e) {
+        return drop(std::string("bad ") + wire::typeName(h_.type) + " message: " + e.what());
+      }
+      if (!closed_) readHeader();
+    });
+  }
+
+  void writeNext() {
+    auto self = shared_from_this();
+    asio::async_write(socket_, asio::buffer(queue_.front()), [this, self](error_code ec, size_t) {
+      if (closed_) return;
+      std::lock_guard<std::mutex> lock(owner_->mu_);
+      if (ec) return owner_->onSessionClosed(self, "write failed: " + ec.message());
+      queue_.pop_front();
+      if (!queue_.empty()) return writeNext();
+      if (closeAfterWrite_) owner_->closeSession(self);
+    });
+  }
+
+  Impl* const owner_;  // Outlives its sessions: ~Impl closes them and joins the io thread.
+  tcp::socket socket_;
+  std::string peer_;
+  std::array<uint8_t, wire::kHeaderBytes> header_{};
+  wire::Header h_;
+  std::vector<uint8_t> payload_;
+  std::deque<std::vector<uint8_t>> queue_;
+  bool closeAfterWrite_ = false;
+};
+
+void Coordinator::Impl::accept() {
+  acceptor_.async_accept([this](error_code ec, tcp::socket socket) {
+    if (ec == asio::error::operation_aborted || !acceptor_.is_open()) return;
+    if (!ec) {
+      error_code ignored;
+      socket.set_option(tcp::no_delay(true), ignored);
+      auto s = std::make_shared<Session>(this, std::move(socket));
+      std::lock_guard<std::mutex> lock(mu_);
+      sessions_.insert(s);
+      s->start();
+    }
+    accept();
+  });
+}
+
+void Coordinator::Impl::scheduleCheck() {
+  checkTimer_.expires_after(options_.heartbeatInterval / 2);
+  checkTimer_.async_wait([this](error_code ec) {
+    if (ec) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto now = Clock::now();
+    std::vector<std::pair<int, int64_t>> silent;
+    for (const auto& [id, w] : workers_) {
+      if (done_.count(id)) continue;
+      auto quiet = now - w.lastHeard;
+      if (quiet > options_.deadAfter) {
+        silent.emplace_back(id,
+                            std::chrono::duration_cast<std::chrono::milliseconds>(quiet).count());
+      }
+    }
+    for (const auto& [id, ms] : silent) {
+      declareDead(id, "no heartbeat for " + std::to_string(ms) + " ms");
+    }
+    scheduleCheck();
+  });
+}
+
+void Coordinator::Impl::closeSession(const std::shared_ptr<Session>& s) {
+  s->close();
+  sessions_.erase(s);
+}
+
+void Coordinator::Impl::onSessionClosed(const std::shared_ptr<Session>& s, const std::string& why) {
+  int worker = s->worker_;
+  closeSession(s);
+  if (worker < 0) return;
+  auto it = workers_.find(worker);
+  if (it == workers_.end() || it->second.session != s) return;
+  if (done_.count(worker)) {
+    workers_.erase(it);
+    return;
+  }
+  declareDead(worker, why);
+}
+
+void Coordinator::Impl::onMessage(const std::shared_ptr<Session>& s, const wire::Header& h,
+                                  const json& body) {
+  auto type = static_cast<wire::Type>(h.type);
+  if (type == wire::Type::kHello) {
+    if (s->worker_ >= 0) throw std::runtime_error("second hello on one connection");
+    return onHello(s, body);
+  }
+  if (s->worker_ < 0) {
+    throw std::runtime_error(std::string(wire::typeName(h.type)) + " before hello");
+  }
+  int worker = s->worker_;
+  auto it = workers_.find(worker);
+  if (it == workers_.end()) return;  // Already declared dead; its expulsion is on its way.
+  it->second.lastHeard = Clock::now();
+  if (h.epoch > epoch_) {
+    throw std::runtime_error("message of epoch " + std::to_string(h.epoch) +
+                             " from the future (current epoch " + std::to_string(epoch_) + ")");
+  }
+  switch (type) {
+    case wire::Type::kHeartbeat:
+      return;  // Liveness only: accepted in any epoch.
+    case wire::Type::kDone:
+      return onDone(worker, body.at("step").get<int64_t>());
+    default:
+      break;
+  }
+  if (h.epoch < epoch_) {
+    // A message that crossed an epoch change is stale, not hostile: dropping the connection
+    // would turn a benign race into a false failure (docs/coordinator_protocol.md).
+    ignored_++;
+    log(std::string("ignoring a ") + wire::typeName(h.type) + " of epoch " +
+        std::to_string(h.epoch) + " from worker " + std::to_string(worker) + " (current epoch " +
+        std::to_string(epoch_) + ")");
+    return;
+  }
+  switch (type) {
+    case wire::Type::kLost: {
+      int lost = body.at("worker").get<int>();
+      if (workers_.count(lost)) {
+        declareDead(lost, "worker " + std::to_string(worker) + " lost it in the data plane");
+      }
+      return;
+    }
+    case wire::Type::kVote:
+      return onVote(worker, h.epoch, body.at("step").get<int64_t>());
+    case wire::Type::kRebuild:
+      log("worker " + std::to_string(worker) + " could not build epoch " + std::to_string(epoch_) +
+          "'s communicator; rebuilding");
+      return newEpoch("rebuild requested by worker " + std::to_string(worker), {});
+    default:
+      throw std::runtime_error(std::string("a worker may not send ") + wire::typeName(h.type));
+  }
+}
+
+void Coordinator::Impl::onHello(const std::shared_ptr<Session>& s, const json& body) {
+  int requested = body.at("worker").get<int>();
+  std::string node = body.at("node").get<std::string>();
+  int64_t pid = body.value("pid", int64_t(0));
+  if (requested >= 0 && (workers_.count(requested) ||
+                         std::find(dead_.begin(), dead_.end(), requested) != dead_.end())) {
+    throw std::runtime_error("worker id " + std::to_string(requested) + " is already taken");
+  }
+  int id = requested >= 0 ? requested : nextId_;
+  nextId_ = std::max(nextId_, id + 1);
+  s->worker_ = id;
+  Worker w;
+  w.id = id;
+  w.node = node;
+  w.pid = pid;
+  w.session = s;
+  w.lastHeard = Clock::now();
+  workers_[id] = w;
+  json welcome = {{"worker", id},
+                  {"store_host", options_.host},
+                  {"store_port", store_->port()},
+                  {"heartbeat_ms", options_.heartbeatInterval.count()},
+                  {"dead_after_ms", options_.deadAfter.count()}};
+  send(id, wire::Type::kWelcome, welcome);
+  event({{"event", "hello"}, {"worker", id}, {"node", node}, {"pid", pid}});
+  if (epoch_ < 0) {
+    hellos_.push_back(id);
+    if (static_cast<int>(hellos_.size()) >= options_.expectedWorkers) formFirstEpoch("all hello");
+  } else if (finished_) {
+    declareDead(id, "the job has already finished");
+  } else {
+    pendingJoin_.push_back(id);
+    log("worker " + std::to_string(id) + " (node " + node +
+        ") asks to join; it joins at the next step boundary");
+  }
+}
+
+void Coordinator::Impl::formFirstEpoch(const std::string& why) {
+  startTimer_.cancel();
+  for (int id : hellos_) workers_[id].hasState = true;
+  std::vector<int> none;
+  epoch_ = -1;
+  newEpoch("first epoch (" + why + ")", none);
+}
+
+void Coordinator::Impl::newEpoch(const std::string& why, std::vector<int> joiners) {
+  epoch_ = epoch_ < 0 ? 0 : epoch_ + 1;
+  votes_.clear();
+  bool first = epoch_ == 0;
+  std::vector<int> members;
+  for (const auto& [id, w] : workers_) {
+    if (!done_.count(id)) members.push_back(id);
+  }
+  members_ = members;
+  for (int j : joiners) {
+    pendingJoin_.erase(std::remove(pendingJoin_.begin(), pendingJoin_.end(), j),
+                       pendingJoin_.end());
+  }
+  // Joiners still pending become members now too (they receive the state like the others).
+  std::vector<int> joined = joiners;
+  for (int j : pendingJoin_) joined.push_back(j);
+  pendingJoin_.clear();
+  std::sort(joined.begin(), joined.end());
+  json body = epochBody(joined, first || !joined.empty());
+  for (int id : members_) send(id, wire::Type::kEpoch, body);
+  for (int id : joined) workers_[id].hasState = true;
+  log("epoch " + std::to_string(epoch_) + ": " + std::to_string(members_.size()) +
+      " members, resume at step " + std::to_string(committed_ + 1) + " (" + why + ")");
+  event({{"event", "epoch"},
+         {"epoch", epoch_},
+         {"members", members_},
+         {"joined", joined},
+         {"resume_step", committed_ + 1},
+         {"reason", why}});
+  cv_.notify_all();
+}
+
+json Coordinator::Impl::epochBody(const std::vector<int>& joined, bool sync) const {
+  int source = -1;
+  for (int id : members_) {
+    if (std::find(joined.begin(), joined.end(), id) != joined.end()) continue;
+    if (workers_.at(id).hasState) {
+      source = id;
+      break;
+    }
+  }
+  return json{{"epoch", epoch_},  {"members", members_}, {"resume_step", committed_ + 1},
+              {"source", source}, {"joined", joined},    {"sync", sync}};
+}
+
+void Coordinator::Impl::onVote(int worker, int64_t epoch, int64_t step) {
+  if (step != committed_ + 1) {
+    ignored_++;
+    log("ignoring worker " + std::to_string(worker) + "'s vote for step " + std::to_string(step) +
+        " (expected step " + std::to_string(committed_ + 1) + ")");
+    return;
+  }
+  auto& voters = votes_[step];
+  voters.insert(worker);
+  for (int id : members_) {
+    if (!voters.count(id)) return;
+  }
+  committed_ = step;
+  votes_.erase(step);
+  if (pendingJoin_.empty()) {
+    for (int id : members_) send(id, wire::Type::kCommit, json{{"step", step}});
+    return;
+  }
+  // Step boundary with joiners: the commit carries the next epoch, so members switch to it
+  // right after applying the step.
+  std::vector<int> joiners = pendingJoin_;
+  std::vector<int> old = members_;
+  for (int id : old) send(id, wire::Type::kCommit, json{{"step", step}, {"next_epoch", true}});
+  newEpoch("worker(s) joining at step " + std::to_string(step + 1), joiners);
+}
+
+void Coordinator::Impl::onDone(int worker, int64_t step) {
+  done_.insert(worker);
+  event({{"event", "done"}, {"worker", worker}, {"step", step}});
+  checkFinished();
+}
+
+void Coordinator::Impl::checkFinished() {
+  if (epoch_ < 0 || members_.empty()) return;
+  for (int id : members_) {
+    if (!done_.count(id)) return;
+  }
+  if (!finished_) {
+    finished_ = true;
+    log("job finished at step " + std::to_string(committed_) + " in epoch " +
+        std::to_string(epoch_));
+    event({{"event", "finished"}, {"step", committed_}, {"epoch", epoch_}});
+    for (int id : pendingJoin_) declareDead(id, "the job has finished");
+    cv_.notify_all();
+  }
+}
+
+void Coordinator::Impl::declareDead(int worker, const std::string& why) {
+  auto it = workers_.find(worker);
+  if (it == workers_.end()) return;
+  // Workers of a node fail together (DESIGN.md section 1).
+  std::string node = it->second.node;
+  std::vector<int> victims;
+  for (const auto& [id, w] : workers_) {
+    if (w.node == node && !done_.count(id)) victims.push_back(id);
+  }
+  if (std::find(victims.begin(), victims.end(), worker) == victims.end()) victims.push_back(worker);
+  bool wasMember = false;
+  for (int id : victims) {
+    auto wit = workers_.find(id);
+    if (wit == workers_.end()) continue;
+    std::string reason =
+        id == worker ? why : "node " + node + " of worker " + std::to_string(worker) + " failed";
+    log("worker " + std::to_string(id) + " declared dead: " + reason);
+    event({{"event", "failure"},
+           {"worker", id},
+           {"node", node},
+           {"reason", reason},
+           {"epoch", epoch_},
+           {"committed_step", committed_}});
+    if (wit->second.session && !wit->second.session->closed_) {
+      wit->second.session->write(
+          wire::encode(wire::Type::kExpelled, options_.token, epoch_, json{{"reason", reason}}),
+          /*closeAfter=*/true);
+    }
+    wasMember = wasMember || std::find(members_.begin(), members_.end(), id) != members_.end();
+    pendingJoin_.erase(std::remove(pendingJoin_.begin(), pendingJoin_.end(), id),
+                       pendingJoin_.end());
+    hellos_.erase(std::remove(hellos_.begin(), hellos_.end(), id), hellos_.end());
+    dead_.push_back(id);
+    workers_.erase(wit);
+  }
+  if (epoch_ >= 0 && wasMember && !finished_) {
+    newEpoch("worker " + std::to_string(worker) + " failed: " + why, {});
+    checkFinished();
+  }
+  cv_.notify_all();
+}
+
+void Coordinator::Impl::send(int worker, wire::Type type, const json& body) {
+  auto it = workers_.find(worker);
+  if (it == workers_.end() || !it->second.session) return;
+  it->second.session->write(wire::encode(type, options_.token, epoch_, body));
+}
+
+void Coordinator::Impl::event(json e) {
+  if (!events_.is_open()) return;
+  e["time"] = wallSeconds();
+  e["source"] = "coordinator";
+  events_ << e.dump() << "\n";
+  events_.flush();
+}
+
+Coordinator::Coordinator(CoordinatorOptions options)
+    : impl_(std::make_unique<Impl>(std::move(options))) {}
+Coordinator::~Coordinator() = default;
+uint16_t Coordinator::port() const { return impl_->port_; }
+uint16_t Coordinator::storePort() const { return impl_->store_->port(); }
+uint64_t Coordinator::token() const { return impl_->options_.token; }
+const std::string& Coordinator::host() const { return impl_->options_.host; }
+CoordinatorStatus Coordinator::status() const { return impl_->status(); }
+bool Coordinator::waitFinished(std::chrono::milliseconds timeout) {
+  return impl_->waitFinished(timeout);
+}
+
+}  // namespace runtime
+}  // namespace sinew

@@ -1,0 +1,90 @@
+#pragma once
+
+// The coordinator (DESIGN.md section 3): a Boost.Asio server, in a process of its own so that
+// it outlives any worker. It holds membership, the epoch, the last committed step and the
+// rendezvous store (a TcpStoreServer on a second port), detects failures from heartbeats,
+// closed connections and workers' PeerLost reports, and runs the step agreement. The
+// protocol is in docs/coordinator_protocol.md.
+//
+// Step agreement (a step is applied everywhere or nowhere):
+//   1. Each member reduces its gradients for step s, then votes (s, epoch).
+//   2. When every member of the epoch voted for s, the coordinator records s as committed
+//      and sends commit(s) to every member; members apply the optimizer step only then.
+//   3. If a member dies first, the coordinator bumps the epoch instead; commit(s) is never
+//      sent, and the new epoch's resume_step is the last committed step + 1, so survivors
+//      redo step s. A commit precedes any later epoch message on every connection, so a
+//      survivor that voted learns the verdict before it learns of the new epoch.
+//
+// Thread safety: the public methods may be called from any thread.
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace sinew {
+namespace runtime {
+
+struct CoordinatorOptions {
+  // Address for both ports. Loopback by default.
+  std::string host = "127.0.0.1";
+  // 0 picks a free port.
+  uint16_t port = 0;
+  // Every message must carry it; 0 draws a random one.
+  uint64_t token = 0;
+  // The first epoch forms when this many workers have said hello (or at startTimeout
+  // with those present).
+  int expectedWorkers = 1;
+  std::chrono::milliseconds startTimeout{120000};
+  // Workers send a heartbeat this often...
+  std::chrono::milliseconds heartbeatInterval{100};
+  // ...and are declared dead after this much silence (or at once on a closed connection).
+  std::chrono::milliseconds deadAfter{1000};
+  // Largest message accepted; a larger one drops the connection.
+  uint32_t maxMessageBytes = 1u << 20;
+  // Where protocol violations and membership changes are logged; stderr by default.
+  std::function<void(const std::string&)> log;
+  // If set, membership events are appended here as JSON lines.
+  std::string eventLogPath;
+};
+
+struct CoordinatorStatus {
+  int64_t epoch = -1;
+  int64_t committedStep = -1;
+  std::vector<int> members;  // of the current epoch
+  std::vector<int> dead;     // declared dead (or expelled), in order
+  std::vector<int> done;     // finished every step
+  bool finished = false;     // every member of the current epoch is done
+  int64_t droppedConnections = 0;
+  int64_t ignoredMessages = 0;
+};
+
+class Coordinator {
+ public:
+  // Starts serving. Throws IoError if it cannot listen.
+  explicit Coordinator(CoordinatorOptions options);
+  ~Coordinator();
+  Coordinator(const Coordinator&) = delete;
+  Coordinator& operator=(const Coordinator&) = delete;
+
+  uint16_t port() const;
+  uint16_t storePort() const;
+  uint64_t token() const;
+  const std::string& host() const;
+
+  CoordinatorStatus status() const;
+
+  // Blocks until every member of the current epoch is done, or no member is left alive, or
+  // the timeout passes. Returns whether the job finished with at least one member done.
+  bool waitFinished(std::chrono::milliseconds timeout);
+
+  class Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace runtime
+}  // namespace sinew

@@ -1,0 +1,105 @@
+#pragma once
+
+// A worker's connection to the coordinator (DESIGN.md section 3): hello, heartbeats, epoch
+// announcements, failure reports and the step vote. It owns one io thread, which reads the
+// coordinator's messages and sends heartbeats; the worker's threads call the methods below.
+//
+// Thread safety: every method may be called from any thread.
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "sinew/collectives/error.h"
+
+namespace sinew {
+namespace runtime {
+
+// The coordinator declared this worker dead (it was silent too long, its node failed, or it
+// joined a finished job); it must leave the job. Also thrown when the coordinator is gone.
+class Expelled : public Error {
+ public:
+  explicit Expelled(const std::string& what) : Error(what) {}
+};
+
+// One configuration of the job, as the coordinator announced it.
+struct EpochInfo {
+  int64_t epoch = -1;
+  std::vector<int> members;  // worker ids, ascending
+  // The first step this epoch runs: the last committed step + 1.
+  int64_t resumeStep = 0;
+  // A member that holds the committed state, to copy it from when sync is set (-1: none).
+  int source = -1;
+  // Members that hold no state yet (joined at this epoch).
+  std::vector<int> joined;
+  // Every member must take the state from source before the first step (first epoch, joins).
+  bool sync = false;
+};
+
+struct CoordinatorClientOptions {
+  std::string host = "127.0.0.1";
+  uint16_t port = 0;
+  uint64_t token = 0;
+  // The launch rank, or -1 to join a running job (the coordinator assigns an id).
+  int worker = -1;
+  // The failure domain (a host name); workers of one node fail together.
+  std::string node;
+  std::chrono::milliseconds connectTimeout{60000};
+};
+
+class CoordinatorClient {
+ public:
+  // Connects, says hello and waits for the welcome. Throws Timeout if the coordinator cannot
+  // be reached within connectTimeout, InvalidArgument if it rejects the hello.
+  explicit CoordinatorClient(CoordinatorClientOptions options);
+  ~CoordinatorClient();
+  CoordinatorClient(const CoordinatorClient&) = delete;
+  CoordinatorClient& operator=(const CoordinatorClient&) = delete;
+
+  int worker() const;
+  const std::string& node() const;
+  // The rendezvous store the coordinator serves.
+  const std::string& storeHost() const;
+  uint16_t storePort() const;
+
+  // The newest epoch announced (epoch -1 before the first).
+  EpochInfo latestEpoch() const;
+  // Waits for an epoch newer than `epoch`. Throws Expelled, or Timeout.
+  EpochInfo waitEpochAfter(int64_t epoch, std::chrono::milliseconds timeout);
+
+  enum class VoteResult {
+    kCommitted,             // every member voted: apply the step
+    kCommittedThenReshape,  // apply it; a new epoch (joiners) follows at this boundary
+    kSuperseded,            // a new epoch began first: do not apply; recover
+  };
+  // Votes that this worker finished the reduction of `step` in `epoch`, and waits for the
+  // verdict. Throws Expelled, or Timeout.
+  VoteResult vote(int64_t epoch, int64_t step, std::chrono::milliseconds timeout);
+
+  // Reports a peer the data plane lost (from PeerLost).
+  void reportLost(int64_t epoch, int worker);
+  // Reports that `epoch`'s communicator could not be built; the coordinator starts another.
+  void requestRebuild(int64_t epoch);
+  // Reports that this worker finished every step.
+  void done(int64_t step);
+  // The step heartbeats carry.
+  void setStep(int64_t step);
+  // Sends no heartbeats for this long (failure injection).
+  void muteHeartbeats(std::chrono::milliseconds duration);
+
+  // Called on the io thread when an epoch newer than the previous one is announced, or when
+  // this worker is expelled (with -1): the trainer aborts its communicator, so that a call
+  // blocked on a dead or stopped peer returns at once. Must not block.
+  void setEpochListener(std::function<void(int64_t)> listener);
+
+  class Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace runtime
+}  // namespace sinew

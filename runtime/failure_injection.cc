@@ -1,0 +1,178 @@
+#include "sinew/runtime/failure_injection.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
+#include <thread>
+
+#include "sinew/collectives/error.h"
+#include "sinew/runtime/coordinator_client.h"
+
+namespace sinew {
+namespace runtime {
+namespace {
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::string cur;
+  std::istringstream is(s);
+  while (std::getline(is, cur, sep)) out.push_back(cur);
+  return out;
+}
+
+double parseNumber(const std::string& fault, const std::string& key, const std::string& v) {
+  char* end = nullptr;
+  double d = std::strtod(v.c_str(), &end);
+  if (v.empty() || end != v.c_str() + v.size() || d < 0) {
+    SINEW_THROW(InvalidArgument, "fault '", fault, "': ", key, "='", v,
+                "' is not a non-negative number");
+  }
+  return d;
+}
+
+Phase parsePhase(const std::string& fault, const std::string& v) {
+  for (Phase p : {Phase::kForward, Phase::kBackward, Phase::kReduce, Phase::kAfterReduce,
+                  Phase::kOptimizer, Phase::kRecovery}) {
+    if (v == phaseName(p)) return p;
+  }
+  SINEW_THROW(InvalidArgument, "fault '", fault, "': unknown phase '", v,
+              "' (expected forward, backward, reduce, after-reduce, optimizer or recovery)");
+}
+
+}  // namespace
+
+const char* phaseName(Phase p) {
+  switch (p) {
+    case Phase::kForward:
+      return "forward";
+    case Phase::kBackward:
+      return "backward";
+    case Phase::kReduce:
+      return "reduce";
+    case Phase::kAfterReduce:
+      return "after-reduce";
+    case Phase::kOptimizer:
+      return "optimizer";
+    case Phase::kRecovery:
+      return "recovery";
+  }
+  return "?";
+}
+
+FailureInjector FailureInjector::parse(const std::string& spec) {
+  FailureInjector inj;
+  for (const std::string& text : split(spec, ';')) {
+    if (text.find_first_not_of(" \t") == std::string::npos) continue;
+    auto parts = split(text, ':');
+    Fault f;
+    const std::string& kind = parts[0];
+    if (kind == "kill") {
+      f.kind = Fault::Kind::kKill;
+    } else if (kind == "stop") {
+      f.kind = Fault::Kind::kStop;
+    } else if (kind == "mute") {
+      f.kind = Fault::Kind::kMute;
+    } else if (kind == "slow") {
+      f.kind = Fault::Kind::kSlow;
+    } else {
+      SINEW_THROW(InvalidArgument, "fault '", text, "': unknown kind '", kind,
+                  "' (expected kill, stop, mute or slow)");
+    }
+    bool haveWorker = false;
+    for (size_t i = 1; i < parts.size(); ++i) {
+      auto eq = parts[i].find('=');
+      if (eq == std::string::npos) {
+        SINEW_THROW(InvalidArgument, "fault '", text, "': '", parts[i], "' is not key=value");
+      }
+      std::string key = parts[i].substr(0, eq), v = parts[i].substr(eq + 1);
+      if (key == "worker") {
+        f.worker = v == "*" ? -1 : static_cast<int>(parseNumber(text, key, v));
+        haveWorker = true;
+      } else if (key == "step") {
+        f.step = static_cast<int64_t>(parseNumber(text, key, v));
+      } else if (key == "phase") {
+        f.phase = parsePhase(text, v);
+      } else if (key == "secs") {
+        f.seconds = parseNumber(text, key, v);
+      } else if (key == "ms") {
+        f.milliseconds = parseNumber(text, key, v);
+      } else {
+        SINEW_THROW(InvalidArgument, "fault '", text, "': unknown key '", key,
+                    "' (expected worker, step, phase, secs or ms)");
+      }
+    }
+    if (!haveWorker) SINEW_THROW(InvalidArgument, "fault '", text, "': needs worker=<id or *>");
+    if (f.step < 0 && f.kind != Fault::Kind::kSlow) {
+      SINEW_THROW(InvalidArgument, "fault '", text, "': needs step=<n>");
+    }
+    if ((f.kind == Fault::Kind::kStop || f.kind == Fault::Kind::kMute) && f.seconds <= 0) {
+      SINEW_THROW(InvalidArgument, "fault '", text, "': needs secs=<seconds> > 0");
+    }
+    if (f.kind == Fault::Kind::kSlow && f.milliseconds <= 0) {
+      SINEW_THROW(InvalidArgument, "fault '", text, "': needs ms=<milliseconds> > 0");
+    }
+    inj.faults_.push_back(f);
+  }
+  return inj;
+}
+
+FailureInjector FailureInjector::fromEnvironment() {
+  const char* spec = std::getenv("SINEW_INJECT");
+  return spec ? parse(spec) : FailureInjector();
+}
+
+void FailureInjector::fireSlow(int worker, int64_t step, Phase phase, CoordinatorClient* client) {
+  for (Fault& f : faults_) {
+    if (f.fired || (f.worker >= 0 && f.worker != worker) || f.phase != phase) continue;
+    bool everyStep = f.kind == Fault::Kind::kSlow && f.step < 0;
+    bool due = everyStep || (phase == Phase::kRecovery ? step >= f.step : step == f.step);
+    if (!due) continue;
+    if (!everyStep) f.fired = true;
+    switch (f.kind) {
+      case Fault::Kind::kKill:
+        std::fprintf(stderr, "sinew inject: worker %d SIGKILLs itself at step %lld phase %s\n",
+                     worker, static_cast<long long>(step), phaseName(phase));
+        std::fflush(nullptr);
+        ::raise(SIGKILL);
+        break;
+      case Fault::Kind::kStop: {
+        std::fprintf(stderr, "sinew inject: worker %d SIGSTOPs itself for %.1f s at step %lld\n",
+                     worker, f.seconds, static_cast<long long>(step));
+        std::fflush(nullptr);
+        pid_t self = ::getpid();
+        pid_t waker = ::fork();
+        if (waker == 0) {
+          // Only async-signal-safe calls in the child of a threaded process.
+          struct timespec ts;
+          ts.tv_sec = static_cast<time_t>(f.seconds);
+          ts.tv_nsec = static_cast<long>((f.seconds - ts.tv_sec) * 1e9);
+          while (nanosleep(&ts, &ts) != 0) {
+          }
+          ::kill(self, SIGCONT);
+          _exit(0);
+        }
+        ::raise(SIGSTOP);
+        if (waker > 0) ::waitpid(waker, nullptr, 0);
+        break;
+      }
+      case Fault::Kind::kMute:
+        std::fprintf(stderr, "sinew inject: worker %d mutes heartbeats for %.1f s at step %lld\n",
+                     worker, f.seconds, static_cast<long long>(step));
+        if (client) {
+          client->muteHeartbeats(std::chrono::milliseconds(static_cast<int64_t>(f.seconds * 1e3)));
+        }
+        break;
+      case Fault::Kind::kSlow:
+        std::this_thread::sleep_for(
+            std::chrono::microseconds(static_cast<int64_t>(f.milliseconds * 1e3)));
+        break;
+    }
+  }
+}
+
+}  // namespace runtime
+}  // namespace sinew

@@ -1,0 +1,67 @@
+#pragma once
+
+// Failure injection (DESIGN.md section 8). A spec is a ';'-separated list of faults, each
+// `kind:key=value:key=value...`:
+//   kill:worker=2:step=30:phase=backward    SIGKILL this process
+//   stop:worker=1:step=50:secs=3            SIGSTOP this process for secs (a helper
+//                                           process sends SIGCONT)
+//   mute:worker=1:step=20:secs=3            send no heartbeats for secs
+//   slow:worker=0:ms=20[:step=N]            sleep ms (at every step when step is absent)
+// worker is the launch rank (or `*` for every worker); phase is one of forward, backward,
+// reduce, after-reduce, optimizer, recovery (default forward; `recovery` fires in the first
+// recovery at or after `step`). Each fault except an every-step slow fires once.
+//
+// With no faults, fire() is one inlined emptiness check: zero cost when unset.
+//
+// Thread safety: fire() must be called from one thread (the trainer's).
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace sinew {
+namespace runtime {
+
+class CoordinatorClient;
+
+enum class Phase { kForward, kBackward, kReduce, kAfterReduce, kOptimizer, kRecovery };
+
+const char* phaseName(Phase p);
+
+struct Fault {
+  enum class Kind { kKill, kStop, kMute, kSlow };
+  Kind kind = Kind::kKill;
+  int worker = -1;    // -1: every worker
+  int64_t step = -1;  // -1: every step (slow only)
+  Phase phase = Phase::kForward;
+  double seconds = 0;       // stop, mute
+  double milliseconds = 0;  // slow
+  bool fired = false;
+};
+
+class FailureInjector {
+ public:
+  FailureInjector() = default;
+  // Parses a spec; throws InvalidArgument naming the offending fault and field.
+  static FailureInjector parse(const std::string& spec);
+  // Parses $SINEW_INJECT (empty injector when unset).
+  static FailureInjector fromEnvironment();
+
+  bool empty() const { return faults_.empty(); }
+  const std::vector<Fault>& faults() const { return faults_; }
+
+  // Runs the faults scheduled for (worker, step, phase). `client` may be null (mute then
+  // does nothing).
+  void fire(int worker, int64_t step, Phase phase, CoordinatorClient* client) {
+    if (faults_.empty()) return;
+    fireSlow(worker, step, phase, client);
+  }
+
+ private:
+  void fireSlow(int worker, int64_t step, Phase phase, CoordinatorClient* client);
+  std::vector<Fault> faults_;
+};
+
+}  // namespace runtime
+}  // namespace sinew

@@ -1,0 +1,213 @@
+#include "sinew/runtime/init.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+
+#include "sinew/collectives/tcp_store.h"
+#include "sinew/config.h"
+#include "sinew/runtime/coordinator.h"
+
+#if SINEW_WITH_MPI
+#include <mpi.h>
+#endif
+
+namespace sinew {
+namespace {
+
+using runtime::Coordinator;
+using runtime::CoordinatorClientOptions;
+using runtime::CoordinatorOptions;
+
+const char* env(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && v[0] != '\0' ? v : nullptr;
+}
+
+int64_t parseInt(const char* name, const std::string& v) {
+  char* end = nullptr;
+  long long x = std::strtoll(v.c_str(), &end, 10);
+  if (v.empty() || end != v.c_str() + v.size()) {
+    SINEW_THROW(InvalidArgument, name, "='", v, "' is not an integer");
+  }
+  return x;
+}
+
+uint64_t parseToken(const std::string& v) {
+  char* end = nullptr;
+  unsigned long long x = std::strtoull(v.c_str(), &end, 16);
+  if (v.empty() || end != v.c_str() + v.size() || x == 0) {
+    SINEW_THROW(InvalidArgument, "SINEW_TOKEN='", v, "' is not a non-zero hexadecimal job token");
+  }
+  return x;
+}
+
+// "host:port" -> (host, port).
+std::pair<std::string, uint16_t> parseEndpoint(const char* name, const std::string& v) {
+  auto colon = v.rfind(':');
+  if (colon == std::string::npos || colon == 0) {
+    SINEW_THROW(InvalidArgument, name, "='", v, "' is not host:port");
+  }
+  int64_t port = parseInt(name, v.substr(colon + 1));
+  if (port <= 0 || port > 65535) SINEW_THROW(InvalidArgument, name, "='", v, "': bad port");
+  return {v.substr(0, colon), static_cast<uint16_t>(port)};
+}
+
+std::string hostName() {
+  char buf[256] = {0};
+  ::gethostname(buf, sizeof(buf) - 1);
+  return buf;
+}
+
+// The launch rank under mpirun/srun, or -1.
+int mpiRank() {
+  for (const char* name : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"}) {
+    if (const char* v = env(name)) return static_cast<int>(parseInt(name, v));
+  }
+  return -1;
+}
+
+int mpiSize() {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"}) {
+    if (const char* v = env(name)) return static_cast<int>(parseInt(name, v));
+  }
+  return 1;
+}
+
+#if SINEW_WITH_MPI
+// Forks the coordinator process (before MPI_Init, so the child is no MPI process) and
+// returns "port token" as it reports them through a pipe. The child serves until the job
+// finishes, every member is gone, or nobody said hello within the connect timeout.
+std::string forkCoordinator(int expected, const InitOptions& o) {
+  int fds[2];
+  if (::pipe(fds) != 0) SINEW_THROW(IoError, "pipe: ", std::strerror(errno));
+  pid_t pid = ::fork();
+  if (pid < 0) SINEW_THROW(IoError, "fork: ", std::strerror(errno));
+  if (pid == 0) {
+    ::close(fds[0]);
+    ::signal(SIGINT, SIG_IGN);  // The workers decide; a ^C reaches them.
+    int rc = 0;
+    try {
+      CoordinatorOptions c;
+      if (const char* h = env("SINEW_COORDINATOR_HOST")) c.host = h;
+      c.expectedWorkers = expected;
+      c.heartbeatInterval = o.heartbeatInterval;
+      c.deadAfter = o.deadAfter;
+      c.startTimeout = o.connectTimeout;
+      if (const char* dir = env("SINEW_LOG_DIR")) {
+        c.eventLogPath = std::string(dir) + "/coordinator-events.jsonl";
+      }
+      Coordinator coord(c);
+      std::string line = std::to_string(coord.port()) + " " + std::to_string(coord.token()) + "\n";
+      if (::write(fds[1], line.data(), line.size()) < 0) _exit(1);
+      ::close(fds[1]);
+      auto start = std::chrono::steady_clock::now();
+      while (!coord.waitFinished(std::chrono::seconds(1))) {
+        auto st = coord.status();
+        if (st.epoch >= 0 && st.members.empty()) break;
+        if (st.epoch < 0 && std::chrono::steady_clock::now() - start > o.connectTimeout) break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));  // Let the last words out.
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "sinew coordinator: %s\n", e.what());
+      rc = 1;
+    }
+    std::fflush(nullptr);
+    _exit(rc);
+  }
+  ::close(fds[1]);
+  std::string line;
+  char c;
+  while (::read(fds[0], &c, 1) == 1 && c != '\n') line.push_back(c);
+  ::close(fds[0]);
+  if (line.empty()) SINEW_THROW(IoError, "the coordinator process (pid ", pid, ") failed to start");
+  return line;
+}
+#endif
+
+}  // namespace
+
+Context::~Context() {
+  client_.reset();
+  localCoordinator_.reset();
+#if SINEW_WITH_MPI
+  if (mpi_) {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized && !memberLost_) MPI_Finalize();
+  }
+#endif
+}
+
+std::unique_ptr<Context> init(int* argc, char*** argv, const InitOptions& options) {
+  std::unique_ptr<Context> ctx(new Context());
+  ctx->injector_ = runtime::FailureInjector::fromEnvironment();
+  if (const char* h = env("SINEW_HOST")) ctx->host_ = h;
+  const char* node = env("SINEW_NODE");
+  ctx->node_ = node ? node : hostName();
+
+  CoordinatorClientOptions co;
+  co.node = ctx->node_;
+  co.connectTimeout = options.connectTimeout;
+  if (const char* ep = env("SINEW_COORDINATOR")) {
+    std::tie(co.host, co.port) = parseEndpoint("SINEW_COORDINATOR", ep);
+    const char* token = env("SINEW_TOKEN");
+    if (!token) SINEW_THROW(InvalidArgument, "SINEW_COORDINATOR is set but SINEW_TOKEN is not");
+    co.token = parseToken(token);
+    const char* id = env("SINEW_WORKER_ID");
+    co.worker = id ? static_cast<int>(parseInt("SINEW_WORKER_ID", id)) : -1;
+    ctx->joined_ = co.worker < 0;
+    ctx->mode_ = ctx->joined_ ? "join" : "sinew-run";
+  } else if (mpiRank() >= 0) {
+#if SINEW_WITH_MPI
+    int rank = mpiRank();
+    std::string announced;
+    if (rank == 0) announced = forkCoordinator(mpiSize(), options);
+    int provided = 0;
+    MPI_Init_thread(argc, argv, MPI_THREAD_SINGLE, &provided);
+    ctx->mpi_ = true;
+    char buf[256] = {0};
+    if (rank == 0) {
+      const char* h = env("SINEW_COORDINATOR_HOST");
+      std::snprintf(buf, sizeof(buf), "%s %s", h ? h : "127.0.0.1", announced.c_str());
+    }
+    MPI_Bcast(buf, sizeof(buf), MPI_CHAR, 0, MPI_COMM_WORLD);  // The last MPI call.
+    char host[200] = {0};
+    unsigned port = 0;
+    unsigned long long token = 0;
+    if (std::sscanf(buf, "%199s %u %llu", host, &port, &token) != 3) {
+      SINEW_THROW(IoError, "bad coordinator endpoint from rank 0: '", buf, "'");
+    }
+    co.host = host;
+    co.port = static_cast<uint16_t>(port);
+    co.token = token;
+    co.worker = rank;
+    ctx->mode_ = "mpi";
+#else
+    SINEW_THROW(InvalidArgument,
+                "launched under mpirun/srun, but this Sinew was built without MPI; use sinew-run");
+#endif
+  } else {
+    CoordinatorOptions c;
+    c.heartbeatInterval = options.heartbeatInterval;
+    c.deadAfter = options.deadAfter;
+    ctx->localCoordinator_ = std::make_unique<Coordinator>(c);
+    co.host = c.host;
+    co.port = ctx->localCoordinator_->port();
+    co.token = ctx->localCoordinator_->token();
+    co.worker = 0;
+    ctx->mode_ = "single";
+  }
+  ctx->client_ = std::make_unique<runtime::CoordinatorClient>(co);
+  collectives::TcpStoreOptions so;
+  so.connectTimeout = options.connectTimeout;
+  ctx->store_ = std::make_shared<collectives::TcpStore>(ctx->client_->storeHost(),
+                                                        ctx->client_->storePort(), so);
+  return ctx;
+}
+
+}  // namespace sinew

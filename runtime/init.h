@@ -1,0 +1,87 @@
+#pragma once
+
+// Bootstrap (DESIGN.md section 3). sinew::init() makes this process a worker of a job and
+// returns the handle everything else hangs off. It finds the job in this order:
+//   1. SINEW_COORDINATOR=host:port (set by sinew-run, or by hand to join a running job;
+//      SINEW_TOKEN carries the job token, SINEW_WORKER_ID the launch rank, absent to join).
+//   2. Under mpirun or srun (OMPI_COMM_WORLD_RANK, PMI_RANK or SLURM_PROCID is set): rank 0
+//      forks the coordinator process before MPI_Init; MPI_Init; rank 0 broadcasts its
+//      endpoint with one MPI_Bcast; nothing else uses MPI (the handle calls MPI_Finalize
+//      when it is destroyed, unless a member of the job was lost). Survivors of a dead rank
+//      keep running only under `mpirun --enable-recovery`.
+//   3. Otherwise a job of one worker with an in-process coordinator.
+// SINEW_NODE overrides the node (failure domain) name, SINEW_HOST the address this worker's
+// communicators listen on (default 127.0.0.1; set it on multi-host jobs), and
+// SINEW_COORDINATOR_HOST the address the coordinator binds to under MPI.
+//
+// Thread safety: a Context is used by the thread that runs training; its accessors are
+// thread-safe.
+
+#include <memory>
+#include <string>
+
+#include "sinew/collectives/store.h"
+#include "sinew/runtime/coordinator_client.h"
+#include "sinew/runtime/failure_injection.h"
+
+namespace sinew {
+
+namespace runtime {
+class Coordinator;
+}
+
+struct InitOptions {
+  // How long to wait for the coordinator (and under MPI for MPI_Init's peers).
+  std::chrono::milliseconds connectTimeout{60000};
+  // Heartbeat settings of a coordinator this process starts (mpirun, single process).
+  std::chrono::milliseconds heartbeatInterval{100};
+  std::chrono::milliseconds deadAfter{1000};
+};
+
+class Context {
+ public:
+  ~Context();
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
+
+  // This worker's stable id (the launch rank, or assigned on join).
+  int worker() const { return client_->worker(); }
+  const std::string& node() const { return node_; }
+  // The address this worker's communicators listen on.
+  const std::string& host() const { return host_; }
+  // How the job was launched: "sinew-run", "join", "mpi" or "single".
+  const std::string& launchMode() const { return mode_; }
+  // Whether this worker joined a running job.
+  bool joined() const { return joined_; }
+
+  runtime::CoordinatorClient& client() { return *client_; }
+  // The job's rendezvous store (served by the coordinator).
+  const std::shared_ptr<collectives::Store>& store() const { return store_; }
+  runtime::FailureInjector& injector() { return injector_; }
+
+  // Call when the job lost a member: MPI_Finalize would wait for it forever, so the handle
+  // skips it (under mpirun --enable-recovery).
+  void markMemberLost() { memberLost_ = true; }
+
+ private:
+  friend std::unique_ptr<Context> init(int* argc, char*** argv, const InitOptions& options);
+  Context() = default;
+
+  std::string node_;
+  std::string host_ = "127.0.0.1";
+  std::string mode_;
+  bool joined_ = false;
+  bool mpi_ = false;
+  bool memberLost_ = false;
+  std::unique_ptr<runtime::Coordinator> localCoordinator_;
+  std::unique_ptr<runtime::CoordinatorClient> client_;
+  std::shared_ptr<collectives::Store> store_;
+  runtime::FailureInjector injector_;
+};
+
+// See the top of this file. argc/argv may be null (then MPI_Init gets none).
+// Throws InvalidArgument for a malformed SINEW_* variable (naming it), Timeout when the
+// coordinator cannot be reached.
+std::unique_ptr<Context> init(int* argc, char*** argv, const InitOptions& options = InitOptions());
+
+}  // namespace sinew

@@ -1,0 +1,281 @@
+// sinew-run: the local launcher (like torchrun --standalone). Starts a coordinator in this
+// process and N worker processes of `program`, echoes their output prefixed with the worker
+// id (and writes it to <log-dir>/worker-<i>.log), forwards SIGINT/SIGTERM to them, and exits
+// with the job's status: 0 when the job finished and every worker that was not declared
+// dead exited 0.
+//
+//   sinew-run -n N [--inject SPEC] [--log-dir DIR] [--heartbeat-ms MS] [--dead-after-ms MS]
+//             [--quiet] [--] program [args...]
+//
+// <log-dir>/coordinator.json holds the coordinator's endpoint and token, so another worker
+// can join the running job: SINEW_COORDINATOR=host:port SINEW_TOKEN=token program args...
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "sinew/runtime/coordinator.h"
+#include "sinew/runtime/failure_injection.h"
+
+namespace {
+
+struct Args {
+  int workers = 0;
+  std::string inject;
+  std::string logDir;
+  int heartbeatMs = 100;
+  int deadAfterMs = 1000;
+  bool quiet = false;
+  std::vector<std::string> program;
+};
+
+[[noreturn]] void usage(const std::string& error) {
+  std::fprintf(stderr,
+               "sinew-run: %s\n"
+               "usage: sinew-run -n N [--inject SPEC] [--log-dir DIR] [--heartbeat-ms MS]\n"
+               "                 [--dead-after-ms MS] [--quiet] [--] program [args...]\n",
+               error.c_str());
+  std::exit(2);
+}
+
+int parseInt(const std::string& flag, const std::string& v) {
+  char* end = nullptr;
+  long x = std::strtol(v.c_str(), &end, 10);
+  if (v.empty() || *end != '\0' || x <= 0 || x > 1000000) {
+    usage(flag + " needs a positive integer, got '" + v + "'");
+  }
+  return static_cast<int>(x);
+}
+
+Args parse(int argc, char** argv) {
+  Args a;
+  int i = 1;
+  auto value = [&](const std::string& flag) -> std::string {
+    if (i + 1 >= argc) usage(flag + " needs a value");
+    return argv[++i];
+  };
+  for (; i < argc; ++i) {
+    std::string s = argv[i];
+    if (s == "--") {
+      ++i;
+      break;
+    } else if (s == "-n" || s == "--nproc") {
+      a.workers = parseInt(s, value(s));
+    } else if (s == "--inject") {
+      a.inject = value(s);
+    } else if (s == "--log-dir") {
+      a.logDir = value(s);
+    } else if (s == "--heartbeat-ms") {
+      a.heartbeatMs = parseInt(s, value(s));
+    } else if (s == "--dead-after-ms") {
+      a.deadAfterMs = parseInt(s, value(s));
+    } else if (s == "--quiet") {
+      a.quiet = true;
+    } else if (s.size() > 1 && s[0] == '-') {
+      usage("unknown option '" + s + "'");
+    } else {
+      break;
+    }
+  }
+  for (; i < argc; ++i) a.program.push_back(argv[i]);
+  if (a.workers <= 0) usage("-n N is required");
+  if (a.program.empty()) usage("no program to run");
+  if (a.deadAfterMs <= a.heartbeatMs) usage("--dead-after-ms must exceed --heartbeat-ms");
+  return a;
+}
+
+// The launcher's children, for the signal handler (a launcher's main is the one place where
+// a process-wide table is the natural owner).
+std::vector<pid_t> gChildren;
+
+void forward(int sig) {
+  for (pid_t p : gChildren) ::kill(p, sig);
+}
+
+void makeDirs(const std::string& dir) {
+  std::string partial;
+  for (size_t pos = 0; pos != std::string::npos;) {
+    pos = dir.find('/', pos + 1);
+    partial = dir.substr(0, pos);
+    if (!partial.empty()) ::mkdir(partial.c_str(), 0755);
+  }
+}
+
+struct Stream {
+  int fd;
+  int worker;
+  std::string pending;
+  std::FILE* log;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a = parse(argc, argv);
+  if (!a.inject.empty()) {
+    try {
+      sinew::runtime::FailureInjector::parse(a.inject);
+    } catch (const std::exception& e) {
+      usage(std::string("--inject: ") + e.what());
+    }
+  }
+  if (a.logDir.empty()) a.logDir = "sinew-logs/run-" + std::to_string(::getpid());
+  makeDirs(a.logDir);
+
+  sinew::runtime::CoordinatorOptions co;
+  co.expectedWorkers = a.workers;
+  co.heartbeatInterval = std::chrono::milliseconds(a.heartbeatMs);
+  co.deadAfter = std::chrono::milliseconds(a.deadAfterMs);
+  co.eventLogPath = a.logDir + "/coordinator-events.jsonl";
+  co.log = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
+  sinew::runtime::Coordinator coordinator(co);
+  char token[32];
+  std::snprintf(token, sizeof(token), "%llx", static_cast<unsigned long long>(coordinator.token()));
+  std::string endpoint = coordinator.host() + ":" + std::to_string(coordinator.port());
+  {
+    std::ofstream f(a.logDir + "/coordinator.json");
+    f << nlohmann::json{{"host", coordinator.host()},
+                        {"port", coordinator.port()},
+                        {"token", token},
+                        {"store_port", coordinator.storePort()}}
+             .dump()
+      << "\n";
+  }
+  std::printf("sinew-run: coordinator at %s, %d workers, logs in %s\n", endpoint.c_str(), a.workers,
+              a.logDir.c_str());
+
+  std::vector<Stream> streams;
+  for (int w = 0; w < a.workers; ++w) {
+    int fds[2];
+    if (::pipe(fds) != 0) {
+      std::perror("sinew-run: pipe");
+      forward(SIGKILL);
+      return 1;
+    }
+    std::fflush(nullptr);
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      ::dup2(fds[1], 1);
+      ::dup2(fds[1], 2);
+      ::close(fds[0]);
+      ::close(fds[1]);
+      ::setenv("SINEW_COORDINATOR", endpoint.c_str(), 1);
+      ::setenv("SINEW_TOKEN", token, 1);
+      ::setenv("SINEW_WORKER_ID", std::to_string(w).c_str(), 1);
+      ::setenv("SINEW_LOG_DIR", a.logDir.c_str(), 1);
+      if (!std::getenv("SINEW_NODE")) {
+        ::setenv("SINEW_NODE", ("local-" + std::to_string(w)).c_str(), 1);
+      }
+      if (!a.inject.empty()) ::setenv("SINEW_INJECT", a.inject.c_str(), 1);
+      std::vector<char*> args;
+      for (auto& s : a.program) args.push_back(const_cast<char*>(s.c_str()));
+      args.push_back(nullptr);
+      ::execvp(args[0], args.data());
+      std::fprintf(stderr, "sinew-run: cannot run %s: %s\n", args[0], std::strerror(errno));
+      _exit(127);
+    }
+    ::close(fds[1]);
+    gChildren.push_back(pid);
+    std::string logPath = a.logDir + "/worker-" + std::to_string(w) + ".log";
+    streams.push_back({fds[0], w, "", std::fopen(logPath.c_str(), "w")});
+    std::printf("sinew-run: worker %d pid %d log %s\n", w, pid, logPath.c_str());
+  }
+  std::fflush(stdout);
+  struct sigaction sa {};
+  sa.sa_handler = forward;
+  ::sigaction(SIGINT, &sa, nullptr);
+  ::sigaction(SIGTERM, &sa, nullptr);
+
+  // Echo and log every worker's output until all pipes close.
+  std::thread reader([&] {
+    size_t open = streams.size();
+    while (open > 0) {
+      std::vector<pollfd> pfds;
+      for (auto& s : streams) pfds.push_back({s.fd, POLLIN, 0});  // fd -1: ignored
+      if (::poll(pfds.data(), pfds.size(), 200) < 0 && errno != EINTR) break;
+      for (size_t i = 0; i < streams.size(); ++i) {
+        Stream& s = streams[i];
+        if (s.fd < 0 || !(pfds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+        char buf[8192];
+        ssize_t n = ::read(s.fd, buf, sizeof(buf));
+        if (n <= 0) {
+          if (n < 0 && errno == EINTR) continue;
+          if (!s.pending.empty() && !a.quiet) {
+            std::printf("[worker %d] %s\n", s.worker, s.pending.c_str());
+          }
+          ::close(s.fd);
+          s.fd = -1;
+          open--;
+          continue;
+        }
+        if (s.log) {
+          std::fwrite(buf, 1, n, s.log);
+          std::fflush(s.log);
+        }
+        s.pending.append(buf, n);
+        size_t nl;
+        while ((nl = s.pending.find('\n')) != std::string::npos) {
+          if (!a.quiet) std::printf("[worker %d] %s\n", s.worker, s.pending.substr(0, nl).c_str());
+          s.pending.erase(0, nl + 1);
+        }
+        std::fflush(stdout);
+      }
+    }
+  });
+
+  std::map<pid_t, int> status;
+  while (status.size() < gChildren.size()) {
+    int st = 0;
+    pid_t p = ::waitpid(-1, &st, 0);
+    if (p < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    status[p] = st;
+  }
+  reader.join();
+  for (auto& s : streams) {
+    if (s.log) std::fclose(s.log);
+  }
+
+  auto st = coordinator.status();
+  std::vector<int> dead = st.dead;
+  bool ok = st.finished;
+  for (size_t w = 0; w < gChildren.size(); ++w) {
+    int s = status[gChildren[w]];
+    bool declaredDead = std::find(dead.begin(), dead.end(), static_cast<int>(w)) != dead.end();
+    std::string how = WIFEXITED(s) ? "exited " + std::to_string(WEXITSTATUS(s))
+                                   : "killed by signal " + std::to_string(WTERMSIG(s));
+    bool clean = WIFEXITED(s) && WEXITSTATUS(s) == 0;
+    if (!clean && !declaredDead) ok = false;
+    if (!clean) {
+      std::printf("sinew-run: worker %zu %s%s\n", w, how.c_str(),
+                  declaredDead ? " (declared dead; the job went on without it)" : "");
+    }
+  }
+  std::string deadList;
+  for (int d : dead) deadList += (deadList.empty() ? "" : ",") + std::to_string(d);
+  std::printf("sinew-run: job %s at step %lld, epoch %lld; workers lost: [%s]; logs in %s\n",
+              ok ? "finished" : "FAILED", static_cast<long long>(st.committedStep + 1),
+              static_cast<long long>(st.epoch), deadList.c_str(), a.logDir.c_str());
+  std::fflush(stdout);
+  return ok ? 0 : 1;
+}

@@ -1,0 +1,494 @@
+#include "sinew/runtime/trainer.h"
+
+#include <ATen/ATen.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
+#include <torch/serialize/archive.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "sinew/collectives/communicator.h"
+
+namespace sinew {
+
+using Clock = std::chrono::steady_clock;
+using collectives::Bytes;
+using collectives::Store;
+using runtime::CoordinatorClient;
+using runtime::EpochInfo;
+using runtime::Phase;
+
+namespace {
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+double wallSeconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// The current epoch was superseded: this worker must recover into the next one.
+class EpochChanged : public Aborted {
+ public:
+  using Aborted::Aborted;
+};
+
+// A Store whose blocking calls give up (Aborted) as soon as `superseded` says the epoch
+// they rendezvous for is over, so a communicator build waiting for a member that died
+// returns within a slice instead of at its deadline.
+class AbortableStore : public Store {
+ public:
+  AbortableStore(std::shared_ptr<Store> store, std::function<bool()> superseded)
+      : store_(std::move(store)), superseded_(std::move(superseded)) {}
+
+  void set(const std::string& key, const Bytes& value) override { store_->set(key, value); }
+  Bytes get(const std::string& key, std::chrono::milliseconds timeout) override {
+    wait({key}, timeout);
+    return store_->get(key, std::chrono::milliseconds(1000));
+  }
+  int64_t add(const std::string& key, int64_t delta) override { return store_->add(key, delta); }
+  Bytes compareSet(const std::string& key, const Bytes& expected, const Bytes& desired) override {
+    return store_->compareSet(key, expected, desired);
+  }
+  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
+    auto deadline = Clock::now() + timeout;
+    while (true) {
+      if (superseded_()) SINEW_THROW(EpochChanged, "epoch superseded during rendezvous");
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      try {
+        store_->wait(keys, std::max(std::chrono::milliseconds(1), std::min(left, kSlice)));
+        return;
+      } catch (const Timeout&) {
+        if (Clock::now() >= deadline) throw;
+      }
+    }
+  }
+  bool check(const std::vector<std::string>& keys) override { return store_->check(keys); }
+  bool deleteKey(const std::string& key) override { return store_->deleteKey(key); }
+  using Store::get;
+  using Store::wait;
+
+ private:
+  static constexpr std::chrono::milliseconds kSlice{50};
+  std::shared_ptr<Store> store_;
+  std::function<bool()> superseded_;
+};
+
+}  // namespace
+
+OptimizerFactory sgd(double lr, double momentum) {
+  return [lr, momentum](std::vector<at::Tensor> params) {
+    return std::make_unique<torch::optim::SGD>(std::move(params),
+                                               torch::optim::SGDOptions(lr).momentum(momentum));
+  };
+}
+
+OptimizerFactory adam(double lr) {
+  return [lr](std::vector<at::Tensor> params) {
+    return std::make_unique<torch::optim::Adam>(std::move(params), torch::optim::AdamOptions(lr));
+  };
+}
+
+std::vector<int64_t> globalBatchIndices(uint64_t seed, int64_t step, int64_t globalBatch,
+                                        int64_t datasetSize) {
+  SINEW_ENFORCE(datasetSize > 0, "dataset size must be positive, got ", datasetSize);
+  std::vector<int64_t> out(globalBatch);
+  uint64_t base = splitmix64(seed ^ 0x5157A11ull) ^ splitmix64(static_cast<uint64_t>(step));
+  for (int64_t j = 0; j < globalBatch; ++j) {
+    out[j] = static_cast<int64_t>(splitmix64(base + static_cast<uint64_t>(j)) %
+                                  static_cast<uint64_t>(datasetSize));
+  }
+  return out;
+}
+
+Plan Plan::dataParallel(int64_t epoch, const std::vector<int>& members, int numLayers,
+                        int64_t microbatchesPerStep) {
+  SINEW_ENFORCE(!members.empty(), "a plan needs at least one member");
+  std::vector<int> sorted = members;
+  std::sort(sorted.begin(), sorted.end());
+  Plan p;
+  p.epoch = epoch;
+  p.numLayers = numLayers;
+  p.microbatchesPerStep = microbatchesPerStep;
+  const int64_t w = static_cast<int64_t>(sorted.size());
+  for (int64_t r = 0; r < w; ++r) {
+    WorkerAssignment a;
+    a.worker = sorted[r];
+    a.pipeline = static_cast<int>(r);
+    a.stage = 0;
+    a.firstLayer = 0;
+    a.endLayer = numLayers;
+    for (int64_t m = microbatchesPerStep * r / w; m < microbatchesPerStep * (r + 1) / w; ++m) {
+      a.microbatches.push_back(m);
+    }
+    p.workers.push_back(a);
+  }
+  return p;
+}
+
+const WorkerAssignment& Plan::of(int worker) const {
+  for (const auto& a : workers) {
+    if (a.worker == worker) return a;
+  }
+  SINEW_THROW(InvalidArgument, "worker ", worker, " is not in the plan of epoch ", epoch);
+}
+
+torch::nn::Sequential buildModel(const ModelSpec& spec, uint64_t seed, at::ScalarType dtype) {
+  SINEW_ENFORCE(!spec.layers.empty(), "the model has no layers");
+  at::manual_seed(seed);
+  torch::nn::Sequential seq;
+  for (const auto& l : spec.layers) {
+    SINEW_ENFORCE(l.build, "layer '", l.name, "' has no factory");
+    seq->push_back(l.name, l.build());
+  }
+  seq->to(dtype);
+  return seq;
+}
+
+class Trainer::Impl {
+ public:
+  Impl(Context& ctx, ModelSpec spec, TrainerOptions o, torch::nn::Sequential model)
+      : ctx_(ctx),
+        client_(ctx.client()),
+        spec_(std::move(spec)),
+        o_(std::move(o)),
+        model_(std::move(model)) {
+    SINEW_ENFORCE(o_.microbatch > 0 && o_.globalBatch % o_.microbatch == 0, "global batch ",
+                  o_.globalBatch, " is not a multiple of the microbatch ", o_.microbatch);
+    SINEW_ENFORCE(spec_.loss && spec_.optimizer && spec_.dataset, "model spec needs a loss, ",
+                  "an optimizer factory and a dataset");
+    params_ = model_->parameters();
+    opt_ = spec_.optimizer(params_);
+    std::string path = o_.eventLog;
+    if (path.empty()) {
+      if (const char* dir = std::getenv("SINEW_LOG_DIR")) {
+        path = std::string(dir) + "/worker-" + std::to_string(ctx_.worker()) + "-events.jsonl";
+      }
+    }
+    if (!path.empty()) events_.open(path, std::ios::app);
+  }
+
+  ~Impl() { client_.setEpochListener(nullptr); }
+
+  TrainResult run() {
+    client_.setEpochListener([this](int64_t epoch) {
+      std::lock_guard<std::mutex> lock(commMu_);
+      if (comm_ && (epoch < 0 || epoch > comm_->epoch())) comm_->abort();
+    });
+    runStart_ = Clock::now();
+    recoverInto(-1, /*failure=*/false, "start");
+    while (step_ < o_.steps) {
+      try {
+        if (!runStep()) recoverInto(epoch_, /*failure=*/false, "workers joining");
+      } catch (const PeerLost& e) {
+        client_.reportLost(epoch_, e.worker());
+        recoverInto(epoch_, true, e.what());
+      } catch (const Timeout& e) {
+        recoverInto(epoch_, true, e.what());
+      } catch (const Aborted& e) {
+        recoverInto(epoch_, true, e.what());
+      } catch (const IoError& e) {
+        recoverInto(epoch_, true, e.what());
+      }
+    }
+    client_.done(step_);
+    event({{"event", "done"}, {"step", step_}, {"loss", lastLoss_}});
+    TrainResult r;
+    r.steps = step_;
+    r.finalLoss = lastLoss_;
+    r.recoveries = recoveries_;
+    r.recoveryMaxSeconds = recoveryMax_;
+    r.finalEpoch = epoch_;
+    r.finalMembers = members_;
+    {
+      std::lock_guard<std::mutex> lock(commMu_);
+      comm_.reset();
+    }
+    return r;
+  }
+
+ private:
+  // One step; returns false when the coordinator reshapes the job right after it.
+  bool runStep() {
+    if (client_.latestEpoch().epoch != epoch_) {
+      SINEW_THROW(EpochChanged, "epoch ", epoch_, " was superseded");
+    }
+    const int self = ctx_.worker();
+    auto& inj = ctx_.injector();
+    inj.fire(self, step_, Phase::kForward, &client_);
+    for (auto& p : params_) {
+      if (p.grad().defined()) p.mutable_grad().zero_();
+    }
+    const auto& mine = plan_.of(self);
+    auto indices = globalBatchIndices(o_.seed, step_, o_.globalBatch, spec_.datasetSize);
+    double lossSum = 0;
+    bool first = true;
+    const double scale = static_cast<double>(o_.microbatch) / static_cast<double>(o_.globalBatch);
+    for (int64_t m : mine.microbatches) {
+      std::vector<at::Tensor> xs, ys;
+      for (int64_t j = m * o_.microbatch; j < (m + 1) * o_.microbatch; ++j) {
+        Sample s = spec_.dataset(indices[j]);
+        xs.push_back(s.input);
+        ys.push_back(s.target);
+      }
+      at::Tensor x = at::stack(xs).to(o_.dtype);
+      at::Tensor y = at::stack(ys).to(o_.dtype);
+      at::Tensor loss = spec_.loss(model_->forward(x), y);
+      if (first) inj.fire(self, step_, Phase::kBackward, &client_);
+      first = false;
+      (loss * scale).backward();
+      lossSum += loss.item<double>() * static_cast<double>(o_.microbatch);
+    }
+    // One flat buffer: every gradient, then the loss sum.
+    std::vector<at::Tensor> parts;
+    for (auto& p : params_) {
+      parts.push_back(p.grad().defined() ? p.grad().reshape(-1)
+                                         : at::zeros({p.numel()}, p.options()));
+    }
+    parts.push_back(at::full({1}, lossSum, at::TensorOptions().dtype(o_.dtype)));
+    at::Tensor flat = at::cat(parts);
+    inj.fire(self, step_, Phase::kReduce, &client_);
+    comm_->allreduce(flat, collectives::ReduceOp::kSum, o_.opTimeout);
+    inj.fire(self, step_, Phase::kAfterReduce, &client_);
+    int64_t offset = 0;
+    for (auto& p : params_) {
+      at::Tensor g = flat.narrow(0, offset, p.numel()).view(p.sizes());
+      if (p.grad().defined()) {
+        p.mutable_grad().copy_(g);
+      } else {
+        p.mutable_grad() = g.clone();
+      }
+      offset += p.numel();
+    }
+    double loss = flat[offset].item<double>() / static_cast<double>(o_.globalBatch);
+    client_.setStep(step_);
+    auto verdict = client_.vote(epoch_, step_, o_.opTimeout);
+    if (verdict == CoordinatorClient::VoteResult::kSuperseded) {
+      SINEW_THROW(EpochChanged, "step ", step_, " was not committed in epoch ", epoch_);
+    }
+    inj.fire(self, step_, Phase::kOptimizer, &client_);
+    opt_->step();
+    applied_ = step_;
+    lastLoss_ = loss;
+    ++step_;
+    progress(loss);
+    return verdict == CoordinatorClient::VoteResult::kCommitted;
+  }
+
+  void progress(double loss) {
+    stepsSinceReport_++;
+    if (o_.progressEvery <= 0 || step_ % o_.progressEvery != 0) return;
+    auto now = Clock::now();
+    double elapsed = seconds(now - lastReport_);
+    double rate = elapsed > 0 ? stepsSinceReport_ * o_.globalBatch / elapsed : 0;
+    lastReport_ = now;
+    stepsSinceReport_ = 0;
+    event({{"event", "progress"},
+           {"step", step_},
+           {"loss", loss},
+           {"samples_per_s", rate},
+           {"epoch", epoch_},
+           {"workers", members_.size()}});
+    if (!members_.empty() && members_.front() == ctx_.worker()) {
+      std::printf("sinew: step %lld loss %.6g samples/s %.0f epoch %lld workers %zu\n",
+                  static_cast<long long>(step_), loss, rate, static_cast<long long>(epoch_),
+                  members_.size());
+      std::fflush(stdout);
+    }
+  }
+
+  // Leaves epoch `from` (aborting its communicator) and enters the next one the coordinator
+  // announces, retrying until one can be built (DESIGN.md section 6, steps 2-3).
+  void recoverInto(int64_t from, bool failure, const std::string& why) {
+    auto t0 = Clock::now();
+    {
+      std::lock_guard<std::mutex> lock(commMu_);
+      if (comm_) comm_->abort();
+      comm_.reset();
+    }
+    if (failure) {
+      ctx_.markMemberLost();
+      event({{"event", "failure_noticed"}, {"epoch", from}, {"step", step_}, {"reason", why}});
+    }
+    auto deadline = t0 + o_.recoveryTimeout;
+    int64_t waitFrom = from;
+    while (true) {
+      if (failure) ctx_.injector().fire(ctx_.worker(), step_, Phase::kRecovery, &client_);
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      if (left.count() <= 0) {
+        SINEW_THROW(Timeout, "worker ", ctx_.worker(), " could not recover within ",
+                    o_.recoveryTimeout.count(), " ms (", why, ")");
+      }
+      EpochInfo info;
+      try {
+        info = client_.waitEpochAfter(waitFrom, std::min(left, kNudge));
+      } catch (const Timeout&) {
+        // Nothing died that the coordinator knows of (e.g. a timeout without a death):
+        // ask for a fresh epoch with the same members.
+        if (waitFrom >= 0) client_.requestRebuild(waitFrom);
+        continue;
+      }
+      try {
+        enter(info);
+        break;
+      } catch (const PeerLost& e) {
+        client_.reportLost(info.epoch, e.worker());
+      } catch (const Timeout&) {
+        client_.requestRebuild(info.epoch);
+      } catch (const Aborted&) {
+        // Superseded while building: the next epoch is already on its way.
+      } catch (const IoError&) {
+        client_.requestRebuild(info.epoch);
+      }
+      {
+        std::lock_guard<std::mutex> lock(commMu_);
+        if (comm_) comm_->abort();
+        comm_.reset();
+      }
+      waitFrom = info.epoch;
+    }
+    double took = seconds(Clock::now() - t0);
+    if (failure) {
+      recoveries_++;
+      recoveryMax_ = std::max(recoveryMax_, took);
+    }
+    event({{"event", failure ? "recovered" : "epoch_entered"},
+           {"epoch", epoch_},
+           {"resume_step", step_},
+           {"workers", members_},
+           {"duration_s", took},
+           {"reason", why}});
+  }
+
+  void enter(const EpochInfo& info) {
+    const int self = ctx_.worker();
+    if (std::find(info.members.begin(), info.members.end(), self) == info.members.end()) {
+      SINEW_THROW(runtime::Expelled, "worker ", self, " is not a member of epoch ", info.epoch);
+    }
+    if (!info.sync && applied_ != info.resumeStep - 1) {
+      SINEW_THROW(InvalidArgument, "worker ", self, " holds the state after step ", applied_,
+                  " but epoch ", info.epoch, " resumes at step ", info.resumeStep,
+                  " without a state copy");
+    }
+    collectives::CommunicatorOptions co;
+    co.members = info.members;
+    co.self = self;
+    co.epoch = info.epoch;
+    co.name = "dp";
+    co.timeout = o_.opTimeout;
+    co.initTimeout = o_.recoveryTimeout;
+    co.hostname = ctx_.host();
+    const int64_t e = info.epoch;
+    auto store = std::make_shared<AbortableStore>(
+        ctx_.store(), [this, e] { return client_.latestEpoch().epoch > e; });
+    auto comm = collectives::createGlooCommunicator(store, co);
+    {
+      std::lock_guard<std::mutex> lock(commMu_);
+      comm_ = std::move(comm);
+      // An announcement that raced with the build would have found no communicator to abort.
+      if (client_.latestEpoch().epoch > e) comm_->abort();
+    }
+    epoch_ = info.epoch;
+    members_ = info.members;
+    plan_ = Plan::dataParallel(info.epoch, info.members, static_cast<int>(spec_.layers.size()),
+                               o_.globalBatch / o_.microbatch);
+    if (info.sync) {
+      SINEW_ENFORCE(info.source >= 0, "epoch ", info.epoch,
+                    " has no surviving worker that holds the model state");
+      syncState(info);
+      applied_ = info.resumeStep - 1;
+    }
+    step_ = info.resumeStep;
+    lastReport_ = Clock::now();
+    stepsSinceReport_ = 0;
+  }
+
+  // The source's parameters and optimizer state, broadcast to every member.
+  void syncState(const EpochInfo& info) {
+    int root = static_cast<int>(std::find(info.members.begin(), info.members.end(), info.source) -
+                                info.members.begin());
+    at::NoGradGuard noGrad;
+    for (auto& p : params_) {
+      at::Tensor d = p.detach();
+      comm_->broadcast(d, root, o_.opTimeout);
+    }
+    std::string bytes;
+    if (comm_->rank() == root) {
+      torch::serialize::OutputArchive archive;
+      opt_->save(archive);
+      std::ostringstream os;
+      archive.save_to(os);
+      bytes = os.str();
+    }
+    at::Tensor len = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
+    comm_->broadcast(len, root, o_.opTimeout);
+    int64_t n = len.item<int64_t>();
+    at::Tensor buf = at::zeros({(n + 7) / 8}, at::kLong);
+    if (comm_->rank() == root) std::memcpy(buf.data_ptr(), bytes.data(), bytes.size());
+    comm_->broadcast(buf, root, o_.opTimeout);
+    if (comm_->rank() != root) {
+      std::string received(static_cast<const char*>(buf.data_ptr()), static_cast<size_t>(n));
+      std::istringstream is(received);
+      torch::serialize::InputArchive archive;
+      archive.load_from(is);
+      opt_->load(archive);
+    }
+  }
+
+  void event(nlohmann::json e) {
+    if (!events_.is_open()) return;
+    e["time"] = wallSeconds();
+    e["worker"] = ctx_.worker();
+    events_ << e.dump() << "\n";
+    events_.flush();
+  }
+
+  static constexpr std::chrono::milliseconds kNudge{3000};
+
+  Context& ctx_;
+  CoordinatorClient& client_;
+  ModelSpec spec_;
+  TrainerOptions o_;
+  torch::nn::Sequential model_;
+  std::vector<at::Tensor> params_;
+  std::unique_ptr<torch::optim::Optimizer> opt_;
+  std::mutex commMu_;
+  // Guarded by commMu_ (the client's io thread aborts it on a new epoch).
+  std::unique_ptr<collectives::Communicator> comm_;
+  int64_t epoch_ = -1;
+  std::vector<int> members_;
+  Plan plan_;
+  int64_t step_ = 0;
+  int64_t applied_ = -1;
+  double lastLoss_ = 0;
+  int recoveries_ = 0;
+  double recoveryMax_ = 0;
+  Clock::time_point runStart_;
+  Clock::time_point lastReport_;
+  int64_t stepsSinceReport_ = 0;
+  std::ofstream events_;
+};
+
+Trainer::Trainer(Context& ctx, ModelSpec spec, TrainerOptions options)
+    : model_(buildModel(spec, options.seed, options.dtype)),
+      impl_(std::make_unique<Impl>(ctx, std::move(spec), std::move(options), model_)) {}
+
+Trainer::~Trainer() = default;
+
+TrainResult Trainer::run() { return impl_->run(); }
+
+}  // namespace sinew
