@@ -149,6 +149,16 @@ std::unique_ptr<Context> init(int* argc, char*** argv, const InitOptions& option
   if (const char* h = env("SINEW_HOST")) ctx->host_ = h;
   const char* node = env("SINEW_NODE");
   ctx->node_ = node ? node : hostName();
+  // "{rank}" in SINEW_NODE becomes the launch rank: one failure domain per worker on one
+  // machine under mpirun (-x SINEW_NODE=node{rank}), for tests and demos.
+  auto brace = ctx->node_.find("{rank}");
+  if (brace != std::string::npos) {
+    int rank = mpiRank();
+    if (const char* id = env("SINEW_WORKER_ID"))
+      rank = static_cast<int>(parseInt("SINEW_WORKER_ID", id));
+    ctx->node_.replace(brace, 6,
+                       rank >= 0 ? std::to_string(rank) : "joiner-" + std::to_string(::getpid()));
+  }
 
   CoordinatorClientOptions co;
   co.node = ctx->node_;

@@ -10,9 +10,10 @@
 //      when it is destroyed, unless a member of the job was lost). Survivors of a dead rank
 //      keep running only under `mpirun --enable-recovery`.
 //   3. Otherwise a job of one worker with an in-process coordinator.
-// SINEW_NODE overrides the node (failure domain) name, SINEW_HOST the address this worker's
-// communicators listen on (default 127.0.0.1; set it on multi-host jobs), and
-// SINEW_COORDINATOR_HOST the address the coordinator binds to under MPI.
+// SINEW_NODE overrides the node (failure domain) name ("{rank}" in it becomes the launch
+// rank, e.g. -x SINEW_NODE=node{rank} to make each rank its own node on one machine), SINEW_HOST
+// the address this worker's communicators listen on (default 127.0.0.1; set it on multi-host jobs),
+// and SINEW_COORDINATOR_HOST the address the coordinator binds to under MPI.
 //
 // Thread safety: a Context is used by the thread that runs training; its accessors are
 // thread-safe.
