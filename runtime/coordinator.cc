@@ -411,7 +411,8 @@ void Coordinator::Impl::onHello(const std::shared_ptr<Session>& s, const json& b
                          std::find(dead_.begin(), dead_.end(), requested) != dead_.end())) {
     throw std::runtime_error("worker id " + std::to_string(requested) + " is already taken");
   }
-  int id = requested >= 0 ? requested : nextId_;
+  // Joiners get ids after every launch rank, so an early joiner never takes a rank's id.
+  int id = requested >= 0 ? requested : std::max(nextId_, options_.expectedWorkers);
   nextId_ = std::max(nextId_, id + 1);
   s->worker_ = id;
   Worker w;
@@ -428,7 +429,9 @@ void Coordinator::Impl::onHello(const std::shared_ptr<Session>& s, const json& b
                   {"dead_after_ms", options_.deadAfter.count()}};
   send(id, wire::Type::kWelcome, welcome);
   event({{"event", "hello"}, {"worker", id}, {"node", node}, {"pid", pid}});
-  if (epoch_ < 0) {
+  if (epoch_ < 0 && requested < 0) {
+    pendingJoin_.push_back(id);  // Joins the first epoch, but does not count as a rank.
+  } else if (epoch_ < 0) {
     hellos_.push_back(id);
     if (static_cast<int>(hellos_.size()) >= options_.expectedWorkers) formFirstEpoch("all hello");
   } else if (finished_) {

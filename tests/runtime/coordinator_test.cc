@@ -1,0 +1,400 @@
+// Coordinator tests in one process: the step agreement, failure detection from closed
+// connections and from heartbeat silence, joins at a step boundary, and a coordinator that
+// drops bad connections with a logged reason and lives on. Also the failure-injection spec
+// parser.
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <future>
+#include <mutex>
+#include <thread>
+
+#include "sinew/runtime/coordinator.h"
+#include "sinew/runtime/coordinator_client.h"
+#include "sinew/runtime/detail/wire.h"
+#include "sinew/runtime/failure_injection.h"
+
+namespace sinew {
+namespace runtime {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+struct LogSink {
+  std::mutex mu;
+  std::vector<std::string> lines;
+  std::function<void(const std::string&)> fn() {
+    return [this](const std::string& l) {
+      std::lock_guard<std::mutex> lock(mu);
+      lines.push_back(l);
+    };
+  }
+  bool contains(const std::string& s) {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const auto& l : lines) {
+      if (l.find(s) != std::string::npos) return true;
+    }
+    return false;
+  }
+};
+
+bool eventually(const std::function<bool()>& cond, std::chrono::milliseconds timeout = 5s) {
+  auto deadline = Clock::now() + timeout;
+  while (Clock::now() < deadline) {
+    if (cond()) return true;
+    std::this_thread::sleep_for(1ms);
+  }
+  return cond();
+}
+
+CoordinatorOptions options(int expected, LogSink* sink) {
+  CoordinatorOptions o;
+  o.expectedWorkers = expected;
+  o.heartbeatInterval = 50ms;
+  o.deadAfter = 500ms;
+  if (sink) o.log = sink->fn();
+  return o;
+}
+
+std::unique_ptr<CoordinatorClient> client(const Coordinator& c, int worker,
+                                          const std::string& node = "") {
+  CoordinatorClientOptions o;
+  o.port = c.port();
+  o.token = c.token();
+  o.worker = worker;
+  o.node = node.empty() ? "node" + std::to_string(worker) : node;
+  o.connectTimeout = 5s;
+  return std::make_unique<CoordinatorClient>(o);
+}
+
+TEST(CoordinatorTest, StepIsCommittedOnlyWhenEveryMemberVoted) {
+  Coordinator coord(options(2, nullptr));
+  auto a = client(coord, 0);
+  auto b = client(coord, 1);
+  EpochInfo e = a->waitEpochAfter(-1, 5s);
+  EXPECT_EQ(e.epoch, 0);
+  EXPECT_EQ(e.members, (std::vector<int>{0, 1}));
+  EXPECT_EQ(e.resumeStep, 0);
+  EXPECT_TRUE(e.sync);
+  EXPECT_EQ(e.source, 0);
+  EXPECT_EQ(b->waitEpochAfter(-1, 5s).epoch, 0);
+
+  // A alone: no verdict.
+  EXPECT_THROW(a->vote(0, 0, 200ms), Timeout);
+  auto fb = std::async(std::launch::async, [&] { return b->vote(0, 0, 5s); });
+  EXPECT_EQ(fb.get(), CoordinatorClient::VoteResult::kCommitted);
+  EXPECT_EQ(a->vote(0, 0, 5s), CoordinatorClient::VoteResult::kCommitted);
+  EXPECT_EQ(coord.status().committedStep, 0);
+
+  // A votes for step 1, then B dies before voting: step 1 is never committed, and the new
+  // epoch resumes at step 1 without B.
+  auto fa = std::async(std::launch::async, [&] { return a->vote(0, 1, 5s); });
+  std::this_thread::sleep_for(50ms);  // A's vote is in (the state under test).
+  b.reset();
+  EXPECT_EQ(fa.get(), CoordinatorClient::VoteResult::kSuperseded);
+  EpochInfo e1 = a->waitEpochAfter(0, 5s);
+  EXPECT_EQ(e1.epoch, 1);
+  EXPECT_EQ(e1.members, std::vector<int>{0});
+  EXPECT_EQ(e1.resumeStep, 1);
+  EXPECT_FALSE(e1.sync);
+  auto st = coord.status();
+  EXPECT_EQ(st.committedStep, 0);
+  EXPECT_EQ(st.dead, std::vector<int>{1});
+}
+
+TEST(CoordinatorTest, HeartbeatSilenceDeclaresDeadAtTheDeadline) {
+  Coordinator coord(options(2, nullptr));
+  auto a = client(coord, 0);
+  auto b = client(coord, 1);
+  a->waitEpochAfter(-1, 5s);
+  auto start = Clock::now();
+  b->muteHeartbeats(5s);
+  EpochInfo e1 = a->waitEpochAfter(0, 5s);
+  auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
+  EXPECT_EQ(e1.members, std::vector<int>{0});
+  EXPECT_GE(ms, 450);  // deadAfter 500 ms, measured from B's last heartbeat
+  EXPECT_LE(ms, 900);
+  // B is told it was expelled.
+  EXPECT_THROW(b->waitEpochAfter(0, 2s), Expelled);
+}
+
+TEST(CoordinatorTest, ReportedPeerLossAndNodeFailureExpelTheNode) {
+  Coordinator coord(options(3, nullptr));
+  auto a = client(coord, 0, "hostA");
+  auto b = client(coord, 1, "hostB");
+  auto c = client(coord, 2, "hostB");
+  a->waitEpochAfter(-1, 5s);
+  a->reportLost(0, 1);  // The data plane lost worker 1: its whole node (1 and 2) goes.
+  EpochInfo e1 = a->waitEpochAfter(0, 5s);
+  EXPECT_EQ(e1.members, std::vector<int>{0});
+  EXPECT_THROW(c->waitEpochAfter(0, 2s), Expelled);
+  auto dead = coord.status().dead;
+  std::sort(dead.begin(), dead.end());
+  EXPECT_EQ(dead, (std::vector<int>{1, 2}));
+}
+
+TEST(CoordinatorTest, JoinerEntersAtTheNextStepBoundaryWithAStateCopy) {
+  Coordinator coord(options(1, nullptr));
+  auto a = client(coord, 0);
+  a->waitEpochAfter(-1, 5s);
+  EXPECT_EQ(a->vote(0, 0, 5s), CoordinatorClient::VoteResult::kCommitted);
+  auto j = client(coord, -1);
+  EXPECT_EQ(j->worker(), 1);
+  EXPECT_TRUE(eventually([&] { return coord.status().members.size() == 1; }));
+  EXPECT_EQ(a->vote(0, 1, 5s), CoordinatorClient::VoteResult::kCommittedThenReshape);
+  EpochInfo e = j->waitEpochAfter(-1, 5s);
+  EXPECT_EQ(e.epoch, 1);
+  EXPECT_EQ(e.members, (std::vector<int>{0, 1}));
+  EXPECT_EQ(e.joined, std::vector<int>{1});
+  EXPECT_EQ(e.resumeStep, 2);
+  EXPECT_EQ(e.source, 0);
+  EXPECT_TRUE(e.sync);
+}
+
+TEST(CoordinatorTest, EarlyJoinerNeitherTakesARankNorCountsAsOne) {
+  Coordinator coord(options(2, nullptr));
+  auto j = client(coord, -1);  // Before the launched ranks said hello.
+  EXPECT_EQ(j->worker(), 2);
+  auto a = client(coord, 0);
+  std::this_thread::sleep_for(100ms);  // The first epoch must still wait for rank 1.
+  EXPECT_EQ(coord.status().epoch, -1);
+  auto b = client(coord, 1);
+  EpochInfo e = j->waitEpochAfter(-1, 5s);
+  EXPECT_EQ(e.members, (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(e.joined, std::vector<int>{2});
+  EXPECT_EQ(e.source, 0);
+  EXPECT_TRUE(e.sync);
+}
+
+TEST(CoordinatorTest, JobFinishesWhenEveryMemberIsDone) {
+  Coordinator coord(options(2, nullptr));
+  auto a = client(coord, 0);
+  auto b = client(coord, 1);
+  a->waitEpochAfter(-1, 5s);
+  a->done(10);
+  EXPECT_FALSE(coord.waitFinished(100ms));
+  b->done(10);
+  EXPECT_TRUE(coord.waitFinished(5s));
+  a.reset();
+  b.reset();  // Done workers leaving is no failure.
+  std::this_thread::sleep_for(100ms);
+  EXPECT_TRUE(coord.status().dead.empty());
+}
+
+TEST(CoordinatorTest, StaleEpochMessagesAreIgnoredNotFatal) {
+  LogSink sink;
+  Coordinator coord(options(3, &sink));
+  auto a = client(coord, 0);
+  auto b = client(coord, 1);
+  auto c = client(coord, 2);
+  a->waitEpochAfter(-1, 5s);
+  c.reset();
+  a->waitEpochAfter(0, 5s);
+  // A vote that crossed the epoch change.
+  EXPECT_EQ(b->vote(0, 0, 5s), CoordinatorClient::VoteResult::kSuperseded);
+  EXPECT_TRUE(eventually([&] { return coord.status().ignoredMessages >= 1; }));
+  EXPECT_TRUE(sink.contains("ignoring a vote of epoch 0 from worker 1"));
+  auto st = coord.status();
+  EXPECT_EQ(st.members, (std::vector<int>{0, 1}));
+  EXPECT_EQ(st.droppedConnections, 0);
+}
+
+// ---- Bad input on the coordinator's port ---------------------------------------------
+
+int connectRaw(uint16_t port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+bool closedByPeer(int fd, std::chrono::milliseconds timeout) {
+  timeval tv{};
+  tv.tv_sec = timeout.count() / 1000;
+  tv.tv_usec = (timeout.count() % 1000) * 1000;
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  char buf[4096];
+  while (true) {
+    ssize_t r = ::read(fd, buf, sizeof(buf));
+    if (r == 0) return true;
+    if (r < 0) return errno != EAGAIN && errno != EWOULDBLOCK;
+  }
+}
+
+struct BadCase {
+  std::string name;
+  // Builds the bytes to send, given the job token.
+  std::function<std::vector<uint8_t>(uint64_t)> bytes;
+  std::string reason;
+};
+
+std::vector<uint8_t> hello(uint64_t token, int worker) {
+  return wire::encode(wire::Type::kHello, token, -1,
+                      json{{"worker", worker}, {"node", "raw"}, {"pid", 1}});
+}
+
+std::vector<uint8_t> concat(std::vector<uint8_t> a, const std::vector<uint8_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+class CoordinatorBadInputTest : public ::testing::TestWithParam<BadCase> {};
+
+TEST_P(CoordinatorBadInputTest, ConnectionIsDroppedWithReasonAndCoordinatorLivesOn) {
+  LogSink sink;
+  auto o = options(1, &sink);
+  o.maxMessageBytes = 4096;
+  Coordinator coord(o);
+  auto a = client(coord, 0);
+  a->waitEpochAfter(-1, 5s);
+
+  int fd = connectRaw(coord.port());
+  ASSERT_GE(fd, 0);
+  auto bytes = GetParam().bytes(coord.token());
+  ASSERT_EQ(::write(fd, bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));
+  EXPECT_TRUE(closedByPeer(fd, 3s))
+      << "coordinator kept a connection that sent " << GetParam().name;
+  ::close(fd);
+  EXPECT_TRUE(eventually([&] { return sink.contains(GetParam().reason); }))
+      << "no log line containing '" << GetParam().reason << "'";
+  EXPECT_TRUE(eventually([&] { return coord.status().droppedConnections == 1; }));
+
+  // The job goes on: the member still votes and commits.
+  EXPECT_EQ(a->vote(0, 0, 5s), CoordinatorClient::VoteResult::kCommitted);
+  EXPECT_EQ(coord.status().members, std::vector<int>{0});
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, CoordinatorBadInputTest,
+    ::testing::Values(
+        BadCase{"garbage",
+                [](uint64_t) {
+                  std::string s = "GET /status HTTP/1.1\r\nHost: localhost\r\n\r\n....";
+                  return std::vector<uint8_t>(s.begin(), s.end());
+                },
+                "bad magic"},
+        BadCase{"wrong_token", [](uint64_t t) { return hello(t + 1, 7); }, "wrong job token"},
+        BadCase{"oversize",
+                [](uint64_t t) {
+                  auto b = hello(t, 7);
+                  b[8] = 0;
+                  b[9] = 0;
+                  b[10] = 1;  // 65536 bytes
+                  return b;
+                },
+                "exceeds the limit of 4096"},
+        BadCase{"malformed_json",
+                [](uint64_t t) {
+                  auto b = wire::encode(wire::Type::kHello, t, -1, json{{"x", 1}});
+                  b[wire::kHeaderBytes] = '[';
+                  b.back() = 'x';
+                  return b;
+                },
+                "malformed hello message"},
+        BadCase{"missing_field",
+                [](uint64_t t) {
+                  return wire::encode(wire::Type::kHello, t, -1, json{{"node", "n"}});
+                },
+                "bad hello message"},
+        BadCase{"vote_before_hello",
+                [](uint64_t t) {
+                  return wire::encode(wire::Type::kVote, t, 0, json{{"step", 0}});
+                },
+                "vote before hello"},
+        BadCase{"unknown_type",
+                [](uint64_t t) {
+                  auto b = hello(t, 7);
+                  b[5] = 77;
+                  return b;
+                },
+                "unknown message type 77"},
+        BadCase{
+            "future_epoch",
+            [](uint64_t t) {
+              return concat(hello(t, 7), wire::encode(wire::Type::kVote, t, 99, json{{"step", 0}}));
+            },
+            "from the future"},
+        BadCase{"taken_worker_id", [](uint64_t t) { return hello(t, 0); }, "already taken"},
+        BadCase{"coordinator_only_message",
+                [](uint64_t t) {
+                  return concat(hello(t, 7),
+                                wire::encode(wire::Type::kCommit, t, 0, json{{"step", 0}}));
+                },
+                "may not send commit"}),
+    [](const ::testing::TestParamInfo<BadCase>& i) { return i.param.name; });
+
+// ---- Failure injection spec ------------------------------------------------------------
+
+TEST(FailureInjectionTest, ParsesTheDocumentedSpec) {
+  auto inj = FailureInjector::parse(
+      "kill:worker=2:step=30:phase=backward;stop:worker=1:step=50:secs=3;"
+      "mute:worker=0:step=5:secs=1.5;slow:worker=*:ms=20");
+  ASSERT_EQ(inj.faults().size(), 4u);
+  EXPECT_EQ(inj.faults()[0].kind, Fault::Kind::kKill);
+  EXPECT_EQ(inj.faults()[0].worker, 2);
+  EXPECT_EQ(inj.faults()[0].step, 30);
+  EXPECT_EQ(inj.faults()[0].phase, Phase::kBackward);
+  EXPECT_EQ(inj.faults()[1].kind, Fault::Kind::kStop);
+  EXPECT_DOUBLE_EQ(inj.faults()[1].seconds, 3.0);
+  EXPECT_EQ(inj.faults()[1].phase, Phase::kForward);
+  EXPECT_DOUBLE_EQ(inj.faults()[2].seconds, 1.5);
+  EXPECT_EQ(inj.faults()[3].worker, -1);
+  EXPECT_EQ(inj.faults()[3].step, -1);
+  EXPECT_TRUE(FailureInjector::parse("").empty());
+}
+
+TEST(FailureInjectionTest, MalformedSpecsNameWhatIsWrong) {
+  struct Bad {
+    std::string spec, says;
+  };
+  for (const Bad& b : std::vector<Bad>{
+           {"explode:worker=1:step=2", "unknown kind 'explode'"},
+           {"kill:worker=1:step=2:phase=lunch", "unknown phase 'lunch'"},
+           {"kill:worker=1", "needs step"},
+           {"kill:step=3", "needs worker"},
+           {"kill:worker=x:step=3", "worker='x' is not a non-negative number"},
+           {"stop:worker=1:step=3", "needs secs"},
+           {"kill:worker=1:step=3:color=red", "unknown key 'color'"},
+           {"kill:worker=1:step", "'step' is not key=value"},
+       }) {
+    try {
+      FailureInjector::parse(b.spec);
+      ADD_FAILURE() << "accepted '" << b.spec << "'";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(b.says), std::string::npos)
+          << "'" << b.spec << "' gave: " << e.what();
+    }
+  }
+}
+
+TEST(FailureInjectionTest, MuteFiresOnceAtItsStepAndPhase) {
+  Coordinator coord(options(1, nullptr));
+  auto a = client(coord, 0);
+  a->waitEpochAfter(-1, 5s);
+  auto inj = FailureInjector::parse("mute:worker=0:step=3:phase=reduce:secs=2");
+  inj.fire(0, 3, Phase::kForward, a.get());  // wrong phase
+  inj.fire(1, 3, Phase::kReduce, a.get());   // wrong worker
+  inj.fire(0, 2, Phase::kReduce, a.get());   // wrong step
+  std::this_thread::sleep_for(700ms);        // longer than deadAfter: still alive
+  EXPECT_TRUE(coord.status().dead.empty());
+  inj.fire(0, 3, Phase::kReduce, a.get());
+  EXPECT_TRUE(eventually([&] { return coord.status().dead == std::vector<int>{0}; }, 3s));
+}
+
+}  // namespace
+}  // namespace runtime
+}  // namespace sinew

@@ -1,0 +1,273 @@
+// Whole-job tests: sinew-run (and mpirun --enable-recovery) runs examples/train_dp with 4
+// workers while faults are injected into real processes (SIGKILL, SIGSTOP), or a fifth
+// worker joins mid-run. Each must finish with parameters within 1e-5 (relative) of the
+// single-process libtorch reference trained on the same global batches, recover in under
+// 2 s, and never hang (every run has a deadline).
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <random>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+struct JobRun {
+  int exitCode = -1;
+  bool timedOut = false;
+  std::string output;
+};
+
+struct Child {
+  pid_t pid = -1;
+  int fd = -1;
+};
+
+Child start(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env) {
+  int fds[2];
+  if (::pipe(fds) != 0) throw std::runtime_error("pipe failed");
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(fds[1], 1);
+    ::dup2(fds[1], 2);
+    ::close(fds[0]);
+    ::close(fds[1]);
+    for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
+    std::vector<char*> args;
+    for (const auto& s : argv) args.push_back(const_cast<char*>(s.c_str()));
+    args.push_back(nullptr);
+    ::execvp(args[0], args.data());
+    _exit(127);
+  }
+  ::close(fds[1]);
+  return {pid, fds[0]};
+}
+
+// Reads the child's output until it exits or the deadline passes (then SIGTERM, which
+// sinew-run forwards to its workers, and SIGKILL after 5 s).
+JobRun finish(Child c, std::chrono::seconds timeout) {
+  JobRun r;
+  auto deadline = Clock::now() + timeout;
+  bool terminated = false;
+  while (true) {
+    pollfd p{c.fd, POLLIN, 0};
+    ::poll(&p, 1, 100);
+    if (p.revents & (POLLIN | POLLHUP)) {
+      char buf[8192];
+      ssize_t n = ::read(c.fd, buf, sizeof(buf));
+      if (n > 0) {
+        r.output.append(buf, n);
+        continue;
+      }
+      if (n == 0) break;
+    }
+    if (Clock::now() > deadline && !terminated) {
+      r.timedOut = true;
+      ::kill(c.pid, SIGTERM);
+      terminated = true;
+      deadline = Clock::now() + 5s;
+    } else if (terminated && Clock::now() > deadline) {
+      ::kill(c.pid, SIGKILL);
+      break;
+    }
+  }
+  ::close(c.fd);
+  int st = 0;
+  ::waitpid(c.pid, &st, 0);
+  r.exitCode = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  return r;
+}
+
+struct Result {
+  bool found = false;
+  double finalLoss = 0, referenceLoss = 0, maxRel = 1, recoveryMax = 99;
+  int recoveries = -1;
+};
+
+Result parseResult(const std::string& out) {
+  std::regex re(
+      "RESULT final_loss=(\\S+) reference_loss=(\\S+) max_param_rel_diff=(\\S+) "
+      "recoveries=(\\d+) recovery_s_max=(\\S+)");
+  std::smatch m;
+  Result r;
+  if (std::regex_search(out, m, re)) {
+    r.found = true;
+    r.finalLoss = std::stod(m[1]);
+    r.referenceLoss = std::stod(m[2]);
+    r.maxRel = std::stod(m[3]);
+    r.recoveries = std::stoi(m[4]);
+    r.recoveryMax = std::stod(m[5]);
+  }
+  return r;
+}
+
+std::string logDir(const std::string& name) {
+  return std::string(SINEW_TEST_TMP) + "/" + name + "-" + std::to_string(::getpid());
+}
+
+// The verdict every scenario must meet.
+void expectGoodJob(const JobRun& run, const std::string& lostList, int minRecoveries) {
+  SCOPED_TRACE(run.output);
+  EXPECT_FALSE(run.timedOut) << "the job hung";
+  EXPECT_EQ(run.exitCode, 0);
+  Result r = parseResult(run.output);
+  ASSERT_TRUE(r.found) << "no RESULT line";
+  EXPECT_LE(r.maxRel, 1e-5);
+  EXPECT_LT(r.recoveryMax, 2.0);
+  EXPECT_GE(r.recoveries, minRecoveries);
+  EXPECT_LT(r.finalLoss, 0.05) << "the model did not learn";
+  EXPECT_NE(run.output.find("workers lost: [" + lostList + "]"), std::string::npos)
+      << "expected workers lost: [" << lostList << "]";
+}
+
+JobRun sinewRun(const std::string& name, const std::string& inject,
+                const std::vector<std::string>& trainArgs = {}) {
+  std::vector<std::string> argv = {SINEW_RUN_PATH, "-n", "4", "--log-dir", logDir(name)};
+  if (!inject.empty()) {
+    argv.push_back("--inject");
+    argv.push_back(inject);
+  }
+  argv.push_back(TRAIN_DP_PATH);
+  for (const auto& a : trainArgs) argv.push_back(a);
+  return finish(start(argv, {}), 240s);
+}
+
+TEST(JobTest, KillAtARandomStepAndPhase) {
+  const char* fixed = std::getenv("SINEW_TEST_SEED");
+  unsigned seed = fixed ? static_cast<unsigned>(std::atoi(fixed)) : std::random_device()();
+  std::mt19937 rng(seed);
+  const char* phases[] = {"forward", "backward", "reduce", "after-reduce", "optimizer"};
+  int worker = static_cast<int>(rng() % 4);
+  int step = 3 + static_cast<int>(rng() % 70);
+  std::string phase = phases[rng() % 5];
+  std::string spec =
+      "kill:worker=" + std::to_string(worker) + ":step=" + std::to_string(step) + ":phase=" + phase;
+  std::cout << "seed " << seed << " (SINEW_TEST_SEED to repeat): " << spec << std::endl;
+  expectGoodJob(sinewRun("random-kill", spec), std::to_string(worker), 1);
+}
+
+TEST(JobTest, TwoKillsInARow) {
+  expectGoodJob(sinewRun("two-kills",
+                         "kill:worker=3:step=10:phase=reduce;"
+                         "kill:worker=1:step=11:phase=forward"),
+                "3,1", 2);
+}
+
+TEST(JobTest, KillBetweenReductionAndOptimizerStep) {
+  // Every survivor reduced step 20 with worker 2's gradients; none may apply it.
+  JobRun run = sinewRun("after-reduce", "kill:worker=2:step=20:phase=after-reduce");
+  expectGoodJob(run, "2", 1);
+  EXPECT_NE(run.output.find("resume at step 20"), std::string::npos) << run.output;
+}
+
+TEST(JobTest, KillDuringRecovery) {
+  expectGoodJob(sinewRun("recovery-kill",
+                         "kill:worker=1:step=20:phase=forward;"
+                         "kill:worker=2:step=0:phase=recovery"),
+                "1,2", 1);
+}
+
+TEST(JobTest, SigstopLongerThanTheHeartbeatTimeout) {
+  JobRun run = sinewRun("sigstop", "stop:worker=1:step=20:secs=3");
+  expectGoodJob(run, "1", 1);
+  EXPECT_NE(run.output.find("worker 1 declared dead: no heartbeat for"), std::string::npos);
+  EXPECT_NE(run.output.find("worker 1 left the job"), std::string::npos)
+      << "the stopped worker did not learn it was expelled";
+}
+
+TEST(JobTest, WorkerJoinsMidRun) {
+  std::string dir = logDir("join");
+  // Slowed steps keep the job running while the joiner starts.
+  Child job = start({SINEW_RUN_PATH, "-n", "4", "--log-dir", dir, "--inject", "slow:worker=*:ms=25",
+                     TRAIN_DP_PATH, "--steps", "150"},
+                    {});
+  // The launcher writes the endpoint and token once the coordinator listens.
+  std::string endpoint, token;
+  auto deadline = Clock::now() + 30s;
+  while (Clock::now() < deadline) {
+    std::ifstream f(dir + "/coordinator.json");
+    std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    std::smatch m;
+    if (std::regex_search(text, m, std::regex("\"port\":(\\d+).*\"token\":\"([0-9a-f]+)\""))) {
+      endpoint = "127.0.0.1:" + m[1].str();
+      token = m[2];
+      break;
+    }
+    std::this_thread::sleep_for(20ms);
+  }
+  ASSERT_FALSE(endpoint.empty()) << "no coordinator.json";
+  // Join mid-run: once the job has trained 20 steps.
+  bool running = false;
+  while (!running && Clock::now() < deadline) {
+    std::ifstream f(dir + "/worker-0.log");
+    std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    running = text.find("sinew: step 20 ") != std::string::npos;
+    if (!running) std::this_thread::sleep_for(20ms);
+  }
+  ASSERT_TRUE(running) << "the job did not reach step 20";
+  Child joiner = start({TRAIN_DP_PATH, "--steps", "150"}, {{"SINEW_COORDINATOR", endpoint},
+                                                           {"SINEW_TOKEN", token},
+                                                           {"SINEW_NODE", "joiner"},
+                                                           {"SINEW_LOG_DIR", dir}});
+  JobRun joined = finish(joiner, 240s);
+  JobRun run = finish(job, 240s);
+  expectGoodJob(run, "", 0);
+  EXPECT_EQ(joined.exitCode, 0) << joined.output;
+  EXPECT_NE(run.output.find("worker 4 (node joiner) asks to join"), std::string::npos);
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(joined.output, m,
+                                std::regex("worker 4 done: 150 steps, epoch \\d+, 5 workers, loss "
+                                           "\\S+, param_checksum (\\S+)")))
+      << joined.output;
+  // The joiner ends with the same parameters as the job's workers.
+  EXPECT_NE(run.output.find("param_checksum " + m[1].str()), std::string::npos);
+}
+
+#ifdef MPIEXEC_PATH
+TEST(JobTest, UnderMpirunWithAKill) {
+  JobRun run = finish(start({MPIEXEC_PATH, "--allow-run-as-root", "--oversubscribe",
+                             "--enable-recovery", "-np", "4", "-x", "SINEW_NODE=node{rank}", "-x",
+                             "SINEW_INJECT=kill:worker=2:step=25:phase=backward", TRAIN_DP_PATH},
+                            {}),
+                      240s);
+  SCOPED_TRACE(run.output);
+  EXPECT_FALSE(run.timedOut);
+  Result r = parseResult(run.output);
+  ASSERT_TRUE(r.found);
+  EXPECT_LE(r.maxRel, 1e-5);
+  EXPECT_LT(r.recoveryMax, 2.0);
+  EXPECT_EQ(r.recoveries, 1);
+  EXPECT_NE(run.output.find("worker 2 declared dead"), std::string::npos);
+}
+
+TEST(JobTest, UnderMpirunWithoutFailures) {
+  JobRun run = finish(start({MPIEXEC_PATH, "--allow-run-as-root", "--oversubscribe", "-np", "3",
+                             TRAIN_DP_PATH, "--steps", "30"},
+                            {}),
+                      240s);
+  SCOPED_TRACE(run.output);
+  EXPECT_EQ(run.exitCode, 0);
+  Result r = parseResult(run.output);
+  ASSERT_TRUE(r.found);
+  EXPECT_LE(r.maxRel, 1e-5);
+  EXPECT_EQ(r.recoveries, 0);
+}
+#endif
+
+}  // namespace
