@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Installs dependencies, builds Sinew and runs the demo: a small job of 4 worker processes
-# that survives one worker being SIGKILLed mid-run.
+# Installs dependencies, builds Sinew and runs the demo: examples/train_dp trains a small MLP
+# with 4 workers under sinew-run; worker 2 is SIGKILLed at step 30. The survivors recover
+# and finish, and the last line compares the result with a single-process libtorch reference.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 scripts/build.sh
-build/examples/collectives_demo "$@"
+exec build/runtime/sinew-run -n 4 --log-dir build/demo-logs \
+  --inject "kill:worker=2:step=30:phase=backward" build/examples/train_dp "$@"
