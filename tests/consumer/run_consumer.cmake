@@ -12,7 +12,8 @@ endfunction()
 
 run(${CMAKE_COMMAND} --install ${SINEW_BUILD_DIR} --prefix ${WORK_DIR}/staged)
 file(RENAME ${WORK_DIR}/staged ${WORK_DIR}/moved)
-foreach(f include/sinew/collectives/communicator.h include/sinew/config.h)
+foreach(f include/sinew/collectives/communicator.h include/sinew/config.h
+    include/sinew/runtime/trainer.h include/sinew/pipeline/template_planner.h bin/sinew-run)
   if(NOT EXISTS ${WORK_DIR}/moved/${f})
     message(FATAL_ERROR "installed package lacks ${f}")
   endif()

@@ -2,6 +2,7 @@
 #include <sinew/collectives/communicator.h>
 #include <sinew/collectives/hash_store.h>
 #include <sinew/config.h>
+#include <sinew/runtime/trainer.h>
 
 #include <ATen/ATen.h>
 
@@ -20,6 +21,11 @@ int main() {
     return 1;
   } catch (const sinew::InvalidArgument&) {
   }
+  // The runtime's public API is usable too: the global batch is a function of (seed, step).
+  auto batch = sinew::globalBatchIndices(3, 7, 16, 1000);
+  if (batch != sinew::globalBatchIndices(3, 7, 16, 1000) || batch.size() != 16) return 2;
+  auto plan = sinew::Plan::dataParallel(0, {4, 9, 2}, 5, 8);
+  if (plan.of(9).microbatches.size() != 3) return 3;
   std::printf("consumer ok: allreduce=%g version=%d.%d nccl=%d\n", t[0].item<float>(),
               SINEW_VERSION_MAJOR, SINEW_VERSION_MINOR, SINEW_WITH_NCCL);
   return 0;
