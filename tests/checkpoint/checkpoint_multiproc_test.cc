@@ -83,11 +83,14 @@ CheckpointEngineOptions engineOptions(int self, int n, std::shared_ptr<collectiv
   return o;
 }
 
-// Runs versions 0..last of worker self's training, with a snapshot after each step.
+// Runs versions 0..last of worker self's training, with a snapshot after each step. These
+// steps have no compute, so each waits for the previous version to commit, as a step
+// longer than replication would.
 void train(CheckpointEngine& engine, int self, int64_t last) {
   for (int64_t s = 0; s <= last; ++s) {
     engine.waitBeforeUpdate();  // Before the optimizer step of s.
-    engine.snapshot(s, workerState(self, s));
+    if (!engine.snapshot(s, workerState(self, s))) throw std::runtime_error("snapshot skipped");
+    engine.waitCommitted(s, 20s);
   }
   engine.waitBeforeUpdate();
 }
@@ -324,6 +327,9 @@ TEST(EngineFlushTest, TwoWorkersFlushEveryKCommittedVersionsAndOnPreemption) {
         engine.waitBeforeUpdate();
         engine.snapshot(s, workerState(w, s));
         engine.waitCommitted(s, 20s);  // Every version commits, so 0, 2, 4 flush.
+        auto st = engine.stats();
+        std::cerr << "worker " << w << " step " << s << " taken " << st.snapshot.taken
+                  << " skipped " << st.snapshot.skipped << " err " << st.lastError << std::endl;
       }
       engine.waitDurable(4, 20s);
       engine.preemptionNotice();  // The next committed version (5) is flushed too.

@@ -15,6 +15,7 @@
 #include <mutex>
 #include <thread>
 
+#include "../support.h"
 #include "multiproc.h"
 #include "sinew/collectives/file_store.h"
 #include "sinew/collectives/hash_store.h"
@@ -27,6 +28,10 @@ namespace {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
+using testing::closedByPeer;
+using testing::connectLoopback;
+using testing::eventually;
+using testing::LogSink;
 using testing::ProcessGroup;
 
 std::string tempDir(const std::string& tag) {
@@ -40,35 +45,6 @@ std::string tempDir(const std::string& tag) {
 
 int64_t elapsedMs(Clock::time_point start) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
-}
-
-// Collects the server's log lines so tests can check the reason a connection was dropped.
-struct LogSink {
-  std::mutex mu;
-  std::vector<std::string> lines;
-  std::function<void(const std::string&)> fn() {
-    return [this](const std::string& l) {
-      std::lock_guard<std::mutex> lock(mu);
-      lines.push_back(l);
-    };
-  }
-  bool contains(const std::string& s) {
-    std::lock_guard<std::mutex> lock(mu);
-    for (const auto& l : lines) {
-      if (l.find(s) != std::string::npos) return true;
-    }
-    return false;
-  }
-};
-
-// Waits for a condition with a deadline (no fixed sleeps).
-bool eventually(const std::function<bool()>& cond, std::chrono::milliseconds timeout = 5s) {
-  auto deadline = Clock::now() + timeout;
-  while (Clock::now() < deadline) {
-    if (cond()) return true;
-    std::this_thread::sleep_for(1ms);
-  }
-  return cond();
 }
 
 // A store under test, and a way to open a second handle on the same data (another client,
@@ -272,33 +248,6 @@ INSTANTIATE_TEST_SUITE_P(Backends, StoreMultiprocTest, ::testing::Values("tcp", 
 
 // ---- TCP server robustness ----------------------------------------------------------
 
-int connectRaw(uint16_t port) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    ::close(fd);
-    return -1;
-  }
-  return fd;
-}
-
-// Whether the server closed fd within the timeout (a read returns 0 or an error).
-bool closedByPeer(int fd, std::chrono::milliseconds timeout) {
-  timeval tv{};
-  tv.tv_sec = timeout.count() / 1000;
-  tv.tv_usec = (timeout.count() % 1000) * 1000;
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  char buf[64];
-  while (true) {
-    ssize_t r = ::read(fd, buf, sizeof(buf));
-    if (r == 0) return true;
-    if (r < 0) return errno != EAGAIN && errno != EWOULDBLOCK;
-  }
-}
-
 Bytes header(uint32_t magic, uint8_t version, uint8_t op, uint32_t length) {
   Bytes h;
   for (int i = 0; i < 4; ++i) h.push_back(static_cast<uint8_t>(magic >> (8 * i)));
@@ -329,7 +278,7 @@ TEST_P(TcpStoreGarbageTest, ConnectionIsDroppedWithReasonAndServerLivesOn) {
   TcpStore good("127.0.0.1", server.port(), TcpStoreOptions());
   good.set("before", toBytes("1"));
 
-  int fd = connectRaw(server.port());
+  int fd = connectLoopback(server.port());
   ASSERT_GE(fd, 0);
   const Bytes& bytes = GetParam().bytes;
   ASSERT_EQ(::write(fd, bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));
@@ -392,7 +341,7 @@ TEST(TcpStoreServerTest, KilledClientsLeaveTheServerServing) {
     return 0;
   });
   group.spawn([port] {
-    int fd = connectRaw(port);
+    int fd = connectLoopback(port);
     Bytes partial = header(kMagic, 1, 1, 1000);
     partial.push_back('x');
     if (::write(fd, partial.data(), partial.size()) < 0) return 3;

@@ -15,6 +15,7 @@
 #include <mutex>
 #include <thread>
 
+#include "../support.h"
 #include "sinew/runtime/coordinator.h"
 #include "sinew/runtime/coordinator_client.h"
 #include "sinew/runtime/detail/wire.h"
@@ -27,33 +28,10 @@ namespace {
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 using nlohmann::json;
-
-struct LogSink {
-  std::mutex mu;
-  std::vector<std::string> lines;
-  std::function<void(const std::string&)> fn() {
-    return [this](const std::string& l) {
-      std::lock_guard<std::mutex> lock(mu);
-      lines.push_back(l);
-    };
-  }
-  bool contains(const std::string& s) {
-    std::lock_guard<std::mutex> lock(mu);
-    for (const auto& l : lines) {
-      if (l.find(s) != std::string::npos) return true;
-    }
-    return false;
-  }
-};
-
-bool eventually(const std::function<bool()>& cond, std::chrono::milliseconds timeout = 5s) {
-  auto deadline = Clock::now() + timeout;
-  while (Clock::now() < deadline) {
-    if (cond()) return true;
-    std::this_thread::sleep_for(1ms);
-  }
-  return cond();
-}
+using testing::closedByPeer;
+using testing::connectLoopback;
+using testing::eventually;
+using testing::LogSink;
 
 CoordinatorOptions options(int expected, LogSink* sink) {
   CoordinatorOptions o;
@@ -209,32 +187,6 @@ TEST(CoordinatorTest, StaleEpochMessagesAreIgnoredNotFatal) {
 
 // ---- Bad input on the coordinator's port ---------------------------------------------
 
-int connectRaw(uint16_t port) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    ::close(fd);
-    return -1;
-  }
-  return fd;
-}
-
-bool closedByPeer(int fd, std::chrono::milliseconds timeout) {
-  timeval tv{};
-  tv.tv_sec = timeout.count() / 1000;
-  tv.tv_usec = (timeout.count() % 1000) * 1000;
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  char buf[4096];
-  while (true) {
-    ssize_t r = ::read(fd, buf, sizeof(buf));
-    if (r == 0) return true;
-    if (r < 0) return errno != EAGAIN && errno != EWOULDBLOCK;
-  }
-}
-
 struct BadCase {
   std::string name;
   // Builds the bytes to send, given the job token.
@@ -262,7 +214,7 @@ TEST_P(CoordinatorBadInputTest, ConnectionIsDroppedWithReasonAndCoordinatorLives
   auto a = client(coord, 0);
   a->waitEpochAfter(-1, 5s);
 
-  int fd = connectRaw(coord.port());
+  int fd = connectLoopback(coord.port());
   ASSERT_GE(fd, 0);
   auto bytes = GetParam().bytes(coord.token());
   ASSERT_EQ(::write(fd, bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));
