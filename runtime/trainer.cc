@@ -390,7 +390,7 @@ class Trainer::Impl {
     co.epoch = info.epoch;
     co.name = "dp";
     co.timeout = o_.opTimeout;
-    co.initTimeout = o_.recoveryTimeout;
+    co.initTimeout = std::min(o_.buildTimeout, o_.recoveryTimeout);
     co.hostname = ctx_.host();
     const int64_t e = info.epoch;
     auto store = std::make_shared<AbortableStore>(

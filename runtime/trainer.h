@@ -83,6 +83,10 @@ struct TrainerOptions {
   std::chrono::milliseconds opTimeout{10000};
   // How long a recovery may take before the worker gives up (throws).
   std::chrono::milliseconds recoveryTimeout{60000};
+  // Deadline for connecting one epoch's communicator. Its store waits give up as soon as a
+  // newer epoch is announced; this bounds the connect phase after them, e.g. towards a peer
+  // stopped mid-recovery (then the worker asks for a rebuild).
+  std::chrono::milliseconds buildTimeout{10000};
 };
 
 struct TrainResult {
