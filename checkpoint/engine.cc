@@ -1,0 +1,295 @@
+#include "sinew/checkpoint/engine.h"
+
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+
+#include "sinew/collectives/error.h"
+
+namespace sinew {
+namespace checkpoint {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using collectives::Bytes;
+using collectives::toBytes;
+using collectives::toString;
+
+// Replication and flushes yield the CPU to the training threads.
+void lowerThisThreadsPriority() {
+  ::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 10);
+}
+
+int64_t parseStep(const Bytes& b) { return b.empty() ? -1 : std::stoll(toString(b)); }
+
+// Moves the integer at key forward to value (never backwards), atomically.
+void advance(collectives::Store& store, const std::string& key, int64_t value) {
+  for (;;) {
+    Bytes cur = store.check({key}) ? store.get(key) : Bytes();
+    if (parseStep(cur) >= value) return;
+    Bytes after = store.compareSet(key, cur, toBytes(std::to_string(value)));
+    if (parseStep(after) >= value) return;
+  }
+}
+
+}  // namespace
+
+CheckpointEngine::CheckpointEngine(const ShardState& like, CheckpointEngineOptions options)
+    : options_(std::move(options)), placement_(options_.workers, options_.replication) {
+  SINEW_ENFORCE(options_.store != nullptr, "checkpoint engine needs a store");
+  service_ = std::make_unique<ReplicaService>(options_.self, options_.service);
+  options_.store->set(key("replica/" + std::to_string(options_.self)),
+                      toBytes(options_.service.host + ":" + std::to_string(service_->port())));
+  SnapshotOptions so = options_.snapshot;
+  so.owner = options_.self;
+  arena_ = std::make_unique<SnapshotArena>(like, so);
+  service_->setOwnShards([this] { return arena_->all(); });
+  if (!options_.persist.dir.empty()) writer_ = std::make_unique<CheckpointWriter>(options_.persist);
+  arena_->setOnComplete([this](std::shared_ptr<const HostShard> s) { onSnapshot(std::move(s)); });
+  replicationThread_ = std::thread([this] { replicationLoop(); });
+  flushThread_ = std::thread([this] { flushLoop(); });
+}
+
+CheckpointEngine::~CheckpointEngine() {
+  arena_->setOnComplete(nullptr);
+  service_->setOwnShards(nullptr);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  replicationThread_.join();
+  flushThread_.join();
+  arena_.reset();
+}
+
+bool CheckpointEngine::snapshot(int64_t step, const ShardState& state) {
+  return arena_->snapshot(step, state);
+}
+
+void CheckpointEngine::waitBeforeUpdate(std::chrono::milliseconds timeout) {
+  arena_->waitBeforeUpdate(timeout);
+}
+
+void CheckpointEngine::onSnapshot(std::shared_ptr<const HostShard> shard) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Every snapshot is sent, in order: workers that took the same snapshots replicate the
+    // same versions, so they commit. The queue is bounded by the arena's slots (a queued
+    // shard pins its slot; with none free the arena skips a snapshot).
+    toReplicate_.push_back(std::move(shard));
+  }
+  cv_.notify_all();
+}
+
+std::string CheckpointEngine::peerAddress(int worker, std::chrono::milliseconds timeout) const {
+  return toString(options_.store->get(key("replica/" + std::to_string(worker)), timeout));
+}
+
+void CheckpointEngine::replicate(const HostShard& shard) {
+  for (int peer : placement_.peersOf(options_.self)) {
+    auto& client = clients_[peer];
+    if (!client) {
+      ReplicaClientOptions co = options_.client;
+      auto userBefore = co.beforeChunk;
+      co.beforeChunk = [this, userBefore] {
+        gate_.waitIdle(options_.maxYield);
+        if (userBefore) userBefore();
+      };
+      client = std::make_unique<ReplicaClient>(peer, peerAddress(peer, options_.timeout), co);
+    }
+    client->put(shard);
+  }
+}
+
+void CheckpointEngine::reportHeld(int64_t step) {
+  auto& store = *options_.store;
+  const std::string s = std::to_string(step);
+  store.set(key("held/" + s + "/" + std::to_string(options_.self)), toBytes("1"));
+  int64_t n = store.add(key("held/" + s), 1);
+  if (n == static_cast<int64_t>(options_.workers.size())) {
+    nlohmann::json record = {
+        {"step", step}, {"workers", options_.workers}, {"replication", options_.replication}};
+    store.set(key("commit/" + s), toBytes(record.dump()));
+    advance(store, key("committed"), step);
+  }
+}
+
+void CheckpointEngine::replicationLoop() {
+  lowerThisThreadsPriority();
+  for (;;) {
+    std::shared_ptr<const HostShard> shard;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !toReplicate_.empty(); });
+      if (stop_) return;
+      shard = std::move(toReplicate_.front());
+      toReplicate_.pop_front();
+    }
+    const int64_t step = shard->step;
+    try {
+      if (options_.beforeReplicate) options_.beforeReplicate(step);
+      auto start = Clock::now();
+      replicate(*shard);
+      double secs = std::chrono::duration<double>(Clock::now() - start).count();
+      reportHeld(step);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        stats_.replicated++;
+        stats_.replicationSeconds += secs;
+        stats_.bytesReplicated +=
+            shard->layout.totalBytes * placement_.peersOf(options_.self).size();
+      }
+      // Wait (briefly, and only until a newer version is ready) for the other workers'
+      // reports; protect the newest committed version from reuse.
+      int64_t committed = committedStep();
+      {
+        auto deadline = Clock::now() + options_.timeout;
+        std::unique_lock<std::mutex> lock(mu_);
+        while (committed < step && !stop_ && toReplicate_.empty() && Clock::now() < deadline) {
+          cv_.wait_for(lock, std::chrono::milliseconds(1));  // Polls the store.
+          lock.unlock();
+          committed = committedStep();
+          lock.lock();
+        }
+      }
+      if (committed >= 0) arena_->protect(committed);
+      if (committed < step) continue;  // Not (yet) committed: nothing to flush.
+      bool flush = false;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (writer_ &&
+            ((options_.flushEvery > 0 && step % options_.flushEvery == 0) || flushRequested_)) {
+          flushRequested_ = false;
+          toFlush_.push_back(shard);
+          flush = true;
+        }
+      }
+      if (flush) cv_.notify_all();
+    } catch (const std::exception& e) {
+      // Version step does not commit; the committed version stays the previous one.
+      std::lock_guard<std::mutex> lock(mu_);
+      stats_.replicationFailures++;
+      stats_.lastError = e.what();
+      clients_.clear();  // Reconnect for the next version.
+    }
+  }
+}
+
+void CheckpointEngine::flushVersion(const std::shared_ptr<const HostShard>& shard) {
+  auto& store = *options_.store;
+  const std::string s = std::to_string(shard->step);
+  ShardFileRecord rec = writer_->writeShard(*shard);
+  store.set(key("flush/" + s + "/" + std::to_string(options_.self)), toBytes(rec.toJson()));
+  if (options_.self != options_.workers.front()) return;
+  std::vector<std::string> keys;
+  for (int w : options_.workers) keys.push_back(key("flush/" + s + "/" + std::to_string(w)));
+  store.wait(keys, options_.timeout);
+  std::vector<ShardFileRecord> records;
+  for (const auto& k : keys) records.push_back(ShardFileRecord::fromJson(toString(store.get(k))));
+  writer_->commitVersion(shard->step, records);
+  advance(store, key("durable"), shard->step);
+}
+
+void CheckpointEngine::flushLoop() {
+  lowerThisThreadsPriority();
+  for (;;) {
+    std::shared_ptr<const HostShard> shard;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !toFlush_.empty(); });
+      if (stop_) return;
+      shard = toFlush_.front();
+      toFlush_.pop_front();
+    }
+    try {
+      flushVersion(shard);
+      std::lock_guard<std::mutex> lock(mu_);
+      stats_.flushed++;
+    } catch (const std::exception& e) {
+      std::lock_guard<std::mutex> lock(mu_);
+      stats_.lastError = e.what();
+      std::fprintf(stderr, "sinew checkpoint: flush of version %lld failed: %s\n",
+                   static_cast<long long>(shard->step), e.what());
+    }
+  }
+}
+
+void CheckpointEngine::requestFlush() {
+  std::lock_guard<std::mutex> lock(mu_);
+  flushRequested_ = true;
+}
+
+int64_t CheckpointEngine::committedStep() const {
+  auto& store = *options_.store;
+  int64_t c = store.check({key("committed")}) ? parseStep(store.get(key("committed"))) : -1;
+  // Whoever learns of a commit first protects it, so the next snapshot never waits for the
+  // replication thread to notice.
+  if (c >= 0) arena_->protect(c);
+  return c;
+}
+
+int64_t CheckpointEngine::waitCommitted(int64_t step, std::chrono::milliseconds timeout) const {
+  auto deadline = Clock::now() + timeout;
+  for (;;) {
+    int64_t c = committedStep();
+    if (c >= step) return c;
+    if (Clock::now() > deadline) {
+      SINEW_THROW(Timeout, "version ", step, " not committed after ", timeout.count(),
+                  " ms (committed: ", c, ")");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));  // Polls the store.
+  }
+}
+
+int64_t CheckpointEngine::durableStep() const {
+  auto& store = *options_.store;
+  return store.check({key("durable")}) ? parseStep(store.get(key("durable"))) : -1;
+}
+
+int64_t CheckpointEngine::waitDurable(int64_t step, std::chrono::milliseconds timeout) const {
+  auto deadline = Clock::now() + timeout;
+  for (;;) {
+    int64_t d = durableStep();
+    if (d >= step) return d;
+    if (Clock::now() > deadline) {
+      SINEW_THROW(Timeout, "version ", step, " not durable after ", timeout.count(),
+                  " ms (durable: ", d, ")");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));  // Polls the store.
+  }
+}
+
+RestoreResult CheckpointEngine::restore(int64_t step,
+                                        const std::vector<std::string>& layers) const {
+  RestoreSources src;
+  if (auto own = arena_->find(step)) src.local.push_back(own);
+  for (auto& r : service_->all()) src.local.push_back(r);
+  for (int w : options_.workers) {
+    if (w == options_.self) continue;
+    const std::string k = key("replica/" + std::to_string(w));
+    if (options_.store->check({k})) src.peers.emplace_back(w, toString(options_.store->get(k)));
+  }
+  src.client = options_.client;
+  src.client.connectTimeout = std::chrono::milliseconds(1000);
+  src.dir = options_.persist.dir;
+  src.env = options_.persist.env;
+  return restoreLayers(src, step, layers);
+}
+
+EngineStats CheckpointEngine::stats() const {
+  EngineStats s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    s = stats_;
+  }
+  s.snapshot = arena_->stats();
+  return s;
+}
+
+}  // namespace checkpoint
+}  // namespace sinew

@@ -1,0 +1,157 @@
+#pragma once
+
+// CheckpointEngine: one worker's part of DESIGN.md section 5, assembled from the pieces.
+//
+//   snapshot(s) ─copy thread─> SnapshotArena slot ─replication thread─> peers' ReplicaService
+//        │                                              │ all m-1 peers acknowledged
+//   waitBeforeUpdate() before the optimizer step of s+1  └─> commit record in the Store
+//                                                              └─flush thread─> disk
+//
+// Commit protocol (per version s; the Store is the coordinator's, or any shared Store):
+//   1. Each worker's replication thread sends its shard of s to every peer that
+//      ReplicaPlacement names and waits for each acknowledgement (bytes and checksums
+//      verified by the peer).
+//   2. It then sets <prefix>/held/<s>/<worker> and adds 1 to <prefix>/held/<s>.
+//   3. The worker whose add returns N (every shard of s is in m places) writes the commit
+//      record <prefix>/commit/<s> and advances <prefix>/committed (compare-and-set, never
+//      backwards).
+//   4. A worker that sees s committed protects its snapshot of s from reuse. A failure in
+//      step 1 (a lost peer, a timeout, a rejected checksum) skips 2: s never commits and
+//      s-1 stays the committed version.
+// Flush protocol (every flushEvery committed versions, on requestFlush() or
+// preemptionNotice()):
+//   1. Each worker writes its shard of s durably and sets <prefix>/flush/<s>/<worker> to its
+//      ShardFileRecord.
+//   2. The first worker of `workers` waits for every record, writes the manifest, moves
+//      LATEST and sets <prefix>/durable to s.
+// Replication runs at low priority: its thread is niced, sends in chunks and waits (up to
+// maxYield) between chunks while the trainer has a collective in flight (trafficGate()).
+// It never blocks a step: versions are sent in order, and when replication falls behind
+// the arena runs out of free slots and skips snapshots (SnapshotStats::skipped). Versions
+// commit only if every worker snapshotted them, so a trainer whose replication is slower
+// than its step should snapshot on a common schedule (e.g. every k-th step) rather than
+// rely on skips, which differ between workers.
+//
+// Thread safety: snapshot() and waitBeforeUpdate() from the training thread; everything
+// else from any thread.
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "sinew/checkpoint/persist.h"
+#include "sinew/checkpoint/placement.h"
+#include "sinew/checkpoint/replica.h"
+#include "sinew/checkpoint/restore.h"
+#include "sinew/checkpoint/snapshot.h"
+#include "sinew/collectives/store.h"
+
+namespace sinew {
+namespace checkpoint {
+
+constexpr std::chrono::milliseconds kDefaultCheckpointTimeout{30000};
+
+struct CheckpointEngineOptions {
+  int self = 0;
+  std::vector<int> workers;  // Every worker, in placement order (one worker per node).
+  int replication = 2;       // m.
+  std::shared_ptr<collectives::Store> store;
+  std::string prefix = "sinew/ckpt";
+  SnapshotOptions snapshot;  // owner is set to self.
+  ReplicaServiceOptions service;
+  ReplicaClientOptions client;
+  std::chrono::milliseconds maxYield{50};
+  PersistOptions persist;  // persist.dir empty: no flushes.
+  int flushEvery = 0;      // Flush committed versions with s % flushEvery == 0; 0: on request.
+  std::chrono::milliseconds timeout = kDefaultCheckpointTimeout;  // Store waits.
+  // Test hook: called on the replication thread before a version is sent.
+  std::function<void(int64_t step)> beforeReplicate;
+};
+
+struct EngineStats {
+  SnapshotStats snapshot;
+  int64_t replicated = 0;  // Versions acknowledged by every peer.
+  int64_t replicationFailures = 0;
+  uint64_t bytesReplicated = 0;
+  double replicationSeconds = 0;  // Time spent sending (to all peers).
+  int64_t flushed = 0;
+  std::string lastError;
+};
+
+class CheckpointEngine {
+ public:
+  // Starts the replica service, publishes its address under <prefix>/replica/<self>, and
+  // sizes the arena for shards like `like`.
+  CheckpointEngine(const ShardState& like, CheckpointEngineOptions options);
+  ~CheckpointEngine();
+  CheckpointEngine(const CheckpointEngine&) = delete;
+  CheckpointEngine& operator=(const CheckpointEngine&) = delete;
+
+  // After the optimizer step of step: SnapshotArena::snapshot; the copy is then replicated.
+  bool snapshot(int64_t step, const ShardState& state);
+  // Before the next optimizer step.
+  void waitBeforeUpdate(std::chrono::milliseconds timeout = std::chrono::milliseconds(-1));
+  TrafficGate& trafficGate() { return gate_; }
+
+  // The newest committed version (-1 if none), read from the Store; also protects this
+  // worker's snapshot of it from reuse.
+  int64_t committedStep() const;
+  // Waits until version >= step is committed; returns it. Throws Timeout naming the step.
+  int64_t waitCommitted(int64_t step, std::chrono::milliseconds timeout) const;
+  // The newest durable version (-1 if none), read from the Store.
+  int64_t durableStep() const;
+  int64_t waitDurable(int64_t step, std::chrono::milliseconds timeout) const;
+  // Flush the next committed version (also what a preemption notice does).
+  void requestFlush();
+  void preemptionNotice() { requestFlush(); }
+
+  // Restores `layers` of version step: own RAM, then every other worker's replica
+  // service, then the checkpoint folder (restoreLayers).
+  RestoreResult restore(int64_t step, const std::vector<std::string>& layers) const;
+
+  SnapshotArena& arena() { return *arena_; }
+  ReplicaService& service() { return *service_; }
+  const ReplicaPlacement& placement() const { return placement_; }
+  EngineStats stats() const;
+
+ private:
+  void onSnapshot(std::shared_ptr<const HostShard> shard);
+  void replicationLoop();
+  void flushLoop();
+  void replicate(const HostShard& shard);
+  void reportHeld(int64_t step);
+  void flushVersion(const std::shared_ptr<const HostShard>& shard);
+  std::string key(const std::string& suffix) const { return options_.prefix + "/" + suffix; }
+  std::string peerAddress(int worker, std::chrono::milliseconds timeout) const;
+
+  const CheckpointEngineOptions options_;
+  const ReplicaPlacement placement_;
+  TrafficGate gate_;
+  std::unique_ptr<ReplicaService> service_;
+  std::unique_ptr<SnapshotArena> arena_;
+  std::unique_ptr<CheckpointWriter> writer_;
+  // One client per peer, used only by the replication thread.
+  std::map<int, std::unique_ptr<ReplicaClient>> clients_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  // Guarded by mu_.
+  std::deque<std::shared_ptr<const HostShard>> toReplicate_;
+  std::deque<std::shared_ptr<const HostShard>> toFlush_;
+  bool flushRequested_ = false;
+  bool stop_ = false;
+  EngineStats stats_;
+
+  std::thread replicationThread_;
+  std::thread flushThread_;
+};
+
+}  // namespace checkpoint
+}  // namespace sinew

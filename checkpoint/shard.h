@@ -1,0 +1,112 @@
+#pragma once
+
+// What a checkpoint holds. A worker's shard is the layers it holds (parameters and
+// optimizer state), keyed by layer name, never by rank, so any plan can restore it
+// (DESIGN.md section 5). In host memory a shard is one contiguous byte range laid out
+// exactly like the data section of its safetensors file (docs/checkpoint_format.md):
+// tensors back to back in the order given, with no padding.
+//
+// Thread safety: plain values; a HostShard is immutable once published (complete) and may
+// be read from any thread.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace sinew {
+namespace checkpoint {
+
+// One tensor of a layer: a parameter ("weight") or optimizer state ("weight.exp_avg").
+struct NamedTensor {
+  std::string name;
+  at::Tensor tensor;
+};
+
+struct LayerState {
+  std::string name;  // Unique in the model; must not contain '/'.
+  std::vector<NamedTensor> tensors;
+};
+
+// The state a worker checkpoints, in a stable order.
+using ShardState = std::vector<LayerState>;
+
+// A layer restored to host memory: tensor name → CPU tensor (owning its memory).
+using RestoredLayer = std::map<std::string, at::Tensor>;
+
+struct TensorRecord {
+  std::string layer;
+  std::string name;
+  std::string dtype;  // safetensors code: "F32", "BF16", "I64", ...
+  std::vector<int64_t> shape;
+  uint64_t offset = 0;  // In the shard's data section.
+  uint64_t nbytes = 0;
+  uint32_t crc32c = 0;  // Of the tensor's bytes; filled when the copy is taken.
+};
+
+struct ShardLayout {
+  std::vector<TensorRecord> tensors;  // In data order.
+  uint64_t totalBytes = 0;
+
+  // Layout of state (crc32c left 0). Throws InvalidArgument naming the layer and tensor
+  // for an unsupported dtype, an undefined tensor, a '/' in a layer name or a duplicate.
+  static ShardLayout of(const ShardState& state);
+  // Same tensors, dtypes, shapes and offsets (checksums ignored).
+  bool sameShape(const ShardLayout& other) const;
+  std::vector<std::string> layers() const;  // In order, each once.
+  bool hasLayer(const std::string& layer) const;
+  // A digest of the layer's tensor checksums, dtypes and shapes: equal digests mean
+  // unchanged bytes (up to crc32c collisions); used by incremental checkpoints.
+  uint32_t layerDigest(const std::string& layer) const;
+
+  std::string toJson() const;
+  static ShardLayout fromJson(const std::string& json);  // Corruption if malformed.
+};
+
+// safetensors dtype code of an ATen dtype, and back. InvalidArgument if unsupported.
+std::string safetensorsDtype(at::ScalarType type);
+at::ScalarType scalarTypeOf(const std::string& safetensorsDtype);
+size_t elementSize(const std::string& safetensorsDtype);
+
+// Host bytes of one version of one worker's shard: a slot of a SnapshotArena or of a
+// ReplicaService. Shared by whoever reads it (replication, flush, restore); the owner
+// reuses the memory only after every reader has dropped its reference.
+class HostShard {
+ public:
+  // Allocates capacity bytes of host memory and touches every page, so resident memory
+  // is fixed from the start. pinned asks for page-locked memory (CUDA hosts only).
+  HostShard(uint64_t capacity, bool pinned);
+  HostShard(const HostShard&) = delete;
+  HostShard& operator=(const HostShard&) = delete;
+
+  int owner = -1;
+  int64_t step = -1;
+  bool complete = false;
+  ShardLayout layout;
+
+  uint8_t* data() { return data_; }
+  const uint8_t* data() const { return data_; }
+  uint64_t capacity() const { return capacity_; }
+
+  // Recomputes every tensor's crc32c over the held bytes and compares with the layout;
+  // returns "" if all match, else a message naming the layer, tensor and both checksums.
+  // Checks only the given layers if the list is not empty.
+  std::string verify(const std::vector<std::string>& layers = {}) const;
+  // Copies a layer out into new CPU tensors. REQUIRES: layout.hasLayer(layer).
+  RestoredLayer extractLayer(const std::string& layer) const;
+
+ private:
+  std::unique_ptr<uint8_t, void (*)(uint8_t*)> buffer_;
+  at::Tensor pinned_;  // Owns the memory when pinned.
+  uint8_t* data_ = nullptr;
+  uint64_t capacity_ = 0;
+};
+
+std::string hex32(uint32_t v);  // "0x1f2e3d4c"
+
+}  // namespace checkpoint
+}  // namespace sinew

@@ -1,0 +1,273 @@
+#include "sinew/checkpoint/snapshot.h"
+
+#include <ATen/ATen.h>
+
+#include <cstring>
+
+#include "sinew/checkpoint/detail/crc32c.h"
+#include "sinew/collectives/error.h"
+#include "sinew/config.h"
+
+#if SINEW_WITH_NCCL
+#include <cuda_runtime_api.h>
+#endif
+
+namespace sinew {
+namespace checkpoint {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double secondsSince(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+bool anyCuda(const ShardState& state) {
+  for (const auto& l : state) {
+    for (const auto& t : l.tensors) {
+      if (t.tensor.defined() && t.tensor.is_cuda()) return true;
+    }
+  }
+  return false;
+}
+
+#if SINEW_WITH_NCCL
+void checkCuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) SINEW_THROW(IoError, "snapshot: ", what, ": ", cudaGetErrorString(e));
+}
+#endif
+
+}  // namespace
+
+SnapshotArena::SnapshotArena(const ShardState& like, SnapshotOptions options)
+    : options_(std::move(options)), layout_(ShardLayout::of(like)) {
+  SINEW_ENFORCE(options_.slots >= 2, "snapshot arena needs at least 2 slots, got ", options_.slots);
+  if (anyCuda(like)) {
+#if SINEW_WITH_NCCL
+    pinned_ = true;
+    cudaStream_t s = nullptr;
+    checkCuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    cudaStream_ = s;
+#else
+    SINEW_THROW(InvalidArgument,
+                "snapshot of CUDA tensors needs Sinew built with CUDA (SINEW_WITH_NCCL=1)");
+#endif
+  }
+  for (int i = 0; i < options_.slots; ++i) {
+    slots_.push_back(std::make_shared<HostShard>(layout_.totalBytes, pinned_));
+    slots_.back()->owner = options_.owner;
+  }
+  thread_ = std::thread([this] { copyLoop(); });
+}
+
+SnapshotArena::~SnapshotArena() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+#if SINEW_WITH_NCCL
+  if (cudaStream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(cudaStream_));
+#endif
+}
+
+bool SnapshotArena::snapshot(int64_t step, const ShardState& state) {
+  // Validate on the caller's thread, so a wrong state is the caller's exception.
+  ShardLayout layout = ShardLayout::of(state);
+  SINEW_ENFORCE(layout.sameShape(layout_), "snapshot of step ", step,
+                ": state's layers, tensors, dtypes or shapes differ from the arena's");
+  auto job = std::make_unique<Job>();
+  job->step = step;
+  for (const auto& l : state) {
+    for (const auto& t : l.tensors) {
+      // A non-contiguous tensor is made contiguous here, once (an allocation); trainers
+      // pass contiguous parameters and optimizer state.
+      job->tensors.push_back(t.tensor.is_contiguous() ? t.tensor : t.tensor.contiguous());
+    }
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  SINEW_ENFORCE(!pending_, "snapshot of step ", step, " while step ", pendingStep_,
+                " is still being copied: call waitBeforeUpdate() first");
+  // Pick the oldest slot nobody reads that is neither the newest complete nor protected.
+  int64_t newest = -1;
+  for (const auto& s : slots_) {
+    if (s->complete) newest = std::max(newest, s->step);
+  }
+  std::shared_ptr<HostShard> chosen;
+  for (const auto& s : slots_) {
+    if (s.use_count() != 1) continue;  // Only we hold it; nobody can acquire it unlocked.
+    if (s->complete && (s->step == newest || s->step == protected_)) continue;
+    if (!chosen || !s->complete || (chosen->complete && s->step < chosen->step)) chosen = s;
+  }
+  if (!chosen) {
+    stats_.skipped++;
+    return false;
+  }
+  chosen->complete = false;
+  chosen->step = step;
+  chosen->layout = layout_;
+  job->slot = chosen;
+#if SINEW_WITH_NCCL
+  if (pinned_) {
+    cudaEvent_t ev = nullptr;
+    checkCuda(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+    checkCuda(cudaEventRecord(ev, 0), "cudaEventRecord");  // Legacy default stream.
+    job->cudaEvent = ev;
+  }
+#endif
+  job_ = std::move(job);
+  pending_ = true;
+  pendingStep_ = step;
+  error_ = nullptr;
+  lock.unlock();
+  cv_.notify_all();
+  return true;
+}
+
+void SnapshotArena::waitBeforeUpdate(std::chrono::milliseconds timeout) {
+  if (timeout.count() < 0) timeout = options_.waitTimeout;
+  auto start = Clock::now();
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!cv_.wait_for(lock, timeout, [&] { return !pending_; })) {
+    SINEW_THROW(Timeout, "snapshot of step ", pendingStep_, " not complete after ", timeout.count(),
+                " ms");
+  }
+  stats_.waitSeconds += secondsSince(start);
+  if (error_) {
+    auto e = error_;
+    error_ = nullptr;
+    std::rethrow_exception(e);
+  }
+}
+
+std::shared_ptr<const HostShard> SnapshotArena::latest() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::shared_ptr<const HostShard> best;
+  for (const auto& s : slots_) {
+    if (s->complete && (!best || s->step > best->step)) best = s;
+  }
+  return best;
+}
+
+std::vector<std::shared_ptr<const HostShard>> SnapshotArena::all() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::shared_ptr<const HostShard>> out;
+  for (const auto& s : slots_) {
+    if (s->complete) out.push_back(s);
+  }
+  return out;
+}
+
+std::shared_ptr<const HostShard> SnapshotArena::find(int64_t step) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& s : slots_) {
+    if (s->complete && s->step == step) return s;
+  }
+  return nullptr;
+}
+
+void SnapshotArena::protect(int64_t step) {
+  std::lock_guard<std::mutex> lock(mu_);
+  protected_ = std::max(protected_, step);
+}
+
+void SnapshotArena::setOnComplete(std::function<void(std::shared_ptr<const HostShard>)> fn) {
+  std::lock_guard<std::mutex> lock(mu_);
+  onComplete_ = std::move(fn);
+}
+
+SnapshotStats SnapshotArena::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+void SnapshotArena::copyLoop() {
+  for (;;) {
+    std::unique_ptr<Job> job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || job_ != nullptr; });
+      if (stop_ && job_ == nullptr) return;
+      job = std::move(job_);
+    }
+    auto start = Clock::now();
+    std::exception_ptr err;
+    try {
+      copyOne(*job);
+    } catch (...) {
+      err = std::current_exception();  // Rethrown by waitBeforeUpdate().
+    }
+    std::function<void(std::shared_ptr<const HostShard>)> onComplete;
+    std::shared_ptr<const HostShard> done;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stats_.copySeconds += secondsSince(start);
+      if (err) {
+        job->slot->step = -1;
+        error_ = err;
+      } else {
+        job->slot->complete = true;
+        stats_.taken++;
+        stats_.bytesCopied += layout_.totalBytes;
+        done = job->slot;
+        onComplete = onComplete_;
+      }
+      pending_ = false;
+    }
+    job.reset();  // Drops the tensor references before waking the trainer.
+    cv_.notify_all();
+    if (onComplete && done) {
+      try {
+        onComplete(done);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "sinew checkpoint: onComplete of step %lld failed: %s\n",
+                     static_cast<long long>(done->step), e.what());
+      }
+    }
+  }
+}
+
+void SnapshotArena::copyOne(Job& job) {
+  HostShard& slot = *job.slot;
+#if SINEW_WITH_NCCL
+  if (pinned_) {
+    auto stream = static_cast<cudaStream_t>(cudaStream_);
+    auto ev = static_cast<cudaEvent_t>(job.cudaEvent);
+    checkCuda(cudaStreamWaitEvent(stream, ev, 0), "cudaStreamWaitEvent");
+    for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+      const auto& rec = layout_.tensors[i];
+      if (options_.beforeCopyTensor) options_.beforeCopyTensor(rec);
+      checkCuda(
+          cudaMemcpyAsync(slot.data() + rec.offset, job.tensors[i].data_ptr(), rec.nbytes,
+                          job.tensors[i].is_cuda() ? cudaMemcpyDeviceToHost : cudaMemcpyHostToHost,
+                          stream),
+          "cudaMemcpyAsync");
+    }
+    checkCuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    cudaEventDestroy(ev);
+    for (auto& rec : slot.layout.tensors) {
+      rec.crc32c = detail::crc32c(slot.data() + rec.offset, rec.nbytes);
+    }
+    return;
+  }
+#endif
+  for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+    auto& rec = slot.layout.tensors[i];
+    if (options_.beforeCopyTensor) options_.beforeCopyTensor(rec);
+    const auto* src = static_cast<const uint8_t*>(job.tensors[i].data_ptr());
+    uint8_t* dst = slot.data() + rec.offset;
+    uint32_t crc = 0;
+    for (uint64_t done = 0; done < rec.nbytes;) {
+      size_t n =
+          static_cast<size_t>(std::min<uint64_t>(options_.copyChunkBytes, rec.nbytes - done));
+      std::memcpy(dst + done, src + done, n);
+      crc = detail::crc32cExtend(crc, dst + done, n);
+      done += n;
+    }
+    rec.crc32c = crc;
+  }
+}
+
+}  // namespace checkpoint
+}  // namespace sinew

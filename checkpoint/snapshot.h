@@ -1,0 +1,126 @@
+#pragma once
+
+// SnapshotArena: the lazy snapshot of DataStates-LLM, made correct (DESIGN.md section 5).
+//
+// After the optimizer step of s the trainer calls snapshot(s, state); a background copy
+// thread copies every tensor into a preallocated host slot (and computes each tensor's
+// crc32c) while step s+1 runs forward and backward, which do not modify parameters or
+// optimizer state. Before the optimizer step of s+1 the trainer calls waitBeforeUpdate(),
+// which returns only when the copy of s is complete. snapshot() registers the whole copy
+// before it returns, so a waitBeforeUpdate() that follows it always waits for it (the
+// released DataStates code can wait before anything is queued).
+//
+// Memory: `slots` buffers of the shard's size, allocated and faulted in by the constructor;
+// nothing is allocated per snapshot. A slot is reused only when nobody else holds its
+// HostShard (replication and flush hold it while they read) and it is neither the newest
+// complete snapshot nor the protected one (the newest committed version). When no slot is
+// free, snapshot() skips the version and returns false: it never blocks the step.
+//
+// CUDA tensors (built with SINEW_WITH_NCCL): slots are pinned; the copy runs on a side
+// stream after an event recorded on the legacy default stream at snapshot() time, so the
+// optimizer step must have been issued on that stream (libtorch's default).
+//
+// Thread safety: snapshot() and waitBeforeUpdate() are called by the training thread; the
+// accessors may be called from any thread.
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "sinew/checkpoint/shard.h"
+
+namespace sinew {
+namespace checkpoint {
+
+constexpr std::chrono::milliseconds kDefaultSnapshotWaitTimeout{600000};
+
+struct SnapshotOptions {
+  int owner = 0;  // This worker's id, stamped on every HostShard.
+  int slots = 2;  // At least 2.
+  // Bytes copied between crc passes; keeps the freshly copied bytes in cache for the crc.
+  size_t copyChunkBytes = 1 << 20;
+  std::chrono::milliseconds waitTimeout = kDefaultSnapshotWaitTimeout;
+  // Test hook, run on the copy thread before each tensor is copied (an injected slow copy).
+  std::function<void(const TensorRecord&)> beforeCopyTensor;
+};
+
+struct SnapshotStats {
+  int64_t taken = 0;
+  int64_t skipped = 0;
+  uint64_t bytesCopied = 0;
+  double copySeconds = 0;  // Time the copy thread spent copying (and checksumming).
+  double waitSeconds = 0;  // Time waitBeforeUpdate() blocked the training thread.
+};
+
+class SnapshotArena {
+ public:
+  // Sizes the arena for shards laid out like `like` and starts the copy thread.
+  SnapshotArena(const ShardState& like, SnapshotOptions options);
+  ~SnapshotArena();
+  SnapshotArena(const SnapshotArena&) = delete;
+  SnapshotArena& operator=(const SnapshotArena&) = delete;
+
+  // Starts copying version `step` of state in the background. Returns false (and copies
+  // nothing) when no slot is free. REQUIRES: state has the arena's layout (InvalidArgument
+  // otherwise); steps increase; the previous snapshot was waited for.
+  bool snapshot(int64_t step, const ShardState& state);
+
+  // Blocks until the copy started by the last snapshot() is complete and rethrows its
+  // error, if any. Returns at once when nothing is being copied. Throws Timeout naming the
+  // step after `timeout` (default: options.waitTimeout).
+  void waitBeforeUpdate(std::chrono::milliseconds timeout = std::chrono::milliseconds(-1));
+
+  // The newest complete snapshot, or null.
+  std::shared_ptr<const HostShard> latest() const;
+  // Every complete snapshot.
+  std::vector<std::shared_ptr<const HostShard>> all() const;
+  // The complete snapshot of step, or null.
+  std::shared_ptr<const HostShard> find(int64_t step) const;
+  // Keeps the slot of `step` from being reused (the newest committed version). Monotonic:
+  // a smaller step than the one protected is ignored.
+  void protect(int64_t step);
+  // Called on the copy thread with each completed snapshot (the engine replicates it).
+  void setOnComplete(std::function<void(std::shared_ptr<const HostShard>)> fn);
+
+  const ShardLayout& layout() const { return layout_; }
+  SnapshotStats stats() const;
+
+ private:
+  struct Job {
+    int64_t step;
+    std::shared_ptr<HostShard> slot;
+    std::vector<at::Tensor> tensors;  // In layout order; hold the storage alive.
+    void* cudaEvent = nullptr;
+  };
+  void copyLoop();
+  void copyOne(Job& job);
+
+  const SnapshotOptions options_;
+  const ShardLayout layout_;
+  bool pinned_ = false;
+  void* cudaStream_ = nullptr;  // cudaStream_t when pinned_.
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  // Guarded by mu_.
+  std::vector<std::shared_ptr<HostShard>> slots_;
+  std::unique_ptr<Job> job_;  // The queued or running copy.
+  bool pending_ = false;      // A snapshot is registered and not yet complete.
+  int64_t pendingStep_ = -1;
+  std::exception_ptr error_;
+  int64_t protected_ = -1;
+  bool stop_ = false;
+  std::function<void(std::shared_ptr<const HostShard>)> onComplete_;
+  SnapshotStats stats_;
+
+  std::thread thread_;
+};
+
+}  // namespace checkpoint
+}  // namespace sinew

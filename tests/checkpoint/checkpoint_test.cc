@@ -1,0 +1,677 @@
+// Single-process tests of sinew_checkpoint: crc32c, snapshot (exact bytes for every dtype,
+// the wait before the optimizer step, flat memory), placement against Gemini's formula,
+// durable flushes (crash at every I/O operation, corruption, truncation, Python reading
+// the files, incremental versions), replication over loopback and restore order.
+
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <atomic>
+#include <cstdio>
+#include <fstream>
+#include <future>
+#include <set>
+#include <thread>
+
+#include "fault_env.h"
+#include "sinew/checkpoint/detail/crc32c.h"
+#include "sinew/checkpoint/engine.h"
+#include "sinew/checkpoint/persist.h"
+#include "sinew/checkpoint/placement.h"
+#include "sinew/checkpoint/replica.h"
+#include "sinew/checkpoint/restore.h"
+#include "sinew/checkpoint/snapshot.h"
+#include "sinew/collectives/hash_store.h"
+
+namespace sinew {
+namespace checkpoint {
+namespace {
+
+using namespace std::chrono_literals;
+
+std::string tempDir(const std::string& name) {
+  std::string tmpl = "/tmp/sinew-ckpt-" + name + "-XXXXXX";
+  std::vector<char> buf(tmpl.begin(), tmpl.end());
+  buf.push_back('\0');
+  const char* d = mkdtemp(buf.data());
+  if (d == nullptr) throw std::runtime_error("mkdtemp failed");
+  return d;
+}
+
+void removeTree(const std::string& dir) {
+  std::string cmd = "rm -rf '" + dir + "'";
+  if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "could not remove %s\n", dir.c_str());
+}
+
+// Values that use every bit pattern a dtype allows, so a copy that converts or truncates
+// anything shows up.
+at::Tensor randomBits(at::ScalarType type, std::vector<int64_t> shape, int64_t seed) {
+  int64_t n = 1;
+  for (auto d : shape) n *= d;
+  at::Tensor t = at::empty(shape, at::TensorOptions().dtype(type));
+  auto* p = static_cast<uint8_t*>(t.data_ptr());
+  uint64_t x = 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(seed + 1);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(t.element_size()); ++i) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    p[i] = static_cast<uint8_t>(x);
+  }
+  if (type == at::kBool) t = t.to(at::kByte).remainder(2).to(at::kBool);  // Only 0 and 1.
+  return t;
+}
+
+bool sameBytes(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
+  at::Tensor ca = a.contiguous(), cb = b.contiguous();
+  return std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.numel() * ca.element_size()) == 0;
+}
+
+const std::vector<at::ScalarType> kAllTypes = {at::kFloat, at::kDouble, at::kHalf,  at::kBFloat16,
+                                               at::kLong,  at::kInt,    at::kShort, at::kChar,
+                                               at::kByte,  at::kBool};
+
+// A model-like shard: per layer a weight, a bias and Adam's two moments; one layer per
+// dtype in the all-dtype variant.
+ShardState makeState(int layers, int64_t width, int64_t seed,
+                     const std::string& prefix = "layers.") {
+  ShardState s;
+  for (int l = 0; l < layers; ++l) {
+    LayerState ls;
+    ls.name = prefix + std::to_string(l);
+    ls.tensors.push_back({"weight", randomBits(at::kFloat, {width, width}, seed * 100 + l)});
+    ls.tensors.push_back({"bias", randomBits(at::kFloat, {width}, seed * 100 + l + 50)});
+    ls.tensors.push_back(
+        {"weight.exp_avg", randomBits(at::kFloat, {width, width}, seed * 100 + l + 70)});
+    ls.tensors.push_back({"step", at::full({}, seed, at::kLong)});
+    s.push_back(std::move(ls));
+  }
+  return s;
+}
+
+ShardState allDtypeState(int64_t seed) {
+  ShardState s;
+  int i = 0;
+  for (auto type : kAllTypes) {
+    LayerState ls;
+    ls.name = std::string("dtype.") + c10::toString(type);
+    ls.tensors.push_back({"value", randomBits(type, {3, 5, 7}, seed * 31 + i)});
+    ls.tensors.push_back({"scalar", randomBits(type, {}, seed * 31 + i + 13)});
+    ls.tensors.push_back({"empty", at::empty({0, 4}, at::TensorOptions().dtype(type))});
+    s.push_back(std::move(ls));
+    ++i;
+  }
+  return s;
+}
+
+void expectLayersEqual(const ShardState& want, const std::map<std::string, RestoredLayer>& got) {
+  for (const auto& l : want) {
+    auto it = got.find(l.name);
+    ASSERT_NE(it, got.end()) << "missing layer " << l.name;
+    for (const auto& t : l.tensors) {
+      auto jt = it->second.find(t.name);
+      ASSERT_NE(jt, it->second.end()) << l.name << "/" << t.name;
+      EXPECT_TRUE(sameBytes(t.tensor, jt->second)) << l.name << "/" << t.name;
+    }
+  }
+}
+
+std::map<std::string, RestoredLayer> extractAll(const HostShard& s) {
+  std::map<std::string, RestoredLayer> out;
+  for (const auto& l : s.layout.layers()) out[l] = s.extractLayer(l);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+
+TEST(Crc32cTest, StandardVectorsAndImplementationsAgree) {
+  const std::string check = "123456789";
+  EXPECT_EQ(detail::crc32c(check.data(), check.size()), 0xE3069283u);
+  EXPECT_EQ(detail::crc32cPortable(0, check.data(), check.size()), 0xE3069283u);
+  std::vector<uint8_t> zeros(32, 0);
+  EXPECT_EQ(detail::crc32c(zeros.data(), zeros.size()), 0x8A9136AAu);  // RFC 3720 B.4
+  std::vector<uint8_t> buf(100003);
+  for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<uint8_t>(i * 131 + (i >> 7));
+  for (size_t off : {0, 1, 3, 7}) {
+    for (size_t n : {0, 1, 5, 8, 9, 64, 1000, 99990}) {
+      uint32_t a = detail::crc32c(buf.data() + off, n);
+      EXPECT_EQ(a, detail::crc32cPortable(0, buf.data() + off, n)) << off << " " << n;
+      // Extending in two pieces equals one pass.
+      uint32_t b = detail::crc32cExtend(detail::crc32c(buf.data() + off, n / 3),
+                                        buf.data() + off + n / 3, n - n / 3);
+      EXPECT_EQ(a, b);
+    }
+  }
+}
+
+TEST(SnapshotTest, RoundTripsExactBytesForEveryDtype) {
+  ShardState state = allDtypeState(1);
+  SnapshotOptions o;
+  o.owner = 7;
+  SnapshotArena arena(state, o);
+  for (int64_t step = 0; step < 4; ++step) {
+    ShardState s = allDtypeState(step + 10);
+    ASSERT_TRUE(arena.snapshot(step, s));
+    arena.waitBeforeUpdate();
+    auto snap = arena.latest();
+    ASSERT_NE(snap, nullptr);
+    EXPECT_EQ(snap->step, step);
+    EXPECT_EQ(snap->owner, 7);
+    EXPECT_EQ(snap->verify(), "");
+    expectLayersEqual(s, extractAll(*snap));
+  }
+  EXPECT_EQ(arena.stats().taken, 4);
+}
+
+TEST(SnapshotTest, OptimizerStepNeverRunsBeforeItsSnapshotCompletes) {
+  // An injected slow copy: each tensor copy takes 2 ms. The trainer calls
+  // waitBeforeUpdate() right away and then overwrites every tensor (the optimizer step);
+  // the snapshot must hold the values from before the step, and the wait must not return
+  // before the copy thread finished the last tensor.
+  ShardState state = makeState(6, 32, 1);
+  std::atomic<int> copied{0};
+  std::atomic<bool> waitReturned{false};
+  std::atomic<int> copiedAfterWait{0};
+  SnapshotOptions o;
+  o.beforeCopyTensor = [&](const TensorRecord&) {
+    std::this_thread::sleep_for(2ms);
+    if (waitReturned.load()) copiedAfterWait++;
+    copied++;
+  };
+  SnapshotArena arena(state, o);
+  const int total = static_cast<int>(arena.layout().tensors.size());
+  for (int64_t step = 0; step < 5; ++step) {
+    ShardState before;
+    for (const auto& l : state) {
+      LayerState c{l.name, {}};
+      for (const auto& t : l.tensors) c.tensors.push_back({t.name, t.tensor.clone()});
+      before.push_back(std::move(c));
+    }
+    copied = 0;
+    ASSERT_TRUE(arena.snapshot(step, state));
+    arena.waitBeforeUpdate();
+    waitReturned = true;
+    EXPECT_EQ(copied.load(), total) << "wait returned before the copy finished";
+    for (auto& l : state) {
+      for (auto& t : l.tensors) t.tensor.fill_(step + 1000);  // The optimizer step.
+    }
+    waitReturned = false;
+    expectLayersEqual(before, extractAll(*arena.find(step)));
+  }
+  EXPECT_EQ(copiedAfterWait.load(), 0);
+}
+
+TEST(SnapshotTest, RejectsAStateOfAnotherLayoutAndASnapshotBeforeTheWait) {
+  ShardState state = makeState(2, 8, 1);
+  SnapshotArena arena(state, SnapshotOptions());
+  ShardState other = makeState(3, 8, 1);
+  EXPECT_THROW(arena.snapshot(0, other), InvalidArgument);
+  std::promise<void> release;
+  auto released = release.get_future().share();
+  SnapshotOptions o;
+  o.beforeCopyTensor = [released](const TensorRecord&) { released.wait(); };
+  SnapshotArena slow(state, o);
+  ASSERT_TRUE(slow.snapshot(0, state));
+  try {
+    slow.snapshot(1, state);
+    ADD_FAILURE() << "a second snapshot before the wait was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("step 0 is still being copied"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(slow.waitBeforeUpdate(20ms), Timeout);
+  release.set_value();
+  slow.waitBeforeUpdate();
+}
+
+int64_t residentBytes() {
+  std::ifstream f("/proc/self/statm");
+  int64_t size = 0, resident = 0;
+  f >> size >> resident;
+  return resident * sysconf(_SC_PAGESIZE);
+}
+
+TEST(SnapshotTest, MemoryStaysFlatOverAThousandCheckpointsWithReplication) {
+  // 1,000 versions of a 1 MiB shard, each snapshotted and replicated to a peer service
+  // over loopback: resident memory after the first 20 versions is where it stays.
+  ShardState state = makeState(4, 256, 1);  // 4 × (2 × 256 KiB + 1 KiB + 8 B) ≈ 2 MiB
+  auto store = std::make_shared<collectives::HashStore>();
+  CheckpointEngineOptions a, b;
+  a.self = 0;
+  b.self = 1;
+  a.workers = b.workers = {0, 1};
+  a.store = b.store = store;
+  a.snapshot.slots = b.snapshot.slots = 3;
+  CheckpointEngine e0(state, a);
+  CheckpointEngine e1(state, b);
+  int64_t rssAfterWarmup = 0;
+  int64_t committed = -1;
+  for (int64_t step = 0; step < 1000; ++step) {
+    state[0].tensors[0].tensor.add_(1);
+    e0.waitBeforeUpdate();
+    e1.waitBeforeUpdate();
+    e0.snapshot(step, state);
+    e1.snapshot(step, state);
+    // Training paces replication: each version commits before the next step ends.
+    committed = e0.waitCommitted(step, 10s);
+    if (step == 20) rssAfterWarmup = residentBytes();
+  }
+  e0.waitBeforeUpdate();
+  e1.waitBeforeUpdate();
+  const int64_t growth = residentBytes() - rssAfterWarmup;
+  const int64_t shard = static_cast<int64_t>(e0.arena().layout().totalBytes);
+  EXPECT_LT(growth, shard) << "resident memory grew by " << growth << " bytes over 980 versions";
+  EXPECT_EQ(committed, 999);
+  EXPECT_EQ(e0.stats().snapshot.taken, 1000);
+  EXPECT_EQ(e0.service().bytesAllocated(), 2 * static_cast<uint64_t>(shard));
+}
+
+// ---------------------------------------------------------------------------------------
+
+double choose(int n, int k) {
+  if (k < 0 || k > n) return 0;
+  double r = 1;
+  for (int i = 1; i <= k; ++i) r = r * (n - k + i) / i;
+  return r;
+}
+
+TEST(PlacementTest, GroupsOfMAndARingForTheRemainder) {
+  ReplicaPlacement p4({0, 1, 2, 3}, 2);
+  EXPECT_EQ(p4.holders(0), (std::vector<int>{0, 1}));
+  EXPECT_EQ(p4.holders(1), (std::vector<int>{1, 0}));
+  EXPECT_EQ(p4.holders(3), (std::vector<int>{3, 2}));
+  EXPECT_FALSE(p4.hasRing());
+  ReplicaPlacement p5({0, 1, 2, 3, 4}, 2);
+  EXPECT_TRUE(p5.hasRing());
+  EXPECT_EQ(p5.holders(0), (std::vector<int>{0, 1}));
+  EXPECT_EQ(p5.holders(2), (std::vector<int>{2, 3}));
+  EXPECT_EQ(p5.holders(3), (std::vector<int>{3, 4}));
+  EXPECT_EQ(p5.holders(4), (std::vector<int>{4, 2}));
+  EXPECT_EQ(p5.sourcesOf(2), (std::vector<int>{4}));
+  ReplicaPlacement p7({10, 11, 12, 13, 14, 15, 16}, 3);  // A group of 3 and a ring of 4.
+  EXPECT_EQ(p7.holders(13), (std::vector<int>{13, 14, 15}));
+  EXPECT_EQ(p7.holders(16), (std::vector<int>{16, 13, 14}));
+  for (int n = 1; n <= 12; ++n) {
+    for (int m = 1; m <= 4; ++m) {
+      std::vector<int> nodes;
+      for (int i = 0; i < n; ++i) nodes.push_back(i);
+      ReplicaPlacement p(nodes, m);
+      for (int i = 0; i < n; ++i) {
+        EXPECT_EQ(static_cast<int>(p.holders(i).size()), std::min(n, m)) << n << " " << m;
+        EXPECT_EQ(std::set<int>(p.holders(i).begin(), p.holders(i).end()).size(),
+                  p.holders(i).size());
+      }
+    }
+  }
+}
+
+TEST(PlacementTest, RecoveryForEveryKilledPairOfSixteenMatchesGeminisAnalysis) {
+  const int n = 16, m = 2;
+  std::vector<int> nodes;
+  for (int i = 0; i < n; ++i) nodes.push_back(i);
+  ReplicaPlacement group(nodes, m);
+  int pairs = 0, recovered = 0;
+  for (int a = 0; a < n; ++a) {
+    for (int b = a + 1; b < n; ++b) {
+      ++pairs;
+      bool ok = group.recoverable({a, b});
+      // Gemini: recovery fails exactly when all m members of a group fail.
+      EXPECT_EQ(ok, a / m != b / m) << "killed " << a << " and " << b;
+      recovered += ok;
+    }
+  }
+  EXPECT_EQ(pairs, 120);
+  EXPECT_EQ(recovered, 112);
+  EXPECT_NEAR(1.0 - groupPlacementFailureProbability(n, m, 2), recovered / 120.0, 1e-12);
+  EXPECT_NEAR(recovered / 120.0, 0.9333, 1e-4);  // DESIGN.md's worked example.
+  // The union bound is tight for k = 2 and a lower bound for every k.
+  for (int k = 2; k <= 6; ++k) {
+    std::vector<int> pick(k);
+    int64_t total = 0, ok = 0;
+    std::function<void(int, int)> rec = [&](int start, int depth) {
+      if (depth == k) {
+        total++;
+        ok += group.recoverable(std::set<int>(pick.begin(), pick.end()));
+        return;
+      }
+      for (int i = start; i < n; ++i) {
+        pick[depth] = i;
+        rec(i + 1, depth + 1);
+      }
+    };
+    rec(0, 0);
+    EXPECT_EQ(total, static_cast<int64_t>(choose(n, k)));
+    EXPECT_NEAR(1.0 - groupPlacementFailureProbability(n, m, k), static_cast<double>(ok) / total,
+                1e-12)
+        << "k=" << k;
+    EXPECT_GE(static_cast<double>(ok) / total + 1e-12,
+              1.0 - (n / m) * choose(n - m, k - m) / choose(n, k));
+  }
+  // A ring (each shard on the next node) is worse: 86.7% for two failures.
+  int ringOk = 0;
+  for (int a = 0; a < n; ++a) {
+    for (int b = a + 1; b < n; ++b) ringOk += !(b == a + 1 || (a == 0 && b == n - 1));
+  }
+  EXPECT_NEAR(ringOk / 120.0, 0.8667, 1e-4);
+}
+
+// ---------------------------------------------------------------------------------------
+
+std::shared_ptr<const HostShard> snap(const ShardState& state, int owner, int64_t step) {
+  SnapshotOptions o;
+  o.owner = owner;
+  SnapshotArena arena(state, o);
+  arena.snapshot(step, state);
+  arena.waitBeforeUpdate();
+  return arena.latest();  // Outlives the arena (shared ownership).
+}
+
+TEST(PersistTest, FlushAndLoadExactBytesKeepTheNewestK) {
+  const std::string dir = tempDir("persist");
+  PersistOptions o;
+  o.dir = dir;
+  o.keep = 2;
+  CheckpointWriter writer(o);
+  CheckpointReader reader(dir);
+  EXPECT_EQ(reader.latestStep(), -1);
+  std::map<int64_t, std::pair<ShardState, ShardState>> versions;
+  for (int64_t step = 1; step <= 4; ++step) {
+    ShardState a = allDtypeState(step), b = makeState(3, 16, step, "b.");
+    writer.flush({snap(a, 0, step), snap(b, 1, step)});
+    versions[step] = {a, b};
+    EXPECT_EQ(reader.latestStep(), step);
+  }
+  EXPECT_EQ(reader.durableSteps(), (std::vector<int64_t>{4, 3}));
+  for (int64_t step : {3, 4}) {
+    auto got = reader.load(step);
+    expectLayersEqual(versions[step].first, got);
+    expectLayersEqual(versions[step].second, got);
+  }
+  // Only the needed layers are read.
+  auto one = reader.load(4, {"b.2"});
+  EXPECT_EQ(one.size(), 1u);
+  EXPECT_THROW(reader.load(4, {"no.such.layer"}), InvalidArgument);
+  auto entries = posixEnv()->listDir(dir);
+  EXPECT_EQ(std::set<std::string>(entries.begin(), entries.end()),
+            (std::set<std::string>{"LATEST", "step-00000003", "step-00000004"}));
+  removeTree(dir);
+}
+
+TEST(PersistTest, FlippedByteAndTruncationAreCorruptionNamingFileLayerAndChecksums) {
+  const std::string dir = tempDir("corrupt");
+  PersistOptions o;
+  o.dir = dir;
+  CheckpointWriter writer(o);
+  ShardState s = makeState(3, 16, 5);
+  writer.flush({snap(s, 2, 9)});
+  CheckpointReader reader(dir);
+  const Manifest m = reader.manifest(9);
+  const auto& loc = m.layers.at("layers.1");
+  const std::string file = dir + "/" + loc.file;
+  std::string bytes = posixEnv()->readFile(file);
+  const uint64_t dataStart = 8 + *reinterpret_cast<const uint64_t*>(bytes.data());
+  const TensorRecord& bias = loc.tensors[1];
+  ASSERT_EQ(bias.name, "bias");
+  bytes[dataStart + bias.offset + 5] ^= 0x10;
+  {
+    std::ofstream f(file, std::ios::binary | std::ios::trunc);
+    f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  }
+  EXPECT_NO_THROW(reader.load(9, {"layers.0"}));  // Other layers still load.
+  try {
+    reader.load(9, {"layers.1"});
+    ADD_FAILURE() << "a flipped byte went unnoticed";
+  } catch (const Corruption& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find(file), std::string::npos) << what;
+    EXPECT_NE(what.find("layer layers.1 tensor bias"), std::string::npos) << what;
+    EXPECT_NE(what.find("expected " + hex32(bias.crc32c)), std::string::npos) << what;
+    uint32_t actual = detail::crc32c(bytes.data() + dataStart + bias.offset, bias.nbytes);
+    EXPECT_NE(what.find("crc32c " + hex32(actual)), std::string::npos) << what;
+  }
+  // Truncated.
+  ASSERT_EQ(::truncate(file.c_str(), static_cast<off_t>(bytes.size() - 3)), 0);
+  try {
+    reader.load(9, {"layers.2"});
+    ADD_FAILURE() << "a truncated file went unnoticed";
+  } catch (const Corruption& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find(file), std::string::npos) << what;
+    EXPECT_NE(what.find("layer layers.2"), std::string::npos) << what;
+    EXPECT_NE(what.find(std::to_string(bytes.size() - 3) + " bytes, manifest says " +
+                        std::to_string(bytes.size())),
+              std::string::npos)
+        << what;
+  }
+  removeTree(dir);
+}
+
+TEST(PersistTest, CrashAtEveryIoOperationLeavesLatestOnACompleteVersion) {
+  // Version 1 is durable; flushing version 2 (two shards) crashes after k operations, for
+  // every k, and the power-loss model drops what was not fsynced. LATEST must name version
+  // 1 or 2, and that version must load with exactly its bytes.
+  ShardState a1 = makeState(2, 8, 1, "a."), b1 = makeState(2, 8, 2, "b.");
+  ShardState a2 = makeState(2, 8, 3, "a."), b2 = makeState(2, 8, 4, "b.");
+  auto sa1 = snap(a1, 0, 1), sb1 = snap(b1, 1, 1), sa2 = snap(a2, 0, 2), sb2 = snap(b2, 1, 2);
+  int sawOld = 0, sawNew = 0;
+  for (int64_t k = 0;; ++k) {
+    const std::string dir = tempDir("crash");
+    testing::FaultEnv env;
+    PersistOptions o;
+    o.dir = dir;
+    o.env = &env;
+    o.keep = 1;
+    CheckpointWriter writer(o);
+    writer.flush({sa1, sb1});
+    env.failAfter(k);
+    bool finished = true;
+    try {
+      writer.flush({sa2, sb2});
+    } catch (const IoError&) {
+      finished = false;
+    }
+    env.crash();
+    CheckpointReader reader(dir, &env);
+    const int64_t latest = reader.latestStep();
+    ASSERT_TRUE(latest == 1 || latest == 2) << "k=" << k << " latest=" << latest;
+    auto got = reader.load(latest);
+    expectLayersEqual(latest == 1 ? a1 : a2, got);
+    expectLayersEqual(latest == 1 ? b1 : b2, got);
+    (latest == 1 ? sawOld : sawNew)++;
+    removeTree(dir);
+    if (finished) {
+      EXPECT_EQ(latest, 2);
+      break;
+    }
+    ASSERT_LT(k, 1000);
+  }
+  EXPECT_GT(sawOld, 5);
+  EXPECT_GT(sawNew, 0);
+}
+
+TEST(PersistTest, PythonStandardLibraryReadsTheSafetensorsFileByteExact) {
+  const std::string dir = tempDir("python");
+  PersistOptions o;
+  o.dir = dir;
+  CheckpointWriter writer(o);
+  ShardState s = allDtypeState(3);
+  writer.flush({snap(s, 4, 11)});
+  // Python writes each tensor's raw bytes (read through json + struct, the safetensors
+  // layout) to <dir>/py/<layer>__<name>.bin; we compare them with the tensors.
+  const std::string script = dir + "/read.py";
+  {
+    std::ofstream f(script);
+    f << R"PY(import json, os, struct, sys
+root = sys.argv[1]
+latest = json.load(open(os.path.join(root, "LATEST")))
+manifest = json.load(open(os.path.join(root, latest["manifest"])))
+assert manifest["step"] == 11, manifest["step"]
+os.makedirs(os.path.join(root, "py"))
+sizes = {"F32": 4, "F64": 8, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+         "U8": 1, "BOOL": 1}
+for layer, loc in manifest["layers"].items():
+    with open(os.path.join(root, loc["file"]), "rb") as f:
+        data = f.read()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    assert header["__metadata__"]["sinew_step"] == "11"
+    for name, t in loc["tensors"].items():
+        h = header[layer + "/" + name]
+        assert h["dtype"] == t["dtype"] and h["shape"] == t["shape"], (layer, name)
+        begin, end = h["data_offsets"]
+        count = 1
+        for d in h["shape"]:
+            count *= d
+        assert end - begin == count * sizes[h["dtype"]], (layer, name)
+        with open(os.path.join(root, "py", layer + "__" + name + ".bin"), "wb") as out:
+            out.write(data[8 + n + begin:8 + n + end])
+print("ok")
+)PY";
+  }
+  const std::string cmd = "python3 '" + script + "' '" + dir + "'";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  for (const auto& l : s) {
+    for (const auto& t : l.tensors) {
+      std::string bytes = posixEnv()->readFile(dir + "/py/" + l.name + "__" + t.name + ".bin");
+      ASSERT_EQ(bytes.size(), static_cast<size_t>(t.tensor.numel() * t.tensor.element_size()))
+          << l.name << "/" << t.name;
+      EXPECT_EQ(std::memcmp(bytes.data(), t.tensor.data_ptr(), bytes.size()), 0)
+          << l.name << "/" << t.name;
+    }
+  }
+  removeTree(dir);
+}
+
+TEST(PersistTest, IncrementalVersionsWriteOnlyChangedLayers) {
+  const std::string dir = tempDir("incremental");
+  PersistOptions o;
+  o.dir = dir;
+  o.keep = 1;
+  o.incremental = true;
+  CheckpointWriter writer(o);
+  ShardState s = makeState(4, 16, 1);
+  writer.flush({snap(s, 0, 1)});
+  // Step 2: only layers.2 changes (layers 0, 1 and 3 are frozen).
+  s[2].tensors[0].tensor.add_(1);
+  writer.flush({snap(s, 0, 2)});
+  CheckpointReader reader(dir);
+  Manifest m = reader.manifest(2);
+  EXPECT_EQ(m.layers.at("layers.2").file, "step-00000002/shard-w0.safetensors");
+  for (const char* l : {"layers.0", "layers.1", "layers.3"}) {
+    EXPECT_EQ(m.layers.at(l).file, "step-00000001/shard-w0.safetensors") << l;
+  }
+  // Version 1's manifest is gone (keep = 1) but its file stays: version 2 needs it.
+  EXPECT_EQ(reader.durableSteps(), (std::vector<int64_t>{2}));
+  EXPECT_TRUE(posixEnv()->fileExists(dir + "/step-00000001/shard-w0.safetensors"));
+  expectLayersEqual(s, reader.load(2));
+  const auto newFile = posixEnv()->readFile(dir + "/step-00000002/shard-w0.safetensors");
+  EXPECT_LT(newFile.size(), 16 * 16 * 4 * 2 + 16 * 4 + 8 + 1024u);  // One layer's bytes.
+  // Step 3: layers.0 changes; layers.2 now comes from step 2, the rest from step 1.
+  s[0].tensors[1].tensor.add_(1);
+  writer.flush({snap(s, 0, 3)});
+  m = reader.manifest(3);
+  EXPECT_EQ(m.layers.at("layers.0").file, "step-00000003/shard-w0.safetensors");
+  EXPECT_EQ(m.layers.at("layers.2").file, "step-00000002/shard-w0.safetensors");
+  EXPECT_EQ(m.layers.at("layers.3").file, "step-00000001/shard-w0.safetensors");
+  expectLayersEqual(s, reader.load(3));
+  // Nothing changed: no new file, every layer points back.
+  writer.flush({snap(s, 0, 4)});
+  EXPECT_FALSE(posixEnv()->fileExists(dir + "/step-00000004/shard-w0.safetensors"));
+  expectLayersEqual(s, reader.load(4));
+  removeTree(dir);
+}
+
+// ---------------------------------------------------------------------------------------
+
+TEST(ReplicaTest, PutListGetOverLoopbackAndRejectsBadChecksums) {
+  ReplicaService service(1, ReplicaServiceOptions());
+  ShardState s = allDtypeState(2);
+  ReplicaClientOptions co;
+  co.chunkBytes = 64;  // Many chunks.
+  ReplicaClient client(1, service.address(), co);
+  for (int64_t step = 0; step < 3; ++step) client.put(*snap(allDtypeState(step), 0, step));
+  // The two newest versions are kept.
+  EXPECT_EQ(service.find(0, 0), nullptr);
+  ASSERT_NE(service.find(0, 2), nullptr);
+  expectLayersEqual(allDtypeState(2), extractAll(*service.find(0, 2)));
+  auto list = client.list();
+  std::set<int64_t> steps;
+  for (const auto& r : list) steps.insert(r.step);
+  EXPECT_EQ(steps, (std::set<int64_t>{1, 2}));
+  auto got = client.get(0, 1);
+  EXPECT_EQ(got->verify(), "");
+  expectLayersEqual(allDtypeState(1), extractAll(*got));
+  EXPECT_THROW(client.get(0, 0), IoError);
+  // A shard whose bytes disagree with its checksums is rejected and not kept; the newest
+  // complete version survives.
+  auto bad = snap(allDtypeState(3), 0, 3);
+  auto& mutableBad = const_cast<HostShard&>(*bad);
+  mutableBad.layout.tensors[0].crc32c ^= 1;
+  try {
+    client.put(*bad);
+    ADD_FAILURE() << "corrupt replica accepted";
+  } catch (const Corruption& e) {
+    EXPECT_NE(std::string(e.what()).find("crc32c"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(service.find(0, 3), nullptr);
+  EXPECT_NE(service.find(0, 2), nullptr);
+}
+
+TEST(RestoreTest, OwnRamThenPeerThenDiskFallingThroughOnMismatch) {
+  const std::string dir = tempDir("restore");
+  ShardState s = makeState(3, 8, 7);
+  auto good = snap(s, 0, 5);
+  PersistOptions po;
+  po.dir = dir;
+  CheckpointWriter(po).flush({good});
+  ReplicaService peer(1, ReplicaServiceOptions());
+  ReplicaClient(1, peer.address(), ReplicaClientOptions()).put(*good);
+
+  // A local copy with a flipped byte in layers.1.
+  auto local = snap(s, 0, 5);
+  const auto& rec = local->layout.tensors[4];
+  ASSERT_EQ(rec.layer, "layers.1");
+  const_cast<HostShard&>(*local).data()[rec.offset] ^= 1;
+
+  RestoreSources src;
+  src.local = {local};
+  src.peers = {{1, peer.address()}};
+  src.dir = dir;
+  auto r = restoreLayers(src, 5, {"layers.0", "layers.1", "layers.2"});
+  EXPECT_EQ(r.source.at("layers.0"), "peer 1");  // The whole local shard was rejected.
+  EXPECT_EQ(r.source.at("layers.1"), "peer 1");
+  ASSERT_EQ(r.fellThrough.size(), 1u);
+  EXPECT_NE(r.fellThrough[0].find("local: layer layers.1 tensor weight"), std::string::npos)
+      << r.fellThrough[0];
+  expectLayersEqual(s, r.layers);
+
+  // Only an intact local copy: served locally.
+  src.local = {good};
+  r = restoreLayers(src, 5, {"layers.2"});
+  EXPECT_EQ(r.source.at("layers.2"), "local");
+
+  // No RAM copy (the peer is gone): disk.
+  src.local.clear();
+  src.peers = {{1, "127.0.0.1:1"}};
+  src.client.connectTimeout = 100ms;
+  r = restoreLayers(src, 5, {"layers.0", "layers.2"});
+  EXPECT_EQ(r.source.at("layers.0"), "disk step-00000005/shard-w0.safetensors");
+  expectLayersEqual({s[0], s[2]}, r.layers);
+
+  // Nothing anywhere: an error naming the layer and the version.
+  src.dir.clear();
+  try {
+    restoreLayers(src, 5, {"layers.0"});
+    ADD_FAILURE();
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("version 5: no source holds layers layers.0"),
+              std::string::npos)
+        << e.what();
+  }
+  removeTree(dir);
+}
+
+}  // namespace
+}  // namespace checkpoint
+}  // namespace sinew
