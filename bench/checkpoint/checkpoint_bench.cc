@@ -26,6 +26,7 @@
 #include <mutex>
 #include <sstream>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "sinew/checkpoint/replica.h"
@@ -76,6 +77,20 @@ struct Model {
   torch::Tensor input, target;
 };
 
+// Adam's state is keyed by the parameter's TensorImpl: its address printed as text in
+// libtorch 1.x, the address itself (void*) in 2.x. Both compile.
+template <typename StateMap>
+auto findParamState(StateMap& st, const torch::Tensor& p) {
+  using Key = typename StateMap::key_type;
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream key;
+    key << static_cast<const void*>(p.unsafeGetTensorImpl());
+    return st.find(key.str());
+  } else {
+    return st.find(static_cast<Key>(p.unsafeGetTensorImpl()));
+  }
+}
+
 ShardState stateOf(Model& m) {
   ShardState s;
   auto& st = m.adam->state();
@@ -85,10 +100,7 @@ ShardState stateOf(Model& m) {
     for (auto* p : {&m.layers[i]->weight, &m.layers[i]->bias}) {
       std::string n = p == &m.layers[i]->weight ? "weight" : "bias";
       l.tensors.push_back({n, p->data()});
-      // Adam's state is keyed by the parameter's TensorImpl address, printed as text.
-      std::ostringstream key;
-      key << static_cast<const void*>(p->unsafeGetTensorImpl());
-      auto it = st.find(key.str());
+      auto it = findParamState(st, *p);
       if (it != st.end()) {
         auto& as = static_cast<torch::optim::AdamParamState&>(*it->second);
         l.tensors.push_back(NamedTensor{n + ".exp_avg", as.exp_avg()});
