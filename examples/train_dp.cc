@@ -35,13 +35,15 @@ struct Args {
   bool reference = true;
   bool float32 = false;
   int progress = 10;
+  std::string checkpointDir;
+  int checkpointEvery = 0;
 };
 
 [[noreturn]] void usage(const std::string& error) {
   std::fprintf(stderr,
                "train_dp: %s\nusage: train_dp [--steps N] [--global-batch B] [--microbatch b] "
                "[--seed S] [--lr LR] [--optimizer adam|sgd] [--float32] [--progress N] "
-               "[--no-reference]\n",
+               "[--checkpoint-dir DIR] [--checkpoint-every K] [--no-reference]\n",
                error.c_str());
   std::exit(2);
 }
@@ -78,6 +80,10 @@ Args parse(int argc, char** argv) {
       a.float32 = true;
     } else if (s == "--progress") {
       a.progress = static_cast<int>(number());
+    } else if (s == "--checkpoint-dir") {
+      a.checkpointDir = value();
+    } else if (s == "--checkpoint-every") {
+      a.checkpointEvery = static_cast<int>(number());
     } else if (s == "--no-reference") {
       a.reference = false;
     } else {
@@ -179,6 +185,8 @@ int main(int argc, char** argv) {
   o.seed = a.seed;
   o.progressEvery = a.progress;
   o.dtype = a.float32 ? at::kFloat : at::kDouble;
+  o.checkpointDir = a.checkpointDir;
+  o.checkpointEvery = a.checkpointEvery;
   sinew::ModelSpec spec = model(a);
   sinew::Trainer trainer(*ctx, spec, o);
   sinew::TrainResult r;
@@ -187,6 +195,17 @@ int main(int argc, char** argv) {
   } catch (const sinew::runtime::Expelled& e) {
     std::fprintf(stderr, "train_dp: worker %d left the job: %s\n", ctx->worker(), e.what());
     return 3;
+  }
+  if (r.startStep > 0) {
+    std::printf("train_dp: worker %d resumed from the durable checkpoint of step %lld\n",
+                ctx->worker(), static_cast<long long>(r.startStep - 1));
+  }
+  if (r.checkpointsWritten > 0 || r.checkpointsSkipped > 0) {
+    std::printf(
+        "train_dp: worker %d wrote %lld checkpoints (skipped %lld), optimizer steps "
+        "waited %.3f ms for snapshots\n",
+        ctx->worker(), static_cast<long long>(r.checkpointsWritten),
+        static_cast<long long>(r.checkpointsSkipped), r.checkpointStallSeconds * 1e3);
   }
   double checksum = 0;
   for (const auto& p : trainer.parameters()) checksum += p.abs().sum().item<double>();

@@ -82,7 +82,7 @@ class Coordinator::Impl {
     startTimer_.async_wait([this](error_code e) {
       if (e) return;
       std::lock_guard<std::mutex> lock(mu_);
-      if (epoch_ < 0 && !hellos_.empty()) formFirstEpoch("start timeout");
+      if (epoch_ < 0 && !ready_.empty()) formFirstEpoch("start timeout");
     });
     thread_ = std::thread([this] { io_.run(); });
   }
@@ -152,6 +152,7 @@ class Coordinator::Impl {
   void onHello(const std::shared_ptr<Session>& s, const json& body);
   void onVote(int worker, int64_t epoch, int64_t step);
   void onDone(int worker, int64_t step);
+  void onReady(int worker, int64_t resumeStep);
   void onSessionClosed(const std::shared_ptr<Session>& s, const std::string& why);
   void declareDead(int worker, const std::string& why);
   void formFirstEpoch(const std::string& why);
@@ -173,6 +174,7 @@ class Coordinator::Impl {
   std::set<std::shared_ptr<Session>> sessions_;
   std::map<int, Worker> workers_;  // every worker that said hello and is not dead
   std::vector<int> hellos_;        // ids before the first epoch formed
+  std::map<int, int64_t> ready_;   // launch ranks ready before the first epoch -> resume step
   std::vector<int> pendingJoin_;   // joined after the first epoch; added at a step boundary
   std::vector<int> members_;
   std::vector<int> dead_;
@@ -372,6 +374,8 @@ void Coordinator::Impl::onMessage(const std::shared_ptr<Session>& s, const wire:
       return;  // Liveness only: accepted in any epoch.
     case wire::Type::kDone:
       return onDone(worker, body.at("step").get<int64_t>());
+    case wire::Type::kReady:
+      return onReady(worker, body.at("resume_step").get<int64_t>());
     default:
       break;
   }
@@ -432,8 +436,7 @@ void Coordinator::Impl::onHello(const std::shared_ptr<Session>& s, const json& b
   if (epoch_ < 0 && requested < 0) {
     pendingJoin_.push_back(id);  // Joins the first epoch, but does not count as a rank.
   } else if (epoch_ < 0) {
-    hellos_.push_back(id);
-    if (static_cast<int>(hellos_.size()) >= options_.expectedWorkers) formFirstEpoch("all hello");
+    hellos_.push_back(id);  // Counts towards the first epoch once it is ready.
   } else if (finished_) {
     declareDead(id, "the job has already finished");
   } else {
@@ -443,8 +446,35 @@ void Coordinator::Impl::onHello(const std::shared_ptr<Session>& s, const json& b
   }
 }
 
+void Coordinator::Impl::onReady(int worker, int64_t resumeStep) {
+  if (epoch_ >= 0 || std::find(hellos_.begin(), hellos_.end(), worker) == hellos_.end()) {
+    return;  // A joiner, or late: it takes the state of the epoch's source anyway.
+  }
+  if (resumeStep < 0) throw std::runtime_error("negative resume_step");
+  ready_[worker] = resumeStep;
+  if (static_cast<int>(ready_.size()) >= options_.expectedWorkers) formFirstEpoch("all ready");
+}
+
 void Coordinator::Impl::formFirstEpoch(const std::string& why) {
   startTimer_.cancel();
+  // The job resumes after the oldest durable checkpoint any rank found (all normally agree);
+  // the first epoch's source restores it and broadcasts it.
+  int64_t resume = -1;
+  for (const auto& [id, step] : ready_) resume = resume < 0 ? step : std::min(resume, step);
+  committed_ = std::max<int64_t>(resume, 0) - 1;
+  // Ranks that said hello but never became ready stay out of the first epoch.
+  std::vector<int> notReady;
+  for (int id : hellos_) {
+    if (!ready_.count(id)) notReady.push_back(id);
+  }
+  for (int id : notReady) {
+    // Only this worker: its node's other workers may well be ready.
+    log("worker " + std::to_string(id) + " left out: not ready when the first epoch formed");
+    send(id, wire::Type::kExpelled, json{{"reason", "not ready when the first epoch formed"}});
+    dead_.push_back(id);
+    workers_.erase(id);
+    hellos_.erase(std::remove(hellos_.begin(), hellos_.end(), id), hellos_.end());
+  }
   for (int id : hellos_) workers_[id].hasState = true;
   std::vector<int> none;
   epoch_ = -1;
@@ -575,6 +605,7 @@ void Coordinator::Impl::declareDead(int worker, const std::string& why) {
     pendingJoin_.erase(std::remove(pendingJoin_.begin(), pendingJoin_.end(), id),
                        pendingJoin_.end());
     hellos_.erase(std::remove(hellos_.begin(), hellos_.end(), id), hellos_.end());
+    ready_.erase(id);
     dead_.push_back(id);
     workers_.erase(wit);
   }

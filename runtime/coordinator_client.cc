@@ -328,6 +328,9 @@ void CoordinatorClient::reportLost(int64_t epoch, int worker) {
 void CoordinatorClient::requestRebuild(int64_t epoch) {
   impl_->post(wire::Type::kRebuild, epoch, json::object());
 }
+void CoordinatorClient::ready(int64_t resumeStep) {
+  impl_->post(wire::Type::kReady, impl_->latestEpoch().epoch, json{{"resume_step", resumeStep}});
+}
 void CoordinatorClient::done(int64_t step) {
   impl_->post(wire::Type::kDone, impl_->latestEpoch().epoch, json{{"step", step}});
 }

@@ -83,6 +83,10 @@ class CoordinatorClient {
   void reportLost(int64_t epoch, int worker);
   // Reports that `epoch`'s communicator could not be built; the coordinator starts another.
   void requestRebuild(int64_t epoch);
+  // Reports that this worker is ready to train, and the first step it could resume at from
+  // a durable checkpoint (0 for none). The first epoch forms when every launched worker is
+  // ready; it resumes at the smallest such step.
+  void ready(int64_t resumeStep);
   // Reports that this worker finished every step.
   void done(int64_t step);
   // The step heartbeats carry.

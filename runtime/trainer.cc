@@ -6,15 +6,20 @@
 #include <torch/serialize/archive.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <fstream>
 #include <mutex>
 #include <sstream>
 #include <thread>
+#include <type_traits>
 
 #include <nlohmann/json.hpp>
 
+#include "sinew/checkpoint/persist.h"
+#include "sinew/checkpoint/snapshot.h"
 #include "sinew/collectives/communicator.h"
 
 namespace sinew {
@@ -87,6 +92,20 @@ class AbortableStore : public Store {
   std::shared_ptr<Store> store_;
   std::function<bool()> superseded_;
 };
+
+// An optimizer's per-parameter state is keyed by the parameter's TensorImpl: its address as
+// text in libtorch 1.x, the address itself (void*) in 2.x.
+template <typename StateMap>
+typename StateMap::key_type stateKey(const StateMap&, const at::Tensor& p) {
+  using Key = typename StateMap::key_type;
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream os;
+    os << static_cast<const void*>(p.unsafeGetTensorImpl());
+    return os.str();
+  } else {
+    return static_cast<Key>(p.unsafeGetTensorImpl());
+  }
+}
 
 }  // namespace
 
@@ -173,6 +192,15 @@ class Trainer::Impl {
                   "an optimizer factory and a dataset");
     params_ = model_->parameters();
     opt_ = spec_.optimizer(params_);
+    if (!o_.checkpointDir.empty()) {
+      SINEW_ENFORCE(dynamic_cast<torch::optim::Adam*>(opt_.get()) != nullptr ||
+                        dynamic_cast<torch::optim::SGD*>(opt_.get()) != nullptr,
+                    "checkpointing supports the SGD and Adam optimizers' state; this model's "
+                    "optimizer is neither");
+      SINEW_ENFORCE(o_.checkpointEvery >= 0 && o_.checkpointKeep >= 1, "checkpointEvery (",
+                    o_.checkpointEvery, ") must be >= 0 and checkpointKeep (", o_.checkpointKeep,
+                    ") >= 1");
+    }
     std::string path = o_.eventLog;
     if (path.empty()) {
       if (const char* dir = std::getenv("SINEW_LOG_DIR")) {
@@ -182,7 +210,11 @@ class Trainer::Impl {
     if (!path.empty()) events_.open(path, std::ios::app);
   }
 
-  ~Impl() { client_.setEpochListener(nullptr); }
+  ~Impl() {
+    client_.setEpochListener(nullptr);
+    arena_.reset();  // Joins the copy thread, whose completion callback uses ckMu_.
+    stopFlushThread();
+  }
 
   TrainResult run() {
     client_.setEpochListener([this](int64_t epoch) {
@@ -190,7 +222,14 @@ class Trainer::Impl {
       if (comm_ && (epoch < 0 || epoch > comm_->epoch())) comm_->abort();
     });
     runStart_ = Clock::now();
+    int64_t resume = 0;
+    if (!o_.checkpointDir.empty()) {
+      int64_t latest = checkpoint::CheckpointReader(o_.checkpointDir).latestStep();
+      if (latest >= 0) resume = latest + 1;
+    }
+    client_.ready(resume);
     recoverInto(-1, /*failure=*/false, "start");
+    startStep_ = step_;
     while (step_ < o_.steps) {
       try {
         if (!runStep()) recoverInto(epoch_, /*failure=*/false, "workers joining");
@@ -205,6 +244,7 @@ class Trainer::Impl {
         recoverInto(epoch_, true, e.what());
       }
     }
+    finishCheckpoints();
     client_.done(step_);
     event({{"event", "done"}, {"step", step_}, {"loss", lastLoss_}});
     TrainResult r;
@@ -214,6 +254,13 @@ class Trainer::Impl {
     r.recoveryMaxSeconds = recoveryMax_;
     r.finalEpoch = epoch_;
     r.finalMembers = members_;
+    r.startStep = startStep_;
+    {
+      std::lock_guard<std::mutex> lock(ckMu_);
+      r.checkpointsWritten = ckWritten_;
+      r.checkpointsSkipped = ckSkipped_;
+    }
+    r.checkpointStallSeconds = ckStall_;
     {
       std::lock_guard<std::mutex> lock(commMu_);
       comm_.reset();
@@ -281,8 +328,14 @@ class Trainer::Impl {
       SINEW_THROW(EpochChanged, "step ", step_, " was not committed in epoch ", epoch_);
     }
     inj.fire(self, step_, Phase::kOptimizer, &client_);
+    if (arena_) {
+      auto t0 = Clock::now();
+      arena_->waitBeforeUpdate();
+      ckStall_ += seconds(Clock::now() - t0);
+    }
     opt_->step();
     applied_ = step_;
+    maybeCheckpoint(step_);
     lastLoss_ = loss;
     ++step_;
     progress(loss);
@@ -406,6 +459,9 @@ class Trainer::Impl {
     members_ = info.members;
     plan_ = Plan::dataParallel(info.epoch, info.members, static_cast<int>(spec_.layers.size()),
                                o_.globalBatch / o_.microbatch);
+    if (info.sync && info.source == self && applied_ < info.resumeStep - 1) {
+      restoreFromDisk(info.resumeStep - 1);  // The first epoch of a resumed job.
+    }
     if (info.sync) {
       SINEW_ENFORCE(info.source >= 0, "epoch ", info.epoch,
                     " has no surviving worker that holds the model state");
@@ -449,7 +505,176 @@ class Trainer::Impl {
     }
   }
 
+  // ---- Durable checkpoints ----------------------------------------------------------
+
+  // Parameters and optimizer state, per layer (the Sequential's children, keyed by name).
+  checkpoint::ShardState shardState() {
+    checkpoint::ShardState out;
+    auto& st = opt_->state();
+    for (const auto& child : model_->named_children()) {
+      checkpoint::LayerState layer;
+      layer.name = child.key();
+      for (const auto& np : child.value()->named_parameters(/*recurse=*/true)) {
+        const at::Tensor& p = np.value();
+        const std::string& n = np.key();
+        layer.tensors.push_back({n, p.detach()});
+        auto it = st.find(stateKey(st, p));
+        if (it == st.end()) continue;
+        if (auto* a = dynamic_cast<torch::optim::AdamParamState*>(it->second.get())) {
+          layer.tensors.push_back({n + ".exp_avg", a->exp_avg()});
+          layer.tensors.push_back({n + ".exp_avg_sq", a->exp_avg_sq()});
+          if (a->max_exp_avg_sq().defined()) {
+            layer.tensors.push_back({n + ".max_exp_avg_sq", a->max_exp_avg_sq()});
+          }
+          layer.tensors.push_back({n + ".step", at::full({1}, a->step(), at::kLong)});
+        } else if (auto* s = dynamic_cast<torch::optim::SGDParamState*>(it->second.get())) {
+          if (s->momentum_buffer().defined()) {
+            layer.tensors.push_back({n + ".momentum_buffer", s->momentum_buffer()});
+          }
+        }
+      }
+      if (!layer.tensors.empty()) out.push_back(std::move(layer));
+    }
+    return out;
+  }
+
+  // After the optimizer step of `step`: the epoch's first member snapshots a due version.
+  void maybeCheckpoint(int64_t step) {
+    if (o_.checkpointDir.empty() || members_.empty() || members_.front() != ctx_.worker()) {
+      return;
+    }
+    bool due =
+        (o_.checkpointEvery > 0 && (step + 1) % o_.checkpointEvery == 0) || step == o_.steps - 1;
+    if (!due) return;
+    {
+      std::lock_guard<std::mutex> lock(ckMu_);
+      if (flushBusy_ || !toFlush_.empty()) {
+        ckSkipped_++;  // The previous version is still being written: never block a step.
+        return;
+      }
+    }
+    checkpoint::ShardState state = shardState();
+    if (!arena_) {
+      checkpoint::SnapshotOptions so;
+      so.owner = ctx_.worker();
+      arena_ = std::make_unique<checkpoint::SnapshotArena>(state, so);
+      arena_->setOnComplete([this](std::shared_ptr<const checkpoint::HostShard> shard) {
+        std::lock_guard<std::mutex> lock(ckMu_);
+        toFlush_.push_back(std::move(shard));
+        ckCv_.notify_all();
+      });
+      checkpoint::PersistOptions po;
+      po.dir = o_.checkpointDir;
+      po.keep = o_.checkpointKeep;
+      writer_ = std::make_unique<checkpoint::CheckpointWriter>(po);
+      flushThread_ = std::thread([this] { flushLoop(); });
+    }
+    if (!arena_->snapshot(step, state)) {
+      std::lock_guard<std::mutex> lock(ckMu_);
+      ckSkipped_++;
+    }
+  }
+
+  void flushLoop() {
+    std::unique_lock<std::mutex> lock(ckMu_);
+    while (true) {
+      ckCv_.wait(lock, [&] { return ckStop_ || !toFlush_.empty(); });
+      if (toFlush_.empty()) return;  // Stopping with nothing left to write.
+      auto shard = toFlush_.front();
+      toFlush_.pop_front();
+      flushBusy_ = true;
+      lock.unlock();
+      auto t0 = Clock::now();
+      std::string error;
+      try {
+        writer_->flush({shard});
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+      double took = seconds(Clock::now() - t0);
+      lock.lock();
+      flushBusy_ = false;
+      if (error.empty()) {
+        ckWritten_++;
+        event({{"event", "checkpoint"}, {"step", shard->step}, {"duration_s", took}});
+      } else {
+        std::fprintf(stderr, "sinew: worker %d could not write checkpoint %lld: %s\n",
+                     ctx_.worker(), static_cast<long long>(shard->step), error.c_str());
+        event({{"event", "checkpoint_failed"}, {"step", shard->step}, {"error", error}});
+      }
+      ckCv_.notify_all();
+    }
+  }
+
+  // Waits until the last snapshot is copied and every queued version is durable.
+  void finishCheckpoints() {
+    if (!arena_) return;
+    arena_->waitBeforeUpdate();
+    std::unique_lock<std::mutex> lock(ckMu_);
+    ckCv_.wait(lock, [&] { return toFlush_.empty() && !flushBusy_; });
+  }
+
+  void stopFlushThread() {
+    {
+      std::lock_guard<std::mutex> lock(ckMu_);
+      ckStop_ = true;
+      ckCv_.notify_all();
+    }
+    if (flushThread_.joinable()) flushThread_.join();
+  }
+
+  // Loads version `step` from checkpointDir into the parameters and optimizer state.
+  void restoreFromDisk(int64_t step) {
+    SINEW_ENFORCE(!o_.checkpointDir.empty(), "the job resumes at step ", step + 1, " but worker ",
+                  ctx_.worker(), " has no checkpoint directory to restore from");
+    auto t0 = Clock::now();
+    auto layers = checkpoint::CheckpointReader(o_.checkpointDir).load(step);
+    at::NoGradGuard noGrad;
+    auto& st = opt_->state();
+    for (const auto& child : model_->named_children()) {
+      auto params = child.value()->named_parameters(/*recurse=*/true);
+      if (params.size() == 0) continue;
+      auto lit = layers.find(child.key());
+      SINEW_ENFORCE(lit != layers.end(), "checkpoint ", step, " in ", o_.checkpointDir,
+                    " has no layer '", child.key(), "'");
+      const auto& saved = lit->second;
+      auto get = [&](const std::string& n) -> const at::Tensor* {
+        auto it = saved.find(n);
+        return it == saved.end() ? nullptr : &it->second;
+      };
+      for (const auto& np : params) {
+        at::Tensor p = np.value();
+        const std::string& n = np.key();
+        const at::Tensor* v = get(n);
+        SINEW_ENFORCE(v != nullptr && v->sizes() == p.sizes(), "checkpoint ", step, ": layer '",
+                      child.key(), "' tensor '", n, "' is missing or has another shape");
+        p.detach().copy_(*v);
+        if (const at::Tensor* m = get(n + ".exp_avg")) {
+          auto a = std::make_unique<torch::optim::AdamParamState>();
+          a->exp_avg(m->to(p.dtype()).clone());
+          a->exp_avg_sq(get(n + ".exp_avg_sq")->to(p.dtype()).clone());
+          if (const at::Tensor* mx = get(n + ".max_exp_avg_sq")) {
+            a->max_exp_avg_sq(mx->to(p.dtype()).clone());
+          }
+          a->step(get(n + ".step")->item<int64_t>());
+          st[stateKey(st, p)] = std::move(a);
+        } else if (const at::Tensor* b = get(n + ".momentum_buffer")) {
+          auto s = std::make_unique<torch::optim::SGDParamState>();
+          s->momentum_buffer(b->to(p.dtype()).clone());
+          st[stateKey(st, p)] = std::move(s);
+        }
+      }
+    }
+    applied_ = step;
+    event({{"event", "restored"},
+           {"step", step},
+           {"dir", o_.checkpointDir},
+           {"duration_s", seconds(Clock::now() - t0)}});
+  }
+
+  // Called by the training and the flush thread.
   void event(nlohmann::json e) {
+    std::lock_guard<std::mutex> lock(eventMu_);
     if (!events_.is_open()) return;
     e["time"] = wallSeconds();
     e["worker"] = ctx_.worker();
@@ -480,7 +705,22 @@ class Trainer::Impl {
   Clock::time_point runStart_;
   Clock::time_point lastReport_;
   int64_t stepsSinceReport_ = 0;
-  std::ofstream events_;
+  std::mutex eventMu_;
+  std::ofstream events_;  // Guarded by eventMu_.
+  int64_t startStep_ = 0;
+  // Durable checkpoints (the epoch's first member only).
+  std::unique_ptr<checkpoint::SnapshotArena> arena_;
+  std::unique_ptr<checkpoint::CheckpointWriter> writer_;
+  std::thread flushThread_;
+  double ckStall_ = 0;
+  std::mutex ckMu_;
+  std::condition_variable ckCv_;
+  // Guarded by ckMu_.
+  std::deque<std::shared_ptr<const checkpoint::HostShard>> toFlush_;
+  bool flushBusy_ = false;
+  bool ckStop_ = false;
+  int64_t ckWritten_ = 0;
+  int64_t ckSkipped_ = 0;
 };
 
 Trainer::Trainer(Context& ctx, ModelSpec spec, TrainerOptions options)

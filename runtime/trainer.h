@@ -87,6 +87,16 @@ struct TrainerOptions {
   // newer epoch is announced; this bounds the connect phase after them, e.g. towards a peer
   // stopped mid-recovery (then the worker asks for a rebuild).
   std::chrono::milliseconds buildTimeout{10000};
+  // Durable checkpoints (checkpoint/, docs/checkpoint_format.md); empty: none. After the
+  // optimizer step of every `checkpointEvery`-th step (and of the last step) the epoch's
+  // first member snapshots parameters and optimizer state lazily into host RAM (the copy
+  // overlaps the next forward and backward; the next optimizer step waits for it), and a
+  // background thread writes it to checkpointDir (safetensors + manifest, then LATEST).
+  // A job started on a checkpointDir that holds a durable version resumes after it, with
+  // any number of workers. Supported optimizers: SGD and Adam.
+  std::string checkpointDir;
+  int checkpointEvery = 0;
+  int checkpointKeep = 2;  // newest durable versions kept
 };
 
 struct TrainResult {
@@ -96,6 +106,10 @@ struct TrainResult {
   double recoveryMaxSeconds = 0;
   int64_t finalEpoch = 0;
   std::vector<int> finalMembers;
+  int64_t startStep = 0;              // first step this job ran (after a restored checkpoint)
+  int64_t checkpointsWritten = 0;     // durable versions this worker wrote
+  int64_t checkpointsSkipped = 0;     // due but skipped because a flush was still running
+  double checkpointStallSeconds = 0;  // optimizer steps waiting for a snapshot copy
 };
 
 // Which layers a worker holds and which microbatches of each step it runs.

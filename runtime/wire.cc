@@ -42,6 +42,8 @@ const char* typeName(uint8_t type) {
       return "expelled";
     case Type::kRebuild:
       return "rebuild";
+    case Type::kReady:
+      return "ready";
   }
   return nullptr;
 }

@@ -32,6 +32,7 @@ enum class Type : uint8_t {
   kDone = 8,       // worker -> coordinator: {step} finished every step
   kExpelled = 9,   // coordinator -> worker: {reason} declared dead; must leave
   kRebuild = 10,   // worker -> coordinator: {} this epoch's communicator could not be built
+  kReady = 11,     // worker -> coordinator: {resume_step} ready to train from this step
 };
 
 const char* typeName(uint8_t type);

@@ -50,7 +50,9 @@ std::unique_ptr<CoordinatorClient> client(const Coordinator& c, int worker,
   o.worker = worker;
   o.node = node.empty() ? "node" + std::to_string(worker) : node;
   o.connectTimeout = 5s;
-  return std::make_unique<CoordinatorClient>(o);
+  auto cl = std::make_unique<CoordinatorClient>(o);
+  cl->ready(0);
+  return cl;
 }
 
 TEST(CoordinatorTest, StepIsCommittedOnlyWhenEveryMemberVoted) {
@@ -150,6 +152,28 @@ TEST(CoordinatorTest, EarlyJoinerNeitherTakesARankNorCountsAsOne) {
   EXPECT_EQ(e.joined, std::vector<int>{2});
   EXPECT_EQ(e.source, 0);
   EXPECT_TRUE(e.sync);
+}
+
+TEST(CoordinatorTest, FirstEpochResumesAfterTheOldestCheckpointAnyRankFound) {
+  Coordinator coord(options(2, nullptr));
+  CoordinatorClientOptions o;
+  o.port = coord.port();
+  o.token = coord.token();
+  o.worker = 0;
+  o.node = "a";
+  CoordinatorClient a(o);
+  o.worker = 1;
+  o.node = "b";
+  CoordinatorClient b(o);
+  a.ready(40);
+  std::this_thread::sleep_for(100ms);  // Not every rank is ready: no epoch yet.
+  EXPECT_EQ(coord.status().epoch, -1);
+  b.ready(30);
+  EpochInfo e = a.waitEpochAfter(-1, 5s);
+  EXPECT_EQ(e.resumeStep, 30);
+  EXPECT_TRUE(e.sync);
+  EXPECT_EQ(e.source, 0);
+  EXPECT_EQ(coord.status().committedStep, 29);
 }
 
 TEST(CoordinatorTest, JobFinishesWhenEveryMemberIsDone) {

@@ -239,6 +239,42 @@ TEST(JobTest, WorkerJoinsMidRun) {
   EXPECT_NE(run.output.find("param_checksum " + m[1].str()), std::string::npos);
 }
 
+// The whole job dies after a durable checkpoint; a new job of 2 workers resumes from the
+// checkpoint directory and ends exactly where an uninterrupted run ends.
+TEST(JobTest, RestartFromDiskWithFewerWorkers) {
+  std::string ckpt = logDir("restart-ckpt");
+  JobRun crashed = sinewRun("restart-1", "kill:worker=*:step=45:phase=forward",
+                            {"--checkpoint-dir", ckpt, "--checkpoint-every", "10"});
+  EXPECT_NE(crashed.exitCode, 0) << crashed.output;  // Every worker died.
+  std::ifstream latestFile(ckpt + "/LATEST");
+  std::string latest((std::istreambuf_iterator<char>(latestFile)),
+                     std::istreambuf_iterator<char>());
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(latest, m, std::regex("\"step\":(\\d+)"))) << latest;
+  int durable = std::stoi(m[1]);
+  // Versions after steps 9, 19, ... are flushed in the background; by the kill at step 45
+  // the one of step 39 is normally durable, at least that of step 29.
+  EXPECT_TRUE(durable == 39 || durable == 29) << durable;
+
+  std::vector<std::string> argv = {SINEW_RUN_PATH,
+                                   "-n",
+                                   "2",
+                                   "--log-dir",
+                                   logDir("restart-2"),
+                                   TRAIN_DP_PATH,
+                                   "--checkpoint-dir",
+                                   ckpt,
+                                   "--checkpoint-every",
+                                   "10"};
+  JobRun resumed = finish(start(argv, {}), 240s);
+  expectGoodJob(resumed, "", 0);
+  EXPECT_NE(
+      resumed.output.find("resumed from the durable checkpoint of step " + std::to_string(durable)),
+      std::string::npos);
+  EXPECT_NE(resumed.output.find("resume at step " + std::to_string(durable + 1)),
+            std::string::npos);
+}
+
 #ifdef MPIEXEC_PATH
 // Rank 0 forked the coordinator; killing rank 0 must not take the coordinator with it.
 TEST(JobTest, UnderMpirunRankZeroKilled) {
