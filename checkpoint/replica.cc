@@ -170,7 +170,8 @@ void sendMessage(int fd, Type type, int owner, int64_t step, const std::string& 
 
 std::string readPayload(int fd, uint64_t n, Clock::time_point deadline) {
   if (n > (64u << 20))
-    throw SocketError{false, "control payload of " + std::to_string(n) + " bytes"};
+    throw SocketError{
+        false, "control payload of " + std::to_string(n) + " bytes is over the 64 MiB limit"};
   std::string s(n, '\0');
   if (n > 0) readAll(fd, &s[0], n, deadline);
   return s;
@@ -445,8 +446,12 @@ class ReplicaService::Impl {
             throw SocketError{false, "unknown type"};
         }
       }
-    } catch (const SocketError&) {
-      // The peer went away (or sent garbage): only this connection ends.
+    } catch (const SocketError& e) {
+      // The peer went away, or sent garbage: only this connection ends (garbage is logged).
+      if (e.what != "connection closed by peer") {
+        std::fprintf(stderr, "sinew replica service %d: dropping a connection: %s\n", self_,
+                     e.what.c_str());
+      }
     } catch (const std::exception& e) {
       std::fprintf(stderr, "sinew replica service %d: connection error: %s\n", self_, e.what());
     }

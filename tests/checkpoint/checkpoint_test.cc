@@ -14,6 +14,7 @@
 #include <set>
 #include <thread>
 
+#include "../support.h"
 #include "fault_env.h"
 #include "sinew/checkpoint/detail/crc32c.h"
 #include "sinew/checkpoint/engine.h"
@@ -616,6 +617,41 @@ TEST(ReplicaTest, PutListGetOverLoopbackAndRejectsBadChecksums) {
   }
   EXPECT_EQ(service.find(0, 3), nullptr);
   EXPECT_NE(service.find(0, 2), nullptr);
+}
+
+// Stray bytes on the replica port (an HTTP probe, a header with a bad magic, a header that
+// claims an absurd size) cost only that connection; replicas already held and later puts
+// are unaffected.
+TEST(ReplicaTest, GarbageOnThePortDropsOnlyThatConnection) {
+  ReplicaServiceOptions so;
+  so.maxShardBytes = 1 << 20;
+  ReplicaService service(1, so);
+  ReplicaClient client(1, service.address(), ReplicaClientOptions());
+  client.put(*snap(allDtypeState(0), 0, 0));
+  std::vector<std::vector<uint8_t>> strays;
+  std::string http = "GET / HTTP/1.1\r\nHost: localhost\r\n\r\n";
+  strays.emplace_back(http.begin(), http.end());
+  std::vector<uint8_t> badMagic(28, 0xAB);
+  strays.push_back(badMagic);
+  // A well-formed begin header (magic "SNRP", version 1, type 1) claiming 2^40 bytes.
+  std::vector<uint8_t> huge = {'S', 'N', 'R', 'P', 1, 1, 0, 0, 0, 0, 0, 0};
+  for (int i = 0; i < 8; ++i) huge.push_back(0);               // step 0
+  for (int i = 0; i < 8; ++i) huge.push_back(i == 5 ? 1 : 0);  // length 2^40
+  strays.push_back(huge);
+  for (const auto& bytes : strays) {
+    int fd = sinew::testing::connectLoopback(service.port());
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::write(fd, bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));
+    EXPECT_TRUE(sinew::testing::closedByPeer(fd, std::chrono::seconds(3)))
+        << "the service kept a connection that sent " << bytes.size() << " stray bytes";
+    ::close(fd);
+  }
+  EXPECT_EQ(service.bytesAllocated(), service.find(0, 0)->capacity() * 1)
+      << "a stray header made the service allocate memory";
+  client.put(*snap(allDtypeState(1), 0, 1));
+  ASSERT_NE(service.find(0, 1), nullptr);
+  expectLayersEqual(allDtypeState(1), extractAll(*service.find(0, 1)));
+  expectLayersEqual(allDtypeState(0), extractAll(*service.find(0, 0)));
 }
 
 TEST(RestoreTest, OwnRamThenPeerThenDiskFallingThroughOnMismatch) {
