@@ -196,6 +196,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "train_dp: worker %d left the job: %s\n", ctx->worker(), e.what());
     return 3;
   }
+  if (r.preempted) {
+    std::printf("train_dp: worker %d left the job (preempted) after step %lld\n", ctx->worker(),
+                static_cast<long long>(r.steps - 1));
+    return 0;
+  }
   if (r.startStep > 0) {
     std::printf("train_dp: worker %d resumed from the durable checkpoint of step %lld\n",
                 ctx->worker(), static_cast<long long>(r.startStep - 1));

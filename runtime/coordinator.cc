@@ -106,6 +106,8 @@ class Coordinator::Impl {
     s.committedStep = committed_;
     s.members = members_;
     s.dead = dead_;
+    s.released = released_;
+    s.stopped = stopped_;
     s.done = std::vector<int>(done_.begin(), done_.end());
     s.finished = finished_;
     s.droppedConnections = dropped_;
@@ -116,7 +118,7 @@ class Coordinator::Impl {
   bool waitFinished(std::chrono::milliseconds timeout) {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait_for(lock, timeout, [&] { return finished_ || (epoch_ >= 0 && members_.empty()); });
-    return finished_ && !done_.empty();
+    return finished_ && (!done_.empty() || stopped_);
   }
 
   void log(const std::string& line) {
@@ -153,6 +155,8 @@ class Coordinator::Impl {
   void onVote(int worker, int64_t epoch, int64_t step);
   void onDone(int worker, int64_t step);
   void onReady(int worker, int64_t resumeStep);
+  void onLeave(int worker, int64_t step);
+  void release(int worker, const std::string& why);
   void onSessionClosed(const std::shared_ptr<Session>& s, const std::string& why);
   void declareDead(int worker, const std::string& why);
   void formFirstEpoch(const std::string& why);
@@ -178,12 +182,15 @@ class Coordinator::Impl {
   std::vector<int> pendingJoin_;   // joined after the first epoch; added at a step boundary
   std::vector<int> members_;
   std::vector<int> dead_;
+  std::vector<int> released_;
+  std::set<int> leaving_;
   std::set<int> done_;
   std::map<int64_t, std::set<int>> votes_;  // step -> voters, for the current epoch
   int64_t epoch_ = -1;
   int64_t committed_ = -1;
   int nextId_ = 0;
   bool finished_ = false;
+  bool stopped_ = false;
   int64_t dropped_ = 0;
   int64_t ignored_ = 0;
   std::ofstream events_;
@@ -376,6 +383,8 @@ void Coordinator::Impl::onMessage(const std::shared_ptr<Session>& s, const wire:
       return onDone(worker, body.at("step").get<int64_t>());
     case wire::Type::kReady:
       return onReady(worker, body.at("resume_step").get<int64_t>());
+    case wire::Type::kLeave:
+      return onLeave(worker, body.at("step").get<int64_t>());
     default:
       break;
   }
@@ -540,8 +549,30 @@ void Coordinator::Impl::onVote(int worker, int64_t epoch, int64_t step) {
   }
   committed_ = step;
   votes_.erase(step);
-  if (pendingJoin_.empty()) {
+  if (pendingJoin_.empty() && leaving_.empty()) {
     for (int id : members_) send(id, wire::Type::kCommit, json{{"step", step}});
+    return;
+  }
+  if (!leaving_.empty()) {
+    // Step boundary with preempted members: they apply this step, then are released.
+    std::vector<int> old = members_;
+    for (int id : old) send(id, wire::Type::kCommit, json{{"step", step}, {"next_epoch", true}});
+    std::vector<int> leaving(leaving_.begin(), leaving_.end());
+    leaving_.clear();
+    for (int id : leaving) release(id, "preempted; left after step " + std::to_string(step));
+    bool anyLeft = false;
+    for (int id : old) anyLeft = anyLeft || workers_.count(id) > 0;
+    if (!anyLeft) {
+      stopped_ = true;
+      finished_ = true;
+      std::vector<int> waiting = pendingJoin_;
+      for (int id : waiting) declareDead(id, "the job stopped");
+      log("job stopped after step " + std::to_string(step) + ": every member was preempted");
+      event({{"event", "stopped"}, {"step", step}, {"epoch", epoch_}});
+      cv_.notify_all();
+      return;
+    }
+    newEpoch("worker(s) preempted after step " + std::to_string(step), pendingJoin_);
     return;
   }
   // Step boundary with joiners: the commit carries the next epoch, so members switch to it
@@ -550,6 +581,39 @@ void Coordinator::Impl::onVote(int worker, int64_t epoch, int64_t step) {
   std::vector<int> old = members_;
   for (int id : old) send(id, wire::Type::kCommit, json{{"step", step}, {"next_epoch", true}});
   newEpoch("worker(s) joining at step " + std::to_string(step + 1), joiners);
+}
+
+void Coordinator::Impl::onLeave(int worker, int64_t step) {
+  if (finished_) return;
+  bool member = std::find(members_.begin(), members_.end(), worker) != members_.end();
+  if (!member) {
+    // Not training yet (a pending joiner, or before the first epoch): it goes at once.
+    return release(worker, "preempted before it trained");
+  }
+  leaving_.insert(worker);
+  log("worker " + std::to_string(worker) + " is preempted at step " + std::to_string(step) +
+      "; it leaves at the next step boundary");
+  event({{"event", "leave"}, {"worker", worker}, {"step", step}});
+}
+
+void Coordinator::Impl::release(int worker, const std::string& why) {
+  auto it = workers_.find(worker);
+  if (it == workers_.end()) return;
+  if (it->second.session && !it->second.session->closed_) {
+    it->second.session->write(wire::encode(wire::Type::kReleased, options_.token, epoch_,
+                                           json{{"reason", why}, {"step", committed_}}),
+                              /*closeAfter=*/true);
+  }
+  // Erased from workers_: its closing connection and any late message are no failure.
+  pendingJoin_.erase(std::remove(pendingJoin_.begin(), pendingJoin_.end(), worker),
+                     pendingJoin_.end());
+  hellos_.erase(std::remove(hellos_.begin(), hellos_.end(), worker), hellos_.end());
+  ready_.erase(worker);
+  leaving_.erase(worker);
+  released_.push_back(worker);
+  workers_.erase(it);
+  log("worker " + std::to_string(worker) + " released: " + why);
+  event({{"event", "released"}, {"worker", worker}, {"reason", why}});
 }
 
 void Coordinator::Impl::onDone(int worker, int64_t step) {
@@ -606,6 +670,7 @@ void Coordinator::Impl::declareDead(int worker, const std::string& why) {
                        pendingJoin_.end());
     hellos_.erase(std::remove(hellos_.begin(), hellos_.end(), id), hellos_.end());
     ready_.erase(id);
+    leaving_.erase(id);
     dead_.push_back(id);
     workers_.erase(wit);
   }

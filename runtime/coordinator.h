@@ -6,6 +6,10 @@
 // closed connections and workers' PeerLost reports, and runs the step agreement. The
 // protocol is in docs/coordinator_protocol.md.
 //
+// Preemption: a worker that must go (SIGTERM, a scheduler) sends leave; at the next commit
+// the coordinator releases it (it applies that step, then exits cleanly) and starts an epoch
+// without it. If every member leaves, the job stops at that step.
+//
 // Step agreement (a step is applied everywhere or nowhere):
 //   1. Each member reduces its gradients for step s, then votes (s, epoch).
 //   2. When every member of the epoch voted for s, the coordinator records s as committed
@@ -53,10 +57,12 @@ struct CoordinatorOptions {
 struct CoordinatorStatus {
   int64_t epoch = -1;
   int64_t committedStep = -1;
-  std::vector<int> members;  // of the current epoch
-  std::vector<int> dead;     // declared dead (or expelled), in order
-  std::vector<int> done;     // finished every step
-  bool finished = false;     // every member of the current epoch is done
+  std::vector<int> members;   // of the current epoch
+  std::vector<int> dead;      // declared dead (or expelled), in order
+  std::vector<int> done;      // finished every step
+  std::vector<int> released;  // left the job cleanly (preempted), in order
+  bool finished = false;      // every member of the current epoch is done, or the job stopped
+  bool stopped = false;       // every member left (preempted) before the last step
   int64_t droppedConnections = 0;
   int64_t ignoredMessages = 0;
 };

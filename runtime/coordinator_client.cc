@@ -127,6 +127,7 @@ class CoordinatorClient::Impl {
 
  private:
   [[noreturn]] void throwGone() const {
+    if (released_) SINEW_THROW(Released, "worker ", worker_, " left the job: ", gone_);
     SINEW_THROW(Expelled, "worker ", worker_, " must leave the job: ", gone_);
   }
 
@@ -247,6 +248,12 @@ class CoordinatorClient::Impl {
           if (body.value("next_epoch", false)) reshapeAfter_ = step;
           break;
         }
+        case wire::Type::kReleased:
+          gone_ = "released by the coordinator: " + body.value("reason", std::string("?"));
+          released_ = true;
+          announce = -1;
+          closed_ = true;
+          break;
         case wire::Type::kExpelled:
           gone_ = "the coordinator expelled it: " + body.value("reason", std::string("?"));
           announce = -1;
@@ -296,6 +303,7 @@ class CoordinatorClient::Impl {
   std::condition_variable cv_;
   // Guarded by mu_.
   bool welcomed_ = false;
+  bool released_ = false;
   std::string gone_;  // why this worker left the job; empty while it is in
   EpochInfo epoch_;
   int64_t committed_ = -1;
@@ -330,6 +338,9 @@ void CoordinatorClient::requestRebuild(int64_t epoch) {
 }
 void CoordinatorClient::ready(int64_t resumeStep) {
   impl_->post(wire::Type::kReady, impl_->latestEpoch().epoch, json{{"resume_step", resumeStep}});
+}
+void CoordinatorClient::leave(int64_t step) {
+  impl_->post(wire::Type::kLeave, impl_->latestEpoch().epoch, json{{"step", step}});
 }
 void CoordinatorClient::done(int64_t step) {
   impl_->post(wire::Type::kDone, impl_->latestEpoch().epoch, json{{"step", step}});

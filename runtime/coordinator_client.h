@@ -25,6 +25,13 @@ class Expelled : public Error {
   explicit Expelled(const std::string& what) : Error(what) {}
 };
 
+// The coordinator released this worker after it asked to leave (preemption): it applied
+// every committed step up to the release and must now exit cleanly.
+class Released : public Error {
+ public:
+  explicit Released(const std::string& what) : Error(what) {}
+};
+
 // One configuration of the job, as the coordinator announced it.
 struct EpochInfo {
   int64_t epoch = -1;
@@ -89,6 +96,10 @@ class CoordinatorClient {
   void ready(int64_t resumeStep);
   // Reports that this worker finished every step.
   void done(int64_t step);
+  // Asks to leave the job at the next step boundary (preemption); the coordinator answers
+  // by releasing it right after the next committed step (waitEpochAfter then throws
+  // Released).
+  void leave(int64_t step);
   // The step heartbeats carry.
   void setStep(int64_t step);
   // Sends no heartbeats for this long (failure injection).

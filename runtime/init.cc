@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -18,6 +19,12 @@
 
 namespace sinew {
 namespace {
+
+// Set by the SIGTERM handler. A signal handler can reach no object, so this one flag is
+// process-wide; Context::preemptionRequested() reads it.
+volatile std::sig_atomic_t gSigtermReceived = 0;
+
+void onSigterm(int) { gSigtermReceived = 1; }
 
 using runtime::Coordinator;
 using runtime::CoordinatorClientOptions;
@@ -90,6 +97,7 @@ std::string forkCoordinator(int expected, const InitOptions& o) {
   if (pid == 0) {
     ::close(fds[0]);
     ::signal(SIGINT, SIG_IGN);  // The workers decide; a ^C reaches them.
+    ::signal(SIGTERM, SIG_DFL);
     int rc = 0;
     try {
       CoordinatorOptions c;
@@ -131,6 +139,10 @@ std::string forkCoordinator(int expected, const InitOptions& o) {
 
 }  // namespace
 
+void Context::requestPreemption() { gSigtermReceived = 1; }
+
+bool Context::preemptionRequested() const { return gSigtermReceived != 0; }
+
 Context::~Context() {
   client_.reset();
   localCoordinator_.reset();
@@ -146,6 +158,12 @@ Context::~Context() {
 std::unique_ptr<Context> init(int* argc, char*** argv, const InitOptions& options) {
   std::unique_ptr<Context> ctx(new Context());
   ctx->injector_ = runtime::FailureInjector::fromEnvironment();
+  if (options.preemptOnSigterm) {
+    struct sigaction sa {};
+    sa.sa_handler = onSigterm;
+    ::sigemptyset(&sa.sa_mask);
+    ::sigaction(SIGTERM, &sa, nullptr);
+  }
   if (const char* h = env("SINEW_HOST")) ctx->host_ = h;
   const char* node = env("SINEW_NODE");
   ctx->node_ = node ? node : hostName();

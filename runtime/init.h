@@ -37,6 +37,10 @@ struct InitOptions {
   // Heartbeat settings of a coordinator this process starts (mpirun, single process).
   std::chrono::milliseconds heartbeatInterval{100};
   std::chrono::milliseconds deadAfter{1000};
+  // SIGTERM (what Slurm's --signal and most schedulers send before a preemption) asks this
+  // worker to leave the job cleanly at the next step boundary instead of killing it. The
+  // handler only sets a flag; set false to keep the program's own SIGTERM disposition.
+  bool preemptOnSigterm = true;
 };
 
 class Context {
@@ -63,6 +67,12 @@ class Context {
   // Call when the job lost a member: MPI_Finalize would wait for it forever, so the handle
   // skips it (under mpirun --enable-recovery).
   void markMemberLost() { memberLost_ = true; }
+
+  // Asks this worker to leave the job at the next step boundary (the C++ form of SIGTERM).
+  // Async-signal-safe and thread-safe.
+  void requestPreemption();
+  // Whether preemption was requested (by requestPreemption() or SIGTERM).
+  bool preemptionRequested() const;
 
  private:
   friend std::unique_ptr<Context> init(int* argc, char*** argv, const InitOptions& options);

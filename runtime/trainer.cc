@@ -230,9 +230,18 @@ class Trainer::Impl {
     client_.ready(resume);
     recoverInto(-1, /*failure=*/false, "start");
     startStep_ = step_;
+    bool preempted = false;
     while (step_ < o_.steps) {
+      if (!leaveSent_ && ctx_.preemptionRequested()) {
+        client_.leave(step_);
+        leaveSent_ = true;
+        event({{"event", "preempted"}, {"step", step_}});
+      }
       try {
-        if (!runStep()) recoverInto(epoch_, /*failure=*/false, "workers joining");
+        if (!runStep()) recoverInto(epoch_, /*failure=*/false, "reshape at a step boundary");
+      } catch (const runtime::Released&) {
+        preempted = true;
+        break;
       } catch (const PeerLost& e) {
         client_.reportLost(epoch_, e.worker());
         recoverInto(epoch_, true, e.what());
@@ -244,9 +253,19 @@ class Trainer::Impl {
         recoverInto(epoch_, true, e.what());
       }
     }
-    finishCheckpoints();
-    client_.done(step_);
-    event({{"event", "done"}, {"step", step_}, {"loss", lastLoss_}});
+    if (preempted) {
+      // The last step this worker applied is the job's newest: make it durable if this
+      // worker writes the checkpoints (when the whole job is preempted, it is the last word).
+      if (applied_ >= 0 && !members_.empty() && members_.front() == ctx_.worker()) {
+        maybeCheckpoint(applied_, /*force=*/true);
+      }
+      finishCheckpoints();
+      event({{"event", "released"}, {"step", step_}});
+    } else {
+      finishCheckpoints();
+      client_.done(step_);
+      event({{"event", "done"}, {"step", step_}, {"loss", lastLoss_}});
+    }
     TrainResult r;
     r.steps = step_;
     r.finalLoss = lastLoss_;
@@ -255,6 +274,7 @@ class Trainer::Impl {
     r.finalEpoch = epoch_;
     r.finalMembers = members_;
     r.startStep = startStep_;
+    r.preempted = preempted;
     {
       std::lock_guard<std::mutex> lock(ckMu_);
       r.checkpointsWritten = ckWritten_;
@@ -539,15 +559,17 @@ class Trainer::Impl {
   }
 
   // After the optimizer step of `step`: the epoch's first member snapshots a due version.
-  void maybeCheckpoint(int64_t step) {
+  void maybeCheckpoint(int64_t step, bool force = false) {
     if (o_.checkpointDir.empty() || members_.empty() || members_.front() != ctx_.worker()) {
       return;
     }
-    bool due =
-        (o_.checkpointEvery > 0 && (step + 1) % o_.checkpointEvery == 0) || step == o_.steps - 1;
-    if (!due) return;
+    bool due = (o_.checkpointEvery > 0 && (step + 1) % o_.checkpointEvery == 0) ||
+               step == o_.steps - 1 || force;
+    if (!due || step == lastSnapshot_) return;
+    if (force && arena_) arena_->waitBeforeUpdate();  // Its copy is in no step's way.
     {
-      std::lock_guard<std::mutex> lock(ckMu_);
+      std::unique_lock<std::mutex> lock(ckMu_);
+      if (force) ckCv_.wait(lock, [&] { return toFlush_.empty() && !flushBusy_; });
       if (flushBusy_ || !toFlush_.empty()) {
         ckSkipped_++;  // The previous version is still being written: never block a step.
         return;
@@ -569,7 +591,9 @@ class Trainer::Impl {
       writer_ = std::make_unique<checkpoint::CheckpointWriter>(po);
       flushThread_ = std::thread([this] { flushLoop(); });
     }
-    if (!arena_->snapshot(step, state)) {
+    if (arena_->snapshot(step, state)) {
+      lastSnapshot_ = step;
+    } else {
       std::lock_guard<std::mutex> lock(ckMu_);
       ckSkipped_++;
     }
@@ -708,6 +732,8 @@ class Trainer::Impl {
   std::mutex eventMu_;
   std::ofstream events_;  // Guarded by eventMu_.
   int64_t startStep_ = 0;
+  bool leaveSent_ = false;
+  int64_t lastSnapshot_ = -1;
   // Durable checkpoints (the epoch's first member only).
   std::unique_ptr<checkpoint::SnapshotArena> arena_;
   std::unique_ptr<checkpoint::CheckpointWriter> writer_;

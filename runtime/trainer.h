@@ -107,6 +107,7 @@ struct TrainResult {
   int64_t finalEpoch = 0;
   std::vector<int> finalMembers;
   int64_t startStep = 0;              // first step this job ran (after a restored checkpoint)
+  bool preempted = false;             // this worker left early (SIGTERM, requestPreemption)
   int64_t checkpointsWritten = 0;     // durable versions this worker wrote
   int64_t checkpointsSkipped = 0;     // due but skipped because a flush was still running
   double checkpointStallSeconds = 0;  // optimizer steps waiting for a snapshot copy
@@ -149,7 +150,11 @@ class Trainer {
   Trainer(Context& ctx, ModelSpec spec, TrainerOptions options);
   ~Trainer();
 
-  // Trains until options.steps steps are committed. Throws Expelled if this worker was
+  // Trains until options.steps steps are committed, or until this worker is preempted
+  // (Context::preemptionRequested(), e.g. SIGTERM): then it leaves at the next step boundary,
+  // after that step is applied, with result.preempted set; if it held the job's durable
+  // checkpoints, that step is written first.
+  // Throws Expelled if this worker was
   // declared dead, Timeout if a recovery took longer than recoveryTimeout.
   TrainResult run();
 

@@ -44,6 +44,10 @@ const char* typeName(uint8_t type) {
       return "rebuild";
     case Type::kReady:
       return "ready";
+    case Type::kLeave:
+      return "leave";
+    case Type::kReleased:
+      return "released";
   }
   return nullptr;
 }

@@ -33,6 +33,8 @@ enum class Type : uint8_t {
   kExpelled = 9,   // coordinator -> worker: {reason} declared dead; must leave
   kRebuild = 10,   // worker -> coordinator: {} this epoch's communicator could not be built
   kReady = 11,     // worker -> coordinator: {resume_step} ready to train from this step
+  kLeave = 12,     // worker -> coordinator: {step} preempted: leave at the next step boundary
+  kReleased = 13,  // coordinator -> worker: {step, reason} left the job cleanly after step
 };
 
 const char* typeName(uint8_t type);

@@ -2,7 +2,9 @@
 // process and N worker processes of `program`, echoes their output prefixed with the worker
 // id (and writes it to <log-dir>/worker-<i>.log), forwards SIGINT/SIGTERM to them, and exits
 // with the job's status: 0 when the job finished and every worker that was not declared
-// dead exited 0.
+// dead exited 0; 75 when every worker was preempted (SIGTERM is forwarded to the workers,
+// which leave at the next step boundary) and the job stopped cleanly, resumable from its
+// checkpoint directory; 1 otherwise.
 //
 //   sinew-run -n N [--inject SPEC] [--log-dir DIR] [--heartbeat-ms MS] [--dead-after-ms MS]
 //             [--quiet] [--] program [args...]
@@ -273,9 +275,17 @@ int main(int argc, char** argv) {
   }
   std::string deadList;
   for (int d : dead) deadList += (deadList.empty() ? "" : ",") + std::to_string(d);
-  std::printf("sinew-run: job %s at step %lld, epoch %lld; workers lost: [%s]; logs in %s\n",
-              ok ? "finished" : "FAILED", static_cast<long long>(st.committedStep + 1),
-              static_cast<long long>(st.epoch), deadList.c_str(), a.logDir.c_str());
+  std::string releasedList;
+  for (int r : st.released) releasedList += (releasedList.empty() ? "" : ",") + std::to_string(r);
+  const char* verdict = !ok          ? "FAILED"
+                        : st.stopped ? "stopped (every worker preempted)"
+                                     : "finished";
+  std::printf(
+      "sinew-run: job %s at step %lld, epoch %lld; workers lost: [%s]; released: [%s]; "
+      "logs in %s\n",
+      verdict, static_cast<long long>(st.committedStep + 1), static_cast<long long>(st.epoch),
+      deadList.c_str(), releasedList.c_str(), a.logDir.c_str());
   std::fflush(stdout);
-  return ok ? 0 : 1;
+  // 75 (EX_TEMPFAIL): stopped cleanly before the last step; rerun to resume.
+  return !ok ? 1 : st.stopped ? 75 : 0;
 }

@@ -176,6 +176,32 @@ TEST(CoordinatorTest, FirstEpochResumesAfterTheOldestCheckpointAnyRankFound) {
   EXPECT_EQ(coord.status().committedStep, 29);
 }
 
+TEST(CoordinatorTest, PreemptedWorkerIsReleasedAtTheNextStepBoundary) {
+  Coordinator coord(options(2, nullptr));
+  auto a = client(coord, 0);
+  auto b = client(coord, 1);
+  a->waitEpochAfter(-1, 5s);
+  b->leave(0);
+  auto fa = std::async(std::launch::async, [&] { return a->vote(0, 0, 5s); });
+  EXPECT_EQ(b->vote(0, 0, 5s), CoordinatorClient::VoteResult::kCommittedThenReshape);
+  EXPECT_EQ(fa.get(), CoordinatorClient::VoteResult::kCommittedThenReshape);
+  EXPECT_THROW(b->waitEpochAfter(0, 5s), Released);
+  EpochInfo e = a->waitEpochAfter(0, 5s);
+  EXPECT_EQ(e.members, std::vector<int>{0});
+  EXPECT_EQ(e.resumeStep, 1);
+  b.reset();
+  std::this_thread::sleep_for(100ms);  // Its closing connection is no failure.
+  auto st = coord.status();
+  EXPECT_TRUE(st.dead.empty());
+  EXPECT_EQ(st.released, std::vector<int>{1});
+  // The last member leaving stops the job.
+  a->leave(1);
+  EXPECT_EQ(a->vote(1, 1, 5s), CoordinatorClient::VoteResult::kCommittedThenReshape);
+  EXPECT_THROW(a->waitEpochAfter(1, 5s), Released);
+  EXPECT_TRUE(coord.waitFinished(5s));
+  EXPECT_TRUE(coord.status().stopped);
+}
+
 TEST(CoordinatorTest, JobFinishesWhenEveryMemberIsDone) {
   Coordinator coord(options(2, nullptr));
   auto a = client(coord, 0);

@@ -275,6 +275,81 @@ TEST(JobTest, RestartFromDiskWithFewerWorkers) {
             std::string::npos);
 }
 
+// Reads a file whole ("" if it does not exist yet).
+std::string slurp(const std::string& path) {
+  std::ifstream f(path);
+  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
+// Waits until worker 0 of the job in `dir` has logged `text`.
+bool waitForLog(const std::string& dir, const std::string& text) {
+  auto deadline = Clock::now() + 60s;
+  while (Clock::now() < deadline) {
+    if (slurp(dir + "/worker-0.log").find(text) != std::string::npos) return true;
+    std::this_thread::sleep_for(20ms);
+  }
+  return false;
+}
+
+// The pid of a worker, from the coordinator's event log.
+pid_t workerPid(const std::string& dir, int worker) {
+  std::smatch m;
+  std::string events = slurp(dir + "/coordinator-events.jsonl");
+  std::regex re("\"event\":\"hello\",\"node\":\"[^\"]*\",\"pid\":(\\d+),[^\\n]*\"worker\":" +
+                std::to_string(worker) + "\\}");
+  return std::regex_search(events, m, re) ? static_cast<pid_t>(std::stol(m[1])) : -1;
+}
+
+// SIGTERM to one worker (what a scheduler sends before taking its node): it leaves at the
+// next step boundary and exits 0; the job goes on without it, as exact as ever.
+TEST(JobTest, SigtermPreemptsOneWorker) {
+  std::string dir = logDir("preempt-one");
+  Child job = start({SINEW_RUN_PATH, "-n", "4", "--log-dir", dir, "--inject", "slow:worker=*:ms=20",
+                     TRAIN_DP_PATH, "--steps", "120"},
+                    {});
+  ASSERT_TRUE(waitForLog(dir, "sinew: step 10 ")) << "the job did not reach step 10";
+  pid_t victim = workerPid(dir, 2);
+  ASSERT_GT(victim, 0);
+  ::kill(victim, SIGTERM);  // A worker process this test's launcher started.
+  JobRun run = finish(job, 240s);
+  expectGoodJob(run, "", 0);
+  EXPECT_NE(run.output.find("worker 2 left the job (preempted)"), std::string::npos);
+  EXPECT_NE(run.output.find("released: [2]"), std::string::npos);
+  EXPECT_EQ(run.output.find("sinew-run: worker 2 exited"), std::string::npos)
+      << "the preempted worker did not exit 0";
+}
+
+// SIGTERM to the launcher preempts every worker: the job stops at a step boundary with a
+// durable checkpoint of that step (exit 75), and a smaller job resumes from it exactly.
+TEST(JobTest, SigtermStopsTheJobAndItResumesFromDisk) {
+  std::string dir = logDir("preempt-all");
+  std::string ckpt = logDir("preempt-ckpt");
+  Child job =
+      start({SINEW_RUN_PATH, "-n", "4", "--log-dir", dir, "--inject", "slow:worker=*:ms=20",
+             TRAIN_DP_PATH, "--steps", "120", "--checkpoint-dir", ckpt, "--checkpoint-every", "50"},
+            {});
+  ASSERT_TRUE(waitForLog(dir, "sinew: step 10 ")) << "the job did not reach step 10";
+  ::kill(job.pid, SIGTERM);
+  JobRun stopped = finish(job, 240s);
+  EXPECT_EQ(stopped.exitCode, 75) << stopped.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(stopped.output, m,
+                                std::regex("job stopped after step (\\d+): every member")))
+      << stopped.output;
+  int last = std::stoi(m[1]);
+  EXPECT_NE(slurp(ckpt + "/LATEST").find("\"step\":" + std::to_string(last)), std::string::npos)
+      << "the stopped job's last step is not the durable version";
+
+  JobRun resumed = finish(start({SINEW_RUN_PATH, "-n", "3", "--log-dir", logDir("preempt-resume"),
+                                 TRAIN_DP_PATH, "--steps", "120", "--checkpoint-dir", ckpt},
+                                {}),
+                          240s);
+  expectGoodJob(resumed, "", 0);
+  EXPECT_NE(
+      resumed.output.find("resumed from the durable checkpoint of step " + std::to_string(last)),
+      std::string::npos);
+}
+
 #ifdef MPIEXEC_PATH
 // Rank 0 forked the coordinator; killing rank 0 must not take the coordinator with it.
 TEST(JobTest, UnderMpirunRankZeroKilled) {
