@@ -89,6 +89,7 @@ class Coordinator::Impl {
 
   ~Impl() {
     asio::post(io_, [this] {
+      stopping_ = true;  // A check that already fired must not re-arm its timer.
       error_code ec;
       acceptor_.close(ec);
       checkTimer_.cancel();
@@ -171,6 +172,7 @@ class Coordinator::Impl {
   asio::steady_timer checkTimer_;
   asio::steady_timer startTimer_;
   std::thread thread_;
+  bool stopping_ = false;  // io thread only
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
@@ -321,7 +323,7 @@ void Coordinator::Impl::accept() {
 void Coordinator::Impl::scheduleCheck() {
   checkTimer_.expires_after(options_.heartbeatInterval / 2);
   checkTimer_.async_wait([this](error_code ec) {
-    if (ec) return;
+    if (ec || stopping_) return;
     std::lock_guard<std::mutex> lock(mu_);
     auto now = Clock::now();
     std::vector<std::pair<int, int64_t>> silent;

@@ -176,7 +176,8 @@ class CoordinatorClient::Impl {
   void scheduleHeartbeat() {
     heartbeat_.expires_after(heartbeatInterval_);
     heartbeat_.async_wait([this](error_code ec) {
-      if (ec || closed_) return;
+      // Stopping: the destructor reuses this timer to bound the final flush.
+      if (ec || closed_ || stopping_) return;
       bool muted;
       int64_t epoch;
       {
