@@ -16,6 +16,7 @@
 #include <list>
 
 #include "sinew/checkpoint/detail/crc32c.h"
+#include "sinew/collectives/detail/little_endian.h"
 #include "sinew/collectives/error.h"
 
 namespace sinew {
@@ -128,18 +129,17 @@ void readAll(int fd, void* data, size_t n, Clock::time_point deadline) {
   }
 }
 
-void put32(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }  // Little-endian hosts.
-void put64(uint8_t* p, uint64_t v) { std::memcpy(p, &v, 8); }
+using sinew::detail::loadLe;
+using sinew::detail::storeLe;
 
 void writeHeader(int fd, const Header& h, Clock::time_point deadline) {
   uint8_t b[kHeaderBytes] = {};
-  put32(b, kMagic);
+  storeLe(b, kMagic, 4);
   b[4] = kVersion;
   b[5] = static_cast<uint8_t>(h.type);
-  int32_t owner = h.owner;
-  std::memcpy(b + 8, &owner, 4);
-  put64(b + 12, static_cast<uint64_t>(h.step));
-  put64(b + 20, h.length);
+  storeLe(b + 8, static_cast<uint32_t>(h.owner), 4);
+  storeLe(b + 12, static_cast<uint64_t>(h.step), 8);
+  storeLe(b + 20, h.length, 8);
   writeAll(fd, b, kHeaderBytes, deadline);
 }
 
@@ -147,18 +147,14 @@ void writeHeader(int fd, const Header& h, Clock::time_point deadline) {
 bool readHeader(int fd, Header* h, Clock::time_point deadline, std::string* why) {
   uint8_t b[kHeaderBytes];
   readAll(fd, b, kHeaderBytes, deadline);
-  uint32_t magic;
-  std::memcpy(&magic, b, 4);
-  if (magic != kMagic || b[4] != kVersion) {
+  if (loadLe(b, 4) != kMagic || b[4] != kVersion) {
     *why = "bad magic or version";
     return false;
   }
   h->type = static_cast<Type>(b[5]);
-  std::memcpy(&h->owner, b + 8, 4);
-  uint64_t step;
-  std::memcpy(&step, b + 12, 8);
-  h->step = static_cast<int64_t>(step);
-  std::memcpy(&h->length, b + 20, 8);
+  h->owner = static_cast<int32_t>(static_cast<uint32_t>(loadLe(b + 8, 4)));
+  h->step = static_cast<int64_t>(loadLe(b + 12, 8));
+  h->length = loadLe(b + 20, 8);
   return true;
 }
 
@@ -375,9 +371,10 @@ class ReplicaService::Impl {
             break;
           }
           case Type::kChunk: {
-            uint64_t offset;
             if (h.length < 8) throw SocketError{false, "short chunk"};
-            readAll(fd, &offset, 8, forever);
+            uint8_t o[8];
+            readAll(fd, o, 8, forever);
+            const uint64_t offset = loadLe(o, 8);
             const uint64_t n = h.length - 8;
             if (incoming && incoming->step == h.step && incoming->owner == h.owner &&
                 offset <= incoming->layout.totalBytes &&
@@ -430,7 +427,7 @@ class ReplicaService::Impl {
             }
             std::string layout = s->layout.toJson();
             uint8_t len[8];
-            put64(len, layout.size());
+            storeLe(len, layout.size(), 8);
             writeHeader(
                 fd,
                 Header{Type::kGetReply, h.owner, h.step, 8 + layout.size() + s->layout.totalBytes},
@@ -566,7 +563,7 @@ void ReplicaClient::put(const HostShard& shard) {
       const uint64_t n = std::min<uint64_t>(options_.chunkBytes, total - off);
       writeHeader(fd, Header{Type::kChunk, shard.owner, shard.step, 8 + n}, deadline());
       uint8_t o[8];
-      put64(o, off);
+      storeLe(o, off, 8);
       writeAll(fd, o, 8, deadline());
       writeAll(fd, shard.data() + off, n, deadline());
       if (options_.afterChunk) options_.afterChunk(index);
@@ -635,8 +632,9 @@ std::shared_ptr<HostShard> ReplicaClient::get(int owner, int64_t step) {
       SINEW_THROW(IoError, readPayload(fd, h.length, deadline()));
     }
     if (h.type != Type::kGetReply || h.length < 8) throw SocketError{false, "unexpected reply"};
-    uint64_t layoutLen;
-    readAll(fd, &layoutLen, 8, deadline());
+    uint8_t lenBytes[8];
+    readAll(fd, lenBytes, 8, deadline());
+    const uint64_t layoutLen = loadLe(lenBytes, 8);
     ShardLayout layout = ShardLayout::fromJson(readPayload(fd, layoutLen, deadline()));
     if (h.length != 8 + layoutLen + layout.totalBytes) {
       throw SocketError{false, "reply length disagrees with its layout"};

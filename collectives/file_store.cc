@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,6 +9,7 @@
 #include <cctype>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <thread>
 
 #include "sinew/collectives/hash_store.h"
@@ -25,18 +25,10 @@ constexpr size_t kMaxFileName = 240;
 std::string errnoText(int err) { return std::strerror(err); }
 
 void makeDirs(const std::string& dir) {
-  std::string partial;
-  size_t pos = 0;
-  while (pos != std::string::npos) {
-    pos = dir.find('/', pos + 1);
-    partial = dir.substr(0, pos);
-    if (partial.empty()) continue;
-    if (::mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
-      SINEW_THROW(IoError, "file store: cannot create directory ", partial, ": ", errnoText(errno));
-    }
-  }
-  struct stat st;
-  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) SINEW_THROW(IoError, "file store: cannot create directory ", dir, ": ", ec.message());
+  if (!std::filesystem::is_directory(dir, ec)) {
     SINEW_THROW(IoError, "file store: ", dir, " is not a directory");
   }
 }
@@ -158,16 +150,11 @@ void FileStore::set(const std::string& key, const Bytes& value) {
 }
 
 Bytes FileStore::get(const std::string& key, std::chrono::milliseconds timeout) {
-  auto deadline = Clock::now() + timeout;
-  auto sleep = std::chrono::milliseconds(1);
+  wait({key}, timeout);  // As HashStore::get.
   Bytes value;
-  while (!read(key, &value)) {
-    if (Clock::now() >= deadline) {
-      SINEW_THROW(Timeout, "store get timed out after ", timeout.count(),
-                  " ms; missing keys: ", key, " (file store ", dir_, ")");
-    }
-    std::this_thread::sleep_for(std::min<Clock::duration>(sleep, deadline - Clock::now()));
-    sleep = std::min(sleep * 2, options_.pollInterval);
+  if (!read(key, &value)) {
+    SINEW_THROW(Timeout, "store key '", key, "' was deleted while waiting for it (file store ",
+                dir_, ")");
   }
   return value;
 }

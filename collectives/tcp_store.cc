@@ -14,6 +14,7 @@
 #include <set>
 #include <sstream>
 
+#include "sinew/collectives/detail/little_endian.h"
 #include "sinew/collectives/hash_store.h"
 
 namespace sinew {
@@ -65,18 +66,9 @@ const char* opName(uint8_t op) {
   return nullptr;
 }
 
-void putU32(Bytes& b, uint32_t v) {
-  for (int i = 0; i < 4; ++i) b.push_back(static_cast<uint8_t>(v >> (8 * i)));
-}
-uint32_t getU32(const uint8_t* p) {
-  uint32_t v = 0;
-  for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(p[i]) << (8 * i);
-  return v;
-}
-void putI64(Bytes& b, int64_t v) {
-  auto u = static_cast<uint64_t>(v);
-  for (int i = 0; i < 8; ++i) b.push_back(static_cast<uint8_t>(u >> (8 * i)));
-}
+void putU32(Bytes& b, uint32_t v) { detail::appendLe(b, v, 4); }
+uint32_t getU32(const uint8_t* p) { return static_cast<uint32_t>(detail::loadLe(p, 4)); }
+void putI64(Bytes& b, int64_t v) { detail::appendLe(b, static_cast<uint64_t>(v), 8); }
 void putBytes(Bytes& b, const uint8_t* data, size_t n) {
   putU32(b, static_cast<uint32_t>(n));
   b.insert(b.end(), data, data + n);
@@ -110,8 +102,7 @@ class Reader {
   std::string string(const char* field) { return toString(bytes(field)); }
   int64_t i64(const char* field) {
     need(8, field);
-    uint64_t v = 0;
-    for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(b_[pos_ + i]) << (8 * i);
+    uint64_t v = detail::loadLe(b_.data() + pos_, 8);
     pos_ += 8;
     return static_cast<int64_t>(v);
   }

@@ -221,7 +221,6 @@ class Trainer::Impl {
       std::lock_guard<std::mutex> lock(commMu_);
       if (comm_ && (epoch < 0 || epoch > comm_->epoch())) comm_->abort();
     });
-    runStart_ = Clock::now();
     int64_t resume = 0;
     if (!o_.checkpointDir.empty()) {
       int64_t latest = checkpoint::CheckpointReader(o_.checkpointDir).latestStep();
@@ -283,7 +282,7 @@ class Trainer::Impl {
     r.checkpointStallSeconds = ckStall_;
     {
       std::lock_guard<std::mutex> lock(commMu_);
-      comm_.reset();
+      comm_.reset();  // Healthy: its peers are told it closed, not that it aborted.
     }
     return r;
   }
@@ -384,15 +383,18 @@ class Trainer::Impl {
     }
   }
 
+  // Aborts and destroys the communicator of an epoch being left.
+  void dropCommunicator() {
+    std::lock_guard<std::mutex> lock(commMu_);
+    if (comm_) comm_->abort();
+    comm_.reset();
+  }
+
   // Leaves epoch `from` (aborting its communicator) and enters the next one the coordinator
   // announces, retrying until one can be built (DESIGN.md section 6, steps 2-3).
   void recoverInto(int64_t from, bool failure, const std::string& why) {
     auto t0 = Clock::now();
-    {
-      std::lock_guard<std::mutex> lock(commMu_);
-      if (comm_) comm_->abort();
-      comm_.reset();
-    }
+    dropCommunicator();
     if (failure) {
       ctx_.markMemberLost();
       event({{"event", "failure_noticed"}, {"epoch", from}, {"step", step_}, {"reason", why}});
@@ -427,11 +429,7 @@ class Trainer::Impl {
       } catch (const IoError&) {
         client_.requestRebuild(info.epoch);
       }
-      {
-        std::lock_guard<std::mutex> lock(commMu_);
-        if (comm_) comm_->abort();
-        comm_.reset();
-      }
+      dropCommunicator();
       waitFrom = info.epoch;
     }
     double took = seconds(Clock::now() - t0);
@@ -726,7 +724,6 @@ class Trainer::Impl {
   double lastLoss_ = 0;
   int recoveries_ = 0;
   double recoveryMax_ = 0;
-  Clock::time_point runStart_;
   Clock::time_point lastReport_;
   int64_t stepsSinceReport_ = 0;
   std::mutex eventMu_;

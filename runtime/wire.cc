@@ -3,20 +3,15 @@
 #include <iomanip>
 #include <sstream>
 
+#include "sinew/collectives/detail/little_endian.h"
+
 namespace sinew {
 namespace runtime {
 namespace wire {
 namespace {
 
-void putLe(std::vector<uint8_t>& b, uint64_t v, int bytes) {
-  for (int i = 0; i < bytes; ++i) b.push_back(static_cast<uint8_t>(v >> (8 * i)));
-}
-
-uint64_t getLe(const uint8_t* p, int bytes) {
-  uint64_t v = 0;
-  for (int i = 0; i < bytes; ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
-  return v;
-}
+using sinew::detail::appendLe;
+using sinew::detail::loadLe;
 
 }  // namespace
 
@@ -56,19 +51,19 @@ std::vector<uint8_t> encode(Type type, uint64_t token, int64_t epoch, const nloh
   std::string text = body.dump();
   std::vector<uint8_t> b;
   b.reserve(kHeaderBytes + text.size());
-  putLe(b, kMagic, 4);
+  appendLe(b, kMagic, 4);
   b.push_back(kVersion);
   b.push_back(static_cast<uint8_t>(type));
-  putLe(b, 0, 2);
-  putLe(b, text.size(), 4);
-  putLe(b, token, 8);
-  putLe(b, static_cast<uint64_t>(epoch), 8);
+  appendLe(b, 0, 2);
+  appendLe(b, text.size(), 4);
+  appendLe(b, token, 8);
+  appendLe(b, static_cast<uint64_t>(epoch), 8);
   b.insert(b.end(), text.begin(), text.end());
   return b;
 }
 
 bool decodeHeader(const uint8_t* data, uint32_t maxBytes, Header* out, std::string* why) {
-  uint32_t magic = static_cast<uint32_t>(getLe(data, 4));
+  uint32_t magic = static_cast<uint32_t>(loadLe(data, 4));
   if (magic != kMagic) {
     std::ostringstream os;
     os << "bad magic 0x" << std::hex << std::setw(8) << std::setfill('0') << magic
@@ -86,14 +81,14 @@ bool decodeHeader(const uint8_t* data, uint32_t maxBytes, Header* out, std::stri
     return false;
   }
   out->type = data[5];
-  out->length = static_cast<uint32_t>(getLe(data + 8, 4));
+  out->length = static_cast<uint32_t>(loadLe(data + 8, 4));
   if (out->length > maxBytes) {
     *why = std::string(typeName(out->type)) + " message of " + std::to_string(out->length) +
            " bytes exceeds the limit of " + std::to_string(maxBytes);
     return false;
   }
-  out->token = getLe(data + 12, 8);
-  out->epoch = static_cast<int64_t>(getLe(data + 20, 8));
+  out->token = loadLe(data + 12, 8);
+  out->epoch = static_cast<int64_t>(loadLe(data + 20, 8));
   return true;
 }
 

@@ -15,7 +15,6 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
-#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -25,6 +24,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -112,15 +112,6 @@ void forward(int sig) {
   for (pid_t p : gChildren) ::kill(p, sig);
 }
 
-void makeDirs(const std::string& dir) {
-  std::string partial;
-  for (size_t pos = 0; pos != std::string::npos;) {
-    pos = dir.find('/', pos + 1);
-    partial = dir.substr(0, pos);
-    if (!partial.empty()) ::mkdir(partial.c_str(), 0755);
-  }
-}
-
 struct Stream {
   int fd;
   int worker;
@@ -140,7 +131,9 @@ int main(int argc, char** argv) {
     }
   }
   if (a.logDir.empty()) a.logDir = "sinew-logs/run-" + std::to_string(::getpid());
-  makeDirs(a.logDir);
+  std::error_code ec;
+  std::filesystem::create_directories(a.logDir, ec);
+  if (ec) usage("cannot create --log-dir " + a.logDir + ": " + ec.message());
 
   sinew::runtime::CoordinatorOptions co;
   co.expectedWorkers = a.workers;
