@@ -41,7 +41,12 @@ void advance(collectives::Store& store, const std::string& key, int64_t value) {
 CheckpointEngine::CheckpointEngine(const ShardState& like, CheckpointEngineOptions options)
     : options_(std::move(options)), placement_(options_.workers, options_.replication) {
   SINEW_ENFORCE(options_.store != nullptr, "checkpoint engine needs a store");
-  service_ = std::make_unique<ReplicaService>(options_.self, options_.service);
+  if (options_.token == 0) {
+    SINEW_THROW(InvalidArgument, "CheckpointEngineOptions::token is 0: pass the job token");
+  }
+  ReplicaServiceOptions serviceOptions = options_.service;
+  serviceOptions.token = options_.token;
+  service_ = std::make_unique<ReplicaService>(options_.self, serviceOptions);
   options_.store->set(key("replica/" + std::to_string(options_.self)),
                       toBytes(options_.service.host + ":" + std::to_string(service_->port())));
   SnapshotOptions so = options_.snapshot;
@@ -95,6 +100,7 @@ void CheckpointEngine::replicate(const HostShard& shard) {
     auto& client = clients_[peer];
     if (!client) {
       ReplicaClientOptions co = options_.client;
+      co.token = options_.token;
       auto userBefore = co.beforeChunk;
       co.beforeChunk = [this, userBefore] {
         gate_.waitIdle(options_.maxYield);
@@ -275,6 +281,7 @@ RestoreResult CheckpointEngine::restore(int64_t step,
     if (options_.store->check({k})) src.peers.emplace_back(w, toString(options_.store->get(k)));
   }
   src.client = options_.client;
+  src.client.token = options_.token;
   src.client.connectTimeout = std::chrono::milliseconds(1000);
   src.dir = options_.persist.dir;
   src.env = options_.persist.env;

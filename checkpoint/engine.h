@@ -65,6 +65,9 @@ struct CheckpointEngineOptions {
   std::shared_ptr<collectives::Store> store;
   std::string prefix = "sinew/ckpt";
   SnapshotOptions snapshot;  // owner is set to self.
+  // The job token of the replica service and of its clients (their own token fields are
+  // set from it). Required.
+  uint64_t token = 0;
   ReplicaServiceOptions service;
   ReplicaClientOptions client;
   std::chrono::milliseconds maxYield{50};

@@ -1,23 +1,19 @@
 #include "sinew/checkpoint/replica.h"
 
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
-#include <boost/asio/connect.hpp>
 #include <boost/asio/io_context.hpp>
-#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/post.hpp>
 #include <nlohmann/json.hpp>
 
 #include <cerrno>
-#include <cstring>
-#include <list>
+#include <cstdlib>
+#include <future>
 
 #include "sinew/checkpoint/detail/crc32c.h"
 #include "sinew/collectives/detail/little_endian.h"
+#include "sinew/checkpoint/detail/replica_wire.h"
 #include "sinew/collectives/error.h"
+#include "sinew/collectives/transport/channel.h"
+#include "sinew/collectives/transport/connection.h"
 
 namespace sinew {
 namespace checkpoint {
@@ -43,140 +39,119 @@ void TrafficGate::waitIdle(std::chrono::milliseconds maxWait) {
 namespace {
 
 namespace asio = boost::asio;
+namespace transport = collectives::transport;
 using asio::ip::tcp;
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
-
-// Frame header (docs/checkpoint_format.md, "Replication protocol"), little-endian:
-//   u32 magic "SNRP" | u8 version | u8 type | u16 zero | i32 owner | i64 step | u64 length
-constexpr uint32_t kMagic = 0x50524E53;
-constexpr uint8_t kVersion = 1;
-constexpr size_t kHeaderBytes = 28;
-
-enum class Type : uint8_t {
-  kBegin = 1,
-  kChunk = 2,
-  kEnd = 3,
-  kAck = 4,
-  kList = 5,
-  kListReply = 6,
-  kGet = 7,
-  kGetReply = 8,
-  kError = 9,
-};
-
-struct Header {
-  Type type;
-  int32_t owner = -1;
-  int64_t step = -1;
-  uint64_t length = 0;
-};
-
-// A socket failure: closed by the peer or past the deadline.
-struct SocketError {
-  bool timeout;
-  std::string what;
-};
-
-void waitFd(int fd, short events, Clock::time_point deadline) {
-  for (;;) {
-    int ms = -1;
-    if (deadline != Clock::time_point::max()) {
-      auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-      if (left <= 0) throw SocketError{true, "deadline passed"};
-      ms = static_cast<int>(std::min<int64_t>(left, 1 << 30));
-    }
-    pollfd p{fd, events, 0};
-    int r = ::poll(&p, 1, ms);
-    if (r > 0) return;
-    if (r == 0) throw SocketError{true, "deadline passed"};
-    if (errno != EINTR) throw SocketError{false, std::string("poll: ") + std::strerror(errno)};
-  }
-}
-
-void writeAll(int fd, const void* data, size_t n, Clock::time_point deadline) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  while (n > 0) {
-    ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (w > 0) {
-      p += w;
-      n -= static_cast<size_t>(w);
-    } else if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      waitFd(fd, POLLOUT, deadline);
-    } else if (w < 0 && errno == EINTR) {
-      continue;
-    } else {
-      throw SocketError{false, std::string("send: ") + std::strerror(errno)};
-    }
-  }
-}
-
-void readAll(int fd, void* data, size_t n, Clock::time_point deadline) {
-  auto* p = static_cast<uint8_t*>(data);
-  while (n > 0) {
-    ssize_t r = ::recv(fd, p, n, MSG_DONTWAIT);
-    if (r > 0) {
-      p += r;
-      n -= static_cast<size_t>(r);
-    } else if (r == 0) {
-      throw SocketError{false, "connection closed by peer"};
-    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      waitFd(fd, POLLIN, deadline);
-    } else if (errno != EINTR) {
-      throw SocketError{false, std::string("recv: ") + std::strerror(errno)};
-    }
-  }
-}
-
+using sinew::detail::appendLe;
 using sinew::detail::loadLe;
-using sinew::detail::storeLe;
 
-void writeHeader(int fd, const Header& h, Clock::time_point deadline) {
-  uint8_t b[kHeaderBytes] = {};
-  storeLe(b, kMagic, 4);
-  b[4] = kVersion;
-  b[5] = static_cast<uint8_t>(h.type);
-  storeLe(b + 8, static_cast<uint32_t>(h.owner), 4);
-  storeLe(b + 12, static_cast<uint64_t>(h.step), 8);
-  storeLe(b + 20, h.length, 8);
-  writeAll(fd, b, kHeaderBytes, deadline);
-}
+}  // namespace
 
-// Returns false on a malformed header (the caller drops the connection).
-bool readHeader(int fd, Header* h, Clock::time_point deadline, std::string* why) {
-  uint8_t b[kHeaderBytes];
-  readAll(fd, b, kHeaderBytes, deadline);
-  if (loadLe(b, 4) != kMagic || b[4] != kVersion) {
-    *why = "bad magic or version";
-    return false;
+namespace replica_wire {
+
+const char* requestName(uint8_t type) {
+  switch (static_cast<Type>(type)) {
+    case Type::kBegin:
+      return "begin";
+    case Type::kChunk:
+      return "chunk";
+    case Type::kEnd:
+      return "end";
+    case Type::kList:
+      return "list";
+    case Type::kGet:
+      return "get";
+    default:
+      return nullptr;
   }
-  h->type = static_cast<Type>(b[5]);
-  h->owner = static_cast<int32_t>(static_cast<uint32_t>(loadLe(b + 8, 4)));
-  h->step = static_cast<int64_t>(loadLe(b + 12, 8));
-  h->length = loadLe(b + 20, 8);
-  return true;
 }
 
-void sendMessage(int fd, Type type, int owner, int64_t step, const std::string& payload,
-                 Clock::time_point deadline) {
-  writeHeader(fd, Header{type, owner, step, payload.size()}, deadline);
-  writeAll(fd, payload.data(), payload.size(), deadline);
+const char* answerName(uint8_t type) {
+  switch (static_cast<Type>(type)) {
+    case Type::kAck:
+      return "ack";
+    case Type::kListReply:
+      return "list reply";
+    case Type::kGetReply:
+      return "get reply";
+    case Type::kData:
+      return "data";
+    case Type::kError:
+      return "error";
+    default:
+      return nullptr;
+  }
 }
 
-std::string readPayload(int fd, uint64_t n, Clock::time_point deadline) {
-  if (n > (64u << 20))
-    throw SocketError{
-        false, "control payload of " + std::to_string(n) + " bytes is over the 64 MiB limit"};
-  std::string s(n, '\0');
-  if (n > 0) readAll(fd, &s[0], n, deadline);
-  return s;
+std::vector<uint8_t> encodeShardId(int owner, int64_t step) {
+  std::vector<uint8_t> b;
+  appendLe(b, static_cast<uint32_t>(owner), 4);
+  appendLe(b, static_cast<uint64_t>(step), 8);
+  return b;
 }
 
-void tuneSocket(int fd) {
-  int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+void decodeShardId(const std::vector<uint8_t>& payload, size_t size, int* owner, int64_t* step,
+                   const char* what) {
+  if (payload.size() < size || size != 12) {
+    SINEW_THROW(Corruption, "replica ", what, " message: ", payload.size(),
+                " bytes cannot hold an owner (i32) and a step (i64)");
+  }
+  *owner = static_cast<int32_t>(static_cast<uint32_t>(loadLe(payload.data(), 4)));
+  *step = static_cast<int64_t>(loadLe(payload.data() + 4, 8));
+  if (*owner < 0) SINEW_THROW(Corruption, "replica ", what, " message: owner ", *owner, " < 0");
+  if (*step < 0) SINEW_THROW(Corruption, "replica ", what, " message: step ", *step, " < 0");
 }
+
+BeginRequest decodeBegin(const std::vector<uint8_t>& payload, uint64_t maxShardBytes) {
+  BeginRequest r;
+  decodeShardId(payload, std::min<size_t>(payload.size(), 12), &r.owner, &r.step, "begin");
+  r.layout = ShardLayout::fromJson(std::string(payload.begin() + 12, payload.end()));
+  if (r.layout.totalBytes > maxShardBytes) {
+    SINEW_THROW(Corruption, "replica begin message: shard of ", r.layout.totalBytes,
+                " bytes is over the limit of ", maxShardBytes);
+  }
+  return r;
+}
+
+}  // namespace replica_wire
+
+namespace {
+
+using replica_wire::Type;
+
+transport::FrameRules serviceRules(uint64_t token, uint32_t maxChunk) {
+  transport::FrameRules r;
+  r.service = transport::Service::kReplica;
+  r.token = token;
+  r.typeName = &replica_wire::requestName;
+  r.maxPayloadBytes = std::max<uint32_t>(maxChunk, 16u << 20);
+  r.maxPayloadOf = [](uint8_t type) -> uint32_t {
+    switch (static_cast<Type>(type)) {
+      case Type::kChunk:
+        return UINT32_MAX;  // bounded by maxPayloadBytes
+      case Type::kBegin:
+        return 16u << 20;  // a layout's JSON
+      case Type::kEnd:
+      case Type::kList:
+        return 0;
+      default:
+        return 12;  // get: owner and step
+    }
+  };
+  return r;
+}
+
+transport::FrameRules clientRules(uint64_t token) {
+  transport::FrameRules r;
+  r.service = transport::Service::kReplica;
+  r.token = token;
+  r.typeName = &replica_wire::answerName;
+  r.maxPayloadBytes = 256u << 20;
+  return r;
+}
+
+constexpr size_t kServeChunkBytes = 4 << 20;
 
 }  // namespace
 
@@ -185,36 +160,30 @@ void tuneSocket(int fd) {
 
 class ReplicaService::Impl {
  public:
+  class Session;
+
   Impl(ReplicaService* owner, int self, ReplicaServiceOptions options)
-      : service_(owner), self_(self), options_(std::move(options)), acceptor_(io_) {
-    tcp::endpoint ep(asio::ip::make_address(options_.host), options_.port);
-    boost::system::error_code ec;
-    acceptor_.open(ep.protocol(), ec);
-    if (!ec) acceptor_.set_option(tcp::acceptor::reuse_address(true), ec);
-    if (!ec) acceptor_.bind(ep, ec);
-    if (!ec) acceptor_.listen(64, ec);
-    if (ec) {
-      SINEW_THROW(IoError, "replica service of worker ", self, ": cannot listen on ", options_.host,
-                  ":", options_.port, ": ", ec.message());
+      : service_(owner), self_(self), options_(std::move(options)) {
+    if (options_.token == 0) {
+      SINEW_THROW(InvalidArgument, "ReplicaServiceOptions::token of worker ", self,
+                  " is 0: pass the job token");
     }
-    port_ = acceptor_.local_endpoint().port();
-    acceptThread_ = std::thread([this] { acceptLoop(); });
+    transport::ListenerOptions lo;
+    lo.host = options_.host;
+    lo.port = options_.port;
+    lo.maxConnections = options_.maxConnections;
+    lo.channel.rules = serviceRules(options_.token, options_.maxChunkBytes);
+    lo.channel.idleTimeout = options_.idleTimeout;
+    lo.channel.frameTimeout = options_.frameTimeout;
+    lo.channel.name = "sinew replica service " + std::to_string(self);
+    listener_ = std::make_unique<transport::Listener>(io_, lo, [this] { return makeSession(); });
+    port_ = listener_->port();
+    thread_ = std::thread([this] { io_.run(); });
   }
 
   ~Impl() {
-    stop_ = true;
-    ::shutdown(acceptor_.native_handle(), SHUT_RDWR);
-    boost::system::error_code ec;
-    acceptor_.close(ec);
-    acceptThread_.join();
-    std::list<Connection> conns;
-    {
-      std::lock_guard<std::mutex> lock(connMu_);
-      for (auto& c : conns_) ::shutdown(c.fd, SHUT_RDWR);
-      conns.swap(conns_);
-    }
-    for (auto& c : conns) c.thread.join();
-    for (auto& c : conns) ::close(c.fd);
+    asio::post(io_, [this] { listener_->close(); });
+    thread_.join();
   }
 
   uint16_t port() const { return port_; }
@@ -275,29 +244,17 @@ class ReplicaService::Impl {
     return n;
   }
 
- private:
-  struct Connection {
-    int fd;
-    std::thread thread;
-  };
-
-  void acceptLoop() {
-    while (!stop_) {
-      int fd = ::accept4(acceptor_.native_handle(), nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd < 0) {
-        if (errno == EINTR || errno == ECONNABORTED) continue;
-        return;  // Closed by the destructor.
-      }
-      tuneSocket(fd);
-      std::lock_guard<std::mutex> lock(connMu_);
-      if (stop_) {
-        ::close(fd);
-        return;
-      }
-      conns_.push_back(Connection{fd, std::thread()});
-      conns_.back().thread = std::thread([this, fd] { serve(fd); });
-    }
+  size_t openConnections() {
+    std::promise<size_t> p;
+    auto f = p.get_future();
+    asio::post(io_, [&] { p.set_value(listener_->open()); });
+    return f.get();
   }
+
+  std::atomic<int64_t> dropped_{0};
+
+ private:
+  std::shared_ptr<transport::ChannelHandler> makeSession();
 
   // Picks the slot an incoming version of owner is written into: not read by anyone and
   // not the newest complete version. Null if none is free.
@@ -336,146 +293,148 @@ class ReplicaService::Impl {
     return slot;
   }
 
-  void serve(int fd) {
-    const auto forever = Clock::time_point::max();
-    std::shared_ptr<HostShard> incoming;
-    std::string incomingError;
-    try {
-      for (;;) {
-        Header h;
-        std::string why;
-        if (!readHeader(fd, &h, forever, &why)) {
-          std::fprintf(stderr, "sinew replica service %d: dropping a connection: %s\n", self_,
-                       why.c_str());
-          break;
-        }
-        switch (h.type) {
-          case Type::kBegin: {
-            ShardLayout layout;
-            incomingError.clear();
-            try {
-              layout = ShardLayout::fromJson(readPayload(fd, h.length, forever));
-            } catch (const Corruption& e) {
-              incomingError = e.what();
-              break;
-            }
-            if (layout.totalBytes > options_.maxShardBytes) {
-              incomingError = "shard of " + std::to_string(layout.totalBytes) + " bytes is over " +
-                              std::to_string(options_.maxShardBytes);
-              incoming.reset();
-              break;
-            }
-            incoming = claimSlot(h.owner, h.step, layout);
-            if (!incoming)
-              incomingError = "no free replica slot for worker " + std::to_string(h.owner);
-            break;
-          }
-          case Type::kChunk: {
-            if (h.length < 8) throw SocketError{false, "short chunk"};
-            uint8_t o[8];
-            readAll(fd, o, 8, forever);
-            const uint64_t offset = loadLe(o, 8);
-            const uint64_t n = h.length - 8;
-            if (incoming && incoming->step == h.step && incoming->owner == h.owner &&
-                offset <= incoming->layout.totalBytes &&
-                n <= incoming->layout.totalBytes - offset) {
-              readAll(fd, incoming->data() + offset, n, forever);
-              service_->bytesReceived_.fetch_add(n);
-            } else {
-              // Drain it: the sender learns of the failure at kEnd.
-              std::vector<uint8_t> sink(std::min<uint64_t>(n, 1 << 20));
-              for (uint64_t left = n; left > 0;) {
-                size_t k = static_cast<size_t>(std::min<uint64_t>(left, sink.size()));
-                readAll(fd, sink.data(), k, forever);
-                left -= k;
-              }
-              if (incomingError.empty()) incomingError = "chunk outside the announced shard";
-            }
-            break;
-          }
-          case Type::kEnd: {
-            std::string result;
-            if (!incoming || incoming->step != h.step || incoming->owner != h.owner) {
-              result = incomingError.empty() ? "end of a shard that was not begun" : incomingError;
-            } else {
-              result = incoming->verify();
-              if (result.empty()) {
-                std::lock_guard<std::mutex> lock(mu_);
-                incoming->complete = true;
-              }
-            }
-            incoming.reset();
-            sendMessage(fd, Type::kAck, h.owner, h.step, result, forever);
-            break;
-          }
-          case Type::kList: {
-            json j = json::array();
-            for (const auto& s : served()) {
-              j.push_back({{"owner", s->owner}, {"step", s->step}, {"layout", s->layout.toJson()}});
-            }
-            sendMessage(fd, Type::kListReply, self_, -1, j.dump(), forever);
-            break;
-          }
-          case Type::kGet: {
-            auto s = findServed(h.owner, h.step);
-            if (!s) {
-              sendMessage(fd, Type::kError, h.owner, h.step,
-                          "worker " + std::to_string(self_) + " holds no replica of worker " +
-                              std::to_string(h.owner) + " at version " + std::to_string(h.step),
-                          forever);
-              break;
-            }
-            std::string layout = s->layout.toJson();
-            uint8_t len[8];
-            storeLe(len, layout.size(), 8);
-            writeHeader(
-                fd,
-                Header{Type::kGetReply, h.owner, h.step, 8 + layout.size() + s->layout.totalBytes},
-                forever);
-            writeAll(fd, len, 8, forever);
-            writeAll(fd, layout.data(), layout.size(), forever);
-            writeAll(fd, s->data(), s->layout.totalBytes, forever);
-            break;
-          }
-          default:
-            std::fprintf(stderr, "sinew replica service %d: dropping a connection: type %d\n",
-                         self_, static_cast<int>(h.type));
-            throw SocketError{false, "unknown type"};
-        }
-      }
-    } catch (const SocketError& e) {
-      // The peer went away, or sent garbage: only this connection ends (garbage is logged).
-      if (e.what != "connection closed by peer") {
-        std::fprintf(stderr, "sinew replica service %d: dropping a connection: %s\n", self_,
-                     e.what.c_str());
-      }
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "sinew replica service %d: connection error: %s\n", self_, e.what());
-    }
-    if (incoming) {
-      std::lock_guard<std::mutex> lock(mu_);
-      incoming->step = -1;  // A half-received version never becomes visible.
-    }
-    ::shutdown(fd, SHUT_RDWR);
+  void markComplete(const std::shared_ptr<HostShard>& s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    s->complete = true;
+  }
+
+  void abandon(const std::shared_ptr<HostShard>& s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    s->step = -1;  // A half-received version never becomes visible.
   }
 
   ReplicaService* const service_;  // Owns this Impl, so it outlives it.
   const int self_;
   const ReplicaServiceOptions options_;
   asio::io_context io_;
-  tcp::acceptor acceptor_;
+  std::unique_ptr<transport::Listener> listener_;
   uint16_t port_ = 0;
-  std::atomic<bool> stop_{false};
-  std::thread acceptThread_;
+  std::thread thread_;
 
   mutable std::mutex mu_;
   // Guarded by mu_: owner → its version slots.
   std::map<int, std::vector<std::shared_ptr<HostShard>>> slots_;
   std::function<std::vector<std::shared_ptr<const HostShard>>()> ownShards_;
 
-  std::mutex connMu_;
-  std::list<Connection> conns_;  // Guarded by connMu_.
+  friend class Session;
 };
+
+// One peer's connection. A put is begin, chunks (read straight into the claimed slot, at
+// consecutive offsets) and end, which is answered with an ack (empty: accepted; else why
+// not). A bad message closes the connection; a shard that cannot be accepted (no free slot,
+// a chunk outside it) is drained and refused at end.
+class ReplicaService::Impl::Session : public transport::ChannelHandler {
+ public:
+  explicit Session(Impl* service) : service_(service) {}
+
+  uint8_t* payloadSink(transport::Channel& channel, const transport::FrameHeader& h) override {
+    if (static_cast<Type>(h.type) != Type::kChunk) return nullptr;
+    if (incoming_ && h.length <= incoming_->layout.totalBytes - nextOffset_) {
+      uint8_t* p = incoming_->data() + nextOffset_;
+      nextOffset_ += h.length;
+      return p;
+    }
+    if (incomingError_.empty()) incomingError_ = "chunk outside the announced shard";
+    incoming_.reset();
+    return nullptr;  // Read into a scratch buffer and dropped; refused at end.
+  }
+
+  void onFrame(transport::Channel& channel, const transport::FrameHeader& h,
+               std::vector<uint8_t> payload) override {
+    switch (static_cast<Type>(h.type)) {
+      case Type::kBegin: {
+        if (incoming_) service_->abandon(incoming_);
+        incoming_.reset();
+        incomingError_.clear();
+        nextOffset_ = 0;
+        auto r = replica_wire::decodeBegin(payload, service_->options_.maxShardBytes);
+        incoming_ = service_->claimSlot(r.owner, r.step, r.layout);
+        if (!incoming_) incomingError_ = "no free replica slot for worker " + std::to_string(r.owner);
+        return;
+      }
+      case Type::kChunk:
+        if (incoming_) service_->service_->bytesReceived_.fetch_add(h.length);
+        return;
+      case Type::kEnd: {
+        std::string result;
+        if (!incoming_) {
+          result = incomingError_.empty() ? "end of a shard that was not begun" : incomingError_;
+        } else if (nextOffset_ != incoming_->layout.totalBytes) {
+          result = "shard ended after " + std::to_string(nextOffset_) + " of " +
+                   std::to_string(incoming_->layout.totalBytes) + " bytes";
+          service_->abandon(incoming_);
+        } else {
+          result = incoming_->verify();
+          if (result.empty()) {
+            service_->markComplete(incoming_);
+          } else {
+            service_->abandon(incoming_);
+          }
+        }
+        incoming_.reset();
+        channel.send(static_cast<uint8_t>(Type::kAck), 0,
+                     std::vector<uint8_t>(result.begin(), result.end()));
+        return;
+      }
+      case Type::kList: {
+        json j = json::array();
+        for (const auto& s : service_->served()) {
+          j.push_back({{"owner", s->owner}, {"step", s->step}, {"layout", s->layout.toJson()}});
+        }
+        std::string text = j.dump();
+        channel.send(static_cast<uint8_t>(Type::kListReply), 0,
+                     std::vector<uint8_t>(text.begin(), text.end()));
+        return;
+      }
+      case Type::kGet: {
+        int owner = -1;
+        int64_t step = -1;
+        replica_wire::decodeShardId(payload, payload.size(), &owner, &step, "get");
+        auto s = service_->findServed(owner, step);
+        if (!s) {
+          std::string why = "worker " + std::to_string(service_->self_) +
+                            " holds no replica of worker " + std::to_string(owner) +
+                            " at version " + std::to_string(step);
+          channel.send(static_cast<uint8_t>(Type::kError), 0,
+                       std::vector<uint8_t>(why.begin(), why.end()));
+          return;
+        }
+        std::string layout = s->layout.toJson();
+        channel.send(static_cast<uint8_t>(Type::kGetReply), 0,
+                     std::vector<uint8_t>(layout.begin(), layout.end()));
+        // The shard's bytes go straight from its memory; `s` keeps it alive until written.
+        for (uint64_t off = 0; off < s->layout.totalBytes; off += kServeChunkBytes) {
+          size_t n = static_cast<size_t>(std::min<uint64_t>(kServeChunkBytes,
+                                                            s->layout.totalBytes - off));
+          channel.sendRef(static_cast<uint8_t>(Type::kData), 0, s->data() + off, n, s);
+        }
+        return;
+      }
+      default:
+        SINEW_THROW(Corruption, "unexpected replica message type ", int(h.type));
+    }
+  }
+
+  void onClose(transport::Channel& channel, transport::CloseReason reason,
+               const std::string& why) override {
+    if (reason == transport::CloseReason::kViolation ||
+        reason == transport::CloseReason::kTimeout) {
+      service_->dropped_++;
+    }
+    if (incoming_) service_->abandon(incoming_);
+    incoming_.reset();
+  }
+
+ private:
+  Impl* const service_;  // Outlives its sessions: ~Impl closes them and joins the io thread.
+  std::shared_ptr<HostShard> incoming_;
+  uint64_t nextOffset_ = 0;
+  std::string incomingError_;
+};
+
+std::shared_ptr<transport::ChannelHandler> ReplicaService::Impl::makeSession() {
+  return std::make_shared<Session>(this);
+}
 
 ReplicaService::ReplicaService(int self, ReplicaServiceOptions options)
     : impl_(std::make_unique<Impl>(this, self, std::move(options))) {
@@ -494,6 +453,10 @@ std::vector<std::shared_ptr<const HostShard>> ReplicaService::all() const { retu
 
 uint64_t ReplicaService::bytesAllocated() const { return impl_->bytesAllocated(); }
 
+size_t ReplicaService::openConnections() const { return impl_->openConnections(); }
+
+int64_t ReplicaService::droppedConnections() const { return impl_->dropped_.load(); }
+
 void ReplicaService::setOwnShards(
     std::function<std::vector<std::shared_ptr<const HostShard>>()> fn) {
   impl_->setOwnShards(std::move(fn));
@@ -504,28 +467,40 @@ void ReplicaService::setOwnShards(
 
 class ReplicaClient::Conn {
  public:
-  Conn(const std::string& address, std::chrono::milliseconds timeout) : socket_(io_) {
-    auto colon = address.rfind(':');
-    SINEW_ENFORCE(colon != std::string::npos, "replica address '", address, "' is not host:port");
-    tcp::resolver resolver(io_);
-    auto deadline = Clock::now() + timeout;
-    boost::system::error_code ec;
-    for (;;) {
-      auto eps = resolver.resolve(address.substr(0, colon), address.substr(colon + 1), ec);
-      if (!ec) asio::connect(socket_, eps, ec);
-      if (!ec) break;
-      if (Clock::now() > deadline) throw SocketError{true, "connect: " + ec.message()};
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));  // Retry with backoff.
+  Conn(int peer, const std::string& address, const ReplicaClientOptions& options)
+      : conn_(clientRules(options.token),
+              "replica service of worker " + std::to_string(peer) + " at " + address) {
+    if (options.token == 0) {
+      SINEW_THROW(InvalidArgument, "ReplicaClientOptions::token is 0: pass the job token");
     }
-    fd_ = socket_.native_handle();
-    tuneSocket(fd_);
+    auto colon = address.rfind(':');
+    if (colon == std::string::npos) {
+      SINEW_THROW(InvalidArgument, "replica address '", address, "' is not host:port");
+    }
+    host_ = address.substr(0, colon);
+    const std::string portText = address.substr(colon + 1);
+    char* end = nullptr;
+    errno = 0;
+    unsigned long port = std::strtoul(portText.c_str(), &end, 10);
+    if (portText.empty() || *end != '\0' || errno != 0 || port == 0 || port > 65535) {
+      SINEW_THROW(InvalidArgument, "replica address '", address, "': port '", portText,
+                  "' is not in [1, 65535]");
+    }
+    port_ = static_cast<uint16_t>(port);
+    timeout_ = options.connectTimeout;
   }
-  int fd() const { return fd_; }
+
+  transport::Connection& get() {
+    if (conn_.peerClosedWhileIdle()) conn_.close();
+    if (!conn_.isOpen()) conn_.connect(host_, port_, Clock::now() + timeout_);
+    return conn_;
+  }
 
  private:
-  asio::io_context io_;
-  tcp::socket socket_;
-  int fd_ = -1;
+  transport::Connection conn_;
+  std::string host_;
+  uint16_t port_ = 0;
+  std::chrono::milliseconds timeout_{0};
 };
 
 ReplicaClient::ReplicaClient(int peer, std::string address, ReplicaClientOptions options)
@@ -534,53 +509,64 @@ ReplicaClient::ReplicaClient(int peer, std::string address, ReplicaClientOptions
 ReplicaClient::~ReplicaClient() = default;
 
 ReplicaClient::Conn& ReplicaClient::connection() {
-  if (!conn_) conn_ = std::make_unique<Conn>(address_, options_.connectTimeout);
+  if (!conn_) conn_ = std::make_unique<Conn>(peer_, address_, options_);
   return *conn_;
 }
 
 namespace {
-[[noreturn]] void rethrowSocket(const SocketError& e, int peer, const std::string& address,
-                                const std::string& what) {
-  if (e.timeout) {
-    SINEW_THROW(Timeout, what, " with worker ", peer, " at ", address, ": ", e.what);
+
+// Runs fn; a broken connection becomes PeerLost naming the peer, a deadline Timeout; the
+// connection is dropped either way (the next request reconnects).
+template <typename Drop, typename Fn>
+auto talk(Drop dropConnection, int peer, const std::string& address, const std::string& what,
+          Fn fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const Timeout& e) {
+    dropConnection();
+    SINEW_THROW(Timeout, what, " with worker ", peer, " at ", address, ": ", e.what());
+  } catch (const IoError& e) {
+    dropConnection();
+    throw PeerLost(peer, what + " with worker " + std::to_string(peer) + " at " + address +
+                             ": " + e.what());
+  } catch (const Corruption&) {
+    dropConnection();
+    throw;
   }
-  throw PeerLost(peer,
-                 what + " with worker " + std::to_string(peer) + " at " + address + ": " + e.what);
 }
+
+std::string text(const std::vector<uint8_t>& b) { return std::string(b.begin(), b.end()); }
+
 }  // namespace
 
 void ReplicaClient::put(const HostShard& shard) {
   std::lock_guard<std::mutex> lock(mu_);
-  std::string ack;
-  try {
-    int fd = connection().fd();
+  const std::string what = "replicating worker " + std::to_string(shard.owner) +
+                           "'s shard of version " + std::to_string(shard.step);
+  std::string ack = talk([this] { conn_.reset(); }, peer_, address_, what, [&] {
+    transport::Connection& c = connection().get();
     auto deadline = [&] { return Clock::now() + options_.timeout; };
-    sendMessage(fd, Type::kBegin, shard.owner, shard.step, shard.layout.toJson(), deadline());
+    std::vector<uint8_t> begin = replica_wire::encodeShardId(shard.owner, shard.step);
+    std::string layout = shard.layout.toJson();
+    begin.insert(begin.end(), layout.begin(), layout.end());
+    c.send(static_cast<uint8_t>(Type::kBegin), 0, begin, deadline());
     const uint64_t total = shard.layout.totalBytes;
     int64_t index = 0;
     for (uint64_t off = 0; off < total; off += options_.chunkBytes, ++index) {
       if (options_.beforeChunk) options_.beforeChunk();
-      const uint64_t n = std::min<uint64_t>(options_.chunkBytes, total - off);
-      writeHeader(fd, Header{Type::kChunk, shard.owner, shard.step, 8 + n}, deadline());
-      uint8_t o[8];
-      storeLe(o, off, 8);
-      writeAll(fd, o, 8, deadline());
-      writeAll(fd, shard.data() + off, n, deadline());
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(options_.chunkBytes, total - off));
+      c.send(static_cast<uint8_t>(Type::kChunk), 0, {{shard.data() + off, n}}, deadline());
       if (options_.afterChunk) options_.afterChunk(index);
     }
-    sendMessage(fd, Type::kEnd, shard.owner, shard.step, "", deadline());
-    Header h;
-    std::string why;
-    if (!readHeader(fd, &h, deadline(), &why) || h.type != Type::kAck) {
-      throw SocketError{false, "unexpected reply to a shard: " + why};
+    c.send(static_cast<uint8_t>(Type::kEnd), 0, std::vector<uint8_t>(), deadline());
+    transport::FrameHeader h = c.readHeader(deadline());
+    if (static_cast<Type>(h.type) != Type::kAck) {
+      c.close();
+      SINEW_THROW(Corruption, c.name(), " answered a shard with a ",
+                  replica_wire::answerName(h.type), " message");
     }
-    ack = readPayload(fd, h.length, deadline());
-  } catch (const SocketError& e) {
-    conn_.reset();
-    rethrowSocket(e, peer_, address_,
-                  "replicating worker " + std::to_string(shard.owner) + "'s shard of version " +
-                      std::to_string(shard.step));
-  }
+    return text(c.readPayload(h, deadline()));
+  });
   if (!ack.empty()) {
     SINEW_THROW(Corruption, "worker ", peer_, " rejected the replica of worker ", shard.owner,
                 "'s shard of version ", shard.step, ": ", ack);
@@ -589,28 +575,35 @@ void ReplicaClient::put(const HostShard& shard) {
 
 std::vector<ReplicaInfo> ReplicaClient::list() {
   std::lock_guard<std::mutex> lock(mu_);
-  std::string payload;
-  try {
-    int fd = connection().fd();
+  std::string payload = talk([this] { conn_.reset(); }, peer_, address_, "listing replicas", [&] {
+    transport::Connection& c = connection().get();
     auto deadline = Clock::now() + options_.timeout;
-    sendMessage(fd, Type::kList, -1, -1, "", deadline);
-    Header h;
-    std::string why;
-    if (!readHeader(fd, &h, deadline, &why) || h.type != Type::kListReply) {
-      throw SocketError{false, "unexpected reply to list: " + why};
+    c.send(static_cast<uint8_t>(Type::kList), 0, std::vector<uint8_t>(), deadline);
+    transport::FrameHeader h = c.readHeader(deadline);
+    if (static_cast<Type>(h.type) != Type::kListReply) {
+      c.close();
+      SINEW_THROW(Corruption, c.name(), " answered list with a ", replica_wire::answerName(h.type),
+                  " message");
     }
-    payload = readPayload(fd, h.length, deadline);
-  } catch (const SocketError& e) {
-    conn_.reset();
-    rethrowSocket(e, peer_, address_, "listing replicas");
-  }
+    return text(c.readPayload(h, deadline));
+  });
   std::vector<ReplicaInfo> out;
   try {
-    for (const auto& j : json::parse(payload)) {
+    json j = json::parse(payload);
+    if (!j.is_array()) SINEW_THROW(Corruption, "replica list from worker ", peer_, " is not a list");
+    for (const auto& e : j) {
       ReplicaInfo r;
-      r.owner = j.at("owner").get<int>();
-      r.step = j.at("step").get<int64_t>();
-      r.layout = ShardLayout::fromJson(j.at("layout").get<std::string>());
+      const json& owner = e.at("owner");
+      const json& step = e.at("step");
+      if (!owner.is_number_integer() || owner.get<int64_t>() < 0 ||
+          owner.get<int64_t>() > INT32_MAX || !step.is_number_integer() ||
+          step.get<int64_t>() < 0) {
+        SINEW_THROW(Corruption, "replica list from worker ", peer_, ": bad owner ", owner.dump(),
+                    " or step ", step.dump());
+      }
+      r.owner = owner.get<int>();
+      r.step = step.get<int64_t>();
+      r.layout = ShardLayout::fromJson(e.at("layout").get<std::string>());
       out.push_back(std::move(r));
     }
   } catch (const json::exception& e) {
@@ -621,37 +614,42 @@ std::vector<ReplicaInfo> ReplicaClient::list() {
 
 std::shared_ptr<HostShard> ReplicaClient::get(int owner, int64_t step) {
   std::lock_guard<std::mutex> lock(mu_);
-  try {
-    int fd = connection().fd();
+  const std::string what =
+      "fetching worker " + std::to_string(owner) + "'s shard of version " + std::to_string(step);
+  return talk([this] { conn_.reset(); }, peer_, address_, what, [&]() -> std::shared_ptr<HostShard> {
+    transport::Connection& c = connection().get();
     auto deadline = [&] { return Clock::now() + options_.timeout; };
-    sendMessage(fd, Type::kGet, owner, step, "", deadline());
-    Header h;
-    std::string why;
-    if (!readHeader(fd, &h, deadline(), &why)) throw SocketError{false, why};
-    if (h.type == Type::kError) {
-      SINEW_THROW(IoError, readPayload(fd, h.length, deadline()));
+    c.send(static_cast<uint8_t>(Type::kGet), 0, replica_wire::encodeShardId(owner, step),
+           deadline());
+    transport::FrameHeader h = c.readHeader(deadline());
+    if (static_cast<Type>(h.type) == Type::kError) {
+      SINEW_THROW(IoError, text(c.readPayload(h, deadline())));
     }
-    if (h.type != Type::kGetReply || h.length < 8) throw SocketError{false, "unexpected reply"};
-    uint8_t lenBytes[8];
-    readAll(fd, lenBytes, 8, deadline());
-    const uint64_t layoutLen = loadLe(lenBytes, 8);
-    ShardLayout layout = ShardLayout::fromJson(readPayload(fd, layoutLen, deadline()));
-    if (h.length != 8 + layoutLen + layout.totalBytes) {
-      throw SocketError{false, "reply length disagrees with its layout"};
+    if (static_cast<Type>(h.type) != Type::kGetReply) {
+      c.close();
+      SINEW_THROW(Corruption, c.name(), " answered get with a ", replica_wire::answerName(h.type),
+                  " message");
     }
+    ShardLayout layout = ShardLayout::fromJson(text(c.readPayload(h, deadline())));
     auto shard = std::make_shared<HostShard>(layout.totalBytes, false);
     shard->owner = owner;
     shard->step = step;
     shard->layout = std::move(layout);
-    readAll(fd, shard->data(), shard->layout.totalBytes, deadline());
+    for (uint64_t off = 0; off < shard->layout.totalBytes;) {
+      transport::FrameHeader d = c.readHeader(deadline());
+      if (static_cast<Type>(d.type) != Type::kData || d.length == 0 ||
+          d.length > shard->layout.totalBytes - off) {
+        c.close();
+        SINEW_THROW(Corruption, c.name(), " sent a ", replica_wire::answerName(d.type),
+                    " message of ", d.length, " bytes at offset ", off, " of a ",
+                    shard->layout.totalBytes, "-byte shard");
+      }
+      c.readInto(shard->data() + off, d.length, deadline());  // Straight into the shard.
+      off += d.length;
+    }
     shard->complete = true;
     return shard;
-  } catch (const SocketError& e) {
-    conn_.reset();
-    rethrowSocket(
-        e, peer_, address_,
-        "fetching worker " + std::to_string(owner) + "'s shard of version " + std::to_string(step));
-  }
+  });
 }
 
 }  // namespace checkpoint

@@ -2,10 +2,13 @@
 
 // Peer replicas in host RAM (Gemini): a ReplicaService on every worker receives the shards
 // of the workers it holds replicas for and serves them back for restores; a ReplicaClient
-// sends a shard to one peer, lists a peer's replicas or fetches one. The wire protocol is
-// in docs/checkpoint_format.md ("Replication protocol"); it runs over its own TCP
-// connections (Boost.Asio), not the training communicator, so replication never occupies
-// the communicator's ordered operation stream.
+// sends a shard to one peer, lists a peer's replicas or fetches one. The messages are in
+// docs/checkpoint_format.md ("Replication protocol"); they travel in frames of Sinew's one
+// transport (collectives/transport/, docs/transport.md: job token checked first, read
+// deadlines, idle timeout, connection cap), over connections of their own, not the
+// training communicator, so replication never occupies the communicator's ordered
+// operation stream. Shard bytes are streamed in chunks straight between the shard's memory
+// and the socket, without copies.
 //
 // The service keeps, per owner, the `versionsKept` newest complete versions (default 2) in
 // slots sized on the first version and reused afterwards; an incoming version is written
@@ -55,6 +58,14 @@ class TrafficGate {
 struct ReplicaServiceOptions {
   std::string host = "127.0.0.1";
   uint16_t port = 0;  // 0 picks a free port.
+  // The job token every request must carry. Required (non-zero).
+  uint64_t token = 0;
+  size_t maxConnections = 256;
+  // A connection with no request for this long is closed (clients reconnect).
+  std::chrono::milliseconds idleTimeout{120000};
+  // A frame's payload (a chunk of at most maxChunkBytes) must arrive within this.
+  std::chrono::milliseconds frameTimeout{30000};
+  uint32_t maxChunkBytes = 64u << 20;
   int versionsKept = 2;
   // Reject shards larger than this (a corrupt header must not allocate terabytes).
   uint64_t maxShardBytes = uint64_t{1} << 40;
@@ -62,7 +73,8 @@ struct ReplicaServiceOptions {
 
 class ReplicaService {
  public:
-  // Binds and starts serving (one accept thread, one thread per connection).
+  // Binds and starts serving (one io thread). Throws InvalidArgument for a zero token,
+  // IoError if it cannot listen.
   ReplicaService(int self, ReplicaServiceOptions options);
   ~ReplicaService();
   ReplicaService(const ReplicaService&) = delete;
@@ -82,16 +94,20 @@ class ReplicaService {
   uint64_t bytesReceived() const { return bytesReceived_.load(); }
   // Bytes of replica memory allocated (flat once every owner's slots exist).
   uint64_t bytesAllocated() const;
-
-  class Impl;
+  // Connections open now, and connections dropped for a protocol violation or a timeout.
+  size_t openConnections() const;
+  int64_t droppedConnections() const;
 
  private:
+  class Impl;
   std::unique_ptr<Impl> impl_;
   uint16_t port_ = 0;
   std::atomic<uint64_t> bytesReceived_{0};
 };
 
 struct ReplicaClientOptions {
+  // The job token (the service's). Required (non-zero).
+  uint64_t token = 0;
   std::chrono::milliseconds timeout = kDefaultReplicaIoTimeout;  // Each request's I/O.
   // Connecting retries (the peer may still be starting) until this passes.
   std::chrono::milliseconds connectTimeout{5000};
@@ -123,9 +139,8 @@ class ReplicaClient {
   std::shared_ptr<HostShard> get(int owner, int64_t step);
   int peer() const { return peer_; }
 
-  class Conn;
-
  private:
+  class Conn;
   const int peer_;
   const std::string address_;
   const ReplicaClientOptions options_;

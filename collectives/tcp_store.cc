@@ -9,45 +9,99 @@
 #include <boost/asio/write.hpp>
 
 #include <array>
+#include <random>
 #include <cstdio>
 #include <iomanip>
 #include <set>
 #include <sstream>
 
 #include "sinew/collectives/detail/little_endian.h"
+#include "sinew/collectives/detail/store_wire.h"
 #include "sinew/collectives/hash_store.h"
+#include "sinew/collectives/transport/channel.h"
+#include "sinew/collectives/transport/connection.h"
 
 namespace sinew {
 namespace collectives {
+
+namespace store_wire {
 namespace {
 
-namespace asio = boost::asio;
-using asio::ip::tcp;
-using Clock = std::chrono::steady_clock;
-using boost::system::error_code;
+void putU32(Bytes& b, uint32_t v) { detail::appendLe(b, v, 4); }
+void putI64(Bytes& b, int64_t v) { detail::appendLe(b, static_cast<uint64_t>(v), 8); }
+void putBytes(Bytes& b, const uint8_t* data, size_t n) {
+  putU32(b, static_cast<uint32_t>(n));
+  b.insert(b.end(), data, data + n);
+}
+void putBytes(Bytes& b, const Bytes& v) { putBytes(b, v.data(), v.size()); }
+void putString(Bytes& b, const std::string& s) {
+  putBytes(b, reinterpret_cast<const uint8_t*>(s.data()), s.size());
+}
+void putKeys(Bytes& b, const std::vector<std::string>& keys) {
+  putU32(b, static_cast<uint32_t>(keys.size()));
+  for (const auto& k : keys) putString(b, k);
+}
 
-// Wire format (docs/store_protocol.md): a 12-byte header, then the payload.
-//   u32 magic "SNST" | u8 version | u8 op (request) or status (response) | u16 zero |
-//   u32 payload bytes
-// Integers are little-endian. Payload fields: bytes = u32 length + data; i64.
-constexpr uint32_t kMagic = 0x54534E53;  // "SNST" read as little-endian bytes
-constexpr uint8_t kVersion = 1;
-constexpr size_t kHeaderBytes = 12;
+// Reads payload fields; any overrun throws Corruption naming the field.
+class Reader {
+ public:
+  Reader(const Bytes& b, const char* what) : b_(b), what_(what) {}
+  Bytes bytes(const char* field) {
+    uint32_t n = u32(field);
+    need(n, field);
+    Bytes out(b_.begin() + pos_, b_.begin() + pos_ + n);
+    pos_ += n;
+    return out;
+  }
+  std::string string(const char* field) { return toString(bytes(field)); }
+  int64_t i64(const char* field) {
+    need(8, field);
+    uint64_t v = detail::loadLe(b_.data() + pos_, 8);
+    pos_ += 8;
+    return static_cast<int64_t>(v);
+  }
+  uint32_t u32(const char* field) {
+    need(4, field);
+    uint32_t v = static_cast<uint32_t>(detail::loadLe(b_.data() + pos_, 4));
+    pos_ += 4;
+    return v;
+  }
+  std::vector<std::string> keys() {
+    uint32_t n = u32("key count");
+    // Each key takes at least its 4-byte length: a count the payload cannot hold is refused
+    // before anything is reserved.
+    if (n > (b_.size() - pos_) / 4) {
+      SINEW_THROW(Corruption, what_, ": key count ", n, " does not fit in the ",
+                  b_.size() - pos_, " bytes left");
+    }
+    std::vector<std::string> out;
+    out.reserve(n);
+    for (uint32_t i = 0; i < n; ++i) out.push_back(string("key"));
+    return out;
+  }
+  void end() {
+    if (pos_ != b_.size()) {
+      SINEW_THROW(Corruption, what_, ": ", b_.size() - pos_,
+                  " unexpected trailing bytes after the payload");
+    }
+  }
 
-enum class Op : uint8_t {
-  kSet = 1,
-  kGet = 2,
-  kAdd = 3,
-  kCompareSet = 4,
-  kWait = 5,
-  kCheck = 6,
-  kDelete = 7,
+ private:
+  void need(size_t n, const char* field) {
+    if (b_.size() - pos_ < n) {
+      SINEW_THROW(Corruption, what_, ": payload ends inside field '", field, "' (needs ", n,
+                  " bytes, ", b_.size() - pos_, " left)");
+    }
+  }
+  const Bytes& b_;
+  const char* what_;
+  size_t pos_ = 0;
 };
 
-enum class Status : uint8_t { kOk = 0, kTimeout = 1, kInvalid = 2 };
+}  // namespace
 
-const char* opName(uint8_t op) {
-  switch (static_cast<Op>(op)) {
+const char* requestName(uint8_t type) {
+  switch (static_cast<Op>(type)) {
     case Op::kSet:
       return "set";
     case Op::kGet:
@@ -66,80 +120,163 @@ const char* opName(uint8_t op) {
   return nullptr;
 }
 
-void putU32(Bytes& b, uint32_t v) { detail::appendLe(b, v, 4); }
-uint32_t getU32(const uint8_t* p) { return static_cast<uint32_t>(detail::loadLe(p, 4)); }
-void putI64(Bytes& b, int64_t v) { detail::appendLe(b, static_cast<uint64_t>(v), 8); }
-void putBytes(Bytes& b, const uint8_t* data, size_t n) {
-  putU32(b, static_cast<uint32_t>(n));
-  b.insert(b.end(), data, data + n);
-}
-void putBytes(Bytes& b, const Bytes& v) { putBytes(b, v.data(), v.size()); }
-void putString(Bytes& b, const std::string& s) {
-  putBytes(b, reinterpret_cast<const uint8_t*>(s.data()), s.size());
-}
-
-// Appends a header for a payload of payloadBytes to out.
-void putHeader(Bytes& out, uint8_t code, size_t payloadBytes) {
-  putU32(out, kMagic);
-  out.push_back(kVersion);
-  out.push_back(code);
-  out.push_back(0);
-  out.push_back(0);
-  putU32(out, static_cast<uint32_t>(payloadBytes));
+const char* answerName(uint8_t type) {
+  switch (static_cast<Answer>(type)) {
+    case Answer::kOk:
+      return "ok";
+    case Answer::kTimeout:
+      return "timeout";
+    case Answer::kInvalid:
+      return "invalid";
+  }
+  return nullptr;
 }
 
-// Reads payload fields; any overrun throws Corruption naming the field.
-class Reader {
- public:
-  explicit Reader(const Bytes& b) : b_(b) {}
-  Bytes bytes(const char* field) {
-    uint32_t n = u32(field);
-    need(n, field);
-    Bytes out(b_.begin() + pos_, b_.begin() + pos_ + n);
-    pos_ += n;
-    return out;
+Bytes encodeRequest(const Request& r) {
+  Bytes p;
+  switch (r.op) {
+    case Op::kSet:
+      putString(p, r.key);
+      putBytes(p, r.value);
+      break;
+    case Op::kGet:
+      putI64(p, r.timeoutMs);
+      putString(p, r.key);
+      break;
+    case Op::kAdd:
+      putString(p, r.key);
+      putI64(p, r.delta);
+      break;
+    case Op::kCompareSet:
+      putString(p, r.key);
+      putBytes(p, r.expected);
+      putBytes(p, r.desired);
+      break;
+    case Op::kWait:
+      putI64(p, r.timeoutMs);
+      putKeys(p, r.keys);
+      break;
+    case Op::kCheck:
+      putKeys(p, r.keys);
+      break;
+    case Op::kDelete:
+      putString(p, r.key);
+      break;
   }
-  std::string string(const char* field) { return toString(bytes(field)); }
-  int64_t i64(const char* field) {
-    need(8, field);
-    uint64_t v = detail::loadLe(b_.data() + pos_, 8);
-    pos_ += 8;
-    return static_cast<int64_t>(v);
-  }
-  uint32_t u32(const char* field) {
-    need(4, field);
-    uint32_t v = getU32(b_.data() + pos_);
-    pos_ += 4;
-    return v;
-  }
-  void end() {
-    if (pos_ != b_.size()) {
-      SINEW_THROW(Corruption, b_.size() - pos_, " unexpected trailing bytes after the payload");
-    }
-  }
-
- private:
-  void need(size_t n, const char* field) {
-    if (b_.size() - pos_ < n) {
-      SINEW_THROW(Corruption, "payload ends inside field '", field, "' (needs ", n, " bytes, ",
-                  b_.size() - pos_, " left)");
-    }
-  }
-  const Bytes& b_;
-  size_t pos_ = 0;
-};
-
-std::string hex32(uint32_t v) {
-  std::ostringstream os;
-  os << "0x" << std::hex << std::setw(8) << std::setfill('0') << v;
-  return os.str();
+  return p;
 }
 
-std::string endpointName(const tcp::socket& s) {
-  error_code ec;
-  auto ep = s.remote_endpoint(ec);
-  if (ec) return "an unknown peer";
-  return ep.address().to_string() + ":" + std::to_string(ep.port());
+Request decodeRequest(uint8_t type, const Bytes& payload) {
+  const char* name = requestName(type);
+  if (name == nullptr) SINEW_THROW(Corruption, "store request: unknown type ", int(type));
+  const std::string what = std::string("store ") + name + " request";
+  Reader r(payload, what.c_str());
+  Request q;
+  q.op = static_cast<Op>(type);
+  switch (q.op) {
+    case Op::kSet:
+      q.key = r.string("key");
+      q.value = r.bytes("value");
+      break;
+    case Op::kGet:
+      q.timeoutMs = r.i64("timeout_ms");
+      q.key = r.string("key");
+      break;
+    case Op::kAdd:
+      q.key = r.string("key");
+      q.delta = r.i64("delta");
+      break;
+    case Op::kCompareSet:
+      q.key = r.string("key");
+      q.expected = r.bytes("expected");
+      q.desired = r.bytes("desired");
+      break;
+    case Op::kWait:
+      q.timeoutMs = r.i64("timeout_ms");
+      q.keys = r.keys();
+      break;
+    case Op::kCheck:
+      q.keys = r.keys();
+      break;
+    case Op::kDelete:
+      q.key = r.string("key");
+      break;
+  }
+  r.end();
+  if (q.timeoutMs < 0) {
+    SINEW_THROW(Corruption, what, ": field 'timeout_ms' is negative (", q.timeoutMs, ")");
+  }
+  return q;
+}
+
+Bytes encodeBytes(const Bytes& v) {
+  Bytes out;
+  putBytes(out, v);
+  return out;
+}
+Bytes encodeI64(int64_t v) {
+  Bytes out;
+  putI64(out, v);
+  return out;
+}
+Bytes encodeString(const std::string& s) {
+  Bytes out;
+  putString(out, s);
+  return out;
+}
+Bytes decodeBytes(const Bytes& payload, const char* what) {
+  Reader r(payload, what);
+  Bytes v = r.bytes("value");
+  r.end();
+  return v;
+}
+int64_t decodeI64(const Bytes& payload, const char* what) {
+  Reader r(payload, what);
+  int64_t v = r.i64("value");
+  r.end();
+  return v;
+}
+std::string decodeString(const Bytes& payload, const char* what) {
+  Reader r(payload, what);
+  std::string v = r.string("message");
+  r.end();
+  return v;
+}
+
+}  // namespace store_wire
+
+namespace {
+
+namespace asio = boost::asio;
+using asio::ip::tcp;
+using Clock = std::chrono::steady_clock;
+using boost::system::error_code;
+using store_wire::Answer;
+using store_wire::Op;
+using transport::Channel;
+using transport::FrameHeader;
+
+transport::FrameRules requestRules(uint64_t token, uint32_t maxBytes) {
+  transport::FrameRules r;
+  r.service = transport::Service::kStore;
+  r.token = token;
+  r.typeName = &store_wire::requestName;
+  r.maxPayloadBytes = maxBytes;
+  return r;
+}
+
+transport::FrameRules answerRules(uint64_t token) {
+  transport::FrameRules r;
+  r.service = transport::Service::kStore;
+  r.token = token;
+  r.typeName = &store_wire::answerName;
+  r.maxPayloadBytes = 1u << 30;
+  return r;
+}
+
+uint64_t randomToken() {
+  std::random_device rd;
+  return ((static_cast<uint64_t>(rd()) << 32) ^ rd()) | 1;
 }
 
 }  // namespace
@@ -154,41 +291,28 @@ class TcpStoreServer::Impl {
  public:
   class Session;
 
-  Impl(TcpStoreServer* owner, const TcpStoreServerOptions& options)
-      : owner_(owner), options_(options), acceptor_(io_) {}
+  Impl(TcpStoreServer* owner, const TcpStoreServerOptions& options, uint64_t token)
+      : owner_(owner), options_(options), token_(token) {}
 
   void start() {
-    error_code ec;
-    auto address = asio::ip::make_address(options_.host, ec);
-    if (ec) {
-      tcp::resolver resolver(io_);
-      auto results = resolver.resolve(options_.host, std::to_string(options_.port), ec);
-      if (ec || results.empty()) {
-        SINEW_THROW(IoError, "tcp store server: cannot resolve '", options_.host,
-                    "': ", ec.message());
-      }
-      address = results.begin()->endpoint().address();
-    }
-    tcp::endpoint ep(address, options_.port);
-    acceptor_.open(ep.protocol(), ec);
-    if (!ec) acceptor_.set_option(tcp::acceptor::reuse_address(true), ec);
-    if (!ec) acceptor_.bind(ep, ec);
-    if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
-    if (ec) {
-      SINEW_THROW(IoError, "tcp store server: cannot listen on ", options_.host, ":", options_.port,
-                  ": ", ec.message());
-    }
-    port_ = acceptor_.local_endpoint().port();
-    accept();
+    transport::ListenerOptions lo;
+    lo.host = options_.host;
+    lo.port = options_.port;
+    lo.maxConnections = options_.maxConnections;
+    lo.channel.rules = requestRules(token_, options_.maxMessageBytes);
+    lo.channel.idleTimeout = options_.idleTimeout;
+    lo.channel.frameTimeout = options_.frameTimeout;
+    lo.channel.name = "sinew tcp store " + options_.host;
+    lo.channel.log = [this](const std::string& line) { log(line); };
+    listener_ = std::make_unique<transport::Listener>(io_, lo, [this] { return makeSession(); });
+    port_ = listener_->port();
     thread_ = std::thread([this] { io_.run(); });
   }
 
   void stop() {
     asio::post(io_, [this] {
-      error_code ec;
-      acceptor_.close(ec);
-      auto sessions = sessions_;
-      for (auto& s : sessions) closeSession(s);
+      listener_->close();
+      waiting_.clear();
     });
     if (thread_.joinable()) thread_.join();
   }
@@ -199,8 +323,7 @@ class TcpStoreServer::Impl {
   }
 
   void log(const std::string& line) {
-    std::string full =
-        "sinew tcp store " + options_.host + ":" + std::to_string(port_) + ": " + line;
+    std::string full = line + " (port " + std::to_string(port_) + ")";
     if (options_.log) {
       options_.log(full);
     } else {
@@ -212,38 +335,60 @@ class TcpStoreServer::Impl {
   uint16_t port_ = 0;
 
  private:
-  void accept();
+  std::shared_ptr<transport::ChannelHandler> makeSession();
   void checkWaiters();
-  void closeSession(const std::shared_ptr<Session>& s);
 
   TcpStoreServer* const owner_;  // Owns this Impl, so it outlives it.
   const TcpStoreServerOptions& options_;
+  const uint64_t token_;
   asio::io_context io_;
-  tcp::acceptor acceptor_;
+  std::unique_ptr<transport::Listener> listener_;
   std::thread thread_;
   // Owned by the io thread.
-  std::set<std::shared_ptr<Session>> sessions_;
   std::set<std::shared_ptr<Session>> waiting_;
 
   friend class Session;
 };
 
-// One client connection. Reads continuously, so a client that dies while its request is
-// parked is noticed at once; at most one request is in progress at a time.
-class TcpStoreServer::Impl::Session : public std::enable_shared_from_this<Session> {
+// One client connection's requests. The channel reads continuously, so a client that dies
+// while its request is parked is noticed at once; at most one request is in progress.
+class TcpStoreServer::Impl::Session : public transport::ChannelHandler,
+                                      public std::enable_shared_from_this<Session> {
  public:
-  Session(Impl* server, tcp::socket socket)
-      : server_(server), socket_(std::move(socket)), timer_(socket_.get_executor()) {
-    peer_ = endpointName(socket_);
+  explicit Session(Impl* server) : server_(server) { server_->owner_->open_++; }
+
+  void onFrame(Channel& channel, const FrameHeader& h, Bytes payload) override {
+    if (!channel_) channel_ = channel.shared_from_this();
+    if (busy_) {
+      SINEW_THROW(Corruption, "a ", store_wire::requestName(h.type),
+                  " request arrived before the previous one was answered");
+    }
+    store_wire::Request q = store_wire::decodeRequest(h.type, payload);
+    busy_ = true;
+    channel.setBusy(true);
+    try {
+      handle(std::move(q));
+    } catch (const Corruption&) {
+      throw;
+    } catch (const std::exception& e) {
+      respond(Answer::kInvalid, store_wire::encodeString(e.what()));
+    }
   }
 
-  void start() { readHeader(); }
+  void onClose(Channel& channel, transport::CloseReason reason, const std::string& why) override {
+    if (reason == transport::CloseReason::kViolation) server_->owner_->dropped_++;
+    server_->owner_->open_--;
+    parked_ = false;
+    if (timer_) timer_->cancel();
+    server_->waiting_.erase(shared_from_this());
+    channel_.reset();  // Breaks the channel -> session -> channel cycle.
+  }
 
   // Completes a parked request whose keys are now all set. Returns true when done.
   bool tryComplete() {
     if (!parked_ || !server_->state_.check(parkedKeys_)) return false;
     parked_ = false;
-    timer_.cancel();
+    if (timer_) timer_->cancel();
     if (parkedOp_ == Op::kGet) {
       Bytes value;
       try {
@@ -252,159 +397,45 @@ class TcpStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
         parked_ = true;  // Deleted again in between: keep waiting.
         return false;
       }
-      Bytes out;
-      putBytes(out, value);
-      respond(Status::kOk, out);
+      respond(Answer::kOk, store_wire::encodeBytes(value));
     } else {
-      respond(Status::kOk, Bytes());
+      respond(Answer::kOk, Bytes());
     }
     return true;
   }
 
-  void close() {
-    if (closed_) return;
-    closed_ = true;
-    parked_ = false;
-    timer_.cancel();
-    error_code ec;
-    socket_.shutdown(tcp::socket::shutdown_both, ec);
-    socket_.close(ec);
-  }
-
-  bool closed() const { return closed_; }
+  bool closed() const { return !channel_; }
 
  private:
-  void readHeader() {
-    auto self = shared_from_this();
-    asio::async_read(socket_, asio::buffer(header_), [this, self](error_code ec, size_t) {
-      if (closed_) return;
-      if (ec) {
-        if (ec != asio::error::eof && ec != asio::error::connection_reset) {
-          server_->log("connection from " + peer_ + " failed: " + ec.message());
-        }
-        return server_->closeSession(self);
-      }
-      uint32_t magic = getU32(header_.data());
-      if (magic != kMagic) {
-        return drop("bad magic " + hex32(magic) + " (not a Sinew store request)");
-      }
-      if (header_[4] != kVersion) {
-        return drop("protocol version " + std::to_string(header_[4]) + ", this server speaks " +
-                    std::to_string(kVersion));
-      }
-      uint8_t op = header_[5];
-      if (opName(op) == nullptr) return drop("unknown operation " + std::to_string(op));
-      uint32_t length = getU32(header_.data() + 8);
-      if (length > server_->options_.maxMessageBytes) {
-        return drop("request of " + std::to_string(length) + " bytes exceeds the limit of " +
-                    std::to_string(server_->options_.maxMessageBytes));
-      }
-      if (busy_) {
-        return drop(std::string("a ") + opName(op) +
-                    " request arrived before the previous one was answered");
-      }
-      payload_.assign(length, 0);
-      readPayload(static_cast<Op>(op));
-    });
-  }
-
-  void readPayload(Op op) {
-    auto self = shared_from_this();
-    asio::async_read(socket_, asio::buffer(payload_), [this, self, op](error_code ec, size_t) {
-      if (closed_) return;
-      if (ec) {
-        server_->log("connection from " + peer_ + " closed in the middle of a " +
-                     opName(static_cast<uint8_t>(op)) + " request: " + ec.message());
-        return server_->closeSession(self);
-      }
-      busy_ = true;
-      try {
-        handle(op);
-      } catch (const Corruption& e) {
-        return drop(std::string("malformed ") + opName(static_cast<uint8_t>(op)) +
-                    " request: " + e.what());
-      } catch (const std::exception& e) {
-        respond(Status::kInvalid, errorPayload(e.what()));
-      }
-      readHeader();
-    });
-  }
-
-  static Bytes errorPayload(const std::string& message) {
-    Bytes out;
-    putString(out, message);
-    return out;
-  }
-
-  void handle(Op op) {
-    Reader r(payload_);
+  void handle(store_wire::Request q) {
     HashStore& st = server_->state_;
-    Bytes out;
-    switch (op) {
-      case Op::kSet: {
-        std::string key = r.string("key");
-        Bytes value = r.bytes("value");
-        r.end();
-        st.set(key, value);
-        respond(Status::kOk, out);
+    switch (q.op) {
+      case Op::kSet:
+        st.set(q.key, q.value);
+        respond(Answer::kOk, Bytes());
         server_->checkWaiters();
         return;
-      }
-      case Op::kAdd: {
-        std::string key = r.string("key");
-        int64_t delta = r.i64("delta");
-        r.end();
-        putI64(out, st.add(key, delta));
-        respond(Status::kOk, out);
+      case Op::kAdd:
+        respond(Answer::kOk, store_wire::encodeI64(st.add(q.key, q.delta)));
         server_->checkWaiters();
         return;
-      }
-      case Op::kCompareSet: {
-        std::string key = r.string("key");
-        Bytes expected = r.bytes("expected");
-        Bytes desired = r.bytes("desired");
-        r.end();
-        putBytes(out, st.compareSet(key, expected, desired));
-        respond(Status::kOk, out);
+      case Op::kCompareSet:
+        respond(Answer::kOk, store_wire::encodeBytes(st.compareSet(q.key, q.expected, q.desired)));
         server_->checkWaiters();
         return;
-      }
-      case Op::kCheck: {
-        std::vector<std::string> keys = readKeys(r);
-        r.end();
-        out.push_back(st.check(keys) ? 1 : 0);
-        respond(Status::kOk, out);
+      case Op::kCheck:
+        respond(Answer::kOk, Bytes{static_cast<uint8_t>(st.check(q.keys) ? 1 : 0)});
         return;
-      }
-      case Op::kDelete: {
-        std::string key = r.string("key");
-        r.end();
-        out.push_back(st.deleteKey(key) ? 1 : 0);
-        respond(Status::kOk, out);
+      case Op::kDelete:
+        respond(Answer::kOk, Bytes{static_cast<uint8_t>(st.deleteKey(q.key) ? 1 : 0)});
         return;
-      }
       case Op::kGet:
-      case Op::kWait: {
-        int64_t timeoutMs = r.i64("timeout_ms");
-        std::vector<std::string> keys;
-        if (op == Op::kGet) {
-          keys.push_back(r.string("key"));
-        } else {
-          keys = readKeys(r);
-        }
-        r.end();
-        if (timeoutMs < 0) SINEW_THROW(InvalidArgument, "negative timeout ", timeoutMs, " ms");
-        park(op, std::move(keys), std::chrono::milliseconds(timeoutMs));
+        park(Op::kGet, {q.key}, std::chrono::milliseconds(q.timeoutMs));
         return;
-      }
+      case Op::kWait:
+        park(Op::kWait, std::move(q.keys), std::chrono::milliseconds(q.timeoutMs));
+        return;
     }
-  }
-
-  static std::vector<std::string> readKeys(Reader& r) {
-    uint32_t n = r.u32("key count");
-    std::vector<std::string> keys;
-    for (uint32_t i = 0; i < n; ++i) keys.push_back(r.string("key"));
-    return keys;
   }
 
   void park(Op op, std::vector<std::string> keys, std::chrono::milliseconds timeout) {
@@ -414,74 +445,45 @@ class TcpStoreServer::Impl::Session : public std::enable_shared_from_this<Sessio
     const uint64_t id = ++parkId_;
     if (tryComplete()) return;
     server_->waiting_.insert(shared_from_this());
-    timer_.expires_after(timeout);
+    if (!timer_) timer_ = std::make_unique<asio::steady_timer>(server_->io_);
+    timer_->expires_after(timeout);
     auto self = shared_from_this();
     // The id tells a stale expiry (of an earlier request) from this request's.
-    timer_.async_wait([this, self, timeout, id](error_code ec) {
-      if (ec || !parked_ || closed_ || id != parkId_) return;
+    timer_->async_wait([this, self, timeout, id](error_code ec) {
+      if (ec || !parked_ || closed() || id != parkId_) return;
       parked_ = false;
       server_->waiting_.erase(self);
       std::string missing;
       for (const auto& k : parkedKeys_) {
         if (!server_->state_.check({k})) missing += (missing.empty() ? "" : ", ") + k;
       }
-      respond(Status::kTimeout, errorPayload("store " + std::string(opName(uint8_t(parkedOp_))) +
-                                             " timed out after " + std::to_string(timeout.count()) +
-                                             " ms; missing keys: " + missing));
+      respond(Answer::kTimeout,
+              store_wire::encodeString("store " +
+                                       std::string(store_wire::requestName(uint8_t(parkedOp_))) +
+                                       " timed out after " + std::to_string(timeout.count()) +
+                                       " ms; missing keys: " + missing));
     });
   }
 
-  void respond(Status status, const Bytes& payload) {
-    auto buf = std::make_shared<Bytes>();
-    buf->reserve(kHeaderBytes + payload.size());
-    putHeader(*buf, static_cast<uint8_t>(status), payload.size());
-    buf->insert(buf->end(), payload.begin(), payload.end());
-    auto self = shared_from_this();
-    asio::async_write(socket_, asio::buffer(*buf), [this, self, buf](error_code ec, size_t) {
-      if (closed_) return;
-      if (ec) {
-        server_->log("cannot answer " + peer_ + ": " + ec.message());
-        return server_->closeSession(self);
-      }
-      busy_ = false;
-    });
-  }
-
-  void drop(const std::string& reason) {
-    server_->log("dropping connection from " + peer_ + ": " + reason);
-    server_->owner_->dropped_++;
-    server_->closeSession(shared_from_this());
+  void respond(Answer answer, Bytes payload) {
+    busy_ = false;
+    if (!channel_) return;
+    channel_->setBusy(false);
+    channel_->send(static_cast<uint8_t>(answer), 0, std::move(payload));
   }
 
   Impl* const server_;  // The server outlives its sessions: stop() closes them first.
-  tcp::socket socket_;
-  asio::steady_timer timer_;
-  std::string peer_;
-  std::array<uint8_t, kHeaderBytes> header_{};
-  Bytes payload_;
+  std::shared_ptr<Channel> channel_;  // Set at the first frame; reset on close.
+  std::unique_ptr<asio::steady_timer> timer_;
   bool busy_ = false;
-  bool closed_ = false;
   bool parked_ = false;
   Op parkedOp_ = Op::kWait;
   uint64_t parkId_ = 0;
   std::vector<std::string> parkedKeys_;
 };
 
-void TcpStoreServer::Impl::accept() {
-  acceptor_.async_accept([this](error_code ec, tcp::socket socket) {
-    if (ec == asio::error::operation_aborted || !acceptor_.is_open()) return;
-    if (!ec) {
-      error_code ignored;
-      socket.set_option(tcp::no_delay(true), ignored);
-      auto session = std::make_shared<Session>(this, std::move(socket));
-      sessions_.insert(session);
-      owner_->open_++;
-      session->start();
-    } else {
-      log("accept failed: " + ec.message());
-    }
-    accept();
-  });
+std::shared_ptr<transport::ChannelHandler> TcpStoreServer::Impl::makeSession() {
+  return std::make_shared<Session>(this);
 }
 
 void TcpStoreServer::Impl::checkWaiters() {
@@ -495,14 +497,10 @@ void TcpStoreServer::Impl::checkWaiters() {
   }
 }
 
-void TcpStoreServer::Impl::closeSession(const std::shared_ptr<Session>& s) {
-  s->close();
-  waiting_.erase(s);
-  if (sessions_.erase(s) > 0) owner_->open_--;
-}
-
 TcpStoreServer::TcpStoreServer(TcpStoreServerOptions options)
-    : options_(std::move(options)), impl_(std::make_unique<Impl>(this, options_)) {
+    : options_(std::move(options)),
+      token_(options_.token != 0 ? options_.token : randomToken()) {
+  impl_ = std::make_unique<Impl>(this, options_, token_);
   impl_->start();
   port_ = impl_->port_;
 }
@@ -538,50 +536,36 @@ bool TcpStoreServer::deleteKey(const std::string& key) { return impl_->state_.de
 // ---------------------------------------------------------------------------------------
 // Client
 
-// Synchronous requests over asynchronous Asio operations run against a deadline
-// (io_context::run_until); an operation still pending at the deadline is cancelled by
-// closing the socket, and the next request reconnects.
+// One request at a time over one transport::Connection, each against a deadline; the
+// connection is (re)opened lazily.
 class TcpStore::Impl {
  public:
   Impl(std::string host, uint16_t port, TcpStoreOptions options)
-      : host_(std::move(host)), port_(port), options_(options), socket_(io_) {}
-
-  // Sends one request and returns the response payload; throws on any failure.
-  Bytes request(Op op, const Bytes& payload, Clock::time_point deadline) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!socket_.is_open()) connect();
-    Bytes header;
-    putHeader(header, static_cast<uint8_t>(op), payload.size());
-    std::array<asio::const_buffer, 2> out{asio::buffer(header), asio::buffer(payload)};
-    const char* what = opName(static_cast<uint8_t>(op));
-    error_code ec = runUntil(deadline, [&](error_code& result) {
-      asio::async_write(socket_, out, [&result](error_code e, size_t) { result = e; });
-    });
-    if (ec) fail(what, "sending", ec);
-    std::array<uint8_t, kHeaderBytes> rh{};
-    ec = runUntil(deadline, [&](error_code& result) {
-      asio::async_read(socket_, asio::buffer(rh), [&result](error_code e, size_t) { result = e; });
-    });
-    if (ec) fail(what, "awaiting the answer to", ec);
-    uint32_t magic = getU32(rh.data());
-    uint32_t length = getU32(rh.data() + 8);
-    if (magic != kMagic || rh[4] != kVersion || rh[5] > 2 || length > (1u << 30)) {
-      closeSocket();
-      SINEW_THROW(Corruption, "tcp store at ", host_, ":", port_, " answered a ", what,
-                  " request with a malformed header (magic ", hex32(magic), ", version ",
-                  int(rh[4]), ", status ", int(rh[5]), ", length ", length, ")");
+      : host_(std::move(host)),
+        port_(port),
+        options_(options),
+        conn_(answerRules(options.token),
+              "tcp store at " + host_ + ":" + std::to_string(port)) {
+    if (options_.token == 0) {
+      SINEW_THROW(InvalidArgument, "TcpStoreOptions::token is 0: pass the server's job token "
+                                   "(TcpStoreServer::token(), SINEW_TOKEN)");
     }
-    Bytes body(length);
-    ec = runUntil(deadline, [&](error_code& result) {
-      asio::async_read(socket_, asio::buffer(body),
-                       [&result](error_code e, size_t) { result = e; });
-    });
-    if (ec) fail(what, "reading the answer to", ec);
-    auto status = static_cast<Status>(rh[5]);
-    if (status == Status::kOk) return body;
-    Reader r(body);
-    std::string message = r.string("message");
-    if (status == Status::kTimeout) SINEW_THROW(Timeout, message);
+  }
+
+  // Sends one request and returns the answer's payload; throws on any failure.
+  Bytes request(const store_wire::Request& q, Clock::time_point deadline) {
+    std::lock_guard<std::mutex> lock(mu_);
+    // A server closes idle connections; reconnect rather than fail on one.
+    if (conn_.peerClosedWhileIdle()) conn_.close();
+    if (!conn_.isOpen()) conn_.connect(host_, port_, Clock::now() + options_.connectTimeout);
+    const char* what = store_wire::requestName(static_cast<uint8_t>(q.op));
+    conn_.send(static_cast<uint8_t>(q.op), 0, store_wire::encodeRequest(q), deadline);
+    FrameHeader h = conn_.readHeader(deadline);
+    Bytes body = conn_.readPayload(h, deadline);
+    auto answer = static_cast<Answer>(h.type);
+    if (answer == Answer::kOk) return body;
+    std::string message = store_wire::decodeString(body, "store error answer");
+    if (answer == Answer::kTimeout) SINEW_THROW(Timeout, message);
     SINEW_THROW(InvalidArgument, "tcp store at ", host_, ":", port_, " rejected ", what, ": ",
                 message);
   }
@@ -589,76 +573,11 @@ class TcpStore::Impl {
   const TcpStoreOptions& options() const { return options_; }
 
  private:
-  template <typename Start>
-  error_code runUntil(Clock::time_point deadline, Start start) {
-    error_code result = asio::error::would_block;
-    start(result);
-    io_.restart();
-    io_.run_until(deadline);
-    if (!io_.stopped()) {
-      // Deadline: cancel by closing, and let the handler run with operation_aborted.
-      error_code ignored;
-      socket_.close(ignored);
-      io_.run();
-      return asio::error::timed_out;
-    }
-    return result;
-  }
-
-  [[noreturn]] void fail(const char* what, const char* doing, error_code ec) {
-    closeSocket();
-    if (ec == asio::error::timed_out) {
-      SINEW_THROW(Timeout, "tcp store at ", host_, ":", port_, ": deadline passed while ", doing,
-                  " a ", what, " request");
-    }
-    SINEW_THROW(IoError, "tcp store at ", host_, ":", port_, ": connection failed while ", doing,
-                " a ", what, " request: ", ec.message());
-  }
-
-  void closeSocket() {
-    error_code ignored;
-    socket_.close(ignored);
-  }
-
-  // Connects, retrying with backoff until connectTimeout (the server may start later).
-  void connect() {
-    auto deadline = Clock::now() + options_.connectTimeout;
-    auto backoff = std::chrono::milliseconds(5);
-    std::string lastError = "no attempt made";
-    while (true) {
-      error_code ec;
-      tcp::resolver resolver(io_);
-      auto endpoints = resolver.resolve(host_, std::to_string(port_), ec);
-      if (!ec) {
-        auto attemptDeadline = std::min(deadline, Clock::now() + std::chrono::seconds(2));
-        ec = runUntil(attemptDeadline, [&](error_code& result) {
-          asio::async_connect(socket_, endpoints,
-                              [&result](error_code e, const tcp::endpoint&) { result = e; });
-        });
-        if (!ec) {
-          error_code ignored;
-          socket_.set_option(tcp::no_delay(true), ignored);
-          return;
-        }
-        closeSocket();
-      }
-      lastError = ec.message();
-      auto now = Clock::now();
-      if (now >= deadline) break;
-      std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - now));
-      backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
-    }
-    SINEW_THROW(Timeout, "tcp store at ", host_, ":", port_, ": could not connect within ",
-                options_.connectTimeout.count(), " ms (last error: ", lastError, ")");
-  }
-
   const std::string host_;
   const uint16_t port_;
   const TcpStoreOptions options_;
   std::mutex mu_;
-  // Guarded by mu_.
-  asio::io_context io_;
-  tcp::socket socket_;
+  transport::Connection conn_;  // Guarded by mu_.
 };
 
 namespace {
@@ -666,6 +585,12 @@ namespace {
 // The server answers a timed-out wait itself at its deadline; the client allows this much
 // longer before it gives up on the server.
 constexpr std::chrono::milliseconds kServerAnswerGrace{2000};
+
+store_wire::Request makeRequest(Op op) {
+  store_wire::Request q;
+  q.op = op;
+  return q;
+}
 
 }  // namespace
 
@@ -675,60 +600,55 @@ TcpStore::TcpStore(std::string host, uint16_t port, TcpStoreOptions options)
 TcpStore::~TcpStore() = default;
 
 void TcpStore::set(const std::string& key, const Bytes& value) {
-  Bytes p;
-  putString(p, key);
-  putBytes(p, value);
-  impl_->request(Op::kSet, p, Clock::now() + impl_->options().timeout);
+  auto q = makeRequest(Op::kSet);
+  q.key = key;
+  q.value = value;
+  impl_->request(q, Clock::now() + impl_->options().timeout);
 }
 
 Bytes TcpStore::get(const std::string& key, std::chrono::milliseconds timeout) {
-  Bytes p;
-  putI64(p, timeout.count());
-  putString(p, key);
-  Bytes body = impl_->request(Op::kGet, p, Clock::now() + timeout + kServerAnswerGrace);
-  Reader r(body);
-  return r.bytes("value");
+  auto q = makeRequest(Op::kGet);
+  q.key = key;
+  q.timeoutMs = timeout.count();
+  Bytes body = impl_->request(q, Clock::now() + timeout + kServerAnswerGrace);
+  return store_wire::decodeBytes(body, "store get answer");
 }
 
 int64_t TcpStore::add(const std::string& key, int64_t delta) {
-  Bytes p;
-  putString(p, key);
-  putI64(p, delta);
-  Bytes body = impl_->request(Op::kAdd, p, Clock::now() + impl_->options().timeout);
-  Reader r(body);
-  return r.i64("value");
+  auto q = makeRequest(Op::kAdd);
+  q.key = key;
+  q.delta = delta;
+  Bytes body = impl_->request(q, Clock::now() + impl_->options().timeout);
+  return store_wire::decodeI64(body, "store add answer");
 }
 
 Bytes TcpStore::compareSet(const std::string& key, const Bytes& expected, const Bytes& desired) {
-  Bytes p;
-  putString(p, key);
-  putBytes(p, expected);
-  putBytes(p, desired);
-  Bytes body = impl_->request(Op::kCompareSet, p, Clock::now() + impl_->options().timeout);
-  Reader r(body);
-  return r.bytes("value");
+  auto q = makeRequest(Op::kCompareSet);
+  q.key = key;
+  q.expected = expected;
+  q.desired = desired;
+  Bytes body = impl_->request(q, Clock::now() + impl_->options().timeout);
+  return store_wire::decodeBytes(body, "store compareSet answer");
 }
 
 void TcpStore::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
-  Bytes p;
-  putI64(p, timeout.count());
-  putU32(p, static_cast<uint32_t>(keys.size()));
-  for (const auto& k : keys) putString(p, k);
-  impl_->request(Op::kWait, p, Clock::now() + timeout + kServerAnswerGrace);
+  auto q = makeRequest(Op::kWait);
+  q.keys = keys;
+  q.timeoutMs = timeout.count();
+  impl_->request(q, Clock::now() + timeout + kServerAnswerGrace);
 }
 
 bool TcpStore::check(const std::vector<std::string>& keys) {
-  Bytes p;
-  putU32(p, static_cast<uint32_t>(keys.size()));
-  for (const auto& k : keys) putString(p, k);
-  Bytes body = impl_->request(Op::kCheck, p, Clock::now() + impl_->options().timeout);
+  auto q = makeRequest(Op::kCheck);
+  q.keys = keys;
+  Bytes body = impl_->request(q, Clock::now() + impl_->options().timeout);
   return !body.empty() && body[0] == 1;
 }
 
 bool TcpStore::deleteKey(const std::string& key) {
-  Bytes p;
-  putString(p, key);
-  Bytes body = impl_->request(Op::kDelete, p, Clock::now() + impl_->options().timeout);
+  auto q = makeRequest(Op::kDelete);
+  q.key = key;
+  Bytes body = impl_->request(q, Clock::now() + impl_->options().timeout);
   return !body.empty() && body[0] == 1;
 }
 

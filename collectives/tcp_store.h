@@ -3,15 +3,19 @@
 // A Store served over TCP (Boost.Asio): one TcpStoreServer, any number of TcpStore clients
 // in other processes. The wire format is in docs/store_protocol.md.
 //
+// Both speak Sinew's one framed transport (collectives/transport/, docs/transport.md).
 // The server runs its own io_context thread. It is itself a Store, so the process that
 // serves it can use it without a connection. It never trusts its peers: a connection that
-// sends bytes that are not a request (wrong magic or version, a length over
-// maxMessageBytes, a payload that does not parse, an unknown operation, a second request
-// before the first was answered) is closed with a logged reason, and a client that dies in
-// the middle of a request only loses its own connection. Other clients are unaffected.
+// sends bytes that are not a request (a bad frame header or a wrong job token, checked
+// before anything is allocated; a length over maxMessageBytes; a payload that does not
+// parse; a second request before the first was answered; no request within idleTimeout;
+// a payload that does not arrive within frameTimeout) is closed with a logged reason, and a
+// client that dies in the middle of a request only loses its own connection. At most
+// maxConnections are open at once. Other clients are unaffected.
 //
 // A client runs one request at a time over one connection, each against a deadline; it
-// connects lazily, retrying until connectTimeout, and reconnects after a failed request.
+// connects lazily, retrying until connectTimeout, reconnects after a failed request, and
+// reconnects before a request when the server closed its idle connection.
 //
 // Thread safety: every method of both classes may be called from any thread.
 
@@ -36,8 +40,17 @@ struct TcpStoreServerOptions {
   std::string host = "127.0.0.1";
   // 0 picks a free port; port() tells which.
   uint16_t port = 0;
+  // The job token every request must carry; 0 draws a random one (token() tells which).
+  uint64_t token = 0;
   // Largest request accepted; a longer one drops the connection.
   uint32_t maxMessageBytes = 64u << 20;
+  // Connections beyond this many are closed at once.
+  size_t maxConnections = 1024;
+  // A connection with no request in progress that sends no complete request for this long
+  // is closed (clients reconnect transparently).
+  std::chrono::milliseconds idleTimeout{120000};
+  // A request's payload must arrive within this of its header.
+  std::chrono::milliseconds frameTimeout{30000};
   // Where dropped-connection reasons go; by default one line on stderr.
   std::function<void(const std::string&)> log;
 };
@@ -53,6 +66,7 @@ class TcpStoreServer : public Store {
 
   uint16_t port() const { return port_; }
   const std::string& host() const { return options_.host; }
+  uint64_t token() const { return token_; }
   // Connections closed because of a protocol violation (garbage, oversize, ...).
   int64_t droppedConnections() const { return dropped_.load(); }
   // Connections currently open.
@@ -68,17 +82,19 @@ class TcpStoreServer : public Store {
   using Store::get;
   using Store::wait;
 
-  class Impl;
-
  private:
+  class Impl;
   const TcpStoreServerOptions options_;
   std::unique_ptr<Impl> impl_;
   uint16_t port_ = 0;
+  uint64_t token_ = 0;
   std::atomic<int64_t> dropped_{0};
   std::atomic<int64_t> open_{0};
 };
 
 struct TcpStoreOptions {
+  // The server's job token (TcpStoreServer::token(), SINEW_TOKEN). Required.
+  uint64_t token = 0;
   // How long to keep retrying the first connection (and a reconnection) before Timeout.
   std::chrono::milliseconds connectTimeout{60000};
   // Deadline of requests that do not wait for keys (set, add, compareSet, check, delete).
@@ -105,9 +121,8 @@ class TcpStore : public Store {
   using Store::get;
   using Store::wait;
 
-  class Impl;
-
  private:
+  class Impl;
   std::unique_ptr<Impl> impl_;
 };
 

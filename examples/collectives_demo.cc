@@ -76,9 +76,11 @@ at::Tensor gradient(int worker, int step, int64_t n) {
   return at::arange(n, at::kDouble).remainder(7).add(worker + 0.25 * step);
 }
 
-int runWorker(const Args& a, int self, uint16_t port) {
+int runWorker(const Args& a, int self, uint16_t port, uint64_t token) {
   at::set_num_threads(1);
-  auto store = std::make_shared<TcpStore>("127.0.0.1", port, TcpStoreOptions());
+  TcpStoreOptions so;
+  so.token = token;  // The server's job token (inherited over fork).
+  auto store = std::make_shared<TcpStore>("127.0.0.1", port, so);
   std::vector<int> members;
   for (int w = 0; w < a.workers; ++w) members.push_back(w);
   const int64_t n = 1 << 18;
@@ -155,7 +157,7 @@ int main(int argc, char** argv) {
     if (pid == 0) {
       int rc = 1;
       try {
-        rc = runWorker(a, w, server.port());
+        rc = runWorker(a, w, server.port(), server.token());
       } catch (const std::exception& e) {
         std::fprintf(stderr, "[worker %d] failed: %s\n", w, e.what());
       }

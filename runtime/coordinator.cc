@@ -21,6 +21,7 @@
 
 #include "sinew/collectives/error.h"
 #include "sinew/collectives/tcp_store.h"
+#include "sinew/collectives/transport/channel.h"
 #include "sinew/runtime/detail/wire.h"
 
 namespace sinew {
@@ -45,7 +46,7 @@ class Coordinator::Impl {
   class Session;
 
   explicit Impl(CoordinatorOptions options)
-      : options_(std::move(options)), acceptor_(io_), checkTimer_(io_), startTimer_(io_) {
+      : options_(std::move(options)), checkTimer_(io_), startTimer_(io_) {
     if (options_.token == 0) {
       std::random_device rd;
       options_.token = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ 1;
@@ -61,22 +62,23 @@ class Coordinator::Impl {
     }
     collectives::TcpStoreServerOptions so;
     so.host = options_.host;
+    so.token = options_.token;
     so.log = options_.log;
     store_ = std::make_unique<collectives::TcpStoreServer>(so);
 
-    error_code ec;
-    tcp::endpoint ep(asio::ip::make_address(options_.host, ec), options_.port);
-    if (ec) SINEW_THROW(IoError, "coordinator: bad listen address '", options_.host, "'");
-    acceptor_.open(ep.protocol(), ec);
-    if (!ec) acceptor_.set_option(tcp::acceptor::reuse_address(true), ec);
-    if (!ec) acceptor_.bind(ep, ec);
-    if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
-    if (ec) {
-      SINEW_THROW(IoError, "coordinator: cannot listen on ", options_.host, ":", options_.port,
-                  ": ", ec.message());
-    }
-    port_ = acceptor_.local_endpoint().port();
-    accept();
+    collectives::transport::ListenerOptions lo;
+    lo.host = options_.host;
+    lo.port = options_.port;
+    lo.maxConnections = options_.maxConnections;
+    lo.channel.rules = wire::coordinatorRules(options_.token, options_.maxMessageBytes);
+    // Workers heartbeat far more often; this only ends connections that never say anything.
+    lo.channel.idleTimeout = std::max(options_.idleTimeout, 2 * options_.deadAfter);
+    lo.channel.frameTimeout = options_.frameTimeout;
+    lo.channel.name = "sinew coordinator";
+    lo.channel.log = [this](const std::string& line) { logLine(line); };
+    listener_ = std::make_unique<collectives::transport::Listener>(
+        io_, lo, [this] { return std::make_shared<Session>(this); });
+    port_ = listener_->port();
     scheduleCheck();
     startTimer_.expires_after(options_.startTimeout);
     startTimer_.async_wait([this](error_code e) {
@@ -90,12 +92,9 @@ class Coordinator::Impl {
   ~Impl() {
     asio::post(io_, [this] {
       stopping_ = true;  // A check that already fired must not re-arm its timer.
-      error_code ec;
-      acceptor_.close(ec);
       checkTimer_.cancel();
       startTimer_.cancel();
-      auto sessions = sessions_;
-      for (auto& s : sessions) closeSession(s);
+      listener_->close();
     });
     thread_.join();
   }
@@ -122,8 +121,8 @@ class Coordinator::Impl {
     return finished_ && (!done_.empty() || stopped_);
   }
 
-  void log(const std::string& line) {
-    std::string full = "sinew coordinator: " + line;
+  void log(const std::string& line) { logLine("sinew coordinator: " + line); }
+  void logLine(const std::string& full) {
     if (options_.log) {
       options_.log(full);
     } else {
@@ -146,12 +145,11 @@ class Coordinator::Impl {
     bool hasState = false;  // held the model in an epoch (not a joiner awaiting state)
   };
 
-  void accept();
   void scheduleCheck();
-  void closeSession(const std::shared_ptr<Session>& s);
 
   // Everything below runs on the io thread with mu_ held.
-  void onMessage(const std::shared_ptr<Session>& s, const wire::Header& h, const json& body);
+  void onMessage(const std::shared_ptr<Session>& s, const collectives::transport::FrameHeader& h,
+                 const json& body);
   void onHello(const std::shared_ptr<Session>& s, const json& body);
   void onVote(int worker, int64_t epoch, int64_t step);
   void onDone(int worker, int64_t step);
@@ -168,7 +166,7 @@ class Coordinator::Impl {
   void checkFinished();
 
   asio::io_context io_;
-  tcp::acceptor acceptor_;
+  std::unique_ptr<collectives::transport::Listener> listener_;
   asio::steady_timer checkTimer_;
   asio::steady_timer startTimer_;
   std::thread thread_;
@@ -177,7 +175,6 @@ class Coordinator::Impl {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   // Guarded by mu_.
-  std::set<std::shared_ptr<Session>> sessions_;
   std::map<int, Worker> workers_;  // every worker that said hello and is not dead
   std::vector<int> hellos_;        // ids before the first epoch formed
   std::map<int, int64_t> ready_;   // launch ranks ready before the first epoch -> resume step
@@ -198,127 +195,69 @@ class Coordinator::Impl {
   std::ofstream events_;
 };
 
-// One connection. Reads header, then payload, then dispatches, forever; writes are queued.
-class Coordinator::Impl::Session : public std::enable_shared_from_this<Session> {
+// One worker's connection: the channel reads and checks frames; this dispatches them under
+// mu_. Writes are queued on the channel.
+class Coordinator::Impl::Session : public collectives::transport::ChannelHandler,
+                                   public std::enable_shared_from_this<Session> {
  public:
-  Session(Impl* owner, tcp::socket socket) : owner_(owner), socket_(std::move(socket)) {
-    error_code ec;
-    auto ep = socket_.remote_endpoint(ec);
-    peer_ = ec ? "an unknown peer" : ep.address().to_string() + ":" + std::to_string(ep.port());
+  explicit Session(Impl* owner) : owner_(owner) {}
+
+  void onFrame(collectives::transport::Channel& channel,
+               const collectives::transport::FrameHeader& h, std::vector<uint8_t> payload) override {
+    if (!channel_) channel_ = channel.shared_from_this();
+    json body = wire::decodeBody(h.type, payload);  // Corruption drops the connection.
+    std::lock_guard<std::mutex> lock(owner_->mu_);
+    if (closed_) return;
+    try {
+      owner_->onMessage(shared_from_this(), h, body);
+    } catch (const std::exception& e) {
+      owner_->dropped_++;
+      owner_->log("dropping connection from " + describe() + ": bad " +
+                  wire::typeName(h.type) + " message: " + e.what());
+      owner_->onSessionClosed(shared_from_this(), std::string("protocol violation: ") + e.what());
+    }
   }
 
-  void start() { readHeader(); }
+  // Called later on the io thread (never from inside close()).
+  void onClose(collectives::transport::Channel& channel, collectives::transport::CloseReason reason,
+               const std::string& why) override {
+    std::lock_guard<std::mutex> lock(owner_->mu_);
+    channel_.reset();
+    if (owner_->stopping_) return;  // Shutting down: no failure to declare.
+    if (reason == collectives::transport::CloseReason::kViolation ||
+        reason == collectives::transport::CloseReason::kTimeout) {
+      owner_->dropped_++;
+    }
+    owner_->onSessionClosed(shared_from_this(), reason ==
+                                                        collectives::transport::CloseReason::kViolation
+                                                    ? "protocol violation: " + why
+                                                    : why);
+  }
 
-  void write(std::vector<uint8_t> bytes, bool closeAfter = false) {
-    if (closed_) return;
-    queue_.push_back(std::move(bytes));
-    closeAfterWrite_ = closeAfterWrite_ || closeAfter;
-    if (queue_.size() == 1) writeNext();
+  void write(wire::Type type, int64_t epoch, const json& body, bool closeAfter = false) {
+    if (closed_ || !channel_) return;
+    channel_->send(static_cast<uint8_t>(type), epoch, wire::encodeBody(body));
+    if (closeAfter) channel_->closeAfterWrites();
   }
 
   void close() {
     if (closed_) return;
     closed_ = true;
-    error_code ec;
-    socket_.shutdown(tcp::socket::shutdown_both, ec);
-    socket_.close(ec);
-  }
-
-  // Drops the connection for a protocol violation.
-  void drop(const std::string& why) {
-    owner_->log("dropping connection from " + describe() + ": " + why);
-    owner_->dropped_++;
-    owner_->onSessionClosed(shared_from_this(), "protocol violation: " + why);
+    if (channel_) channel_->close();
   }
 
   std::string describe() const {
-    return worker_ >= 0 ? "worker " + std::to_string(worker_) + " (" + peer_ + ")" : peer_;
+    std::string peer = channel_ ? channel_->peer() : "an unknown peer";
+    return worker_ >= 0 ? "worker " + std::to_string(worker_) + " (" + peer + ")" : peer;
   }
 
   int worker_ = -1;
   bool closed_ = false;
 
  private:
-  void readHeader() {
-    auto self = shared_from_this();
-    asio::async_read(socket_, asio::buffer(header_), [this, self](error_code ec, size_t) {
-      if (closed_) return;
-      std::lock_guard<std::mutex> lock(owner_->mu_);
-      if (ec) {
-        return owner_->onSessionClosed(self,
-                                       ec == asio::error::eof ? "connection closed" : ec.message());
-      }
-      std::string why;
-      if (!wire::decodeHeader(header_.data(), owner_->options_.maxMessageBytes, &h_, &why)) {
-        return drop(why);
-      }
-      if (h_.token != owner_->options_.token) {
-        return drop(std::string("wrong job token on a ") + wire::typeName(h_.type) + " message");
-      }
-      payload_.assign(h_.length, 0);
-      readPayload();
-    });
-  }
-
-  void readPayload() {
-    auto self = shared_from_this();
-    asio::async_read(socket_, asio::buffer(payload_), [this, self](error_code ec, size_t) {
-      if (closed_) return;
-      std::lock_guard<std::mutex> lock(owner_->mu_);
-      if (ec) {
-        return owner_->onSessionClosed(self, std::string("connection closed in the middle of a ") +
-                                                 wire::typeName(h_.type) + " message");
-      }
-      json body;
-      std::string why;
-      if (!wire::decodeBody(payload_, &body, &why)) {
-        return drop(std::string("malformed ") + wire::typeName(h_.type) + " message: " + why);
-      }
-      try {
-        owner_->onMessage(self, h_, body);
-      } catch (const std::exception& e) {
-        return drop(std::string("bad ") + wire::typeName(h_.type) + " message: " + e.what());
-      }
-      if (!closed_) readHeader();
-    });
-  }
-
-  void writeNext() {
-    auto self = shared_from_this();
-    asio::async_write(socket_, asio::buffer(queue_.front()), [this, self](error_code ec, size_t) {
-      if (closed_) return;
-      std::lock_guard<std::mutex> lock(owner_->mu_);
-      if (ec) return owner_->onSessionClosed(self, "write failed: " + ec.message());
-      queue_.pop_front();
-      if (!queue_.empty()) return writeNext();
-      if (closeAfterWrite_) owner_->closeSession(self);
-    });
-  }
-
   Impl* const owner_;  // Outlives its sessions: ~Impl closes them and joins the io thread.
-  tcp::socket socket_;
-  std::string peer_;
-  std::array<uint8_t, wire::kHeaderBytes> header_{};
-  wire::Header h_;
-  std::vector<uint8_t> payload_;
-  std::deque<std::vector<uint8_t>> queue_;
-  bool closeAfterWrite_ = false;
+  std::shared_ptr<collectives::transport::Channel> channel_;  // Reset when it closes.
 };
-
-void Coordinator::Impl::accept() {
-  acceptor_.async_accept([this](error_code ec, tcp::socket socket) {
-    if (ec == asio::error::operation_aborted || !acceptor_.is_open()) return;
-    if (!ec) {
-      error_code ignored;
-      socket.set_option(tcp::no_delay(true), ignored);
-      auto s = std::make_shared<Session>(this, std::move(socket));
-      std::lock_guard<std::mutex> lock(mu_);
-      sessions_.insert(s);
-      s->start();
-    }
-    accept();
-  });
-}
 
 void Coordinator::Impl::scheduleCheck() {
   checkTimer_.expires_after(options_.heartbeatInterval / 2);
@@ -342,14 +281,9 @@ void Coordinator::Impl::scheduleCheck() {
   });
 }
 
-void Coordinator::Impl::closeSession(const std::shared_ptr<Session>& s) {
-  s->close();
-  sessions_.erase(s);
-}
-
 void Coordinator::Impl::onSessionClosed(const std::shared_ptr<Session>& s, const std::string& why) {
   int worker = s->worker_;
-  closeSession(s);
+  s->close();
   if (worker < 0) return;
   auto it = workers_.find(worker);
   if (it == workers_.end() || it->second.session != s) return;
@@ -360,8 +294,8 @@ void Coordinator::Impl::onSessionClosed(const std::shared_ptr<Session>& s, const
   declareDead(worker, why);
 }
 
-void Coordinator::Impl::onMessage(const std::shared_ptr<Session>& s, const wire::Header& h,
-                                  const json& body) {
+void Coordinator::Impl::onMessage(const std::shared_ptr<Session>& s,
+                                  const collectives::transport::FrameHeader& h, const json& body) {
   auto type = static_cast<wire::Type>(h.type);
   if (type == wire::Type::kHello) {
     if (s->worker_ >= 0) throw std::runtime_error("second hello on one connection");
@@ -428,6 +362,10 @@ void Coordinator::Impl::onHello(const std::shared_ptr<Session>& s, const json& b
   }
   // Joiners get ids after every launch rank, so an early joiner never takes a rank's id.
   int id = requested >= 0 ? requested : std::max(nextId_, options_.expectedWorkers);
+  if (id >= wire::kMaxWorkerId) {
+    throw std::runtime_error("no worker id left for a join (ids are never reused; the last is " +
+                             std::to_string(wire::kMaxWorkerId - 1) + ")");
+  }
   nextId_ = std::max(nextId_, id + 1);
   s->worker_ = id;
   Worker w;
@@ -602,8 +540,8 @@ void Coordinator::Impl::release(int worker, const std::string& why) {
   auto it = workers_.find(worker);
   if (it == workers_.end()) return;
   if (it->second.session && !it->second.session->closed_) {
-    it->second.session->write(wire::encode(wire::Type::kReleased, options_.token, epoch_,
-                                           json{{"reason", why}, {"step", committed_}}),
+    it->second.session->write(wire::Type::kReleased, epoch_,
+                              json{{"reason", why}, {"step", committed_}},
                               /*closeAfter=*/true);
   }
   // Erased from workers_: its closing connection and any late message are no failure.
@@ -663,9 +601,8 @@ void Coordinator::Impl::declareDead(int worker, const std::string& why) {
            {"epoch", epoch_},
            {"committed_step", committed_}});
     if (wit->second.session && !wit->second.session->closed_) {
-      wit->second.session->write(
-          wire::encode(wire::Type::kExpelled, options_.token, epoch_, json{{"reason", reason}}),
-          /*closeAfter=*/true);
+      wit->second.session->write(wire::Type::kExpelled, epoch_, json{{"reason", reason}},
+                                 /*closeAfter=*/true);
     }
     wasMember = wasMember || std::find(members_.begin(), members_.end(), id) != members_.end();
     pendingJoin_.erase(std::remove(pendingJoin_.begin(), pendingJoin_.end(), id),
@@ -686,7 +623,7 @@ void Coordinator::Impl::declareDead(int worker, const std::string& why) {
 void Coordinator::Impl::send(int worker, wire::Type type, const json& body) {
   auto it = workers_.find(worker);
   if (it == workers_.end() || !it->second.session) return;
-  it->second.session->write(wire::encode(type, options_.token, epoch_, body));
+  it->second.session->write(type, epoch_, body);
 }
 
 void Coordinator::Impl::event(json e) {

@@ -48,6 +48,13 @@ struct CoordinatorOptions {
   std::chrono::milliseconds deadAfter{1000};
   // Largest message accepted; a larger one drops the connection.
   uint32_t maxMessageBytes = 1u << 20;
+  // Connections beyond this many are refused (both ports).
+  size_t maxConnections = 4096;
+  // A connection that sends no complete message for this long (and at least 2 x deadAfter)
+  // is closed: workers heartbeat far more often, so only strangers and stalled peers hit it.
+  std::chrono::milliseconds idleTimeout{10000};
+  // A message's payload must arrive within this of its header.
+  std::chrono::milliseconds frameTimeout{10000};
   // Where protocol violations and membership changes are logged; stderr by default.
   std::function<void(const std::string&)> log;
   // If set, membership events are appended here as JSON lines.
@@ -86,9 +93,8 @@ class Coordinator {
   // the timeout passes. Returns whether the job finished with at least one member done.
   bool waitFinished(std::chrono::milliseconds timeout);
 
-  class Impl;
-
  private:
+  class Impl;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -17,6 +17,8 @@
 #include <mutex>
 #include <thread>
 
+#include "sinew/collectives/transport/channel.h"
+#include "sinew/collectives/transport/connection.h"
 #include "sinew/runtime/detail/wire.h"
 
 namespace sinew {
@@ -27,19 +29,20 @@ using asio::ip::tcp;
 using boost::system::error_code;
 using Clock = std::chrono::steady_clock;
 using nlohmann::json;
+namespace transport = collectives::transport;
 
-class CoordinatorClient::Impl {
+class CoordinatorClient::Impl : public transport::ChannelHandler {
  public:
   explicit Impl(CoordinatorClientOptions options)
-      : options_(std::move(options)), socket_(io_), heartbeat_(io_) {}
+      : options_(std::move(options)), heartbeat_(io_) {}
 
   // Flushes queued messages (e.g. done), for at most a second, then closes.
-  ~Impl() {
+  ~Impl() override {
     asio::post(io_, [this] {
       stopping_ = true;
       heartbeat_.cancel();
-      if (out_.empty() || closed_) return closeNow();
-      flushThenClose_ = true;
+      if (!channel_ || channel_->closed()) return closeNow();
+      channel_->closeAfterWrites();
       heartbeat_.expires_after(std::chrono::seconds(1));
       heartbeat_.async_wait([this](error_code) { closeNow(); });
     });
@@ -49,16 +52,26 @@ class CoordinatorClient::Impl {
   void closeNow() {
     closed_ = true;
     heartbeat_.cancel();
-    error_code ec;
-    socket_.shutdown(tcp::socket::shutdown_both, ec);
-    socket_.close(ec);
+    if (channel_) channel_->close();
   }
 
-  void start() {
-    connect();
+  // The channel holds its handler by shared_ptr; this Impl outlives the channel (its
+  // destructor closes it and joins the io thread), so the handler it gets is a non-owning
+  // alias.
+  void start(std::shared_ptr<transport::ChannelHandler> self) {
+    tcp::socket socket(io_);
+    transport::connectSocket(io_, socket, options_.host, options_.port,
+                             Clock::now() + options_.connectTimeout,
+                             "the coordinator at " + options_.host + ":" +
+                                 std::to_string(options_.port));
+    transport::ChannelOptions co;
+    co.rules = wire::clientRules(options_.token);
+    co.frameTimeout = std::chrono::milliseconds(10000);
+    co.name = "sinew coordinator client";
+    channel_ = std::make_shared<transport::Channel>(std::move(socket), co, std::move(self));
+    channel_->start();
     json hello = {{"worker", options_.worker}, {"node", options_.node}, {"pid", ::getpid()}};
     queue(wire::Type::kHello, -1, hello);
-    readHeader();
     scheduleHeartbeat();
     thread_ = std::thread([this] { io_.run(); });
     std::unique_lock<std::mutex> lock(mu_);
@@ -120,6 +133,20 @@ class CoordinatorClient::Impl {
     listener_ = std::move(l);
   }
 
+  // transport::ChannelHandler, on the io thread.
+  void onFrame(transport::Channel& channel, const transport::FrameHeader& h,
+               std::vector<uint8_t> payload) override {
+    json body = wire::decodeBody(h.type, payload);  // Corruption closes the channel.
+    handle(static_cast<wire::Type>(h.type), body);
+  }
+  void onClose(transport::Channel& channel, transport::CloseReason reason,
+               const std::string& why) override {
+    if (reason == transport::CloseReason::kViolation) {
+      return fail("malformed message from the coordinator: " + why);
+    }
+    fail("the coordinator closed the connection (" + why + ")");
+  }
+
   CoordinatorClientOptions options_;
   int worker_ = -1;
   std::string storeHost_;
@@ -131,46 +158,10 @@ class CoordinatorClient::Impl {
     SINEW_THROW(Expelled, "worker ", worker_, " must leave the job: ", gone_);
   }
 
-  void connect() {
-    auto deadline = Clock::now() + options_.connectTimeout;
-    auto backoff = std::chrono::milliseconds(5);
-    std::string last;
-    while (true) {
-      error_code ec;
-      tcp::resolver resolver(io_);
-      auto endpoints = resolver.resolve(options_.host, std::to_string(options_.port), ec);
-      if (!ec) asio::connect(socket_, endpoints, ec);
-      if (!ec) {
-        socket_.set_option(tcp::no_delay(true), ec);
-        return;
-      }
-      last = ec.message();
-      error_code ignored;
-      socket_.close(ignored);
-      auto now = Clock::now();
-      if (now >= deadline) break;
-      std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - now));
-      backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
-    }
-    SINEW_THROW(Timeout, "cannot reach the coordinator at ", options_.host, ":", options_.port,
-                " within ", options_.connectTimeout.count(), " ms: ", last);
-  }
-
   // io thread only.
   void queue(wire::Type type, int64_t epoch, const json& body) {
-    if (closed_) return;
-    out_.push_back(wire::encode(type, options_.token, epoch, body));
-    if (out_.size() == 1) writeNext();
-  }
-
-  void writeNext() {
-    asio::async_write(socket_, asio::buffer(out_.front()), [this](error_code ec, size_t) {
-      if (ec && stopping_) return closeNow();
-      if (ec) return fail("lost the connection to the coordinator: " + ec.message());
-      out_.pop_front();
-      if (!out_.empty()) return writeNext();
-      if (flushThenClose_) closeNow();
-    });
+    if (closed_ || !channel_) return;
+    channel_->send(static_cast<uint8_t>(type), epoch, wire::encodeBody(body));
   }
 
   void scheduleHeartbeat() {
@@ -187,32 +178,6 @@ class CoordinatorClient::Impl {
       }
       if (!muted) queue(wire::Type::kHeartbeat, epoch, json{{"step", step_.load()}});
       scheduleHeartbeat();
-    });
-  }
-
-  void readHeader() {
-    asio::async_read(socket_, asio::buffer(header_), [this](error_code ec, size_t) {
-      if (ec) return fail("the coordinator closed the connection (" + ec.message() + ")");
-      std::string why;
-      if (!wire::decodeHeader(header_.data(), 64u << 20, &h_, &why) || h_.token != options_.token) {
-        return fail("malformed message from the coordinator: " +
-                    (why.empty() ? std::string("wrong job token") : why));
-      }
-      payload_.assign(h_.length, 0);
-      asio::async_read(socket_, asio::buffer(payload_), [this](error_code ec2, size_t) {
-        if (ec2) return fail("the coordinator closed the connection (" + ec2.message() + ")");
-        json body;
-        std::string why2;
-        if (!wire::decodeBody(payload_, &body, &why2)) {
-          return fail("malformed message from the coordinator: " + why2);
-        }
-        try {
-          handle(static_cast<wire::Type>(h_.type), body);
-        } catch (const std::exception& e) {
-          return fail(std::string("bad message from the coordinator: ") + e.what());
-        }
-        if (!closed_) readHeader();
-      });
     });
   }
 
@@ -261,8 +226,8 @@ class CoordinatorClient::Impl {
           closed_ = true;
           break;
         default:
-          throw std::runtime_error(std::string("unexpected ") +
-                                   wire::typeName(static_cast<uint8_t>(type)));
+          SINEW_THROW(Corruption, "unexpected ", wire::typeName(static_cast<uint8_t>(type)),
+                      " message from the coordinator");
       }
       listener = listener_;
     }
@@ -280,25 +245,19 @@ class CoordinatorClient::Impl {
       listener = listener_;
     }
     heartbeat_.cancel();
-    error_code ec;
-    socket_.close(ec);
+    if (channel_) channel_->close();
     cv_.notify_all();
     if (listener) listener(-1);
   }
 
   asio::io_context io_;
-  tcp::socket socket_;
   asio::steady_timer heartbeat_;
   std::thread thread_;
   std::atomic<int64_t> step_{-1};
-  // io thread only.
-  std::array<uint8_t, wire::kHeaderBytes> header_{};
-  wire::Header h_;
-  std::vector<uint8_t> payload_;
-  std::deque<std::vector<uint8_t>> out_;
+  // io thread only (set before the io thread starts).
+  std::shared_ptr<transport::Channel> channel_;
   bool closed_ = false;
   bool stopping_ = false;
-  bool flushThenClose_ = false;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
@@ -316,7 +275,8 @@ class CoordinatorClient::Impl {
 
 CoordinatorClient::CoordinatorClient(CoordinatorClientOptions options)
     : impl_(std::make_unique<Impl>(std::move(options))) {
-  impl_->start();
+  // Non-owning alias: the channel never outlives impl_ (see Impl::start).
+  impl_->start(std::shared_ptr<transport::ChannelHandler>(std::shared_ptr<void>(), impl_.get()));
 }
 CoordinatorClient::~CoordinatorClient() = default;
 int CoordinatorClient::worker() const { return impl_->worker_; }

@@ -232,6 +232,7 @@ std::unique_ptr<Context> init(int* argc, char*** argv, const InitOptions& option
   }
   ctx->client_ = std::make_unique<runtime::CoordinatorClient>(co);
   collectives::TcpStoreOptions so;
+  so.token = co.token;  // The coordinator serves the store under the job's token.
   so.connectTimeout = options.connectTimeout;
   ctx->store_ = std::make_shared<collectives::TcpStore>(ctx->client_->storeHost(),
                                                         ctx->client_->storePort(), so);

@@ -1,17 +1,78 @@
 #include "sinew/runtime/detail/wire.h"
 
-#include <iomanip>
-#include <sstream>
-
-#include "sinew/collectives/detail/little_endian.h"
+#include "sinew/collectives/error.h"
 
 namespace sinew {
 namespace runtime {
 namespace wire {
 namespace {
 
-using sinew::detail::appendLe;
-using sinew::detail::loadLe;
+using nlohmann::json;
+
+enum class Kind { kInt, kString, kBool, kIntArray };
+
+struct Field {
+  const char* name;
+  Kind kind;
+  bool required;
+  int64_t min;  // kInt, kIntArray elements; kString: minimum length
+  int64_t max;  // kInt, kIntArray elements; kString and kIntArray: maximum length
+};
+
+constexpr int64_t kMaxText = 4096;
+constexpr int64_t kMaxMembers = 1 << 20;
+
+std::vector<Field> fieldsOf(Type type) {
+  switch (type) {
+    case Type::kHello:
+      return {{"worker", Kind::kInt, true, -1, kMaxWorkerId - 1},
+              {"node", Kind::kString, true, 1, 255},
+              {"pid", Kind::kInt, false, 0, INT32_MAX}};
+    case Type::kWelcome:
+      return {{"worker", Kind::kInt, true, 0, kMaxWorkerId - 1},
+              {"store_host", Kind::kString, true, 1, 255},
+              {"store_port", Kind::kInt, true, 1, 65535},
+              {"heartbeat_ms", Kind::kInt, true, 1, 3600 * 1000},
+              {"dead_after_ms", Kind::kInt, false, 1, 24 * 3600 * 1000}};
+    case Type::kHeartbeat:
+      return {{"step", Kind::kInt, true, -1, kMaxStep}};
+    case Type::kLost:
+      return {{"worker", Kind::kInt, true, 0, kMaxWorkerId - 1}};
+    case Type::kVote:
+      return {{"step", Kind::kInt, true, 0, kMaxStep}};
+    case Type::kCommit:
+      return {{"step", Kind::kInt, true, 0, kMaxStep}, {"next_epoch", Kind::kBool, false, 0, 0}};
+    case Type::kEpoch:
+      return {{"epoch", Kind::kInt, true, 0, kMaxStep},
+              {"members", Kind::kIntArray, true, 0, kMaxMembers},
+              {"resume_step", Kind::kInt, true, 0, kMaxStep},
+              {"source", Kind::kInt, true, -1, kMaxWorkerId - 1},
+              {"joined", Kind::kIntArray, true, 0, kMaxMembers},
+              {"sync", Kind::kBool, true, 0, 0}};
+    case Type::kDone:
+      return {{"step", Kind::kInt, true, -1, kMaxStep}};
+    case Type::kExpelled:
+      return {{"reason", Kind::kString, false, 0, kMaxText}};
+    case Type::kRebuild:
+      return {};
+    case Type::kReady:
+      return {{"resume_step", Kind::kInt, true, 0, kMaxStep}};
+    case Type::kLeave:
+      return {{"step", Kind::kInt, true, -1, kMaxStep}};
+    case Type::kReleased:
+      return {{"step", Kind::kInt, true, -1, kMaxStep},
+              {"reason", Kind::kString, false, 0, kMaxText}};
+  }
+  return {};
+}
+
+bool isInt(const json& v) { return v.is_number_integer(); }
+
+int64_t intValue(const json& v) {
+  // An unsigned value above INT64_MAX is out of every range we accept.
+  if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX)) return INT64_MAX;
+  return v.get<int64_t>();
+}
 
 }  // namespace
 
@@ -47,58 +108,109 @@ const char* typeName(uint8_t type) {
   return nullptr;
 }
 
-std::vector<uint8_t> encode(Type type, uint64_t token, int64_t epoch, const nlohmann::json& body) {
+const char* workerTypeName(uint8_t type) {
+  switch (static_cast<Type>(type)) {
+    case Type::kHello:
+    case Type::kHeartbeat:
+    case Type::kLost:
+    case Type::kVote:
+    case Type::kDone:
+    case Type::kRebuild:
+    case Type::kReady:
+    case Type::kLeave:
+      return typeName(type);
+    default:
+      return nullptr;
+  }
+}
+
+const char* coordinatorTypeName(uint8_t type) {
+  if (typeName(type) == nullptr || workerTypeName(type) != nullptr) return nullptr;
+  return typeName(type);
+}
+
+collectives::transport::FrameRules coordinatorRules(uint64_t token, uint32_t maxBytes) {
+  collectives::transport::FrameRules r;
+  r.service = collectives::transport::Service::kCoordinator;
+  r.token = token;
+  r.typeName = &workerTypeName;
+  r.maxPayloadBytes = maxBytes;
+  return r;
+}
+
+collectives::transport::FrameRules clientRules(uint64_t token) {
+  collectives::transport::FrameRules r;
+  r.service = collectives::transport::Service::kCoordinator;
+  r.token = token;
+  r.typeName = &coordinatorTypeName;
+  r.maxPayloadBytes = 64u << 20;  // An epoch message lists every member.
+  return r;
+}
+
+std::vector<uint8_t> encodeBody(const json& body) {
   std::string text = body.dump();
-  std::vector<uint8_t> b;
-  b.reserve(kHeaderBytes + text.size());
-  appendLe(b, kMagic, 4);
-  b.push_back(kVersion);
-  b.push_back(static_cast<uint8_t>(type));
-  appendLe(b, 0, 2);
-  appendLe(b, text.size(), 4);
-  appendLe(b, token, 8);
-  appendLe(b, static_cast<uint64_t>(epoch), 8);
-  b.insert(b.end(), text.begin(), text.end());
-  return b;
+  return std::vector<uint8_t>(text.begin(), text.end());
 }
 
-bool decodeHeader(const uint8_t* data, uint32_t maxBytes, Header* out, std::string* why) {
-  uint32_t magic = static_cast<uint32_t>(loadLe(data, 4));
-  if (magic != kMagic) {
-    std::ostringstream os;
-    os << "bad magic 0x" << std::hex << std::setw(8) << std::setfill('0') << magic
-       << " (not a Sinew coordinator message)";
-    *why = os.str();
-    return false;
+json decodeBody(uint8_t type, const std::vector<uint8_t>& payload) {
+  const char* name = typeName(type);
+  if (name == nullptr) SINEW_THROW(Corruption, "coordinator message of unknown type ", int(type));
+  json body = json::parse(payload.begin(), payload.end(), nullptr, /*allow_exceptions=*/false);
+  if (body.is_discarded() || !body.is_object()) {
+    SINEW_THROW(Corruption, name, " message: payload is not a JSON object");
   }
-  if (data[4] != kVersion) {
-    *why = "protocol version " + std::to_string(data[4]) + ", this coordinator speaks " +
-           std::to_string(kVersion);
-    return false;
+  for (const Field& f : fieldsOf(static_cast<Type>(type))) {
+    auto it = body.find(f.name);
+    if (it == body.end()) {
+      if (f.required) SINEW_THROW(Corruption, name, " message: field '", f.name, "' is missing");
+      continue;
+    }
+    const json& v = *it;
+    switch (f.kind) {
+      case Kind::kInt: {
+        if (!isInt(v)) {
+          SINEW_THROW(Corruption, name, " message: field '", f.name, "' = ", v.dump(),
+                      " is not an integer");
+        }
+        int64_t x = intValue(v);
+        if (x < f.min || x > f.max) {
+          SINEW_THROW(Corruption, name, " message: field '", f.name, "' = ", v.dump(),
+                      " is outside [", f.min, ", ", f.max, "]");
+        }
+        break;
+      }
+      case Kind::kString:
+        if (!v.is_string()) {
+          SINEW_THROW(Corruption, name, " message: field '", f.name, "' is not a string");
+        }
+        if (int64_t(v.get_ref<const std::string&>().size()) < f.min ||
+            int64_t(v.get_ref<const std::string&>().size()) > f.max) {
+          SINEW_THROW(Corruption, name, " message: field '", f.name, "' has ",
+                      v.get_ref<const std::string&>().size(), " characters, outside [", f.min,
+                      ", ", f.max, "]");
+        }
+        break;
+      case Kind::kBool:
+        if (!v.is_boolean()) {
+          SINEW_THROW(Corruption, name, " message: field '", f.name, "' = ", v.dump(),
+                      " is not a boolean");
+        }
+        break;
+      case Kind::kIntArray:
+        if (!v.is_array() || int64_t(v.size()) > f.max) {
+          SINEW_THROW(Corruption, name, " message: field '", f.name,
+                      "' is not an array of at most ", f.max, " worker ids");
+        }
+        for (const json& e : v) {
+          if (!isInt(e) || intValue(e) < 0 || intValue(e) >= kMaxWorkerId) {
+            SINEW_THROW(Corruption, name, " message: field '", f.name, "' holds ", e.dump(),
+                        ", not a worker id in [0, ", kMaxWorkerId, ")");
+          }
+        }
+        break;
+    }
   }
-  if (typeName(data[5]) == nullptr) {
-    *why = "unknown message type " + std::to_string(data[5]);
-    return false;
-  }
-  out->type = data[5];
-  out->length = static_cast<uint32_t>(loadLe(data + 8, 4));
-  if (out->length > maxBytes) {
-    *why = std::string(typeName(out->type)) + " message of " + std::to_string(out->length) +
-           " bytes exceeds the limit of " + std::to_string(maxBytes);
-    return false;
-  }
-  out->token = loadLe(data + 12, 8);
-  out->epoch = static_cast<int64_t>(loadLe(data + 20, 8));
-  return true;
-}
-
-bool decodeBody(const std::vector<uint8_t>& payload, nlohmann::json* out, std::string* why) {
-  *out = nlohmann::json::parse(payload.begin(), payload.end(), nullptr, /*allow_exceptions=*/false);
-  if (out->is_discarded() || !out->is_object()) {
-    *why = "payload is not a JSON object";
-    return false;
-  }
-  return true;
+  return body;
 }
 
 }  // namespace wire

@@ -18,8 +18,59 @@
 #include <thread>
 #include <vector>
 
+#include "sinew/collectives/tcp_store.h"
+#include "sinew/collectives/transport/frame.h"
+
 namespace sinew {
 namespace testing {
+
+// The job token of test servers and clients.
+constexpr uint64_t kTestToken = 0x5133d00dfeedf00dull;
+
+inline collectives::TcpStoreServerOptions serverOptions() {
+  collectives::TcpStoreServerOptions o;
+  o.token = kTestToken;
+  return o;
+}
+
+inline collectives::TcpStoreOptions storeOptions() {
+  collectives::TcpStoreOptions o;
+  o.token = kTestToken;
+  return o;
+}
+
+// A raw frame of Sinew's transport: header (with any field overridden) and payload.
+struct RawFrame {
+  uint8_t service = 1;
+  uint8_t type = 1;
+  uint64_t token = kTestToken;
+  int64_t epoch = 0;
+  std::vector<uint8_t> payload;
+  // Overrides of header fields (for malformed frames); -1: derived.
+  int64_t length = -1;
+  int64_t magic = -1;
+  int version = -1;
+  int flags = 0;
+};
+
+inline std::vector<uint8_t> rawFrame(const RawFrame& f) {
+  collectives::transport::FrameHeader h;
+  h.service = static_cast<collectives::transport::Service>(f.service);
+  h.type = f.type;
+  h.length = static_cast<uint32_t>(f.length >= 0 ? f.length : int64_t(f.payload.size()));
+  h.token = f.token;
+  h.epoch = f.epoch;
+  std::vector<uint8_t> b(collectives::transport::kFrameHeaderBytes);
+  collectives::transport::encodeFrameHeader(h, b.data());
+  b[5] = f.service;  // encodeFrameHeader takes a known service; tests may send any byte.
+  if (f.magic >= 0) {
+    for (int i = 0; i < 4; ++i) b[i] = static_cast<uint8_t>(uint64_t(f.magic) >> (8 * i));
+  }
+  if (f.version >= 0) b[4] = static_cast<uint8_t>(f.version);
+  b[7] = static_cast<uint8_t>(f.flags);
+  b.insert(b.end(), f.payload.begin(), f.payload.end());
+  return b;
+}
 
 // Collects log lines (a server's `log` option) so tests can check a logged reason.
 struct LogSink {

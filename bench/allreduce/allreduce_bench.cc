@@ -79,14 +79,19 @@ int runWorker(const std::string& variant, int argc, char** argv) {
   if (variant == "sinew") {
     // MPI only bootstraps: rank 0 serves the store and broadcasts its port.
     int port = 0;
+    unsigned long long token = 0;
     if (rank == 0) {
       server = std::make_unique<sinew::collectives::TcpStoreServer>(
           sinew::collectives::TcpStoreServerOptions());
       port = server->port();
+      token = server->token();
     }
     MPI_Bcast(&port, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    MPI_Bcast(&token, 1, MPI_UNSIGNED_LONG_LONG, 0, MPI_COMM_WORLD);
+    sinew::collectives::TcpStoreOptions storeOptions;
+    storeOptions.token = token;
     auto store = std::make_shared<sinew::collectives::TcpStore>(
-        "127.0.0.1", static_cast<uint16_t>(port), sinew::collectives::TcpStoreOptions());
+        "127.0.0.1", static_cast<uint16_t>(port), storeOptions);
     sinew::collectives::CommunicatorOptions o;
     for (int r = 0; r < size; ++r) o.members.push_back(r);
     o.self = rank;

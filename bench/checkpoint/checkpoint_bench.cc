@@ -37,6 +37,9 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
+// The job token of the bench's replica service and client.
+constexpr uint64_t kBenchToken = 0xbe7c4;
+
 double since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
@@ -44,7 +47,9 @@ double since(Clock::time_point t) {
 // Child: a replica service and a raw TCP sink; writes both ports to the pipe, then serves
 // until the parent closes the pipe.
 void runPeer(int writeFd, int readFd) {
-  ReplicaService service(1, ReplicaServiceOptions());
+  ReplicaServiceOptions so;
+  so.token = kBenchToken;
+  ReplicaService service(1, so);
   int ls = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};
   a.sin_family = AF_INET;
@@ -198,6 +203,7 @@ int main(int argc, char** argv) {
   // Sinew: snapshot after the step, wait before the next update, replicate each version.
   SnapshotArena arena(state, SnapshotOptions());
   ReplicaClientOptions co;
+  co.token = kBenchToken;
   co.timeout = std::chrono::milliseconds(120000);
   ReplicaClient client(1, replicaAddr, co);
   std::mutex mu;

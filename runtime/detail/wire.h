@@ -1,9 +1,10 @@
 #pragma once
 
-// The coordinator's wire format (docs/coordinator_protocol.md): a 28-byte header
-//   u32 magic "SNCO" | u8 version | u8 type | u16 zero | u32 payload bytes |
-//   u64 job token | i64 epoch
-// then a JSON object of `payload bytes` (UTF-8). Integers are little-endian.
+// The coordinator's messages (docs/coordinator_protocol.md), carried in frames of service
+// kCoordinator of Sinew's one transport (collectives/transport/frame.h: magic, version,
+// service, type, length, job token, epoch). The payload is a JSON object whose fields are
+// checked per type by decodeBody: required fields present, integers within range, strings
+// bounded.
 //
 // Internal to sinew_runtime; not installed.
 
@@ -13,13 +14,16 @@
 
 #include <nlohmann/json.hpp>
 
+#include "sinew/collectives/transport/frame.h"
+
 namespace sinew {
 namespace runtime {
 namespace wire {
 
-constexpr uint32_t kMagic = 0x4F434E53;  // "SNCO" as little-endian bytes
-constexpr uint8_t kVersion = 1;
-constexpr size_t kHeaderBytes = 28;
+// Worker ids are below this (ids are never reused, so it bounds the workers a job ever has).
+constexpr int64_t kMaxWorkerId = 1 << 24;
+// Steps and epochs are below this.
+constexpr int64_t kMaxStep = int64_t{1} << 53;
 
 enum class Type : uint8_t {
   kHello = 1,      // worker -> coordinator: {worker, node, pid}; worker -1 asks to join
@@ -27,8 +31,8 @@ enum class Type : uint8_t {
   kHeartbeat = 3,  // worker -> coordinator: {step}
   kLost = 4,       // worker -> coordinator: {worker} a peer the data plane lost
   kVote = 5,       // worker -> coordinator: {step} reduction of step done in this epoch
-  kCommit = 6,     // coordinator -> worker: {step[, next]} every member voted for step
-  kEpoch = 7,      // coordinator -> worker: {epoch, members, resume_step, source, joined}
+  kCommit = 6,     // coordinator -> worker: {step[, next_epoch]} every member voted for step
+  kEpoch = 7,      // coordinator -> worker: {epoch, members, resume_step, source, joined, sync}
   kDone = 8,       // worker -> coordinator: {step} finished every step
   kExpelled = 9,   // coordinator -> worker: {reason} declared dead; must leave
   kRebuild = 10,   // worker -> coordinator: {} this epoch's communicator could not be built
@@ -38,23 +42,21 @@ enum class Type : uint8_t {
 };
 
 const char* typeName(uint8_t type);
+// Types a worker may send (the coordinator's rules) and types the coordinator sends (the
+// client's rules); null for the others.
+const char* workerTypeName(uint8_t type);
+const char* coordinatorTypeName(uint8_t type);
 
-struct Header {
-  uint8_t type = 0;
-  uint32_t length = 0;
-  uint64_t token = 0;
-  int64_t epoch = 0;
-};
+// Frame rules of each side of a coordinator connection.
+collectives::transport::FrameRules coordinatorRules(uint64_t token, uint32_t maxBytes);
+collectives::transport::FrameRules clientRules(uint64_t token);
 
-// Serialises a message.
-std::vector<uint8_t> encode(Type type, uint64_t token, int64_t epoch, const nlohmann::json& body);
+// Serialises a message body.
+std::vector<uint8_t> encodeBody(const nlohmann::json& body);
 
-// Parses a header; on a bad magic/version/type or a length over maxBytes returns false and
-// sets *why to a sentence naming what was wrong.
-bool decodeHeader(const uint8_t* data, uint32_t maxBytes, Header* out, std::string* why);
-
-// Parses a payload as a JSON object; on failure returns false and sets *why.
-bool decodeBody(const std::vector<uint8_t>& payload, nlohmann::json* out, std::string* why);
+// Parses a payload as the JSON object of a message of `type` and checks its fields (see the
+// table in wire.cc). Throws Corruption naming the message, the field and the value.
+nlohmann::json decodeBody(uint8_t type, const std::vector<uint8_t>& payload);
 
 }  // namespace wire
 }  // namespace runtime

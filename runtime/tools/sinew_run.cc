@@ -15,6 +15,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -146,13 +147,26 @@ int main(int argc, char** argv) {
   std::snprintf(token, sizeof(token), "%llx", static_cast<unsigned long long>(coordinator.token()));
   std::string endpoint = coordinator.host() + ":" + std::to_string(coordinator.port());
   {
-    std::ofstream f(a.logDir + "/coordinator.json");
-    f << nlohmann::json{{"host", coordinator.host()},
-                        {"port", coordinator.port()},
-                        {"token", token},
-                        {"store_port", coordinator.storePort()}}
-             .dump()
-      << "\n";
+    // It holds the job token: readable by this user only, from the moment it exists.
+    const std::string path = a.logDir + "/coordinator.json";
+    int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0 || ::fchmod(fd, 0600) != 0) {
+      std::fprintf(stderr, "sinew-run: cannot create %s: %s\n", path.c_str(),
+                   std::strerror(errno));
+      return 1;
+    }
+    std::string text = nlohmann::json{{"host", coordinator.host()},
+                                      {"port", coordinator.port()},
+                                      {"token", token},
+                                      {"store_port", coordinator.storePort()}}
+                           .dump() +
+                       "\n";
+    bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+    ::close(fd);
+    if (!ok) {
+      std::fprintf(stderr, "sinew-run: cannot write %s\n", path.c_str());
+      return 1;
+    }
   }
   std::printf("sinew-run: coordinator at %s, %d workers, logs in %s\n", endpoint.c_str(), a.workers,
               a.logDir.c_str());

@@ -10,6 +10,7 @@
 
 #include <iostream>
 
+#include "../support.h"
 #include "multiproc.h"
 #include "sinew/checkpoint/engine.h"
 #include "sinew/checkpoint/persist.h"
@@ -31,7 +32,7 @@ using sinew::testing::ProcessGroup;
 using namespace std::chrono_literals;
 
 std::shared_ptr<collectives::Store> connect(uint16_t port) {
-  return std::make_shared<TcpStore>("127.0.0.1", port, TcpStoreOptions());
+  return std::make_shared<TcpStore>("127.0.0.1", port, sinew::testing::storeOptions());
 }
 
 // Worker w's shard at step s: two layers named by the worker, values a function of (w, s).
@@ -78,6 +79,7 @@ CheckpointEngineOptions engineOptions(int self, int n, std::shared_ptr<collectiv
   for (int i = 0; i < n; ++i) o.workers.push_back(i);
   o.replication = 2;
   o.store = std::move(store);
+  o.token = sinew::testing::kTestToken;
   o.timeout = 20s;
   o.client.timeout = 10s;
   return o;
@@ -105,7 +107,7 @@ class KillTest : public ::testing::TestWithParam<KillCase> {};
 TEST_P(KillTest, RecoveryFromPeersRamExactlyWhenThePlacementSaysSo) {
   const KillCase kc = GetParam();
   const int64_t kStep = 2;
-  TcpStoreServer server{TcpStoreServerOptions()};
+  TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
   for (int w = 0; w < kc.n; ++w) {
     group.spawn([&, w] {
@@ -133,6 +135,7 @@ TEST_P(KillTest, RecoveryFromPeersRamExactlyWhenThePlacementSaysSo) {
       src.peers.emplace_back(w, toString(store->get("sinew/ckpt/replica/" + std::to_string(w))));
     }
     src.client.connectTimeout = 300ms;
+    src.client.token = sinew::testing::kTestToken;
     std::vector<int> all;
     for (int w = 0; w < kc.n; ++w) all.push_back(w);
     try {
@@ -188,7 +191,7 @@ INSTANTIATE_TEST_SUITE_P(Placements, KillTest,
                          killName);
 
 TEST(ReplicationFailureTest, AWorkerKilledMidTransferLeavesThePreviousVersionCommitted) {
-  TcpStoreServer server{TcpStoreServerOptions()};
+  TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
   // Worker 0 pauses after the first chunk of version 2 until the parent has killed
   // worker 1, its only peer.
@@ -312,7 +315,7 @@ TEST(FlushCrashTest, WriterKilledBetweenShardFileAndManifestLeavesThePreviousVer
 
 TEST(EngineFlushTest, TwoWorkersFlushEveryKCommittedVersionsAndOnPreemption) {
   const std::string dir = tempDir();
-  TcpStoreServer server{TcpStoreServerOptions()};
+  TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
   for (int w = 0; w < 2; ++w) {
     group.spawn([&, w] {

@@ -29,6 +29,22 @@ namespace sinew {
 namespace checkpoint {
 namespace {
 
+ReplicaServiceOptions replicaServiceOptions() {
+  ReplicaServiceOptions o;
+  o.token = sinew::testing::kTestToken;
+  return o;
+}
+
+ReplicaClientOptions replicaClientOptions() {
+  ReplicaClientOptions o;
+  o.token = sinew::testing::kTestToken;
+  return o;
+}
+
+}  // namespace
+
+namespace {
+
 using namespace std::chrono_literals;
 
 std::string tempDir(const std::string& name) {
@@ -243,6 +259,7 @@ TEST(SnapshotTest, MemoryStaysFlatOverAThousandCheckpointsWithReplication) {
   b.self = 1;
   a.workers = b.workers = {0, 1};
   a.store = b.store = store;
+  a.token = b.token = sinew::testing::kTestToken;
   a.snapshot.slots = b.snapshot.slots = 3;
   CheckpointEngine e0(state, a);
   CheckpointEngine e1(state, b);
@@ -586,9 +603,9 @@ TEST(PersistTest, IncrementalVersionsWriteOnlyChangedLayers) {
 // ---------------------------------------------------------------------------------------
 
 TEST(ReplicaTest, PutListGetOverLoopbackAndRejectsBadChecksums) {
-  ReplicaService service(1, ReplicaServiceOptions());
+  ReplicaService service(1, replicaServiceOptions());
   ShardState s = allDtypeState(2);
-  ReplicaClientOptions co;
+  ReplicaClientOptions co = replicaClientOptions();
   co.chunkBytes = 64;  // Many chunks.
   ReplicaClient client(1, service.address(), co);
   for (int64_t step = 0; step < 3; ++step) client.put(*snap(allDtypeState(step), 0, step));
@@ -623,21 +640,37 @@ TEST(ReplicaTest, PutListGetOverLoopbackAndRejectsBadChecksums) {
 // claims an absurd size) cost only that connection; replicas already held and later puts
 // are unaffected.
 TEST(ReplicaTest, GarbageOnThePortDropsOnlyThatConnection) {
-  ReplicaServiceOptions so;
+  ReplicaServiceOptions so = replicaServiceOptions();
   so.maxShardBytes = 1 << 20;
   ReplicaService service(1, so);
-  ReplicaClient client(1, service.address(), ReplicaClientOptions());
+  ReplicaClient client(1, service.address(), replicaClientOptions());
   client.put(*snap(allDtypeState(0), 0, 0));
   std::vector<std::vector<uint8_t>> strays;
   std::string http = "GET / HTTP/1.1\r\nHost: localhost\r\n\r\n";
   strays.emplace_back(http.begin(), http.end());
-  std::vector<uint8_t> badMagic(28, 0xAB);
+  std::vector<uint8_t> badMagic(32, 0xAB);
   strays.push_back(badMagic);
-  // A well-formed begin header (magic "SNRP", version 1, type 1) claiming 2^40 bytes.
-  std::vector<uint8_t> huge = {'S', 'N', 'R', 'P', 1, 1, 0, 0, 0, 0, 0, 0};
-  for (int i = 0; i < 8; ++i) huge.push_back(0);               // step 0
-  for (int i = 0; i < 8; ++i) huge.push_back(i == 5 ? 1 : 0);  // length 2^40
-  strays.push_back(huge);
+  // A well-formed chunk header with the right token claiming 2^31 bytes.
+  sinew::testing::RawFrame huge;
+  huge.service = 3;
+  huge.type = 2;
+  huge.length = int64_t(1) << 31;
+  strays.push_back(sinew::testing::rawFrame(huge));
+  // A begin with a wrong token.
+  sinew::testing::RawFrame stranger;
+  stranger.service = 3;
+  stranger.type = 1;
+  stranger.token = 42;
+  stranger.length = 1 << 20;
+  strays.push_back(sinew::testing::rawFrame(stranger));
+  // A begin whose layout claims more than maxShardBytes.
+  sinew::testing::RawFrame big;
+  big.service = 3;
+  big.type = 1;
+  big.payload = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  std::string layout = R"({"total_bytes": 1099511627776, "tensors": []})";
+  big.payload.insert(big.payload.end(), layout.begin(), layout.end());
+  strays.push_back(sinew::testing::rawFrame(big));
   for (const auto& bytes : strays) {
     int fd = sinew::testing::connectLoopback(service.port());
     ASSERT_GE(fd, 0);
@@ -661,8 +694,8 @@ TEST(RestoreTest, OwnRamThenPeerThenDiskFallingThroughOnMismatch) {
   PersistOptions po;
   po.dir = dir;
   CheckpointWriter(po).flush({good});
-  ReplicaService peer(1, ReplicaServiceOptions());
-  ReplicaClient(1, peer.address(), ReplicaClientOptions()).put(*good);
+  ReplicaService peer(1, replicaServiceOptions());
+  ReplicaClient(1, peer.address(), replicaClientOptions()).put(*good);
 
   // A local copy with a flipped byte in layers.1.
   auto local = snap(s, 0, 5);
@@ -691,6 +724,7 @@ TEST(RestoreTest, OwnRamThenPeerThenDiskFallingThroughOnMismatch) {
   src.local.clear();
   src.peers = {{1, "127.0.0.1:1"}};
   src.client.connectTimeout = 100ms;
+  src.client.token = sinew::testing::kTestToken;
   r = restoreLayers(src, 5, {"layers.0", "layers.2"});
   EXPECT_EQ(r.source.at("layers.0"), "disk step-00000005/shard-w0.safetensors");
   expectLayersEqual({s[0], s[2]}, r.layers);

@@ -11,6 +11,7 @@
 #include <iostream>
 #include <thread>
 
+#include "../support.h"
 #include "multiproc.h"
 #include "sinew/collectives/communicator.h"
 #include "sinew/collectives/tcp_store.h"
@@ -44,7 +45,7 @@ CommunicatorOptions options(std::vector<int> members, int self, int64_t epoch,
 }
 
 std::shared_ptr<Store> connect(uint16_t port) {
-  return std::make_shared<TcpStore>("127.0.0.1", port, TcpStoreOptions());
+  return std::make_shared<TcpStore>("127.0.0.1", port, sinew::testing::storeOptions());
 }
 
 // Counts and prints mismatches inside a child process.
@@ -144,7 +145,7 @@ class CommunicatorWorldTest : public ::testing::TestWithParam<int> {};
 
 TEST_P(CommunicatorWorldTest, EveryOpDtypeAndSize) {
   const int world = GetParam();
-  TcpStoreServer server{TcpStoreServerOptions()};
+  TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
   for (int r = 0; r < world; ++r) {
     group.spawn([&, r] {
@@ -169,7 +170,7 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, CommunicatorWorldTest, ::testing::Range(1, 
 
 // Members that never show up are named in the Timeout.
 TEST(CommunicatorTest, InitTimeoutNamesMissingMember) {
-  TcpStoreServer server{TcpStoreServerOptions()};
+  TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
   for (int r = 0; r < 2; ++r) {
     group.spawn([&, r] {
@@ -196,7 +197,7 @@ TEST(CommunicatorTest, InitTimeoutNamesMissingMember) {
 }
 
 TEST(CommunicatorTest, RejectsBadArguments) {
-  auto store = std::make_shared<TcpStoreServer>(TcpStoreServerOptions());
+  auto store = std::make_shared<TcpStoreServer>(sinew::testing::serverOptions());
   auto client = connect(store->port());
   EXPECT_THROW(createGlooCommunicator(client, options({1, 2, 1}, 1, 0)), InvalidArgument);
   EXPECT_THROW(createGlooCommunicator(client, options({1, 2}, 5, 0)), InvalidArgument);
@@ -230,7 +231,7 @@ TEST(CommunicatorTest, RejectsBadArguments) {
 TEST(CommunicatorFailureTest, SigkillDuringAllreduce) {
   constexpr int kWorld = 4;
   constexpr int kVictim = 2;
-  TcpStoreServer server{TcpStoreServerOptions()};
+  TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
   for (int r = 0; r < kWorld; ++r) {
     group.spawn([&, r] {
@@ -292,7 +293,7 @@ TEST(CommunicatorFailureTest, SigstopGivesTimeoutAtDeadline) {
   constexpr int kWorld = 4;
   constexpr int kVictim = 1;
   constexpr auto kOpTimeout = 1500ms;
-  TcpStoreServer server{TcpStoreServerOptions()};
+  TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
   for (int r = 0; r < kWorld; ++r) {
     group.spawn([&, r] {
@@ -353,7 +354,7 @@ TEST(CommunicatorFailureTest, SigstopGivesTimeoutAtDeadline) {
 // abort() from another thread ends a blocked recv with Aborted within 100 ms, and the
 // peer learns that this worker aborted.
 TEST(CommunicatorFailureTest, AbortFromAnotherThreadUnblocks) {
-  TcpStoreServer server{TcpStoreServerOptions()};
+  TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
   for (int r = 0; r < 2; ++r) {
     group.spawn([&, r] {
@@ -402,7 +403,7 @@ TEST(CommunicatorFailureTest, AbortFromAnotherThreadUnblocks) {
 // gets Aborted naming it and builds the next epoch, whose allreduce is correct.
 TEST(CommunicatorFailureTest, TenRebuildsInARow) {
   constexpr int kWorld = 4;
-  TcpStoreServer server{TcpStoreServerOptions()};
+  TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
   for (int r = 0; r < kWorld; ++r) {
     group.spawn([&, r] {

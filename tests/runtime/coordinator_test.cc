@@ -244,9 +244,19 @@ struct BadCase {
   std::string reason;
 };
 
-std::vector<uint8_t> hello(uint64_t token, int worker) {
-  return wire::encode(wire::Type::kHello, token, -1,
-                      json{{"worker", worker}, {"node", "raw"}, {"pid", 1}});
+// A coordinator frame of Sinew's transport carrying `body`.
+std::vector<uint8_t> frame(wire::Type type, uint64_t token, int64_t epoch, const json& body) {
+  sinew::testing::RawFrame f;
+  f.service = 2;
+  f.type = static_cast<uint8_t>(type);
+  f.token = token;
+  f.epoch = epoch;
+  f.payload = wire::encodeBody(body);
+  return sinew::testing::rawFrame(f);
+}
+
+std::vector<uint8_t> hello(uint64_t token, int64_t worker) {
+  return frame(wire::Type::kHello, token, -1, json{{"worker", worker}, {"node", "raw"}, {"pid", 1}});
 }
 
 std::vector<uint8_t> concat(std::vector<uint8_t> a, const std::vector<uint8_t>& b) {
@@ -288,8 +298,15 @@ INSTANTIATE_TEST_SUITE_P(
                   std::string s = "GET /status HTTP/1.1\r\nHost: localhost\r\n\r\n....";
                   return std::vector<uint8_t>(s.begin(), s.end());
                 },
-                "bad magic"},
+                "not a Sinew message"},
         BadCase{"wrong_token", [](uint64_t t) { return hello(t + 1, 7); }, "wrong job token"},
+        BadCase{"wrong_service",
+                [](uint64_t t) {
+                  auto b = hello(t, 7);
+                  b[5] = 1;  // a store frame
+                  return b;
+                },
+                "sent to the coordinator port"},
         BadCase{"oversize",
                 [](uint64_t t) {
                   auto b = hello(t, 7);
@@ -301,42 +318,43 @@ INSTANTIATE_TEST_SUITE_P(
                 "exceeds the limit of 4096"},
         BadCase{"malformed_json",
                 [](uint64_t t) {
-                  auto b = wire::encode(wire::Type::kHello, t, -1, json{{"x", 1}});
-                  b[wire::kHeaderBytes] = '[';
+                  auto b = frame(wire::Type::kHello, t, -1, json{{"x", 1}});
+                  b[collectives::transport::kFrameHeaderBytes] = '[';
                   b.back() = 'x';
                   return b;
                 },
-                "malformed hello message"},
+                "hello message: payload is not a JSON object"},
         BadCase{"missing_field",
+                [](uint64_t t) { return frame(wire::Type::kHello, t, -1, json{{"node", "n"}}); },
+                "field 'worker' is missing"},
+        BadCase{"worker_id_overflow", [](uint64_t t) { return hello(t, 2147483647); },
+                "field 'worker' = 2147483647 is outside"},
+        BadCase{"worker_id_not_integer",
                 [](uint64_t t) {
-                  return wire::encode(wire::Type::kHello, t, -1, json{{"node", "n"}});
+                  return frame(wire::Type::kHello, t, -1, json{{"worker", 1.5}, {"node", "n"}});
                 },
-                "bad hello message"},
+                "field 'worker' = 1.5 is not an integer"},
         BadCase{"vote_before_hello",
-                [](uint64_t t) {
-                  return wire::encode(wire::Type::kVote, t, 0, json{{"step", 0}});
-                },
+                [](uint64_t t) { return frame(wire::Type::kVote, t, 0, json{{"step", 0}}); },
                 "vote before hello"},
         BadCase{"unknown_type",
                 [](uint64_t t) {
                   auto b = hello(t, 7);
-                  b[5] = 77;
+                  b[6] = 77;
                   return b;
                 },
-                "unknown message type 77"},
-        BadCase{
-            "future_epoch",
-            [](uint64_t t) {
-              return concat(hello(t, 7), wire::encode(wire::Type::kVote, t, 99, json{{"step", 0}}));
-            },
-            "from the future"},
+                "unknown coordinator message type 77"},
+        BadCase{"future_epoch",
+                [](uint64_t t) {
+                  return concat(hello(t, 7), frame(wire::Type::kVote, t, 99, json{{"step", 0}}));
+                },
+                "from the future"},
         BadCase{"taken_worker_id", [](uint64_t t) { return hello(t, 0); }, "already taken"},
         BadCase{"coordinator_only_message",
                 [](uint64_t t) {
-                  return concat(hello(t, 7),
-                                wire::encode(wire::Type::kCommit, t, 0, json{{"step", 0}}));
+                  return concat(hello(t, 7), frame(wire::Type::kCommit, t, 0, json{{"step", 0}}));
                 },
-                "may not send commit"}),
+                "unknown coordinator message type 6"}),
     [](const ::testing::TestParamInfo<BadCase>& i) { return i.param.name; });
 
 // ---- Failure injection spec ------------------------------------------------------------

@@ -1,0 +1,48 @@
+#pragma once
+
+// The replica service's messages (docs/checkpoint_format.md, "Replication protocol"), in
+// frames of service kReplica of Sinew's one transport. Internal; not installed.
+
+#include <cstdint>
+#include <vector>
+
+#include "sinew/checkpoint/shard.h"
+
+namespace sinew {
+namespace checkpoint {
+namespace replica_wire {
+
+enum class Type : uint8_t {
+  kBegin = 1,      // -> service: owner i32, step i64, layout JSON
+  kChunk = 2,      // -> service: the next bytes of the shard (consecutive offsets)
+  kEnd = 3,        // -> service: empty; answered by kAck
+  kAck = 4,        // <- service: empty if the shard was accepted, else why not
+  kList = 5,       // -> service: empty; answered by kListReply
+  kListReply = 6,  // <- service: JSON [{owner, step, layout}]
+  kGet = 7,        // -> service: owner i32, step i64; answered by kGetReply + kData... or kError
+  kGetReply = 8,   // <- service: layout JSON
+  kData = 9,       // <- service: the next bytes of the shard
+  kError = 10,     // <- service: why not
+};
+
+const char* requestName(uint8_t type);  // types a client sends; null for others
+const char* answerName(uint8_t type);   // types the service sends; null for others
+
+std::vector<uint8_t> encodeShardId(int owner, int64_t step);
+// Decodes the first `size` (12) bytes of payload as owner and step (both >= 0). Throws
+// Corruption naming `what`.
+void decodeShardId(const std::vector<uint8_t>& payload, size_t size, int* owner, int64_t* step,
+                   const char* what);
+
+struct BeginRequest {
+  int owner = -1;
+  int64_t step = -1;
+  ShardLayout layout;
+};
+// Decodes a begin payload; the layout is checked by ShardLayout::fromJson and against
+// maxShardBytes. Throws Corruption.
+BeginRequest decodeBegin(const std::vector<uint8_t>& payload, uint64_t maxShardBytes);
+
+}  // namespace replica_wire
+}  // namespace checkpoint
+}  // namespace sinew

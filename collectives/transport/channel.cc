@@ -1,0 +1,319 @@
+#include "sinew/collectives/transport/channel.h"
+
+#include <fcntl.h>
+
+#include <boost/asio/post.hpp>
+#include <boost/asio/read.hpp>
+#include <boost/asio/write.hpp>
+
+#include <cstdio>
+
+#include "sinew/collectives/error.h"
+
+namespace sinew {
+namespace collectives {
+namespace transport {
+
+namespace asio = boost::asio;
+using asio::ip::tcp;
+using boost::system::error_code;
+
+void setCloseOnExec(int fd) {
+  int flags = ::fcntl(fd, F_GETFD);
+  if (flags >= 0) ::fcntl(fd, F_SETFD, flags | FD_CLOEXEC);
+}
+
+namespace {
+
+std::string endpointName(const tcp::socket& s) {
+  error_code ec;
+  auto ep = s.remote_endpoint(ec);
+  if (ec) return "an unknown peer";
+  return ep.address().to_string() + ":" + std::to_string(ep.port());
+}
+
+bool isPeerGone(const error_code& ec) {
+  return ec == asio::error::eof || ec == asio::error::connection_reset ||
+         ec == asio::error::broken_pipe;
+}
+
+}  // namespace
+
+Channel::Channel(tcp::socket socket, ChannelOptions options,
+                 std::shared_ptr<ChannelHandler> handler)
+    : socket_(std::move(socket)),
+      options_(std::move(options)),
+      handler_(std::move(handler)),
+      timer_(socket_.get_executor()) {
+  peer_ = endpointName(socket_);
+  error_code ignored;
+  socket_.set_option(tcp::no_delay(true), ignored);
+  setCloseOnExec(socket_.native_handle());
+}
+
+Channel::~Channel() = default;
+
+void Channel::log(const std::string& line) {
+  std::string full = options_.name + ": " + line;
+  if (options_.log) {
+    options_.log(full);
+  } else {
+    std::fprintf(stderr, "%s\n", full.c_str());
+  }
+}
+
+void Channel::start() { readHeader(); }
+
+void Channel::armIdle() {
+  if (options_.idleTimeout.count() <= 0) return;
+  const uint64_t serial = readSerial_;
+  auto self = shared_from_this();
+  timer_.expires_after(options_.idleTimeout);
+  timer_.async_wait([this, self, serial](error_code ec) {
+    if (ec || closed_ || serial != readSerial_) return;
+    if (busy_) return armIdle();
+    finish(CloseReason::kTimeout, "no complete frame within the idle timeout of " +
+                                      std::to_string(options_.idleTimeout.count()) + " ms");
+  });
+}
+
+void Channel::readHeader() {
+  ++readSerial_;
+  armIdle();
+  auto self = shared_from_this();
+  asio::async_read(socket_, asio::buffer(header_), [this, self](error_code ec, size_t) {
+    if (closed_) return;
+    if (ec) {
+      return finish(isPeerGone(ec) ? CloseReason::kPeerClosed : CloseReason::kViolation,
+                    isPeerGone(ec) ? "connection closed" : "read failed: " + ec.message());
+    }
+    try {
+      h_ = parseFrameHeader(header_.data(), options_.rules);
+      auto handler = handler_;  // Stays alive even if the handler closes the channel.
+      sink_ = h_.length > 0 ? handler->payloadSink(*this, h_) : nullptr;
+    } catch (const Error& e) {
+      return finish(CloseReason::kViolation, e.what());
+    }
+    if (!sink_) payload_.assign(h_.length, 0);  // The header, token included, was checked.
+    readPayload();
+  });
+}
+
+void Channel::readPayload() {
+  const uint64_t serial = ++readSerial_;
+  auto self = shared_from_this();
+  if (h_.length > 0) {
+    timer_.expires_after(options_.frameTimeout);
+    timer_.async_wait([this, self, serial](error_code ec) {
+      if (ec || closed_ || serial != readSerial_) return;
+      finish(CloseReason::kTimeout, "the payload of a " + frameName(options_.rules, h_.type) +
+                                        " message of " + std::to_string(h_.length) +
+                                        " bytes did not arrive within " +
+                                        std::to_string(options_.frameTimeout.count()) + " ms");
+    });
+  }
+  auto buffer = sink_ ? asio::buffer(sink_, h_.length) : asio::buffer(payload_);
+  asio::async_read(socket_, buffer, [this, self](error_code ec, size_t) {
+    if (closed_) return;
+    if (ec) {
+      std::string why = "connection from " + peer_ + " closed in the middle of a " +
+                        frameName(options_.rules, h_.type) + " message";
+      log(why);
+      return finish(CloseReason::kPeerClosed, why);
+    }
+    ++readSerial_;  // Disarms the frame timer.
+    auto handler = handler_;  // Stays alive even if the handler closes the channel.
+    try {
+      handler->onFrame(*this, h_, sink_ ? Bytes() : std::move(payload_));
+    } catch (const Error& e) {
+      return finish(CloseReason::kViolation,
+                    "bad " + frameName(options_.rules, h_.type) + " message: " + e.what());
+    } catch (const std::exception& e) {
+      return finish(CloseReason::kViolation,
+                    "bad " + frameName(options_.rules, h_.type) + " message: " + e.what());
+    }
+    payload_ = Bytes();
+    if (!closed_) readHeader();
+  });
+}
+
+void Channel::send(uint8_t type, int64_t epoch, Bytes payload) {
+  if (closed_) return;
+  out_.emplace_back();
+  Out& o = out_.back();
+  o.owned = std::move(payload);
+  o.data = o.owned.data();
+  o.size = o.owned.size();
+  FrameHeader h;
+  h.service = options_.rules.service;
+  h.type = type;
+  h.length = static_cast<uint32_t>(o.size);
+  h.token = options_.rules.token;
+  h.epoch = epoch;
+  encodeFrameHeader(h, o.header.data());
+  if (out_.size() == 1) writeNext();
+}
+
+void Channel::sendRef(uint8_t type, int64_t epoch, const uint8_t* data, size_t n,
+                      std::shared_ptr<const void> keepAlive) {
+  if (closed_) return;
+  SINEW_ENFORCE(n <= UINT32_MAX, "frame payload of ", n, " bytes");
+  out_.emplace_back();
+  Out& o = out_.back();
+  o.data = data;
+  o.size = n;
+  o.keepAlive = std::move(keepAlive);
+  FrameHeader h;
+  h.service = options_.rules.service;
+  h.type = type;
+  h.length = static_cast<uint32_t>(n);
+  h.token = options_.rules.token;
+  h.epoch = epoch;
+  encodeFrameHeader(h, o.header.data());
+  if (out_.size() == 1) writeNext();
+}
+
+void Channel::closeAfterWrites() {
+  closeAfterWrites_ = true;
+  if (out_.empty()) close("closed after its last message");
+}
+
+void Channel::writeNext() {
+  auto self = shared_from_this();
+  Out& o = out_.front();
+  std::array<asio::const_buffer, 2> bufs{asio::buffer(o.header), asio::buffer(o.data, o.size)};
+  asio::async_write(socket_, bufs, [this, self](error_code ec, size_t) {
+    if (closed_) return;
+    if (ec) {
+      return finish(CloseReason::kPeerClosed, "write failed: " + ec.message());
+    }
+    out_.pop_front();
+    if (!out_.empty()) return writeNext();
+    if (closeAfterWrites_) close("closed after its last message");
+  });
+}
+
+void Channel::close(const std::string& why) { finish(CloseReason::kLocal, why); }
+
+void Channel::finish(CloseReason reason, const std::string& why) {
+  if (closed_) return;
+  closed_ = true;
+  if (reason == CloseReason::kViolation || reason == CloseReason::kTimeout) {
+    log("dropping connection from " + peer_ + ": " + why);
+  }
+  error_code ec;
+  timer_.cancel();
+  socket_.shutdown(tcp::socket::shutdown_both, ec);
+  socket_.close(ec);
+  out_.clear();
+  // onClose runs later on the io thread, never inside a caller's close() (which may hold
+  // the owner's lock).
+  auto handler = std::move(handler_);
+  if (handler) {
+    auto self = shared_from_this();
+    asio::post(socket_.get_executor(),
+               [self, handler, reason, why] { handler->onClose(*self, reason, why); });
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+
+Listener::Listener(asio::io_context& io, ListenerOptions options, MakeHandler makeHandler)
+    : io_(io), options_(std::move(options)), makeHandler_(std::move(makeHandler)), acceptor_(io) {
+  error_code ec;
+  auto address = asio::ip::make_address(options_.host, ec);
+  if (ec) {
+    tcp::resolver resolver(io_);
+    auto results = resolver.resolve(options_.host, std::to_string(options_.port), ec);
+    if (ec || results.empty()) {
+      SINEW_THROW(IoError, options_.channel.name, ": cannot resolve '", options_.host,
+                  "': ", ec.message());
+    }
+    address = results.begin()->endpoint().address();
+  }
+  tcp::endpoint ep(address, options_.port);
+  acceptor_.open(ep.protocol(), ec);
+  if (!ec) setCloseOnExec(acceptor_.native_handle());
+  if (!ec) acceptor_.set_option(tcp::acceptor::reuse_address(true), ec);
+  if (!ec) acceptor_.bind(ep, ec);
+  if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
+  if (ec) {
+    SINEW_THROW(IoError, options_.channel.name, ": cannot listen on ", options_.host, ":",
+                options_.port, ": ", ec.message());
+  }
+  port_ = acceptor_.local_endpoint().port();
+  accept();
+}
+
+Listener::~Listener() {
+  error_code ec;
+  acceptor_.close(ec);
+}
+
+size_t Listener::open() {
+  for (auto it = channels_.begin(); it != channels_.end();) {
+    auto c = it->lock();
+    if (!c || c->closed()) {
+      it = channels_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return channels_.size();
+}
+
+void Listener::forEach(const std::function<void(Channel&)>& fn) {
+  open();
+  std::vector<std::shared_ptr<Channel>> live;
+  for (const auto& w : channels_) {
+    if (auto c = w.lock()) live.push_back(c);
+  }
+  for (auto& c : live) fn(*c);
+}
+
+void Listener::close() {
+  error_code ec;
+  acceptor_.close(ec);
+  forEach([](Channel& c) { c.close("server stopping"); });
+  channels_.clear();
+}
+
+void Listener::accept() {
+  acceptor_.async_accept([this](error_code ec, tcp::socket socket) {
+    if (ec == asio::error::operation_aborted || !acceptor_.is_open()) return;
+    if (ec) {
+      // EMFILE and friends: keep accepting (after a pause), never stop for good.
+      std::fprintf(stderr, "%s: accept failed: %s\n", options_.channel.name.c_str(),
+                   ec.message().c_str());
+      auto timer = std::make_shared<asio::steady_timer>(io_, std::chrono::milliseconds(50));
+      timer->async_wait([this, timer](error_code e) {
+        if (!e && acceptor_.is_open()) accept();
+      });
+      return;
+    }
+    setCloseOnExec(socket.native_handle());
+    if (open() >= options_.maxConnections) {
+      if (refused_++ % 100 == 0) {
+        std::string line = options_.channel.name + ": refusing a connection: " +
+                           std::to_string(options_.maxConnections) + " are open (the cap)";
+        if (options_.channel.log) {
+          options_.channel.log(line);
+        } else {
+          std::fprintf(stderr, "%s\n", line.c_str());
+        }
+      }
+      error_code ignored;
+      socket.close(ignored);
+    } else {
+      auto channel =
+          std::make_shared<Channel>(std::move(socket), options_.channel, makeHandler_());
+      channels_.insert(channel);
+      channel->start();
+    }
+    accept();
+  });
+}
+
+}  // namespace transport
+}  // namespace collectives
+}  // namespace sinew

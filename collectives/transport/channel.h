@@ -1,0 +1,184 @@
+#pragma once
+
+// The asynchronous half of Sinew's one transport (docs/transport.md): a Channel is one
+// framed connection on an Asio io_context; a Listener accepts connections on a port and
+// makes each a Channel. Servers (the store, the coordinator, the replica service) and the
+// coordinator client use them; blocking clients use Connection (connection.h).
+//
+// A Channel reads frames forever and hands each to its ChannelHandler. It checks every
+// header against its FrameRules (token first) before anything is allocated for the payload,
+// and it closes the connection, with a logged reason, on a bad header, a payload that does
+// not arrive within frameTimeout of its header, or (when no request is in progress) no frame
+// within idleTimeout. A bulk payload can be read straight into its destination
+// (ChannelHandler::payloadSink) and sent straight from its source (sendRef): no copies.
+//
+// Thread safety: a Channel and a Listener are used on their io_context's thread only (other
+// threads post() to it). Handlers are called on that thread.
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/steady_timer.hpp>
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "sinew/collectives/transport/frame.h"
+
+namespace sinew {
+namespace collectives {
+namespace transport {
+
+using Bytes = std::vector<uint8_t>;
+
+struct ChannelOptions {
+  FrameRules rules;  // what incoming frames must be
+  // Close the connection when no frame starts within this while no request is in progress
+  // (Channel::setBusy); 0: never. A header that arrives byte by byte counts as no frame.
+  std::chrono::milliseconds idleTimeout{0};
+  // A frame's payload must arrive within this of its header.
+  std::chrono::milliseconds frameTimeout{30000};
+  // Where reasons for dropped connections go (stderr if empty).
+  std::function<void(const std::string&)> log;
+  // Prefix of log lines, e.g. "sinew tcp store 127.0.0.1:4000".
+  std::string name = "sinew";
+};
+
+enum class CloseReason {
+  kPeerClosed,  // EOF or a reset: the peer went away
+  kViolation,   // a bad header or payload, or a handler threw Corruption
+  kTimeout,     // idle or frame timeout
+  kLocal,       // close() by the owner
+};
+
+class Channel;
+
+class ChannelHandler {
+ public:
+  virtual ~ChannelHandler() = default;
+  // Where to read the payload of h: a buffer of h.length bytes that stays valid until
+  // onFrame, or null to read into a Bytes handed to onFrame. Throw Corruption to refuse.
+  virtual uint8_t* payloadSink(Channel& channel, const FrameHeader& h) { return nullptr; }
+  // One frame. `payload` is empty when it went to payloadSink. Throwing Corruption or
+  // InvalidArgument closes the channel as a violation (logged with the message).
+  virtual void onFrame(Channel& channel, const FrameHeader& h, Bytes payload) = 0;
+  // Called once when the channel closes, for any reason; posted to the io thread, so never
+  // from inside Channel::close().
+  virtual void onClose(Channel& channel, CloseReason reason, const std::string& why) {}
+};
+
+class Channel : public std::enable_shared_from_this<Channel> {
+ public:
+  Channel(boost::asio::ip::tcp::socket socket, ChannelOptions options,
+          std::shared_ptr<ChannelHandler> handler);
+  ~Channel();
+
+  // Starts reading. REQUIRES: called once, on the io thread.
+  void start();
+
+  // Queues a frame with a copy-free payload owned by the channel.
+  void send(uint8_t type, int64_t epoch, Bytes payload);
+  // Queues a frame whose payload is `n` bytes at `data`, sent without a copy; `keepAlive`
+  // is held until the bytes are written.
+  void sendRef(uint8_t type, int64_t epoch, const uint8_t* data, size_t n,
+               std::shared_ptr<const void> keepAlive);
+  // Closes after every queued frame is written.
+  void closeAfterWrites();
+
+  // While busy (a request is being served, e.g. a parked wait), the idle timeout is off.
+  void setBusy(bool busy) { busy_ = busy; }
+
+  // Closes now (idempotent); the handler's onClose runs later with kLocal, and the channel
+  // lets go of the handler (which breaks handler -> channel reference cycles).
+  void close(const std::string& why = "closed locally");
+
+  bool closed() const { return closed_; }
+  const std::string& peer() const { return peer_; }
+  uint64_t token() const { return options_.rules.token; }
+
+  // A number the owner hangs on the connection (e.g. the worker id); -1 until set.
+  int64_t tag() const { return tag_; }
+  void setTag(int64_t tag) { tag_ = tag; }
+
+ private:
+  struct Out {
+    std::array<uint8_t, kFrameHeaderBytes> header;
+    Bytes owned;
+    const uint8_t* data = nullptr;
+    size_t size = 0;
+    std::shared_ptr<const void> keepAlive;
+  };
+  void readHeader();
+  void readPayload();
+  void armIdle();
+  void writeNext();
+  void finish(CloseReason reason, const std::string& why);
+  void log(const std::string& line);
+
+  boost::asio::ip::tcp::socket socket_;
+  const ChannelOptions options_;
+  std::shared_ptr<ChannelHandler> handler_;
+  boost::asio::steady_timer timer_;
+  std::string peer_;
+  std::array<uint8_t, kFrameHeaderBytes> header_{};
+  FrameHeader h_;
+  Bytes payload_;
+  uint8_t* sink_ = nullptr;
+  std::deque<Out> out_;
+  uint64_t readSerial_ = 0;  // which read a timer belongs to
+  bool busy_ = false;
+  bool closed_ = false;
+  bool closeAfterWrites_ = false;
+  int64_t tag_ = -1;
+};
+
+struct ListenerOptions {
+  std::string host = "127.0.0.1";
+  uint16_t port = 0;  // 0 picks a free port
+  // Connections beyond this many open ones are closed at once (logged).
+  size_t maxConnections = 256;
+  ChannelOptions channel;
+};
+
+// Accepts connections and makes each a started Channel with a handler from makeHandler.
+// The listening socket and every accepted socket are close-on-exec, so a child process
+// does not keep the port.
+class Listener {
+ public:
+  using MakeHandler = std::function<std::shared_ptr<ChannelHandler>()>;
+  // Binds and listens now (throws IoError naming host:port); accepts once io runs.
+  Listener(boost::asio::io_context& io, ListenerOptions options, MakeHandler makeHandler);
+  ~Listener();
+  uint16_t port() const { return port_; }
+  // Stops accepting and closes every open channel. Io thread only.
+  void close();
+  // Open channels (io thread only) and connections refused for the cap so far.
+  size_t open();
+  int64_t refused() const { return refused_; }
+  // Calls fn for every open channel (io thread only).
+  void forEach(const std::function<void(Channel&)>& fn);
+
+ private:
+  void accept();
+
+  boost::asio::io_context& io_;
+  const ListenerOptions options_;
+  MakeHandler makeHandler_;
+  boost::asio::ip::tcp::acceptor acceptor_;
+  uint16_t port_ = 0;
+  std::set<std::weak_ptr<Channel>, std::owner_less<std::weak_ptr<Channel>>> channels_;
+  int64_t refused_ = 0;
+};
+
+// Sets FD_CLOEXEC on a descriptor (Asio does not for accepted sockets).
+void setCloseOnExec(int fd);
+
+}  // namespace transport
+}  // namespace collectives
+}  // namespace sinew

@@ -1,0 +1,258 @@
+// Every Sinew port (the rendezvous store, the coordinator, a replica service) speaks the one
+// framed transport, and every one refuses what a stranger or a broken peer sends: garbage,
+// a wrong job token, an oversized length, a slow drip, a payload that never comes, a pile of
+// idle connections. Each is closed or refused, the server's memory stays bounded, and the
+// port goes on serving its real clients.
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../support.h"
+#include "sinew/checkpoint/replica.h"
+#include "sinew/collectives/tcp_store.h"
+#include "sinew/runtime/coordinator.h"
+#include "sinew/runtime/coordinator_client.h"
+
+namespace sinew {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::closedByPeer;
+using testing::connectLoopback;
+using testing::eventually;
+using testing::kTestToken;
+using testing::RawFrame;
+using testing::rawFrame;
+
+// Resident set size of this process, in bytes.
+int64_t rssBytes() {
+  std::ifstream f("/proc/self/statm");
+  int64_t pages = 0, resident = 0;
+  f >> pages >> resident;
+  return resident * ::sysconf(_SC_PAGESIZE);
+}
+
+// One port under test: how to reach it and how to check that it still serves.
+struct Port {
+  uint16_t port = 0;
+  uint8_t service = 0;
+  uint8_t requestType = 0;  // a type the port accepts
+  std::function<void()> stillServes;
+  std::function<int64_t()> dropped;
+  std::shared_ptr<void> keep;  // the server and its clients
+};
+
+constexpr auto kIdle = 1000ms;
+constexpr size_t kCap = 64;
+
+Port storePort() {
+  collectives::TcpStoreServerOptions o = testing::serverOptions();
+  o.idleTimeout = kIdle;
+  o.frameTimeout = kIdle;
+  o.maxConnections = kCap;
+  o.log = [](const std::string&) {};
+  auto server = std::make_shared<collectives::TcpStoreServer>(o);
+  auto client = std::make_shared<collectives::TcpStore>("127.0.0.1", server->port(),
+                                                        testing::storeOptions());
+  auto counter = std::make_shared<int>(0);
+  Port p;
+  p.port = server->port();
+  p.service = 1;
+  p.requestType = 1;  // set
+  p.stillServes = [client, counter] {
+    std::string v = std::to_string(++*counter);
+    client->set("k", collectives::toBytes(v));
+    EXPECT_EQ(collectives::toString(client->get("k", 2s)), v);
+  };
+  p.dropped = [server] { return server->droppedConnections(); };
+  p.keep = std::make_shared<std::pair<decltype(server), decltype(client)>>(server, client);
+  return p;
+}
+
+Port coordinatorPort() {
+  runtime::CoordinatorOptions o;
+  o.token = kTestToken;
+  o.expectedWorkers = 1;
+  o.idleTimeout = kIdle;
+  o.frameTimeout = kIdle;
+  o.deadAfter = 500ms;  // idle timeout: max(1 s, 2 x 500 ms)
+  o.maxConnections = kCap;
+  o.log = [](const std::string&) {};
+  auto coord = std::make_shared<runtime::Coordinator>(o);
+  runtime::CoordinatorClientOptions co;
+  co.port = coord->port();
+  co.token = kTestToken;
+  co.worker = 0;
+  co.node = "n0";
+  co.connectTimeout = 5s;
+  auto client = std::make_shared<runtime::CoordinatorClient>(co);
+  client->ready(0);
+  client->waitEpochAfter(-1, 5s);
+  auto step = std::make_shared<int64_t>(0);
+  Port p;
+  p.port = coord->port();
+  p.service = 2;
+  p.requestType = 3;  // heartbeat
+  p.stillServes = [client, step] {
+    EXPECT_EQ(client->vote(0, (*step)++, 5s), runtime::CoordinatorClient::VoteResult::kCommitted);
+  };
+  p.dropped = [coord] { return coord->status().droppedConnections; };
+  p.keep = std::make_shared<std::pair<decltype(coord), decltype(client)>>(coord, client);
+  return p;
+}
+
+Port replicaPort() {
+  checkpoint::ReplicaServiceOptions o;
+  o.token = kTestToken;
+  o.idleTimeout = kIdle;
+  o.frameTimeout = kIdle;
+  o.maxConnections = kCap;
+  auto service = std::make_shared<checkpoint::ReplicaService>(1, o);
+  checkpoint::ReplicaClientOptions co;
+  co.token = kTestToken;
+  auto client = std::make_shared<checkpoint::ReplicaClient>(1, service->address(), co);
+  Port p;
+  p.port = service->port();
+  p.service = 3;
+  p.requestType = 5;  // list
+  p.stillServes = [client] { EXPECT_TRUE(client->list().empty()); };
+  p.dropped = [service] { return service->droppedConnections(); };
+  p.keep = std::make_shared<std::pair<decltype(service), decltype(client)>>(service, client);
+  return p;
+}
+
+class PortTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    const std::string& kind = GetParam();
+    port_ = kind == "store" ? storePort() : kind == "coordinator" ? coordinatorPort() : replicaPort();
+    port_.stillServes();
+  }
+
+  RawFrame validFrame() const {
+    RawFrame f;
+    f.service = port_.service;
+    f.type = port_.requestType;
+    return f;
+  }
+
+  // Sends bytes on a new connection and expects the port to close it within `within`.
+  void expectClosed(const std::vector<uint8_t>& bytes, std::chrono::milliseconds within,
+                    const char* what) {
+    int fd = connectLoopback(port_.port);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::write(fd, bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));
+    EXPECT_TRUE(closedByPeer(fd, within)) << "the " << GetParam() << " port kept " << what;
+    ::close(fd);
+  }
+
+  Port port_;
+};
+
+TEST_P(PortTest, GarbageIsDropped) {
+  std::string http = "GET /v1/status HTTP/1.1\r\nHost: localhost\r\n\r\n";
+  expectClosed(std::vector<uint8_t>(http.begin(), http.end()), 3s, "an HTTP request");
+  std::vector<uint8_t> zeros(64, 0);
+  expectClosed(zeros, 3s, "64 zero bytes");
+  EXPECT_TRUE(eventually([&] { return port_.dropped() >= 2; }));
+  port_.stillServes();
+}
+
+TEST_P(PortTest, WrongTokenIsRefusedBeforeAnythingIsAllocated) {
+  // 20 strangers, each announcing a 1 GiB message: before the token was checked first, each
+  // cost the server its announced payload.
+  const int64_t before = rssBytes();
+  std::vector<int> fds;
+  RawFrame f = validFrame();
+  f.token = kTestToken ^ 0xff;
+  f.length = int64_t{1} << 30;
+  auto bytes = rawFrame(f);
+  for (int i = 0; i < 20; ++i) {
+    int fd = connectLoopback(port_.port);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::write(fd, bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));
+    fds.push_back(fd);
+  }
+  for (int fd : fds) {
+    EXPECT_TRUE(closedByPeer(fd, 3s)) << "a wrong token was accepted on the " << GetParam();
+    ::close(fd);
+  }
+  const int64_t grown = rssBytes() - before;
+  EXPECT_LT(grown, 16 << 20) << "20 strangers grew the " << GetParam() << " server by " << grown
+                             << " bytes";
+  port_.stillServes();
+}
+
+TEST_P(PortTest, OversizedLengthIsDropped) {
+  RawFrame f = validFrame();
+  f.length = 0xFFFFFFFFll;
+  expectClosed(rawFrame(f), 3s, "a 4 GiB announcement");
+  port_.stillServes();
+}
+
+TEST_P(PortTest, SlowDripHeaderTimesOut) {
+  // One header byte every 100 ms: the 32 bytes would take 3.2 s; the idle timeout (1-2 s)
+  // ends it first.
+  auto bytes = rawFrame(validFrame());
+  int fd = connectLoopback(port_.port);
+  ASSERT_GE(fd, 0);
+  auto start = std::chrono::steady_clock::now();
+  bool closed = false;
+  for (size_t i = 0; i < bytes.size() && !closed; ++i) {
+    if (::send(fd, &bytes[i], 1, MSG_NOSIGNAL) != 1) break;
+    closed = closedByPeer(fd, 100ms);
+  }
+  closed = closed || closedByPeer(fd, 3s);
+  EXPECT_TRUE(closed) << "a slow drip kept its connection on the " << GetParam();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 4s);
+  ::close(fd);
+  port_.stillServes();
+}
+
+TEST_P(PortTest, PayloadThatNeverArrivesTimesOut) {
+  RawFrame f = validFrame();
+  f.type = port_.service == 3 ? 1 : f.type;  // replica: a begin (list takes no payload)
+  f.length = 1000;
+  auto bytes = rawFrame(f);
+  bytes.push_back('{');
+  expectClosed(bytes, 4s, "a connection whose payload stopped after one byte");
+  port_.stillServes();
+}
+
+TEST_P(PortTest, HundredIdleConnectionsAreCappedAndTimedOut) {
+  const int64_t before = rssBytes();
+  std::vector<int> fds;
+  for (int i = 0; i < 100; ++i) {
+    int fd = connectLoopback(port_.port);
+    ASSERT_GE(fd, 0);
+    fds.push_back(fd);
+  }
+  // Those beyond the cap are closed at once; the others when their idle timeout passes.
+  int closedSoon = 0;
+  for (int fd : fds) closedSoon += closedByPeer(fd, 10ms) ? 1 : 0;
+  int stillOpen = 0;
+  for (int fd : fds) {
+    if (!closedByPeer(fd, 4s)) stillOpen++;
+    ::close(fd);
+  }
+  EXPECT_EQ(stillOpen, 0) << "idle connections outlived the idle timeout on the " << GetParam();
+  EXPECT_GE(closedSoon, 100 - static_cast<int>(kCap))
+      << "the connection cap of " << kCap << " did not refuse the rest at once";
+  const int64_t grown = rssBytes() - before;
+  EXPECT_LT(grown, 16 << 20) << "100 idle connections grew the server by " << grown << " bytes";
+  port_.stillServes();
+}
+
+INSTANTIATE_TEST_SUITE_P(Ports, PortTest, ::testing::Values("store", "coordinator", "replica"),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
+
+}  // namespace
+}  // namespace sinew
