@@ -616,14 +616,16 @@ std::shared_ptr<HostShard> ReplicaClient::get(int owner, int64_t step) {
   std::lock_guard<std::mutex> lock(mu_);
   const std::string what =
       "fetching worker " + std::to_string(owner) + "'s shard of version " + std::to_string(step);
-  return talk([this] { conn_.reset(); }, peer_, address_, what, [&]() -> std::shared_ptr<HostShard> {
+  std::string notHeld;  // The peer's answer when it does not hold the shard.
+  auto shard = talk([this] { conn_.reset(); }, peer_, address_, what, [&]() -> std::shared_ptr<HostShard> {
     transport::Connection& c = connection().get();
     auto deadline = [&] { return Clock::now() + options_.timeout; };
     c.send(static_cast<uint8_t>(Type::kGet), 0, replica_wire::encodeShardId(owner, step),
            deadline());
     transport::FrameHeader h = c.readHeader(deadline());
     if (static_cast<Type>(h.type) == Type::kError) {
-      SINEW_THROW(IoError, text(c.readPayload(h, deadline())));
+      notHeld = text(c.readPayload(h, deadline()));
+      return nullptr;
     }
     if (static_cast<Type>(h.type) != Type::kGetReply) {
       c.close();
@@ -650,6 +652,8 @@ std::shared_ptr<HostShard> ReplicaClient::get(int owner, int64_t step) {
     shard->complete = true;
     return shard;
   });
+  if (!shard) SINEW_THROW(IoError, notHeld);
+  return shard;
 }
 
 }  // namespace checkpoint

@@ -88,6 +88,7 @@ void connectSocket(asio::io_context& io, tcp::socket& socket, const std::string&
         error_code ignored;
         socket.set_option(tcp::no_delay(true), ignored);
         setCloseOnExec(socket.native_handle());
+        io.restart();  // Ran out of work; the caller may run it again.
         return;
       }
       error_code ignored;

@@ -131,12 +131,12 @@ TEST_P(KillTest, RecoveryFromPeersRamExactlyWhenThePlacementSaysSo) {
     at::set_num_threads(1);
     auto store = connect(server.port());
     RestoreSources src;
+    src.client.token = sinew::testing::kTestToken;
     for (int w = 0; w < kc.n; ++w) {
       src.peers.emplace_back(w, toString(store->get("sinew/ckpt/replica/" + std::to_string(w))));
     }
     src.client.connectTimeout = 300ms;
-    src.client.token = sinew::testing::kTestToken;
-    std::vector<int> all;
+        std::vector<int> all;
     for (int w = 0; w < kc.n; ++w) all.push_back(w);
     try {
       auto r = restoreLayers(src, kStep, layersOf(all));
