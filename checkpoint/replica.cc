@@ -9,8 +9,8 @@
 #include <future>
 
 #include "sinew/checkpoint/detail/crc32c.h"
-#include "sinew/collectives/detail/little_endian.h"
 #include "sinew/checkpoint/detail/replica_wire.h"
+#include "sinew/collectives/detail/little_endian.h"
 #include "sinew/collectives/error.h"
 #include "sinew/collectives/transport/channel.h"
 #include "sinew/collectives/transport/connection.h"
@@ -349,7 +349,8 @@ class ReplicaService::Impl::Session : public transport::ChannelHandler {
         nextOffset_ = 0;
         auto r = replica_wire::decodeBegin(payload, service_->options_.maxShardBytes);
         incoming_ = service_->claimSlot(r.owner, r.step, r.layout);
-        if (!incoming_) incomingError_ = "no free replica slot for worker " + std::to_string(r.owner);
+        if (!incoming_)
+          incomingError_ = "no free replica slot for worker " + std::to_string(r.owner);
         return;
       }
       case Type::kChunk:
@@ -404,8 +405,8 @@ class ReplicaService::Impl::Session : public transport::ChannelHandler {
                      std::vector<uint8_t>(layout.begin(), layout.end()));
         // The shard's bytes go straight from its memory; `s` keeps it alive until written.
         for (uint64_t off = 0; off < s->layout.totalBytes; off += kServeChunkBytes) {
-          size_t n = static_cast<size_t>(std::min<uint64_t>(kServeChunkBytes,
-                                                            s->layout.totalBytes - off));
+          size_t n =
+              static_cast<size_t>(std::min<uint64_t>(kServeChunkBytes, s->layout.totalBytes - off));
           channel.sendRef(static_cast<uint8_t>(Type::kData), 0, s->data() + off, n, s);
         }
         return;
@@ -518,8 +519,8 @@ namespace {
 // Runs fn; a broken connection becomes PeerLost naming the peer, a deadline Timeout; the
 // connection is dropped either way (the next request reconnects).
 template <typename Drop, typename Fn>
-auto talk(Drop dropConnection, int peer, const std::string& address, const std::string& what,
-          Fn fn) -> decltype(fn()) {
+auto talk(Drop dropConnection, int peer, const std::string& address, const std::string& what, Fn fn)
+    -> decltype(fn()) {
   try {
     return fn();
   } catch (const Timeout& e) {
@@ -527,8 +528,8 @@ auto talk(Drop dropConnection, int peer, const std::string& address, const std::
     SINEW_THROW(Timeout, what, " with worker ", peer, " at ", address, ": ", e.what());
   } catch (const IoError& e) {
     dropConnection();
-    throw PeerLost(peer, what + " with worker " + std::to_string(peer) + " at " + address +
-                             ": " + e.what());
+    throw PeerLost(
+        peer, what + " with worker " + std::to_string(peer) + " at " + address + ": " + e.what());
   } catch (const Corruption&) {
     dropConnection();
     throw;
@@ -543,30 +544,33 @@ void ReplicaClient::put(const HostShard& shard) {
   std::lock_guard<std::mutex> lock(mu_);
   const std::string what = "replicating worker " + std::to_string(shard.owner) +
                            "'s shard of version " + std::to_string(shard.step);
-  std::string ack = talk([this] { conn_.reset(); }, peer_, address_, what, [&] {
-    transport::Connection& c = connection().get();
-    auto deadline = [&] { return Clock::now() + options_.timeout; };
-    std::vector<uint8_t> begin = replica_wire::encodeShardId(shard.owner, shard.step);
-    std::string layout = shard.layout.toJson();
-    begin.insert(begin.end(), layout.begin(), layout.end());
-    c.send(static_cast<uint8_t>(Type::kBegin), 0, begin, deadline());
-    const uint64_t total = shard.layout.totalBytes;
-    int64_t index = 0;
-    for (uint64_t off = 0; off < total; off += options_.chunkBytes, ++index) {
-      if (options_.beforeChunk) options_.beforeChunk();
-      const size_t n = static_cast<size_t>(std::min<uint64_t>(options_.chunkBytes, total - off));
-      c.send(static_cast<uint8_t>(Type::kChunk), 0, {{shard.data() + off, n}}, deadline());
-      if (options_.afterChunk) options_.afterChunk(index);
-    }
-    c.send(static_cast<uint8_t>(Type::kEnd), 0, std::vector<uint8_t>(), deadline());
-    transport::FrameHeader h = c.readHeader(deadline());
-    if (static_cast<Type>(h.type) != Type::kAck) {
-      c.close();
-      SINEW_THROW(Corruption, c.name(), " answered a shard with a ",
-                  replica_wire::answerName(h.type), " message");
-    }
-    return text(c.readPayload(h, deadline()));
-  });
+  std::string ack =
+      talk([this] { conn_.reset(); }, peer_, address_, what,
+           [&] {
+             transport::Connection& c = connection().get();
+             auto deadline = [&] { return Clock::now() + options_.timeout; };
+             std::vector<uint8_t> begin = replica_wire::encodeShardId(shard.owner, shard.step);
+             std::string layout = shard.layout.toJson();
+             begin.insert(begin.end(), layout.begin(), layout.end());
+             c.send(static_cast<uint8_t>(Type::kBegin), 0, begin, deadline());
+             const uint64_t total = shard.layout.totalBytes;
+             int64_t index = 0;
+             for (uint64_t off = 0; off < total; off += options_.chunkBytes, ++index) {
+               if (options_.beforeChunk) options_.beforeChunk();
+               const size_t n =
+                   static_cast<size_t>(std::min<uint64_t>(options_.chunkBytes, total - off));
+               c.send(static_cast<uint8_t>(Type::kChunk), 0, {{shard.data() + off, n}}, deadline());
+               if (options_.afterChunk) options_.afterChunk(index);
+             }
+             c.send(static_cast<uint8_t>(Type::kEnd), 0, std::vector<uint8_t>(), deadline());
+             transport::FrameHeader h = c.readHeader(deadline());
+             if (static_cast<Type>(h.type) != Type::kAck) {
+               c.close();
+               SINEW_THROW(Corruption, c.name(), " answered a shard with a ",
+                           replica_wire::answerName(h.type), " message");
+             }
+             return text(c.readPayload(h, deadline()));
+           });
   if (!ack.empty()) {
     SINEW_THROW(Corruption, "worker ", peer_, " rejected the replica of worker ", shard.owner,
                 "'s shard of version ", shard.step, ": ", ack);
@@ -575,22 +579,25 @@ void ReplicaClient::put(const HostShard& shard) {
 
 std::vector<ReplicaInfo> ReplicaClient::list() {
   std::lock_guard<std::mutex> lock(mu_);
-  std::string payload = talk([this] { conn_.reset(); }, peer_, address_, "listing replicas", [&] {
-    transport::Connection& c = connection().get();
-    auto deadline = Clock::now() + options_.timeout;
-    c.send(static_cast<uint8_t>(Type::kList), 0, std::vector<uint8_t>(), deadline);
-    transport::FrameHeader h = c.readHeader(deadline);
-    if (static_cast<Type>(h.type) != Type::kListReply) {
-      c.close();
-      SINEW_THROW(Corruption, c.name(), " answered list with a ", replica_wire::answerName(h.type),
-                  " message");
-    }
-    return text(c.readPayload(h, deadline));
-  });
+  std::string payload =
+      talk([this] { conn_.reset(); }, peer_, address_, "listing replicas",
+           [&] {
+             transport::Connection& c = connection().get();
+             auto deadline = Clock::now() + options_.timeout;
+             c.send(static_cast<uint8_t>(Type::kList), 0, std::vector<uint8_t>(), deadline);
+             transport::FrameHeader h = c.readHeader(deadline);
+             if (static_cast<Type>(h.type) != Type::kListReply) {
+               c.close();
+               SINEW_THROW(Corruption, c.name(), " answered list with a ",
+                           replica_wire::answerName(h.type), " message");
+             }
+             return text(c.readPayload(h, deadline));
+           });
   std::vector<ReplicaInfo> out;
   try {
     json j = json::parse(payload);
-    if (!j.is_array()) SINEW_THROW(Corruption, "replica list from worker ", peer_, " is not a list");
+    if (!j.is_array())
+      SINEW_THROW(Corruption, "replica list from worker ", peer_, " is not a list");
     for (const auto& e : j) {
       ReplicaInfo r;
       const json& owner = e.at("owner");
@@ -617,41 +624,43 @@ std::shared_ptr<HostShard> ReplicaClient::get(int owner, int64_t step) {
   const std::string what =
       "fetching worker " + std::to_string(owner) + "'s shard of version " + std::to_string(step);
   std::string notHeld;  // The peer's answer when it does not hold the shard.
-  auto shard = talk([this] { conn_.reset(); }, peer_, address_, what, [&]() -> std::shared_ptr<HostShard> {
-    transport::Connection& c = connection().get();
-    auto deadline = [&] { return Clock::now() + options_.timeout; };
-    c.send(static_cast<uint8_t>(Type::kGet), 0, replica_wire::encodeShardId(owner, step),
-           deadline());
-    transport::FrameHeader h = c.readHeader(deadline());
-    if (static_cast<Type>(h.type) == Type::kError) {
-      notHeld = text(c.readPayload(h, deadline()));
-      return nullptr;
-    }
-    if (static_cast<Type>(h.type) != Type::kGetReply) {
-      c.close();
-      SINEW_THROW(Corruption, c.name(), " answered get with a ", replica_wire::answerName(h.type),
-                  " message");
-    }
-    ShardLayout layout = ShardLayout::fromJson(text(c.readPayload(h, deadline())));
-    auto shard = std::make_shared<HostShard>(layout.totalBytes, false);
-    shard->owner = owner;
-    shard->step = step;
-    shard->layout = std::move(layout);
-    for (uint64_t off = 0; off < shard->layout.totalBytes;) {
-      transport::FrameHeader d = c.readHeader(deadline());
-      if (static_cast<Type>(d.type) != Type::kData || d.length == 0 ||
-          d.length > shard->layout.totalBytes - off) {
-        c.close();
-        SINEW_THROW(Corruption, c.name(), " sent a ", replica_wire::answerName(d.type),
-                    " message of ", d.length, " bytes at offset ", off, " of a ",
-                    shard->layout.totalBytes, "-byte shard");
-      }
-      c.readInto(shard->data() + off, d.length, deadline());  // Straight into the shard.
-      off += d.length;
-    }
-    shard->complete = true;
-    return shard;
-  });
+  auto shard =
+      talk([this] { conn_.reset(); }, peer_, address_, what,
+           [&]() -> std::shared_ptr<HostShard> {
+             transport::Connection& c = connection().get();
+             auto deadline = [&] { return Clock::now() + options_.timeout; };
+             c.send(static_cast<uint8_t>(Type::kGet), 0, replica_wire::encodeShardId(owner, step),
+                    deadline());
+             transport::FrameHeader h = c.readHeader(deadline());
+             if (static_cast<Type>(h.type) == Type::kError) {
+               notHeld = text(c.readPayload(h, deadline()));
+               return nullptr;
+             }
+             if (static_cast<Type>(h.type) != Type::kGetReply) {
+               c.close();
+               SINEW_THROW(Corruption, c.name(), " answered get with a ",
+                           replica_wire::answerName(h.type), " message");
+             }
+             ShardLayout layout = ShardLayout::fromJson(text(c.readPayload(h, deadline())));
+             auto shard = std::make_shared<HostShard>(layout.totalBytes, false);
+             shard->owner = owner;
+             shard->step = step;
+             shard->layout = std::move(layout);
+             for (uint64_t off = 0; off < shard->layout.totalBytes;) {
+               transport::FrameHeader d = c.readHeader(deadline());
+               if (static_cast<Type>(d.type) != Type::kData || d.length == 0 ||
+                   d.length > shard->layout.totalBytes - off) {
+                 c.close();
+                 SINEW_THROW(Corruption, c.name(), " sent a ", replica_wire::answerName(d.type),
+                             " message of ", d.length, " bytes at offset ", off, " of a ",
+                             shard->layout.totalBytes, "-byte shard");
+               }
+               c.readInto(shard->data() + off, d.length, deadline());  // Straight into the shard.
+               off += d.length;
+             }
+             shard->complete = true;
+             return shard;
+           });
   if (!shard) SINEW_THROW(IoError, notHeld);
   return shard;
 }

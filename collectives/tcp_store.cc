@@ -9,9 +9,9 @@
 #include <boost/asio/write.hpp>
 
 #include <array>
-#include <random>
 #include <cstdio>
 #include <iomanip>
+#include <random>
 #include <set>
 #include <sstream>
 
@@ -71,8 +71,8 @@ class Reader {
     // Each key takes at least its 4-byte length: a count the payload cannot hold is refused
     // before anything is reserved.
     if (n > (b_.size() - pos_) / 4) {
-      SINEW_THROW(Corruption, what_, ": key count ", n, " does not fit in the ",
-                  b_.size() - pos_, " bytes left");
+      SINEW_THROW(Corruption, what_, ": key count ", n, " does not fit in the ", b_.size() - pos_,
+                  " bytes left");
     }
     std::vector<std::string> out;
     out.reserve(n);
@@ -472,7 +472,7 @@ class TcpStoreServer::Impl::Session : public transport::ChannelHandler,
     channel_->send(static_cast<uint8_t>(answer), 0, std::move(payload));
   }
 
-  Impl* const server_;  // The server outlives its sessions: stop() closes them first.
+  Impl* const server_;                // The server outlives its sessions: stop() closes them first.
   std::shared_ptr<Channel> channel_;  // Set at the first frame; reset on close.
   std::unique_ptr<asio::steady_timer> timer_;
   bool busy_ = false;
@@ -498,8 +498,7 @@ void TcpStoreServer::Impl::checkWaiters() {
 }
 
 TcpStoreServer::TcpStoreServer(TcpStoreServerOptions options)
-    : options_(std::move(options)),
-      token_(options_.token != 0 ? options_.token : randomToken()) {
+    : options_(std::move(options)), token_(options_.token != 0 ? options_.token : randomToken()) {
   impl_ = std::make_unique<Impl>(this, options_, token_);
   impl_->start();
   port_ = impl_->port_;
@@ -544,11 +543,11 @@ class TcpStore::Impl {
       : host_(std::move(host)),
         port_(port),
         options_(options),
-        conn_(answerRules(options.token),
-              "tcp store at " + host_ + ":" + std::to_string(port)) {
+        conn_(answerRules(options.token), "tcp store at " + host_ + ":" + std::to_string(port)) {
     if (options_.token == 0) {
-      SINEW_THROW(InvalidArgument, "TcpStoreOptions::token is 0: pass the server's job token "
-                                   "(TcpStoreServer::token(), SINEW_TOKEN)");
+      SINEW_THROW(InvalidArgument,
+                  "TcpStoreOptions::token is 0: pass the server's job token "
+                  "(TcpStoreServer::token(), SINEW_TOKEN)");
     }
   }
 

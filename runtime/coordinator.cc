@@ -203,7 +203,8 @@ class Coordinator::Impl::Session : public collectives::transport::ChannelHandler
   explicit Session(Impl* owner) : owner_(owner) {}
 
   void onFrame(collectives::transport::Channel& channel,
-               const collectives::transport::FrameHeader& h, std::vector<uint8_t> payload) override {
+               const collectives::transport::FrameHeader& h,
+               std::vector<uint8_t> payload) override {
     if (!channel_) channel_ = channel.shared_from_this();
     json body = wire::decodeBody(h.type, payload);  // Corruption drops the connection.
     std::lock_guard<std::mutex> lock(owner_->mu_);
@@ -212,8 +213,8 @@ class Coordinator::Impl::Session : public collectives::transport::ChannelHandler
       owner_->onMessage(shared_from_this(), h, body);
     } catch (const std::exception& e) {
       owner_->dropped_++;
-      owner_->log("dropping connection from " + describe() + ": bad " +
-                  wire::typeName(h.type) + " message: " + e.what());
+      owner_->log("dropping connection from " + describe() + ": bad " + wire::typeName(h.type) +
+                  " message: " + e.what());
       owner_->onSessionClosed(shared_from_this(), std::string("protocol violation: ") + e.what());
     }
   }
@@ -228,10 +229,10 @@ class Coordinator::Impl::Session : public collectives::transport::ChannelHandler
         reason == collectives::transport::CloseReason::kTimeout) {
       owner_->dropped_++;
     }
-    owner_->onSessionClosed(shared_from_this(), reason ==
-                                                        collectives::transport::CloseReason::kViolation
-                                                    ? "protocol violation: " + why
-                                                    : why);
+    owner_->onSessionClosed(shared_from_this(),
+                            reason == collectives::transport::CloseReason::kViolation
+                                ? "protocol violation: " + why
+                                : why);
   }
 
   void write(wire::Type type, int64_t epoch, const json& body, bool closeAfter = false) {

@@ -33,8 +33,7 @@ namespace transport = collectives::transport;
 
 class CoordinatorClient::Impl : public transport::ChannelHandler {
  public:
-  explicit Impl(CoordinatorClientOptions options)
-      : options_(std::move(options)), heartbeat_(io_) {}
+  explicit Impl(CoordinatorClientOptions options) : options_(std::move(options)), heartbeat_(io_) {}
 
   // Flushes queued messages (e.g. done), for at most a second, then closes.
   ~Impl() override {
@@ -60,10 +59,9 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
   // alias.
   void start(std::shared_ptr<transport::ChannelHandler> self) {
     tcp::socket socket(io_);
-    transport::connectSocket(io_, socket, options_.host, options_.port,
-                             Clock::now() + options_.connectTimeout,
-                             "the coordinator at " + options_.host + ":" +
-                                 std::to_string(options_.port));
+    transport::connectSocket(
+        io_, socket, options_.host, options_.port, Clock::now() + options_.connectTimeout,
+        "the coordinator at " + options_.host + ":" + std::to_string(options_.port));
     transport::ChannelOptions co;
     co.rules = wire::clientRules(options_.token);
     co.frameTimeout = std::chrono::milliseconds(10000);

@@ -186,8 +186,8 @@ json decodeBody(uint8_t type, const std::vector<uint8_t>& payload) {
         if (int64_t(v.get_ref<const std::string&>().size()) < f.min ||
             int64_t(v.get_ref<const std::string&>().size()) > f.max) {
           SINEW_THROW(Corruption, name, " message: field '", f.name, "' has ",
-                      v.get_ref<const std::string&>().size(), " characters, outside [", f.min,
-                      ", ", f.max, "]");
+                      v.get_ref<const std::string&>().size(), " characters, outside [", f.min, ", ",
+                      f.max, "]");
         }
         break;
       case Kind::kBool:

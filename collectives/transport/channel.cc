@@ -121,7 +121,7 @@ void Channel::readPayload() {
       log(why);
       return finish(CloseReason::kPeerClosed, why);
     }
-    ++readSerial_;  // Disarms the frame timer.
+    ++readSerial_;            // Disarms the frame timer.
     auto handler = handler_;  // Stays alive even if the handler closes the channel.
     try {
       handler->onFrame(*this, h_, sink_ ? Bytes() : std::move(payload_));
@@ -294,8 +294,9 @@ void Listener::accept() {
     setCloseOnExec(socket.native_handle());
     if (open() >= options_.maxConnections) {
       if (refused_++ % 100 == 0) {
-        std::string line = options_.channel.name + ": refusing a connection: " +
-                           std::to_string(options_.maxConnections) + " are open (the cap)";
+        std::string line = options_.channel.name +
+                           ": refusing a connection: " + std::to_string(options_.maxConnections) +
+                           " are open (the cap)";
         if (options_.channel.log) {
           options_.channel.log(line);
         } else {
@@ -305,8 +306,7 @@ void Listener::accept() {
       error_code ignored;
       socket.close(ignored);
     } else {
-      auto channel =
-          std::make_shared<Channel>(std::move(socket), options_.channel, makeHandler_());
+      auto channel = std::make_shared<Channel>(std::move(socket), options_.channel, makeHandler_());
       channels_.insert(channel);
       channel->start();
     }

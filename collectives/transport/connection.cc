@@ -142,7 +142,8 @@ FrameHeader Connection::readHeader(Clock::time_point deadline) {
   if (!socket_.is_open()) SINEW_THROW(IoError, name_, ": not connected");
   std::array<uint8_t, kFrameHeaderBytes> header{};
   error_code ec = runUntil(deadline, [&](error_code& result) {
-    asio::async_read(socket_, asio::buffer(header), [&result](error_code e, size_t) { result = e; });
+    asio::async_read(socket_, asio::buffer(header),
+                     [&result](error_code e, size_t) { result = e; });
   });
   if (ec) fail("awaiting an answer", ec);
   try {
@@ -156,7 +157,8 @@ FrameHeader Connection::readHeader(Clock::time_point deadline) {
 void Connection::readInto(uint8_t* dst, size_t n, Clock::time_point deadline) {
   if (n == 0) return;
   error_code ec = runUntil(deadline, [&](error_code& result) {
-    asio::async_read(socket_, asio::buffer(dst, n), [&result](error_code e, size_t) { result = e; });
+    asio::async_read(socket_, asio::buffer(dst, n),
+                     [&result](error_code e, size_t) { result = e; });
   });
   if (ec) fail("reading an answer", ec);
 }

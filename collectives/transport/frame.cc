@@ -59,8 +59,8 @@ FrameHeader parseFrameHeader(const uint8_t* data, const FrameRules& rules) {
   SINEW_ENFORCE(rules.typeName != nullptr, "FrameRules::typeName is required");
   const uint32_t magic = static_cast<uint32_t>(loadLe(data, 4));
   if (magic != kFrameMagic) {
-    SINEW_THROW(Corruption, "frame header: magic ", hex(magic, 8), " is not ",
-                hex(kFrameMagic, 8), " (not a Sinew message)");
+    SINEW_THROW(Corruption, "frame header: magic ", hex(magic, 8), " is not ", hex(kFrameMagic, 8),
+                " (not a Sinew message)");
   }
   if (data[4] != kFrameVersion) {
     SINEW_THROW(Corruption, "frame header: version ", int(data[4]), ", this side speaks ",
@@ -69,8 +69,8 @@ FrameHeader parseFrameHeader(const uint8_t* data, const FrameRules& rules) {
   const char* expected = serviceName(static_cast<uint8_t>(rules.service));
   if (data[5] != static_cast<uint8_t>(rules.service)) {
     const char* got = serviceName(data[5]);
-    SINEW_THROW(Corruption, "frame header: service ", int(data[5]), " (",
-                got ? got : "unknown", ") sent to the ", expected, " port");
+    SINEW_THROW(Corruption, "frame header: service ", int(data[5]), " (", got ? got : "unknown",
+                ") sent to the ", expected, " port");
   }
   FrameHeader h;
   h.service = rules.service;

@@ -151,8 +151,7 @@ int main(int argc, char** argv) {
     const std::string path = a.logDir + "/coordinator.json";
     int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     if (fd < 0 || ::fchmod(fd, 0600) != 0) {
-      std::fprintf(stderr, "sinew-run: cannot create %s: %s\n", path.c_str(),
-                   std::strerror(errno));
+      std::fprintf(stderr, "sinew-run: cannot create %s: %s\n", path.c_str(), std::strerror(errno));
       return 1;
     }
     std::string text = nlohmann::json{{"host", coordinator.host()},

@@ -726,7 +726,7 @@ TEST(RestoreTest, OwnRamThenPeerThenDiskFallingThroughOnMismatch) {
   src.local.clear();
   src.peers = {{1, "127.0.0.1:1"}};
   src.client.connectTimeout = 100ms;
-    r = restoreLayers(src, 5, {"layers.0", "layers.2"});
+  r = restoreLayers(src, 5, {"layers.0", "layers.2"});
   EXPECT_EQ(r.source.at("layers.0"), "disk step-00000005/shard-w0.safetensors");
   expectLayersEqual({s[0], s[2]}, r.layers);
 

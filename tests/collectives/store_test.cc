@@ -206,7 +206,9 @@ TEST_P(StoreMultiprocTest, ConcurrentAddsFromEightProcessesAreExact) {
   if (GetParam() == "tcp") {
     server = std::make_unique<TcpStoreServer>(sinew::testing::serverOptions());
     uint16_t port = server->port();
-    open = [port] { return std::make_shared<TcpStore>("127.0.0.1", port, sinew::testing::storeOptions()); };
+    open = [port] {
+      return std::make_shared<TcpStore>("127.0.0.1", port, sinew::testing::storeOptions());
+    };
   } else {
     dir = tempDir("add");
     open = [dir] { return std::make_shared<FileStore>(dir); };
@@ -339,8 +341,7 @@ INSTANTIATE_TEST_SUITE_P(
         GarbageCase{"wrong_service", withService(3), "service 3 (replica) sent to the store port"},
         GarbageCase{"unknown_op", storeFrame(99, {}), "unknown store message type 99"},
         GarbageCase{"oversize", storeFrame(1, {}, int64_t(1) << 30), "exceeds the limit"},
-        GarbageCase{"truncated_field", setWithTruncatedKey(),
-                    "payload ends inside field 'key'"},
+        GarbageCase{"truncated_field", setWithTruncatedKey(), "payload ends inside field 'key'"},
         GarbageCase{"pipelined", twoRequestsAtOnce(), "before the previous one was answered"}),
     [](const ::testing::TestParamInfo<GarbageCase>& i) { return i.param.name; });
 
@@ -377,7 +378,8 @@ TEST(TcpStoreServerTest, KilledClientsLeaveTheServerServing) {
   EXPECT_TRUE(exits[0].signaled && exits[1].signaled);
   EXPECT_TRUE(eventually([&] { return server.openConnections() == 0; }))
       << server.openConnections() << " connections still open";
-  EXPECT_TRUE(sink.contains("in the middle of a store set message")) << "partial request not logged";
+  EXPECT_TRUE(sink.contains("in the middle of a store set message"))
+      << "partial request not logged";
   EXPECT_EQ(server.droppedConnections(), 0);
 
   TcpStore client("127.0.0.1", port, sinew::testing::storeOptions());

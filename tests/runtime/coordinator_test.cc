@@ -256,7 +256,8 @@ std::vector<uint8_t> frame(wire::Type type, uint64_t token, int64_t epoch, const
 }
 
 std::vector<uint8_t> hello(uint64_t token, int64_t worker) {
-  return frame(wire::Type::kHello, token, -1, json{{"worker", worker}, {"node", "raw"}, {"pid", 1}});
+  return frame(wire::Type::kHello, token, -1,
+               json{{"worker", worker}, {"node", "raw"}, {"pid", 1}});
 }
 
 std::vector<uint8_t> concat(std::vector<uint8_t> a, const std::vector<uint8_t>& b) {
@@ -325,7 +326,9 @@ INSTANTIATE_TEST_SUITE_P(
                 },
                 "hello message: payload is not a JSON object"},
         BadCase{"missing_field",
-                [](uint64_t t) { return frame(wire::Type::kHello, t, -1, json{{"node", "n"}}); },
+                [](uint64_t t) {
+                  return frame(wire::Type::kHello, t, -1, json{{"node", "n"}});
+                },
                 "field 'worker' is missing"},
         BadCase{"worker_id_overflow", [](uint64_t t) { return hello(t, 2147483647); },
                 "field 'worker' = 2147483647 is outside"},
@@ -335,7 +338,9 @@ INSTANTIATE_TEST_SUITE_P(
                 },
                 "field 'worker' = 1.5 is not an integer"},
         BadCase{"vote_before_hello",
-                [](uint64_t t) { return frame(wire::Type::kVote, t, 0, json{{"step", 0}}); },
+                [](uint64_t t) {
+                  return frame(wire::Type::kVote, t, 0, json{{"step", 0}});
+                },
                 "vote before hello"},
         BadCase{"unknown_type",
                 [](uint64_t t) {

@@ -60,8 +60,8 @@ Port storePort() {
   o.maxConnections = kCap;
   o.log = [](const std::string&) {};
   auto server = std::make_shared<collectives::TcpStoreServer>(o);
-  auto client = std::make_shared<collectives::TcpStore>("127.0.0.1", server->port(),
-                                                        testing::storeOptions());
+  auto client =
+      std::make_shared<collectives::TcpStore>("127.0.0.1", server->port(), testing::storeOptions());
   auto counter = std::make_shared<int>(0);
   Port p;
   p.port = server->port();
@@ -133,7 +133,9 @@ class PortTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     const std::string& kind = GetParam();
-    port_ = kind == "store" ? storePort() : kind == "coordinator" ? coordinatorPort() : replicaPort();
+    port_ = kind == "store"         ? storePort()
+            : kind == "coordinator" ? coordinatorPort()
+                                    : replicaPort();
     port_.stillServes();
   }
 
