@@ -136,7 +136,7 @@ TEST_P(KillTest, RecoveryFromPeersRamExactlyWhenThePlacementSaysSo) {
       src.peers.emplace_back(w, toString(store->get("sinew/ckpt/replica/" + std::to_string(w))));
     }
     src.client.connectTimeout = 300ms;
-        std::vector<int> all;
+    std::vector<int> all;
     for (int w = 0; w < kc.n; ++w) all.push_back(w);
     try {
       auto r = restoreLayers(src, kStep, layersOf(all));
