@@ -511,6 +511,7 @@ TEST(PublicCheckpointReaderTest, ReadsTheExactTensorsAnEngineWrote) {
   a.store = b.store = store;
   a.persist.dir = b.persist.dir = dir;
   a.flushEvery = b.flushEvery = 2;
+  a.snapshot.slots = b.snapshot.slots = 4;  // Room for the flushing and committed versions.
   std::vector<ShardState> states = {makeState(3, 6, 1, "a."), makeState(2, 5, 2, "b.")};
   {
     CheckpointEngine e0(states[0], a);
@@ -519,8 +520,8 @@ TEST(PublicCheckpointReaderTest, ReadsTheExactTensorsAnEngineWrote) {
       for (auto& s : states) s[0].tensors[0].tensor.add_(1);
       e0.waitBeforeUpdate();
       e1.waitBeforeUpdate();
-      e0.snapshot(step, states[0]);
-      e1.snapshot(step, states[1]);
+      ASSERT_TRUE(e0.snapshot(step, states[0])) << step;
+      ASSERT_TRUE(e1.snapshot(step, states[1])) << step;
       e0.waitCommitted(step, 10s);
     }
     e0.waitDurable(4, 20s);
