@@ -8,6 +8,7 @@
 
 #include <cstdio>
 
+#include "sinew/collectives/detail/parse.h"
 #include "sinew/collectives/error.h"
 
 namespace sinew {
@@ -24,7 +25,17 @@ void lowerThisThreadsPriority() {
   ::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 10);
 }
 
-int64_t parseStep(const Bytes& b) { return b.empty() ? -1 : std::stoll(toString(b)); }
+// A step number kept in the store (written by advance(); other processes can write it too).
+int64_t parseStep(const Bytes& b) {
+  if (b.empty()) return -1;
+  const std::string text = toString(b);
+  const auto step = ::sinew::detail::tryParseInt(text);
+  if (!step || *step < -1) {
+    SINEW_THROW(Corruption, "checkpoint step in the store must be an integer >= -1, got '",
+                text.substr(0, 80), "'");
+  }
+  return *step;
+}
 
 // Moves the integer at key forward to value (never backwards), atomically.
 void advance(collectives::Store& store, const std::string& key, int64_t value) {

@@ -4,11 +4,15 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <charconv>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <set>
 
 #include "sinew/checkpoint/detail/crc32c.h"
+#include "sinew/collectives/detail/little_endian.h"
+#include "sinew/collectives/detail/parse.h"
 #include "sinew/collectives/error.h"
 
 namespace sinew {
@@ -23,6 +27,15 @@ constexpr const char* kManifest = "manifest.json";
 constexpr const char* kFormat = "sinew-checkpoint";
 constexpr int kFormatVersion = 1;
 
+using ::sinew::detail::jsonField;
+using ::sinew::detail::jsonInt;
+using ::sinew::detail::jsonString;
+
+constexpr int64_t kMaxInt64 = std::numeric_limits<int64_t>::max();
+constexpr int64_t kMaxInt32 = std::numeric_limits<int32_t>::max();
+// safetensors' own limit on the header (its MAX_HEADER_SIZE).
+constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
+
 json tensorJson(const TensorRecord& t) {
   return {{"dtype", t.dtype},
           {"shape", t.shape},
@@ -30,22 +43,82 @@ json tensorJson(const TensorRecord& t) {
           {"crc32c", hex32(t.crc32c)}};
 }
 
-uint32_t parseHex32(const json& j) {
-  return static_cast<uint32_t>(std::stoul(j.get<std::string>(), nullptr, 16));
+// "0x" and 8 hex digits, as hex32 writes them.
+uint32_t parseHex32(const json& j, const std::string& what) {
+  const std::string s = jsonString<Corruption>(j, what);
+  if (s.size() != 10 || s[0] != '0' || s[1] != 'x' ||
+      s.find_first_not_of("0123456789abcdefABCDEF", 2) != std::string::npos) {
+    SINEW_THROW(Corruption, what, " must be '0x' and 8 hex digits, got '", s.substr(0, 40), "'");
+  }
+  uint32_t v = 0;
+  std::from_chars(s.data() + 2, s.data() + s.size(), v, 16);
+  return v;
 }
 
-TensorRecord tensorFromJson(const std::string& layer, const std::string& name, const json& j) {
+// A file name inside the checkpoint folder: relative, without empty, "." or ".." parts.
+std::string parseRelativePath(const json& j, const std::string& what) {
+  const std::string s = jsonString<Corruption>(j, what);
+  bool ok = !s.empty() && s.size() <= 4096 && s.find('\0') == std::string::npos;
+  size_t begin = 0;
+  while (ok && begin <= s.size()) {
+    size_t slash = s.find('/', begin);
+    if (slash == std::string::npos) slash = s.size();
+    const std::string part = s.substr(begin, slash - begin);
+    ok = !part.empty() && part != "." && part != "..";
+    begin = slash + 1;
+  }
+  if (!ok) {
+    SINEW_THROW(Corruption, what, " must be a relative path inside the checkpoint folder, got '",
+                s.substr(0, 200), "'");
+  }
+  return s;
+}
+
+// A layer name as ShardLayout::of allows it: non-empty, no '/'.
+void checkLayerName(const std::string& layer, const std::string& what) {
+  if (layer.empty() || layer.size() > 4096 || layer.find('/') != std::string::npos) {
+    SINEW_THROW(Corruption, what, ": layer name '", layer.substr(0, 200),
+                "' must be non-empty and contain no '/'");
+  }
+}
+
+// dtype, shape and data_offsets of one tensor entry (manifest or safetensors header), each
+// range-checked, with end - begin == numel * element size. offset/nbytes from data_offsets.
+TensorRecord tensorEntryFromJson(const json& j, const std::string& what) {
   TensorRecord t;
-  t.layer = layer;
-  t.name = name;
-  t.dtype = j.at("dtype").get<std::string>();
-  t.shape = j.at("shape").get<std::vector<int64_t>>();
-  auto off = j.at("data_offsets").get<std::vector<uint64_t>>();
-  if (off.size() != 2 || off[1] < off[0]) throw std::runtime_error("bad data_offsets");
-  t.offset = off[0];
-  t.nbytes = off[1] - off[0];
-  t.crc32c = parseHex32(j.at("crc32c"));
+  t.dtype = jsonString<Corruption>(jsonField<Corruption>(j, "dtype", what), what + " dtype");
+  const json& shape = jsonField<Corruption>(j, "shape", what);
+  if (!shape.is_array() || shape.size() > 64) {
+    SINEW_THROW(Corruption, what, " shape must be an array of at most 64 dimensions, got ",
+                shape.dump().substr(0, 80));
+  }
+  for (const json& d : shape)
+    t.shape.push_back(jsonInt<Corruption>(d, what + " shape", 0, kMaxInt64));
+  const json& off = jsonField<Corruption>(j, "data_offsets", what);
+  if (!off.is_array() || off.size() != 2) {
+    SINEW_THROW(Corruption, what, " data_offsets must be [begin, end], got ",
+                off.dump().substr(0, 80));
+  }
+  const uint64_t begin = jsonInt<Corruption>(off[0], what + " data_offsets[0]", 0, kMaxInt64);
+  const uint64_t end = jsonInt<Corruption>(off[1], what + " data_offsets[1]", 0, kMaxInt64);
+  if (end < begin) {
+    SINEW_THROW(Corruption, what, " data_offsets [", begin, ", ", end, ") end before they begin");
+  }
+  const uint64_t bytes = tensorBytes(t.dtype, t.shape, what);
+  if (end - begin != bytes) {
+    SINEW_THROW(Corruption, what, " data_offsets [", begin, ", ", end, ") hold ", end - begin,
+                " bytes but shape ", shapeString(t.shape), " x ", t.dtype, " needs ", bytes);
+  }
+  t.offset = begin;
+  t.nbytes = bytes;
   return t;
+}
+
+// Orders tensors by data offset (zero-byte tensors first at equal offsets).
+void sortByOffset(std::vector<TensorRecord>& tensors) {
+  std::sort(tensors.begin(), tensors.end(), [](const TensorRecord& a, const TensorRecord& b) {
+    return std::make_pair(a.offset, a.nbytes) < std::make_pair(b.offset, b.nbytes);
+  });
 }
 
 json layerJson(const LayerLocation& l) {
@@ -54,18 +127,83 @@ json layerJson(const LayerLocation& l) {
   return {{"owner", l.owner}, {"file", l.file}, {"digest", hex32(l.digest)}, {"tensors", tensors}};
 }
 
-LayerLocation layerFromJson(const std::string& name, const json& j) {
+// what: "checkpoint manifest <path> (version s)" or "shard file record ...".
+LayerLocation layerFromJson(const std::string& name, const json& j, const std::string& what) {
+  checkLayerName(name, what);
+  const std::string where = what + ": layer '" + name + "'";
   LayerLocation l;
-  l.owner = j.at("owner").get<int>();
-  l.file = j.at("file").get<std::string>();
-  l.digest = parseHex32(j.at("digest"));
-  for (auto it = j.at("tensors").begin(); it != j.at("tensors").end(); ++it) {
-    l.tensors.push_back(tensorFromJson(name, it.key(), it.value()));
+  l.owner = static_cast<int>(jsonInt<Corruption>(jsonField<Corruption>(j, "owner", where),
+                                                 where + " owner", -1, kMaxInt32));
+  l.file = parseRelativePath(jsonField<Corruption>(j, "file", where), where + " file");
+  l.digest = parseHex32(jsonField<Corruption>(j, "digest", where), where + " digest");
+  const json& tensors = jsonField<Corruption>(j, "tensors", where);
+  if (!tensors.is_object()) SINEW_THROW(Corruption, where, " tensors must be a JSON object");
+  for (auto it = tensors.begin(); it != tensors.end(); ++it) {
+    const std::string tw = where + " tensor '" + it.key().substr(0, 200) + "'";
+    if (it.key().empty()) SINEW_THROW(Corruption, tw, ": tensor name is empty");
+    TensorRecord t = tensorEntryFromJson(it.value(), tw);
+    t.layer = name;
+    t.name = it.key();
+    t.crc32c = parseHex32(jsonField<Corruption>(it.value(), "crc32c", tw), tw + " crc32c");
+    l.tensors.push_back(std::move(t));
   }
-  // JSON objects come back sorted by name; data order is by offset.
-  std::sort(l.tensors.begin(), l.tensors.end(),
-            [](const TensorRecord& a, const TensorRecord& b) { return a.offset < b.offset; });
+  // JSON objects come back sorted by name; data order is by offset. A layer's tensors were
+  // written back to back.
+  sortByOffset(l.tensors);
+  for (size_t i = 1; i < l.tensors.size(); ++i) {
+    const TensorRecord &a = l.tensors[i - 1], &b = l.tensors[i];
+    if (b.offset != a.offset + a.nbytes) {
+      SINEW_THROW(Corruption, where, " tensor '", b.name, "' data_offsets [", b.offset, ", ",
+                  b.offset + b.nbytes, ") ",
+                  b.offset < a.offset + a.nbytes ? "overlap" : "leave a hole after", " tensor '",
+                  a.name, "' [", a.offset, ", ", a.offset + a.nbytes, ")");
+    }
+  }
   return l;
+}
+
+// Entries of a safetensors header, validated against the file's data section of dataBytes:
+// every tensor's dtype, shape and data_offsets (as tensorEntryFromJson), and together they
+// cover [0, dataBytes) exactly, without holes or overlaps. Keyed "layer/name".
+std::map<std::string, TensorRecord> parseSafetensorsHeader(const json& header, uint64_t dataBytes,
+                                                           const std::string& what) {
+  if (!header.is_object()) SINEW_THROW(Corruption, what, ": header must be a JSON object");
+  std::map<std::string, TensorRecord> out;
+  std::vector<TensorRecord> order;
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    if (it.key() == "__metadata__") {
+      if (!it.value().is_object())
+        SINEW_THROW(Corruption, what, ": __metadata__ must be an object");
+      for (auto m = it.value().begin(); m != it.value().end(); ++m) {
+        if (!m.value().is_string()) {
+          SINEW_THROW(Corruption, what, ": __metadata__ value '", m.key().substr(0, 80),
+                      "' must be a string, got ", m.value().dump().substr(0, 80));
+        }
+      }
+      continue;
+    }
+    TensorRecord t =
+        tensorEntryFromJson(it.value(), what + ": tensor '" + it.key().substr(0, 200) + "'");
+    t.name = it.key();
+    order.push_back(t);
+    out[it.key()] = std::move(t);
+  }
+  sortByOffset(order);
+  uint64_t at = 0;
+  for (const auto& t : order) {
+    if (t.offset != at) {
+      SINEW_THROW(Corruption, what, ": tensor '", t.name.substr(0, 200), "' data_offsets [",
+                  t.offset, ", ", t.offset + t.nbytes, ") ",
+                  t.offset < at ? "overlap the tensor before it" : "leave a hole",
+                  " (the previous one ends at ", at, ")");
+    }
+    at = t.offset + t.nbytes;  // Both below 2^63: no overflow.
+  }
+  if (at != dataBytes) {
+    SINEW_THROW(Corruption, what, ": tensors hold ", at, " bytes but the data section has ",
+                dataBytes);
+  }
+  return out;
 }
 
 // The safetensors header of the given tensors (offsets already relative to the file's data
@@ -108,18 +246,29 @@ std::string ShardFileRecord::toJson() const {
 
 ShardFileRecord ShardFileRecord::fromJson(const std::string& text) {
   ShardFileRecord r;
+  json j;
   try {
-    json j = json::parse(text);
-    r.owner = j.at("owner").get<int>();
-    r.step = j.at("step").get<int64_t>();
-    r.file = j.at("file").get<std::string>();
-    r.fileBytes = j.at("bytes").get<uint64_t>();
-    r.fileCrc32c = parseHex32(j.at("crc32c"));
-    for (auto it = j.at("layers").begin(); it != j.at("layers").end(); ++it) {
-      r.layers[it.key()] = layerFromJson(it.key(), it.value());
-    }
-  } catch (const std::exception& e) {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
     SINEW_THROW(Corruption, "shard file record does not parse: ", e.what());
+  }
+  std::string what = "shard file record";
+  r.owner = static_cast<int>(
+      jsonInt<Corruption>(jsonField<Corruption>(j, "owner", what), what + " owner", -1, kMaxInt32));
+  r.step =
+      jsonInt<Corruption>(jsonField<Corruption>(j, "step", what), what + " step", 0, kMaxInt64);
+  what += " of worker " + std::to_string(r.owner) + ", version " + std::to_string(r.step);
+  const json& file = jsonField<Corruption>(j, "file", what);
+  r.file = file.is_string() && file.get<std::string>().empty()
+               ? std::string()
+               : parseRelativePath(file, what + " file");
+  r.fileBytes =
+      jsonInt<Corruption>(jsonField<Corruption>(j, "bytes", what), what + " bytes", 0, kMaxInt64);
+  r.fileCrc32c = parseHex32(jsonField<Corruption>(j, "crc32c", what), what + " crc32c");
+  const json& layers = jsonField<Corruption>(j, "layers", what);
+  if (!layers.is_object()) SINEW_THROW(Corruption, what, " layers must be a JSON object");
+  for (auto it = layers.begin(); it != layers.end(); ++it) {
+    r.layers[it.key()] = layerFromJson(it.key(), it.value(), what);
   }
   return r;
 }
@@ -141,22 +290,67 @@ std::string Manifest::toJson() const {
 
 Manifest Manifest::fromJson(const std::string& text, const std::string& path) {
   Manifest m;
+  json j;
   try {
-    json j = json::parse(text);
-    if (j.at("format").get<std::string>() != kFormat ||
-        j.at("format_version").get<int>() != kFormatVersion) {
-      throw std::runtime_error("unknown format or format_version");
-    }
-    m.step = j.at("step").get<int64_t>();
-    for (auto it = j.at("files").begin(); it != j.at("files").end(); ++it) {
-      m.files[it.key()] = {it.value().at("bytes").get<uint64_t>(),
-                           parseHex32(it.value().at("crc32c"))};
-    }
-    for (auto it = j.at("layers").begin(); it != j.at("layers").end(); ++it) {
-      m.layers[it.key()] = layerFromJson(it.key(), it.value());
-    }
-  } catch (const std::exception& e) {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
     SINEW_THROW(Corruption, "checkpoint manifest ", path, " does not parse: ", e.what());
+  }
+  std::string what = "checkpoint manifest " + path;
+  const std::string format =
+      jsonString<Corruption>(jsonField<Corruption>(j, "format", what), what + " format");
+  if (format != kFormat) {
+    SINEW_THROW(Corruption, what, ": format '", format.substr(0, 80), "', expected '", kFormat,
+                "'");
+  }
+  jsonInt<Corruption>(jsonField<Corruption>(j, "format_version", what), what + " format_version",
+                      kFormatVersion, kFormatVersion);
+  m.step =
+      jsonInt<Corruption>(jsonField<Corruption>(j, "step", what), what + " step", 0, kMaxInt64);
+  what += " (version " + std::to_string(m.step) + ")";
+  const json& files = jsonField<Corruption>(j, "files", what);
+  if (!files.is_object()) SINEW_THROW(Corruption, what, ": files must be a JSON object");
+  for (auto it = files.begin(); it != files.end(); ++it) {
+    const std::string name = parseRelativePath(it.key(), what + " file name");
+    const std::string fw = what + ": file '" + name + "'";
+    // A safetensors file holds at least its 8-byte header length.
+    m.files[name] = {jsonInt<Corruption>(jsonField<Corruption>(it.value(), "bytes", fw),
+                                         fw + " bytes", 8, kMaxInt64),
+                     parseHex32(jsonField<Corruption>(it.value(), "crc32c", fw), fw + " crc32c")};
+  }
+  const json& layers = jsonField<Corruption>(j, "layers", what);
+  if (!layers.is_object()) SINEW_THROW(Corruption, what, ": layers must be a JSON object");
+  for (auto it = layers.begin(); it != layers.end(); ++it) {
+    m.layers[it.key()] = layerFromJson(it.key(), it.value(), what);
+  }
+  // Every layer's file is listed, and the tensors that share a file neither overlap nor lie
+  // past its end (holes are fine: incremental versions use a subset of an older file).
+  std::map<std::string, std::vector<TensorRecord>> byFile;
+  for (const auto& kv : m.layers) {
+    auto f = m.files.find(kv.second.file);
+    if (f == m.files.end()) {
+      SINEW_THROW(Corruption, what, ": layer '", kv.first, "' file '", kv.second.file,
+                  "' is not among the manifest's files");
+    }
+    for (const auto& t : kv.second.tensors) {
+      if (t.offset + t.nbytes > f->second.first - 8) {
+        SINEW_THROW(Corruption, what, ": layer '", kv.first, "' tensor '", t.name,
+                    "' data_offsets [", t.offset, ", ", t.offset + t.nbytes, ") lie past the ",
+                    f->second.first, " bytes of file '", f->first, "'");
+      }
+      byFile[kv.second.file].push_back(t);
+    }
+  }
+  for (auto& kv : byFile) {
+    sortByOffset(kv.second);
+    for (size_t i = 1; i < kv.second.size(); ++i) {
+      const TensorRecord &a = kv.second[i - 1], &b = kv.second[i];
+      if (b.offset < a.offset + a.nbytes) {
+        SINEW_THROW(Corruption, what, ": in file '", kv.first, "' tensor '", b.layer, "/", b.name,
+                    "' data_offsets [", b.offset, ", ", b.offset + b.nbytes, ") overlap tensor '",
+                    a.layer, "/", a.name, "' [", a.offset, ", ", a.offset + a.nbytes, ")");
+      }
+    }
   }
   return m;
 }
@@ -226,7 +420,7 @@ ShardFileRecord CheckpointWriter::writeShard(const HostShard& shard) {
   std::string header = safetensorsHeader(written, shard.step, shard.owner);
   uint8_t len[8];
   uint64_t hl = header.size();
-  std::memcpy(len, &hl, 8);  // Little-endian hosts.
+  ::sinew::detail::storeLe(len, hl, 8);
   uint32_t crc = detail::crc32c(len, 8);
   crc = detail::crc32cExtend(crc, header.data(), header.size());
   file->append(len, 8);
@@ -319,7 +513,9 @@ void CheckpointWriter::collectGarbage() {
   }
   for (const auto& name : env_->listDir(options_.dir)) {
     if (name.rfind("step-", 0) != 0) continue;
-    int64_t s = std::stoll(name.substr(5));
+    const auto parsed = ::sinew::detail::tryParseInt(name.substr(5));
+    if (!parsed || *parsed < 0) continue;  // Not a version folder: not ours to delete.
+    const int64_t s = *parsed;
     if (kept.count(s) != 0 || s > latest) continue;  // Newer folders may be in progress.
     const std::string vdir = joinPath(options_.dir, name);
     env_->removeFile(joinPath(vdir, kManifest));
@@ -346,17 +542,19 @@ int64_t CheckpointReader::latestStep() const {
   const std::string path = joinPath(dir_, kLatest);
   if (!env_->fileExists(path)) return -1;
   const std::string text = env_->readFile(path);
-  int64_t step;
-  std::string manifestPath;
-  uint32_t expected;
+  json j;
   try {
-    json j = json::parse(text);
-    step = j.at("step").get<int64_t>();
-    manifestPath = joinPath(dir_, j.at("manifest").get<std::string>());
-    expected = parseHex32(j.at("manifest_crc32c"));
-  } catch (const std::exception& e) {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
     SINEW_THROW(Corruption, "checkpoint pointer ", path, " does not parse: ", e.what());
   }
+  const std::string what = "checkpoint pointer " + path;
+  const int64_t step =
+      jsonInt<Corruption>(jsonField<Corruption>(j, "step", what), what + " step", 0, kMaxInt64);
+  const std::string manifestPath = joinPath(
+      dir_, parseRelativePath(jsonField<Corruption>(j, "manifest", what), what + " manifest"));
+  const uint32_t expected =
+      parseHex32(jsonField<Corruption>(j, "manifest_crc32c", what), what + " manifest_crc32c");
   const std::string manifestText = env_->readFile(manifestPath);
   uint32_t actual = detail::crc32c(manifestText.data(), manifestText.size());
   if (actual != expected) {
@@ -371,9 +569,9 @@ std::vector<int64_t> CheckpointReader::durableSteps() const {
   if (!env_->fileExists(dir_)) return out;
   for (const auto& name : env_->listDir(dir_)) {
     if (name.rfind("step-", 0) != 0 || name.find('.') != std::string::npos) continue;
-    if (env_->fileExists(joinPath(joinPath(dir_, name), kManifest))) {
-      out.push_back(std::stoll(name.substr(5)));
-    }
+    const auto step = ::sinew::detail::tryParseInt(name.substr(5));
+    if (!step || *step < 0) continue;  // Not a version folder.
+    if (env_->fileExists(joinPath(joinPath(dir_, name), kManifest))) out.push_back(*step);
   }
   std::sort(out.rbegin(), out.rend());
   return out;
@@ -398,7 +596,7 @@ std::map<std::string, RestoredLayer> CheckpointReader::load(
   struct OpenFile {
     std::unique_ptr<RandomAccessFile> file;
     uint64_t dataStart = 0;
-    json header;
+    std::map<std::string, TensorRecord> header;  // Validated against the file's size.
   };
   std::map<std::string, OpenFile> open;
   std::map<std::string, RestoredLayer> out;
@@ -412,54 +610,53 @@ std::map<std::string, RestoredLayer> CheckpointReader::load(
     auto& of = open[loc.file];
     if (!of.file) {
       of.file = env_->newRandomAccessFile(path);
-      const auto expect = m.files.at(loc.file);
-      if (of.file->size() != expect.first) {
-        SINEW_THROW(Corruption, "checkpoint file ", path, " (layer ", layer, "): ", of.file->size(),
+      const auto expect = m.files.at(loc.file);  // Manifest::fromJson checked it is listed.
+      const uint64_t size = of.file->size();
+      if (size != expect.first) {
+        SINEW_THROW(Corruption, "checkpoint file ", path, " (layer ", layer, "): ", size,
                     " bytes, manifest says ", expect.first, " (truncated or overwritten)");
       }
-      uint64_t hl = 0;
-      if (of.file->size() >= 8) of.file->read(0, 8, &hl);
-      if (hl > of.file->size() - 8) {
+      uint8_t len[8];
+      of.file->read(0, 8, len);  // size >= 8: the manifest's bytes are.
+      const uint64_t hl = ::sinew::detail::loadLe(len, 8);
+      if (hl > size - 8 || hl > kMaxHeaderBytes) {
         SINEW_THROW(Corruption, "checkpoint file ", path, " (layer ", layer, "): header length ",
-                    hl, " exceeds the file");
+                    hl, " exceeds the file's ", size, " bytes or the ", kMaxHeaderBytes,
+                    "-byte limit");
       }
       std::string header(hl, '\0');
       if (hl > 0) of.file->read(8, hl, &header[0]);
+      json parsed;
       try {
-        of.header = json::parse(header);
+        parsed = json::parse(header);
       } catch (const json::exception& e) {
         SINEW_THROW(Corruption, "checkpoint file ", path, " (layer ", layer,
                     "): safetensors header does not parse: ", e.what());
       }
       of.dataStart = 8 + hl;
+      of.header = parseSafetensorsHeader(parsed, size - of.dataStart,
+                                         "checkpoint file " + path + " safetensors header");
     }
     RestoredLayer restored;
     for (const auto& t : loc.tensors) {
-      const std::string key = layer + "/" + t.name;
-      auto h = of.header.find(key);
-      bool agrees = h != of.header.end();
-      try {
-        agrees = agrees &&
-                 tensorFromJson(layer, t.name,
-                                {{"dtype", h->at("dtype")},
-                                 {"shape", h->at("shape")},
-                                 {"data_offsets", h->at("data_offsets")},
-                                 {"crc32c", hex32(t.crc32c)}})
-                         .offset == t.offset &&
-                 h->at("dtype").get<std::string>() == t.dtype &&
-                 h->at("shape").get<std::vector<int64_t>>() == t.shape;
-      } catch (const std::exception&) {
-        agrees = false;
-      }
-      if (!agrees) {
+      auto h = of.header.find(layer + "/" + t.name);
+      if (h == of.header.end() || h->second.offset != t.offset || h->second.nbytes != t.nbytes ||
+          h->second.dtype != t.dtype || h->second.shape != t.shape) {
         SINEW_THROW(Corruption, "checkpoint file ", path, ": layer ", layer, " tensor ", t.name,
                     " in the safetensors header disagrees with the manifest");
       }
+      // Both checked above: the header covers exactly the data section, and t.nbytes is
+      // numel * element size of t.shape.
       if (of.dataStart + t.offset + t.nbytes > of.file->size()) {
         SINEW_THROW(Corruption, "checkpoint file ", path, ": layer ", layer, " tensor ", t.name,
                     " lies past the end of the file");
       }
       at::Tensor x = at::empty(t.shape, at::TensorOptions().dtype(scalarTypeOf(t.dtype)));
+      if (static_cast<uint64_t>(x.nbytes()) != t.nbytes) {
+        SINEW_THROW(Corruption, "checkpoint file ", path, ": layer ", layer, " tensor ", t.name,
+                    ": ", t.nbytes, " bytes but shape ", shapeString(t.shape), " x ", t.dtype,
+                    " needs ", x.nbytes());
+      }
       if (t.nbytes > 0) of.file->read(of.dataStart + t.offset, t.nbytes, x.data_ptr());
       uint32_t actual = detail::crc32c(x.data_ptr(), t.nbytes);
       if (actual != t.crc32c) {

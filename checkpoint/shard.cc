@@ -6,9 +6,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
+#include <optional>
 #include <set>
 
 #include "sinew/checkpoint/detail/crc32c.h"
+#include "sinew/collectives/detail/parse.h"
 #include "sinew/collectives/error.h"
 
 namespace sinew {
@@ -61,6 +64,96 @@ at::ScalarType scalarTypeOf(const std::string& d) {
 
 size_t elementSize(const std::string& d) { return c10::elementSize(scalarTypeOf(d)); }
 
+namespace {
+// Element sizes of the dtypes scalarTypeOf knows, without throwing InvalidArgument.
+size_t knownElementSize(const std::string& d) {
+  static const std::map<std::string, size_t> kSizes = {
+      {"F32", 4}, {"F64", 8}, {"F16", 2}, {"BF16", 2}, {"I64", 8},
+      {"I32", 4}, {"I16", 2}, {"I8", 1},  {"U8", 1},   {"BOOL", 1}};
+  auto it = kSizes.find(d);
+  return it == kSizes.end() ? 0 : it->second;
+}
+}  // namespace
+
+std::string shapeString(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+uint64_t tensorBytes(const std::string& d, const std::vector<int64_t>& shape,
+                     const std::string& what) {
+  const size_t elem = knownElementSize(d);
+  if (elem == 0) {
+    SINEW_THROW(Corruption, what, ": unknown dtype '", d.substr(0, 32),
+                "' (expected F32, F64, F16, BF16, I64, I32, I16, I8, U8 or BOOL)");
+  }
+  if (shape.size() > 64) {
+    SINEW_THROW(Corruption, what, ": shape has ", shape.size(), " dimensions, at most 64");
+  }
+  std::optional<uint64_t> bytes = elem;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] < 0) {
+      SINEW_THROW(Corruption, what, ": shape ", shapeString(shape), " has negative dimension ",
+                  shape[i]);
+    }
+    bytes = ::sinew::detail::checkedMul(*bytes, static_cast<uint64_t>(shape[i]));
+    if (!bytes) {
+      SINEW_THROW(Corruption, what, ": shape ", shapeString(shape), " x ", d,
+                  " overflows 64 bits of bytes");
+    }
+  }
+  return *bytes;
+}
+
+void validateShardLayout(const ShardLayout& layout, uint64_t bufferBytes, const std::string& what) {
+  uint64_t offset = 0;
+  std::set<std::string> seenLayers;
+  std::set<std::string> seenTensors;  // In the current layer.
+  std::string current;
+  for (size_t i = 0; i < layout.tensors.size(); ++i) {
+    const TensorRecord& t = layout.tensors[i];
+    const std::string where = what + ": tensor " + std::to_string(i) + " '" +
+                              t.layer.substr(0, 200) + "/" + t.name.substr(0, 200) + "'";
+    if (t.layer.empty() || t.layer.find('/') != std::string::npos) {
+      SINEW_THROW(Corruption, where, ": layer name must be non-empty and contain no '/'");
+    }
+    if (t.name.empty()) SINEW_THROW(Corruption, where, ": tensor name is empty");
+    if (i == 0 || t.layer != current) {
+      if (!seenLayers.insert(t.layer).second) {
+        SINEW_THROW(Corruption, where, ": layer ", t.layer,
+                    " appears again after other layers (a layer's tensors must be together)");
+      }
+      current = t.layer;
+      seenTensors.clear();
+    }
+    if (!seenTensors.insert(t.name).second) {
+      SINEW_THROW(Corruption, where, ": tensor appears twice in its layer");
+    }
+    const uint64_t bytes = tensorBytes(t.dtype, t.shape, where);
+    if (t.nbytes != bytes) {
+      SINEW_THROW(Corruption, where, ": nbytes ", t.nbytes, " but shape ", shapeString(t.shape),
+                  " x ", t.dtype, " needs ", bytes);
+    }
+    if (t.offset != offset) {
+      SINEW_THROW(Corruption, where, ": offset ", t.offset, ", expected ", offset,
+                  " (tensors lie back to back in order, without holes or overlaps)");
+    }
+    auto end = ::sinew::detail::checkedAdd(offset, t.nbytes);
+    if (!end)
+      SINEW_THROW(Corruption, where, ": offset ", offset, " + nbytes ", t.nbytes, " overflows");
+    offset = *end;
+  }
+  if (offset != layout.totalBytes) {
+    SINEW_THROW(Corruption, what, ": total_bytes ", layout.totalBytes, " but its tensors hold ",
+                offset);
+  }
+  if (layout.totalBytes > bufferBytes) {
+    SINEW_THROW(Corruption, what, ": total_bytes ", layout.totalBytes, " exceed the ", bufferBytes,
+                " bytes that hold it");
+  }
+}
+
 ShardLayout ShardLayout::of(const ShardState& state) {
   ShardLayout out;
   std::set<std::string> seen;
@@ -70,6 +163,8 @@ ShardLayout ShardLayout::of(const ShardState& state) {
     SINEW_ENFORCE(seen.insert(layer.name).second, "layer ", layer.name, " appears twice");
     std::set<std::string> names;
     for (const auto& nt : layer.tensors) {
+      if (nt.name.empty())
+        SINEW_THROW(InvalidArgument, "layer ", layer.name, " has a nameless tensor");
       SINEW_ENFORCE(nt.tensor.defined(), "layer ", layer.name, " tensor ", nt.name,
                     " is undefined");
       SINEW_ENFORCE(names.insert(nt.name).second, "layer ", layer.name, " has tensor ", nt.name,
@@ -142,24 +237,45 @@ std::string ShardLayout::toJson() const {
 }
 
 ShardLayout ShardLayout::fromJson(const std::string& text) {
+  using ::sinew::detail::jsonField;
+  using ::sinew::detail::jsonInt;
+  using ::sinew::detail::jsonString;
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
   ShardLayout out;
+  json j;
   try {
-    json j = json::parse(text);
-    out.totalBytes = j.at("total_bytes").get<uint64_t>();
-    for (const auto& t : j.at("tensors")) {
-      TensorRecord r;
-      r.layer = t.at("layer").get<std::string>();
-      r.name = t.at("name").get<std::string>();
-      r.dtype = t.at("dtype").get<std::string>();
-      r.shape = t.at("shape").get<std::vector<int64_t>>();
-      r.offset = t.at("offset").get<uint64_t>();
-      r.nbytes = t.at("nbytes").get<uint64_t>();
-      r.crc32c = t.at("crc32c").get<uint32_t>();
-      out.tensors.push_back(std::move(r));
-    }
+    j = json::parse(text);
   } catch (const json::exception& e) {
     SINEW_THROW(Corruption, "shard layout does not parse: ", e.what());
   }
+  const std::string what = "shard layout";
+  out.totalBytes = jsonInt<Corruption>(jsonField<Corruption>(j, "total_bytes", what),
+                                       what + " total_bytes", 0, kMax);
+  const json& tensors = jsonField<Corruption>(j, "tensors", what);
+  if (!tensors.is_array()) SINEW_THROW(Corruption, what, ": tensors must be a JSON array");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const json& t = tensors[i];
+    const std::string where = what + " tensor " + std::to_string(i);
+    TensorRecord r;
+    r.layer = jsonString<Corruption>(jsonField<Corruption>(t, "layer", where), where + " layer");
+    r.name = jsonString<Corruption>(jsonField<Corruption>(t, "name", where), where + " name");
+    r.dtype = jsonString<Corruption>(jsonField<Corruption>(t, "dtype", where), where + " dtype");
+    const json& shape = jsonField<Corruption>(t, "shape", where);
+    if (!shape.is_array() || shape.size() > 64) {
+      SINEW_THROW(Corruption, where, " shape must be an array of at most 64 dimensions, got ",
+                  shape.dump().substr(0, 80));
+    }
+    for (const json& d : shape)
+      r.shape.push_back(jsonInt<Corruption>(d, where + " shape", 0, kMax));
+    r.offset =
+        jsonInt<Corruption>(jsonField<Corruption>(t, "offset", where), where + " offset", 0, kMax);
+    r.nbytes =
+        jsonInt<Corruption>(jsonField<Corruption>(t, "nbytes", where), where + " nbytes", 0, kMax);
+    r.crc32c = static_cast<uint32_t>(jsonInt<Corruption>(jsonField<Corruption>(t, "crc32c", where),
+                                                         where + " crc32c", 0, 0xffffffffLL));
+    out.tensors.push_back(std::move(r));
+  }
+  validateShardLayout(out, out.totalBytes, what);
   return out;
 }
 
@@ -187,6 +303,13 @@ HostShard::HostShard(uint64_t capacity, bool pinned) : buffer_(nullptr, noFree) 
 }
 
 std::string HostShard::verify(const std::vector<std::string>& layers) const {
+  try {
+    validateShardLayout(
+        layout, capacity_,
+        "worker " + std::to_string(owner) + "'s shard, version " + std::to_string(step));
+  } catch (const Corruption& e) {
+    return e.what();
+  }
   for (const auto& t : layout.tensors) {
     if (!layers.empty() && std::find(layers.begin(), layers.end(), t.layer) == layers.end()) {
       continue;
@@ -205,6 +328,17 @@ RestoredLayer HostShard::extractLayer(const std::string& layer) const {
   RestoredLayer out;
   for (const auto& t : layout.tensors) {
     if (t.layer != layer) continue;
+    const std::string where = "worker " + std::to_string(owner) + "'s shard, version " +
+                              std::to_string(step) + ": tensor '" + t.layer + "/" + t.name + "'";
+    const uint64_t bytes = tensorBytes(t.dtype, t.shape, where);
+    if (t.nbytes != bytes) {
+      SINEW_THROW(Corruption, where, ": nbytes ", t.nbytes, " but shape ", shapeString(t.shape),
+                  " x ", t.dtype, " needs ", bytes);
+    }
+    if (t.offset > capacity_ || t.nbytes > capacity_ - t.offset) {
+      SINEW_THROW(Corruption, where, ": bytes [", t.offset, ", ", t.offset, " + ", t.nbytes,
+                  ") lie outside the shard's ", capacity_, " bytes");
+    }
     at::Tensor x = at::empty(t.shape, at::TensorOptions().dtype(scalarTypeOf(t.dtype)));
     if (t.nbytes > 0) std::memcpy(x.data_ptr(), data_ + t.offset, t.nbytes);
     out[t.name] = x;

@@ -53,7 +53,8 @@ struct ShardLayout {
   uint64_t totalBytes = 0;
 
   // Layout of state (crc32c left 0). Throws InvalidArgument naming the layer and tensor
-  // for an unsupported dtype, an undefined tensor, a '/' in a layer name or a duplicate.
+  // for an unsupported dtype, an undefined or nameless tensor, a '/' in a layer name or a
+  // duplicate.
   static ShardLayout of(const ShardState& state);
   // Same tensors, dtypes, shapes and offsets (checksums ignored).
   bool sameShape(const ShardLayout& other) const;
@@ -64,8 +65,27 @@ struct ShardLayout {
   uint32_t layerDigest(const std::string& layer) const;
 
   std::string toJson() const;
-  static ShardLayout fromJson(const std::string& json);  // Corruption if malformed.
+  // Decodes and validates (validateShardLayout against its own totalBytes) a layout that
+  // may come from a peer. Throws Corruption naming the field and value if malformed.
+  static ShardLayout fromJson(const std::string& json);
 };
+
+// Bytes of a tensor of this dtype and shape (numel * element size, overflow-checked).
+// Throws Corruption naming `what` and the value for an unknown dtype, a negative
+// dimension, more than 64 dimensions or a size that overflows 64 bits.
+uint64_t tensorBytes(const std::string& safetensorsDtype, const std::vector<int64_t>& shape,
+                     const std::string& what);
+
+// Checks a layout that came from outside this process (a peer, a file) before any byte is
+// read through it: known dtypes, non-negative shapes, nbytes == numel * element size,
+// tensors back to back from offset 0 in order (no holes, no overlaps, no overflow), each
+// layer's tensors together and each (layer, tensor) once, layer names non-empty without '/',
+// totalBytes equal to the tensors' sum and within bufferBytes. Throws Corruption whose
+// message starts with `what` and names the tensor, the field and its value.
+void validateShardLayout(const ShardLayout& layout, uint64_t bufferBytes, const std::string& what);
+
+// "[32, 64]", for messages.
+std::string shapeString(const std::vector<int64_t>& shape);
 
 // safetensors dtype code of an ATen dtype, and back. InvalidArgument if unsupported.
 std::string safetensorsDtype(at::ScalarType type);
@@ -92,11 +112,14 @@ class HostShard {
   const uint8_t* data() const { return data_; }
   uint64_t capacity() const { return capacity_; }
 
-  // Recomputes every tensor's crc32c over the held bytes and compares with the layout;
-  // returns "" if all match, else a message naming the layer, tensor and both checksums.
-  // Checks only the given layers if the list is not empty.
+  // Checks the layout against the held memory (validateShardLayout with capacity()), then
+  // recomputes every tensor's crc32c over the held bytes and compares with the layout;
+  // returns "" if all match, else a message naming the layer, tensor and both checksums
+  // (or what is wrong with the layout). Checks only the given layers' checksums if the
+  // list is not empty.
   std::string verify(const std::vector<std::string>& layers = {}) const;
-  // Copies a layer out into new CPU tensors. REQUIRES: layout.hasLayer(layer).
+  // Copies a layer out into new CPU tensors. REQUIRES: layout.hasLayer(layer). Throws
+  // Corruption if a tensor's size disagrees with its shape or lies outside the memory.
   RestoredLayer extractLayer(const std::string& layer) const;
 
  private:

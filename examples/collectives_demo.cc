@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -46,7 +47,16 @@ Args parse(int argc, char** argv) {
         std::fprintf(stderr, "collectives_demo: %s needs a value\n", k.c_str());
         std::exit(2);
       }
-      return std::atoi(argv[++i]);
+      // Whole-string parse: "3x", "" or a number beyond int is an error, not 3 or 0.
+      const std::string v = argv[++i];
+      int x = 0;
+      auto r = std::from_chars(v.data(), v.data() + v.size(), x);
+      if (v.empty() || r.ec != std::errc() || r.ptr != v.data() + v.size() || x < 0) {
+        std::fprintf(stderr, "collectives_demo: %s needs a non-negative integer, got '%s'\n",
+                     k.c_str(), v.c_str());
+        std::exit(2);
+      }
+      return x;
     };
     if (k == "--workers") {
       a.workers = next();

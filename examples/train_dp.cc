@@ -15,10 +15,12 @@
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/linear.h>
 
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #include "sinew/runtime/trainer.h"
@@ -56,21 +58,35 @@ Args parse(int argc, char** argv) {
       if (i + 1 >= argc) usage(s + " needs a value");
       return argv[++i];
     };
+    // Whole-string parses: no trailing junk, no nan or inf, nothing that wraps.
+    auto integer = [&](int64_t max) -> int64_t {
+      std::string v = value();
+      int64_t x = 0;
+      auto r = std::from_chars(v.data(), v.data() + v.size(), x);
+      if (v.empty() || r.ec != std::errc() || r.ptr != v.data() + v.size() || x < 0 || x > max) {
+        usage(s + ": '" + v + "' is not an integer in [0, " + std::to_string(max) + "]");
+      }
+      return x;
+    };
     auto number = [&]() -> double {
       std::string v = value();
-      char* end = nullptr;
-      double d = std::strtod(v.c_str(), &end);
-      if (v.empty() || *end != '\0' || d < 0) usage(s + ": '" + v + "' is not a number");
+      double d = 0;
+      auto r = std::from_chars(v.data(), v.data() + v.size(), d);
+      if (v.empty() || r.ec != std::errc() || r.ptr != v.data() + v.size() || !std::isfinite(d) ||
+          d < 0) {
+        usage(s + ": '" + v + "' is not a finite non-negative number");
+      }
       return d;
     };
+    constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
     if (s == "--steps") {
-      a.steps = static_cast<int64_t>(number());
+      a.steps = integer(int64_t{1} << 40);
     } else if (s == "--global-batch") {
-      a.globalBatch = static_cast<int64_t>(number());
+      a.globalBatch = integer(kMaxInt);
     } else if (s == "--microbatch") {
-      a.microbatch = static_cast<int64_t>(number());
+      a.microbatch = integer(kMaxInt);
     } else if (s == "--seed") {
-      a.seed = static_cast<uint64_t>(number());
+      a.seed = static_cast<uint64_t>(integer(std::numeric_limits<int64_t>::max()));
     } else if (s == "--lr") {
       a.lr = number();
     } else if (s == "--optimizer") {
@@ -79,11 +95,11 @@ Args parse(int argc, char** argv) {
     } else if (s == "--float32") {
       a.float32 = true;
     } else if (s == "--progress") {
-      a.progress = static_cast<int>(number());
+      a.progress = static_cast<int>(integer(kMaxInt));
     } else if (s == "--checkpoint-dir") {
       a.checkpointDir = value();
     } else if (s == "--checkpoint-every") {
-      a.checkpointEvery = static_cast<int>(number());
+      a.checkpointEvery = static_cast<int>(integer(kMaxInt));
     } else if (s == "--no-reference") {
       a.reference = false;
     } else {

@@ -6,9 +6,11 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <sstream>
 #include <thread>
 
+#include "sinew/collectives/detail/parse.h"
 #include "sinew/collectives/error.h"
 #include "sinew/runtime/coordinator_client.h"
 
@@ -24,14 +26,41 @@ std::vector<std::string> split(const std::string& s, char sep) {
   return out;
 }
 
-double parseNumber(const std::string& fault, const std::string& key, const std::string& v) {
-  char* end = nullptr;
-  double d = std::strtod(v.c_str(), &end);
-  if (v.empty() || end != v.c_str() + v.size() || d < 0) {
+// Limits that keep every conversion below (to int, time_t, microseconds) exact.
+constexpr int64_t kMaxWorker = std::numeric_limits<int32_t>::max();
+constexpr int64_t kMaxStep = int64_t{1} << 53;
+constexpr double kMaxSeconds = 1e6;         // stop, mute: about 11 days.
+constexpr double kMaxMilliseconds = 3.6e6;  // slow: an hour per step.
+
+// A whole number in [0, max] (worker, step).
+int64_t parseCount(const std::string& fault, const std::string& key, const std::string& v,
+                   int64_t max) {
+  auto n = ::sinew::detail::tryParseInt(v);
+  if (!n && !::sinew::detail::tryParseFinite(v)) {
     SINEW_THROW(InvalidArgument, "fault '", fault, "': ", key, "='", v,
                 "' is not a non-negative number");
   }
-  return d;
+  if (!n || *n < 0 || *n > max) {
+    SINEW_THROW(InvalidArgument, "fault '", fault, "': ", key, "='", v,
+                "' must be a whole number in [0, ", max, "]");
+  }
+  return *n;
+}
+
+// A finite duration in [0, max] (secs, ms): nan, inf and negatives are rejected, since a
+// stop of nan seconds would never be woken.
+double parseDuration(const std::string& fault, const std::string& key, const std::string& v,
+                     double max) {
+  auto d = ::sinew::detail::tryParseFinite(v);
+  if (!d) {
+    SINEW_THROW(InvalidArgument, "fault '", fault, "': ", key, "='", v,
+                "' is not a non-negative number (finite, decimal)");
+  }
+  if (!(*d >= 0 && *d <= max)) {
+    SINEW_THROW(InvalidArgument, "fault '", fault, "': ", key, "='", v, "' must be in [0, ", max,
+                "]");
+  }
+  return *d;
 }
 
 Phase parsePhase(const std::string& fault, const std::string& v) {
@@ -90,16 +119,16 @@ FailureInjector FailureInjector::parse(const std::string& spec) {
       }
       std::string key = parts[i].substr(0, eq), v = parts[i].substr(eq + 1);
       if (key == "worker") {
-        f.worker = v == "*" ? -1 : static_cast<int>(parseNumber(text, key, v));
+        f.worker = v == "*" ? -1 : static_cast<int>(parseCount(text, key, v, kMaxWorker));
         haveWorker = true;
       } else if (key == "step") {
-        f.step = static_cast<int64_t>(parseNumber(text, key, v));
+        f.step = parseCount(text, key, v, kMaxStep);
       } else if (key == "phase") {
         f.phase = parsePhase(text, v);
       } else if (key == "secs") {
-        f.seconds = parseNumber(text, key, v);
+        f.seconds = parseDuration(text, key, v, kMaxSeconds);
       } else if (key == "ms") {
-        f.milliseconds = parseNumber(text, key, v);
+        f.milliseconds = parseDuration(text, key, v, kMaxMilliseconds);
       } else {
         SINEW_THROW(InvalidArgument, "fault '", text, "': unknown key '", key,
                     "' (expected worker, step, phase, secs or ms)");

@@ -3,12 +3,15 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <charconv>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <thread>
 
+#include "sinew/collectives/detail/parse.h"
 #include "sinew/collectives/tcp_store.h"
 #include "sinew/config.h"
 #include "sinew/runtime/coordinator.h"
@@ -35,19 +38,17 @@ const char* env(const char* name) {
   return v != nullptr && v[0] != '\0' ? v : nullptr;
 }
 
-int64_t parseInt(const char* name, const std::string& v) {
-  char* end = nullptr;
-  long long x = std::strtoll(v.c_str(), &end, 10);
-  if (v.empty() || end != v.c_str() + v.size()) {
-    SINEW_THROW(InvalidArgument, name, "='", v, "' is not an integer");
-  }
-  return x;
+// $name=v as an integer in [min, max]; InvalidArgument naming the variable and value.
+int64_t parseInt(const char* name, const std::string& v, int64_t min = 0,
+                 int64_t max = std::numeric_limits<int32_t>::max()) {
+  return ::sinew::detail::parseInt(v, name, min, max);
 }
 
 uint64_t parseToken(const std::string& v) {
-  char* end = nullptr;
-  unsigned long long x = std::strtoull(v.c_str(), &end, 16);
-  if (v.empty() || end != v.c_str() + v.size() || x == 0) {
+  uint64_t x = 0;
+  const char* end = v.data() + v.size();
+  auto r = std::from_chars(v.data(), end, x, 16);
+  if (v.empty() || r.ec != std::errc() || r.ptr != end || x == 0) {
     SINEW_THROW(InvalidArgument, "SINEW_TOKEN='", v, "' is not a non-zero hexadecimal job token");
   }
   return x;
@@ -59,8 +60,7 @@ std::pair<std::string, uint16_t> parseEndpoint(const char* name, const std::stri
   if (colon == std::string::npos || colon == 0) {
     SINEW_THROW(InvalidArgument, name, "='", v, "' is not host:port");
   }
-  int64_t port = parseInt(name, v.substr(colon + 1));
-  if (port <= 0 || port > 65535) SINEW_THROW(InvalidArgument, name, "='", v, "': bad port");
+  int64_t port = parseInt((std::string(name) + " port").c_str(), v.substr(colon + 1), 1, 65535);
   return {v.substr(0, colon), static_cast<uint16_t>(port)};
 }
 
@@ -80,7 +80,7 @@ int mpiRank() {
 
 int mpiSize() {
   for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"}) {
-    if (const char* v = env(name)) return static_cast<int>(parseInt(name, v));
+    if (const char* v = env(name)) return static_cast<int>(parseInt(name, v, 1));
   }
   return 1;
 }
@@ -173,7 +173,7 @@ std::unique_ptr<Context> init(int* argc, char*** argv, const InitOptions& option
   if (brace != std::string::npos) {
     int rank = mpiRank();
     if (const char* id = env("SINEW_WORKER_ID"))
-      rank = static_cast<int>(parseInt("SINEW_WORKER_ID", id));
+      rank = static_cast<int>(parseInt("SINEW_WORKER_ID", id, -1));
     ctx->node_.replace(brace, 6,
                        rank >= 0 ? std::to_string(rank) : "joiner-" + std::to_string(::getpid()));
   }
@@ -187,7 +187,7 @@ std::unique_ptr<Context> init(int* argc, char*** argv, const InitOptions& option
     if (!token) SINEW_THROW(InvalidArgument, "SINEW_COORDINATOR is set but SINEW_TOKEN is not");
     co.token = parseToken(token);
     const char* id = env("SINEW_WORKER_ID");
-    co.worker = id ? static_cast<int>(parseInt("SINEW_WORKER_ID", id)) : -1;
+    co.worker = id ? static_cast<int>(parseInt("SINEW_WORKER_ID", id, -1)) : -1;
     ctx->joined_ = co.worker < 0;
     ctx->mode_ = ctx->joined_ ? "join" : "sinew-run";
   } else if (mpiRank() >= 0) {

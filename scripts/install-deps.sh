@@ -12,6 +12,7 @@ PACKAGES=(
   libgloo-dev
   libgtest-dev
   nlohmann-json3-dev
+  libcli11-dev
 )
 
 missing=()

@@ -10,6 +10,7 @@
 // With --worker <sinew|gloo|mpi> it is one rank of a variant (started by mpirun).
 
 #include <mpi.h>
+#include <CLI/CLI.hpp>
 
 #include <gloo/allreduce.h>
 #include <gloo/math.h>
@@ -213,10 +214,15 @@ std::map<size_t, double> launch(const std::string& self, int ranks, const std::s
 
 int main(int argc, char** argv) {
   if (argc >= 3 && std::string(argv[1]) == "--worker") return runWorker(argv[2], argc, argv);
+  CLI::App app("Allreduce bandwidth of Sinew's Gloo-transport communicator, raw Gloo and MPI.",
+               "sinew-bench-allreduce");
   int ranks = 4;
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (std::string(argv[i]) == "--ranks") ranks = std::atoi(argv[i + 1]);
-  }
+  app.add_option("--ranks", ranks, "processes per variant (mpirun -np)")
+      ->check(CLI::Range(2, 256))
+      ->capture_default_str();
+  app.add_option("--worker", "one rank of a variant (sinew, gloo or mpi; started by mpirun)")
+      ->group("");  // Internal; handled above, before MPI_Init.
+  CLI11_PARSE(app, argc, argv);
   std::string self = "/proc/self/exe";
   char buf[4096];
   ssize_t len = readlink("/proc/self/exe", buf, sizeof buf - 1);

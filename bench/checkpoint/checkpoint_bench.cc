@@ -17,6 +17,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
 #include <torch/serialize.h>
+#include <CLI/CLI.hpp>
 
 #include <atomic>
 #include <chrono>
@@ -134,10 +135,23 @@ struct Run {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int steps = argc > 1 ? std::atoi(argv[1]) : 6;
-  const int64_t width = argc > 2 ? std::atoll(argv[2]) : 4096;
-  const int nlayers = argc > 3 ? std::atoi(argv[3]) : 6;
-  const int64_t batch = argc > 4 ? std::atoll(argv[4]) : 16;
+  CLI::App app("Step stall of lazy snapshots + replication vs torch::save vs no checkpoint.",
+               "sinew-bench-checkpoint");
+  int steps = 6, nlayers = 6;
+  int64_t width = 4096, batch = 16;
+  app.add_option("steps", steps, "training steps per variant")
+      ->check(CLI::Range(1, 100000))
+      ->capture_default_str();
+  app.add_option("width", width, "hidden width of the MLP")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->capture_default_str();
+  app.add_option("layers", nlayers, "linear layers")
+      ->check(CLI::Range(1, 10000))
+      ->capture_default_str();
+  app.add_option("batch", batch, "batch size")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
 
   int up[2], down[2];
   if (::pipe(up) != 0 || ::pipe(down) != 0) return 1;

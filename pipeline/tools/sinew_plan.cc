@@ -7,17 +7,19 @@
 // humans with --table. Exit status: 0 on success, 1 for an invalid profile or an infeasible
 // plan (the message says why), 2 for bad command-line arguments.
 
-#include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "sinew/collectives/detail/parse.h"
 #include "sinew/collectives/error.h"
 #include "sinew/pipeline/instantiation.h"
 #include "sinew/pipeline/profile.h"
@@ -45,67 +47,47 @@ struct Args {
 };
 
 [[noreturn]] void usageError(const std::string& what) {
-  std::cerr << "sinew-plan: " << what << "\n" << kUsage;
+  std::cerr << "sinew-plan: " << what << "\n" << kUsage << "Run with --help for more.\n";
   std::exit(2);
 }
 
-int64_t parseInt(const std::string& flag, const std::string& text) {
-  errno = 0;
-  char* end = nullptr;
-  long long v = std::strtoll(text.c_str(), &end, 10);
-  if (text.empty() || *end != '\0' || errno == ERANGE) {
-    usageError(flag + " needs an integer, got '" + text + "'");
-  }
+// Command-line numbers go through the same strict parser as the rest of Sinew.
+int64_t parseInt(const std::string& flag, const std::string& text, int64_t min, int64_t max) {
+  int64_t v = 0;
+  const std::string error = sinew::detail::parseIntOrError(text, flag, min, max, &v);
+  if (!error.empty()) usageError(error);
   return v;
 }
 
 Args parseArgs(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    std::string value;
-    bool has_value = false;
-    size_t eq = arg.find('=');
-    if (arg.rfind("--", 0) == 0 && eq != std::string::npos) {
-      value = arg.substr(eq + 1);
-      arg = arg.substr(0, eq);
-      has_value = true;
-    }
-    auto next = [&]() -> std::string {
-      if (has_value) return value;
-      if (i + 1 >= argc) usageError(arg + " needs a value");
-      return argv[++i];
-    };
-    if (arg == "--nodes") {
-      a.nodes = parseInt(arg, next());
-    } else if (arg == "--fault-tolerance") {
-      a.fault_tolerance = parseInt(arg, next());
-    } else if (arg == "--microbatches") {
-      a.microbatches = parseInt(arg, next());
-    } else if (arg == "--table") {
-      a.table = true;
-    } else if (arg == "-h" || arg == "--help") {
-      std::cout << kUsage;
-      std::exit(0);
-    } else if (arg.rfind("-", 0) == 0) {
-      usageError("unknown option " + arg);
-    } else if (a.profile.empty()) {
-      a.profile = arg;
-    } else {
-      usageError("more than one profile given: '" + a.profile + "' and '" + arg + "'");
-    }
+  CLI::App app("Plans a job from a layer profile: templates, instantiation and batch split.",
+               "sinew-plan");
+  app.footer(
+      "Prints JSON (deterministic) or, with --table, tables. Exit status: 0 on success, 1 for\n"
+      "an invalid profile or an infeasible plan, 2 for bad command-line arguments.");
+  std::string nodes, faultTolerance = "0", microbatches;
+  app.add_option("profile", a.profile, "layer profile (docs/profile_format.md)")
+      ->type_name("PROFILE.json");
+  app.add_option("--nodes", nodes, "live nodes, in [1, 2^20]")->type_name("N");
+  app.add_option("--fault-tolerance", faultTolerance,
+                 "pipelines that may be lost; the plan runs >= F + 1 (default 0)")
+      ->type_name("F");
+  app.add_option("--microbatches", microbatches, "microbatches in the global batch (>= 1)")
+      ->type_name("B");
+  app.add_flag("--table", a.table, "print tables for humans instead of JSON");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) std::exit(app.exit(e));  // --help
+    usageError(e.what());
   }
   if (a.profile.empty()) usageError("no profile given");
-  if (a.nodes < 1 || a.nodes > (1 << 20)) {
-    usageError("--nodes must be in [1, 2^20], got " + std::to_string(a.nodes));
-  }
-  if (a.fault_tolerance < 0 || a.fault_tolerance >= a.nodes) {
-    usageError("--fault-tolerance must be in [0, nodes - 1], got " +
-               std::to_string(a.fault_tolerance));
-  }
-  if (a.microbatches < 1) {
-    usageError("--microbatches must be >= 1, got " + std::to_string(a.microbatches));
-  }
+  if (nodes.empty()) usageError("--nodes is required");
+  if (microbatches.empty()) usageError("--microbatches is required");
+  a.nodes = parseInt("--nodes", nodes, 1, 1 << 20);
+  a.fault_tolerance = parseInt("--fault-tolerance", faultTolerance, 0, a.nodes - 1);
+  a.microbatches = parseInt("--microbatches", microbatches, 1, std::numeric_limits<int32_t>::max());
   return a;
 }
 

@@ -33,8 +33,10 @@
 #include <thread>
 #include <vector>
 
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "sinew/collectives/detail/parse.h"
 #include "sinew/runtime/coordinator.h"
 #include "sinew/runtime/failure_injection.h"
 
@@ -50,56 +52,63 @@ struct Args {
   std::vector<std::string> program;
 };
 
+constexpr const char* kUsage =
+    "usage: sinew-run -n N [--inject SPEC] [--log-dir DIR] [--heartbeat-ms MS]\n"
+    "                 [--dead-after-ms MS] [--quiet] [--] program [args...]\n";
+
 [[noreturn]] void usage(const std::string& error) {
-  std::fprintf(stderr,
-               "sinew-run: %s\n"
-               "usage: sinew-run -n N [--inject SPEC] [--log-dir DIR] [--heartbeat-ms MS]\n"
-               "                 [--dead-after-ms MS] [--quiet] [--] program [args...]\n",
-               error.c_str());
+  std::fprintf(stderr, "sinew-run: %s\n%s", error.c_str(), kUsage);
   std::exit(2);
 }
 
-int parseInt(const std::string& flag, const std::string& v) {
-  char* end = nullptr;
-  long x = std::strtol(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0' || x <= 0 || x > 1000000) {
-    usage(flag + " needs a positive integer, got '" + v + "'");
-  }
+// Command-line numbers go through the same strict parser as the rest of Sinew.
+int parseCount(const std::string& flag, const std::string& v, int64_t max) {
+  int64_t x = 0;
+  const std::string error = sinew::detail::parseIntOrError(v, flag, 1, max, &x);
+  if (!error.empty()) usage(error);
   return static_cast<int>(x);
 }
 
 Args parse(int argc, char** argv) {
   Args a;
-  int i = 1;
-  auto value = [&](const std::string& flag) -> std::string {
-    if (i + 1 >= argc) usage(flag + " needs a value");
-    return argv[++i];
-  };
-  for (; i < argc; ++i) {
-    std::string s = argv[i];
-    if (s == "--") {
-      ++i;
-      break;
-    } else if (s == "-n" || s == "--nproc") {
-      a.workers = parseInt(s, value(s));
-    } else if (s == "--inject") {
-      a.inject = value(s);
-    } else if (s == "--log-dir") {
-      a.logDir = value(s);
-    } else if (s == "--heartbeat-ms") {
-      a.heartbeatMs = parseInt(s, value(s));
-    } else if (s == "--dead-after-ms") {
-      a.deadAfterMs = parseInt(s, value(s));
-    } else if (s == "--quiet") {
-      a.quiet = true;
-    } else if (s.size() > 1 && s[0] == '-') {
-      usage("unknown option '" + s + "'");
-    } else {
-      break;
-    }
+  CLI::App app("Starts a coordinator and N worker processes of program (the local launcher).",
+               "sinew-run");
+  app.footer(
+      "Everything from the first non-option argument (or after --) is the program and its\n"
+      "arguments. Exit status: 0 when the job finished, 75 when every worker was preempted,\n"
+      "2 for bad arguments, 1 otherwise.");
+  std::string workers, heartbeat = "100", deadAfter = "1000";
+  app.add_option("-n,--nproc", workers, "worker processes to start, in [1, 1000000]")
+      ->type_name("N");
+  app.add_option("--inject", a.inject, "faults to inject (SINEW_INJECT syntax, docs/runtime.md)")
+      ->type_name("SPEC");
+  app.add_option("--log-dir", a.logDir,
+                 "worker logs and coordinator.json (default sinew-logs/run-PID)")
+      ->type_name("DIR");
+  app.add_option("--heartbeat-ms", heartbeat, "heartbeat interval in ms (default 100)")
+      ->type_name("MS");
+  app.add_option("--dead-after-ms", deadAfter,
+                 "silence in ms after which a worker is declared dead (default 1000)")
+      ->type_name("MS");
+  app.add_flag("--quiet", a.quiet, "do not echo the workers' output (still logged)");
+  app.prefix_command();  // The first positional and everything after it: the program.
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) std::exit(app.exit(e));  // --help
+    usage(e.what());
   }
-  for (; i < argc; ++i) a.program.push_back(argv[i]);
-  if (a.workers <= 0) usage("-n N is required");
+  // An unknown option before the program lands in remaining() too, in front of it.
+  a.program = app.remaining();
+  if (!a.program.empty() && a.program.front() == "--") {
+    a.program.erase(a.program.begin());
+  } else if (!a.program.empty() && a.program.front().size() > 1 && a.program.front()[0] == '-') {
+    usage("unknown option '" + a.program.front() + "'");
+  }
+  if (workers.empty()) usage("-n N is required");
+  a.workers = parseCount("-n", workers, 1000000);
+  a.heartbeatMs = parseCount("--heartbeat-ms", heartbeat, 1000000);
+  a.deadAfterMs = parseCount("--dead-after-ms", deadAfter, 1000000);
   if (a.program.empty()) usage("no program to run");
   if (a.deadAfterMs <= a.heartbeatMs) usage("--dead-after-ms must exceed --heartbeat-ms");
   return a;

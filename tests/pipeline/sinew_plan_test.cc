@@ -8,6 +8,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -81,6 +82,39 @@ TEST(SinewPlanTest, BadArgumentsAndProfilesAreReported) {
   r = runPlan(bad + " --nodes 2 --microbatches 4");
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.out.find("job.device_memory_bytes"), std::string::npos) << r.out;
+}
+
+TEST(SinewPlanTest, HelpAndBadNumbersGiveClearErrors) {
+  ToolRun r = runPlan("--help");
+  EXPECT_EQ(r.status, 0) << r.out;
+  for (const char* flag : {"--nodes", "--fault-tolerance", "--microbatches", "--table"}) {
+    EXPECT_NE(r.out.find(flag), std::string::npos) << r.out;
+  }
+  struct Bad {
+    std::string args, says;
+  };
+  for (const Bad& b : std::vector<Bad>{
+           {" --nodes 0 --microbatches 4", "--nodes must be in [1, 1048576], got 0"},
+           {" --nodes=99999999999999999999 --microbatches 4",
+            "--nodes must be in [1, 1048576], got 99999999999999999999"},
+           {" --nodes 8x --microbatches 4", "--nodes needs an integer, got '8x'"},
+           {" --nodes 8 --microbatches 1e3", "--microbatches needs an integer, got '1e3'"},
+           {" --nodes 8 --microbatches -4", "--microbatches"},
+           {" --nodes 8 --fault-tolerance 1.5 --microbatches 4",
+            "--fault-tolerance needs an integer, got '1.5'"},
+           {" --nodes 8 --fault-tolerance 8 --microbatches 4",
+            "--fault-tolerance must be in [0, 7], got 8"},
+           {" --nodes 8", "--microbatches is required"},
+           {" --nodes 8 --microbatches 4 --bogus", "--bogus"},
+           {" --nodes 8 --microbatches 4 second.json", "second.json"},
+       }) {
+    ToolRun bad = runPlan(kProfile + b.args);
+    EXPECT_EQ(bad.status, 2) << b.args << ": " << bad.out;
+    EXPECT_NE(bad.out.find(b.says), std::string::npos) << b.args << ": " << bad.out;
+  }
+  ToolRun none = runPlan("--nodes 8 --microbatches 4");
+  EXPECT_EQ(none.status, 2) << none.out;
+  EXPECT_NE(none.out.find("no profile given"), std::string::npos) << none.out;
 }
 
 }  // namespace

@@ -1,0 +1,202 @@
+// Untrusted text the runtime reads (issue 8): SINEW_INJECT fault specs, SINEW_* environment
+// variables and sinew-run's command line. Bad numbers (nan, inf, negative, out of range,
+// trailing junk) are rejected with a message naming the field and the value; --help works.
+
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "sinew/collectives/detail/parse.h"
+#include "sinew/collectives/error.h"
+#include "sinew/runtime/failure_injection.h"
+#include "sinew/runtime/init.h"
+
+namespace sinew {
+namespace runtime {
+namespace {
+
+TEST(ParseTest, WholeStringIntegersAndFiniteNumbersOnly) {
+  using ::sinew::detail::parseFinite;
+  using ::sinew::detail::parseInt;
+  EXPECT_EQ(parseInt("42", "x", 0, 100), 42);
+  EXPECT_EQ(parseInt("-7", "x", -10, 10), -7);
+  for (const char* bad : {"", "4x", " 4", "4 ", "+4", "0x10", "1e3", "4.0", "-", "nan"}) {
+    try {
+      parseInt(bad, "--flag", 0, 1000);
+      ADD_FAILURE() << "accepted '" << bad << "'";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(
+          std::string(e.what()).find("--flag needs an integer, got '" + std::string(bad) + "'"),
+          std::string::npos)
+          << e.what();
+    }
+  }
+  for (const char* bad : {"101", "-1", "99999999999999999999", "-99999999999999999999"}) {
+    try {
+      parseInt(bad, "--flag", 0, 100);
+      ADD_FAILURE() << "accepted '" << bad << "'";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("--flag must be in [0, 100], got " + std::string(bad)),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_DOUBLE_EQ(parseFinite("2.5", "secs", 0, 10), 2.5);
+  EXPECT_DOUBLE_EQ(parseFinite("1e-3", "secs", 0, 10), 1e-3);
+  for (const char* bad : {"nan", "inf", "-inf", "NaN", "1e999", "2.5s", ""}) {
+    EXPECT_THROW(parseFinite(bad, "secs", 0, 10), InvalidArgument) << bad;
+  }
+  EXPECT_THROW(parseFinite("-1", "secs", 0, 10), InvalidArgument);
+  EXPECT_THROW(parseFinite("11", "secs", 0, 10), InvalidArgument);
+}
+
+TEST(FailureInjectionValidationTest, NanInfNegativeAndOutOfRangeNumbersAreRejected) {
+  struct Bad {
+    std::string spec, says;
+  };
+  for (const Bad& b : std::vector<Bad>{
+           // A stop of nan seconds used to leave the worker stopped forever.
+           {"stop:worker=1:step=5:secs=nan", "secs='nan' is not a non-negative number"},
+           {"stop:worker=1:step=5:secs=inf", "secs='inf' is not a non-negative number"},
+           {"stop:worker=1:step=5:secs=-3", "secs='-3' must be in [0, "},
+           {"stop:worker=1:step=5:secs=1e300", "secs='1e300' must be in [0, "},
+           {"mute:worker=1:step=5:secs=3s", "secs='3s' is not a non-negative number"},
+           {"slow:worker=0:ms=NaN", "ms='NaN' is not a non-negative number"},
+           {"slow:worker=0:ms=1e12", "ms='1e12' must be in [0, "},
+           {"kill:worker=-1:step=3", "worker='-1' must be a whole number in [0, 2147483647]"},
+           {"kill:worker=99999999999:step=3", "worker='99999999999' must be a whole number"},
+           {"kill:worker=1.5:step=3", "worker='1.5' must be a whole number"},
+           {"kill:worker=1:step=3junk", "step='3junk' is not a non-negative number"},
+           {"kill:worker=1:step=1e20", "step='1e20' must be a whole number"},
+           {"kill:worker=1:step=99999999999999999999", "step='99999999999999999999'"},
+           {"kill:worker= 1:step=3", "worker=' 1'"},
+       }) {
+    try {
+      FailureInjector::parse(b.spec);
+      ADD_FAILURE() << "accepted '" << b.spec << "'";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(b.says), std::string::npos)
+          << "'" << b.spec << "' gave: " << e.what();
+      EXPECT_NE(std::string(e.what()).find("fault '" + b.spec + "'"), std::string::npos)
+          << e.what();
+    }
+  }
+  auto ok = FailureInjector::parse("stop:worker=1:step=5:secs=0.5;slow:worker=*:ms=2.5");
+  ASSERT_EQ(ok.faults().size(), 2u);
+  EXPECT_DOUBLE_EQ(ok.faults()[0].seconds, 0.5);
+  EXPECT_DOUBLE_EQ(ok.faults()[1].milliseconds, 2.5);
+}
+
+// Sets environment variables for one scope.
+class ScopedEnv {
+ public:
+  explicit ScopedEnv(const std::map<std::string, std::string>& vars) {
+    for (const auto& kv : vars) {
+      const char* old = std::getenv(kv.first.c_str());
+      saved_[kv.first] = old ? std::make_pair(true, std::string(old)) : std::make_pair(false, "");
+      ::setenv(kv.first.c_str(), kv.second.c_str(), 1);
+    }
+  }
+  ~ScopedEnv() {
+    for (const auto& kv : saved_) {
+      if (kv.second.first) {
+        ::setenv(kv.first.c_str(), kv.second.second.c_str(), 1);
+      } else {
+        ::unsetenv(kv.first.c_str());
+      }
+    }
+  }
+
+ private:
+  std::map<std::string, std::pair<bool, std::string>> saved_;
+};
+
+TEST(InitValidationTest, BadEnvironmentVariablesNameTheVariableAndValue) {
+  struct Bad {
+    std::map<std::string, std::string> env;
+    std::string says;
+  };
+  const std::map<std::string, std::string> good = {
+      {"SINEW_COORDINATOR", "127.0.0.1:1"}, {"SINEW_TOKEN", "abc"}, {"SINEW_WORKER_ID", "0"}};
+  for (const Bad& b : std::vector<Bad>{
+           {{{"SINEW_WORKER_ID", "1x"}}, "SINEW_WORKER_ID needs an integer, got '1x'"},
+           {{{"SINEW_WORKER_ID", "4294967296"}}, "SINEW_WORKER_ID must be in [-1, 2147483647]"},
+           {{{"SINEW_COORDINATOR", "127.0.0.1:99999"}},
+            "SINEW_COORDINATOR port must be in [1, 65535]"},
+           {{{"SINEW_COORDINATOR", "127.0.0.1:80x"}}, "SINEW_COORDINATOR port needs an integer"},
+           {{{"SINEW_COORDINATOR", "127.0.0.1:-80"}}, "SINEW_COORDINATOR port must be in"},
+           {{{"SINEW_TOKEN", "-1"}}, "SINEW_TOKEN='-1' is not a non-zero hexadecimal job token"},
+           {{{"SINEW_TOKEN", "0xabc"}}, "SINEW_TOKEN='0xabc'"},
+           {{{"SINEW_TOKEN", "abc "}}, "SINEW_TOKEN='abc '"},
+           {{{"SINEW_INJECT", "stop:worker=0:step=1:secs=nan"}}, "secs='nan'"},
+       }) {
+    std::map<std::string, std::string> env = good;
+    for (const auto& kv : b.env) env[kv.first] = kv.second;
+    ScopedEnv scoped(env);
+    try {
+      InitOptions o;
+      o.connectTimeout = std::chrono::milliseconds(2000);  // Should a bad value slip through.
+      init(nullptr, nullptr, o);
+      ADD_FAILURE() << "init accepted " << b.env.begin()->first << "=" << b.env.begin()->second;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(b.says), std::string::npos) << e.what();
+    }
+  }
+}
+
+struct ToolRun {
+  int status = -1;
+  std::string out;  // stdout and stderr
+};
+
+ToolRun runTool(const std::string& args) {
+  std::string cmd = std::string(SINEW_RUN_PATH) + " " + args + " 2>&1";
+  ToolRun r;
+  FILE* f = popen(cmd.c_str(), "r");
+  if (f == nullptr) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), f)) > 0) r.out.append(buf, n);
+  int st = pclose(f);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return r;
+}
+
+TEST(SinewRunArgumentsTest, HelpAndBadNumbers) {
+  ToolRun r = runTool("--help");
+  EXPECT_EQ(r.status, 0) << r.out;
+  for (const char* flag :
+       {"--nproc", "--inject", "--log-dir", "--heartbeat-ms", "--dead-after-ms", "--quiet"}) {
+    EXPECT_NE(r.out.find(flag), std::string::npos) << r.out;
+  }
+  struct Bad {
+    std::string args, says;
+  };
+  for (const Bad& b : std::vector<Bad>{
+           {"-n abc true", "-n needs an integer, got 'abc'"},
+           {"-n 0 true", "-n must be in [1, 1000000], got 0"},
+           {"--nproc=4x true", "-n needs an integer, got '4x'"},
+           {"-n 99999999999999999999 true", "-n must be in [1, 1000000], got 99999999999999999999"},
+           {"-n 2 --heartbeat-ms 1e3 true", "--heartbeat-ms needs an integer, got '1e3'"},
+           {"-n 2 --dead-after-ms=nan true", "--dead-after-ms needs an integer, got 'nan'"},
+           {"-n 2 --heartbeat-ms 500 --dead-after-ms 400 true",
+            "--dead-after-ms must exceed --heartbeat-ms"},
+           {"-n 2 --inject stop:worker=0:step=1:secs=inf true", "secs='inf'"},
+           {"-n 2 --bogus true", "--bogus"},
+           {"-n 2", "no program to run"},
+           {"true", "-n N is required"},
+       }) {
+    ToolRun bad = runTool(b.args);
+    EXPECT_EQ(bad.status, 2) << b.args << ": " << bad.out;
+    EXPECT_NE(bad.out.find(b.says), std::string::npos) << b.args << ": " << bad.out;
+  }
+}
+
+}  // namespace
+}  // namespace runtime
+}  // namespace sinew
