@@ -41,7 +41,7 @@ TensorRecord tensorFromJson(const std::string& layer, const std::string& name, c
   t.dtype = j.at("dtype").get<std::string>();
   t.shape = j.at("shape").get<std::vector<int64_t>>();
   auto off = j.at("data_offsets").get<std::vector<uint64_t>>();
-  if (off.size() != 2 || off[1] < off[0]) throw std::runtime_error("bad data_offsets");
+  if (off.size() != 2 || off[1] < off[0]) SINEW_THROW(Corruption, "bad data_offsets");
   t.offset = off[0];
   t.nbytes = off[1] - off[0];
   t.crc32c = parseHex32(j.at("crc32c"));
@@ -145,7 +145,7 @@ Manifest Manifest::fromJson(const std::string& text, const std::string& path) {
     json j = json::parse(text);
     if (j.at("format").get<std::string>() != kFormat ||
         j.at("format_version").get<int>() != kFormatVersion) {
-      throw std::runtime_error("unknown format or format_version");
+      SINEW_THROW(Corruption, "unknown format or format_version");
     }
     m.step = j.at("step").get<int64_t>();
     for (auto it = j.at("files").begin(); it != j.at("files").end(); ++it) {
@@ -166,8 +166,10 @@ Manifest Manifest::fromJson(const std::string& text, const std::string& path) {
 
 CheckpointWriter::CheckpointWriter(PersistOptions options)
     : options_(std::move(options)), env_(options_.env ? options_.env : posixEnv()) {
-  SINEW_ENFORCE(!options_.dir.empty(), "checkpoint folder is empty");
-  SINEW_ENFORCE(options_.keep >= 1, "keep must be at least 1, got ", options_.keep);
+  if (options_.dir.empty()) SINEW_THROW(InvalidArgument, "PersistOptions::dir is empty");
+  if (options_.keep < 1) {
+    SINEW_THROW(InvalidArgument, "PersistOptions::keep = ", options_.keep, " must be >= 1");
+  }
   env_->createDir(options_.dir);
 }
 

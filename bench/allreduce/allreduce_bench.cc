@@ -32,7 +32,7 @@
 #include <string>
 #include <vector>
 
-#include "sinew/collectives/communicator.h"
+#include "sinew/communicator.h"
 #include "sinew/collectives/tcp_store.h"
 
 namespace {

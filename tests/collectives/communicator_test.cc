@@ -12,7 +12,7 @@
 #include <thread>
 
 #include "multiproc.h"
-#include "sinew/collectives/communicator.h"
+#include "sinew/communicator.h"
 #include "sinew/collectives/tcp_store.h"
 
 namespace sinew {
