@@ -9,7 +9,8 @@ namespace checkpoint {
 
 ReplicaPlacement::ReplicaPlacement(std::vector<int> nodes, int m)
     : nodes_(std::move(nodes)), m_(m) {
-  if (m_ < 1) SINEW_THROW(InvalidArgument, "ReplicaPlacement: replication m = ", m_, " must be >= 1");
+  if (m_ < 1)
+    SINEW_THROW(InvalidArgument, "ReplicaPlacement: replication m = ", m_, " must be >= 1");
   if (nodes_.empty()) SINEW_THROW(InvalidArgument, "ReplicaPlacement: nodes is empty");
   std::set<int> distinct;
   for (int node : nodes_) {

@@ -23,8 +23,8 @@
 #include <string>
 #include <vector>
 
-#include "sinew/communicator.h"
 #include "sinew/collectives/tcp_store.h"
+#include "sinew/communicator.h"
 
 using namespace sinew::collectives;
 

@@ -67,8 +67,8 @@ struct Instantiation {
 Instantiation instantiate(const TemplateSet& templates, int nodes, const PlanOptions& options);
 
 // instantiate() over the given nodes, which go to the pipelines in order (the first pipeline
-// gets the first nodes), with its worker assignments (workerAssignments). Throws sinew::InvalidArgument as instantiate() or for repeated or
-// negative node ids.
+// gets the first nodes), with its worker assignments (workerAssignments). Throws
+// sinew::InvalidArgument as instantiate() or for repeated or negative node ids.
 Plan makePlan(const TemplateSet& templates, const std::vector<int>& node_ids,
               const PlanOptions& options);
 

@@ -32,8 +32,8 @@ struct WorkerAssignment {
   int worker = -1;
   int node = -1;  // node id (the failure domain)
   int device = 0;
-  int pipeline = 0;  // index in Plan::pipelines (or the worker's rank in a data-parallel plan)
-  int stage = 0;     // index in the pipeline template's stages
+  int pipeline = 0;    // index in Plan::pipelines (or the worker's rank in a data-parallel plan)
+  int stage = 0;       // index in the pipeline template's stages
   int firstLayer = 0;  // layers [firstLayer, endLayer)
   int endLayer = 0;
   std::vector<int64_t> microbatches;  // indices into the step's global batch

@@ -279,9 +279,8 @@ std::vector<LayerCopy> layerCopies(const TemplateSet& templates, const Plan& pre
           }
         }
       }
-      if (!copies.empty() && copies.back().node_id == w.node &&
-          copies.back().device == w.device && copies.back().end_layer == l &&
-          copies.back().source_node_id == source.first &&
+      if (!copies.empty() && copies.back().node_id == w.node && copies.back().device == w.device &&
+          copies.back().end_layer == l && copies.back().source_node_id == source.first &&
           copies.back().source_device == source.second) {
         copies.back().end_layer = l + 1;
       } else {

@@ -51,8 +51,9 @@ class Coordinator::Impl {
       options_.token = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ 1;
     }
     if (options_.expectedWorkers < 1) {
-      SINEW_THROW(InvalidArgument, "CoordinatorOptions::expectedWorkers = ",
-                  options_.expectedWorkers, " must be >= 1");
+      SINEW_THROW(InvalidArgument,
+                  "CoordinatorOptions::expectedWorkers = ", options_.expectedWorkers,
+                  " must be >= 1");
     }
     if (options_.heartbeatInterval.count() <= 0 ||
         options_.deadAfter <= options_.heartbeatInterval) {

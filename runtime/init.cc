@@ -187,7 +187,7 @@ std::unique_ptr<Context> init(int* argc, char*** argv, const InitOptions& option
     if (const char* id = env("SINEW_WORKER_ID"))
       rank = static_cast<int>(parseInt("SINEW_WORKER_ID", id));
     ctx->node.replace(brace, 6,
-                       rank >= 0 ? std::to_string(rank) : "joiner-" + std::to_string(::getpid()));
+                      rank >= 0 ? std::to_string(rank) : "joiner-" + std::to_string(::getpid()));
   }
 
   CoordinatorClientOptions co;

@@ -31,10 +31,10 @@ namespace sinew {
 using Clock = std::chrono::steady_clock;
 using collectives::Bytes;
 using collectives::Store;
+using pipeline::Plan;
 using runtime::CoordinatorClient;
 using runtime::EpochInfo;
 using runtime::Phase;
-using pipeline::Plan;
 
 namespace {
 
@@ -227,7 +227,8 @@ class Trainer::Impl {
     });
     int64_t resume = 0;
     if (!o_.checkpointDir.empty()) {
-      int64_t latest = checkpoint::CheckpointReader(o_.checkpointDir, state_.checkpointEnv).latestStep();
+      int64_t latest =
+          checkpoint::CheckpointReader(o_.checkpointDir, state_.checkpointEnv).latestStep();
       if (latest >= 0) resume = latest + 1;
     }
     client_.ready(resume);

@@ -32,8 +32,8 @@
 #include <string>
 #include <vector>
 
-#include "sinew/communicator.h"
 #include "sinew/collectives/tcp_store.h"
+#include "sinew/communicator.h"
 
 namespace {
 

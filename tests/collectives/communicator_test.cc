@@ -12,8 +12,8 @@
 #include <thread>
 
 #include "multiproc.h"
-#include "sinew/communicator.h"
 #include "sinew/collectives/tcp_store.h"
+#include "sinew/communicator.h"
 
 namespace sinew {
 namespace collectives {

@@ -18,8 +18,8 @@ constexpr bool allDeriveFromError() {
 }
 
 TEST(ErrorTest, EveryErrorTypeDerivesFromSinewError) {
-  static_assert(allDeriveFromError<PeerLost, Timeout, Aborted, InvalidArgument, Corruption,
-                                   IoError, InternalError, Expelled, Released>(),
+  static_assert(allDeriveFromError<PeerLost, Timeout, Aborted, InvalidArgument, Corruption, IoError,
+                                   InternalError, Expelled, Released>(),
                 "every Sinew error is a sinew::Error");
   static_assert(std::is_base_of<std::runtime_error, Error>::value, "");
   try {
@@ -52,8 +52,7 @@ TEST(ErrorTest, ThrowNamesTheTypeAndLocation) {
     SINEW_THROW(InvalidArgument, "Options::x = ", -1, " must be positive");
     FAIL();
   } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("Options::x = -1 must be positive [") ,
-              std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("Options::x = -1 must be positive ["), std::string::npos)
         << e.what();
   }
 }

@@ -37,7 +37,9 @@ int main() {
   auto ctx = sinew::init(nullptr, nullptr);
   sinew::ModelSpec spec;
   spec.layers.push_back({"fc", [] { return torch::nn::AnyModule(torch::nn::Linear(2, 1)); }});
-  spec.loss = [](const at::Tensor& y, const at::Tensor& target) { return (y - target).pow(2).mean(); };
+  spec.loss = [](const at::Tensor& y, const at::Tensor& target) {
+    return (y - target).pow(2).mean();
+  };
   spec.optimizer = sinew::sgd(0.1);
   spec.dataset = [](int64_t i) {
     double x = static_cast<double>(i % 10) / 10;
