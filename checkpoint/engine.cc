@@ -51,7 +51,10 @@ void advance(collectives::Store& store, const std::string& key, int64_t value) {
 
 CheckpointEngine::CheckpointEngine(const ShardState& like, CheckpointEngineOptions options)
     : options_(std::move(options)), placement_(options_.workers, options_.replication) {
-  SINEW_ENFORCE(options_.store != nullptr, "checkpoint engine needs a store");
+  if (options_.store == nullptr) {
+    SINEW_THROW(InvalidArgument, "CheckpointEngineOptions::store is null (worker ", options_.self,
+                ")");
+  }
   if (options_.token == 0) {
     SINEW_THROW(InvalidArgument, "CheckpointEngineOptions::token is 0: pass the job token");
   }
@@ -227,11 +230,21 @@ void CheckpointEngine::flushLoop() {
       flushVersion(shard);
       std::lock_guard<std::mutex> lock(mu_);
       stats_.flushed++;
-    } catch (const std::exception& e) {
+    } catch (...) {
+      std::exception_ptr error = std::current_exception();  // Rethrown by waitDurable().
+      std::string what = "unknown exception";
+      try {
+        std::rethrow_exception(error);
+      } catch (const std::exception& e) {
+        what = e.what();
+      } catch (...) {
+      }
+      std::fprintf(stderr, "sinew checkpoint: worker %d: flush of version %lld failed: %s\n",
+                   options_.self, static_cast<long long>(shard->step), what.c_str());
       std::lock_guard<std::mutex> lock(mu_);
-      stats_.lastError = e.what();
-      std::fprintf(stderr, "sinew checkpoint: flush of version %lld failed: %s\n",
-                   static_cast<long long>(shard->step), e.what());
+      stats_.lastError = what;
+      if (!flushError_) flushError_ = error;
+      cv_.notify_all();
     }
   }
 }
@@ -273,6 +286,12 @@ int64_t CheckpointEngine::waitDurable(int64_t step, std::chrono::milliseconds ti
   for (;;) {
     int64_t d = durableStep();
     if (d >= step) return d;
+    std::exception_ptr error;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      std::swap(error, flushError_);
+    }
+    if (error) std::rethrow_exception(error);
     if (Clock::now() > deadline) {
       SINEW_THROW(Timeout, "version ", step, " not durable after ", timeout.count(),
                   " ms (durable: ", d, ")");

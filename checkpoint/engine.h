@@ -39,6 +39,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -51,7 +52,7 @@
 #include "sinew/checkpoint/replica.h"
 #include "sinew/checkpoint/restore.h"
 #include "sinew/checkpoint/snapshot.h"
-#include "sinew/collectives/store.h"
+#include "sinew/store.h"
 
 namespace sinew {
 namespace checkpoint {
@@ -110,6 +111,10 @@ class CheckpointEngine {
   int64_t waitCommitted(int64_t step, std::chrono::milliseconds timeout) const;
   // The newest durable version (-1 if none), read from the Store.
   int64_t durableStep() const;
+  // Waits until version >= step is durable; returns it. Throws Timeout naming the step, or,
+  // c10d Work style, the error of this worker's flush that failed while it waited (IoError
+  // from a failing disk, ...) instead of waiting out the deadline; each failure is thrown
+  // once.
   int64_t waitDurable(int64_t step, std::chrono::milliseconds timeout) const;
   // Flush the next committed version (also what a preemption notice does).
   void requestFlush();
@@ -151,6 +156,8 @@ class CheckpointEngine {
   bool flushRequested_ = false;
   bool stop_ = false;
   EngineStats stats_;
+  // A failed flush not yet rethrown by waitDurable() (its message is also stats_.lastError).
+  mutable std::exception_ptr flushError_;
 
   std::thread replicationThread_;
   std::thread flushThread_;

@@ -360,8 +360,10 @@ Manifest Manifest::fromJson(const std::string& text, const std::string& path) {
 
 CheckpointWriter::CheckpointWriter(PersistOptions options)
     : options_(std::move(options)), env_(options_.env ? options_.env : posixEnv()) {
-  SINEW_ENFORCE(!options_.dir.empty(), "checkpoint folder is empty");
-  SINEW_ENFORCE(options_.keep >= 1, "keep must be at least 1, got ", options_.keep);
+  if (options_.dir.empty()) SINEW_THROW(InvalidArgument, "PersistOptions::dir is empty");
+  if (options_.keep < 1) {
+    SINEW_THROW(InvalidArgument, "PersistOptions::keep = ", options_.keep, " must be >= 1");
+  }
   env_->createDir(options_.dir);
 }
 

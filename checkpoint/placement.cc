@@ -9,10 +9,15 @@ namespace checkpoint {
 
 ReplicaPlacement::ReplicaPlacement(std::vector<int> nodes, int m)
     : nodes_(std::move(nodes)), m_(m) {
-  SINEW_ENFORCE(m_ >= 1, "replication factor must be at least 1, got ", m_);
-  SINEW_ENFORCE(!nodes_.empty(), "placement of zero nodes");
-  std::set<int> distinct(nodes_.begin(), nodes_.end());
-  SINEW_ENFORCE(distinct.size() == nodes_.size(), "placement nodes are not distinct");
+  if (m_ < 1)
+    SINEW_THROW(InvalidArgument, "ReplicaPlacement: replication m = ", m_, " must be >= 1");
+  if (nodes_.empty()) SINEW_THROW(InvalidArgument, "ReplicaPlacement: nodes is empty");
+  std::set<int> distinct;
+  for (int node : nodes_) {
+    if (!distinct.insert(node).second) {
+      SINEW_THROW(InvalidArgument, "ReplicaPlacement: node ", node, " is listed twice");
+    }
+  }
   const int n = static_cast<int>(nodes_.size());
   holders_.assign(n, {});
   if (n <= m_) {
@@ -54,7 +59,9 @@ ReplicaPlacement::ReplicaPlacement(std::vector<int> nodes, int m)
 
 int ReplicaPlacement::indexOf(int node) const {
   auto it = std::find(nodes_.begin(), nodes_.end(), node);
-  SINEW_ENFORCE(it != nodes_.end(), "node ", node, " is not in the placement");
+  if (it == nodes_.end()) {
+    SINEW_THROW(InvalidArgument, "ReplicaPlacement: node ", node, " is not in the placement");
+  }
   return static_cast<int>(it - nodes_.begin());
 }
 
@@ -96,7 +103,10 @@ double choose(int n, int k) {
 }  // namespace
 
 double groupPlacementFailureProbability(int n, int m, int k) {
-  SINEW_ENFORCE(m >= 1 && n % m == 0, "the formula needs m | N, got N=", n, " m=", m);
+  if (m < 1 || n % m != 0) {
+    SINEW_THROW(InvalidArgument, "groupPlacementFailureProbability: m = ", m,
+                " must be >= 1 and divide n = ", n);
+  }
   const int groups = n / m;
   double sum = 0;
   for (int j = 1; j <= groups && j * m <= k; ++j) {

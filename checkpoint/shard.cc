@@ -158,17 +158,24 @@ ShardLayout ShardLayout::of(const ShardState& state) {
   ShardLayout out;
   std::set<std::string> seen;
   for (const auto& layer : state) {
-    SINEW_ENFORCE(!layer.name.empty() && layer.name.find('/') == std::string::npos, "layer name '",
-                  layer.name, "' must be non-empty and contain no '/'");
-    SINEW_ENFORCE(seen.insert(layer.name).second, "layer ", layer.name, " appears twice");
+    if (layer.name.empty() || layer.name.find('/') != std::string::npos) {
+      SINEW_THROW(InvalidArgument, "layer name '", layer.name,
+                  "' must be non-empty and contain no '/'");
+    }
+    if (!seen.insert(layer.name).second) {
+      SINEW_THROW(InvalidArgument, "layer ", layer.name, " appears twice");
+    }
     std::set<std::string> names;
     for (const auto& nt : layer.tensors) {
-      if (nt.name.empty())
+      if (nt.name.empty()) {
         SINEW_THROW(InvalidArgument, "layer ", layer.name, " has a nameless tensor");
-      SINEW_ENFORCE(nt.tensor.defined(), "layer ", layer.name, " tensor ", nt.name,
-                    " is undefined");
-      SINEW_ENFORCE(names.insert(nt.name).second, "layer ", layer.name, " has tensor ", nt.name,
-                    " twice");
+      }
+      if (!nt.tensor.defined()) {
+        SINEW_THROW(InvalidArgument, "layer ", layer.name, " tensor ", nt.name, " is undefined");
+      }
+      if (!names.insert(nt.name).second) {
+        SINEW_THROW(InvalidArgument, "layer ", layer.name, " has tensor ", nt.name, " twice");
+      }
       TensorRecord r;
       r.layer = layer.name;
       r.name = nt.name;

@@ -41,7 +41,9 @@ void checkCuda(cudaError_t e, const char* what) {
 
 SnapshotArena::SnapshotArena(const ShardState& like, SnapshotOptions options)
     : options_(std::move(options)), layout_(ShardLayout::of(like)) {
-  SINEW_ENFORCE(options_.slots >= 2, "snapshot arena needs at least 2 slots, got ", options_.slots);
+  if (options_.slots < 2) {
+    SINEW_THROW(InvalidArgument, "SnapshotOptions::slots = ", options_.slots, " must be >= 2");
+  }
   if (anyCuda(like)) {
 #if SINEW_WITH_NCCL
     pinned_ = true;
@@ -75,8 +77,10 @@ SnapshotArena::~SnapshotArena() {
 bool SnapshotArena::snapshot(int64_t step, const ShardState& state) {
   // Validate on the caller's thread, so a wrong state is the caller's exception.
   ShardLayout layout = ShardLayout::of(state);
-  SINEW_ENFORCE(layout.sameShape(layout_), "snapshot of step ", step,
+  if (!layout.sameShape(layout_)) {
+    SINEW_THROW(InvalidArgument, "snapshot of step ", step,
                 ": state's layers, tensors, dtypes or shapes differ from the arena's");
+  }
   auto job = std::make_unique<Job>();
   job->step = step;
   for (const auto& l : state) {
@@ -87,8 +91,10 @@ bool SnapshotArena::snapshot(int64_t step, const ShardState& state) {
     }
   }
   std::unique_lock<std::mutex> lock(mu_);
-  SINEW_ENFORCE(!pending_, "snapshot of step ", step, " while step ", pendingStep_,
+  if (pending_) {
+    SINEW_THROW(InvalidArgument, "snapshot of step ", step, " while step ", pendingStep_,
                 " is still being copied: call waitBeforeUpdate() first");
+  }
   // Pick the oldest slot nobody reads that is neither the newest complete nor protected.
   int64_t newest = -1;
   for (const auto& s : slots_) {

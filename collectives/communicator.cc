@@ -1,7 +1,8 @@
-#include "sinew/collectives/communicator.h"
+#include "sinew/communicator.h"
 
 #include <algorithm>
 
+#include "sinew/collectives/error.h"
 #include "sinew/config.h"
 
 namespace sinew {
@@ -9,18 +10,26 @@ namespace collectives {
 namespace {
 
 int rankOfSelf(const CommunicatorOptions& o) {
-  SINEW_ENFORCE(!o.members.empty(), "communicator '", o.name, "' of epoch ", o.epoch,
-                " has no members");
+  if (o.members.empty()) {
+    SINEW_THROW(InvalidArgument, "CommunicatorOptions::members is empty (communicator '", o.name,
+                "' of epoch ", o.epoch, ")");
+  }
   auto count = std::count(o.members.begin(), o.members.end(), o.self);
-  SINEW_ENFORCE(count == 1, "worker ", o.self, " appears ", count,
+  if (count != 1) {
+    SINEW_THROW(InvalidArgument, "CommunicatorOptions::self = ", o.self, " appears ", count,
                 " times in the member list of communicator '", o.name, "' (epoch ", o.epoch, ")");
+  }
   std::vector<int> sorted = o.members;
   std::sort(sorted.begin(), sorted.end());
-  SINEW_ENFORCE(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(),
-                "member list of communicator '", o.name, "' has a duplicate worker id");
-  SINEW_ENFORCE(o.timeout.count() > 0 && o.initTimeout.count() > 0,
-                "communicator timeouts must be positive, got timeout=", o.timeout.count(),
-                " ms initTimeout=", o.initTimeout.count(), " ms");
+  auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+  if (dup != sorted.end()) {
+    SINEW_THROW(InvalidArgument, "CommunicatorOptions::members of communicator '", o.name,
+                "' lists worker ", *dup, " twice");
+  }
+  if (o.timeout.count() <= 0 || o.initTimeout.count() <= 0) {
+    SINEW_THROW(InvalidArgument, "CommunicatorOptions::timeout = ", o.timeout.count(),
+                " ms and initTimeout = ", o.initTimeout.count(), " ms must be positive");
+  }
   return static_cast<int>(std::find(o.members.begin(), o.members.end(), o.self) -
                           o.members.begin());
 }

@@ -1,61 +1,13 @@
 #pragma once
 
-// Sinew's exception hierarchy. Every public API reports failure by throwing one of these.
-// After a communication error (PeerLost, Timeout, Aborted) the caller must assume the
-// communicator that raised it is unusable and build a new one (Gloo's rule).
-//
-// Thread safety: exception objects are immutable after construction.
+// Internal: the error family (public, sinew/error.h) plus the macros Sinew's own code throws
+// them with. Users include "sinew/error.h"; these macros are not part of the public API.
 
 #include <sstream>
-#include <stdexcept>
-#include <string>
+
+#include "sinew/error.h"
 
 namespace sinew {
-
-class Error : public std::runtime_error {
- public:
-  explicit Error(const std::string& what) : std::runtime_error(what) {}
-};
-
-// A member of a communicator (or a worker of the job) died or closed its connections.
-class PeerLost : public Error {
- public:
-  PeerLost(int worker, const std::string& what) : Error(what), worker_(worker) {}
-  // The worker id of the lost peer (the member's id, not its rank in the communicator).
-  int worker() const { return worker_; }
-
- private:
-  int worker_;
-};
-
-// A blocking operation reached its deadline.
-class Timeout : public Error {
- public:
-  explicit Timeout(const std::string& what) : Error(what) {}
-};
-
-// The operation was cancelled by abort() (from any thread).
-class Aborted : public Error {
- public:
-  explicit Aborted(const std::string& what) : Error(what) {}
-};
-
-class InvalidArgument : public Error {
- public:
-  explicit InvalidArgument(const std::string& what) : Error(what) {}
-};
-
-// Stored or received bytes do not match what they claim to be (checksum, framing).
-class Corruption : public Error {
- public:
-  explicit Corruption(const std::string& what) : Error(what) {}
-};
-
-class IoError : public Error {
- public:
-  explicit IoError(const std::string& what) : Error(what) {}
-};
-
 namespace detail {
 
 inline void streamAll(std::ostringstream&) {}
@@ -76,12 +28,14 @@ template <typename E, typename... Args>
 }  // namespace detail
 }  // namespace sinew
 
-// Checks an invariant; on failure throws sinew::InvalidArgument whose message is the
-// failed condition, the streamed arguments and the file and line (Gloo's GLOO_ENFORCE).
+// Checks an invariant (Gloo's GLOO_ENFORCE); on failure throws sinew::InternalError whose
+// message is the failed condition, the streamed arguments and the file and line. A failure is
+// a bug in Sinew: a caller's bad argument is reported with SINEW_THROW(InvalidArgument, ...)
+// naming the argument and its value.
 #define SINEW_ENFORCE(cond, ...)                                           \
   do {                                                                     \
     if (!(cond)) {                                                         \
-      ::sinew::detail::throwWithLocation<::sinew::InvalidArgument>(        \
+      ::sinew::detail::throwWithLocation<::sinew::InternalError>(          \
           __FILE__, __LINE__, "check failed: " #cond ". ", ##__VA_ARGS__); \
     }                                                                      \
   } while (0)

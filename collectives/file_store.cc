@@ -73,8 +73,11 @@ void writeAll(int fd, const uint8_t* data, size_t n, const std::string& path) {
 
 FileStore::FileStore(std::string dir, FileStoreOptions options)
     : dir_(std::move(dir)), options_(options) {
-  SINEW_ENFORCE(!dir_.empty(), "file store needs a directory");
-  SINEW_ENFORCE(options_.pollInterval.count() > 0, "file store poll interval must be positive");
+  if (dir_.empty()) SINEW_THROW(InvalidArgument, "FileStore: dir is empty");
+  if (options_.pollInterval.count() <= 0) {
+    SINEW_THROW(InvalidArgument, "FileStoreOptions::pollInterval = ", options_.pollInterval.count(),
+                " ms must be positive");
+  }
   makeDirs(dir_);
 }
 

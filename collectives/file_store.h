@@ -13,7 +13,8 @@
 //
 // Thread safety: all methods are thread-safe, across threads and processes.
 
-#include "sinew/collectives/store.h"
+#include "sinew/collectives/error.h"
+#include "sinew/store.h"
 
 namespace sinew {
 namespace collectives {

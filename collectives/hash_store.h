@@ -7,7 +7,8 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "sinew/collectives/store.h"
+#include "sinew/collectives/error.h"
+#include "sinew/store.h"
 
 namespace sinew {
 namespace collectives {

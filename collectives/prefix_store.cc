@@ -5,7 +5,9 @@ namespace collectives {
 
 PrefixStore::PrefixStore(std::string prefix, std::shared_ptr<Store> store)
     : prefix_(std::move(prefix)), store_(std::move(store)) {
-  SINEW_ENFORCE(store_ != nullptr, "PrefixStore '", prefix_, "' needs a store");
+  if (store_ == nullptr) {
+    SINEW_THROW(InvalidArgument, "PrefixStore '", prefix_, "': the wrapped store is null");
+  }
 }
 
 std::vector<std::string> PrefixStore::join(const std::vector<std::string>& keys) const {

@@ -6,7 +6,8 @@
 
 #include <memory>
 
-#include "sinew/collectives/store.h"
+#include "sinew/collectives/error.h"
+#include "sinew/store.h"
 
 namespace sinew {
 namespace collectives {

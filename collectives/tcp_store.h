@@ -30,7 +30,8 @@
 #include <string>
 #include <thread>
 
-#include "sinew/collectives/store.h"
+#include "sinew/collectives/error.h"
+#include "sinew/store.h"
 
 namespace sinew {
 namespace collectives {
@@ -92,15 +93,7 @@ class TcpStoreServer : public Store {
   std::atomic<int64_t> open_{0};
 };
 
-struct TcpStoreOptions {
-  // The server's job token (TcpStoreServer::token(), SINEW_TOKEN). Required.
-  uint64_t token = 0;
-  // How long to keep retrying the first connection (and a reconnection) before Timeout.
-  std::chrono::milliseconds connectTimeout{60000};
-  // Deadline of requests that do not wait for keys (set, add, compareSet, check, delete).
-  std::chrono::milliseconds timeout{30000};
-};
-
+// TcpStoreOptions is public (sinew/store.h).
 class TcpStore : public Store {
  public:
   // Does not connect yet; the first request does.

@@ -24,8 +24,8 @@
 #include <string>
 #include <vector>
 
-#include "sinew/collectives/communicator.h"
 #include "sinew/collectives/tcp_store.h"
+#include "sinew/communicator.h"
 
 using namespace sinew::collectives;
 

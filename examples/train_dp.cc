@@ -23,7 +23,7 @@
 #include <limits>
 #include <string>
 
-#include "sinew/runtime/trainer.h"
+#include "sinew/trainer.h"
 
 namespace {
 
@@ -208,7 +208,7 @@ int main(int argc, char** argv) {
   sinew::TrainResult r;
   try {
     r = trainer.run();
-  } catch (const sinew::runtime::Expelled& e) {
+  } catch (const sinew::Expelled& e) {
     std::fprintf(stderr, "train_dp: worker %d left the job: %s\n", ctx->worker(), e.what());
     return 3;
   }

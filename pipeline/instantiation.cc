@@ -218,37 +218,52 @@ Plan makePlan(const TemplateSet& templates, const std::vector<int>& node_ids,
   }
   Instantiation inst = instantiate(templates, static_cast<int>(node_ids.size()), options);
   Plan plan;
-  plan.fault_tolerance = options.fault_tolerance;
-  plan.global_microbatches = options.global_microbatches;
-  plan.iteration_ticks = inst.iteration_ticks;
+  plan.numLayers = templates.num_layers;
+  plan.faultTolerance = options.fault_tolerance;
+  plan.microbatchesPerStep = options.global_microbatches;
+  plan.iterationTicks = inst.iteration_ticks;
   size_t next = 0;
   for (const PipelineInstance& p : inst.pipelines) {
     PipelinePlan pp;
     pp.nodes = p.nodes;
-    pp.node_ids.assign(node_ids.begin() + next, node_ids.begin() + next + p.nodes);
+    pp.nodeIds.assign(node_ids.begin() + next, node_ids.begin() + next + p.nodes);
     next += p.nodes;
     pp.microbatches = p.microbatches;
-    pp.iteration_ticks = p.iteration_ticks;
+    pp.iterationTicks = p.iteration_ticks;
     plan.pipelines.push_back(std::move(pp));
   }
-  plan.idle_node_ids.assign(node_ids.begin() + next, node_ids.end());
+  plan.idleNodeIds.assign(node_ids.begin() + next, node_ids.end());
+  plan.workers = workerAssignments(templates, plan);
   return plan;
 }
 
 std::vector<WorkerAssignment> workerAssignments(const TemplateSet& templates, const Plan& plan) {
   std::vector<WorkerAssignment> workers;
+  int64_t firstMicrobatch = 0;
   for (size_t p = 0; p < plan.pipelines.size(); ++p) {
     const PipelinePlan& pp = plan.pipelines[p];
     const PipelineTemplate& t = requireTemplate(templates, pp.nodes);
-    if (static_cast<int>(pp.node_ids.size()) != t.nodes) {
-      SINEW_THROW(InvalidArgument, "plan: pipeline ", p, " has ", pp.node_ids.size(),
+    if (static_cast<int>(pp.nodeIds.size()) != t.nodes) {
+      SINEW_THROW(InvalidArgument, "plan: pipeline ", p, " has ", pp.nodeIds.size(),
                   " node ids for a ", t.nodes, "-node template");
     }
+    std::vector<int64_t> microbatches;
+    for (int64_t m = firstMicrobatch; m < firstMicrobatch + pp.microbatches; ++m) {
+      microbatches.push_back(m);
+    }
+    firstMicrobatch += pp.microbatches;
     for (size_t s = 0; s < t.stages.size(); ++s) {
       const StageAssignment& st = t.stages[s];
       for (int dev = st.first_device; dev < st.first_device + st.devices; ++dev) {
-        workers.push_back({pp.node_ids[st.node], dev, static_cast<int>(p), static_cast<int>(s),
-                           st.first_layer, st.end_layer});
+        WorkerAssignment w;
+        w.node = pp.nodeIds[st.node];
+        w.device = dev;
+        w.pipeline = static_cast<int>(p);
+        w.stage = static_cast<int>(s);
+        w.firstLayer = st.first_layer;
+        w.endLayer = st.end_layer;
+        w.microbatches = microbatches;
+        workers.push_back(std::move(w));
       }
     }
   }

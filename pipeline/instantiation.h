@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "sinew/pipeline/plan.h"
 #include "sinew/pipeline/template_planner.h"
 
 namespace sinew {
@@ -65,41 +66,15 @@ struct Instantiation {
 // fit on N nodes ("fault tolerance too large").
 Instantiation instantiate(const TemplateSet& templates, int nodes, const PlanOptions& options);
 
-// A pipeline placed on nodes.
-struct PipelinePlan {
-  int nodes = 0;              // its template
-  std::vector<int> node_ids;  // node_ids[i] runs the template's node i
-  int64_t microbatches = 0;
-  int64_t iteration_ticks = 0;
-};
-
-struct Plan {
-  // The f the plan aims for: it runs >= f + 1 pipelines unless a reconfiguration left too few
-  // nodes for that.
-  int fault_tolerance = 0;
-  int64_t global_microbatches = 0;
-  std::vector<PipelinePlan> pipelines;
-  std::vector<int> idle_node_ids;
-  int64_t iteration_ticks = 0;
-};
-
 // instantiate() over the given nodes, which go to the pipelines in order (the first pipeline
-// gets the first nodes). Throws sinew::InvalidArgument as instantiate() or for repeated or
-// negative node ids.
+// gets the first nodes), with its worker assignments (workerAssignments). Throws
+// sinew::InvalidArgument as instantiate() or for repeated or negative node ids.
 Plan makePlan(const TemplateSet& templates, const std::vector<int>& node_ids,
               const PlanOptions& options);
 
-// One worker (one device) of a plan and the layers it holds.
-struct WorkerAssignment {
-  int node_id = 0;
-  int device = 0;
-  int pipeline = 0;  // index in Plan::pipelines
-  int stage = 0;     // index in the template's stages
-  int first_layer = 0;
-  int end_layer = 0;  // layers [first_layer, end_layer)
-};
-
-// Every worker of the plan, by pipeline, then stage, then device. Throws
+// Every worker of the plan, by pipeline, then stage, then device (Plan::workers): pipeline p
+// runs the global batch's microbatches after those of pipelines 0..p-1, every stage of it the
+// same ones; worker ids stay -1. Throws
 // sinew::InvalidArgument if a pipeline's template is missing or its node count differs.
 std::vector<WorkerAssignment> workerAssignments(const TemplateSet& templates, const Plan& plan);
 

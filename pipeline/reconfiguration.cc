@@ -33,10 +33,10 @@ Plan replan(const TemplateSet& templates, const std::vector<int>& survivors, con
                 " surviving nodes cannot hold the model (n_min = ", templates.min_nodes,
                 "); restore from a checkpoint on more nodes");
   }
-  int f = std::min(current.fault_tolerance, n / templates.min_nodes - 1);
+  int f = std::min(current.faultTolerance, n / templates.min_nodes - 1);
   for (; f >= 0; --f) {
     try {
-      return makePlan(templates, survivors, {f, current.global_microbatches});
+      return makePlan(templates, survivors, {f, current.microbatchesPerStep});
     } catch (const InvalidArgument&) {
       // Gaps in the template sizes can leave no combination with f + 1 pipelines; try fewer.
       if (f == 0) throw;
@@ -67,9 +67,9 @@ const char* reconfigurationKindName(ReconfigurationKind kind) {
 
 Reconfiguration reconfigure(const TemplateSet& templates, const Plan& current,
                             const std::vector<int>& lost_node_ids) {
-  std::set<int> in_plan(current.idle_node_ids.begin(), current.idle_node_ids.end());
+  std::set<int> in_plan(current.idleNodeIds.begin(), current.idleNodeIds.end());
   for (const PipelinePlan& p : current.pipelines)
-    in_plan.insert(p.node_ids.begin(), p.node_ids.end());
+    in_plan.insert(p.nodeIds.begin(), p.nodeIds.end());
   std::set<int> lost;
   for (int id : lost_node_ids) {
     if (!in_plan.count(id)) {
@@ -90,7 +90,7 @@ Reconfiguration reconfigure(const TemplateSet& templates, const Plan& current,
   bool any_pipeline_hit = false;
   for (size_t p = 0; p < current.pipelines.size(); ++p) {
     std::vector<int> lost_here;
-    for (int id : current.pipelines[p].node_ids) {
+    for (int id : current.pipelines[p].nodeIds) {
       if (lost.count(id)) {
         lost_here.push_back(id);
       } else {
@@ -118,7 +118,7 @@ Reconfiguration reconfigure(const TemplateSet& templates, const Plan& current,
       r.steps.push_back(os.str());
     }
   }
-  for (int id : current.idle_node_ids) {
+  for (int id : current.idleNodeIds) {
     if (!lost.count(id)) {
       idle.push_back(id);
       survivors.push_back(id);
@@ -126,7 +126,7 @@ Reconfiguration reconfigure(const TemplateSet& templates, const Plan& current,
   }
   if (!any_pipeline_hit) {
     r.plan = current;
-    r.plan.idle_node_ids = idle;
+    r.plan.idleNodeIds = idle;
     return r;
   }
 
@@ -202,39 +202,42 @@ Reconfiguration reconfigure(const TemplateSet& templates, const Plan& current,
   for (const Draft& d : drafts) alive += d.alive ? 1 : 0;
   const int total = static_cast<int>(survivors.size());
   // 4. Keep f + 1 pipelines whenever the survivors can hold them.
-  if (!need_replan && alive < current.fault_tolerance + 1 &&
-      total >= (current.fault_tolerance + 1) * templates.min_nodes) {
+  if (!need_replan && alive < current.faultTolerance + 1 &&
+      total >= (current.faultTolerance + 1) * templates.min_nodes) {
     need_replan = true;
   }
   if (need_replan || alive == 0) {
     r.plan = replan(templates, survivors, current);
-    r.plan.fault_tolerance = current.fault_tolerance;  // keep aiming for f + 1 pipelines
+    r.plan.faultTolerance = current.faultTolerance;  // keep aiming for f + 1 pipelines
     note(ReconfigurationKind::kReplan,
          "re-plan all " + std::to_string(total) +
              " surviving nodes: " + std::to_string(r.plan.pipelines.size()) + " pipelines");
   } else {
     // 5. Assemble the plan and re-split the unchanged global batch.
     Plan& plan = r.plan;
-    plan.fault_tolerance = current.fault_tolerance;
-    plan.global_microbatches = current.global_microbatches;
-    plan.idle_node_ids = idle;
+    plan.faultTolerance = current.faultTolerance;
+    plan.microbatchesPerStep = current.microbatchesPerStep;
+    plan.idleNodeIds = idle;
     std::vector<int> sizes;
     for (const Draft& d : drafts) {
       if (!d.alive) continue;
       PipelinePlan pp;
       pp.nodes = static_cast<int>(d.node_ids.size());
-      pp.node_ids = d.node_ids;
+      pp.nodeIds = d.node_ids;
       sizes.push_back(pp.nodes);
       plan.pipelines.push_back(std::move(pp));
     }
-    BatchSplit split = splitBatch(templates, sizes, current.global_microbatches);
+    BatchSplit split = splitBatch(templates, sizes, current.microbatchesPerStep);
     for (size_t p = 0; p < plan.pipelines.size(); ++p) {
       plan.pipelines[p].microbatches = split.microbatches[p];
-      plan.pipelines[p].iteration_ticks =
+      plan.pipelines[p].iterationTicks =
           templates.find(sizes[p])->iterationTicks(split.microbatches[p]);
     }
-    plan.iteration_ticks = split.iteration_ticks;
+    plan.iterationTicks = split.iteration_ticks;
+    plan.numLayers = templates.num_layers;
+    plan.workers = workerAssignments(templates, plan);
   }
+  r.plan.epoch = current.epoch;
   // 6. What each worker must fetch.
   r.copies = layerCopies(templates, current, r.plan, lost_node_ids);
   return r;
@@ -252,37 +255,36 @@ std::vector<LayerCopy> layerCopies(const TemplateSet& templates, const Plan& pre
   std::map<int, std::vector<const WorkerAssignment*>> by_node;
   std::vector<std::pair<int, int>> first_holder(L, {-1, -1});
   for (const WorkerAssignment& w : before) {
-    if (lost.count(w.node_id)) continue;
-    held[{w.node_id, w.device}] = {w.first_layer, w.end_layer};
-    by_node[w.node_id].push_back(&w);
-    for (int l = w.first_layer; l < w.end_layer; ++l) {
-      if (first_holder[l].first < 0) first_holder[l] = {w.node_id, w.device};
+    if (lost.count(w.node)) continue;
+    held[{w.node, w.device}] = {w.firstLayer, w.endLayer};
+    by_node[w.node].push_back(&w);
+    for (int l = w.firstLayer; l < w.endLayer; ++l) {
+      if (first_holder[l].first < 0) first_holder[l] = {w.node, w.device};
     }
   }
   std::vector<LayerCopy> copies;
   for (const WorkerAssignment& w : after) {
     std::pair<int, int> had{0, 0};
-    auto it = held.find({w.node_id, w.device});
+    auto it = held.find({w.node, w.device});
     if (it != held.end()) had = it->second;
-    for (int l = w.first_layer; l < w.end_layer; ++l) {
+    for (int l = w.firstLayer; l < w.endLayer; ++l) {
       if (l >= had.first && l < had.second) continue;
       std::pair<int, int> source = first_holder[l];
-      auto node_it = by_node.find(w.node_id);
+      auto node_it = by_node.find(w.node);
       if (node_it != by_node.end()) {
         for (const WorkerAssignment* o : node_it->second) {
-          if (l >= o->first_layer && l < o->end_layer) {
-            source = {o->node_id, o->device};
+          if (l >= o->firstLayer && l < o->endLayer) {
+            source = {o->node, o->device};
             break;
           }
         }
       }
-      if (!copies.empty() && copies.back().node_id == w.node_id &&
-          copies.back().device == w.device && copies.back().end_layer == l &&
-          copies.back().source_node_id == source.first &&
+      if (!copies.empty() && copies.back().node_id == w.node && copies.back().device == w.device &&
+          copies.back().end_layer == l && copies.back().source_node_id == source.first &&
           copies.back().source_device == source.second) {
         copies.back().end_layer = l + 1;
       } else {
-        copies.push_back({w.node_id, w.device, l, l + 1, source.first, source.second});
+        copies.push_back({w.node, w.device, l, l + 1, source.first, source.second});
       }
     }
   }

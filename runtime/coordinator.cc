@@ -51,12 +51,17 @@ class Coordinator::Impl {
       std::random_device rd;
       options_.token = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ 1;
     }
-    SINEW_ENFORCE(options_.expectedWorkers >= 1, "coordinator expects ", options_.expectedWorkers,
-                  " workers; needs at least 1");
-    SINEW_ENFORCE(
-        options_.heartbeatInterval.count() > 0 && options_.deadAfter > options_.heartbeatInterval,
-        "dead-after (", options_.deadAfter.count(), " ms) must exceed the heartbeat interval (",
-        options_.heartbeatInterval.count(), " ms)");
+    if (options_.expectedWorkers < 1) {
+      SINEW_THROW(InvalidArgument,
+                  "CoordinatorOptions::expectedWorkers = ", options_.expectedWorkers,
+                  " must be >= 1");
+    }
+    if (options_.heartbeatInterval.count() <= 0 ||
+        options_.deadAfter <= options_.heartbeatInterval) {
+      SINEW_THROW(InvalidArgument, "CoordinatorOptions::deadAfter = ", options_.deadAfter.count(),
+                  " ms must exceed heartbeatInterval = ", options_.heartbeatInterval.count(),
+                  " ms > 0");
+    }
     if (!options_.eventLogPath.empty()) {
       events_.open(options_.eventLogPath, std::ios::app);
     }

@@ -18,19 +18,7 @@
 namespace sinew {
 namespace runtime {
 
-// The coordinator declared this worker dead (it was silent too long, its node failed, or it
-// joined a finished job); it must leave the job. Also thrown when the coordinator is gone.
-class Expelled : public Error {
- public:
-  explicit Expelled(const std::string& what) : Error(what) {}
-};
-
-// The coordinator released this worker after it asked to leave (preemption): it applied
-// every committed step up to the release and must now exit cleanly.
-class Released : public Error {
- public:
-  explicit Released(const std::string& what) : Error(what) {}
-};
+// Failures reach the worker as sinew::Expelled and sinew::Released (sinew/error.h).
 
 // One configuration of the job, as the coordinator announced it.
 struct EpochInfo {

@@ -1,4 +1,4 @@
-#include "sinew/runtime/init.h"
+#include "sinew/init.h"
 
 #include <signal.h>
 #include <unistd.h>
@@ -12,8 +12,10 @@
 #include <thread>
 
 #include "sinew/collectives/detail/parse.h"
+#include "sinew/collectives/error.h"
 #include "sinew/collectives/tcp_store.h"
 #include "sinew/config.h"
+#include "sinew/runtime/context_state.h"
 #include "sinew/runtime/coordinator.h"
 
 #if SINEW_WITH_MPI
@@ -143,43 +145,53 @@ void Context::requestPreemption() { gSigtermReceived = 1; }
 
 bool Context::preemptionRequested() const { return gSigtermReceived != 0; }
 
+Context::Context() : state_(std::make_unique<runtime::ContextState>()) {}
+
+int Context::worker() const { return state_->client->worker(); }
+const std::string& Context::node() const { return state_->node; }
+const std::string& Context::host() const { return state_->host; }
+const std::string& Context::launchMode() const { return state_->mode; }
+bool Context::joined() const { return state_->joined; }
+const std::shared_ptr<collectives::Store>& Context::store() const { return state_->store; }
+
 Context::~Context() {
-  client_.reset();
-  localCoordinator_.reset();
+  state_->client.reset();
+  state_->localCoordinator.reset();
 #if SINEW_WITH_MPI
-  if (mpi_) {
+  if (state_->mpi) {
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (!finalized && !memberLost_) MPI_Finalize();
+    if (!finalized && !state_->memberLost) MPI_Finalize();
   }
 #endif
 }
 
 std::unique_ptr<Context> init(int* argc, char*** argv, const InitOptions& options) {
-  std::unique_ptr<Context> ctx(new Context());
-  ctx->injector_ = runtime::FailureInjector::fromEnvironment();
+  std::unique_ptr<Context> handle(new Context());
+  runtime::ContextState* ctx = handle->state_.get();
+  ctx->injector = runtime::FailureInjector::fromEnvironment();
   if (options.preemptOnSigterm) {
     struct sigaction sa {};
     sa.sa_handler = onSigterm;
     ::sigemptyset(&sa.sa_mask);
     ::sigaction(SIGTERM, &sa, nullptr);
   }
-  if (const char* h = env("SINEW_HOST")) ctx->host_ = h;
+  if (const char* h = env("SINEW_HOST")) ctx->host = h;
   const char* node = env("SINEW_NODE");
-  ctx->node_ = node ? node : hostName();
+  ctx->node = node ? node : hostName();
   // "{rank}" in SINEW_NODE becomes the launch rank: one failure domain per worker on one
   // machine under mpirun (-x SINEW_NODE=node{rank}), for tests and demos.
-  auto brace = ctx->node_.find("{rank}");
+  auto brace = ctx->node.find("{rank}");
   if (brace != std::string::npos) {
     int rank = mpiRank();
     if (const char* id = env("SINEW_WORKER_ID"))
       rank = static_cast<int>(parseInt("SINEW_WORKER_ID", id, -1));
-    ctx->node_.replace(brace, 6,
-                       rank >= 0 ? std::to_string(rank) : "joiner-" + std::to_string(::getpid()));
+    ctx->node.replace(brace, 6,
+                      rank >= 0 ? std::to_string(rank) : "joiner-" + std::to_string(::getpid()));
   }
 
   CoordinatorClientOptions co;
-  co.node = ctx->node_;
+  co.node = ctx->node;
   co.connectTimeout = options.connectTimeout;
   if (const char* ep = env("SINEW_COORDINATOR")) {
     std::tie(co.host, co.port) = parseEndpoint("SINEW_COORDINATOR", ep);
@@ -188,8 +200,8 @@ std::unique_ptr<Context> init(int* argc, char*** argv, const InitOptions& option
     co.token = parseToken(token);
     const char* id = env("SINEW_WORKER_ID");
     co.worker = id ? static_cast<int>(parseInt("SINEW_WORKER_ID", id, -1)) : -1;
-    ctx->joined_ = co.worker < 0;
-    ctx->mode_ = ctx->joined_ ? "join" : "sinew-run";
+    ctx->joined = co.worker < 0;
+    ctx->mode = ctx->joined ? "join" : "sinew-run";
   } else if (mpiRank() >= 0) {
 #if SINEW_WITH_MPI
     int rank = mpiRank();
@@ -197,7 +209,7 @@ std::unique_ptr<Context> init(int* argc, char*** argv, const InitOptions& option
     if (rank == 0) announced = forkCoordinator(mpiSize(), options);
     int provided = 0;
     MPI_Init_thread(argc, argv, MPI_THREAD_SINGLE, &provided);
-    ctx->mpi_ = true;
+    ctx->mpi = true;
     char buf[256] = {0};
     if (rank == 0) {
       const char* h = env("SINEW_COORDINATOR_HOST");
@@ -214,7 +226,7 @@ std::unique_ptr<Context> init(int* argc, char*** argv, const InitOptions& option
     co.port = static_cast<uint16_t>(port);
     co.token = token;
     co.worker = rank;
-    ctx->mode_ = "mpi";
+    ctx->mode = "mpi";
 #else
     SINEW_THROW(InvalidArgument,
                 "launched under mpirun/srun, but this Sinew was built without MPI; use sinew-run");
@@ -223,20 +235,20 @@ std::unique_ptr<Context> init(int* argc, char*** argv, const InitOptions& option
     CoordinatorOptions c;
     c.heartbeatInterval = options.heartbeatInterval;
     c.deadAfter = options.deadAfter;
-    ctx->localCoordinator_ = std::make_unique<Coordinator>(c);
+    ctx->localCoordinator = std::make_unique<Coordinator>(c);
     co.host = c.host;
-    co.port = ctx->localCoordinator_->port();
-    co.token = ctx->localCoordinator_->token();
+    co.port = ctx->localCoordinator->port();
+    co.token = ctx->localCoordinator->token();
     co.worker = 0;
-    ctx->mode_ = "single";
+    ctx->mode = "single";
   }
-  ctx->client_ = std::make_unique<runtime::CoordinatorClient>(co);
+  ctx->client = std::make_unique<runtime::CoordinatorClient>(co);
   collectives::TcpStoreOptions so;
   so.token = co.token;  // The coordinator serves the store under the job's token.
   so.connectTimeout = options.connectTimeout;
-  ctx->store_ = std::make_shared<collectives::TcpStore>(ctx->client_->storeHost(),
-                                                        ctx->client_->storePort(), so);
-  return ctx;
+  ctx->store = std::make_shared<collectives::TcpStore>(ctx->client->storeHost(),
+                                                       ctx->client->storePort(), so);
+  return handle;
 }
 
 }  // namespace sinew

@@ -1,4 +1,4 @@
-#include "sinew/runtime/trainer.h"
+#include "sinew/trainer.h"
 
 #include <ATen/ATen.h>
 #include <torch/optim/adam.h>
@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
+#include <exception>
 #include <fstream>
 #include <mutex>
 #include <sstream>
@@ -20,13 +21,17 @@
 
 #include "sinew/checkpoint/persist.h"
 #include "sinew/checkpoint/snapshot.h"
-#include "sinew/collectives/communicator.h"
+#include "sinew/collectives/error.h"
+#include "sinew/communicator.h"
+#include "sinew/pipeline/plan.h"
+#include "sinew/runtime/context_state.h"
 
 namespace sinew {
 
 using Clock = std::chrono::steady_clock;
 using collectives::Bytes;
 using collectives::Store;
+using pipeline::Plan;
 using runtime::CoordinatorClient;
 using runtime::EpochInfo;
 using runtime::Phase;
@@ -41,6 +46,17 @@ uint64_t splitmix64(uint64_t x) {
 }
 
 double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// The message of a caught exception, for logs (the exception itself is carried on).
+std::string describe(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "unknown exception";
+  }
+}
 
 double wallSeconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
@@ -124,7 +140,10 @@ OptimizerFactory adam(double lr) {
 
 std::vector<int64_t> globalBatchIndices(uint64_t seed, int64_t step, int64_t globalBatch,
                                         int64_t datasetSize) {
-  SINEW_ENFORCE(datasetSize > 0, "dataset size must be positive, got ", datasetSize);
+  if (datasetSize <= 0 || globalBatch < 0) {
+    SINEW_THROW(InvalidArgument, "globalBatchIndices: datasetSize = ", datasetSize,
+                " must be positive and globalBatch = ", globalBatch, " not negative");
+  }
   std::vector<int64_t> out(globalBatch);
   uint64_t base = splitmix64(seed ^ 0x5157A11ull) ^ splitmix64(static_cast<uint64_t>(step));
   for (int64_t j = 0; j < globalBatch; ++j) {
@@ -134,44 +153,16 @@ std::vector<int64_t> globalBatchIndices(uint64_t seed, int64_t step, int64_t glo
   return out;
 }
 
-Plan Plan::dataParallel(int64_t epoch, const std::vector<int>& members, int numLayers,
-                        int64_t microbatchesPerStep) {
-  SINEW_ENFORCE(!members.empty(), "a plan needs at least one member");
-  std::vector<int> sorted = members;
-  std::sort(sorted.begin(), sorted.end());
-  Plan p;
-  p.epoch = epoch;
-  p.numLayers = numLayers;
-  p.microbatchesPerStep = microbatchesPerStep;
-  const int64_t w = static_cast<int64_t>(sorted.size());
-  for (int64_t r = 0; r < w; ++r) {
-    WorkerAssignment a;
-    a.worker = sorted[r];
-    a.pipeline = static_cast<int>(r);
-    a.stage = 0;
-    a.firstLayer = 0;
-    a.endLayer = numLayers;
-    for (int64_t m = microbatchesPerStep * r / w; m < microbatchesPerStep * (r + 1) / w; ++m) {
-      a.microbatches.push_back(m);
-    }
-    p.workers.push_back(a);
-  }
-  return p;
-}
-
-const WorkerAssignment& Plan::of(int worker) const {
-  for (const auto& a : workers) {
-    if (a.worker == worker) return a;
-  }
-  SINEW_THROW(InvalidArgument, "worker ", worker, " is not in the plan of epoch ", epoch);
-}
-
 torch::nn::Sequential buildModel(const ModelSpec& spec, uint64_t seed, at::ScalarType dtype) {
-  SINEW_ENFORCE(!spec.layers.empty(), "the model has no layers");
+  if (spec.layers.empty()) SINEW_THROW(InvalidArgument, "ModelSpec::layers is empty");
   at::manual_seed(seed);
   torch::nn::Sequential seq;
-  for (const auto& l : spec.layers) {
-    SINEW_ENFORCE(l.build, "layer '", l.name, "' has no factory");
+  for (size_t i = 0; i < spec.layers.size(); ++i) {
+    const auto& l = spec.layers[i];
+    if (!l.build) {
+      SINEW_THROW(InvalidArgument, "ModelSpec::layers[", i, "] ('", l.name,
+                  "') has no build factory");
+    }
     seq->push_back(l.name, l.build());
   }
   seq->to(dtype);
@@ -182,24 +173,37 @@ class Trainer::Impl {
  public:
   Impl(Context& ctx, ModelSpec spec, TrainerOptions o, torch::nn::Sequential model)
       : ctx_(ctx),
-        client_(ctx.client()),
+        state_(runtime::ContextAccess::state(ctx)),
+        client_(*state_.client),
         spec_(std::move(spec)),
         o_(std::move(o)),
         model_(std::move(model)) {
-    SINEW_ENFORCE(o_.microbatch > 0 && o_.globalBatch % o_.microbatch == 0, "global batch ",
-                  o_.globalBatch, " is not a multiple of the microbatch ", o_.microbatch);
-    SINEW_ENFORCE(spec_.loss && spec_.optimizer && spec_.dataset, "model spec needs a loss, ",
-                  "an optimizer factory and a dataset");
+    if (o_.globalBatch <= 0 || o_.microbatch <= 0 || o_.globalBatch % o_.microbatch != 0) {
+      SINEW_THROW(InvalidArgument, "TrainerOptions::microbatch = ", o_.microbatch,
+                  " must be positive and divide globalBatch = ", o_.globalBatch);
+    }
+    if (!spec_.loss || !spec_.optimizer || !spec_.dataset) {
+      SINEW_THROW(InvalidArgument, "ModelSpec needs a loss, an optimizer and a dataset; missing:",
+                  spec_.loss ? "" : " loss", spec_.optimizer ? "" : " optimizer",
+                  spec_.dataset ? "" : " dataset");
+    }
+    if (spec_.datasetSize <= 0) {
+      SINEW_THROW(InvalidArgument, "ModelSpec::datasetSize = ", spec_.datasetSize,
+                  " must be positive");
+    }
     params_ = model_->parameters();
     opt_ = spec_.optimizer(params_);
     if (!o_.checkpointDir.empty()) {
-      SINEW_ENFORCE(dynamic_cast<torch::optim::Adam*>(opt_.get()) != nullptr ||
-                        dynamic_cast<torch::optim::SGD*>(opt_.get()) != nullptr,
-                    "checkpointing supports the SGD and Adam optimizers' state; this model's "
-                    "optimizer is neither");
-      SINEW_ENFORCE(o_.checkpointEvery >= 0 && o_.checkpointKeep >= 1, "checkpointEvery (",
-                    o_.checkpointEvery, ") must be >= 0 and checkpointKeep (", o_.checkpointKeep,
-                    ") >= 1");
+      if (dynamic_cast<torch::optim::Adam*>(opt_.get()) == nullptr &&
+          dynamic_cast<torch::optim::SGD*>(opt_.get()) == nullptr) {
+        SINEW_THROW(InvalidArgument, "TrainerOptions::checkpointDir = '", o_.checkpointDir,
+                    "' needs ModelSpec::optimizer to make SGD or Adam (whose state checkpoints "
+                    "support); it made another optimizer");
+      }
+      if (o_.checkpointEvery < 0 || o_.checkpointKeep < 1) {
+        SINEW_THROW(InvalidArgument, "TrainerOptions::checkpointEvery = ", o_.checkpointEvery,
+                    " must be >= 0 and checkpointKeep = ", o_.checkpointKeep, " >= 1");
+      }
     }
     std::string path = o_.eventLog;
     if (path.empty()) {
@@ -223,7 +227,8 @@ class Trainer::Impl {
     });
     int64_t resume = 0;
     if (!o_.checkpointDir.empty()) {
-      int64_t latest = checkpoint::CheckpointReader(o_.checkpointDir).latestStep();
+      int64_t latest =
+          checkpoint::CheckpointReader(o_.checkpointDir, state_.checkpointEnv).latestStep();
       if (latest >= 0) resume = latest + 1;
     }
     client_.ready(resume);
@@ -238,7 +243,7 @@ class Trainer::Impl {
       }
       try {
         if (!runStep()) recoverInto(epoch_, /*failure=*/false, "reshape at a step boundary");
-      } catch (const runtime::Released&) {
+      } catch (const Released&) {
         preempted = true;
         break;
       } catch (const PeerLost& e) {
@@ -284,6 +289,12 @@ class Trainer::Impl {
       std::lock_guard<std::mutex> lock(commMu_);
       comm_.reset();  // Healthy: its peers are told it closed, not that it aborted.
     }
+    std::exception_ptr flushError;
+    {
+      std::lock_guard<std::mutex> lock(ckMu_);
+      flushError = flushError_;
+    }
+    if (flushError) std::rethrow_exception(flushError);  // A durable checkpoint failed.
     return r;
   }
 
@@ -294,7 +305,7 @@ class Trainer::Impl {
       SINEW_THROW(EpochChanged, "epoch ", epoch_, " was superseded");
     }
     const int self = ctx_.worker();
-    auto& inj = ctx_.injector();
+    auto& inj = state_.injector;
     inj.fire(self, step_, Phase::kForward, &client_);
     for (auto& p : params_) {
       if (p.grad().defined()) p.mutable_grad().zero_();
@@ -396,13 +407,13 @@ class Trainer::Impl {
     auto t0 = Clock::now();
     dropCommunicator();
     if (failure) {
-      ctx_.markMemberLost();
+      state_.memberLost = true;  // MPI_Finalize would wait for the lost member forever.
       event({{"event", "failure_noticed"}, {"epoch", from}, {"step", step_}, {"reason", why}});
     }
     auto deadline = t0 + o_.recoveryTimeout;
     int64_t waitFrom = from;
     while (true) {
-      if (failure) ctx_.injector().fire(ctx_.worker(), step_, Phase::kRecovery, &client_);
+      if (failure) state_.injector.fire(ctx_.worker(), step_, Phase::kRecovery, &client_);
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
       if (left.count() <= 0) {
         SINEW_THROW(Timeout, "worker ", ctx_.worker(), " could not recover within ",
@@ -448,7 +459,7 @@ class Trainer::Impl {
   void enter(const EpochInfo& info) {
     const int self = ctx_.worker();
     if (std::find(info.members.begin(), info.members.end(), self) == info.members.end()) {
-      SINEW_THROW(runtime::Expelled, "worker ", self, " is not a member of epoch ", info.epoch);
+      SINEW_THROW(Expelled, "worker ", self, " is not a member of epoch ", info.epoch);
     }
     if (!info.sync && applied_ != info.resumeStep - 1) {
       SINEW_THROW(InvalidArgument, "worker ", self, " holds the state after step ", applied_,
@@ -586,6 +597,7 @@ class Trainer::Impl {
       checkpoint::PersistOptions po;
       po.dir = o_.checkpointDir;
       po.keep = o_.checkpointKeep;
+      po.env = state_.checkpointEnv;
       writer_ = std::make_unique<checkpoint::CheckpointWriter>(po);
       flushThread_ = std::thread([this] { flushLoop(); });
     }
@@ -607,22 +619,26 @@ class Trainer::Impl {
       flushBusy_ = true;
       lock.unlock();
       auto t0 = Clock::now();
-      std::string error;
+      std::exception_ptr error;
       try {
         writer_->flush({shard});
-      } catch (const std::exception& e) {
-        error = e.what();
+      } catch (...) {
+        error = std::current_exception();
       }
       double took = seconds(Clock::now() - t0);
       lock.lock();
       flushBusy_ = false;
-      if (error.empty()) {
+      if (!error) {
         ckWritten_++;
         event({{"event", "checkpoint"}, {"step", shard->step}, {"duration_s", took}});
       } else {
+        // Training goes on (a later version may be written); run() rethrows the first failure
+        // when it returns (see Trainer::run()).
+        if (!flushError_) flushError_ = error;
+        const std::string what = describe(error);
         std::fprintf(stderr, "sinew: worker %d could not write checkpoint %lld: %s\n",
-                     ctx_.worker(), static_cast<long long>(shard->step), error.c_str());
-        event({{"event", "checkpoint_failed"}, {"step", shard->step}, {"error", error}});
+                     ctx_.worker(), static_cast<long long>(shard->step), what.c_str());
+        event({{"event", "checkpoint_failed"}, {"step", shard->step}, {"error", what}});
       }
       ckCv_.notify_all();
     }
@@ -647,18 +663,24 @@ class Trainer::Impl {
 
   // Loads version `step` from checkpointDir into the parameters and optimizer state.
   void restoreFromDisk(int64_t step) {
-    SINEW_ENFORCE(!o_.checkpointDir.empty(), "the job resumes at step ", step + 1, " but worker ",
-                  ctx_.worker(), " has no checkpoint directory to restore from");
+    if (o_.checkpointDir.empty()) {
+      SINEW_THROW(InvalidArgument, "TrainerOptions::checkpointDir is empty on worker ",
+                  ctx_.worker(), ", but the job resumes at step ", step + 1,
+                  " from a checkpoint it must restore");
+    }
     auto t0 = Clock::now();
-    auto layers = checkpoint::CheckpointReader(o_.checkpointDir).load(step);
+    auto layers = checkpoint::CheckpointReader(o_.checkpointDir, state_.checkpointEnv).load(step);
     at::NoGradGuard noGrad;
     auto& st = opt_->state();
     for (const auto& child : model_->named_children()) {
       auto params = child.value()->named_parameters(/*recurse=*/true);
       if (params.size() == 0) continue;
       auto lit = layers.find(child.key());
-      SINEW_ENFORCE(lit != layers.end(), "checkpoint ", step, " in ", o_.checkpointDir,
-                    " has no layer '", child.key(), "'");
+      if (lit == layers.end()) {
+        SINEW_THROW(InvalidArgument, "TrainerOptions::checkpointDir = '", o_.checkpointDir,
+                    "': its checkpoint ", step, " has no layer '", child.key(),
+                    "' (a checkpoint of another model?)");
+      }
       const auto& saved = lit->second;
       auto get = [&](const std::string& n) -> const at::Tensor* {
         auto it = saved.find(n);
@@ -668,8 +690,11 @@ class Trainer::Impl {
         at::Tensor p = np.value();
         const std::string& n = np.key();
         const at::Tensor* v = get(n);
-        SINEW_ENFORCE(v != nullptr && v->sizes() == p.sizes(), "checkpoint ", step, ": layer '",
-                      child.key(), "' tensor '", n, "' is missing or has another shape");
+        if (v == nullptr || v->sizes() != p.sizes()) {
+          SINEW_THROW(InvalidArgument, "TrainerOptions::checkpointDir = '", o_.checkpointDir,
+                      "': in its checkpoint ", step, ", layer '", child.key(), "' tensor '", n,
+                      "' is missing or has another shape (a checkpoint of another model?)");
+        }
         p.detach().copy_(*v);
         if (const at::Tensor* m = get(n + ".exp_avg")) {
           auto a = std::make_unique<torch::optim::AdamParamState>();
@@ -707,6 +732,7 @@ class Trainer::Impl {
   static constexpr std::chrono::milliseconds kNudge{3000};
 
   Context& ctx_;
+  runtime::ContextState& state_;  // ctx_'s; the Context outlives the trainer.
   CoordinatorClient& client_;
   ModelSpec spec_;
   TrainerOptions o_;
@@ -744,6 +770,7 @@ class Trainer::Impl {
   bool ckStop_ = false;
   int64_t ckWritten_ = 0;
   int64_t ckSkipped_ = 0;
+  std::exception_ptr flushError_;  // The first failed flush, rethrown by run().
 };
 
 Trainer::Trainer(Context& ctx, ModelSpec spec, TrainerOptions options)

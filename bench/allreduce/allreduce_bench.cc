@@ -33,8 +33,8 @@
 #include <string>
 #include <vector>
 
-#include "sinew/collectives/communicator.h"
 #include "sinew/collectives/tcp_store.h"
+#include "sinew/communicator.h"
 
 namespace {
 

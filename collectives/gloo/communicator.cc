@@ -38,8 +38,9 @@
 #include <sstream>
 #include <thread>
 
-#include "sinew/collectives/communicator.h"
+#include "sinew/collectives/error.h"
 #include "sinew/collectives/prefix_store.h"
+#include "sinew/communicator.h"
 
 namespace sinew {
 namespace collectives {
@@ -275,7 +276,7 @@ void ignoreSigpipe() {
 GlooCommunicator::GlooCommunicator(const std::shared_ptr<Store>& store,
                                    const CommunicatorOptions& options)
     : Communicator(options), verdicts_(options.members.size()) {
-  SINEW_ENFORCE(store != nullptr, "createGlooCommunicator needs a store");
+  if (store == nullptr) SINEW_THROW(InvalidArgument, "createGlooCommunicator: store is null");
   ignoreSigpipe();
   if (size() > 1) connect(store);
   timer_ = std::thread([this] { timerLoop(); });
@@ -751,7 +752,10 @@ void GlooCommunicator::allreduce(at::Tensor& t, ReduceOp op, std::chrono::millis
 void GlooCommunicator::broadcast(at::Tensor& t, int root, std::chrono::milliseconds timeout) {
   validate(t, "broadcast", false);
   checkAlive();
-  SINEW_ENFORCE(root >= 0 && root < size(), describe(), ": broadcast root ", root, " out of range");
+  if (root < 0 || root >= size()) {
+    SINEW_THROW(InvalidArgument, describe(), ": broadcast root = ", root, " is not a rank in [0, ",
+                size(), ")");
+  }
   timeout = resolveTimeout(timeout);
   const int P = size();
   if (P == 1 || t.numel() == 0) return;
@@ -792,11 +796,14 @@ void GlooCommunicator::allgather(at::Tensor& output, const at::Tensor& input,
   validate(input, "allgather", false);
   validate(output, "allgather", false);
   checkAlive();
-  SINEW_ENFORCE(output.scalar_type() == input.scalar_type(), describe(),
-                ": allgather output dtype ", dtypeName(output), " != input dtype ",
-                dtypeName(input));
-  SINEW_ENFORCE(output.numel() == input.numel() * size(), describe(), ": allgather output has ",
-                output.numel(), " elements, expected ", input.numel() * size());
+  if (output.scalar_type() != input.scalar_type()) {
+    SINEW_THROW(InvalidArgument, describe(), ": allgather output dtype ", dtypeName(output),
+                " != input dtype ", dtypeName(input));
+  }
+  if (output.numel() != input.numel() * size()) {
+    SINEW_THROW(InvalidArgument, describe(), ": allgather output has ", output.numel(),
+                " elements, expected ", input.numel() * size());
+  }
   timeout = resolveTimeout(timeout);
   const size_t esize = input.element_size();
   const size_t n = input.numel();
@@ -816,8 +823,10 @@ void GlooCommunicator::send(const at::Tensor& t, int dst, uint32_t tag,
                             std::chrono::milliseconds timeout) {
   validate(t, "send", false);
   checkAlive();
-  SINEW_ENFORCE(dst >= 0 && dst < size() && dst != rank_, describe(), ": send to rank ", dst,
+  if (dst < 0 || dst >= size() || dst == rank_) {
+    SINEW_THROW(InvalidArgument, describe(), ": send to rank dst = ", dst,
                 " is not another member");
+  }
   timeout = resolveTimeout(timeout);
   const size_t bytes = t.numel() * t.element_size();
   if (bytes == 0) return;  // Nothing travels; the receiver skips it too.
@@ -832,8 +841,10 @@ void GlooCommunicator::recv(at::Tensor& t, int src, uint32_t tag,
                             std::chrono::milliseconds timeout) {
   validate(t, "recv", false);
   checkAlive();
-  SINEW_ENFORCE(src >= 0 && src < size() && src != rank_, describe(), ": recv from rank ", src,
+  if (src < 0 || src >= size() || src == rank_) {
+    SINEW_THROW(InvalidArgument, describe(), ": recv from rank src = ", src,
                 " is not another member");
+  }
   timeout = resolveTimeout(timeout);
   const size_t bytes = t.numel() * t.element_size();
   if (bytes == 0) return;

@@ -24,8 +24,9 @@
 #include <sstream>
 #include <thread>
 
-#include "sinew/collectives/communicator.h"
+#include "sinew/collectives/error.h"
 #include "sinew/collectives/prefix_store.h"
+#include "sinew/communicator.h"
 
 #ifndef NCCL_VERSION_CODE
 #define NCCL_VERSION_CODE 0
@@ -149,8 +150,10 @@ NcclCommunicator::NcclCommunicator(const std::shared_ptr<Store>& store,
   } else {
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     Bytes b = prefixed->get("unique_id", std::max(left, std::chrono::milliseconds(1)));
-    SINEW_ENFORCE(b.size() == sizeof(id), describe(), ": NCCL unique id has ", b.size(),
-                  " bytes, expected ", sizeof(id));
+    if (b.size() != sizeof(id)) {
+      SINEW_THROW(Corruption, describe(), ": NCCL unique id has ", b.size(), " bytes, expected ",
+                  sizeof(id));
+    }
     std::memcpy(&id, b.data(), sizeof(id));
   }
 
@@ -311,7 +314,10 @@ void NcclCommunicator::allreduce(at::Tensor& t, ReduceOp op, std::chrono::millis
 
 void NcclCommunicator::broadcast(at::Tensor& t, int root, std::chrono::milliseconds timeout) {
   validate(t, "broadcast");
-  SINEW_ENFORCE(root >= 0 && root < size(), describe(), ": broadcast root ", root, " out of range");
+  if (root < 0 || root >= size()) {
+    SINEW_THROW(InvalidArgument, describe(), ": broadcast root = ", root, " is not a rank in [0, ",
+                size(), ")");
+  }
   run("broadcast", resolveTimeout(timeout), [&] {
     return ncclBroadcast(t.data_ptr(), t.data_ptr(), t.numel(), ncclType(t), root, comm_, stream_);
   });
@@ -321,10 +327,11 @@ void NcclCommunicator::allgather(at::Tensor& output, const at::Tensor& input,
                                  std::chrono::milliseconds timeout) {
   validate(input, "allgather");
   validate(output, "allgather");
-  SINEW_ENFORCE(
-      output.scalar_type() == input.scalar_type() && output.numel() == input.numel() * size(),
-      describe(), ": allgather output must hold ", input.numel() * size(), " ", dtypeName(input),
-      " elements");
+  if (output.scalar_type() != input.scalar_type() || output.numel() != input.numel() * size()) {
+    SINEW_THROW(InvalidArgument, describe(), ": allgather output (", output.numel(), " ",
+                dtypeName(output), " elements) must hold ", input.numel() * size(), " ",
+                dtypeName(input), " elements");
+  }
   run("allgather", resolveTimeout(timeout), [&] {
     return ncclAllGather(input.data_ptr(), output.data_ptr(), input.numel(), ncclType(input), comm_,
                          stream_);
@@ -335,8 +342,10 @@ void NcclCommunicator::allgather(at::Tensor& output, const at::Tensor& input,
 void NcclCommunicator::send(const at::Tensor& t, int dst, uint32_t tag,
                             std::chrono::milliseconds timeout) {
   validate(t, "send");
-  SINEW_ENFORCE(dst >= 0 && dst < size() && dst != rank_, describe(), ": send to rank ", dst,
+  if (dst < 0 || dst >= size() || dst == rank_) {
+    SINEW_THROW(InvalidArgument, describe(), ": send to rank dst = ", dst,
                 " is not another member");
+  }
   run("send", resolveTimeout(timeout),
       [&] { return ncclSend(t.data_ptr(), t.numel(), ncclType(t), dst, comm_, stream_); });
 }
@@ -344,8 +353,10 @@ void NcclCommunicator::send(const at::Tensor& t, int dst, uint32_t tag,
 void NcclCommunicator::recv(at::Tensor& t, int src, uint32_t tag,
                             std::chrono::milliseconds timeout) {
   validate(t, "recv");
-  SINEW_ENFORCE(src >= 0 && src < size() && src != rank_, describe(), ": recv from rank ", src,
+  if (src < 0 || src >= size() || src == rank_) {
+    SINEW_THROW(InvalidArgument, describe(), ": recv from rank src = ", src,
                 " is not another member");
+  }
   run("recv", resolveTimeout(timeout),
       [&] { return ncclRecv(t.data_ptr(), t.numel(), ncclType(t), src, comm_, stream_); });
 }

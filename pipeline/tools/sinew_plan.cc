@@ -145,13 +145,13 @@ void printTable(const Profile& p, const TemplateSet& set, const Plan& plan, cons
   for (size_t i = 0; i < plan.pipelines.size(); ++i) {
     const PipelinePlan& pp = plan.pipelines[i];
     std::ostringstream ids;
-    for (size_t k = 0; k < pp.node_ids.size(); ++k) ids << (k ? "," : "") << pp.node_ids[k];
+    for (size_t k = 0; k < pp.nodeIds.size(); ++k) ids << (k ? "," : "") << pp.nodeIds[k];
     std::printf("%8zu %6d %13lld %13.3f  %s\n", i, pp.nodes,
-                static_cast<long long>(pp.microbatches), ticksToMs(pp.iteration_ticks, G),
+                static_cast<long long>(pp.microbatches), ticksToMs(pp.iterationTicks, G),
                 ids.str().c_str());
   }
-  std::printf("\niteration %.3f ms, %zu idle nodes\n", ticksToMs(plan.iteration_ticks, G),
-              plan.idle_node_ids.size());
+  std::printf("\niteration %.3f ms, %zu idle nodes\n", ticksToMs(plan.iterationTicks, G),
+              plan.idleNodeIds.size());
 }
 
 }  // namespace
@@ -176,10 +176,10 @@ int main(int argc, char** argv) {
     json pipelines = json::array();
     for (const PipelinePlan& pp : plan.pipelines) {
       pipelines.push_back({{"nodes", pp.nodes},
-                           {"node_ids", pp.node_ids},
+                           {"node_ids", pp.nodeIds},
                            {"microbatches", pp.microbatches},
-                           {"iteration_ticks", pp.iteration_ticks},
-                           {"iteration_ms", ticksToMs(pp.iteration_ticks, G)}});
+                           {"iteration_ticks", pp.iterationTicks},
+                           {"iteration_ms", ticksToMs(pp.iterationTicks, G)}});
     }
     json out = {{"layers", set.num_layers},
                 {"devices_per_node", G},
@@ -192,9 +192,9 @@ int main(int argc, char** argv) {
                 {"templates", templates},
                 {"plan",
                  {{"pipelines", pipelines},
-                  {"idle_node_ids", plan.idle_node_ids},
-                  {"iteration_ticks", plan.iteration_ticks},
-                  {"iteration_ms", ticksToMs(plan.iteration_ticks, G)}}}};
+                  {"idle_node_ids", plan.idleNodeIds},
+                  {"iteration_ticks", plan.iterationTicks},
+                  {"iteration_ms", ticksToMs(plan.iterationTicks, G)}}}};
     std::cout << out.dump(2) << "\n";
   } catch (const sinew::Error& e) {
     std::cerr << "sinew-plan: " << e.what() << "\n";

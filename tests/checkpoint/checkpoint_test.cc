@@ -285,6 +285,40 @@ TEST(SnapshotTest, MemoryStaysFlatOverAThousandCheckpointsWithReplication) {
   EXPECT_EQ(e0.service().bytesAllocated(), 2 * static_cast<uint64_t>(shard));
 }
 
+TEST(EngineTest, AFailedFlushReachesTheWaiterAsIoError) {
+  // Every write of the disk fails: the flush thread's IoError must reach waitDurable() (the
+  // thread waiting for the flush) as that IoError, at once, not as a Timeout with a string
+  // left behind in the stats.
+  ShardState state = makeState(2, 8, 1);
+  const std::string dir = tempDir("flushfail");
+  testing::FaultEnv env;
+  auto store = std::make_shared<collectives::HashStore>();
+  CheckpointEngineOptions a, b;
+  a.self = 0;
+  b.self = 1;
+  a.workers = b.workers = {0, 1};
+  a.store = b.store = store;
+  a.persist.dir = b.persist.dir = dir;
+  a.persist.env = b.persist.env = &env;
+  a.flushEvery = b.flushEvery = 1;
+  CheckpointEngine e0(state, a);
+  CheckpointEngine e1(state, b);
+  env.failAfter(0);
+  e0.snapshot(0, state);
+  e1.snapshot(0, state);
+  EXPECT_EQ(e0.waitCommitted(0, 10s), 0);
+  auto t0 = std::chrono::steady_clock::now();
+  try {
+    e0.waitDurable(0, 20s);
+    ADD_FAILURE() << "version 0 became durable on a disk that fails every write";
+  } catch (const IoError& e) {
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, 15s) << "the error waited for the deadline";
+  }
+  EXPECT_FALSE(e0.stats().lastError.empty());
+  EXPECT_EQ(e0.durableStep(), -1);
+  removeTree(dir);
+}
+
 // ---------------------------------------------------------------------------------------
 
 double choose(int n, int k) {

@@ -13,8 +13,8 @@
 
 #include "../support.h"
 #include "multiproc.h"
-#include "sinew/collectives/communicator.h"
 #include "sinew/collectives/tcp_store.h"
+#include "sinew/communicator.h"
 
 namespace sinew {
 namespace collectives {

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
 #include <numeric>
 #include <random>
@@ -178,13 +179,30 @@ TEST(InstantiateTest, MakePlanAssignsNodesAndWorkers) {
   Plan plan = makePlan(set, {10, 11, 12, 13, 14, 15, 16, 17}, {1, 16});
   std::set<int> seen;
   for (const PipelinePlan& p : plan.pipelines) {
-    EXPECT_EQ(static_cast<int>(p.node_ids.size()), p.nodes);
-    for (int id : p.node_ids) EXPECT_TRUE(seen.insert(id).second);
+    EXPECT_EQ(static_cast<int>(p.nodeIds.size()), p.nodes);
+    for (int id : p.nodeIds) EXPECT_TRUE(seen.insert(id).second);
   }
-  for (int id : plan.idle_node_ids) EXPECT_TRUE(seen.insert(id).second);
+  for (int id : plan.idleNodeIds) EXPECT_TRUE(seen.insert(id).second);
   EXPECT_EQ(seen.size(), 8u);
   std::vector<WorkerAssignment> workers = workerAssignments(set, plan);
-  EXPECT_EQ(workers.size(), 8u - plan.idle_node_ids.size());
+  EXPECT_EQ(workers.size(), 8u - plan.idleNodeIds.size());
+  // The plan carries the per-worker view too: every stage of pipeline p runs the same
+  // microbatches, and the pipelines together run each of the B microbatches once.
+  EXPECT_EQ(plan.numLayers, set.num_layers);
+  EXPECT_EQ(plan.microbatchesPerStep, 16);
+  ASSERT_EQ(plan.workers.size(), workers.size());
+  std::vector<int> runs(16, 0);
+  std::set<int> counted;
+  for (const WorkerAssignment& w : plan.workers) {
+    EXPECT_EQ(w.worker, -1);
+    const PipelinePlan& p = plan.pipelines[w.pipeline];
+    EXPECT_NE(std::find(p.nodeIds.begin(), p.nodeIds.end(), w.node), p.nodeIds.end());
+    EXPECT_EQ(static_cast<int64_t>(w.microbatches.size()), p.microbatches);
+    if (counted.insert(w.pipeline).second) {
+      for (int64_t m : w.microbatches) runs[m]++;
+    }
+  }
+  EXPECT_EQ(runs, std::vector<int>(16, 1));
   EXPECT_THROW(makePlan(set, {1, 2, 2, 3}, {0, 4}), InvalidArgument);
   EXPECT_THROW(makePlan(set, {1, -2, 3}, {0, 4}), InvalidArgument);
 }
@@ -200,6 +218,30 @@ TEST(InstantiateTest, RejectsTooMuchFaultTolerance) {
   }
   EXPECT_THROW(instantiate(set, 8, {0, 0}), InvalidArgument);
   EXPECT_THROW(instantiate(set, 0, {0, 1}), InvalidArgument);
+}
+
+TEST(PlanTest, DataParallelGivesEveryMemberEveryLayerAndAShareOfTheBatch) {
+  Plan plan = Plan::dataParallel(3, {9, 4, 2}, 5, 8);
+  EXPECT_EQ(plan.epoch, 3);
+  ASSERT_EQ(plan.workers.size(), 3u);
+  ASSERT_EQ(plan.pipelines.size(), 3u);
+  std::vector<int64_t> all;
+  int pipeline = 0;
+  for (int worker : {2, 4, 9}) {  // ascending ids
+    const WorkerAssignment& w = plan.of(worker);
+    EXPECT_EQ(w.worker, worker);
+    EXPECT_EQ(w.node, worker);
+    EXPECT_EQ(w.pipeline, pipeline);
+    EXPECT_EQ(plan.pipelines[pipeline].nodeIds, std::vector<int>{worker});
+    EXPECT_EQ(plan.pipelines[pipeline].microbatches, static_cast<int64_t>(w.microbatches.size()));
+    EXPECT_EQ(w.firstLayer, 0);
+    EXPECT_EQ(w.endLayer, 5);
+    all.insert(all.end(), w.microbatches.begin(), w.microbatches.end());
+    pipeline++;
+  }
+  EXPECT_EQ(all, (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6, 7}));
+  EXPECT_EQ(plan.of(9).microbatches.size(), 3u);
+  EXPECT_THROW(plan.of(7), InvalidArgument);
 }
 
 }  // namespace

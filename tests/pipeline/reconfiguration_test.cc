@@ -47,23 +47,23 @@ TemplateSet makeTemplates(const std::vector<int>& sizes) {
 Plan handPlan(const TemplateSet& set, const std::vector<std::vector<int>>& pipelines,
               const std::vector<int>& idle, int f, int64_t B) {
   Plan plan;
-  plan.fault_tolerance = f;
-  plan.global_microbatches = B;
+  plan.faultTolerance = f;
+  plan.microbatchesPerStep = B;
   std::vector<int> sizes;
   for (const auto& ids : pipelines) {
     PipelinePlan p;
     p.nodes = static_cast<int>(ids.size());
-    p.node_ids = ids;
+    p.nodeIds = ids;
     sizes.push_back(p.nodes);
     plan.pipelines.push_back(p);
   }
   BatchSplit split = splitBatch(set, sizes, B);
   for (size_t p = 0; p < sizes.size(); ++p) {
     plan.pipelines[p].microbatches = split.microbatches[p];
-    plan.pipelines[p].iteration_ticks = set.find(sizes[p])->iterationTicks(split.microbatches[p]);
+    plan.pipelines[p].iterationTicks = set.find(sizes[p])->iterationTicks(split.microbatches[p]);
   }
-  plan.iteration_ticks = split.iteration_ticks;
-  plan.idle_node_ids = idle;
+  plan.iterationTicks = split.iteration_ticks;
+  plan.idleNodeIds = idle;
   return plan;
 }
 
@@ -75,33 +75,33 @@ void checkReconfiguration(const TemplateSet& set, const Plan& before, const std:
   std::vector<const PipelineTemplate*> pipes;
   int64_t sum = 0, z = 0;
   for (const PipelinePlan& p : plan.pipelines) {
-    ASSERT_EQ(static_cast<int>(p.node_ids.size()), p.nodes);
+    ASSERT_EQ(static_cast<int>(p.nodeIds.size()), p.nodes);
     const PipelineTemplate* t = set.find(p.nodes);
     ASSERT_NE(t, nullptr) << "pipeline of " << p.nodes << " nodes has no template";
     pipes.push_back(t);
-    for (int id : p.node_ids) {
+    for (int id : p.nodeIds) {
       EXPECT_TRUE(seen.insert(id).second) << "node " << id << " used twice";
       EXPECT_EQ(lost.count(id), 0u) << "lost node " << id << " still in the plan";
     }
-    EXPECT_EQ(p.iteration_ticks, t->iterationTicks(p.microbatches));
+    EXPECT_EQ(p.iterationTicks, t->iterationTicks(p.microbatches));
     sum += p.microbatches;
-    z = std::max(z, p.iteration_ticks);
+    z = std::max(z, p.iterationTicks);
   }
-  for (int id : plan.idle_node_ids) EXPECT_TRUE(seen.insert(id).second);
-  EXPECT_EQ(sum, before.global_microbatches);  // the global batch never changes
-  EXPECT_EQ(plan.iteration_ticks, z);
-  if (before.global_microbatches <= 10 && pipes.size() <= 4) {
-    EXPECT_EQ(z, testing::bruteSplitMakespan(pipes, before.global_microbatches));
+  for (int id : plan.idleNodeIds) EXPECT_TRUE(seen.insert(id).second);
+  EXPECT_EQ(sum, before.microbatchesPerStep);  // the global batch never changes
+  EXPECT_EQ(plan.iterationTicks, z);
+  if (before.microbatchesPerStep <= 10 && pipes.size() <= 4) {
+    EXPECT_EQ(z, testing::bruteSplitMakespan(pipes, before.microbatchesPerStep));
   }
   // Every surviving node of the old plan is somewhere in the new one.
   for (const PipelinePlan& p : before.pipelines) {
-    for (int id : p.node_ids) EXPECT_TRUE(lost.count(id) || seen.count(id)) << id;
+    for (int id : p.nodeIds) EXPECT_TRUE(lost.count(id) || seen.count(id)) << id;
   }
   // Each worker holds its layers after the copies: it held them or a copy brings them from a
   // survivor that held them.
   std::map<std::pair<int, int>, std::pair<int, int>> held;
   for (const WorkerAssignment& w : workerAssignments(set, before)) {
-    if (!lost.count(w.node_id)) held[{w.node_id, w.device}] = {w.first_layer, w.end_layer};
+    if (!lost.count(w.node)) held[{w.node, w.device}] = {w.firstLayer, w.endLayer};
   }
   std::map<std::pair<int, int>, std::set<int>> copied;
   for (const LayerCopy& c : r.copies) {
@@ -116,12 +116,12 @@ void checkReconfiguration(const TemplateSet& set, const Plan& before, const std:
     for (int l = c.first_layer; l < c.end_layer; ++l) copied[{c.node_id, c.device}].insert(l);
   }
   for (const WorkerAssignment& w : workerAssignments(set, plan)) {
-    auto it = held.find({w.node_id, w.device});
-    for (int l = w.first_layer; l < w.end_layer; ++l) {
+    auto it = held.find({w.node, w.device});
+    for (int l = w.firstLayer; l < w.endLayer; ++l) {
       bool had = it != held.end() && it->second.first <= l && l < it->second.second;
-      const bool copied_here = copied[std::make_pair(w.node_id, w.device)].count(l) > 0;
+      const bool copied_here = copied[std::make_pair(w.node, w.device)].count(l) > 0;
       EXPECT_TRUE(had || copied_here)
-          << "worker " << w.node_id << "/" << w.device << " lacks layer " << l;
+          << "worker " << w.node << "/" << w.device << " lacks layer " << l;
     }
   }
 }
@@ -132,8 +132,8 @@ TEST(ReconfigurationTest, ShrinksToTheTemplateWithOneNodeFewer) {
   Reconfiguration r = reconfigure(set, plan, {1});
   EXPECT_EQ(r.kind, ReconfigurationKind::kShrink);
   ASSERT_EQ(r.plan.pipelines.size(), 2u);
-  EXPECT_EQ(r.plan.pipelines[0].node_ids, (std::vector<int>{0, 2, 3}));
-  EXPECT_EQ(r.plan.pipelines[1].node_ids, (std::vector<int>{4, 5, 6, 7}));
+  EXPECT_EQ(r.plan.pipelines[0].nodeIds, (std::vector<int>{0, 2, 3}));
+  EXPECT_EQ(r.plan.pipelines[1].nodeIds, (std::vector<int>{4, 5, 6, 7}));
   checkReconfiguration(set, plan, {1}, r);
   // The faster 4-node pipeline takes more of the batch.
   EXPECT_GT(r.plan.pipelines[1].microbatches, r.plan.pipelines[0].microbatches);
@@ -144,8 +144,8 @@ TEST(ReconfigurationTest, TakesIdleNodesBeforeBorrowing) {
   Plan plan = handPlan(set, {{0, 1, 2, 3}, {4, 5, 6, 7}}, {8}, 1, 8);
   Reconfiguration r = reconfigure(set, plan, {0});
   EXPECT_EQ(r.kind, ReconfigurationKind::kUseIdle);
-  EXPECT_EQ(r.plan.pipelines[0].node_ids, (std::vector<int>{1, 2, 3, 8}));
-  EXPECT_TRUE(r.plan.idle_node_ids.empty());
+  EXPECT_EQ(r.plan.pipelines[0].nodeIds, (std::vector<int>{1, 2, 3, 8}));
+  EXPECT_TRUE(r.plan.idleNodeIds.empty());
   checkReconfiguration(set, plan, {0}, r);
 }
 
@@ -154,8 +154,8 @@ TEST(ReconfigurationTest, BorrowsFromTheLargestPipeline) {
   Plan plan = handPlan(set, {{0, 1, 2}, {3, 4, 5, 6}}, {}, 1, 8);
   Reconfiguration r = reconfigure(set, plan, {0, 2});
   EXPECT_EQ(r.kind, ReconfigurationKind::kBorrow);
-  EXPECT_EQ(r.plan.pipelines[0].node_ids, (std::vector<int>{1, 6}));
-  EXPECT_EQ(r.plan.pipelines[1].node_ids, (std::vector<int>{3, 4, 5}));
+  EXPECT_EQ(r.plan.pipelines[0].nodeIds, (std::vector<int>{1, 6}));
+  EXPECT_EQ(r.plan.pipelines[1].nodeIds, (std::vector<int>{3, 4, 5}));
   checkReconfiguration(set, plan, {0, 2}, r);
   // Node 6 now runs layers it did not hold, copied from a surviving replica.
   bool node6 = false;
@@ -169,7 +169,7 @@ TEST(ReconfigurationTest, MergesWhenBorrowingCannotHelp) {
   Reconfiguration r = reconfigure(set, plan, {0});
   EXPECT_EQ(r.kind, ReconfigurationKind::kMerge);
   ASSERT_EQ(r.plan.pipelines.size(), 2u);
-  EXPECT_EQ(r.plan.pipelines[0].node_ids, (std::vector<int>{2, 3, 1}));
+  EXPECT_EQ(r.plan.pipelines[0].nodeIds, (std::vector<int>{2, 3, 1}));
   checkReconfiguration(set, plan, {0}, r);
 }
 
@@ -179,8 +179,8 @@ TEST(ReconfigurationTest, ReplansWhenNothingElseWorks) {
   Reconfiguration r = reconfigure(set, plan, {0});
   EXPECT_EQ(r.kind, ReconfigurationKind::kReplan);
   ASSERT_EQ(r.plan.pipelines.size(), 1u);  // 3 nodes hold only one 2-node pipeline
-  EXPECT_EQ(r.plan.idle_node_ids.size(), 1u);
-  EXPECT_EQ(r.plan.fault_tolerance, 1);  // still aims for f + 1 when nodes come back
+  EXPECT_EQ(r.plan.idleNodeIds.size(), 1u);
+  EXPECT_EQ(r.plan.faultTolerance, 1);  // still aims for f + 1 when nodes come back
   checkReconfiguration(set, plan, {0}, r);
 }
 
@@ -196,7 +196,7 @@ TEST(ReconfigurationTest, ErrorsAndUnchangedPlans) {
   }
   Reconfiguration r = reconfigure(set, plan, {4});  // an idle node
   EXPECT_EQ(r.kind, ReconfigurationKind::kUnchanged);
-  EXPECT_TRUE(r.plan.idle_node_ids.empty());
+  EXPECT_TRUE(r.plan.idleNodeIds.empty());
   EXPECT_TRUE(r.copies.empty());
 }
 

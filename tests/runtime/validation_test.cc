@@ -14,7 +14,7 @@
 #include "sinew/collectives/detail/parse.h"
 #include "sinew/collectives/error.h"
 #include "sinew/runtime/failure_injection.h"
-#include "sinew/runtime/init.h"
+#include "sinew/init.h"
 
 namespace sinew {
 namespace runtime {

@@ -3,9 +3,10 @@
 // A key-value store for rendezvous (c10d's Store): communicators publish addresses and
 // unique ids under keys, and processes wait for each other's keys.
 //
-// Implementations: HashStore (in one process), FileStore (processes sharing a
-// filesystem), TcpStore (a Boost.Asio server and clients), PrefixStore (a namespace
-// wrapper, used for per-epoch key prefixes).
+// Implementations, made by the factories at the bottom: an in-process hash map
+// (makeHashStore), a shared directory (makeFileStore), a client of a TCP store server such as
+// the one the coordinator serves (connectTcpStore), and a namespace wrapper for per-epoch key
+// prefixes (makePrefixStore).
 //
 // Thread safety: every Store method may be called concurrently from several threads.
 
@@ -15,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "sinew/collectives/error.h"
+#include "sinew/error.h"
 
 namespace sinew {
 namespace collectives {
@@ -59,6 +60,35 @@ class Store {
   // Deletes key; returns whether it existed.
   virtual bool deleteKey(const std::string& key) = 0;
 };
+
+// An in-process store backed by a hash map: for threads of one process and for tests.
+std::shared_ptr<Store> makeHashStore();
+
+// A store in a directory every process can reach (a local or shared filesystem): the
+// rendezvous of last resort when no TCP server runs, e.g. under srun with a shared scratch
+// directory. Creates the directory if missing; throws IoError naming the path on failure.
+std::shared_ptr<Store> makeFileStore(const std::string& dir);
+
+// Every key of `base` prefixed with "<prefix>/": one namespace per epoch or communicator, so
+// keys of an older epoch never satisfy a newer wait. Throws InvalidArgument for a null base.
+std::shared_ptr<Store> makePrefixStore(const std::string& prefix, std::shared_ptr<Store> base);
+
+struct TcpStoreOptions {
+  // The server's job token (SINEW_TOKEN; a TcpStoreServer's token()). Required: a request
+  // under any other token is refused.
+  uint64_t token = 0;
+  // How long to keep retrying the first connection (and a reconnection) before Timeout.
+  std::chrono::milliseconds connectTimeout{60000};
+  // Deadline of requests that do not wait for keys (set, add, compareSet, check, delete).
+  std::chrono::milliseconds timeout{30000};
+};
+
+// A client of the TCP store served at host:port (docs/store_protocol.md), e.g. the
+// coordinator's, under options.token (InvalidArgument when 0). Does not connect yet: the first request does, retrying until
+// connectTimeout. Every method throws Timeout when the server does not answer by the
+// deadline and IoError when the connection breaks; the next call reconnects.
+std::shared_ptr<Store> connectTcpStore(const std::string& host, uint16_t port,
+                                       const TcpStoreOptions& options = TcpStoreOptions());
 
 }  // namespace collectives
 }  // namespace sinew

@@ -3,10 +3,10 @@
 // The trainer (DESIGN.md sections 1 and 6): wraps a user's libtorch model, loss, optimizer
 // and data, and drives training through failures and joins.
 //
-// The model is an ordered list of LayerSpecs (any worker can build any layer); a Plan says
-// which worker holds which layers and runs which microbatches. This version runs data
-// parallel (every worker holds every layer: one-stage pipelines); the plan and step APIs are
-// the pipeline-shaped ones, so pipelines plug in without changing them.
+// The model is an ordered list of LayerSpecs (sinew/model.h; any worker can build any layer);
+// an internal plan says which worker holds which layers and runs which microbatches. This
+// version runs data parallel (every worker holds every layer: one-stage pipelines); the plan
+// and step code are the pipeline-shaped ones, so pipelines plug in without changing this API.
 //
 // A step s, on every member of the current epoch:
 //   1. Run forward and backward over this worker's microbatches of the global batch of s
@@ -23,50 +23,19 @@
 //
 // Thread safety: a Trainer is driven by one thread.
 
-#include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/container/sequential.h>
-#include <torch/optim/optimizer.h>
 
 #include <chrono>
-#include <functional>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "sinew/runtime/init.h"
+#include "sinew/error.h"
+#include "sinew/init.h"
+#include "sinew/model.h"
 
 namespace sinew {
-
-// One layer: a name (the key of its state everywhere: checkpoints, copies) and a factory.
-// Factories are called in layer order after seeding torch's generator with the trainer's
-// seed, so every worker builds the same initial parameters.
-struct LayerSpec {
-  std::string name;
-  std::function<torch::nn::AnyModule()> build;
-};
-
-// Loss of one microbatch: the mean over its samples.
-using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
-
-using OptimizerFactory =
-    std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor> parameters)>;
-OptimizerFactory sgd(double lr, double momentum = 0.0);
-OptimizerFactory adam(double lr);
-
-struct Sample {
-  at::Tensor input;
-  at::Tensor target;
-};
-// Returns sample i, deterministically (the same tensors on every worker, every time).
-using Dataset = std::function<Sample(int64_t index)>;
-
-struct ModelSpec {
-  std::vector<LayerSpec> layers;
-  LossFn loss;
-  OptimizerFactory optimizer;
-  Dataset dataset;
-  int64_t datasetSize = 0;
-};
 
 struct TrainerOptions {
   int64_t globalBatch = 64;  // samples per step, whatever the job's size
@@ -113,36 +82,10 @@ struct TrainResult {
   double checkpointStallSeconds = 0;  // optimizer steps waiting for a snapshot copy
 };
 
-// Which layers a worker holds and which microbatches of each step it runs.
-struct WorkerAssignment {
-  int worker = -1;
-  int pipeline = 0;
-  int stage = 0;
-  int firstLayer = 0;  // layers [firstLayer, endLayer)
-  int endLayer = 0;
-  std::vector<int64_t> microbatches;  // indices into the step's global batch
-};
-
-struct Plan {
-  int64_t epoch = -1;
-  int numLayers = 0;
-  int64_t microbatchesPerStep = 0;
-  std::vector<WorkerAssignment> workers;
-
-  // Every member holds every layer and runs a contiguous, near-equal share of the
-  // microbatches (members in ascending id order).
-  static Plan dataParallel(int64_t epoch, const std::vector<int>& members, int numLayers,
-                           int64_t microbatchesPerStep);
-  // REQUIRES: worker is in the plan.
-  const WorkerAssignment& of(int worker) const;
-};
-
 // The dataset indices of step `step`'s global batch: a pure function of (seed, step).
+// Throws InvalidArgument unless datasetSize > 0 and globalBatch >= 0.
 std::vector<int64_t> globalBatchIndices(uint64_t seed, int64_t step, int64_t globalBatch,
                                         int64_t datasetSize);
-
-// Builds the model of `spec` (seeded with `seed`, cast to dtype) as a Sequential.
-torch::nn::Sequential buildModel(const ModelSpec& spec, uint64_t seed, at::ScalarType dtype);
 
 class Trainer {
  public:
@@ -154,16 +97,20 @@ class Trainer {
   // (Context::preemptionRequested(), e.g. SIGTERM): then it leaves at the next step boundary,
   // after that step is applied, with result.preempted set; if it held the job's durable
   // checkpoints, that step is written first.
-  // Throws Expelled if this worker was
-  // declared dead, Timeout if a recovery took longer than recoveryTimeout.
+  // Throws Expelled if this worker was declared dead, Timeout if a recovery took longer than
+  // recoveryTimeout. Durable checkpoints are written by a background thread while training
+  // goes on: a write that fails (e.g. IoError from a failing disk) is logged as a
+  // "checkpoint_failed" event naming this worker and the step, training continues, and once
+  // training is over (the job was told this worker is done) run() rethrows the first such
+  // error, so the caller learns that the newest durable version is older than it asked for.
   TrainResult run();
 
   torch::nn::Sequential& model() { return model_; }
   std::vector<at::Tensor> parameters() const { return model_->parameters(); }
 
+ private:
   class Impl;
 
- private:
   torch::nn::Sequential model_;
   std::unique_ptr<Impl> impl_;
 };

@@ -22,8 +22,8 @@
 #include <string>
 #include <vector>
 
-#include "sinew/collectives/error.h"
-#include "sinew/collectives/store.h"
+#include "sinew/error.h"
+#include "sinew/store.h"
 
 namespace sinew {
 namespace collectives {

@@ -18,18 +18,22 @@
 // Thread safety: a Context is used by the thread that runs training; its accessors are
 // thread-safe.
 
+#include <chrono>
 #include <memory>
 #include <string>
 
-#include "sinew/collectives/store.h"
-#include "sinew/runtime/coordinator_client.h"
-#include "sinew/runtime/failure_injection.h"
+#include "sinew/error.h"
+#include "sinew/store.h"
 
 namespace sinew {
 
 namespace runtime {
-class Coordinator;
-}
+// The plumbing behind a Context (coordinator client, failure injector, MPI state), defined in
+// the internal header runtime/context_state.h; ContextAccess is how Sinew's own code and tests
+// reach it.
+struct ContextState;
+struct ContextAccess;
+}  // namespace runtime
 
 struct InitOptions {
   // How long to wait for the coordinator (and under MPI for MPI_Init's peers).
@@ -50,23 +54,17 @@ class Context {
   Context& operator=(const Context&) = delete;
 
   // This worker's stable id (the launch rank, or assigned on join).
-  int worker() const { return client_->worker(); }
-  const std::string& node() const { return node_; }
+  int worker() const;
+  const std::string& node() const;
   // The address this worker's communicators listen on.
-  const std::string& host() const { return host_; }
+  const std::string& host() const;
   // How the job was launched: "sinew-run", "join", "mpi" or "single".
-  const std::string& launchMode() const { return mode_; }
+  const std::string& launchMode() const;
   // Whether this worker joined a running job.
-  bool joined() const { return joined_; }
+  bool joined() const;
 
-  runtime::CoordinatorClient& client() { return *client_; }
   // The job's rendezvous store (served by the coordinator).
-  const std::shared_ptr<collectives::Store>& store() const { return store_; }
-  runtime::FailureInjector& injector() { return injector_; }
-
-  // Call when the job lost a member: MPI_Finalize would wait for it forever, so the handle
-  // skips it (under mpirun --enable-recovery).
-  void markMemberLost() { memberLost_ = true; }
+  const std::shared_ptr<collectives::Store>& store() const;
 
   // Asks this worker to leave the job at the next step boundary (the C++ form of SIGTERM).
   // Async-signal-safe and thread-safe.
@@ -76,18 +74,10 @@ class Context {
 
  private:
   friend std::unique_ptr<Context> init(int* argc, char*** argv, const InitOptions& options);
-  Context() = default;
+  friend struct runtime::ContextAccess;
+  Context();
 
-  std::string node_;
-  std::string host_ = "127.0.0.1";
-  std::string mode_;
-  bool joined_ = false;
-  bool mpi_ = false;
-  bool memberLost_ = false;
-  std::unique_ptr<runtime::Coordinator> localCoordinator_;
-  std::unique_ptr<runtime::CoordinatorClient> client_;
-  std::shared_ptr<collectives::Store> store_;
-  runtime::FailureInjector injector_;
+  std::unique_ptr<runtime::ContextState> state_;
 };
 
 // See the top of this file. argc/argv may be null (then MPI_Init gets none).

@@ -1,0 +1,56 @@
+#pragma once
+
+// The model types (DESIGN.md section 1): a model is an ordered list of layers, each with a
+// name and a factory, so any worker can build any layer; plus the loss, the optimizer factory
+// and the dataset the trainer drives. The runtime and the pipeline executor both see them.
+//
+// Thread safety: plain values; the functions they hold are called by the training thread.
+
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace sinew {
+
+// One layer: a name (the key of its state everywhere: checkpoints, copies) and a factory.
+// Factories are called in layer order after seeding torch's generator with the trainer's
+// seed, so every worker builds the same initial parameters.
+struct LayerSpec {
+  std::string name;
+  std::function<torch::nn::AnyModule()> build;
+};
+
+// Loss of one microbatch: the mean over its samples.
+using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
+
+using OptimizerFactory =
+    std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor> parameters)>;
+OptimizerFactory sgd(double lr, double momentum = 0.0);
+OptimizerFactory adam(double lr);
+
+struct Sample {
+  at::Tensor input;
+  at::Tensor target;
+};
+// Returns sample i, deterministically (the same tensors on every worker, every time).
+using Dataset = std::function<Sample(int64_t index)>;
+
+struct ModelSpec {
+  std::vector<LayerSpec> layers;
+  LossFn loss;
+  OptimizerFactory optimizer;
+  Dataset dataset;
+  int64_t datasetSize = 0;
+};
+
+// Builds the model of `spec` (seeded with `seed`, cast to dtype) as a Sequential.
+// Throws InvalidArgument if spec has no layers or a layer has no factory.
+torch::nn::Sequential buildModel(const ModelSpec& spec, uint64_t seed, at::ScalarType dtype);
+
+}  // namespace sinew

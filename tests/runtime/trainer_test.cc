@@ -1,0 +1,89 @@
+// The trainer in a job of one worker (sinew::init() with no launcher: an in-process
+// coordinator): errors of its background checkpoint flush reach Trainer::run()'s caller as
+// the exception itself, not as a string in a log.
+
+#include <gtest/gtest.h>
+
+#include <torch/nn/modules/linear.h>
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "../checkpoint/fault_env.h"
+#include "sinew/error.h"
+#include "sinew/init.h"
+#include "sinew/runtime/context_state.h"
+#include "sinew/trainer.h"
+
+namespace sinew {
+namespace {
+
+std::string tempDir() {
+  std::string tmpl = "/tmp/sinew-trainer-XXXXXX";
+  std::vector<char> buf(tmpl.begin(), tmpl.end());
+  buf.push_back('\0');
+  const char* d = mkdtemp(buf.data());
+  if (d == nullptr) throw std::runtime_error("mkdtemp failed");
+  return d;
+}
+
+ModelSpec tinyModel() {
+  ModelSpec spec;
+  spec.layers.push_back({"fc", [] { return torch::nn::AnyModule(torch::nn::Linear(2, 1)); }});
+  spec.loss = [](const at::Tensor& y, const at::Tensor& t) { return (y - t).pow(2).mean(); };
+  spec.optimizer = sgd(0.1);
+  spec.dataset = [](int64_t i) {
+    double x = static_cast<double>(i % 10) / 10;
+    return Sample{at::full({2}, x, at::kDouble), at::full({1}, 2 * x, at::kDouble)};
+  };
+  spec.datasetSize = 100;
+  return spec;
+}
+
+TrainerOptions tinyOptions() {
+  TrainerOptions o;
+  o.globalBatch = 4;
+  o.microbatch = 2;
+  o.steps = 3;
+  o.progressEvery = 0;
+  return o;
+}
+
+TEST(TrainerTest, AFailingCheckpointDiskSurfacesAsIoErrorFromRun) {
+  const std::string dir = tempDir();
+  checkpoint::testing::FaultEnv env;
+  auto ctx = init(nullptr, nullptr);
+  runtime::ContextAccess::state(*ctx).checkpointEnv = &env;
+  TrainerOptions o = tinyOptions();
+  o.checkpointDir = dir;
+  o.checkpointEvery = 1;
+  Trainer trainer(*ctx, tinyModel(), o);
+  env.failAfter(1);  // The writer creates the folder; every write after that fails.
+  try {
+    trainer.run();
+    ADD_FAILURE() << "run() returned although no checkpoint could be written";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("injected failure"), std::string::npos) << e.what();
+  }
+  std::system(("rm -rf '" + dir + "'").c_str());
+}
+
+TEST(TrainerTest, BadOptionsAreInvalidArgumentsNamingTheOption) {
+  auto ctx = init(nullptr, nullptr);
+  TrainerOptions o = tinyOptions();
+  o.microbatch = 3;
+  try {
+    Trainer trainer(*ctx, tinyModel(), o);
+    ADD_FAILURE() << "accepted a microbatch that does not divide the global batch";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("TrainerOptions::microbatch = 3"), std::string::npos)
+        << e.what();
+  }
+  ModelSpec noLayers = tinyModel();
+  noLayers.layers.clear();
+  EXPECT_THROW(Trainer(*ctx, noLayers, tinyOptions()), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace sinew
