@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Writes the seed corpora in fuzz/corpus/<harness>/ (docs/fuzzing.md): a few valid inputs
-per harness and near-valid ones that each break one rule. Deterministic; rerun after
+per harness and near-valid ones that each break one rule; and fuzz/regressions/<harness>/,
+the findings recorded in docs/fuzzing.md (inputs that crashed a harness), to rerun by hand. Deterministic; rerun after
 changing it and commit the result. The checkpoint seeds follow docs/checkpoint_format.md
 byte for byte, checksums included, so the fuzzer starts from files the reader accepts."""
 
@@ -28,8 +29,8 @@ def hex32(v):
     return "0x%08x" % v
 
 
-def write_corpus(harness, inputs):
-    d = os.path.join(ROOT, "corpus", harness)
+def write_corpus(harness, inputs, kind="corpus"):
+    d = os.path.join(ROOT, kind, harness)
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d)
     for name, data in inputs.items():
@@ -113,8 +114,7 @@ write_corpus("shard_layout", {
                                  ("I32", 4), ("I16", 2), ("I8", 1), ("U8", 1), ("BOOL", 1)]]),
     "empty": shard_layout([]),
     "scalar": shard_layout([("s", "step", "I64", [], 8)]),
-    "bad_past_total": shard_layout(two_layers, total=16),
-    "bad_nbytes_vs_shape": shifted(shard_layout(two_layers), nbytes=64),
+    "bad_truncated_json": shard_layout(two_layers)[:70],
     "bad_dtype": shifted(shard_layout(two_layers), dtype="F8"),
     "bad_crc": shifted(shard_layout(two_layers), crc32c=1),
 })
@@ -198,3 +198,61 @@ write_corpus("checkpoint_reader", {
     "bad_manifest_crc": bundle(bad_crc),
     "bad_tensor_crc": bundle(flipped),
 })
+
+
+# --- Findings (docs/fuzzing.md, "Findings"): each input crashed its harness on the code of
+# 2026-11-22. Not part of the corpora, so a short CI run still explores past them.
+write_corpus("inject_spec", {
+    "worker_big": "kill:worker=99999999999:step=1",
+    "step_1e300": "kill:worker=1:step=1e300",
+    "secs_inf": "stop:worker=1:step=1:secs=inf",
+    "ms_nan": "slow:worker=0:ms=nan",
+}, kind="regressions")
+one = [("emb", "weight", "F32", [4, 2], 32)]
+write_corpus("shard_layout", {
+    "past_total": shard_layout(one, total=16),
+    "nbytes_gt_shape": shard_layout([("emb", "weight", "F32", [2], 32)]),
+    "offset_wrap": shifted(shard_layout(one), offset=(1 << 64) - 8, nbytes=16),
+    "negative_dim": shard_layout([("emb", "weight", "F32", [-1], 0)]),
+    "huge_shape": shard_layout([("emb", "weight", "F32", [1 << 40], 0)]),
+}, kind="regressions")
+
+
+def broken_checkpoint(mutate):
+    files = checkpoint(1, {0: [w0[0]]}, latest=False)
+    m = json.loads(files["step-00000001/manifest.json"])
+    mutate(m, files)
+    files["step-00000001/manifest.json"] = json.dumps(m).encode()
+    return bundle(files)
+
+
+def reshape(shape):
+    """Gives emb/weight another shape in the manifest and the safetensors header alike."""
+    def mutate(m, files):
+        p = "step-00000001/shard-w0.safetensors"
+        m["layers"]["emb"]["tensors"]["weight"]["shape"] = shape
+        blob = files[p]
+        hl = struct.unpack("<Q", blob[:8])[0]
+        h = json.loads(blob[8:8 + hl])
+        h["emb/weight"]["shape"] = shape
+        hs = json.dumps(h)
+        hs += " " * (-len(hs) % 8)
+        files[p] = struct.pack("<Q", len(hs)) + hs.encode() + blob[8 + hl:]
+        m["files"][p]["bytes"] = len(files[p])
+    return mutate
+
+
+def stray(name):
+    files = checkpoint(1, {0: w0})
+    files[name + "/manifest.json"] = b"{}"
+    return bundle(files)
+
+
+write_corpus("checkpoint_reader", {
+    "file_not_listed": broken_checkpoint(lambda m, f: m["files"].clear()),
+    "shape_1_vs_16_bytes": broken_checkpoint(reshape([1])),
+    "negative_dim": broken_checkpoint(reshape([-4])),
+    "huge_shape": broken_checkpoint(reshape([1 << 40])),
+    "step_dir_not_a_number": stray("step-x"),
+    "step_dir_out_of_range": stray("step-99999999999999999999"),
+}, kind="regressions")
