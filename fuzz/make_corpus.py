@@ -208,51 +208,51 @@ write_corpus("inject_spec", {
     "secs_inf": "stop:worker=1:step=1:secs=inf",
     "ms_nan": "slow:worker=0:ms=nan",
 }, kind="regressions")
-one = [("emb", "weight", "F32", [4, 2], 32)]
-write_corpus("shard_layout", {
-    "past_total": shard_layout(one, total=16),
-    "nbytes_gt_shape": shard_layout([("emb", "weight", "F32", [2], 32)]),
-    "offset_wrap": shifted(shard_layout(one), offset=(1 << 64) - 8, nbytes=16),
-    "negative_dim": shard_layout([("emb", "weight", "F32", [-1], 0)]),
-    "huge_shape": shard_layout([("emb", "weight", "F32", [1 << 40], 0)]),
+write_corpus("profile_json", {
+    "number_overflow": '{"version": 1, "job": {"devices_per_node": 1e400}}',
 }, kind="regressions")
 
 
-def broken_checkpoint(mutate):
-    files = checkpoint(1, {0: [w0[0]]}, latest=False)
-    m = json.loads(files["step-00000001/manifest.json"])
-    mutate(m, files)
-    files["step-00000001/manifest.json"] = json.dumps(m).encode()
-    return bundle(files)
+def layout1(total, shape, offset, nbytes):
+    """One F32 tensor a/t, as ShardLayout::toJson writes it; no shard bytes."""
+    return json.dumps({"total_bytes": total, "tensors": [
+        {"layer": "a", "name": "t", "dtype": "F32", "shape": shape, "offset": offset,
+         "nbytes": nbytes, "crc32c": 0}]}, separators=(",", ":"))
 
 
-def reshape(shape):
-    """Gives emb/weight another shape in the manifest and the safetensors header alike."""
-    def mutate(m, files):
-        p = "step-00000001/shard-w0.safetensors"
-        m["layers"]["emb"]["tensors"]["weight"]["shape"] = shape
-        blob = files[p]
-        hl = struct.unpack("<Q", blob[:8])[0]
-        h = json.loads(blob[8:8 + hl])
-        h["emb/weight"]["shape"] = shape
-        hs = json.dumps(h)
-        hs += " " * (-len(hs) % 8)
-        files[p] = struct.pack("<Q", len(hs)) + hs.encode() + blob[8 + hl:]
-        m["files"][p]["bytes"] = len(files[p])
-    return mutate
+write_corpus("shard_layout", {
+    "past_total": layout1(0, [0], 0, 8),
+    "extract_overflow": layout1(16, [1], 0, 16),
+    "offset_wrap": layout1(8, [2], (1 << 64) - 8, 16),
+    "negative_dim": layout1(0, [-1], 0, 0),
+    "huge_shape": layout1(0, [1 << 40], 0, 0),
+}, kind="regressions")
 
 
-def stray(name):
-    files = checkpoint(1, {0: w0})
-    files[name + "/manifest.json"] = b"{}"
-    return bundle(files)
+def compact(j):
+    return json.dumps(j, separators=(",", ":")).encode()
+
+
+def manifest1(files, tensors):
+    """Version 1 with one layer a in file f (checksums are not checked before the crash)."""
+    return b"@@ step-00000001/manifest.json\n" + compact(
+        {"format": "sinew-checkpoint", "format_version": 1, "step": 1, "files": files,
+         "layers": {"a": {"owner": 0, "file": "f", "digest": "0x0", "tensors": tensors}}})
+
+
+def shaped(shape, n):
+    """File f holds a/t with n bytes; manifest and header both give it `shape`."""
+    h = compact({"a/t": {"dtype": "F32", "shape": shape, "data_offsets": [0, n]}})
+    f = struct.pack("<Q", len(h)) + h + b"\0" * n
+    t = {"t": {"dtype": "F32", "shape": shape, "data_offsets": [0, n], "crc32c": "0x0"}}
+    return manifest1({"f": {"bytes": len(f), "crc32c": "0x0"}}, t) + b"\n@@ f\n" + f
 
 
 write_corpus("checkpoint_reader", {
-    "file_not_listed": broken_checkpoint(lambda m, f: m["files"].clear()),
-    "shape_1_vs_16_bytes": broken_checkpoint(reshape([1])),
-    "negative_dim": broken_checkpoint(reshape([-4])),
-    "huge_shape": broken_checkpoint(reshape([1 << 40])),
-    "step_dir_not_a_number": stray("step-x"),
-    "step_dir_out_of_range": stray("step-99999999999999999999"),
+    "step_dir_not_a_number": b"@@ step-x/manifest.json\n",
+    "step_dir_out_of_range": b"@@ step-99999999999999999999/manifest.json\n",
+    "file_not_listed": manifest1({}, {}) + b"\n@@ f\n",
+    "shape_smaller_than_bytes": shaped([1], 16),
+    "negative_dim": shaped([-1], 0),
+    "huge_shape": shaped([1 << 40], 0),
 }, kind="regressions")
