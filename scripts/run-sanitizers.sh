@@ -6,10 +6,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${SINEW_ASAN_BUILD_DIR:-build-asan}
 
-# Left out under the sanitizers; docs/fuzzing.md says why for each.
-EXCLUDED=(
+# Left out under the sanitizers; docs/fuzzing.md ("Left out under the sanitizers") says why
+# for each. runtime_job_test (whole jobs of examples/train_dp) is not even built:
+# SINEW_BUILD_EXAMPLES=OFF.
+EXCLUDED_TESTS=(
+  collectives_communicator_test
   install_consumer
-  runtime_job_test
+)
+EXCLUDED_CASES=(
+  SnapshotTest.MemoryStaysFlatOverAThousandCheckpointsWithReplication
 )
 
 launcher=()
@@ -17,12 +22,15 @@ if command -v ccache >/dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=cc
 # -O1 -g1: the sanitizers' usual optimization level, with line tables for the reports.
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
-  -DSINEW_SANITIZE=ON -DSINEW_BUILD_BENCHMARKS=OFF -DSINEW_INSTALL=OFF "${launcher[@]}"
+  -DSINEW_SANITIZE=ON -DSINEW_BUILD_BENCHMARKS=OFF -DSINEW_BUILD_EXAMPLES=OFF \
+  -DSINEW_INSTALL=OFF "${launcher[@]}"
 cmake --build "$BUILD_DIR" -j "${SINEW_JOBS:-$(nproc)}"
 
-# Each setting is explained in docs/fuzzing.md ("Sanitizer settings").
-export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0:abort_on_error=1:detect_odr_violation=0}
-export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+# ASan's defaults, leak checking included, hold for every test run here; UBSan prints the
+# stack of a report (each report aborts: -fno-sanitize-recover=undefined).
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1}
+# Test cases are left out with a negative GoogleTest filter, which every test binary reads.
+export GTEST_FILTER=-$(IFS=':'; echo "${EXCLUDED_CASES[*]}")
 
-exclude=$(IFS='|'; echo "^(${EXCLUDED[*]})\$")
+exclude=$(IFS='|'; echo "^(${EXCLUDED_TESTS[*]})\$")
 ctest --test-dir "$BUILD_DIR" --output-on-failure --timeout 900 -E "$exclude" "$@"
