@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer harnesses (clang, SINEW_BUILD_FUZZERS=ON, ./build-fuzz) and runs each
 # given harness (default: all) for the given seconds (default 60; 0 only builds) on a
-# scratch copy of its
-# seed corpus, so the committed corpus never grows. Prints one line per harness,
+# scratch copy of its seed corpus, so the committed corpus never grows. Prints one line per
+# harness,
 #   FUZZ <name> secs=<s> execs=<n> crashes=<k>
 # and exits non-zero if any harness crashed; the crashing inputs are kept in
 # build-fuzz/findings/<name>/ (docs/fuzzing.md says how to reproduce them).
