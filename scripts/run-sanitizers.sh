@@ -7,8 +7,7 @@ cd "$(dirname "$0")/.."
 BUILD_DIR=${SINEW_ASAN_BUILD_DIR:-build-asan}
 
 # Left out under the sanitizers; docs/fuzzing.md ("Left out under the sanitizers") says why
-# for each. runtime_job_test (whole jobs of examples/train_dp) is not even built:
-# SINEW_BUILD_EXAMPLES=OFF.
+# for each.
 EXCLUDED_TESTS=(
   checkpoint_multiproc_test
   collectives_communicator_test
@@ -23,8 +22,7 @@ if command -v ccache >/dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=cc
 # -O1 -g1: the sanitizers' usual optimization level, with line tables for the reports.
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
-  -DSINEW_SANITIZE=ON -DSINEW_BUILD_BENCHMARKS=OFF -DSINEW_BUILD_EXAMPLES=OFF \
-  -DSINEW_INSTALL=OFF "${launcher[@]}"
+  -DSINEW_SANITIZE=ON -DSINEW_BUILD_BENCHMARKS=OFF -DSINEW_INSTALL=OFF "${launcher[@]}"
 cmake --build "$BUILD_DIR" -j "${SINEW_JOBS:-$(nproc)}"
 
 # ASan's defaults, leak checking included, hold for every test run here; UBSan prints the
