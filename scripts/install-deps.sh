@@ -6,6 +6,7 @@ set -euo pipefail
 PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git python3
   clang-format
+  clang libfuzzer-14-dev
   libtorch-dev
   libopenmpi-dev openmpi-bin
   libboost-dev libboost-system-dev

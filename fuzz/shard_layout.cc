@@ -1,0 +1,84 @@
+// Fuzzes a shard layout as received from a peer (checkpoint/replica.cc). The layout decode
+// lives in ShardLayout::fromJson (checkpoint/shard.h); the replica service runs it on a
+// kBegin message, sizes a HostShard slot by total_bytes (bounded by maxShardBytes), writes
+// chunks into it and verifies it at kEnd; a ReplicaClient::get does the same with a
+// fetched copy, and restore then copies layers out with extractLayer. The harness does
+// these steps without sockets. Input: the layout JSON, a NUL byte, then the shard's bytes
+// (zero-filled or cut to total_bytes).
+//
+// extractLayer is called whether or not verify() passed: a peer computes the checksums of
+// whatever bytes it sends, so matching checksums prove nothing about the layout.
+// Properties: fromJson either throws sinew::Error or returns a layout that round-trips
+// through toJson; nothing else may escape, and extracted tensors have the layout's shapes.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "fuzz_check.h"
+#include "sinew/checkpoint/shard.h"
+#include "sinew/collectives/error.h"
+
+namespace {
+// The replica service's options_.maxShardBytes in this harness; larger shards are refused
+// before a slot is allocated.
+constexpr uint64_t kMaxShardBytes = uint64_t{1} << 20;
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  using namespace sinew::checkpoint;
+  const auto* begin = reinterpret_cast<const char*>(data);
+  const auto* nul = static_cast<const char*>(std::memchr(begin, '\0', size));
+  const std::string json(begin, nul ? nul : begin + size);
+  const uint8_t* bytes = nul ? data + (nul - begin) + 1 : data + size;
+  const size_t nbytes = static_cast<size_t>(data + size - bytes);
+
+  ShardLayout layout;
+  try {
+    layout = ShardLayout::fromJson(json);
+  } catch (const sinew::Error&) {
+    return 0;
+  }
+  ShardLayout again;
+  try {
+    again = ShardLayout::fromJson(layout.toJson());
+  } catch (const sinew::Error& e) {
+    SINEW_FUZZ_CHECK(false, "toJson output does not parse: %s", e.what());
+  }
+  SINEW_FUZZ_CHECK(again.sameShape(layout), "layout changed in a round trip: %s",
+                   layout.toJson().c_str());
+
+  if (layout.totalBytes > kMaxShardBytes) return 0;
+  try {
+    HostShard shard(layout.totalBytes, false);
+    shard.owner = 0;
+    shard.step = 1;
+    shard.layout = layout;
+    std::memcpy(shard.data(), bytes, std::min<uint64_t>(nbytes, layout.totalBytes));
+    shard.complete = true;
+    (void)shard.verify();
+    for (const auto& name : layout.layers()) {
+      (void)shard.verify({name});
+      (void)layout.layerDigest(name);
+      const RestoredLayer restored = shard.extractLayer(name);
+      for (const auto& t : layout.tensors) {
+        // A repeated tensor name keeps one tensor; ShardLayout::of never makes one.
+        if (t.layer != name ||
+            std::count_if(layout.tensors.begin(), layout.tensors.end(), [&](const TensorRecord& u) {
+              return u.layer == name && u.name == t.name;
+            }) != 1) {
+          continue;
+        }
+        auto x = restored.find(t.name);
+        SINEW_FUZZ_CHECK(x != restored.end(), "layer %s lacks tensor %s", name.c_str(),
+                         t.name.c_str());
+        SINEW_FUZZ_CHECK(x->second.sizes().vec() == t.shape, "layer %s tensor %s: shape differs",
+                         name.c_str(), t.name.c_str());
+      }
+    }
+  } catch (const sinew::Error&) {
+  }
+  return 0;
+}
