@@ -48,108 +48,9 @@ using sinew::detail::loadLe;
 
 }  // namespace
 
-namespace replica_wire {
-
-const char* requestName(uint8_t type) {
-  switch (static_cast<Type>(type)) {
-    case Type::kBegin:
-      return "begin";
-    case Type::kChunk:
-      return "chunk";
-    case Type::kEnd:
-      return "end";
-    case Type::kList:
-      return "list";
-    case Type::kGet:
-      return "get";
-    default:
-      return nullptr;
-  }
-}
-
-const char* answerName(uint8_t type) {
-  switch (static_cast<Type>(type)) {
-    case Type::kAck:
-      return "ack";
-    case Type::kListReply:
-      return "list reply";
-    case Type::kGetReply:
-      return "get reply";
-    case Type::kData:
-      return "data";
-    case Type::kError:
-      return "error";
-    default:
-      return nullptr;
-  }
-}
-
-std::vector<uint8_t> encodeShardId(int owner, int64_t step) {
-  std::vector<uint8_t> b;
-  appendLe(b, static_cast<uint32_t>(owner), 4);
-  appendLe(b, static_cast<uint64_t>(step), 8);
-  return b;
-}
-
-void decodeShardId(const std::vector<uint8_t>& payload, size_t size, int* owner, int64_t* step,
-                   const char* what) {
-  if (payload.size() < size || size != 12) {
-    SINEW_THROW(Corruption, "replica ", what, " message: ", payload.size(),
-                " bytes cannot hold an owner (i32) and a step (i64)");
-  }
-  *owner = static_cast<int32_t>(static_cast<uint32_t>(loadLe(payload.data(), 4)));
-  *step = static_cast<int64_t>(loadLe(payload.data() + 4, 8));
-  if (*owner < 0) SINEW_THROW(Corruption, "replica ", what, " message: owner ", *owner, " < 0");
-  if (*step < 0) SINEW_THROW(Corruption, "replica ", what, " message: step ", *step, " < 0");
-}
-
-BeginRequest decodeBegin(const std::vector<uint8_t>& payload, uint64_t maxShardBytes) {
-  BeginRequest r;
-  decodeShardId(payload, std::min<size_t>(payload.size(), 12), &r.owner, &r.step, "begin");
-  r.layout = ShardLayout::fromJson(std::string(payload.begin() + 12, payload.end()));
-  if (r.layout.totalBytes > maxShardBytes) {
-    SINEW_THROW(Corruption, "replica begin message: shard of ", r.layout.totalBytes,
-                " bytes is over the limit of ", maxShardBytes);
-  }
-  return r;
-}
-
-}  // namespace replica_wire
-
 namespace {
 
 using replica_wire::Type;
-
-transport::FrameRules serviceRules(uint64_t token, uint32_t maxChunk) {
-  transport::FrameRules r;
-  r.service = transport::Service::kReplica;
-  r.token = token;
-  r.typeName = &replica_wire::requestName;
-  r.maxPayloadBytes = std::max<uint32_t>(maxChunk, 16u << 20);
-  r.maxPayloadOf = [](uint8_t type) -> uint32_t {
-    switch (static_cast<Type>(type)) {
-      case Type::kChunk:
-        return UINT32_MAX;  // bounded by maxPayloadBytes
-      case Type::kBegin:
-        return 16u << 20;  // a layout's JSON
-      case Type::kEnd:
-      case Type::kList:
-        return 0;
-      default:
-        return 12;  // get: owner and step
-    }
-  };
-  return r;
-}
-
-transport::FrameRules clientRules(uint64_t token) {
-  transport::FrameRules r;
-  r.service = transport::Service::kReplica;
-  r.token = token;
-  r.typeName = &replica_wire::answerName;
-  r.maxPayloadBytes = 256u << 20;
-  return r;
-}
 
 constexpr size_t kServeChunkBytes = 4 << 20;
 
@@ -172,7 +73,7 @@ class ReplicaService::Impl {
     lo.host = options_.host;
     lo.port = options_.port;
     lo.maxConnections = options_.maxConnections;
-    lo.channel.rules = serviceRules(options_.token, options_.maxChunkBytes);
+    lo.channel.rules = replica_wire::serviceRules(options_.token, options_.maxChunkBytes);
     lo.channel.idleTimeout = options_.idleTimeout;
     lo.channel.frameTimeout = options_.frameTimeout;
     lo.channel.name = "sinew replica service " + std::to_string(self);
@@ -378,13 +279,9 @@ class ReplicaService::Impl::Session : public transport::ChannelHandler {
         return;
       }
       case Type::kList: {
-        json j = json::array();
-        for (const auto& s : service_->served()) {
-          j.push_back({{"owner", s->owner}, {"step", s->step}, {"layout", s->layout.toJson()}});
-        }
-        std::string text = j.dump();
-        channel.send(static_cast<uint8_t>(Type::kListReply), 0,
-                     std::vector<uint8_t>(text.begin(), text.end()));
+        std::vector<replica_wire::ShardEntry> shards;
+        for (const auto& s : service_->served()) shards.push_back({s->owner, s->step, s->layout});
+        channel.send(static_cast<uint8_t>(Type::kListReply), 0, replica_wire::encodeList(shards));
         return;
       }
       case Type::kGet: {
@@ -469,7 +366,7 @@ void ReplicaService::setOwnShards(
 class ReplicaClient::Conn {
  public:
   Conn(int peer, const std::string& address, const ReplicaClientOptions& options)
-      : conn_(clientRules(options.token),
+      : conn_(replica_wire::clientRules(options.token),
               "replica service of worker " + std::to_string(peer) + " at " + address) {
     if (options.token == 0) {
       SINEW_THROW(InvalidArgument, "ReplicaClientOptions::token is 0: pass the job token");
@@ -579,7 +476,7 @@ void ReplicaClient::put(const HostShard& shard) {
 
 std::vector<ReplicaInfo> ReplicaClient::list() {
   std::lock_guard<std::mutex> lock(mu_);
-  std::string payload =
+  std::vector<uint8_t> payload =
       talk([this] { conn_.reset(); }, peer_, address_, "listing replicas",
            [&] {
              transport::Connection& c = connection().get();
@@ -591,30 +488,11 @@ std::vector<ReplicaInfo> ReplicaClient::list() {
                SINEW_THROW(Corruption, c.name(), " answered list with a ",
                            replica_wire::answerName(h.type), " message");
              }
-             return text(c.readPayload(h, deadline));
+             return c.readPayload(h, deadline);
            });
   std::vector<ReplicaInfo> out;
-  try {
-    json j = json::parse(payload);
-    if (!j.is_array())
-      SINEW_THROW(Corruption, "replica list from worker ", peer_, " is not a list");
-    for (const auto& e : j) {
-      ReplicaInfo r;
-      const json& owner = e.at("owner");
-      const json& step = e.at("step");
-      if (!owner.is_number_integer() || owner.get<int64_t>() < 0 ||
-          owner.get<int64_t>() > INT32_MAX || !step.is_number_integer() ||
-          step.get<int64_t>() < 0) {
-        SINEW_THROW(Corruption, "replica list from worker ", peer_, ": bad owner ", owner.dump(),
-                    " or step ", step.dump());
-      }
-      r.owner = owner.get<int>();
-      r.step = step.get<int64_t>();
-      r.layout = ShardLayout::fromJson(e.at("layout").get<std::string>());
-      out.push_back(std::move(r));
-    }
-  } catch (const json::exception& e) {
-    SINEW_THROW(Corruption, "replica list from worker ", peer_, " does not parse: ", e.what());
+  for (auto& e : replica_wire::decodeList(payload, "worker " + std::to_string(peer_))) {
+    out.push_back({e.owner, e.step, std::move(e.layout)});
   }
   return out;
 }

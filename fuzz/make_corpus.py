@@ -200,6 +200,120 @@ write_corpus("checkpoint_reader", {
 })
 
 
+# --- The one transport (docs/transport.md) and each port's messages.
+TOKEN = 0x5157a3d2c0ffee01  # fuzz/frame_header.cc's kToken
+
+
+def frame(choice, service, type_, length, token=TOKEN, epoch=0, magic=0x46574E53, version=1,
+          flags=0, reserved=0):
+    return bytes([choice]) + struct.pack("<IBBBBIIQq", magic, version, service, type_, flags,
+                                         length, reserved, token, epoch)
+
+
+write_corpus("frame_header", {
+    "store_set": frame(0, 1, 1, 20),
+    "store_answer_ok": frame(1, 1, 0x81, 9),
+    "coordinator_hello": frame(2, 2, 1, 40, epoch=3),
+    "coordinator_epoch": frame(3, 2, 7, 200, epoch=4),
+    "replica_begin": frame(4, 3, 1, 300),
+    "replica_chunk": frame(4, 3, 2, 4 << 20),
+    "replica_get_reply": frame(5, 3, 8, 120),
+    "bad_magic": frame(0, 1, 1, 20, magic=0x54534E53),
+    "bad_version": frame(0, 1, 1, 20, version=2),
+    "bad_service": frame(0, 2, 1, 20),
+    "bad_token": frame(2, 2, 1, 20, token=TOKEN ^ 1),
+    "bad_type": frame(4, 3, 9, 0),
+    "bad_flags": frame(0, 1, 1, 0, flags=1),
+    "bad_reserved": frame(0, 1, 1, 0, reserved=7),
+    "bad_length": frame(2, 2, 1, 0xFFFFFFFF),
+    "bad_length_of_type": frame(4, 3, 3, 1),
+    "short": frame(0, 1, 1, 0)[:17],
+})
+
+
+def sbytes(b):
+    if isinstance(b, str):
+        b = b.encode()
+    return struct.pack("<I", len(b)) + b
+
+
+def keys(ks):
+    return struct.pack("<I", len(ks)) + b"".join(sbytes(k) for k in ks)
+
+
+write_corpus("store_message", {
+    "set": bytes([1]) + sbytes("epoch/3/gloo/0") + sbytes(b"127.0.0.1:4242"),
+    "get": bytes([2]) + struct.pack("<q", 30000) + sbytes("k"),
+    "add": bytes([3]) + sbytes("counter") + struct.pack("<q", -5),
+    "compare_set": bytes([4]) + sbytes("k") + sbytes(b"") + sbytes(b"v"),
+    "wait": bytes([5]) + struct.pack("<q", 100) + keys(["a", "b/c"]),
+    "check": bytes([6]) + keys(["a"]),
+    "delete": bytes([7]) + sbytes("k"),
+    "answer_bytes": bytes([0x81]) + sbytes(b"value"),
+    "answer_i64": bytes([0x81]) + struct.pack("<q", 7),
+    "bad_negative_timeout": bytes([2]) + struct.pack("<q", -1) + sbytes("k"),
+    "bad_trailing": bytes([7]) + sbytes("k") + b"x",
+    "bad_length": bytes([1]) + struct.pack("<I", 0xFFFFFFF0) + b"k",
+    "bad_type": bytes([9]) + sbytes("k"),
+})
+
+
+def body(type_, j):
+    return bytes([type_]) + json.dumps(j, separators=(",", ":")).encode()
+
+
+write_corpus("coordinator_message", {
+    "hello": body(1, {"worker": 2, "node": "n2", "pid": 4242}),
+    "hello_join": body(1, {"worker": -1, "node": "joiner-1"}),
+    "welcome": body(2, {"worker": 2, "store_host": "127.0.0.1", "store_port": 5000,
+                        "heartbeat_ms": 100, "dead_after_ms": 3000}),
+    "heartbeat": body(3, {"step": 17}),
+    "lost": body(4, {"worker": 1}),
+    "vote": body(5, {"step": 18}),
+    "commit": body(6, {"step": 18, "next_epoch": True}),
+    "epoch": body(7, {"epoch": 2, "members": [0, 2, 3], "resume_step": 18, "source": 0,
+                      "joined": [3], "sync": True}),
+    "done": body(8, {"step": 40}),
+    "expelled": body(9, {"reason": "missed heartbeats"}),
+    "rebuild": body(10, {}),
+    "ready": body(11, {"resume_step": 18}),
+    "leave": body(12, {"step": 20}),
+    "released": body(13, {"step": 20, "reason": "drained"}),
+    "bad_worker_overflow": body(1, {"worker": 2147483647, "node": "n"}),
+    "bad_unsigned": body(5, {"step": 18446744073709551615}),
+    "bad_float": body(3, {"step": 1.5}),
+    "bad_members": body(7, {"epoch": 2, "members": [0, -1], "resume_step": 0, "source": 0,
+                            "joined": [], "sync": False}),
+    "bad_not_object": body(3, [1]),
+    "bad_json": bytes([3]) + b'{"step":',
+})
+
+
+def layout_json(tensors, total):
+    return json.dumps({"total_bytes": total, "tensors": tensors}, separators=(",", ":"))
+
+
+lay = layout_json([
+    {"layer": "fc1", "name": "weight", "dtype": "F32", "shape": [2, 2], "offset": 0,
+     "nbytes": 16, "crc32c": 0},
+    {"layer": "fc1", "name": "exp_avg", "dtype": "F32", "shape": [2, 2], "offset": 64,
+     "nbytes": 16, "crc32c": 0}], 80)
+sid = struct.pack("<iq", 1, 12)
+write_corpus("replica_message", {
+    "begin": bytes([0]) + sid + lay.encode(),
+    "begin_empty": bytes([0]) + sid + layout_json([], 0).encode(),
+    "get": bytes([1]) + sid,
+    "list": bytes([2]) + json.dumps([{"owner": 1, "step": 12, "layout": lay}]).encode(),
+    "list_empty": bytes([2]) + b"[]",
+    "bad_begin_owner": bytes([0]) + struct.pack("<iq", -1, 12) + lay.encode(),
+    "bad_begin_short": bytes([0]) + sid[:7],
+    "bad_get_step": bytes([1]) + struct.pack("<iq", 1, -3),
+    "bad_list_owner": bytes([2]) + json.dumps([{"owner": 1 << 40, "step": 1,
+                                                "layout": lay}]).encode(),
+    "bad_list_layout": bytes([2]) + json.dumps([{"owner": 1, "step": 1, "layout": 5}]).encode(),
+})
+
+
 # --- Findings (docs/fuzzing.md, "Findings"): each input crashed its harness on the code of
 # 2026-11-22. Not part of the corpora, so a short CI run still explores past them.
 write_corpus("inject_spec", {

@@ -165,7 +165,8 @@ Profile parseProfileJson(const std::string& text) {
   json root;
   try {
     root = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {
+    // parse_error, and out_of_range for a number beyond double (1e400).
     SINEW_THROW(InvalidArgument, "profile: malformed JSON: ", e.what());
   }
   requireObject(root, "the document");

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "sinew/checkpoint/shard.h"
+#include "sinew/collectives/transport/frame.h"
 
 namespace sinew {
 namespace checkpoint {
@@ -28,20 +29,32 @@ enum class Type : uint8_t {
 const char* requestName(uint8_t type);  // types a client sends; null for others
 const char* answerName(uint8_t type);   // types the service sends; null for others
 
+// Frame rules of the service (chunks up to maxChunk bytes) and of a client.
+collectives::transport::FrameRules serviceRules(uint64_t token, uint32_t maxChunk);
+collectives::transport::FrameRules clientRules(uint64_t token);
+
 std::vector<uint8_t> encodeShardId(int owner, int64_t step);
 // Decodes the first `size` (12) bytes of payload as owner and step (both >= 0). Throws
 // Corruption naming `what`.
 void decodeShardId(const std::vector<uint8_t>& payload, size_t size, int* owner, int64_t* step,
                    const char* what);
 
-struct BeginRequest {
+// One shard: a begin message's fields and an entry of a list reply.
+struct ShardEntry {
   int owner = -1;
   int64_t step = -1;
   ShardLayout layout;
 };
+using BeginRequest = ShardEntry;
 // Decodes a begin payload; the layout is checked by ShardLayout::fromJson and against
 // maxShardBytes. Throws Corruption.
 BeginRequest decodeBegin(const std::vector<uint8_t>& payload, uint64_t maxShardBytes);
+
+// A list reply: the JSON array [{owner, step, layout}] of the shards a service holds.
+std::vector<uint8_t> encodeList(const std::vector<ShardEntry>& shards);
+// Decodes a list reply from `from` (named in errors): owners in [0, 2^31), steps >= 0, each
+// layout checked by ShardLayout::fromJson. Throws Corruption.
+std::vector<ShardEntry> decodeList(const std::vector<uint8_t>& payload, const std::string& from);
 
 }  // namespace replica_wire
 }  // namespace checkpoint

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "sinew/collectives/transport/frame.h"
+
 namespace sinew {
 namespace collectives {
 namespace store_wire {
@@ -28,6 +30,10 @@ enum class Answer : uint8_t { kOk = 0x81, kTimeout = 0x82, kInvalid = 0x83 };
 
 const char* requestName(uint8_t type);  // null if not a request type
 const char* answerName(uint8_t type);   // null if not an answer type
+
+// Frame rules of the server (requests up to maxBytes) and of a client (answers).
+transport::FrameRules requestRules(uint64_t token, uint32_t maxBytes);
+transport::FrameRules answerRules(uint64_t token);
 
 struct Request {
   Op op = Op::kSet;

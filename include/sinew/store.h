@@ -84,9 +84,9 @@ struct TcpStoreOptions {
 };
 
 // A client of the TCP store served at host:port (docs/store_protocol.md), e.g. the
-// coordinator's, under options.token (InvalidArgument when 0). Does not connect yet: the first request does, retrying until
-// connectTimeout. Every method throws Timeout when the server does not answer by the
-// deadline and IoError when the connection breaks; the next call reconnects.
+// coordinator's, under options.token (InvalidArgument when 0). Does not connect yet: the first
+// request does, retrying until connectTimeout. Every method throws Timeout when the server does not
+// answer by the deadline and IoError when the connection breaks; the next call reconnects.
 std::shared_ptr<Store> connectTcpStore(const std::string& host, uint16_t port,
                                        const TcpStoreOptions& options = TcpStoreOptions());
 

@@ -1,0 +1,167 @@
+// The replica service's message payloads (checkpoint/detail/replica_wire.h,
+// docs/checkpoint_format.md "Replication protocol").
+#include "sinew/checkpoint/detail/replica_wire.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+
+#include "sinew/collectives/detail/little_endian.h"
+#include "sinew/collectives/error.h"
+
+namespace sinew {
+namespace checkpoint {
+
+namespace replica_wire {
+
+using sinew::detail::appendLe;
+using sinew::detail::loadLe;
+namespace transport = collectives::transport;
+
+const char* requestName(uint8_t type) {
+  switch (static_cast<Type>(type)) {
+    case Type::kBegin:
+      return "begin";
+    case Type::kChunk:
+      return "chunk";
+    case Type::kEnd:
+      return "end";
+    case Type::kList:
+      return "list";
+    case Type::kGet:
+      return "get";
+    default:
+      return nullptr;
+  }
+}
+
+const char* answerName(uint8_t type) {
+  switch (static_cast<Type>(type)) {
+    case Type::kAck:
+      return "ack";
+    case Type::kListReply:
+      return "list reply";
+    case Type::kGetReply:
+      return "get reply";
+    case Type::kData:
+      return "data";
+    case Type::kError:
+      return "error";
+    default:
+      return nullptr;
+  }
+}
+
+std::vector<uint8_t> encodeShardId(int owner, int64_t step) {
+  std::vector<uint8_t> b;
+  appendLe(b, static_cast<uint32_t>(owner), 4);
+  appendLe(b, static_cast<uint64_t>(step), 8);
+  return b;
+}
+
+void decodeShardId(const std::vector<uint8_t>& payload, size_t size, int* owner, int64_t* step,
+                   const char* what) {
+  if (payload.size() < size || size != 12) {
+    SINEW_THROW(Corruption, "replica ", what, " message: ", payload.size(),
+                " bytes cannot hold an owner (i32) and a step (i64)");
+  }
+  *owner = static_cast<int32_t>(static_cast<uint32_t>(loadLe(payload.data(), 4)));
+  *step = static_cast<int64_t>(loadLe(payload.data() + 4, 8));
+  if (*owner < 0) SINEW_THROW(Corruption, "replica ", what, " message: owner ", *owner, " < 0");
+  if (*step < 0) SINEW_THROW(Corruption, "replica ", what, " message: step ", *step, " < 0");
+}
+
+BeginRequest decodeBegin(const std::vector<uint8_t>& payload, uint64_t maxShardBytes) {
+  BeginRequest r;
+  decodeShardId(payload, std::min<size_t>(payload.size(), 12), &r.owner, &r.step, "begin");
+  r.layout = ShardLayout::fromJson(std::string(payload.begin() + 12, payload.end()));
+  if (r.layout.totalBytes > maxShardBytes) {
+    SINEW_THROW(Corruption, "replica begin message: shard of ", r.layout.totalBytes,
+                " bytes is over the limit of ", maxShardBytes);
+  }
+  return r;
+}
+
+transport::FrameRules serviceRules(uint64_t token, uint32_t maxChunk) {
+  transport::FrameRules r;
+  r.service = transport::Service::kReplica;
+  r.token = token;
+  r.typeName = &requestName;
+  r.maxPayloadBytes = std::max<uint32_t>(maxChunk, 16u << 20);
+  r.maxPayloadOf = [](uint8_t type) -> uint32_t {
+    switch (static_cast<Type>(type)) {
+      case Type::kChunk:
+        return UINT32_MAX;  // bounded by maxPayloadBytes
+      case Type::kBegin:
+        return 16u << 20;  // a layout's JSON
+      case Type::kEnd:
+      case Type::kList:
+        return 0;
+      default:
+        return 12;  // get: owner and step
+    }
+  };
+  return r;
+}
+
+transport::FrameRules clientRules(uint64_t token) {
+  transport::FrameRules r;
+  r.service = transport::Service::kReplica;
+  r.token = token;
+  r.typeName = &answerName;
+  r.maxPayloadBytes = 256u << 20;
+  return r;
+}
+
+std::vector<uint8_t> encodeList(const std::vector<ShardEntry>& shards) {
+  nlohmann::json j = nlohmann::json::array();
+  for (const auto& s : shards) {
+    j.push_back({{"owner", s.owner}, {"step", s.step}, {"layout", s.layout.toJson()}});
+  }
+  const std::string text = j.dump();
+  return std::vector<uint8_t>(text.begin(), text.end());
+}
+
+std::vector<ShardEntry> decodeList(const std::vector<uint8_t>& payload, const std::string& from) {
+  using nlohmann::json;
+  json j = json::parse(payload.begin(), payload.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) SINEW_THROW(Corruption, "replica list from ", from, " does not parse");
+  if (!j.is_array()) SINEW_THROW(Corruption, "replica list from ", from, " is not a JSON array");
+  std::vector<ShardEntry> out;
+  for (const auto& e : j) {
+    const auto field = [&](const char* name) -> const json& {
+      if (!e.is_object() || !e.contains(name)) {
+        SINEW_THROW(Corruption, "replica list from ", from, ": entry ", e.dump().substr(0, 80),
+                    " has no field '", name, "'");
+      }
+      return e.at(name);
+    };
+    const json& owner = field("owner");
+    const json& step = field("step");
+    const json& layout = field("layout");
+    if (!owner.is_number_integer() || owner.get<int64_t>() < 0 ||
+        owner.get<int64_t>() > INT32_MAX) {
+      SINEW_THROW(Corruption, "replica list from ", from, ": owner ", owner.dump().substr(0, 40),
+                  " is not an integer in [0, 2^31)");
+    }
+    if (!step.is_number_integer() || step.get<int64_t>() < 0) {
+      SINEW_THROW(Corruption, "replica list from ", from, ": step ", step.dump().substr(0, 40),
+                  " is not an integer >= 0");
+    }
+    if (!layout.is_string()) {
+      SINEW_THROW(Corruption, "replica list from ", from, ": layout of worker ",
+                  owner.get<int64_t>(), "'s shard is not a string");
+    }
+    ShardEntry s;
+    s.owner = static_cast<int>(owner.get<int64_t>());
+    s.step = step.get<int64_t>();
+    s.layout = ShardLayout::fromJson(layout.get<std::string>());
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+}  // namespace replica_wire
+
+}  // namespace checkpoint
+}  // namespace sinew
