@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "sinew/checkpoint/persist.h"
+#include "sinew/collectives/error.h"
 
 namespace sinew {
 

@@ -28,7 +28,7 @@
 #include <string>
 #include <vector>
 
-#include "sinew/collectives/error.h"
+#include "sinew/error.h"
 
 namespace sinew {
 

@@ -302,6 +302,7 @@ TEST(EngineTest, AFailedFlushReachesTheWaiterAsIoError) {
   a.persist.dir = b.persist.dir = dir;
   a.persist.env = b.persist.env = &env;
   a.flushEvery = b.flushEvery = 1;
+  a.token = b.token = sinew::testing::kTestToken;
   CheckpointEngine e0(state, a);
   CheckpointEngine e1(state, b);
   env.failAfter(0);
