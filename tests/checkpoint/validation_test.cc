@@ -512,7 +512,7 @@ TEST(PublicCheckpointReaderTest, ReadsTheExactTensorsAnEngineWrote) {
   a.persist.dir = b.persist.dir = dir;
   a.flushEvery = b.flushEvery = 2;
   a.token = b.token = 0x5157a3d2c0ffee02ull;  // Any job token: the engines only talk to each other.
-  a.snapshot.slots = b.snapshot.slots = 4;  // Room for the flushing and committed versions.
+  a.snapshot.slots = b.snapshot.slots = 4;    // Room for the flushing and committed versions.
   std::vector<ShardState> states = {makeState(3, 6, 1, "a."), makeState(2, 5, 2, "b.")};
   {
     CheckpointEngine e0(states[0], a);

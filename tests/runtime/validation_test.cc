@@ -13,8 +13,8 @@
 
 #include "sinew/collectives/detail/parse.h"
 #include "sinew/collectives/error.h"
-#include "sinew/runtime/failure_injection.h"
 #include "sinew/init.h"
+#include "sinew/runtime/failure_injection.h"
 
 namespace sinew {
 namespace runtime {
