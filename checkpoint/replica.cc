@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <future>
 
@@ -79,7 +80,14 @@ class ReplicaService::Impl {
     lo.channel.name = "sinew replica service " + std::to_string(self);
     listener_ = std::make_unique<transport::Listener>(io_, lo, [this] { return makeSession(); });
     port_ = listener_->port();
-    thread_ = std::thread([this] { io_.run(); });
+    thread_ = std::thread([this] {
+      transport::runIoThread(io_, [this](const std::string& what) {
+        std::fprintf(
+            stderr,
+            "sinew replica service %d: internal error in the io thread (it goes on serving): %s\n",
+            self_, what.c_str());
+      });
+    });
   }
 
   ~Impl() {

@@ -67,7 +67,11 @@ class TcpStoreServer::Impl {
     lo.channel.log = [this](const std::string& line) { log(line); };
     listener_ = std::make_unique<transport::Listener>(io_, lo, [this] { return makeSession(); });
     port_ = listener_->port();
-    thread_ = std::thread([this] { io_.run(); });
+    thread_ = std::thread([this] {
+      transport::runIoThread(io_, [this](const std::string& what) {
+        log("internal error in the io thread (it goes on serving): " + what);
+      });
+    });
   }
 
   void stop() {

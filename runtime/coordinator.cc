@@ -23,6 +23,7 @@
 #include "sinew/collectives/tcp_store.h"
 #include "sinew/collectives/transport/channel.h"
 #include "sinew/runtime/detail/wire.h"
+#include "sinew/runtime/event_log.h"
 
 namespace sinew {
 namespace runtime {
@@ -33,13 +34,7 @@ using boost::system::error_code;
 using Clock = std::chrono::steady_clock;
 using nlohmann::json;
 
-namespace {
-
-double wallSeconds() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
-}  // namespace
+namespace {}  // namespace
 
 class Coordinator::Impl {
  public:
@@ -63,7 +58,7 @@ class Coordinator::Impl {
                   " ms > 0");
     }
     if (!options_.eventLogPath.empty()) {
-      events_.open(options_.eventLogPath, std::ios::app);
+      events_.open(options_.eventLogPath, {{"source", "coordinator"}});
     }
     collectives::TcpStoreServerOptions so;
     so.host = options_.host;
@@ -91,7 +86,12 @@ class Coordinator::Impl {
       std::lock_guard<std::mutex> lock(mu_);
       if (epoch_ < 0 && !ready_.empty()) formFirstEpoch("start timeout");
     });
-    thread_ = std::thread([this] { io_.run(); });
+    thread_ = std::thread([this] {
+      collectives::transport::runIoThread(io_, [this](const std::string& what) {
+        log("internal error in the io thread (it goes on serving): " + what);
+        event({{"event", "internal_error"}, {"what", what}});
+      });
+    });
   }
 
   ~Impl() {
@@ -197,7 +197,7 @@ class Coordinator::Impl {
   bool stopped_ = false;
   int64_t dropped_ = 0;
   int64_t ignored_ = 0;
-  std::ofstream events_;
+  EventLog events_;
 };
 
 // One worker's connection: the channel reads and checks frames; this dispatches them under
@@ -632,13 +632,7 @@ void Coordinator::Impl::send(int worker, wire::Type type, const json& body) {
   it->second.session->write(type, epoch_, body);
 }
 
-void Coordinator::Impl::event(json e) {
-  if (!events_.is_open()) return;
-  e["time"] = wallSeconds();
-  e["source"] = "coordinator";
-  events_ << e.dump() << "\n";
-  events_.flush();
-}
+void Coordinator::Impl::event(json e) { events_.write(std::move(e)); }
 
 Coordinator::Coordinator(CoordinatorOptions options)
     : impl_(std::make_unique<Impl>(std::move(options))) {}

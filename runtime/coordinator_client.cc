@@ -71,7 +71,13 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
     json hello = {{"worker", options_.worker}, {"node", options_.node}, {"pid", ::getpid()}};
     queue(wire::Type::kHello, -1, hello);
     scheduleHeartbeat();
-    thread_ = std::thread([this] { io_.run(); });
+    thread_ = std::thread([this] {
+      // An exception out of a handler fails the client: the training thread, which waits on
+      // it, gets the message as the reason the coordinator connection is gone.
+      transport::runIoThread(io_, [this](const std::string& what) {
+        fail("internal error in the coordinator client's io thread: " + what);
+      });
+    });
     std::unique_lock<std::mutex> lock(mu_);
     if (!cv_.wait_for(lock, options_.connectTimeout, [&] { return welcomed_ || !gone_.empty(); })) {
       SINEW_THROW(Timeout, "coordinator at ", options_.host, ":", options_.port,

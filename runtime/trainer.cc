@@ -25,6 +25,7 @@
 #include "sinew/communicator.h"
 #include "sinew/pipeline/plan.h"
 #include "sinew/runtime/context_state.h"
+#include "sinew/runtime/event_log.h"
 
 namespace sinew {
 
@@ -56,10 +57,6 @@ std::string describe(const std::exception_ptr& e) {
   } catch (...) {
     return "unknown exception";
   }
-}
-
-double wallSeconds() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
 // The current epoch was superseded: this worker must recover into the next one.
@@ -211,7 +208,7 @@ class Trainer::Impl {
         path = std::string(dir) + "/worker-" + std::to_string(ctx_.worker()) + "-events.jsonl";
       }
     }
-    if (!path.empty()) events_.open(path, std::ios::app);
+    if (!path.empty()) events_.open(path, {{"worker", ctx_.worker()}});
   }
 
   ~Impl() {
@@ -720,14 +717,7 @@ class Trainer::Impl {
   }
 
   // Called by the training and the flush thread.
-  void event(nlohmann::json e) {
-    std::lock_guard<std::mutex> lock(eventMu_);
-    if (!events_.is_open()) return;
-    e["time"] = wallSeconds();
-    e["worker"] = ctx_.worker();
-    events_ << e.dump() << "\n";
-    events_.flush();
-  }
+  void event(nlohmann::json e) { events_.write(std::move(e)); }
 
   static constexpr std::chrono::milliseconds kNudge{3000};
 
@@ -752,8 +742,7 @@ class Trainer::Impl {
   double recoveryMax_ = 0;
   Clock::time_point lastReport_;
   int64_t stepsSinceReport_ = 0;
-  std::mutex eventMu_;
-  std::ofstream events_;  // Guarded by eventMu_.
+  runtime::EventLog events_;
   int64_t startStep_ = 0;
   bool leaveSent_ = false;
   int64_t lastSnapshot_ = -1;

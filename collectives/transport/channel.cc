@@ -23,6 +23,19 @@ void setCloseOnExec(int fd) {
   if (flags >= 0) ::fcntl(fd, F_SETFD, flags | FD_CLOEXEC);
 }
 
+void runIoThread(asio::io_context& io, const std::function<void(const std::string&)>& onError) {
+  for (;;) {
+    try {
+      io.run();
+      return;
+    } catch (const std::exception& e) {
+      onError(e.what());
+    } catch (...) {
+      onError("an exception that is not a std::exception");
+    }
+  }
+}
+
 namespace {
 
 std::string endpointName(const tcp::socket& s) {
@@ -91,7 +104,7 @@ void Channel::readHeader() {
       h_ = parseFrameHeader(header_.data(), options_.rules);
       auto handler = handler_;  // Stays alive even if the handler closes the channel.
       sink_ = h_.length > 0 ? handler->payloadSink(*this, h_) : nullptr;
-    } catch (const Error& e) {
+    } catch (const std::exception& e) {  // Corruption from the header; anything from a sink.
       return finish(CloseReason::kViolation, e.what());
     }
     if (!sink_) payload_.assign(h_.length, 0);  // The header, token included, was checked.
@@ -125,9 +138,6 @@ void Channel::readPayload() {
     auto handler = handler_;  // Stays alive even if the handler closes the channel.
     try {
       handler->onFrame(*this, h_, sink_ ? Bytes() : std::move(payload_));
-    } catch (const Error& e) {
-      return finish(CloseReason::kViolation,
-                    "bad " + frameName(options_.rules, h_.type) + " message: " + e.what());
     } catch (const std::exception& e) {
       return finish(CloseReason::kViolation,
                     "bad " + frameName(options_.rules, h_.type) + " message: " + e.what());

@@ -179,6 +179,14 @@ class Listener {
 // Sets FD_CLOEXEC on a descriptor (Asio does not for accepted sockets).
 void setCloseOnExec(int fd);
 
+// The body of a server's or client's io thread: io.run() until it runs out of work. An
+// exception that escapes a completion handler is a bug (handlers answer bad input by closing
+// the connection), but it must neither end the thread, leaving the port dead, nor reach
+// std::terminate: onError gets its message (to log it, or to fail the waiting caller), then
+// io.run() goes on.
+void runIoThread(boost::asio::io_context& io,
+                 const std::function<void(const std::string&)>& onError);
+
 }  // namespace transport
 }  // namespace collectives
 }  // namespace sinew

@@ -10,6 +10,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <fstream>
 #include <functional>
 #include <future>
 #include <mutex>
@@ -19,6 +21,7 @@
 #include "sinew/runtime/coordinator.h"
 #include "sinew/runtime/coordinator_client.h"
 #include "sinew/runtime/detail/wire.h"
+#include "sinew/runtime/event_log.h"
 #include "sinew/runtime/failure_injection.h"
 
 namespace sinew {
@@ -418,6 +421,54 @@ TEST(FailureInjectionTest, MuteFiresOnceAtItsStepAndPhase) {
   EXPECT_TRUE(coord.status().dead.empty());
   inj.fire(0, 3, Phase::kReduce, a.get());
   EXPECT_TRUE(eventually([&] { return coord.status().dead == std::vector<int>{0}; }, 3s));
+}
+
+// The one event-log writer of the coordinator and the workers.
+TEST(EventLogTest, LinesAreWholeStampedAndAppendedFromManyThreads) {
+  char dir[] = "/tmp/sinew-eventlog-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir), nullptr);
+  const std::string path = std::string(dir) + "/events.jsonl";
+  {
+    EventLog before;
+    before.open(path, {{"source", "earlier run"}});
+    before.write({{"event", "first"}});
+  }
+  EventLog log;
+  log.write({{"event", "dropped: not open yet"}});
+  log.open(path, {{"worker", 7}});
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 200; ++i) log.write({{"event", "e"}, {"thread", t}, {"i", i}});
+    });
+  }
+  for (auto& t : threads) t.join();
+  log.write({{"event", "bad utf-8"}, {"what", std::string("\xff\xfe")}});
+  std::ifstream in(path);
+  std::string line;
+  int lines = 0, stamped = 0;
+  while (std::getline(in, line)) {
+    json j = json::parse(line);  // Every line is one whole object.
+    ASSERT_TRUE(j.contains("time")) << line;
+    if (lines == 0) EXPECT_EQ(j["source"], "earlier run");  // Appended, not truncated.
+    if (j.value("worker", -1) == 7) stamped++;
+    lines++;
+  }
+  EXPECT_EQ(lines, 1 + 4 * 200 + 1);
+  EXPECT_EQ(stamped, 4 * 200 + 1);
+  std::remove(path.c_str());
+  ::rmdir(dir);
+}
+
+TEST(EventLogTest, AnUnopenableFileIsAnIoErrorNamingIt) {
+  EventLog log;
+  try {
+    log.open("/nonexistent-sinew-dir/events.jsonl", {});
+    FAIL() << "opened a file in a folder that does not exist";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("/nonexistent-sinew-dir/events.jsonl"), std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace

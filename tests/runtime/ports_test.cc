@@ -6,6 +6,9 @@
 
 #include <gtest/gtest.h>
 
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/post.hpp>
+
 #include <atomic>
 #include <chrono>
 #include <fstream>
@@ -18,6 +21,7 @@
 #include "../support.h"
 #include "sinew/checkpoint/replica.h"
 #include "sinew/collectives/tcp_store.h"
+#include "sinew/collectives/transport/channel.h"
 #include "sinew/runtime/coordinator.h"
 #include "sinew/runtime/coordinator_client.h"
 
@@ -251,6 +255,28 @@ TEST_P(PortTest, HundredIdleConnectionsAreCappedAndTimedOut) {
   const int64_t grown = rssBytes() - before;
   EXPECT_LT(grown, 16 << 20) << "100 idle connections grew the server by " << grown << " bytes";
   port_.stillServes();
+}
+
+// The io thread of every port runs transport::runIoThread: an exception out of a handler (a
+// bug) is reported, and the thread goes on running the handlers after it instead of ending
+// the process through std::terminate or leaving the port dead.
+TEST(IoThreadTest, AnExceptionOutOfAHandlerIsReportedAndTheThreadGoesOn) {
+  boost::asio::io_context io;
+  std::vector<std::string> errors;
+  int ran = 0;
+  boost::asio::post(io, [&] { ran++; });
+  boost::asio::post(io, [] { throw std::runtime_error("handler bug one"); });
+  boost::asio::post(io, [&] { ran++; });
+  boost::asio::post(io, [] { throw 42; });
+  boost::asio::post(io, [&] { ran++; });
+  std::thread t([&] {
+    collectives::transport::runIoThread(io, [&](const std::string& e) { errors.push_back(e); });
+  });
+  t.join();
+  EXPECT_EQ(ran, 3);
+  ASSERT_EQ(errors.size(), 2u);
+  EXPECT_EQ(errors[0], "handler bug one");
+  EXPECT_NE(errors[1].find("not a std::exception"), std::string::npos) << errors[1];
 }
 
 INSTANTIATE_TEST_SUITE_P(Ports, PortTest, ::testing::Values("store", "coordinator", "replica"),
