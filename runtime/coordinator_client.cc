@@ -132,9 +132,26 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
     std::lock_guard<std::mutex> lock(mu_);
     mutedUntil_ = Clock::now() + d;
   }
+  // Once this returns, the previous listener is not running and is never called again (a
+  // trainer clears its listener before it is destroyed). The io thread may call it, e.g.
+  // from inside the listener, without waiting for itself.
   void setListener(std::function<void(int64_t)> l) {
+    std::unique_lock<std::mutex> calling(listenerMu_, std::defer_lock);
+    if (std::this_thread::get_id() != thread_.get_id()) calling.lock();
     std::lock_guard<std::mutex> lock(mu_);
     listener_ = std::move(l);
+  }
+
+  // On the io thread: calls the current listener, holding listenerMu_ so that setListener
+  // waits for the call to end.
+  void callListener(int64_t epoch) {
+    std::lock_guard<std::mutex> calling(listenerMu_);
+    std::function<void(int64_t)> listener;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      listener = listener_;
+    }
+    if (listener) listener(epoch);
   }
 
   // transport::ChannelHandler, on the io thread.
@@ -186,7 +203,6 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
   }
 
   void handle(wire::Type type, const json& body) {
-    std::function<void(int64_t)> listener;
     int64_t announce = -2;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -233,25 +249,22 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
           SINEW_THROW(Corruption, "unexpected ", wire::typeName(static_cast<uint8_t>(type)),
                       " message from the coordinator");
       }
-      listener = listener_;
     }
     cv_.notify_all();
-    if (listener && announce != -2) listener(announce);
+    if (announce != -2) callListener(announce);
   }
 
   void fail(const std::string& why) {
     if (stopping_) return;
-    std::function<void(int64_t)> listener;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (gone_.empty()) gone_ = why;
       closed_ = true;
-      listener = listener_;
     }
     heartbeat_.cancel();
     if (channel_) channel_->close();
     cv_.notify_all();
-    if (listener) listener(-1);
+    callListener(-1);
   }
 
   asio::io_context io_;
@@ -274,7 +287,8 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
   int64_t reshapeAfter_ = -1;
   std::chrono::milliseconds heartbeatInterval_{100};
   Clock::time_point mutedUntil_{};
-  std::function<void(int64_t)> listener_;
+  std::function<void(int64_t)> listener_;  // Guarded by mu_; called under listenerMu_.
+  std::mutex listenerMu_;                  // Held while the listener runs.
 };
 
 CoordinatorClient::CoordinatorClient(CoordinatorClientOptions options)

@@ -10,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -203,6 +204,39 @@ TEST(CoordinatorTest, PreemptedWorkerIsReleasedAtTheNextStepBoundary) {
   EXPECT_THROW(a->waitEpochAfter(1, 5s), Released);
   EXPECT_TRUE(coord.waitFinished(5s));
   EXPECT_TRUE(coord.status().stopped);
+}
+
+// A trainer clears its epoch listener before it is destroyed; the client's io thread may be
+// inside the listener at that moment (it calls it when a released or expelled message
+// arrives, just as the waiting trainer wakes up). Once setEpochListener(nullptr) returns, the
+// old listener must have finished and never run again: before, the io thread called a copy
+// made before the reset, and ASan saw the trainer's listener touch the destroyed trainer
+// (runtime_job_test, SigtermPreemptsOneWorker).
+TEST(CoordinatorTest, ClearingTheEpochListenerWaitsForACallInFlight) {
+  Coordinator coord(options(2, nullptr));
+  auto a = client(coord, 0);
+  auto b = client(coord, 1);
+  a->waitEpochAfter(-1, 5s);
+  std::atomic<bool> inside{false}, cleared{false}, calledAfterClear{false};
+  b->setEpochListener([&](int64_t epoch) {
+    if (cleared.load()) calledAfterClear = true;
+    if (epoch != -1) return;
+    inside = true;
+    std::this_thread::sleep_for(300ms);  // Still running when the owner wants it gone.
+    if (cleared.load()) calledAfterClear = true;
+    inside = false;
+  });
+  b->leave(0);
+  auto fa = std::async(std::launch::async, [&] { return a->vote(0, 0, 5s); });
+  b->vote(0, 0, 5s);
+  fa.get();
+  EXPECT_THROW(b->waitEpochAfter(0, 5s), Released);
+  ASSERT_TRUE(eventually([&] { return inside.load(); }, 2s)) << "released without a call";
+  b->setEpochListener(nullptr);
+  cleared = true;
+  EXPECT_FALSE(inside.load()) << "setEpochListener(nullptr) returned while the listener ran";
+  std::this_thread::sleep_for(400ms);
+  EXPECT_FALSE(calledAfterClear.load());
 }
 
 TEST(CoordinatorTest, JobFinishesWhenEveryMemberIsDone) {
