@@ -245,6 +245,7 @@ class ReplicaService::Impl::Session : public transport::ChannelHandler {
     }
     if (incomingError_.empty()) incomingError_ = "chunk outside the announced shard";
     incoming_.reset();
+    verify_.reset();
     return nullptr;  // Read into a scratch buffer and dropped; refused at end.
   }
 
@@ -254,16 +255,24 @@ class ReplicaService::Impl::Session : public transport::ChannelHandler {
       case Type::kBegin: {
         if (incoming_) service_->abandon(incoming_);
         incoming_.reset();
+        verify_.reset();
         incomingError_.clear();
         nextOffset_ = 0;
         auto r = replica_wire::decodeBegin(payload, service_->options_.maxShardBytes);
         incoming_ = service_->claimSlot(r.owner, r.step, r.layout);
-        if (!incoming_)
+        verify_.reset();
+        if (!incoming_) {
           incomingError_ = "no free replica slot for worker " + std::to_string(r.owner);
+        } else {
+          verify_ = std::make_unique<IncrementalVerify>(*incoming_);
+        }
         return;
       }
       case Type::kChunk:
-        if (incoming_) service_->service_->bytesReceived_.fetch_add(h.length);
+        if (incoming_) {
+          service_->service_->bytesReceived_.fetch_add(h.length);
+          verify_->advance(nextOffset_);  // Checksums this chunk while it is in cache.
+        }
         return;
       case Type::kEnd: {
         std::string result;
@@ -274,7 +283,7 @@ class ReplicaService::Impl::Session : public transport::ChannelHandler {
                    std::to_string(incoming_->layout.totalBytes) + " bytes";
           service_->abandon(incoming_);
         } else {
-          result = incoming_->verify();
+          result = verify_->result();  // What incoming_->verify() says, without a re-read.
           if (result.empty()) {
             service_->markComplete(incoming_);
           } else {
@@ -282,6 +291,7 @@ class ReplicaService::Impl::Session : public transport::ChannelHandler {
           }
         }
         incoming_.reset();
+        verify_.reset();
         channel.send(static_cast<uint8_t>(Type::kAck), 0,
                      std::vector<uint8_t>(result.begin(), result.end()));
         return;
@@ -329,11 +339,13 @@ class ReplicaService::Impl::Session : public transport::ChannelHandler {
     }
     if (incoming_) service_->abandon(incoming_);
     incoming_.reset();
+    verify_.reset();
   }
 
  private:
   Impl* const service_;  // Outlives its sessions: ~Impl closes them and joins the io thread.
   std::shared_ptr<HostShard> incoming_;
+  std::unique_ptr<IncrementalVerify> verify_;  // Of incoming_; reset with it.
   uint64_t nextOffset_ = 0;
   std::string incomingError_;
 };

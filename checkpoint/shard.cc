@@ -309,6 +309,52 @@ HostShard::HostShard(uint64_t capacity, bool pinned) : buffer_(nullptr, noFree) 
   std::memset(data_, 0, bytes);  // Fault every page in now: memory stays flat later.
 }
 
+namespace {
+
+std::string mismatch(const HostShard& shard, const TensorRecord& t, uint32_t actual) {
+  return "layer " + t.layer + " tensor " + t.name + " of worker " + std::to_string(shard.owner) +
+         "'s shard, version " + std::to_string(shard.step) + ": crc32c " + hex32(actual) +
+         " expected " + hex32(t.crc32c);
+}
+
+}  // namespace
+
+IncrementalVerify::IncrementalVerify(const HostShard& shard)
+    : shard_(shard), crc_(shard.layout.tensors.size(), 0), done_(shard.layout.tensors.size(), 0) {
+  const auto& tensors = shard.layout.tensors;
+  byOffset_.resize(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) byOffset_[i] = i;
+  std::stable_sort(byOffset_.begin(), byOffset_.end(),
+                   [&](size_t a, size_t b) { return tensors[a].offset < tensors[b].offset; });
+}
+
+void IncrementalVerify::advance(uint64_t receivedUpTo) {
+  received_ = std::max(received_, receivedUpTo);
+  const auto& tensors = shard_.layout.tensors;
+  for (size_t k = first_; k < byOffset_.size(); ++k) {
+    const size_t i = byOffset_[k];
+    const TensorRecord& t = tensors[i];
+    if (t.offset >= received_) break;  // This one and every later one start further on.
+    const uint64_t end = std::min(t.offset + t.nbytes, received_);
+    const uint64_t from = t.offset + done_[i];
+    if (end > from) {
+      crc_[i] = detail::crc32cExtend(crc_[i], shard_.data() + from, end - from);
+      done_[i] = end - t.offset;
+    }
+    if (k == first_ && done_[i] == t.nbytes) first_++;
+  }
+}
+
+std::string IncrementalVerify::result() const {
+  SINEW_ENFORCE(received_ >= shard_.layout.totalBytes, "IncrementalVerify::result after ",
+                received_, " of ", shard_.layout.totalBytes, " bytes");
+  for (size_t i = 0; i < shard_.layout.tensors.size(); ++i) {
+    const TensorRecord& t = shard_.layout.tensors[i];
+    if (crc_[i] != t.crc32c) return mismatch(shard_, t, crc_[i]);
+  }
+  return "";
+}
+
 std::string HostShard::verify(const std::vector<std::string>& layers) const {
   try {
     validateShardLayout(
@@ -322,11 +368,7 @@ std::string HostShard::verify(const std::vector<std::string>& layers) const {
       continue;
     }
     uint32_t actual = detail::crc32c(data_ + t.offset, t.nbytes);
-    if (actual != t.crc32c) {
-      return "layer " + t.layer + " tensor " + t.name + " of worker " + std::to_string(owner) +
-             "'s shard, version " + std::to_string(step) + ": crc32c " + hex32(actual) +
-             " expected " + hex32(t.crc32c);
-    }
+    if (actual != t.crc32c) return mismatch(*this, t, actual);
   }
   return "";
 }

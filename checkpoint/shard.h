@@ -129,6 +129,30 @@ class HostShard {
   uint64_t capacity_ = 0;
 };
 
+// Checks a shard's checksums while its bytes arrive in order, as a replica is received: the
+// crc32c of each tensor is extended as each chunk lands (the chunk is still in cache, and
+// the check overlaps the rest of the transfer instead of following it). result() then says
+// what shard.verify() would, without reading the shard again.
+class IncrementalVerify {
+ public:
+  // REQUIRES: shard.layout was validated against shard.capacity() (ShardLayout::fromJson and
+  // a slot of at least totalBytes); shard outlives this.
+  explicit IncrementalVerify(const HostShard& shard);
+  // The bytes [0, receivedUpTo) of the shard have arrived (non-decreasing calls).
+  void advance(uint64_t receivedUpTo);
+  // REQUIRES: advance(layout.totalBytes) was called. "" if every tensor matched, else
+  // verify()'s message for the first that did not (in layout order).
+  std::string result() const;
+
+ private:
+  const HostShard& shard_;
+  std::vector<size_t> byOffset_;  // Tensor indices in offset order.
+  std::vector<uint32_t> crc_;     // Running crc32c of each tensor, by layout index.
+  std::vector<uint64_t> done_;    // Bytes of each tensor hashed so far.
+  size_t first_ = 0;              // byOffset_ position of the first unfinished tensor.
+  uint64_t received_ = 0;
+};
+
 std::string hex32(uint32_t v);  // "0x1f2e3d4c"
 
 }  // namespace checkpoint

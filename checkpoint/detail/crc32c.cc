@@ -34,6 +34,45 @@ const Tables& tables() {
 }
 
 #if defined(__x86_64__)
+// Three interleaved streams of kStride bytes each: the crc32 instruction has a latency of 3
+// cycles and a throughput of 1 per cycle, so one stream runs at a third of the speed the
+// instruction allows. The streams' registers are joined with the linear map "append kStride
+// zero bytes" (shift below), as Intel's white paper on fast CRC32C describes.
+constexpr size_t kStride = 4096;
+
+// The CRC register update is linear over GF(2): the register after data A||B from start r
+// equals zeros(|B|)(register after A from r) xor (register after B from 0), where zeros(n)
+// is the update over n zero bytes. shift applies zeros(kStride) with one table per byte.
+struct Shift {
+  std::array<std::array<uint32_t, 256>, 4> t;
+  Shift() {
+    const auto& t0 = tables().t[0];
+    uint32_t column[32];
+    for (int bit = 0; bit < 32; ++bit) {
+      uint32_t c = uint32_t{1} << bit;
+      for (size_t i = 0; i < kStride; ++i) c = (c >> 8) ^ t0[c & 0xFF];
+      column[bit] = c;
+    }
+    for (int k = 0; k < 4; ++k) {
+      for (uint32_t b = 0; b < 256; ++b) {
+        uint32_t v = 0;
+        for (int bit = 0; bit < 8; ++bit) {
+          if (b & (1u << bit)) v ^= column[8 * k + bit];
+        }
+        t[k][b] = v;
+      }
+    }
+  }
+  uint32_t operator()(uint32_t c) const {
+    return t[0][c & 0xFF] ^ t[1][(c >> 8) & 0xFF] ^ t[2][(c >> 16) & 0xFF] ^ t[3][c >> 24];
+  }
+};
+
+const Shift& shift() {
+  static const Shift kShift;
+  return kShift;
+}
+
 __attribute__((target("sse4.2"))) uint32_t crc32cSse42(uint32_t crc, const void* data, size_t n) {
   const auto* p = static_cast<const uint8_t*>(data);
   uint64_t c = ~crc;
@@ -41,8 +80,24 @@ __attribute__((target("sse4.2"))) uint32_t crc32cSse42(uint32_t crc, const void*
     c = _mm_crc32_u8(static_cast<uint32_t>(c), *p++);
     --n;
   }
-  // Three independent streams would hide the instruction's latency; one is ~8 GB/s on
-  // current cores, which is enough next to memcpy for checkpoint sizes.
+  if (n >= 3 * kStride) {
+    const Shift& sh = shift();
+    while (n >= 3 * kStride) {
+      uint64_t c1 = 0, c2 = 0;
+      for (size_t i = 0; i < kStride; i += 8) {
+        uint64_t v0, v1, v2;
+        std::memcpy(&v0, p + i, 8);
+        std::memcpy(&v1, p + kStride + i, 8);
+        std::memcpy(&v2, p + 2 * kStride + i, 8);
+        c = _mm_crc32_u64(c, v0);
+        c1 = _mm_crc32_u64(c1, v1);
+        c2 = _mm_crc32_u64(c2, v2);
+      }
+      c = sh(sh(static_cast<uint32_t>(c)) ^ static_cast<uint32_t>(c1)) ^ static_cast<uint32_t>(c2);
+      p += 3 * kStride;
+      n -= 3 * kStride;
+    }
+  }
   while (n >= 8) {
     uint64_t v;
     std::memcpy(&v, p, 8);

@@ -152,7 +152,8 @@ TEST(Crc32cTest, StandardVectorsAndImplementationsAgree) {
   std::vector<uint8_t> buf(100003);
   for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<uint8_t>(i * 131 + (i >> 7));
   for (size_t off : {0, 1, 3, 7}) {
-    for (size_t n : {0, 1, 5, 8, 9, 64, 1000, 99990}) {
+    // 12287..12289 and 24581 straddle the three 4096-byte streams of the SSE4.2 path.
+    for (size_t n : {0, 1, 5, 8, 9, 64, 1000, 12287, 12288, 12289, 24581, 99990}) {
       uint32_t a = detail::crc32c(buf.data() + off, n);
       EXPECT_EQ(a, detail::crc32cPortable(0, buf.data() + off, n)) << off << " " << n;
       // Extending in two pieces equals one pass.
@@ -638,6 +639,34 @@ TEST(PersistTest, IncrementalVersionsWriteOnlyChangedLayers) {
 }
 
 // ---------------------------------------------------------------------------------------
+
+// The replica service checks a shard's checksums chunk by chunk as it arrives
+// (IncrementalVerify), instead of re-reading the whole shard at the end: for any chunking,
+// intact or with one byte flipped, it must say exactly what verify() says.
+TEST(ReplicaTest, IncrementalVerifyAgreesWithVerifyForAnyChunking) {
+  auto shard = snap(allDtypeState(1), 0, 1);
+  auto& mutableShard = const_cast<HostShard&>(*shard);
+  const uint64_t total = shard->layout.totalBytes;
+  ASSERT_GT(shard->layout.tensors.size(), 3u);
+  auto incremental = [&](uint64_t chunk) {
+    IncrementalVerify v(*shard);
+    for (uint64_t off = 0; off < total;) {
+      off = std::min(total, off + chunk);
+      v.advance(off);
+    }
+    return v.result();
+  };
+  const std::vector<uint64_t> chunks = {1, 7, 64, 4096, total};
+  for (uint64_t chunk : chunks) EXPECT_EQ(incremental(chunk), "") << chunk;
+  const TensorRecord& t = *std::max_element(
+      shard->layout.tensors.begin(), shard->layout.tensors.end(),
+      [](const TensorRecord& a, const TensorRecord& b) { return a.nbytes < b.nbytes; });
+  ASSERT_GT(t.nbytes, 0u);
+  mutableShard.data()[t.offset + t.nbytes / 2] ^= 0x10;
+  const std::string expected = shard->verify();
+  ASSERT_NE(expected.find("tensor " + t.name), std::string::npos) << expected;
+  for (uint64_t chunk : chunks) EXPECT_EQ(incremental(chunk), expected) << chunk;
+}
 
 TEST(ReplicaTest, PutListGetOverLoopbackAndRejectsBadChecksums) {
   ReplicaService service(1, replicaServiceOptions());
