@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "../support.h"
+#include "../tool_support.h"
 #include "fault_env.h"
 #include "sinew/checkpoint/detail/crc32c.h"
 #include "sinew/checkpoint/engine.h"
@@ -45,21 +46,9 @@ ReplicaClientOptions replicaClientOptions() {
 
 namespace {
 
+using sinew::testing::removeTree;
+using sinew::testing::tempDir;
 using namespace std::chrono_literals;
-
-std::string tempDir(const std::string& name) {
-  std::string tmpl = "/tmp/sinew-ckpt-" + name + "-XXXXXX";
-  std::vector<char> buf(tmpl.begin(), tmpl.end());
-  buf.push_back('\0');
-  const char* d = mkdtemp(buf.data());
-  if (d == nullptr) throw std::runtime_error("mkdtemp failed");
-  return d;
-}
-
-void removeTree(const std::string& dir) {
-  std::string cmd = "rm -rf '" + dir + "'";
-  if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "could not remove %s\n", dir.c_str());
-}
 
 // Values that use every bit pattern a dtype allows, so a copy that converts or truncates
 // anything shows up.
@@ -292,7 +281,7 @@ TEST(EngineTest, AFailedFlushReachesTheWaiterAsIoError) {
   // thread waiting for the flush) as that IoError, at once, not as a Timeout with a string
   // left behind in the stats.
   ShardState state = makeState(2, 8, 1);
-  const std::string dir = tempDir("flushfail");
+  const std::string dir = tempDir("ckpt-flushfail");
   testing::FaultEnv env;
   auto store = std::make_shared<collectives::HashStore>();
   CheckpointEngineOptions a, b;
@@ -423,7 +412,7 @@ std::shared_ptr<const HostShard> snap(const ShardState& state, int owner, int64_
 }
 
 TEST(PersistTest, FlushAndLoadExactBytesKeepTheNewestK) {
-  const std::string dir = tempDir("persist");
+  const std::string dir = tempDir("ckpt-persist");
   PersistOptions o;
   o.dir = dir;
   o.keep = 2;
@@ -454,7 +443,7 @@ TEST(PersistTest, FlushAndLoadExactBytesKeepTheNewestK) {
 }
 
 TEST(PersistTest, FlippedByteAndTruncationAreCorruptionNamingFileLayerAndChecksums) {
-  const std::string dir = tempDir("corrupt");
+  const std::string dir = tempDir("ckpt-corrupt");
   PersistOptions o;
   o.dir = dir;
   CheckpointWriter writer(o);
@@ -511,7 +500,7 @@ TEST(PersistTest, CrashAtEveryIoOperationLeavesLatestOnACompleteVersion) {
   auto sa1 = snap(a1, 0, 1), sb1 = snap(b1, 1, 1), sa2 = snap(a2, 0, 2), sb2 = snap(b2, 1, 2);
   int sawOld = 0, sawNew = 0;
   for (int64_t k = 0;; ++k) {
-    const std::string dir = tempDir("crash");
+    const std::string dir = tempDir("ckpt-crash");
     testing::FaultEnv env;
     PersistOptions o;
     o.dir = dir;
@@ -546,7 +535,7 @@ TEST(PersistTest, CrashAtEveryIoOperationLeavesLatestOnACompleteVersion) {
 }
 
 TEST(PersistTest, PythonStandardLibraryReadsTheSafetensorsFileByteExact) {
-  const std::string dir = tempDir("python");
+  const std::string dir = tempDir("ckpt-python");
   PersistOptions o;
   o.dir = dir;
   CheckpointWriter writer(o);
@@ -600,7 +589,7 @@ print("ok")
 }
 
 TEST(PersistTest, IncrementalVersionsWriteOnlyChangedLayers) {
-  const std::string dir = tempDir("incremental");
+  const std::string dir = tempDir("ckpt-incremental");
   PersistOptions o;
   o.dir = dir;
   o.keep = 1;
@@ -754,7 +743,7 @@ TEST(ReplicaTest, GarbageOnThePortDropsOnlyThatConnection) {
 }
 
 TEST(RestoreTest, OwnRamThenPeerThenDiskFallingThroughOnMismatch) {
-  const std::string dir = tempDir("restore");
+  const std::string dir = tempDir("ckpt-restore");
   ShardState s = makeState(3, 8, 7);
   auto good = snap(s, 0, 5);
   PersistOptions po;

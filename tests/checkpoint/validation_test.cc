@@ -16,6 +16,7 @@
 #include <fstream>
 #include <functional>
 
+#include "../tool_support.h"
 #include "sinew/checkpoint/detail/crc32c.h"
 #include "sinew/checkpoint/engine.h"
 #include "sinew/checkpoint/persist.h"
@@ -28,21 +29,9 @@ namespace checkpoint {
 namespace {
 
 using nlohmann::json;
+using sinew::testing::removeTree;
+using sinew::testing::tempDir;
 using namespace std::chrono_literals;
-
-std::string tempDir(const std::string& name) {
-  std::string tmpl = "/tmp/sinew-validate-" + name + "-XXXXXX";
-  std::vector<char> buf(tmpl.begin(), tmpl.end());
-  buf.push_back('\0');
-  const char* d = mkdtemp(buf.data());
-  if (d == nullptr) throw std::runtime_error("mkdtemp failed");
-  return d;
-}
-
-void removeTree(const std::string& dir) {
-  std::string cmd = "rm -rf '" + dir + "'";
-  if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "could not remove %s\n", dir.c_str());
-}
 
 std::string readAll(const std::string& path) { return posixEnv()->readFile(path); }
 
@@ -502,7 +491,7 @@ TEST(ShardLayoutValidationTest, VerifyAndExtractStayInsideTheShardsMemory) {
 // The public reader.
 
 TEST(PublicCheckpointReaderTest, ReadsTheExactTensorsAnEngineWrote) {
-  const std::string dir = tempDir("public");
+  const std::string dir = tempDir("validate-public");
   auto store = std::make_shared<collectives::HashStore>();
   CheckpointEngineOptions a, b;
   a.self = 0;
@@ -549,7 +538,7 @@ TEST(PublicCheckpointReaderTest, ReadsTheExactTensorsAnEngineWrote) {
   EXPECT_EQ(::sinew::CheckpointReader::steps(dir), (std::vector<int64_t>{4, 2}));
   EXPECT_EQ(::sinew::CheckpointReader::open(dir, 2)->step(), 2);
   EXPECT_THROW(::sinew::CheckpointReader::open(dir, 3), IoError);
-  const std::string empty = tempDir("public-empty");
+  const std::string empty = tempDir("validate-public-empty");
   EXPECT_THROW(::sinew::CheckpointReader::open(empty), IoError);
   // A flipped byte is Corruption naming the file.
   const std::string file = dir + "/step-00000004/shard-w1.safetensors";

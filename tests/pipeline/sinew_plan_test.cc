@@ -10,25 +10,12 @@
 #include <string>
 #include <vector>
 
+#include "../tool_support.h"
 namespace {
 
-struct ToolRun {
-  int status = -1;
-  std::string out;  // stdout and stderr
-};
+using sinew::testing::ToolRun;
 
-ToolRun runPlan(const std::string& args) {
-  std::string cmd = std::string(SINEW_PLAN_PATH) + " " + args + " 2>&1";
-  ToolRun r;
-  FILE* f = popen(cmd.c_str(), "r");
-  if (f == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), f)) > 0) r.out.append(buf, n);
-  int st = pclose(f);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  return r;
-}
+ToolRun runPlan(const std::string& args) { return sinew::testing::runTool(SINEW_PLAN_PATH, args); }
 
 const std::string kProfile = SINEW_PROFILE_EXAMPLE;
 

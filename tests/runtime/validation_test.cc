@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "../tool_support.h"
 #include "sinew/collectives/detail/parse.h"
 #include "sinew/collectives/error.h"
 #include "sinew/init.h"
@@ -149,23 +150,9 @@ TEST(InitValidationTest, BadEnvironmentVariablesNameTheVariableAndValue) {
   }
 }
 
-struct ToolRun {
-  int status = -1;
-  std::string out;  // stdout and stderr
-};
+using testing::ToolRun;
 
-ToolRun runTool(const std::string& args) {
-  std::string cmd = std::string(SINEW_RUN_PATH) + " " + args + " 2>&1";
-  ToolRun r;
-  FILE* f = popen(cmd.c_str(), "r");
-  if (f == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), f)) > 0) r.out.append(buf, n);
-  int st = pclose(f);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  return r;
-}
+ToolRun runTool(const std::string& args) { return testing::runTool(SINEW_RUN_PATH, args); }
 
 TEST(SinewRunArgumentsTest, HelpAndBadNumbers) {
   ToolRun r = runTool("--help");
