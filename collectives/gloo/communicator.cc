@@ -168,6 +168,7 @@ class GlooCommunicator final : public Communicator {
                  std::chrono::milliseconds timeout) override;
   void send(const at::Tensor& t, int dst, uint32_t tag, std::chrono::milliseconds timeout) override;
   void recv(at::Tensor& t, int src, uint32_t tag, std::chrono::milliseconds timeout) override;
+  void exchange(const std::vector<P2POp>& ops, std::chrono::milliseconds timeout) override;
   void barrier(std::chrono::milliseconds timeout) override;
   void abort() override;
   std::exception_ptr error() const override;
@@ -852,6 +853,49 @@ void GlooCommunicator::recv(at::Tensor& t, int src, uint32_t tag,
   runOp("recv", timeout, {buf.get()}, [&] {
     buf->recv(src, kP2PSlotBase + tag, 0, bytes);
     waitRecv(buf.get(), src);
+  });
+}
+
+void GlooCommunicator::exchange(const std::vector<P2POp>& ops,
+                                std::chrono::milliseconds timeout) {
+  for (const P2POp& op : ops) {
+    const bool isSend = op.kind == P2POp::Kind::kSend;
+    validate(op.tensor, isSend ? "exchange (send)" : "exchange (recv)", false);
+    if (op.peer < 0 || op.peer >= size() || op.peer == rank_) {
+      SINEW_THROW(InvalidArgument, describe(), ": exchange with rank ", op.peer,
+                  " is not another member");
+    }
+  }
+  checkAlive();
+  timeout = resolveTimeout(timeout);
+  // Empty transfers are skipped on both sides, as in send() and recv().
+  std::vector<std::unique_ptr<UnboundBuffer>> bufs(ops.size());
+  std::vector<UnboundBuffer*> raw;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const size_t bytes = ops[i].tensor.numel() * ops[i].tensor.element_size();
+    if (bytes == 0) continue;
+    bufs[i] = buffer(ops[i].tensor.data_ptr(), bytes);
+    raw.push_back(bufs[i].get());
+  }
+  if (raw.empty()) return;
+  runOp("exchange", timeout, raw, [&] {
+    // Receives first, so that a peer's data never waits for a buffer.
+    for (size_t i = 0; i < ops.size(); ++i) {
+      if (!bufs[i] || ops[i].kind != P2POp::Kind::kRecv) continue;
+      bufs[i]->recv(ops[i].peer, kP2PSlotBase + ops[i].tag, 0, bufs[i]->size);
+    }
+    for (size_t i = 0; i < ops.size(); ++i) {
+      if (!bufs[i] || ops[i].kind != P2POp::Kind::kSend) continue;
+      bufs[i]->send(ops[i].peer, kP2PSlotBase + ops[i].tag, 0, bufs[i]->size);
+    }
+    for (size_t i = 0; i < ops.size(); ++i) {
+      if (!bufs[i]) continue;
+      if (ops[i].kind == P2POp::Kind::kRecv) {
+        waitRecv(bufs[i].get(), ops[i].peer);
+      } else {
+        waitSend(bufs[i].get(), ops[i].peer);
+      }
+    }
   });
 }
 

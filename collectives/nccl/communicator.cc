@@ -81,6 +81,7 @@ class NcclCommunicator final : public Communicator {
                  std::chrono::milliseconds timeout) override;
   void send(const at::Tensor& t, int dst, uint32_t tag, std::chrono::milliseconds timeout) override;
   void recv(at::Tensor& t, int src, uint32_t tag, std::chrono::milliseconds timeout) override;
+  void exchange(const std::vector<P2POp>& ops, std::chrono::milliseconds timeout) override;
   void barrier(std::chrono::milliseconds timeout) override;
   void abort() override;
   std::exception_ptr error() const override;
@@ -359,6 +360,32 @@ void NcclCommunicator::recv(at::Tensor& t, int src, uint32_t tag,
   }
   run("recv", resolveTimeout(timeout),
       [&] { return ncclRecv(t.data_ptr(), t.numel(), ncclType(t), src, comm_, stream_); });
+}
+
+void NcclCommunicator::exchange(const std::vector<P2POp>& ops,
+                                std::chrono::milliseconds timeout) {
+  for (const P2POp& op : ops) {
+    validate(op.tensor, op.kind == P2POp::Kind::kSend ? "exchange (send)" : "exchange (recv)");
+    if (op.peer < 0 || op.peer >= size() || op.peer == rank_) {
+      SINEW_THROW(InvalidArgument, describe(), ": exchange with rank ", op.peer,
+                  " is not another member");
+    }
+  }
+  if (ops.empty()) return;
+  // One NCCL group: every transfer is posted before any is waited for.
+  run("exchange", resolveTimeout(timeout), [&] {
+    ncclResult_t r = ncclGroupStart();
+    if (r != ncclSuccess) return r;
+    for (const P2POp& op : ops) {
+      const at::Tensor& t = op.tensor;
+      r = op.kind == P2POp::Kind::kSend
+              ? ncclSend(t.data_ptr(), t.numel(), ncclType(t), op.peer, comm_, stream_)
+              : ncclRecv(t.data_ptr(), t.numel(), ncclType(t), op.peer, comm_, stream_);
+      if (r != ncclSuccess && r != ncclInProgress) break;
+    }
+    ncclResult_t end = ncclGroupEnd();
+    return r != ncclSuccess && r != ncclInProgress ? r : end;
+  });
 }
 
 void NcclCommunicator::barrier(std::chrono::milliseconds timeout) {

@@ -58,6 +58,22 @@ struct CommunicatorOptions {
   int device = -1;
 };
 
+// One transfer of Communicator::exchange().
+struct P2POp {
+  enum class Kind { kSend, kRecv };
+  Kind kind = Kind::kSend;
+  at::Tensor tensor;  // kSend: the data; kRecv: where it lands
+  int peer = -1;      // the other member's rank
+  uint32_t tag = 0;
+
+  static P2POp send(at::Tensor t, int peer, uint32_t tag) {
+    return {Kind::kSend, std::move(t), peer, tag};
+  }
+  static P2POp recv(at::Tensor t, int peer, uint32_t tag) {
+    return {Kind::kRecv, std::move(t), peer, tag};
+  }
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -97,6 +113,17 @@ class Communicator {
   // Receives into t a message sent by rank src with the given tag.
   virtual void recv(at::Tensor& t, int src, uint32_t tag,
                     std::chrono::milliseconds timeout = kDefaultOpTimeout) = 0;
+
+  // Posts every send and receive of `ops` at once and returns when all of them completed
+  // (like torch.distributed's batch_isend_irecv followed by waiting on each), so two members
+  // may send to each other in one call without deadlock: a pipeline stage sends its
+  // activation forward while it receives a gradient back. Messages with the same (peer, tag)
+  // match in the order of `ops`. The deadline covers the whole batch; a failure of any
+  // transfer fails the communicator as send() and recv() do.
+  // REQUIRES: every tensor contiguous, every peer another member; a receive's tensor has the
+  // byte count of the matching send.
+  virtual void exchange(const std::vector<P2POp>& ops,
+                        std::chrono::milliseconds timeout = kDefaultOpTimeout) = 0;
 
   // Returns after every member entered the barrier.
   virtual void barrier(std::chrono::milliseconds timeout = kDefaultOpTimeout) = 0;

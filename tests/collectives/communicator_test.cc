@@ -116,6 +116,27 @@ int checkAllOps(Communicator& comm, ChildChecker& c, bool huge) {
           comm.send(mine, right, msgTag);
         }
         c.expect(at::equal(got, pattern(n, 29, left, type)), "send/recv " + tag);
+
+        // exchange: every member sends to both neighbours and receives from both in one
+        // call (plain blocking sends in this order would deadlock); two messages on the same
+        // (peer, tag) arrive in order.
+        at::Tensor fromLeft = at::zeros({n}, type), fromRight = at::zeros({n}, type);
+        at::Tensor second = at::zeros({n}, type);
+        std::vector<P2POp> ops = {P2POp::send(pattern(n, 31, r, type), right, msgTag),
+                                  P2POp::send(pattern(n, 37, r, type), left, msgTag + 1),
+                                  P2POp::recv(fromLeft, left, msgTag),
+                                  P2POp::recv(fromRight, right, msgTag + 1)};
+        if (P == 2) {
+          // left == right: a second message on the same (peer, tag) as the first.
+          ops.push_back(P2POp::send(pattern(n, 41, r, type), right, msgTag));
+          ops.push_back(P2POp::recv(second, left, msgTag));
+        }
+        comm.exchange(ops);
+        c.expect(at::equal(fromLeft, pattern(n, 31, left, type)), "exchange from left " + tag);
+        c.expect(at::equal(fromRight, pattern(n, 37, right, type)), "exchange from right " + tag);
+        if (P == 2) {
+          c.expect(at::equal(second, pattern(n, 41, left, type)), "exchange in order " + tag);
+        }
       }
     }
   }
