@@ -12,6 +12,7 @@
 #include <deque>
 #include <exception>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -23,7 +24,11 @@
 #include "sinew/checkpoint/snapshot.h"
 #include "sinew/collectives/error.h"
 #include "sinew/communicator.h"
+#include "sinew/pipeline/instantiation.h"
 #include "sinew/pipeline/plan.h"
+#include "sinew/pipeline/profile.h"
+#include "sinew/pipeline/profiler.h"
+#include "sinew/pipeline/template_planner.h"
 #include "sinew/runtime/context_state.h"
 #include "sinew/runtime/event_log.h"
 
@@ -150,20 +155,30 @@ std::vector<int64_t> globalBatchIndices(uint64_t seed, int64_t step, int64_t glo
   return out;
 }
 
-torch::nn::Sequential buildModel(const ModelSpec& spec, uint64_t seed, at::ScalarType dtype) {
+torch::nn::Sequential buildLayers(const ModelSpec& spec, uint64_t seed, at::ScalarType dtype,
+                                  int first, int end) {
   if (spec.layers.empty()) SINEW_THROW(InvalidArgument, "ModelSpec::layers is empty");
-  at::manual_seed(seed);
+  if (first < 0 || end <= first || end > static_cast<int>(spec.layers.size())) {
+    SINEW_THROW(InvalidArgument, "buildLayers: layers [", first, ", ", end,
+                ") are not a range of the model's ", spec.layers.size(), " layers");
+  }
   torch::nn::Sequential seq;
-  for (size_t i = 0; i < spec.layers.size(); ++i) {
+  for (int i = first; i < end; ++i) {
     const auto& l = spec.layers[i];
     if (!l.build) {
       SINEW_THROW(InvalidArgument, "ModelSpec::layers[", i, "] ('", l.name,
                   "') has no build factory");
     }
+    // Each layer from its own seed: the same parameters whichever layers a worker builds.
+    at::manual_seed(splitmix64(seed ^ splitmix64(0x1A7E5u + static_cast<uint64_t>(i))));
     seq->push_back(l.name, l.build());
   }
   seq->to(dtype);
   return seq;
+}
+
+torch::nn::Sequential buildModel(const ModelSpec& spec, uint64_t seed, at::ScalarType dtype) {
+  return buildLayers(spec, seed, dtype, 0, static_cast<int>(spec.layers.size()));
 }
 
 class Trainer::Impl {
@@ -188,7 +203,25 @@ class Trainer::Impl {
       SINEW_THROW(InvalidArgument, "ModelSpec::datasetSize = ", spec_.datasetSize,
                   " must be positive");
     }
-    params_ = model_->parameters();
+    pipelineMode_ = o_.parallelism == Parallelism::kPipeline;
+    if (pipelineMode_) {
+      if (o_.faultTolerance < 0) {
+        SINEW_THROW(InvalidArgument, "TrainerOptions::faultTolerance = ", o_.faultTolerance,
+                    " must be >= 0");
+      }
+      if (o_.deviceMemoryBytes < 0) {
+        SINEW_THROW(InvalidArgument, "TrainerOptions::deviceMemoryBytes = ",
+                    o_.deviceMemoryBytes, " must be >= 0 (0: unlimited)");
+      }
+      if (!o_.profilePath.empty()) {
+        profile_ = pipeline::loadProfile(o_.profilePath);
+        checkProfile("TrainerOptions::profilePath = '" + o_.profilePath + "'");
+      }
+    } else {
+      params_ = model_->parameters();
+    }
+    // In pipeline mode the optimizer is made once the stage's layers exist (makeOptimizer);
+    // this one only checks what the factory makes.
     opt_ = spec_.optimizer(params_);
     if (!o_.checkpointDir.empty()) {
       if (dynamic_cast<torch::optim::Adam*>(opt_.get()) == nullptr &&
@@ -220,7 +253,12 @@ class Trainer::Impl {
   TrainResult run() {
     client_.setEpochListener([this](int64_t epoch) {
       std::lock_guard<std::mutex> lock(commMu_);
-      if (comm_ && (epoch < 0 || epoch > comm_->epoch())) comm_->abort();
+      if (comm_ && (epoch < 0 || epoch > comm_->epoch())) {
+        comm_->abort();
+        for (auto& g : groups_) {
+          if (g.comm) g.comm->abort();
+        }
+      }
     });
     int64_t resume = 0;
     if (!o_.checkpointDir.empty()) {
@@ -228,6 +266,7 @@ class Trainer::Impl {
           checkpoint::CheckpointReader(o_.checkpointDir, state_.checkpointEnv).latestStep();
       if (latest >= 0) resume = latest + 1;
     }
+    if (pipelineMode_ && profile_.layers.empty()) agreeOnProfile();
     client_.ready(resume);
     recoverInto(-1, /*failure=*/false, "start");
     startStep_ = step_;
@@ -257,7 +296,10 @@ class Trainer::Impl {
     if (preempted) {
       // The last step this worker applied is the job's newest: make it durable if this
       // worker writes the checkpoints (when the whole job is preempted, it is the last word).
-      if (applied_ >= 0 && !members_.empty() && members_.front() == ctx_.worker()) {
+      // (Pipeline mode: a version needs every writer's shard, so one leaving worker cannot
+      // write it alone.)
+      if (!pipelineMode_ && applied_ >= 0 && !members_.empty() &&
+          members_.front() == ctx_.worker()) {
         maybeCheckpoint(applied_, /*force=*/true);
       }
       finishCheckpoints();
@@ -282,6 +324,14 @@ class Trainer::Impl {
       r.checkpointsSkipped = ckSkipped_;
     }
     r.checkpointStallSeconds = ckStall_;
+    r.pipelines = static_cast<int>(plan_.pipelines.size());
+    for (const auto& w : plan_.workers) {
+      if (w.worker != ctx_.worker()) continue;
+      r.pipeline = w.pipeline;
+      r.stage = w.stage;
+    }
+    for (const auto& child : model_->named_children()) r.layers.push_back(child.key());
+    for (const auto& p : model_->parameters()) r.parameterCount += p.numel();
     {
       std::lock_guard<std::mutex> lock(commMu_);
       comm_.reset();  // Healthy: its peers are told it closed, not that it aborted.
@@ -296,11 +346,30 @@ class Trainer::Impl {
   }
 
  private:
+  // Floating-point inputs and targets train in o_.dtype; integer ones (token ids, labels)
+  // stay as they are.
+  at::Tensor toTraining(const at::Tensor& t) const {
+    return at::isFloatingType(t.scalar_type()) ? t.to(o_.dtype) : t;
+  }
+
+  // The inputs and targets of global microbatch m of the step whose batch is `indices`.
+  std::pair<at::Tensor, at::Tensor> microbatchData(const std::vector<int64_t>& indices,
+                                                   int64_t m) const {
+    std::vector<at::Tensor> xs, ys;
+    for (int64_t j = m * o_.microbatch; j < (m + 1) * o_.microbatch; ++j) {
+      Sample s = spec_.dataset(indices[j]);
+      xs.push_back(s.input);
+      ys.push_back(s.target);
+    }
+    return {toTraining(at::stack(xs)), toTraining(at::stack(ys))};
+  }
+
   // One step; returns false when the coordinator reshapes the job right after it.
   bool runStep() {
     if (client_.latestEpoch().epoch != epoch_) {
       SINEW_THROW(EpochChanged, "epoch ", epoch_, " was superseded");
     }
+    if (pipelineMode_) return runPipelineStep();
     const int self = ctx_.worker();
     auto& inj = state_.injector;
     inj.fire(self, step_, Phase::kForward, &client_);
@@ -313,14 +382,7 @@ class Trainer::Impl {
     bool first = true;
     const double scale = static_cast<double>(o_.microbatch) / static_cast<double>(o_.globalBatch);
     for (int64_t m : mine.microbatches) {
-      std::vector<at::Tensor> xs, ys;
-      for (int64_t j = m * o_.microbatch; j < (m + 1) * o_.microbatch; ++j) {
-        Sample s = spec_.dataset(indices[j]);
-        xs.push_back(s.input);
-        ys.push_back(s.target);
-      }
-      at::Tensor x = at::stack(xs).to(o_.dtype);
-      at::Tensor y = at::stack(ys).to(o_.dtype);
+      auto [x, y] = microbatchData(indices, m);
       at::Tensor loss = spec_.loss(model_->forward(x), y);
       if (first) inj.fire(self, step_, Phase::kBackward, &client_);
       first = false;
@@ -349,6 +411,13 @@ class Trainer::Impl {
       offset += p.numel();
     }
     double loss = flat[offset].item<double>() / static_cast<double>(o_.globalBatch);
+    return commitAndApply(loss);
+  }
+
+  // Votes for step_ and applies it once committed (everywhere or nowhere).
+  bool commitAndApply(double loss) {
+    const int self = ctx_.worker();
+    auto& inj = state_.injector;
     client_.setStep(step_);
     auto verdict = client_.vote(epoch_, step_, o_.opTimeout);
     if (verdict == CoordinatorClient::VoteResult::kSuperseded) {
@@ -396,6 +465,10 @@ class Trainer::Impl {
     std::lock_guard<std::mutex> lock(commMu_);
     if (comm_) comm_->abort();
     comm_.reset();
+    for (auto& g : groups_) {
+      if (g.comm) g.comm->abort();
+    }
+    groups_.clear();
   }
 
   // Leaves epoch `from` (aborting its communicator) and enters the next one the coordinator
@@ -457,6 +530,10 @@ class Trainer::Impl {
     const int self = ctx_.worker();
     if (std::find(info.members.begin(), info.members.end(), self) == info.members.end()) {
       SINEW_THROW(Expelled, "worker ", self, " is not a member of epoch ", info.epoch);
+    }
+    if (pipelineMode_) {
+      enterPipeline(info);
+      return;
     }
     if (!info.sync && applied_ != info.resumeStep - 1) {
       SINEW_THROW(InvalidArgument, "worker ", self, " holds the state after step ", applied_,
@@ -531,6 +608,416 @@ class Trainer::Impl {
     }
   }
 
+  // ---- Pipeline parallelism (docs/pipeline.md) --------------------------------------
+
+  // Tags of the point-to-point messages between neighbouring stages; messages with one tag
+  // between two workers match in order, and every stage sends in microbatch order.
+  static constexpr uint32_t kTagHeader = 1;    // shape and dtype of the next activation
+  static constexpr uint32_t kTagActivation = 2;
+  static constexpr uint32_t kTagGradient = 3;  // gradient of that activation, sent back
+  static constexpr int kMaxDims = 8;
+
+  // A layer range whose layers are held by the same workers, and their communicator.
+  struct GradGroup {
+    int first = 0;
+    int end = 0;
+    std::vector<int> members;
+    std::unique_ptr<collectives::Communicator> comm;  // null when this worker holds it alone
+  };
+
+  void checkProfile(const std::string& where) {
+    if (profile_.layers.size() != spec_.layers.size()) {
+      SINEW_THROW(InvalidArgument, where, ": the profile has ", profile_.layers.size(),
+                  " layers but the model has ", spec_.layers.size());
+    }
+    if (profile_.job.devices_per_node != 1) {
+      SINEW_THROW(InvalidArgument, where, ": devices_per_node = ", profile_.job.devices_per_node,
+                  "; the trainer runs one worker per node (devices_per_node = 1): stages wider "
+                  "than one worker are not implemented yet");
+    }
+  }
+
+  // Measures the profile on one worker (the first to ask) and shares it through the store;
+  // the others wait for it.
+  void agreeOnProfile() {
+    const auto& store = ctx_.store();
+    const std::string key = "sinew/pipeline/profile";
+    if (store->add("sinew/pipeline/profiler", 1) == 1) {
+      auto t0 = Clock::now();
+      const int L = static_cast<int>(spec_.layers.size());
+      std::vector<torch::nn::Sequential> built;
+      std::vector<pipeline::ProfiledLayer> layers;
+      for (int i = 0; i < L; ++i) {
+        built.push_back(buildLayers(spec_, o_.seed, o_.dtype, i, i + 1));
+        torch::nn::Sequential m = built.back();
+        layers.push_back({spec_.layers[i].name,
+                          [m](const at::Tensor& x) mutable { return m->forward(x); },
+                          m->parameters()});
+      }
+      auto indices = globalBatchIndices(o_.seed, 0, o_.globalBatch, spec_.datasetSize);
+      pipeline::ProfilerOptions po;
+      po.job.devices_per_node = 1;
+      po.job.device_memory_bytes =
+          o_.deviceMemoryBytes > 0 ? o_.deviceMemoryBytes : int64_t{1} << 50;
+      po.job.inter_stage_gbps = 10;  // Loopback TCP between workers of one host.
+      po.microbatch_size = o_.microbatch;
+      profile_ = pipeline::profileLayers(layers, microbatchData(indices, 0).first, po);
+      store->set(key, collectives::toBytes(pipeline::profileToJson(profile_)));
+      event({{"event", "profiled"}, {"layers", L}, {"duration_s", seconds(Clock::now() - t0)}});
+    } else {
+      profile_ = pipeline::parseProfileJson(collectives::toString(store->get(key, o_.recoveryTimeout)));
+    }
+    checkProfile("the measured profile");
+  }
+
+  // The plan of an epoch: pipelines from the templates on its members, one worker per node.
+  // A pure function of (profile, options, members), so every member computes the same plan.
+  Plan planFor(const EpochInfo& info) {
+    const int64_t B = o_.globalBatch / o_.microbatch;
+    const int N = static_cast<int>(info.members.size());
+    auto it = templates_.find(N);
+    if (it == templates_.end()) {
+      pipeline::TemplateOptions to;
+      to.nodes = N;
+      to.fault_tolerance = o_.faultTolerance;
+      to.global_microbatches = B;
+      it = templates_.emplace(N, pipeline::planTemplates(profile_, to)).first;
+    }
+    pipeline::PlanOptions po;
+    po.fault_tolerance = o_.faultTolerance;
+    po.global_microbatches = B;
+    Plan plan = pipeline::makePlan(it->second, info.members, po);
+    plan.epoch = info.epoch;
+    for (auto& w : plan.workers) w.worker = w.node;
+    return plan;
+  }
+
+  // The assignment of this worker in plan_, or null if the plan leaves it idle.
+  const pipeline::WorkerAssignment* mineIn(const Plan& plan) const {
+    for (const auto& w : plan.workers) {
+      if (w.worker == ctx_.worker()) return &w;
+    }
+    return nullptr;
+  }
+
+  void enterPipeline(const EpochInfo& info) {
+    const int self = ctx_.worker();
+    Plan plan = planFor(info);
+    const pipeline::WorkerAssignment* mine = mineIn(plan);
+    const int first = mine ? mine->firstLayer : 0;
+    const int end = mine ? mine->endLayer : 0;
+    if (heldFirst_ < 0) {
+      // The first epoch: build this stage's layers and nothing else.
+      if (end > first) {
+        torch::nn::Sequential built = buildLayers(spec_, o_.seed, o_.dtype, first, end);
+        auto it = built->begin();
+        for (int i = first; i < end; ++i, ++it) model_->push_back(spec_.layers[i].name, *it);
+      }
+      params_ = model_->parameters();
+      opt_ = spec_.optimizer(params_);
+      heldFirst_ = first;
+      heldEnd_ = end;
+    } else if (first != heldFirst_ || end != heldEnd_) {
+      SINEW_THROW(InvalidArgument, "worker ", self, " holds layers [", heldFirst_, ", ", heldEnd_,
+                  ") but the plan of epoch ", info.epoch, " (", info.members.size(),
+                  " workers) gives it [", first, ", ", end,
+                  "): moving layers between workers after a membership change is not "
+                  "implemented yet (pipeline reconfiguration, docs/pipeline.md)");
+    }
+    if (info.sync && !info.joined.empty() && epoch_ >= 0) {
+      SINEW_THROW(InvalidArgument, "epoch ", info.epoch, " admits joining workers, which "
+                  "pipeline mode cannot give layers to yet (docs/pipeline.md)");
+    }
+    if (!info.sync && applied_ != info.resumeStep - 1) {
+      SINEW_THROW(InvalidArgument, "worker ", self, " holds the state after step ", applied_,
+                  " but epoch ", info.epoch, " resumes at step ", info.resumeStep,
+                  " without a state copy");
+    }
+    const int64_t e = info.epoch;
+    auto store = std::make_shared<AbortableStore>(
+        ctx_.store(), [this, e] { return client_.latestEpoch().epoch > e; });
+    auto options = [&](std::vector<int> members, std::string name) {
+      collectives::CommunicatorOptions co;
+      co.members = std::move(members);
+      co.self = self;
+      co.epoch = e;
+      co.name = std::move(name);
+      co.timeout = o_.opTimeout;
+      co.initTimeout = std::min(o_.buildTimeout, o_.recoveryTimeout);
+      co.hostname = ctx_.host();
+      return co;
+    };
+    auto comm = collectives::createGlooCommunicator(store, options(info.members, "pp"));
+    {
+      std::lock_guard<std::mutex> lock(commMu_);
+      comm_ = std::move(comm);
+      if (client_.latestEpoch().epoch > e) comm_->abort();
+    }
+    // Gradient groups: maximal ranges of this worker's layers held by the same workers, in
+    // increasing layer order on every worker (so the builds and reductions never wait in a
+    // cycle).
+    std::vector<std::vector<int>> holders(plan.numLayers);
+    for (const auto& w : plan.workers) {
+      for (int l = w.firstLayer; l < w.endLayer; ++l) holders[l].push_back(w.worker);
+    }
+    for (auto& h : holders) std::sort(h.begin(), h.end());
+    for (int l = first; l < end;) {
+      int r = l + 1;
+      while (r < end && holders[r] == holders[l]) ++r;
+      GradGroup g;
+      g.first = l;
+      g.end = r;
+      g.members = holders[l];
+      if (g.members.size() > 1) {
+        g.comm = collectives::createGlooCommunicator(
+            store, options(g.members, "grad-" + std::to_string(l) + "-" + std::to_string(r)));
+      }
+      std::lock_guard<std::mutex> lock(commMu_);
+      groups_.push_back(std::move(g));
+      if (client_.latestEpoch().epoch > e && groups_.back().comm) groups_.back().comm->abort();
+      l = r;
+    }
+    epoch_ = info.epoch;
+    members_ = info.members;
+    plan_ = std::move(plan);
+    if (info.sync && applied_ < info.resumeStep - 1) {
+      // The first epoch of a resumed job: every worker reads its own layers from disk.
+      restoreFromDisk(info.resumeStep - 1);
+    }
+    applied_ = info.resumeStep - 1;
+    step_ = info.resumeStep;
+    lastReport_ = Clock::now();
+    stepsSinceReport_ = 0;
+    describePlan();
+  }
+
+  // Logs the plan; the epoch's first member prints it.
+  void describePlan() {
+    nlohmann::json pipes = nlohmann::json::array();
+    std::ostringstream os;
+    os << "sinew: epoch " << epoch_ << " plan: " << plan_.pipelines.size() << " pipelines";
+    for (size_t p = 0; p < plan_.pipelines.size(); ++p) {
+      nlohmann::json stages = nlohmann::json::array();
+      int nstages = 0;
+      std::ostringstream ps;
+      for (const auto& w : plan_.workers) {
+        if (w.pipeline != static_cast<int>(p)) continue;
+        nstages++;
+        stages.push_back({{"worker", w.worker},
+                          {"stage", w.stage},
+                          {"first_layer", w.firstLayer},
+                          {"end_layer", w.endLayer}});
+        ps << " w" << w.worker << "[" << spec_.layers[w.firstLayer].name << ".."
+           << spec_.layers[w.endLayer - 1].name << "]";
+      }
+      pipes.push_back(
+          {{"stages", stages}, {"microbatches", plan_.pipelines[p].microbatches}});
+      os << "\n  pipeline " << p << ": " << nstages << " stages, "
+         << plan_.pipelines[p].microbatches << " microbatches:" << ps.str();
+    }
+    event({{"event", "plan"}, {"epoch", epoch_}, {"pipelines", pipes}, {"idle", plan_.idleNodeIds}});
+    if (!members_.empty() && members_.front() == ctx_.worker()) {
+      std::printf("%s\n", os.str().c_str());
+      std::fflush(stdout);
+    }
+  }
+
+  // The world rank of the worker at (pipeline, stage) of plan_, or -1 if there is none.
+  int rankAt(int pipelineIndex, int stage) const {
+    for (const auto& w : plan_.workers) {
+      if (w.pipeline == pipelineIndex && w.stage == stage) {
+        return static_cast<int>(std::find(members_.begin(), members_.end(), w.worker) -
+                                members_.begin());
+      }
+    }
+    return -1;
+  }
+
+  // One pipeline step: 1F1B over this pipeline's microbatches (docs/pipeline.md, "A step"),
+  // then the per-layer-range gradient sums and the loss sum, then the vote.
+  bool runPipelineStep() {
+    const int self = ctx_.worker();
+    auto& inj = state_.injector;
+    inj.fire(self, step_, Phase::kForward, &client_);
+    for (auto& p : params_) {
+      if (p.grad().defined()) p.mutable_grad().zero_();
+    }
+    double lossSum = 0;
+    if (const pipeline::WorkerAssignment* mine = mineIn(plan_)) {
+      lossSum = runSchedule(*mine);
+    }
+    inj.fire(self, step_, Phase::kReduce, &client_);
+    for (auto& g : groups_) {
+      if (!g.comm) continue;
+      std::vector<at::Tensor> ps;
+      for (int l = g.first; l < g.end; ++l) {
+        for (auto& p : (*model_)[l - heldFirst_]->parameters()) ps.push_back(p);
+      }
+      if (ps.empty()) continue;
+      std::vector<at::Tensor> parts;
+      for (auto& p : ps) {
+        parts.push_back(p.grad().defined() ? p.grad().reshape(-1)
+                                           : at::zeros({p.numel()}, p.options()));
+      }
+      at::Tensor flat = at::cat(parts);
+      g.comm->allreduce(flat, collectives::ReduceOp::kSum, o_.opTimeout);
+      int64_t offset = 0;
+      for (auto& p : ps) {
+        at::Tensor v = flat.narrow(0, offset, p.numel()).view(p.sizes());
+        if (p.grad().defined()) {
+          p.mutable_grad().copy_(v);
+        } else {
+          p.mutable_grad() = v.clone();
+        }
+        offset += p.numel();
+      }
+    }
+    at::Tensor loss = at::full({1}, lossSum, at::TensorOptions().dtype(at::kDouble));
+    comm_->allreduce(loss, collectives::ReduceOp::kSum, o_.opTimeout);
+    inj.fire(self, step_, Phase::kAfterReduce, &client_);
+    return commitAndApply(loss.item<double>() / static_cast<double>(o_.globalBatch));
+  }
+
+  // Forward and backward of this stage over its pipeline's microbatches in 1F1B order;
+  // returns the sum over its samples of the loss (last stage) or 0.
+  double runSchedule(const pipeline::WorkerAssignment& mine) {
+    const int S = static_cast<int>(std::count_if(
+        plan_.workers.begin(), plan_.workers.end(),
+        [&](const pipeline::WorkerAssignment& w) { return w.pipeline == mine.pipeline; }));
+    const int s = mine.stage;
+    const bool firstStage = s == 0, lastStage = s == S - 1;
+    const int prev = firstStage ? -1 : rankAt(mine.pipeline, s - 1);
+    const int next = lastStage ? -1 : rankAt(mine.pipeline, s + 1);
+    const int64_t M = static_cast<int64_t>(mine.microbatches.size());
+    const int64_t W = std::min<int64_t>(S - s - 1, M);
+    const double scale = static_cast<double>(o_.microbatch) / static_cast<double>(o_.globalBatch);
+    auto indices = globalBatchIndices(o_.seed, step_, o_.globalBatch, spec_.datasetSize);
+    struct InFlight {
+      at::Tensor x, y, loss;
+    };
+    std::deque<InFlight> inFlight;
+    double lossSum = 0;
+    bool firstBackward = true;
+    auto exchange = [&](std::vector<collectives::P2POp> ops) {
+      if (!ops.empty()) comm_->exchange(ops, o_.opTimeout);
+    };
+    // The header of an activation: dtype, number of dimensions, dimensions.
+    auto header = [&](const at::Tensor& y) {
+      SINEW_ENFORCE(y.dim() <= kMaxDims, "stage ", s, "'s output has ", y.dim(),
+                    " dimensions; at most ", kMaxDims, " can be sent between stages");
+      at::Tensor h = at::zeros({2 + kMaxDims}, at::kLong);
+      auto a = h.accessor<int64_t, 1>();
+      a[0] = static_cast<int64_t>(y.scalar_type());
+      a[1] = y.dim();
+      for (int64_t d = 0; d < y.dim(); ++d) a[2 + d] = y.size(d);
+      return h;
+    };
+    auto fromHeader = [&](const at::Tensor& h) {
+      auto a = h.accessor<int64_t, 1>();
+      const int64_t type = a[0], dims = a[1];
+      SINEW_ENFORCE(type >= 0 && type < static_cast<int64_t>(at::ScalarType::NumOptions) &&
+                        dims >= 0 && dims <= kMaxDims,
+                    "stage ", s, " received a malformed activation header from stage ", s - 1,
+                    " (dtype ", type, ", ", dims, " dimensions)");
+      std::vector<int64_t> sizes;
+      for (int64_t d = 0; d < dims; ++d) {
+        SINEW_ENFORCE(a[2 + d] >= 0, "stage ", s, " received a negative activation size");
+        sizes.push_back(a[2 + d]);
+      }
+      return at::empty(sizes, at::TensorOptions().dtype(static_cast<at::ScalarType>(type)));
+    };
+    auto sendForward = [&](const at::Tensor& y, std::vector<collectives::P2POp>& ops) {
+      if (lastStage) return;
+      at::Tensor data = y.detach().contiguous();
+      ops.push_back(collectives::P2POp::send(header(data), next, kTagHeader));
+      ops.push_back(collectives::P2POp::send(data, next, kTagActivation));
+    };
+    // After `pre` (sends of the same exchange) completes with the header's receive.
+    auto inputFor = [&](int64_t k, std::vector<collectives::P2POp> pre) -> at::Tensor {
+      if (firstStage) {
+        exchange(std::move(pre));
+        return microbatchData(indices, mine.microbatches[k]).first;
+      }
+      at::Tensor h = at::zeros({2 + kMaxDims}, at::kLong);
+      pre.push_back(collectives::P2POp::recv(h, prev, kTagHeader));
+      exchange(std::move(pre));
+      at::Tensor x = fromHeader(h);
+      exchange({collectives::P2POp::recv(x, prev, kTagActivation)});
+      if (at::isFloatingType(x.scalar_type())) x.requires_grad_(true);
+      return x;
+    };
+    auto forward = [&](int64_t k, at::Tensor x) {
+      InFlight f;
+      f.x = x;
+      f.y = model_->forward(x);
+      if (lastStage) {
+        at::Tensor target = microbatchData(indices, mine.microbatches[k]).second;
+        f.loss = spec_.loss(f.y, target);
+        lossSum += f.loss.item<double>() * static_cast<double>(o_.microbatch);
+      }
+      inFlight.push_back(std::move(f));
+    };
+    // A gradient comes back for an activation iff it is floating point.
+    auto gradientFor = [&](const InFlight& f, std::vector<collectives::P2POp>& ops) {
+      at::Tensor g;
+      if (!lastStage && at::isFloatingType(f.y.scalar_type())) {
+        g = at::empty(f.y.sizes(), f.y.options().requires_grad(false));
+        ops.push_back(collectives::P2POp::recv(g, next, kTagGradient));
+      }
+      return g;
+    };
+    // Backward of the oldest microbatch in flight; adds the send of its input's gradient.
+    auto backward = [&](const at::Tensor& g, std::vector<collectives::P2POp>& ops) {
+      InFlight f = std::move(inFlight.front());
+      inFlight.pop_front();
+      if (firstBackward) state_.injector.fire(ctx_.worker(), step_, Phase::kBackward, &client_);
+      firstBackward = false;
+      if (lastStage) {
+        (f.loss * scale).backward();
+      } else if (g.defined() && f.y.requires_grad()) {
+        f.y.backward(g);
+      }
+      if (!firstStage && at::isFloatingType(f.x.scalar_type())) {
+        at::Tensor dx = f.x.grad().defined() ? f.x.grad().contiguous() : at::zeros_like(f.x);
+        ops.push_back(collectives::P2POp::send(dx.detach(), prev, kTagGradient));
+      }
+    };
+    // Warm-up: forwards only.
+    for (int64_t k = 0; k < W; ++k) {
+      forward(k, inputFor(k, {}));
+      std::vector<collectives::P2POp> ops;
+      sendForward(inFlight.back().y, ops);
+      exchange(std::move(ops));
+    }
+    // Steady state: one forward, one backward.
+    at::Tensor x;
+    if (W < M) x = inputFor(W, {});
+    for (int64_t k = W; k < M; ++k) {
+      forward(k, x);
+      std::vector<collectives::P2POp> ops;
+      sendForward(inFlight.back().y, ops);
+      at::Tensor g = gradientFor(inFlight.front(), ops);
+      exchange(std::move(ops));
+      std::vector<collectives::P2POp> back;
+      backward(g, back);
+      if (k + 1 < M) {
+        x = inputFor(k + 1, std::move(back));
+      } else {
+        exchange(std::move(back));
+      }
+    }
+    // Cool-down: backwards only.
+    while (!inFlight.empty()) {
+      std::vector<collectives::P2POp> ops;
+      at::Tensor g = gradientFor(inFlight.front(), ops);
+      exchange(std::move(ops));
+      std::vector<collectives::P2POp> back;
+      backward(g, back);
+      exchange(std::move(back));
+    }
+    return lossSum;
+  }
+
   // ---- Durable checkpoints ----------------------------------------------------------
 
   // Parameters and optimizer state, per layer (the Sequential's children, keyed by name).
@@ -564,21 +1051,51 @@ class Trainer::Impl {
     return out;
   }
 
-  // After the optimizer step of `step`: the epoch's first member snapshots a due version.
+  // Whether this worker writes durable checkpoints: in data parallel mode the epoch's first
+  // member (it holds every layer); in pipeline mode every worker of pipeline 0 (together
+  // they hold every layer once), its first stage committing the version.
+  bool checkpointWriter() const {
+    if (!pipelineMode_) return !members_.empty() && members_.front() == ctx_.worker();
+    const pipeline::WorkerAssignment* mine = mineIn(plan_);
+    return mine != nullptr && mine->pipeline == 0;
+  }
+
+  enum class FlushHow { kAlone, kPost, kCommit };
+  struct FlushJob {
+    std::shared_ptr<const checkpoint::HostShard> shard;
+    FlushHow how = FlushHow::kAlone;
+    std::vector<int> others;  // kCommit: the other writers whose records it waits for
+  };
+
+  static std::string recordKey(int64_t step, int owner) {
+    return "sinew/pipeline/checkpoint/" + std::to_string(step) + "/w" + std::to_string(owner);
+  }
+
+  // After the optimizer step of `step`: a writer snapshots a due version.
   void maybeCheckpoint(int64_t step, bool force = false) {
-    if (o_.checkpointDir.empty() || members_.empty() || members_.front() != ctx_.worker()) {
-      return;
-    }
+    if (o_.checkpointDir.empty() || !checkpointWriter()) return;
     bool due = (o_.checkpointEvery > 0 && (step + 1) % o_.checkpointEvery == 0) ||
                step == o_.steps - 1 || force;
     if (!due || step == lastSnapshot_) return;
-    if (force && arena_) arena_->waitBeforeUpdate();  // Its copy is in no step's way.
+    // Pipeline mode writes every due version on every writer (a version needs all of their
+    // shards), so it waits for the previous one instead of skipping it.
+    const bool wait = force || pipelineMode_;
+    if (wait && arena_) arena_->waitBeforeUpdate();  // Its copy is in no step's way.
     {
       std::unique_lock<std::mutex> lock(ckMu_);
-      if (force) ckCv_.wait(lock, [&] { return toFlush_.empty() && !flushBusy_; });
-      if (flushBusy_ || !toFlush_.empty()) {
+      if (wait) ckCv_.wait(lock, [&] { return ckOutstanding_ == 0; });
+      if (ckOutstanding_ > 0) {
         ckSkipped_++;  // The previous version is still being written: never block a step.
         return;
+      }
+      ckHow_ = FlushHow::kAlone;
+      ckOthers_.clear();
+      if (pipelineMode_) {
+        const pipeline::WorkerAssignment* mine = mineIn(plan_);
+        ckHow_ = mine->stage == 0 ? FlushHow::kCommit : FlushHow::kPost;
+        for (const auto& w : plan_.workers) {
+          if (w.pipeline == 0 && w.worker != ctx_.worker()) ckOthers_.push_back(w.worker);
+        }
       }
     }
     checkpoint::ShardState state = shardState();
@@ -588,7 +1105,7 @@ class Trainer::Impl {
       arena_ = std::make_unique<checkpoint::SnapshotArena>(state, so);
       arena_->setOnComplete([this](std::shared_ptr<const checkpoint::HostShard> shard) {
         std::lock_guard<std::mutex> lock(ckMu_);
-        toFlush_.push_back(std::move(shard));
+        toFlush_.push_back({std::move(shard), ckHow_, ckOthers_});
         ckCv_.notify_all();
       });
       checkpoint::PersistOptions po;
@@ -600,6 +1117,8 @@ class Trainer::Impl {
     }
     if (arena_->snapshot(step, state)) {
       lastSnapshot_ = step;
+      std::lock_guard<std::mutex> lock(ckMu_);
+      ckOutstanding_++;
     } else {
       std::lock_guard<std::mutex> lock(ckMu_);
       ckSkipped_++;
@@ -611,20 +1130,22 @@ class Trainer::Impl {
     while (true) {
       ckCv_.wait(lock, [&] { return ckStop_ || !toFlush_.empty(); });
       if (toFlush_.empty()) return;  // Stopping with nothing left to write.
-      auto shard = toFlush_.front();
+      FlushJob job = std::move(toFlush_.front());
       toFlush_.pop_front();
       flushBusy_ = true;
       lock.unlock();
       auto t0 = Clock::now();
       std::exception_ptr error;
+      const auto& shard = job.shard;
       try {
-        writer_->flush({shard});
+        flushOne(job);
       } catch (...) {
         error = std::current_exception();
       }
       double took = seconds(Clock::now() - t0);
       lock.lock();
       flushBusy_ = false;
+      ckOutstanding_--;
       if (!error) {
         ckWritten_++;
         event({{"event", "checkpoint"}, {"step", shard->step}, {"duration_s", took}});
@@ -641,12 +1162,44 @@ class Trainer::Impl {
     }
   }
 
-  // Waits until the last snapshot is copied and every queued version is durable.
+  // Writes one version's shard: alone (data parallel), or as one of pipeline 0's writers,
+  // posting its manifest entries to the store (kPost) or collecting everyone's and
+  // committing the version (kCommit). Runs on the flush thread.
+  void flushOne(const FlushJob& job) {
+    const checkpoint::HostShard& shard = *job.shard;
+    if (job.how == FlushHow::kAlone) {
+      writer_->flush({job.shard});
+      return;
+    }
+    checkpoint::ShardFileRecord mine = writer_->writeShard(shard);
+    const auto& store = ctx_.store();
+    if (job.how == FlushHow::kPost) {
+      store->set(recordKey(shard.step, ctx_.worker()), collectives::toBytes(mine.toJson()));
+      return;
+    }
+    std::vector<std::string> keys;
+    for (int w : job.others) keys.push_back(recordKey(shard.step, w));
+    try {
+      store->wait(keys, o_.recoveryTimeout);
+    } catch (const Timeout&) {
+      SINEW_THROW(Timeout, "checkpoint ", shard.step, ": the shards of pipeline 0's other ",
+                  "writers did not all arrive within ", o_.recoveryTimeout.count(), " ms");
+    }
+    std::vector<checkpoint::ShardFileRecord> records = {mine};
+    for (const std::string& k : keys) {
+      records.push_back(checkpoint::ShardFileRecord::fromJson(
+          collectives::toString(store->get(k, o_.recoveryTimeout))));
+    }
+    writer_->commitVersion(shard.step, records);
+    for (const std::string& k : keys) store->deleteKey(k);
+  }
+
+  // Waits until the last snapshot is copied and every version taken is flushed.
   void finishCheckpoints() {
     if (!arena_) return;
     arena_->waitBeforeUpdate();
     std::unique_lock<std::mutex> lock(ckMu_);
-    ckCv_.wait(lock, [&] { return toFlush_.empty() && !flushBusy_; });
+    ckCv_.wait(lock, [&] { return ckOutstanding_ == 0; });
   }
 
   void stopFlushThread() {
@@ -666,7 +1219,16 @@ class Trainer::Impl {
                   " from a checkpoint it must restore");
     }
     auto t0 = Clock::now();
-    auto layers = checkpoint::CheckpointReader(o_.checkpointDir, state_.checkpointEnv).load(step);
+    std::vector<std::string> names;  // The layers this worker holds that have state.
+    for (const auto& child : model_->named_children()) {
+      if (child.value()->parameters().size() > 0) names.push_back(child.key());
+    }
+    if (names.empty()) {
+      applied_ = step;
+      return;
+    }
+    auto layers =
+        checkpoint::CheckpointReader(o_.checkpointDir, state_.checkpointEnv).load(step, names);
     at::NoGradGuard noGrad;
     auto& st = opt_->state();
     for (const auto& child : model_->named_children()) {
@@ -732,6 +1294,12 @@ class Trainer::Impl {
   std::mutex commMu_;
   // Guarded by commMu_ (the client's io thread aborts it on a new epoch).
   std::unique_ptr<collectives::Communicator> comm_;
+  std::vector<GradGroup> groups_;  // Pipeline mode; guarded by commMu_ like comm_.
+  bool pipelineMode_ = false;
+  pipeline::Profile profile_;
+  std::map<int, pipeline::TemplateSet> templates_;  // By the node count they were planned for.
+  int heldFirst_ = -1;  // The layers this worker holds in pipeline mode, [heldFirst_, heldEnd_).
+  int heldEnd_ = -1;
   int64_t epoch_ = -1;
   std::vector<int> members_;
   Plan plan_;
@@ -754,16 +1322,36 @@ class Trainer::Impl {
   std::mutex ckMu_;
   std::condition_variable ckCv_;
   // Guarded by ckMu_.
-  std::deque<std::shared_ptr<const checkpoint::HostShard>> toFlush_;
+  std::deque<FlushJob> toFlush_;
   bool flushBusy_ = false;
+  int64_t ckOutstanding_ = 0;  // Snapshots taken and not yet flushed (or failed).
+  FlushHow ckHow_ = FlushHow::kAlone;  // How the snapshot being copied is to be flushed.
+  std::vector<int> ckOthers_;
   bool ckStop_ = false;
   int64_t ckWritten_ = 0;
   int64_t ckSkipped_ = 0;
   std::exception_ptr flushError_;  // The first failed flush, rethrown by run().
 };
 
+namespace {
+
+// Pipeline mode builds a worker's layers once its stage is known; until then it holds none.
+torch::nn::Sequential initialModel(const ModelSpec& spec, const TrainerOptions& o) {
+  if (o.parallelism == Parallelism::kData) return buildModel(spec, o.seed, o.dtype);
+  if (spec.layers.empty()) SINEW_THROW(InvalidArgument, "ModelSpec::layers is empty");
+  for (size_t i = 0; i < spec.layers.size(); ++i) {
+    if (!spec.layers[i].build) {
+      SINEW_THROW(InvalidArgument, "ModelSpec::layers[", i, "] ('", spec.layers[i].name,
+                  "') has no build factory");
+    }
+  }
+  return torch::nn::Sequential();
+}
+
+}  // namespace
+
 Trainer::Trainer(Context& ctx, ModelSpec spec, TrainerOptions options)
-    : model_(buildModel(spec, options.seed, options.dtype)),
+    : model_(initialModel(spec, options)),
       impl_(std::make_unique<Impl>(ctx, std::move(spec), std::move(options), model_)) {}
 
 Trainer::~Trainer() = default;

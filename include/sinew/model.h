@@ -19,8 +19,9 @@
 namespace sinew {
 
 // One layer: a name (the key of its state everywhere: checkpoints, copies) and a factory.
-// Factories are called in layer order after seeding torch's generator with the trainer's
-// seed, so every worker builds the same initial parameters.
+// Before layer i's factory runs, torch's generator is seeded from (the trainer's seed, i), so
+// every worker builds the same initial parameters for a layer whichever other layers it
+// builds (a pipeline stage builds only its own).
 struct LayerSpec {
   std::string name;
   std::function<torch::nn::AnyModule()> build;
@@ -52,5 +53,10 @@ struct ModelSpec {
 // Builds the model of `spec` (seeded with `seed`, cast to dtype) as a Sequential.
 // Throws InvalidArgument if spec has no layers or a layer has no factory.
 torch::nn::Sequential buildModel(const ModelSpec& spec, uint64_t seed, at::ScalarType dtype);
+
+// Builds layers [first, end) of `spec` only, each exactly as buildModel() builds it.
+// Throws InvalidArgument as buildModel() or unless 0 <= first < end <= spec.layers.size().
+torch::nn::Sequential buildLayers(const ModelSpec& spec, uint64_t seed, at::ScalarType dtype,
+                                  int first, int end);
 
 }  // namespace sinew

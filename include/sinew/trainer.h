@@ -4,13 +4,21 @@
 // and data, and drives training through failures and joins.
 //
 // The model is an ordered list of LayerSpecs (sinew/model.h; any worker can build any layer);
-// an internal plan says which worker holds which layers and runs which microbatches. This
-// version runs data parallel (every worker holds every layer: one-stage pipelines); the plan
-// and step code are the pipeline-shaped ones, so pipelines plug in without changing this API.
+// a plan says which worker holds which layers and runs which microbatches. Two modes
+// (TrainerOptions::parallelism):
+//   - data parallel: every worker holds every layer (one-stage pipelines);
+//   - pipeline parallel (docs/pipeline.md): from a layer profile every worker plans the same
+//     pipeline templates and instantiates at least faultTolerance + 1 pipelines on the
+//     epoch's members; each worker builds only its stage's layers, runs 1F1B over its
+//     pipeline's share of the global batch (activations forward and gradients back through
+//     Communicator::exchange), and each layer's gradient is summed over the workers that hold
+//     that layer (one group per layer range).
 //
 // A step s, on every member of the current epoch:
 //   1. Run forward and backward over this worker's microbatches of the global batch of s
 //      (a pure function of (seed, s)), each loss scaled by microbatch/global batch.
+//      Floating-point inputs and targets are cast to the training dtype; integer ones (token
+//      ids, class labels) are passed unchanged.
 //   2. Allreduce the gradients (sum) and the loss.
 //   3. Vote through the coordinator; apply the optimizer step only when step s is committed
 //      (every member voted). A step is applied everywhere or nowhere.
@@ -36,6 +44,11 @@
 #include "sinew/model.h"
 
 namespace sinew {
+
+enum class Parallelism {
+  kData,      // every worker holds every layer
+  kPipeline,  // pipelines from templates; each worker holds one stage's layers
+};
 
 struct TrainerOptions {
   int64_t globalBatch = 64;  // samples per step, whatever the job's size
@@ -66,6 +79,19 @@ struct TrainerOptions {
   std::string checkpointDir;
   int checkpointEvery = 0;
   int checkpointKeep = 2;  // newest durable versions kept
+
+  // ---- Pipeline parallelism (parallelism = kPipeline; docs/pipeline.md) ----
+  Parallelism parallelism = Parallelism::kData;
+  // f: the job runs at least f + 1 pipelines, so every layer has f + 1 copies.
+  int faultTolerance = 1;
+  // The layer profile the planner uses: a JSON file (docs/profile_format.md) with one entry
+  // per layer of the model, in order; empty: measured at start by one worker with the
+  // profiler (pipeline/profiler.h) on the first microbatch and shared with the others
+  // through the store, so every worker plans from the same numbers.
+  std::string profilePath;
+  // For a measured profile: the memory one worker may use for its layers' parameters,
+  // optimizer state and activations (0: unlimited). A profile file sets its own.
+  int64_t deviceMemoryBytes = 0;
 };
 
 struct TrainResult {
@@ -80,6 +106,13 @@ struct TrainResult {
   int64_t checkpointsWritten = 0;     // durable versions this worker wrote
   int64_t checkpointsSkipped = 0;     // due but skipped because a flush was still running
   double checkpointStallSeconds = 0;  // optimizer steps waiting for a snapshot copy
+  // What this worker ran in the final epoch: its pipeline and stage (data parallel: its rank
+  // and 0), of how many pipelines, the layers it held and their parameter count.
+  int pipelines = 0;
+  int pipeline = -1;
+  int stage = -1;
+  std::vector<std::string> layers;
+  int64_t parameterCount = 0;
 };
 
 // The dataset indices of step `step`'s global batch: a pure function of (seed, step).
@@ -105,6 +138,8 @@ class Trainer {
   // error, so the caller learns that the newest durable version is older than it asked for.
   TrainResult run();
 
+  // The layers this worker holds: all of them in data parallel mode; in pipeline mode its
+  // stage's, built when the first epoch's plan is known (empty before run()).
   torch::nn::Sequential& model() { return model_; }
   std::vector<at::Tensor> parameters() const { return model_->parameters(); }
 

@@ -23,103 +23,20 @@
 #include <thread>
 #include <vector>
 
+#include "job_support.h"
+
 namespace {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
-struct JobRun {
-  int exitCode = -1;
-  bool timedOut = false;
-  std::string output;
-};
-
-struct Child {
-  pid_t pid = -1;
-  int fd = -1;
-};
-
-Child start(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env) {
-  int fds[2];
-  if (::pipe(fds) != 0) throw std::runtime_error("pipe failed");
-  pid_t pid = ::fork();
-  if (pid == 0) {
-    ::dup2(fds[1], 1);
-    ::dup2(fds[1], 2);
-    ::close(fds[0]);
-    ::close(fds[1]);
-    for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
-    std::vector<char*> args;
-    for (const auto& s : argv) args.push_back(const_cast<char*>(s.c_str()));
-    args.push_back(nullptr);
-    ::execvp(args[0], args.data());
-    _exit(127);
-  }
-  ::close(fds[1]);
-  return {pid, fds[0]};
-}
-
-// Reads the child's output until it exits or the deadline passes (then SIGTERM, which
-// sinew-run forwards to its workers, and SIGKILL after 5 s).
-JobRun finish(Child c, std::chrono::seconds timeout) {
-  JobRun r;
-  auto deadline = Clock::now() + timeout;
-  bool terminated = false;
-  while (true) {
-    pollfd p{c.fd, POLLIN, 0};
-    ::poll(&p, 1, 100);
-    if (p.revents & (POLLIN | POLLHUP)) {
-      char buf[8192];
-      ssize_t n = ::read(c.fd, buf, sizeof(buf));
-      if (n > 0) {
-        r.output.append(buf, n);
-        continue;
-      }
-      if (n == 0) break;
-    }
-    if (Clock::now() > deadline && !terminated) {
-      r.timedOut = true;
-      ::kill(c.pid, SIGTERM);
-      terminated = true;
-      deadline = Clock::now() + 5s;
-    } else if (terminated && Clock::now() > deadline) {
-      ::kill(c.pid, SIGKILL);
-      break;
-    }
-  }
-  ::close(c.fd);
-  int st = 0;
-  ::waitpid(c.pid, &st, 0);
-  r.exitCode = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-  return r;
-}
-
-struct Result {
-  bool found = false;
-  double finalLoss = 0, referenceLoss = 0, maxRel = 1, recoveryMax = 99;
-  int recoveries = -1;
-};
-
-Result parseResult(const std::string& out) {
-  std::regex re(
-      "RESULT final_loss=(\\S+) reference_loss=(\\S+) max_param_rel_diff=(\\S+) "
-      "recoveries=(\\d+) recovery_s_max=(\\S+)");
-  std::smatch m;
-  Result r;
-  if (std::regex_search(out, m, re)) {
-    r.found = true;
-    r.finalLoss = std::stod(m[1]);
-    r.referenceLoss = std::stod(m[2]);
-    r.maxRel = std::stod(m[3]);
-    r.recoveries = std::stoi(m[4]);
-    r.recoveryMax = std::stod(m[5]);
-  }
-  return r;
-}
-
-std::string logDir(const std::string& name) {
-  return std::string(SINEW_TEST_TMP) + "/" + name + "-" + std::to_string(::getpid());
-}
+using sinew::testing::Child;
+using sinew::testing::finish;
+using sinew::testing::JobRun;
+using sinew::testing::logDir;
+using sinew::testing::parseResult;
+using sinew::testing::Result;
+using sinew::testing::start;
 
 // The verdict every scenario must meet.
 void expectGoodJob(const JobRun& run, const std::string& lostList, int minRecoveries) {

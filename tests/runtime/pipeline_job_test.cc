@@ -1,0 +1,194 @@
+// Whole pipeline-parallel jobs: sinew-run runs examples/train_pp (a GPT-style decoder on
+// token ids) with a memory budget that no single worker can hold the model in, so the
+// trainer plans pipelines from templates and runs 1F1B. Each job must end with parameters
+// within 1e-5 (relative) of the single-process libtorch reference, every worker holding
+// (and allocating) only its own layers.
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <map>
+#include <regex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "job_support.h"
+
+namespace {
+
+using namespace std::chrono_literals;
+using sinew::testing::finish;
+using sinew::testing::JobRun;
+using sinew::testing::logDir;
+using sinew::testing::parseResult;
+using sinew::testing::Result;
+using sinew::testing::start;
+
+// train_pp's layers with their parameter counts: embed (token 32 x 32 + position 16 x 32),
+// 8 blocks (two layer norms, qkv, proj, a 4x MLP over 32 features), head (layer norm, 32 x 32
+// projection with bias).
+constexpr int64_t kEmbedParams = 32 * 32 + 16 * 32;
+constexpr int64_t kBlockParams = 2 * 64 + (32 * 96 + 96) + (32 * 32 + 32) + (32 * 128 + 128) +
+                                 (128 * 32 + 32);
+constexpr int64_t kHeadParams = 64 + 32 * 32 + 32;
+constexpr int64_t kModelParams = kEmbedParams + 8 * kBlockParams + kHeadParams;
+// Parameters and Adam's two moments of the whole model in float64 are 2.5 MB; a worker may
+// use 2 MB, so the model needs at least two workers per pipeline.
+const char* kBudget = "2000000";
+
+int layerIndex(const std::string& name) {
+  if (name == "embed") return 0;
+  if (name == "head") return 9;
+  return 1 + std::stoi(name.substr(5));  // "block<k>"
+}
+
+int64_t paramsOf(int first, int last) {
+  int64_t n = 0;
+  for (int l = first; l <= last; ++l) {
+    n += l == 0 ? kEmbedParams : l == 9 ? kHeadParams : kBlockParams;
+  }
+  return n;
+}
+
+struct WorkerLine {
+  int worker = -1, pipeline = -1, pipelines = 0, stage = -1, first = -1, last = -1;
+  int64_t params = 0;
+};
+
+// The "train_pp: worker W done: ..." line of every worker.
+std::vector<WorkerLine> workerLines(const std::string& out) {
+  std::regex re(
+      "train_pp: worker (\\d+) done: .* pipeline (-?\\d+) of (\\d+), stage (-?\\d+), layers "
+      "(\\w+)\\.\\.(\\w+) \\(\\d+ layers, (\\d+) parameters\\)");
+  std::vector<WorkerLine> lines;
+  for (std::sregex_iterator it(out.begin(), out.end(), re), end; it != end; ++it) {
+    WorkerLine w;
+    w.worker = std::stoi((*it)[1]);
+    w.pipeline = std::stoi((*it)[2]);
+    w.pipelines = std::stoi((*it)[3]);
+    w.stage = std::stoi((*it)[4]);
+    w.first = layerIndex((*it)[5]);
+    w.last = layerIndex((*it)[6]);
+    w.params = std::stoll((*it)[7]);
+    lines.push_back(w);
+  }
+  return lines;
+}
+
+// Stage counts of the pipelines of the first plan the job printed.
+std::vector<int> planStages(const std::string& out) {
+  std::regex re("  pipeline (\\d+): (\\d+) stages, (\\d+) microbatches:");
+  std::vector<int> stages;
+  for (std::sregex_iterator it(out.begin(), out.end(), re), end; it != end; ++it) {
+    if (std::stoi((*it)[1]) == 0 && !stages.empty()) break;  // A later epoch's plan.
+    stages.push_back(std::stoi((*it)[2]));
+  }
+  return stages;
+}
+
+JobRun trainPp(const std::string& name, int workers, const std::vector<std::string>& args) {
+  std::vector<std::string> argv = {SINEW_RUN_PATH, "-n", std::to_string(workers), "--log-dir",
+                                   logDir(name), TRAIN_PP_PATH};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return finish(start(argv, {}), 300s);
+}
+
+void expectMatchesReference(const JobRun& run) {
+  EXPECT_FALSE(run.timedOut) << "the job hung";
+  EXPECT_EQ(run.exitCode, 0);
+  Result r = parseResult(run.output);
+  ASSERT_TRUE(r.found) << "no RESULT line";
+  EXPECT_LE(r.maxRel, 1e-5);
+  EXPECT_NEAR(r.finalLoss, r.referenceLoss, 1e-6 * r.referenceLoss);
+  EXPECT_LT(r.finalLoss, 2.0) << "the model did not learn (a uniform guess scores ln 32 = 3.47)";
+}
+
+// Every worker holds a contiguous range of layers, allocates exactly their parameters, and
+// the stages of each pipeline cover the model once.
+void expectStagesHoldOnlyTheirLayers(const std::vector<WorkerLine>& lines, int workers) {
+  ASSERT_EQ(static_cast<int>(lines.size()), workers);
+  std::map<int, std::vector<WorkerLine>> byPipeline;
+  for (const auto& w : lines) {
+    EXPECT_EQ(w.params, paramsOf(w.first, w.last)) << "worker " << w.worker;
+    EXPECT_LT(w.params, kModelParams) << "worker " << w.worker << " holds the whole model";
+    byPipeline[w.pipeline].push_back(w);
+  }
+  EXPECT_GE(byPipeline.size(), 2u) << "fault tolerance 1 needs two pipelines";
+  for (auto& [p, stages] : byPipeline) {
+    std::sort(stages.begin(), stages.end(),
+              [](const WorkerLine& a, const WorkerLine& b) { return a.stage < b.stage; });
+    int next = 0;
+    for (const auto& w : stages) {
+      EXPECT_EQ(w.first, next) << "pipeline " << p << " stage " << w.stage;
+      next = w.last + 1;
+    }
+    EXPECT_EQ(next, 10) << "pipeline " << p << " does not end with the head";
+  }
+}
+
+TEST(PipelineJobTest, SixWorkersTrainPipelinesOfAModelNoWorkerCanHold) {
+  JobRun run = trainPp("pp-six", 6, {"--memory-bytes", kBudget});
+  SCOPED_TRACE(run.output);
+  expectMatchesReference(run);
+  expectStagesHoldOnlyTheirLayers(workerLines(run.output), 6);
+  for (int stages : planStages(run.output)) EXPECT_GE(stages, 2);
+}
+
+TEST(PipelineJobTest, FiveWorkersRunPipelinesOfDifferentLengths) {
+  JobRun run = trainPp("pp-five", 5, {"--memory-bytes", kBudget, "--steps", "30"});
+  SCOPED_TRACE(run.output);
+  expectMatchesReference(run);
+  expectStagesHoldOnlyTheirLayers(workerLines(run.output), 5);
+  std::vector<int> stages = planStages(run.output);
+  ASSERT_EQ(stages.size(), 2u);
+  EXPECT_EQ(std::set<int>(stages.begin(), stages.end()), (std::set<int>{2, 3}))
+      << "five workers, two pipelines: one of 3 stages and one of 2";
+}
+
+TEST(PipelineJobTest, OneWorkerCannotHoldTheModelAndSaysWhy) {
+  JobRun run = trainPp("pp-one", 1, {"--memory-bytes", kBudget, "--fault-tolerance", "0"});
+  EXPECT_FALSE(run.timedOut);
+  EXPECT_NE(run.exitCode, 0);
+  EXPECT_NE(run.output.find("fits no pipeline"), std::string::npos) << run.output;
+  EXPECT_NE(run.output.find("device_memory_bytes=2000000"), std::string::npos) << run.output;
+}
+
+TEST(PipelineJobTest, IntegerInputsTrainDataParallel) {
+  // Token ids stay int64 on their way to the Embedding (they used to be cast to float64).
+  JobRun run = trainPp("pp-dp", 3, {"--data-parallel", "--steps", "20"});
+  SCOPED_TRACE(run.output);
+  EXPECT_FALSE(run.timedOut);
+  EXPECT_EQ(run.exitCode, 0);
+  Result r = parseResult(run.output);
+  ASSERT_TRUE(r.found) << "no RESULT line";
+  EXPECT_LE(r.maxRel, 1e-5);
+  for (const auto& w : workerLines(run.output)) EXPECT_EQ(w.params, kModelParams);
+}
+
+TEST(PipelineJobTest, RestartFromDiskOntoOtherPlansAndDataParallel) {
+  std::string dir = logDir("pp-ckpt") + "-checkpoints";
+  std::filesystem::remove_all(dir);
+  // Pipelines of 3 and 2 stages write steps 0..15 (every writer of pipeline 0 its shard).
+  JobRun a = trainPp("pp-ckpt-a", 5,
+                     {"--memory-bytes", kBudget, "--steps", "16", "--checkpoint-dir", dir,
+                      "--checkpoint-every", "4", "--no-reference"});
+  ASSERT_EQ(a.exitCode, 0) << a.output;
+  // Data parallel on 2 workers resumes from the pipelines' version and writes 16..27.
+  JobRun b = trainPp("pp-ckpt-b", 2,
+                     {"--data-parallel", "--steps", "28", "--checkpoint-dir", dir,
+                      "--checkpoint-every", "4", "--no-reference"});
+  ASSERT_EQ(b.exitCode, 0) << b.output;
+  EXPECT_NE(b.output.find("resumed from the durable checkpoint of step 15"), std::string::npos)
+      << b.output;
+  // Pipelines on 6 workers resume from the data-parallel version and finish.
+  JobRun c = trainPp("pp-ckpt-c", 6,
+                     {"--memory-bytes", kBudget, "--steps", "40", "--checkpoint-dir", dir,
+                      "--checkpoint-every", "4"});
+  SCOPED_TRACE(c.output);
+  EXPECT_NE(c.output.find("resumed from the durable checkpoint of step 27"), std::string::npos);
+  expectMatchesReference(c);
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
