@@ -173,7 +173,8 @@ struct BlockImpl : torch::nn::Module {
     at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
     at::Tensor causal = at::ones({T, T}, at::TensorOptions().dtype(at::kBool)).triu(1);
     scores = scores.masked_fill(causal, -std::numeric_limits<double>::infinity());
-    at::Tensor attn = at::matmul(at::softmax(scores, -1), v).transpose(1, 2).reshape({B, T, kEmbed});
+    at::Tensor attn =
+        at::matmul(at::softmax(scores, -1), v).transpose(1, 2).reshape({B, T, kEmbed});
     at::Tensor h = x + proj->forward(attn);
     return h + out->forward(at::gelu(fc->forward(ln2->forward(h))));
   }
@@ -216,7 +217,8 @@ sinew::ModelSpec model(const Args& a) {
   sinew::ModelSpec spec;
   spec.layers.push_back({"embed", [] { return torch::nn::AnyModule(Embed()); }});
   for (int b = 0; b < a.blocks; ++b) {
-    spec.layers.push_back({"block" + std::to_string(b), [] { return torch::nn::AnyModule(Block()); }});
+    spec.layers.push_back(
+        {"block" + std::to_string(b), [] { return torch::nn::AnyModule(Block()); }});
   }
   spec.layers.push_back({"head", [] { return torch::nn::AnyModule(Head()); }});
   spec.loss = [](const at::Tensor& logits, const at::Tensor& target) {
@@ -311,8 +313,7 @@ int main(int argc, char** argv) {
     std::printf("train_pp: worker %d resumed from the durable checkpoint of step %lld\n",
                 ctx->worker(), static_cast<long long>(r.startStep - 1));
   }
-  std::string held = r.layers.empty() ? "no layers"
-                                      : r.layers.front() + ".." + r.layers.back();
+  std::string held = r.layers.empty() ? "no layers" : r.layers.front() + ".." + r.layers.back();
   std::printf(
       "train_pp: worker %d done: %lld steps, epoch %lld, %zu workers, pipeline %d of %d, stage "
       "%d, layers %s (%zu layers, %lld parameters), loss %.9g\n",

@@ -210,8 +210,8 @@ class Trainer::Impl {
                     " must be >= 0");
       }
       if (o_.deviceMemoryBytes < 0) {
-        SINEW_THROW(InvalidArgument, "TrainerOptions::deviceMemoryBytes = ",
-                    o_.deviceMemoryBytes, " must be >= 0 (0: unlimited)");
+        SINEW_THROW(InvalidArgument, "TrainerOptions::deviceMemoryBytes = ", o_.deviceMemoryBytes,
+                    " must be >= 0 (0: unlimited)");
       }
       if (!o_.profilePath.empty()) {
         profile_ = pipeline::loadProfile(o_.profilePath);
@@ -612,7 +612,7 @@ class Trainer::Impl {
 
   // Tags of the point-to-point messages between neighbouring stages; messages with one tag
   // between two workers match in order, and every stage sends in microbatch order.
-  static constexpr uint32_t kTagHeader = 1;    // shape and dtype of the next activation
+  static constexpr uint32_t kTagHeader = 1;  // shape and dtype of the next activation
   static constexpr uint32_t kTagActivation = 2;
   static constexpr uint32_t kTagGradient = 3;  // gradient of that activation, sent back
   static constexpr int kMaxDims = 8;
@@ -665,7 +665,8 @@ class Trainer::Impl {
       store->set(key, collectives::toBytes(pipeline::profileToJson(profile_)));
       event({{"event", "profiled"}, {"layers", L}, {"duration_s", seconds(Clock::now() - t0)}});
     } else {
-      profile_ = pipeline::parseProfileJson(collectives::toString(store->get(key, o_.recoveryTimeout)));
+      profile_ =
+          pipeline::parseProfileJson(collectives::toString(store->get(key, o_.recoveryTimeout)));
     }
     checkProfile("the measured profile");
   }
@@ -725,7 +726,8 @@ class Trainer::Impl {
                   "implemented yet (pipeline reconfiguration, docs/pipeline.md)");
     }
     if (info.sync && !info.joined.empty() && epoch_ >= 0) {
-      SINEW_THROW(InvalidArgument, "epoch ", info.epoch, " admits joining workers, which "
+      SINEW_THROW(InvalidArgument, "epoch ", info.epoch,
+                  " admits joining workers, which "
                   "pipeline mode cannot give layers to yet (docs/pipeline.md)");
     }
     if (!info.sync && applied_ != info.resumeStep - 1) {
@@ -810,12 +812,12 @@ class Trainer::Impl {
         ps << " w" << w.worker << "[" << spec_.layers[w.firstLayer].name << ".."
            << spec_.layers[w.endLayer - 1].name << "]";
       }
-      pipes.push_back(
-          {{"stages", stages}, {"microbatches", plan_.pipelines[p].microbatches}});
+      pipes.push_back({{"stages", stages}, {"microbatches", plan_.pipelines[p].microbatches}});
       os << "\n  pipeline " << p << ": " << nstages << " stages, "
          << plan_.pipelines[p].microbatches << " microbatches:" << ps.str();
     }
-    event({{"event", "plan"}, {"epoch", epoch_}, {"pipelines", pipes}, {"idle", plan_.idleNodeIds}});
+    event(
+        {{"event", "plan"}, {"epoch", epoch_}, {"pipelines", pipes}, {"idle", plan_.idleNodeIds}});
     if (!members_.empty() && members_.front() == ctx_.worker()) {
       std::printf("%s\n", os.str().c_str());
       std::fflush(stdout);
@@ -1324,7 +1326,7 @@ class Trainer::Impl {
   // Guarded by ckMu_.
   std::deque<FlushJob> toFlush_;
   bool flushBusy_ = false;
-  int64_t ckOutstanding_ = 0;  // Snapshots taken and not yet flushed (or failed).
+  int64_t ckOutstanding_ = 0;          // Snapshots taken and not yet flushed (or failed).
   FlushHow ckHow_ = FlushHow::kAlone;  // How the snapshot being copied is to be flushed.
   std::vector<int> ckOthers_;
   bool ckStop_ = false;

@@ -856,8 +856,7 @@ void GlooCommunicator::recv(at::Tensor& t, int src, uint32_t tag,
   });
 }
 
-void GlooCommunicator::exchange(const std::vector<P2POp>& ops,
-                                std::chrono::milliseconds timeout) {
+void GlooCommunicator::exchange(const std::vector<P2POp>& ops, std::chrono::milliseconds timeout) {
   for (const P2POp& op : ops) {
     const bool isSend = op.kind == P2POp::Kind::kSend;
     validate(op.tensor, isSend ? "exchange (send)" : "exchange (recv)", false);

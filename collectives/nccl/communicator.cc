@@ -362,8 +362,7 @@ void NcclCommunicator::recv(at::Tensor& t, int src, uint32_t tag,
       [&] { return ncclRecv(t.data_ptr(), t.numel(), ncclType(t), src, comm_, stream_); });
 }
 
-void NcclCommunicator::exchange(const std::vector<P2POp>& ops,
-                                std::chrono::milliseconds timeout) {
+void NcclCommunicator::exchange(const std::vector<P2POp>& ops, std::chrono::milliseconds timeout) {
   for (const P2POp& op : ops) {
     validate(op.tensor, op.kind == P2POp::Kind::kSend ? "exchange (send)" : "exchange (recv)");
     if (op.peer < 0 || op.peer >= size() || op.peer == rank_) {

@@ -35,7 +35,8 @@ struct Child {
   int fd = -1;
 };
 
-inline Child start(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env) {
+inline Child start(const std::vector<std::string>& argv,
+                   const std::map<std::string, std::string>& env) {
   int fds[2];
   if (::pipe(fds) != 0) throw std::runtime_error("pipe failed");
   pid_t pid = ::fork();

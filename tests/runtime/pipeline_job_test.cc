@@ -29,8 +29,8 @@ using sinew::testing::start;
 // 8 blocks (two layer norms, qkv, proj, a 4x MLP over 32 features), head (layer norm, 32 x 32
 // projection with bias).
 constexpr int64_t kEmbedParams = 32 * 32 + 16 * 32;
-constexpr int64_t kBlockParams = 2 * 64 + (32 * 96 + 96) + (32 * 32 + 32) + (32 * 128 + 128) +
-                                 (128 * 32 + 32);
+constexpr int64_t kBlockParams =
+    2 * 64 + (32 * 96 + 96) + (32 * 32 + 32) + (32 * 128 + 128) + (128 * 32 + 32);
 constexpr int64_t kHeadParams = 64 + 32 * 32 + 32;
 constexpr int64_t kModelParams = kEmbedParams + 8 * kBlockParams + kHeadParams;
 // Parameters and Adam's two moments of the whole model in float64 are 2.5 MB; a worker may
@@ -88,8 +88,8 @@ std::vector<int> planStages(const std::string& out) {
 }
 
 JobRun trainPp(const std::string& name, int workers, const std::vector<std::string>& args) {
-  std::vector<std::string> argv = {SINEW_RUN_PATH, "-n", std::to_string(workers), "--log-dir",
-                                   logDir(name), TRAIN_PP_PATH};
+  std::vector<std::string> argv = {SINEW_RUN_PATH, "-n",         std::to_string(workers),
+                                   "--log-dir",    logDir(name), TRAIN_PP_PATH};
   argv.insert(argv.end(), args.begin(), args.end());
   return finish(start(argv, {}), 300s);
 }
