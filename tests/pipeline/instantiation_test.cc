@@ -159,7 +159,9 @@ TEST(InstantiateTest, EqualsBruteForce) {
     int64_t mb = 0, z = 0;
     for (size_t p = 0; p < inst.pipelines.size(); ++p) {
       const PipelineInstance& pi = inst.pipelines[p];
-      if (p > 0) EXPECT_LE(pi.nodes, inst.pipelines[p - 1].nodes);  // largest first
+      if (p > 0) {
+        EXPECT_LE(pi.nodes, inst.pipelines[p - 1].nodes);  // largest first
+      }
       ASSERT_NE(set.find(pi.nodes), nullptr);
       EXPECT_EQ(pi.iteration_ticks, set.find(pi.nodes)->iterationTicks(pi.microbatches));
       nodes += pi.nodes;
