@@ -56,58 +56,80 @@ Profile profileLayers(const std::vector<ProfiledLayer>& layers, const at::Tensor
   if (!input.defined()) {
     SINEW_THROW(InvalidArgument, "profileLayers: input tensor is undefined");
   }
+  for (size_t l = 0; l < layers.size(); ++l) {
+    if (!layers[l].forward) {
+      SINEW_THROW(InvalidArgument, "profileLayers: layers[", l, "] ('", layers[l].name,
+                  "') has no forward");
+    }
+  }
   Profile profile;
   profile.job = options.job;
   profile.microbatch_size = options.microbatch_size;
-  at::Tensor x = input.detach();
-  for (size_t l = 0; l < layers.size(); ++l) {
-    const ProfiledLayer& layer = layers[l];
-    if (!layer.forward) {
-      SINEW_THROW(InvalidArgument, "profileLayers: layers[", l, "] ('", layer.name,
-                  "') has no forward");
-    }
-    const bool floating = at::isFloatingType(x.scalar_type());
-    std::vector<int64_t> fwd, bwd;
-    at::Tensor y;
-    for (int run = 0; run < options.warmup + options.repeats; ++run) {
+  const size_t L = layers.size();
+  // Each run is one whole microbatch, as in training: the forward of every layer in order,
+  // then the backward of every layer in reverse, each layer timed on its own. Profiling a
+  // layer alone, over and over on the same tensors, measured it with a cache-hot working set
+  // and underestimated training by a third (docs/pipeline.md, "Cost model check").
+  std::vector<std::vector<int64_t>> fwd(L), bwd(L);
+  std::vector<at::Tensor> ins(L), outs(L);
+  auto failed = [&](size_t l, const std::exception& e) {
+    SINEW_THROW(InvalidArgument, "profileLayers: layers[", l, "] ('", layers[l].name,
+                "') failed: ", e.what());
+  };
+  for (int run = 0; run < options.warmup + options.repeats; ++run) {
+    at::Tensor x = input.detach();
+    for (size_t l = 0; l < L; ++l) {
       at::Tensor in = x.detach();
-      if (floating) in.requires_grad_(true);
+      if (at::isFloatingType(in.scalar_type())) in.requires_grad_(true);
       try {
         auto t0 = Clock::now();
-        y = layer.forward(in);
+        at::Tensor y = layers[l].forward(in);
         synchronize(y);
-        int64_t f_ns = nsSince(t0);
-        int64_t b_ns = 0;
-        if (y.requires_grad()) {
-          auto t1 = Clock::now();
-          y.backward(at::ones_like(y));
-          synchronize(floating ? in.grad() : y);
-          b_ns = nsSince(t1);
-        }
-        if (run >= options.warmup) {
-          fwd.push_back(f_ns);
-          bwd.push_back(b_ns);
-        }
+        if (run >= options.warmup) fwd[l].push_back(nsSince(t0));
+        ins[l] = in;
+        outs[l] = y;
+        x = y;
       } catch (const std::exception& e) {
-        SINEW_THROW(InvalidArgument, "profileLayers: layers[", l, "] ('", layer.name,
-                    "') failed: ", e.what());
+        failed(l, e);
       }
+    }
+    at::Tensor g;
+    for (size_t i = L; i-- > 0;) {
+      const at::Tensor& y = outs[i];
+      int64_t b_ns = 0;
+      if (y.requires_grad()) {
+        if (!g.defined() || g.sizes() != y.sizes()) g = at::ones_like(y);
+        try {
+          auto t1 = Clock::now();
+          y.backward(g);
+          synchronize(ins[i].requires_grad() ? ins[i].grad() : y);
+          b_ns = nsSince(t1);
+        } catch (const std::exception& e) {
+          failed(i, e);
+        }
+      }
+      if (run >= options.warmup) bwd[i].push_back(b_ns);
+      g = ins[i].requires_grad() && ins[i].grad().defined() ? ins[i].grad() : at::Tensor();
+    }
+    for (const ProfiledLayer& layer : layers) {
       for (const at::Tensor& p : layer.parameters) {
         if (p.grad().defined()) p.mutable_grad().reset();
       }
     }
+  }
+  for (size_t l = 0; l < L; ++l) {
+    const ProfiledLayer& layer = layers[l];
     LayerCost c;
     c.name = layer.name.empty() ? "layer" + std::to_string(l) : layer.name;
-    c.forward_ns = median(fwd);
-    c.backward_ns = median(bwd);
+    c.forward_ns = median(fwd[l]);
+    c.backward_ns = median(bwd[l]);
     for (const at::Tensor& p : layer.parameters) c.param_bytes += tensorBytes(p);
     c.optimizer_bytes =
         std::llround(static_cast<double>(c.param_bytes) * options.optimizer_state_factor);
-    c.output_bytes = tensorBytes(y);
-    c.activation_bytes =
-        layer.activation_bytes >= 0 ? layer.activation_bytes : tensorBytes(x) + tensorBytes(y);
+    c.output_bytes = tensorBytes(outs[l]);
+    c.activation_bytes = layer.activation_bytes >= 0 ? layer.activation_bytes
+                                                     : tensorBytes(ins[l]) + tensorBytes(outs[l]);
     profile.layers.push_back(std::move(c));
-    x = y.detach();
   }
   validateProfile(profile);
   return profile;

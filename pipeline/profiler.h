@@ -7,9 +7,13 @@
 // trains, so the profiler does not depend on how the runtime builds models (LayerSpec). The
 // layers run in order: layer l + 1 is profiled on the (detached) output of layer l.
 //
-// Per layer, over `repeats` timed runs after `warmup` untimed ones, the median of:
+// Each run is one whole microbatch as in training: the forward of every layer in order, then
+// the backward of every layer in reverse order (so each layer runs with the working set of a
+// real step, not cache-hot on its own). Per layer, over `repeats` timed runs after `warmup`
+// untimed ones, the median of:
 //   forward_ns:  y = forward(x), with x requiring grad (if floating point) as in training;
-//   backward_ns: y.backward(ones_like(y)), i.e. the gradients of x and of every parameter.
+//   backward_ns: y.backward(g), g the gradient of the next layer's input (ones for the last
+//                layer), i.e. the gradients of x and of every parameter.
 // On a CUDA tensor each timed section ends by reading one element back (a synchronisation).
 // Bytes: param_bytes = sum of the parameters' bytes, optimizer_bytes = optimizer_state_factor
 // x param_bytes, output_bytes = bytes of y, activation_bytes = the layer's own estimate if it

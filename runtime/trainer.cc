@@ -266,7 +266,6 @@ class Trainer::Impl {
           checkpoint::CheckpointReader(o_.checkpointDir, state_.checkpointEnv).latestStep();
       if (latest >= 0) resume = latest + 1;
     }
-    if (pipelineMode_ && profile_.layers.empty()) agreeOnProfile();
     client_.ready(resume);
     recoverInto(-1, /*failure=*/false, "start");
     startStep_ = step_;
@@ -444,14 +443,17 @@ class Trainer::Impl {
     auto now = Clock::now();
     double elapsed = seconds(now - lastReport_);
     double rate = elapsed > 0 ? stepsSinceReport_ * o_.globalBatch / elapsed : 0;
+    nlohmann::json e = {{"event", "progress"},   {"step", step_},   {"loss", loss},
+                        {"samples_per_s", rate}, {"epoch", epoch_}, {"workers", members_.size()}};
+    if (pipelineMode_) {
+      // This stage's mean 1F1B time per step since the last report (forward, backward and
+      // the transfers, without the gradient sums and the vote).
+      e["schedule_s"] = scheduleSeconds_ / static_cast<double>(stepsSinceReport_);
+      scheduleSeconds_ = 0;
+    }
     lastReport_ = now;
     stepsSinceReport_ = 0;
-    event({{"event", "progress"},
-           {"step", step_},
-           {"loss", loss},
-           {"samples_per_s", rate},
-           {"epoch", epoch_},
-           {"workers", members_.size()}});
+    event(std::move(e));
     if (!members_.empty() && members_.front() == ctx_.worker()) {
       std::printf("sinew: step %lld loss %.6g samples/s %.0f epoch %lld workers %zu\n",
                   static_cast<long long>(step_), loss, rate, static_cast<long long>(epoch_),
@@ -637,38 +639,71 @@ class Trainer::Impl {
     }
   }
 
-  // Measures the profile on one worker (the first to ask) and shares it through the store;
-  // the others wait for it.
-  void agreeOnProfile() {
-    const auto& store = ctx_.store();
+  // The measured profile, agreed by the members of the first pipeline epoch (`store` is that
+  // epoch's abortable store). Every member profiles at once, so the layers are timed under
+  // the same load as training (on a shared machine running them one at a time measured
+  // them a third faster than they then ran); the first member publishes, once for the job,
+  // the per-layer median of everyone's times, and all members plan from that.
+  void agreeOnProfile(const EpochInfo& info, const std::shared_ptr<Store>& store) {
     const std::string key = "sinew/pipeline/profile";
-    if (store->add("sinew/pipeline/profiler", 1) == 1) {
+    if (!store->check({key})) {
       auto t0 = Clock::now();
-      const int L = static_cast<int>(spec_.layers.size());
-      std::vector<torch::nn::Sequential> built;
-      std::vector<pipeline::ProfiledLayer> layers;
-      for (int i = 0; i < L; ++i) {
-        built.push_back(buildLayers(spec_, o_.seed, o_.dtype, i, i + 1));
-        torch::nn::Sequential m = built.back();
-        layers.push_back({spec_.layers[i].name,
-                          [m](const at::Tensor& x) mutable { return m->forward(x); },
-                          m->parameters()});
+      pipeline::Profile mine = measureProfile();
+      const std::string prefix = key + "/e" + std::to_string(info.epoch) + "/w";
+      store->set(prefix + std::to_string(ctx_.worker()),
+                 collectives::toBytes(pipeline::profileToJson(mine)));
+      if (info.members.front() == ctx_.worker()) {
+        std::vector<pipeline::Profile> all;
+        for (int w : info.members) {
+          all.push_back(pipeline::parseProfileJson(
+              collectives::toString(store->get(prefix + std::to_string(w), o_.recoveryTimeout))));
+        }
+        pipeline::Profile agreed = mine;
+        for (size_t l = 0; l < agreed.layers.size(); ++l) {
+          std::vector<int64_t> f, b;
+          for (const auto& p : all) {
+            f.push_back(p.layers.at(l).forward_ns);
+            b.push_back(p.layers.at(l).backward_ns);
+          }
+          std::sort(f.begin(), f.end());
+          std::sort(b.begin(), b.end());
+          agreed.layers[l].forward_ns = f[f.size() / 2];
+          agreed.layers[l].backward_ns = b[b.size() / 2];
+        }
+        // The first combined profile of the job wins, should two epochs race.
+        store->compareSet(key, {}, collectives::toBytes(pipeline::profileToJson(agreed)));
       }
-      auto indices = globalBatchIndices(o_.seed, 0, o_.globalBatch, spec_.datasetSize);
-      pipeline::ProfilerOptions po;
-      po.job.devices_per_node = 1;
-      po.job.device_memory_bytes =
-          o_.deviceMemoryBytes > 0 ? o_.deviceMemoryBytes : int64_t{1} << 50;
-      po.job.inter_stage_gbps = 10;  // Loopback TCP between workers of one host.
-      po.microbatch_size = o_.microbatch;
-      profile_ = pipeline::profileLayers(layers, microbatchData(indices, 0).first, po);
-      store->set(key, collectives::toBytes(pipeline::profileToJson(profile_)));
-      event({{"event", "profiled"}, {"layers", L}, {"duration_s", seconds(Clock::now() - t0)}});
-    } else {
-      profile_ =
-          pipeline::parseProfileJson(collectives::toString(store->get(key, o_.recoveryTimeout)));
+      event({{"event", "profiled"},
+             {"layers", mine.layers.size()},
+             {"duration_s", seconds(Clock::now() - t0)},
+             {"profile", nlohmann::json::parse(pipeline::profileToJson(mine))}});
     }
+    profile_ =
+        pipeline::parseProfileJson(collectives::toString(store->get(key, o_.recoveryTimeout)));
     checkProfile("the measured profile");
+  }
+
+  // This worker's profile of every layer on the first microbatch of step 0.
+  pipeline::Profile measureProfile() {
+    const int L = static_cast<int>(spec_.layers.size());
+    std::vector<pipeline::ProfiledLayer> layers;
+    for (int i = 0; i < L; ++i) {
+      torch::nn::Sequential m = buildLayers(spec_, o_.seed, o_.dtype, i, i + 1);
+      layers.push_back({spec_.layers[i].name,
+                        [m](const at::Tensor& x) mutable { return m->forward(x); },
+                        m->parameters()});
+    }
+    auto indices = globalBatchIndices(o_.seed, 0, o_.globalBatch, spec_.datasetSize);
+    pipeline::ProfilerOptions po;
+    po.job.devices_per_node = 1;
+    po.job.device_memory_bytes = o_.deviceMemoryBytes > 0 ? o_.deviceMemoryBytes : int64_t{1} << 50;
+    po.job.inter_stage_gbps = 10;  // Loopback TCP between workers of one host.
+    po.microbatch_size = o_.microbatch;
+    // Medians over many whole-microbatch runs: a short profile on a busy machine can be off
+    // by half, and the plan and its predicted iteration time rest on it.
+    po.warmup = 3;
+    po.repeats = 21;
+    return pipeline::profileLayers(layers, microbatchData(indices, 0).first, po);
   }
 
   // The plan of an epoch: pipelines from the templates on its members, one worker per node.
@@ -703,6 +738,10 @@ class Trainer::Impl {
 
   void enterPipeline(const EpochInfo& info) {
     const int self = ctx_.worker();
+    const int64_t e = info.epoch;
+    auto store = std::make_shared<AbortableStore>(
+        ctx_.store(), [this, e] { return client_.latestEpoch().epoch > e; });
+    if (profile_.layers.empty()) agreeOnProfile(info, store);
     Plan plan = planFor(info);
     const pipeline::WorkerAssignment* mine = mineIn(plan);
     const int first = mine ? mine->firstLayer : 0;
@@ -735,9 +774,6 @@ class Trainer::Impl {
                   " but epoch ", info.epoch, " resumes at step ", info.resumeStep,
                   " without a state copy");
     }
-    const int64_t e = info.epoch;
-    auto store = std::make_shared<AbortableStore>(
-        ctx_.store(), [this, e] { return client_.latestEpoch().epoch > e; });
     auto options = [&](std::vector<int> members, std::string name) {
       collectives::CommunicatorOptions co;
       co.members = std::move(members);
@@ -790,6 +826,7 @@ class Trainer::Impl {
     step_ = info.resumeStep;
     lastReport_ = Clock::now();
     stepsSinceReport_ = 0;
+    scheduleSeconds_ = 0;
     describePlan();
   }
 
@@ -816,8 +853,14 @@ class Trainer::Impl {
       os << "\n  pipeline " << p << ": " << nstages << " stages, "
          << plan_.pipelines[p].microbatches << " microbatches:" << ps.str();
     }
-    event(
-        {{"event", "plan"}, {"epoch", epoch_}, {"pipelines", pipes}, {"idle", plan_.idleNodeIds}});
+    // The cost model's 1F1B time of the slowest pipeline (ticks are 1/G ns, G = 1 here).
+    const double predicted = static_cast<double>(plan_.iterationTicks) /
+                             (1e9 * static_cast<double>(profile_.job.devices_per_node));
+    event({{"event", "plan"},
+           {"epoch", epoch_},
+           {"pipelines", pipes},
+           {"idle", plan_.idleNodeIds},
+           {"predicted_iteration_s", predicted}});
     if (!members_.empty() && members_.front() == ctx_.worker()) {
       std::printf("%s\n", os.str().c_str());
       std::fflush(stdout);
@@ -846,7 +889,9 @@ class Trainer::Impl {
     }
     double lossSum = 0;
     if (const pipeline::WorkerAssignment* mine = mineIn(plan_)) {
+      auto t0 = Clock::now();
       lossSum = runSchedule(*mine);
+      scheduleSeconds_ += seconds(Clock::now() - t0);
     }
     inj.fire(self, step_, Phase::kReduce, &client_);
     for (auto& g : groups_) {
@@ -1302,6 +1347,7 @@ class Trainer::Impl {
   std::map<int, pipeline::TemplateSet> templates_;  // By the node count they were planned for.
   int heldFirst_ = -1;  // The layers this worker holds in pipeline mode, [heldFirst_, heldEnd_).
   int heldEnd_ = -1;
+  double scheduleSeconds_ = 0;  // runSchedule() time since the last progress report.
   int64_t epoch_ = -1;
   std::vector<int> members_;
   Plan plan_;

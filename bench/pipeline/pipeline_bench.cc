@@ -1,0 +1,237 @@
+// sinew-bench-pipeline: pipeline parallelism measured against its baselines, on this machine.
+//
+//  1. Activation transfers: a 16 MiB float64 activation bounced between two processes with
+//     Communicator::exchange (what the stages use), against the same bytes over a raw
+//     loopback TCP socket. The ratio is raw time / Sinew time, so > 1 means Sinew is faster.
+//  2. The cost model: examples/train_pp as one 2-stage pipeline on 2 workers (memory budget 2 MB,
+//     f = 0) under sinew-run. The measured 1F1B time per step (the slowest stage's mean
+//     `schedule_s`, from the progress events) is compared with the plan's
+//     `predicted_iteration_s`, which the cost model computes from the profile measured at start.
+//  3. Pipeline against data parallelism: the same model, the same 2 workers, samples/s of the
+//     pipeline job against a data-parallel job (the model fits one worker there).
+//
+// Last line: RESULT pp_iter_vs_model=<measured/predicted> p2p_ratio_vs_tcp=<r> pp_vs_dp=<x>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "sinew/collectives/file_store.h"
+#include "sinew/communicator.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr int64_t kBytes = 16 << 20;
+constexpr int kRounds = 20;
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+void writeAll(int fd, const char* p, size_t n) {
+  while (n > 0) {
+    ssize_t w = ::write(fd, p, n);
+    if (w <= 0) throw std::runtime_error("write failed");
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+}
+
+void readAll(int fd, char* p, size_t n) {
+  while (n > 0) {
+    ssize_t r = ::read(fd, p, n);
+    if (r <= 0) throw std::runtime_error("read failed");
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+}
+
+// Median seconds of one transfer (half a round trip) of kBytes between this process and a
+// forked child over a loopback TCP socket.
+double rawTcpSeconds() {
+  int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  if (::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      ::listen(listener, 1) != 0 ||
+      ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    throw std::runtime_error("cannot listen on loopback");
+  }
+  std::vector<char> buf(kBytes);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) _exit(1);
+    int one = 1;
+    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    for (int i = 0; i < kRounds + 2; ++i) {
+      readAll(fd, buf.data(), buf.size());
+      writeAll(fd, buf.data(), buf.size());
+    }
+    _exit(0);
+  }
+  int fd = ::accept(listener, nullptr, nullptr);
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  std::vector<double> s;
+  for (int i = 0; i < kRounds + 2; ++i) {
+    auto t0 = Clock::now();
+    writeAll(fd, buf.data(), buf.size());
+    readAll(fd, buf.data(), buf.size());
+    if (i >= 2) s.push_back(std::chrono::duration<double>(Clock::now() - t0).count() / 2);
+  }
+  ::close(fd);
+  ::close(listener);
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  return median(s);
+}
+
+// The same with a Gloo communicator of two members and exchange(), as the stages send.
+double sinewSeconds() {
+  char tmpl[] = "/tmp/sinew-bench-pipeline-XXXXXX";
+  if (::mkdtemp(tmpl) == nullptr) throw std::runtime_error("mkdtemp failed");
+  const std::string dir = tmpl;
+  auto run = [&](int self) {
+    auto store = std::make_shared<sinew::collectives::FileStore>(dir);
+    sinew::collectives::CommunicatorOptions o;
+    o.members = {0, 1};
+    o.self = self;
+    o.name = "bench";
+    auto comm = sinew::collectives::createGlooCommunicator(store, o);
+    using sinew::collectives::P2POp;
+    at::Tensor t = at::ones({kBytes / 8}, at::kDouble);
+    const int peer = 1 - self;
+    std::vector<double> s;
+    for (int i = 0; i < kRounds + 2; ++i) {
+      auto t0 = Clock::now();
+      if (self == 0) {
+        comm->exchange({P2POp::send(t, peer, 2)});
+        comm->exchange({P2POp::recv(t, peer, 3)});
+      } else {
+        comm->exchange({P2POp::recv(t, peer, 2)});
+        comm->exchange({P2POp::send(t, peer, 3)});
+      }
+      if (i >= 2) s.push_back(std::chrono::duration<double>(Clock::now() - t0).count() / 2);
+    }
+    comm->barrier();
+    return median(s);
+  };
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    try {
+      run(1);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "bench child: %s\n", e.what());
+      _exit(1);
+    }
+    _exit(0);
+  }
+  double result = run(0);
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  std::filesystem::remove_all(dir);
+  return result;
+}
+
+struct JobStats {
+  double predictedIterationS = 0;
+  double measuredIterationS = 0;  // max over stages of the median schedule_s
+  double samplesPerS = 0;         // median over progress reports, first one skipped
+};
+
+JobStats runJob(const std::string& name, const std::vector<std::string>& args, int steps) {
+  std::string dir = std::filesystem::temp_directory_path().string() + "/sinew-bench-pipeline-" +
+                    name + "-" + std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
+  std::string cmd = std::string(SINEW_RUN_PATH) + " -n 2 --log-dir " + dir + " " + TRAIN_PP_PATH +
+                    " --steps " + std::to_string(steps) + " --progress 5 --no-reference";
+  for (const auto& a : args) cmd += " " + a;
+  cmd += " > " + dir + ".out 2>&1";
+  if (std::system(cmd.c_str()) != 0) {
+    throw std::runtime_error("job failed: " + cmd + " (see " + dir + ".out)");
+  }
+  JobStats stats;
+  std::vector<double> rates;
+  std::map<int, std::vector<double>> schedule;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    const std::string file = entry.path().filename().string();
+    if (file.rfind("worker-", 0) != 0 || file.find("-events.jsonl") == std::string::npos) continue;
+    int worker = std::stoi(file.substr(7));
+    std::ifstream in(entry.path());
+    std::string line;
+    int progress = 0;
+    while (std::getline(in, line)) {
+      auto e = nlohmann::json::parse(line, nullptr, false);
+      if (e.is_discarded() || !e.contains("event")) continue;
+      if (e["event"] == "plan" && e.contains("predicted_iteration_s")) {
+        stats.predictedIterationS = e["predicted_iteration_s"].get<double>();
+      }
+      if (e["event"] == "progress" && progress++ > 0) {
+        if (e.contains("schedule_s")) schedule[worker].push_back(e["schedule_s"].get<double>());
+        if (worker == 0) rates.push_back(e["samples_per_s"].get<double>());
+      }
+    }
+  }
+  for (auto& [w, v] : schedule) {
+    stats.measuredIterationS = std::max(stats.measuredIterationS, median(v));
+  }
+  stats.samplesPerS = median(rates);
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove(dir + ".out");
+  return stats;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int steps = 60;
+  if (argc == 3 && std::string(argv[1]) == "--steps") steps = std::max(15, std::atoi(argv[2]));
+  at::set_num_threads(1);
+  double tcp = rawTcpSeconds();
+  double sinew = sinewSeconds();
+  std::printf("activation transfer of %lld MiB (median of %d, half a round trip)\n",
+              static_cast<long long>(kBytes >> 20), kRounds);
+  std::printf("  raw loopback TCP        %8.3f ms  %6.2f GB/s\n", tcp * 1e3, kBytes / tcp / 1e9);
+  std::printf("  Sinew exchange (Gloo)   %8.3f ms  %6.2f GB/s\n", sinew * 1e3,
+              kBytes / sinew / 1e9);
+
+  JobStats pp = runJob("pp", {"--fault-tolerance", "0", "--memory-bytes", "2000000"}, steps);
+  JobStats dp = runJob("dp", {"--data-parallel"}, steps);
+  std::printf("train_pp on 2 workers, %d steps\n", steps);
+  std::printf(
+      "  pipeline (2 stages): 1F1B %8.3f ms/step measured, %8.3f ms predicted; %8.1f "
+      "samples/s\n",
+      pp.measuredIterationS * 1e3, pp.predictedIterationS * 1e3, pp.samplesPerS);
+  std::printf("  data parallel:                                                 %8.1f samples/s\n",
+              dp.samplesPerS);
+  double iterRatio =
+      pp.predictedIterationS > 0 ? pp.measuredIterationS / pp.predictedIterationS : 0;
+  double ppVsDp = dp.samplesPerS > 0 ? pp.samplesPerS / dp.samplesPerS : 0;
+  std::printf("RESULT pp_iter_vs_model=%.3f p2p_ratio_vs_tcp=%.3f pp_vs_dp=%.3f\n", iterRatio,
+              tcp / sinew, ppVsDp);
+  return 0;
+}
