@@ -351,11 +351,13 @@ class Trainer::Impl {
     return at::isFloatingType(t.scalar_type()) ? t.to(o_.dtype) : t;
   }
 
-  // The inputs and targets of global microbatch m of the step whose batch is `indices`.
-  std::pair<at::Tensor, at::Tensor> microbatchData(const std::vector<int64_t>& indices,
-                                                   int64_t m) const {
+  // The inputs and targets of global microbatch m of the step whose batch is `indices`, or of
+  // its samples [begin, end) (a slice for one worker of a wide stage).
+  std::pair<at::Tensor, at::Tensor> microbatchData(const std::vector<int64_t>& indices, int64_t m,
+                                                   int64_t begin = 0, int64_t end = -1) const {
+    if (end < 0) end = o_.microbatch;
     std::vector<at::Tensor> xs, ys;
-    for (int64_t j = m * o_.microbatch; j < (m + 1) * o_.microbatch; ++j) {
+    for (int64_t j = m * o_.microbatch + begin; j < m * o_.microbatch + end; ++j) {
       Sample s = spec_.dataset(indices[j]);
       xs.push_back(s.input);
       ys.push_back(s.target);
@@ -632,10 +634,10 @@ class Trainer::Impl {
       SINEW_THROW(InvalidArgument, where, ": the profile has ", profile_.layers.size(),
                   " layers but the model has ", spec_.layers.size());
     }
-    if (profile_.job.devices_per_node != 1) {
+    if (profile_.job.devices_per_node > o_.microbatch) {
       SINEW_THROW(InvalidArgument, where, ": devices_per_node = ", profile_.job.devices_per_node,
-                  "; the trainer runs one worker per node (devices_per_node = 1): stages wider "
-                  "than one worker are not implemented yet");
+                  " is more than TrainerOptions::microbatch = ", o_.microbatch,
+                  ": a stage as wide as a node could not give every worker a sample");
     }
   }
 
@@ -706,11 +708,21 @@ class Trainer::Impl {
     return pipeline::profileLayers(layers, microbatchData(indices, 0).first, po);
   }
 
-  // The plan of an epoch: pipelines from the templates on its members, one worker per node.
-  // A pure function of (profile, options, members), so every member computes the same plan.
+  // The plan of an epoch: pipelines from the templates on its members. With G devices per
+  // node (the profile's devices_per_node), node k is members [kG, kG + G) in ascending id
+  // order, its id the first of them, device i its i-th; members beyond the last full node
+  // stay idle. A pure function of (profile, options, members), so every member computes the
+  // same plan.
   Plan planFor(const EpochInfo& info) {
     const int64_t B = o_.globalBatch / o_.microbatch;
-    const int N = static_cast<int>(info.members.size());
+    const int G = profile_.job.devices_per_node;
+    const int N = static_cast<int>(info.members.size()) / G;
+    if (N < 1) {
+      SINEW_THROW(InvalidArgument, "epoch ", info.epoch, " has ", info.members.size(),
+                  " workers, fewer than one node of devices_per_node = ", G);
+    }
+    std::vector<int> nodeIds;
+    for (int k = 0; k < N; ++k) nodeIds.push_back(info.members[k * G]);
     auto it = templates_.find(N);
     if (it == templates_.end()) {
       pipeline::TemplateOptions to;
@@ -722,9 +734,13 @@ class Trainer::Impl {
     pipeline::PlanOptions po;
     po.fault_tolerance = o_.faultTolerance;
     po.global_microbatches = B;
-    Plan plan = pipeline::makePlan(it->second, info.members, po);
+    Plan plan = pipeline::makePlan(it->second, nodeIds, po);
     plan.epoch = info.epoch;
-    for (auto& w : plan.workers) w.worker = w.node;
+    for (auto& w : plan.workers) {
+      const int k =
+          static_cast<int>(std::find(nodeIds.begin(), nodeIds.end(), w.node) - nodeIds.begin());
+      w.worker = info.members[k * G + w.device];
+    }
     return plan;
   }
 
@@ -841,7 +857,7 @@ class Trainer::Impl {
       std::ostringstream ps;
       for (const auto& w : plan_.workers) {
         if (w.pipeline != static_cast<int>(p)) continue;
-        nstages++;
+        nstages = std::max(nstages, w.stage + 1);
         stages.push_back({{"worker", w.worker},
                           {"stage", w.stage},
                           {"first_layer", w.firstLayer},
@@ -867,15 +883,26 @@ class Trainer::Impl {
     }
   }
 
-  // The world rank of the worker at (pipeline, stage) of plan_, or -1 if there is none.
-  int rankAt(int pipelineIndex, int stage) const {
+  // The workers of (pipeline, stage) of plan_, in device order (one unless the stage is
+  // wider than one device).
+  std::vector<int> stageWorkers(int pipelineIndex, int stage) const {
+    std::vector<int> out;
     for (const auto& w : plan_.workers) {
-      if (w.pipeline == pipelineIndex && w.stage == stage) {
-        return static_cast<int>(std::find(members_.begin(), members_.end(), w.worker) -
-                                members_.begin());
-      }
+      if (w.pipeline == pipelineIndex && w.stage == stage) out.push_back(w.worker);
     }
-    return -1;
+    return out;
+  }
+
+  int rankOf(int worker) const {
+    return static_cast<int>(std::find(members_.begin(), members_.end(), worker) - members_.begin());
+  }
+
+  // This worker's index among its stage's workers, or -1 if it holds no stage.
+  int indexInStage() const {
+    const pipeline::WorkerAssignment* mine = mineIn(plan_);
+    if (mine == nullptr) return -1;
+    auto ws = stageWorkers(mine->pipeline, mine->stage);
+    return static_cast<int>(std::find(ws.begin(), ws.end(), ctx_.worker()) - ws.begin());
   }
 
   // One pipeline step: 1F1B over this pipeline's microbatches (docs/pipeline.md, "A step"),
@@ -928,16 +955,32 @@ class Trainer::Impl {
   // Forward and backward of this stage over its pipeline's microbatches in 1F1B order;
   // returns the sum over its samples of the loss (last stage) or 0.
   double runSchedule(const pipeline::WorkerAssignment& mine) {
-    const int S = static_cast<int>(std::count_if(
-        plan_.workers.begin(), plan_.workers.end(),
-        [&](const pipeline::WorkerAssignment& w) { return w.pipeline == mine.pipeline; }));
+    int S = 0;
+    for (const auto& w : plan_.workers) {
+      if (w.pipeline == mine.pipeline) S = std::max(S, w.stage + 1);
+    }
     const int s = mine.stage;
     const bool firstStage = s == 0, lastStage = s == S - 1;
-    const int prev = firstStage ? -1 : rankAt(mine.pipeline, s - 1);
-    const int next = lastStage ? -1 : rankAt(mine.pipeline, s + 1);
+    // A stage of width d: worker j of it runs samples [j b / d, (j + 1) b / d) of every
+    // microbatch (b samples) and exchanges activations with worker j of the neighbouring
+    // stages (a template's stages all have one width).
+    const std::vector<int> peers = stageWorkers(mine.pipeline, s);
+    const int d = static_cast<int>(peers.size());
+    const int j =
+        static_cast<int>(std::find(peers.begin(), peers.end(), ctx_.worker()) - peers.begin());
+    auto neighbour = [&](int stage) {
+      std::vector<int> ws = stageWorkers(mine.pipeline, stage);
+      SINEW_ENFORCE(static_cast<int>(ws.size()) == d, "stage ", stage, " has ", ws.size(),
+                    " workers, stage ", s, " has ", d);
+      return rankOf(ws[j]);
+    };
+    const int prev = firstStage ? -1 : neighbour(s - 1);
+    const int next = lastStage ? -1 : neighbour(s + 1);
+    const int64_t sliceBegin = j * o_.microbatch / d, sliceEnd = (j + 1) * o_.microbatch / d;
+    const int64_t W = std::min<int64_t>(S - s - 1, static_cast<int64_t>(mine.microbatches.size()));
     const int64_t M = static_cast<int64_t>(mine.microbatches.size());
-    const int64_t W = std::min<int64_t>(S - s - 1, M);
-    const double scale = static_cast<double>(o_.microbatch) / static_cast<double>(o_.globalBatch);
+    const double scale =
+        static_cast<double>(sliceEnd - sliceBegin) / static_cast<double>(o_.globalBatch);
     auto indices = globalBatchIndices(o_.seed, step_, o_.globalBatch, spec_.datasetSize);
     struct InFlight {
       at::Tensor x, y, loss;
@@ -983,7 +1026,7 @@ class Trainer::Impl {
     auto inputFor = [&](int64_t k, std::vector<collectives::P2POp> pre) -> at::Tensor {
       if (firstStage) {
         exchange(std::move(pre));
-        return microbatchData(indices, mine.microbatches[k]).first;
+        return microbatchData(indices, mine.microbatches[k], sliceBegin, sliceEnd).first;
       }
       at::Tensor h = at::zeros({2 + kMaxDims}, at::kLong);
       pre.push_back(collectives::P2POp::recv(h, prev, kTagHeader));
@@ -998,9 +1041,10 @@ class Trainer::Impl {
       f.x = x;
       f.y = model_->forward(x);
       if (lastStage) {
-        at::Tensor target = microbatchData(indices, mine.microbatches[k]).second;
+        at::Tensor target =
+            microbatchData(indices, mine.microbatches[k], sliceBegin, sliceEnd).second;
         f.loss = spec_.loss(f.y, target);
-        lossSum += f.loss.item<double>() * static_cast<double>(o_.microbatch);
+        lossSum += f.loss.item<double>() * static_cast<double>(sliceEnd - sliceBegin);
       }
       inFlight.push_back(std::move(f));
     };
@@ -1099,12 +1143,12 @@ class Trainer::Impl {
   }
 
   // Whether this worker writes durable checkpoints: in data parallel mode the epoch's first
-  // member (it holds every layer); in pipeline mode every worker of pipeline 0 (together
-  // they hold every layer once), its first stage committing the version.
+  // member (it holds every layer); in pipeline mode the first worker of every stage of
+  // pipeline 0 (together they hold every layer once), its first stage committing the version.
   bool checkpointWriter() const {
     if (!pipelineMode_) return !members_.empty() && members_.front() == ctx_.worker();
     const pipeline::WorkerAssignment* mine = mineIn(plan_);
-    return mine != nullptr && mine->pipeline == 0;
+    return mine != nullptr && mine->pipeline == 0 && indexInStage() == 0;
   }
 
   enum class FlushHow { kAlone, kPost, kCommit };
@@ -1140,8 +1184,10 @@ class Trainer::Impl {
       if (pipelineMode_) {
         const pipeline::WorkerAssignment* mine = mineIn(plan_);
         ckHow_ = mine->stage == 0 ? FlushHow::kCommit : FlushHow::kPost;
-        for (const auto& w : plan_.workers) {
-          if (w.pipeline == 0 && w.worker != ctx_.worker()) ckOthers_.push_back(w.worker);
+        for (int stage = 1;; ++stage) {
+          std::vector<int> ws = stageWorkers(0, stage);
+          if (ws.empty()) break;
+          ckOthers_.push_back(ws.front());
         }
       }
     }

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <regex>
 #include <set>
@@ -189,6 +190,66 @@ TEST(PipelineJobTest, RestartFromDiskOntoOtherPlansAndDataParallel) {
   EXPECT_NE(c.output.find("resumed from the durable checkpoint of step 27"), std::string::npos);
   expectMatchesReference(c);
   std::filesystem::remove_all(dir);
+}
+
+// A profile of train_pp's layers with 2 devices (workers) per node: every layer's parameters
+// are 100 kB and a device has 600 kB, so a pipeline needs two stages; a stage of width 1 on one
+// node would keep twice the activations of one of width 2 and does not fit, so the planner
+// runs two-stage pipelines of width 2, each worker of a stage running half of every
+// microbatch.
+std::string wideProfile(const std::string& path) {
+  std::ofstream out(path);
+  out << R"({"version": 1, "microbatch_size": 4, "job": {"devices_per_node": 2,
+    "device_memory_bytes": 600000, "inter_stage_gbps": 10.0,
+    "allreduce": {"algorithm": "ring", "bandwidth_gbps": 1000.0, "latency_us": 1.0}},
+    "layers": [)";
+  for (int l = 0; l < 10; ++l) {
+    std::string name = l == 0 ? "embed" : l == 9 ? "head" : "block" + std::to_string(l - 1);
+    out << (l ? ", " : "") << R"({"name": ")" << name
+        << R"(", "forward_ms": 1.0, "backward_ms": 2.0, "param_bytes": 100000,
+      "optimizer_bytes": 0, "activation_bytes": 15000, "output_bytes": 16384})";
+  }
+  out << "]}\n";
+  return path;
+}
+
+TEST(PipelineJobTest, StagesTwoWorkersWideSplitEachMicrobatch) {
+  const std::string dir = logDir("pp-wide") + "-checkpoints";
+  std::filesystem::remove_all(dir);
+  const std::string profile = wideProfile(logDir("pp-wide") + "-profile.json");
+  JobRun run = trainPp(
+      "pp-wide", 8,
+      {"--profile", profile, "--steps", "20", "--checkpoint-dir", dir, "--checkpoint-every", "5"});
+  SCOPED_TRACE(run.output);
+  expectMatchesReference(run);
+  EXPECT_EQ(planStages(run.output), (std::vector<int>{2, 2}));
+  // Two pipelines x two stages x two workers: the two workers of a stage hold the same
+  // layers, the stages of a pipeline cover the model.
+  std::vector<WorkerLine> lines = workerLines(run.output);
+  ASSERT_EQ(lines.size(), 8u);
+  std::map<std::pair<int, int>, std::vector<WorkerLine>> byStage;
+  for (const auto& w : lines) {
+    EXPECT_EQ(w.params, paramsOf(w.first, w.last)) << "worker " << w.worker;
+    byStage[{w.pipeline, w.stage}].push_back(w);
+  }
+  ASSERT_EQ(byStage.size(), 4u);
+  for (const auto& [key, ws] : byStage) {
+    ASSERT_EQ(ws.size(), 2u) << "pipeline " << key.first << " stage " << key.second;
+    EXPECT_EQ(ws[0].first, ws[1].first);
+    EXPECT_EQ(ws[0].last, ws[1].last);
+    const int expectedFirst =
+        key.second == 0 ? 0 : byStage[std::make_pair(key.first, 0)][0].last + 1;
+    EXPECT_EQ(ws[0].first, expectedFirst);
+  }
+  // Only one worker of each stage writes its layers: the version restores onto data
+  // parallelism and goes on equal to the reference.
+  JobRun dp =
+      trainPp("pp-wide-dp", 2, {"--data-parallel", "--steps", "30", "--checkpoint-dir", dir});
+  SCOPED_TRACE(dp.output);
+  EXPECT_NE(dp.output.find("resumed from the durable checkpoint of step 19"), std::string::npos);
+  expectMatchesReference(dp);
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove(profile);
 }
 
 }  // namespace
