@@ -22,7 +22,9 @@ constexpr int64_t kMaxTotalBytes = int64_t{1} << 56;
 // Milliseconds beyond this cannot be rounded to int64 nanoseconds safely.
 constexpr double kMaxMs = 9.0e12;
 
-const json& requireField(const json& object, const char* key, const std::string& where) {
+// `where` is a prefix for messages ("job.", "layers[3]."); a char pointer, so that no
+// temporary string makes GCC 13 suspect the returned reference of dangling.
+const json& requireField(const json& object, const char* key, const char* where) {
   auto it = object.find(key);
   if (it == object.end()) {
     SINEW_THROW(InvalidArgument, "profile: missing field ", where, key);
@@ -31,7 +33,7 @@ const json& requireField(const json& object, const char* key, const std::string&
 }
 
 double readNumber(const json& object, const char* key, const std::string& where) {
-  const json& v = requireField(object, key, where);
+  const json& v = requireField(object, key, where.c_str());
   if (!v.is_number()) {
     SINEW_THROW(InvalidArgument, "profile: ", where, key, " must be a number, got ", v.dump());
   }
@@ -53,7 +55,7 @@ int64_t readMsAsNs(const json& object, const char* key, const std::string& where
 }
 
 int64_t readInteger(const json& object, const char* key, const std::string& where) {
-  const json& v = requireField(object, key, where);
+  const json& v = requireField(object, key, where.c_str());
   if (v.is_number_unsigned()) {
     uint64_t u = v.get<uint64_t>();
     if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {

@@ -80,6 +80,7 @@ int mpiRank() {
   return -1;
 }
 
+#if SINEW_WITH_MPI
 int mpiSize() {
   for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"}) {
     if (const char* v = env(name)) return static_cast<int>(parseInt(name, v, 1));
@@ -87,7 +88,6 @@ int mpiSize() {
   return 1;
 }
 
-#if SINEW_WITH_MPI
 // Forks the coordinator process (before MPI_Init, so the child is no MPI process) and
 // returns "port token" as it reports them through a pipe. The child serves until the job
 // finishes, every member is gone, or nobody said hello within the connect timeout.

@@ -484,7 +484,9 @@ TEST(EventLogTest, LinesAreWholeStampedAndAppendedFromManyThreads) {
   while (std::getline(in, line)) {
     json j = json::parse(line);  // Every line is one whole object.
     ASSERT_TRUE(j.contains("time")) << line;
-    if (lines == 0) EXPECT_EQ(j["source"], "earlier run");  // Appended, not truncated.
+    if (lines == 0) {
+      EXPECT_EQ(j["source"], "earlier run");  // Appended, not truncated.
+    }
     if (j.value("worker", -1) == 7) stamped++;
     lines++;
   }

@@ -7,6 +7,7 @@
 #include <torch/nn/modules/linear.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -66,7 +67,7 @@ TEST(TrainerTest, AFailingCheckpointDiskSurfacesAsIoErrorFromRun) {
   } catch (const IoError& e) {
     EXPECT_NE(std::string(e.what()).find("injected failure"), std::string::npos) << e.what();
   }
-  std::system(("rm -rf '" + dir + "'").c_str());
+  std::filesystem::remove_all(dir);
 }
 
 TEST(TrainerTest, BadOptionsAreInvalidArgumentsNamingTheOption) {
