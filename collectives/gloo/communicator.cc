@@ -27,6 +27,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <dlfcn.h>
 #include <signal.h>
 
 #include <algorithm>
@@ -907,8 +908,34 @@ void GlooCommunicator::barrier(std::chrono::milliseconds timeout) {
 
 }  // namespace
 
+namespace {
+
+// Empty if the process's gloo:: functions are those of the libgloo Sinew was built against;
+// else why not. libtorch 2.x exports a bundled Gloo of another version: if it precedes
+// libgloo in the executable's DT_NEEDED list, the dynamic linker binds Sinew's calls to it,
+// whose classes have other layouts, and the first operation crashes.
+std::string glooBindingProblem() {
+  void* ours = ::dlopen("libgloo.so.0", RTLD_NOW | RTLD_NOLOAD);
+  if (ours == nullptr) return {};  // Gloo linked in statically: nothing can interpose.
+  const char* symbol = "_ZN4gloo9transport3tcp12CreateDeviceERKNS1_4attrE";
+  void* bound = ::dlsym(RTLD_DEFAULT, symbol);
+  void* expected = ::dlsym(ours, symbol);
+  ::dlclose(ours);
+  if (bound == nullptr || expected == nullptr || bound == expected) return {};
+  Dl_info info{};
+  std::string from = ::dladdr(bound, &info) != 0 && info.dli_fname ? info.dli_fname : "?";
+  return "gloo::transport::tcp::CreateDevice resolves to " + from +
+         " instead of libgloo.so.0: libtorch 2.x bundles its own Gloo, and it comes before "
+         "libgloo in this program's link order. Link Sinew::sinew (or gloo) before "
+         "${TORCH_LIBRARIES}, or run with LD_PRELOAD=libgloo.so.0";
+}
+
+}  // namespace
+
 std::unique_ptr<Communicator> createGlooCommunicator(const std::shared_ptr<Store>& store,
                                                      const CommunicatorOptions& options) {
+  static const std::string problem = glooBindingProblem();
+  if (!problem.empty()) SINEW_THROW(InvalidArgument, "createGlooCommunicator: ", problem);
   return std::make_unique<GlooCommunicator>(store, options);
 }
 
