@@ -12,6 +12,7 @@
 // Thread safety: plain values.
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace sinew {
@@ -61,6 +62,15 @@ struct Plan {
   // Throws InvalidArgument naming the worker if it is not in the plan.
   const WorkerAssignment& of(int worker) const;
 };
+
+// The plan as compact JSON (docs/pipeline.md, "The plan on the wire"): what the coordinator
+// sends in every epoch message of a pipeline job. Worker microbatches are not listed; they
+// follow from the pipelines' counts (pipeline p runs those after pipelines 0..p-1).
+std::string planToJson(const Plan& plan);
+// Parses and checks planToJson()'s format: every field present and in range, layer ranges
+// within [0, num_layers), stages of each pipeline numbered from 0, the pipelines'
+// microbatches summing to the global batch's. Throws Corruption naming the field.
+Plan planFromJson(const std::string& text);
 
 }  // namespace pipeline
 }  // namespace sinew

@@ -22,6 +22,10 @@
 #include "sinew/collectives/error.h"
 #include "sinew/collectives/tcp_store.h"
 #include "sinew/collectives/transport/channel.h"
+#include "sinew/pipeline/instantiation.h"
+#include "sinew/pipeline/plan.h"
+#include "sinew/pipeline/profile.h"
+#include "sinew/pipeline/template_planner.h"
 #include "sinew/runtime/detail/wire.h"
 #include "sinew/runtime/event_log.h"
 
@@ -166,6 +170,9 @@ class Coordinator::Impl {
   void formFirstEpoch(const std::string& why);
   void newEpoch(const std::string& why, std::vector<int> joiners);
   json epochBody(const std::vector<int>& joined, bool sync) const;
+  void onPipeline(int worker, const json& body);
+  pipeline::Plan pipelinePlan() const;
+  void failJob(const std::string& why);
   void send(int worker, wire::Type type, const json& body);
   void event(json e);
   void checkFinished();
@@ -197,6 +204,12 @@ class Coordinator::Impl {
   bool stopped_ = false;
   int64_t dropped_ = 0;
   int64_t ignored_ = 0;
+  // A pipeline job (docs/pipeline.md): the profile and options a worker sent, and the
+  // templates planned once from them; every epoch after carries its plan.
+  bool pipelineJob_ = false;
+  pipeline::Profile profile_;
+  pipeline::PlanOptions planOptions_;
+  pipeline::TemplateSet templates_;
   EventLog events_;
 };
 
@@ -349,6 +362,8 @@ void Coordinator::Impl::onMessage(const std::shared_ptr<Session>& s,
     }
     case wire::Type::kVote:
       return onVote(worker, h.epoch, body.at("step").get<int64_t>());
+    case wire::Type::kPipeline:
+      return onPipeline(worker, body);
     case wire::Type::kRebuild:
       log("worker " + std::to_string(worker) + " could not build epoch " + std::to_string(epoch_) +
           "'s communicator; rebuilding");
@@ -455,6 +470,19 @@ void Coordinator::Impl::newEpoch(const std::string& why, std::vector<int> joiner
   pendingJoin_.clear();
   std::sort(joined.begin(), joined.end());
   json body = epochBody(joined, first || !joined.empty());
+  if (pipelineJob_) {
+    try {
+      pipeline::Plan plan = pipelinePlan();
+      body["plan"] = pipeline::planToJson(plan);
+      event({{"event", "plan"},
+             {"epoch", epoch_},
+             {"pipelines", plan.pipelines.size()},
+             {"iteration_ticks", plan.iterationTicks}});
+    } catch (const Error& e) {
+      return failJob("no pipeline plan for the " + std::to_string(members_.size()) +
+                     " workers of epoch " + std::to_string(epoch_) + ": " + e.what());
+    }
+  }
   for (int id : members_) send(id, wire::Type::kEpoch, body);
   for (int id : joined) workers_[id].hasState = true;
   log("epoch " + std::to_string(epoch_) + ": " + std::to_string(members_.size()) +
@@ -479,6 +507,79 @@ json Coordinator::Impl::epochBody(const std::vector<int>& joined, bool sync) con
   }
   return json{{"epoch", epoch_},  {"members", members_}, {"resume_step", committed_ + 1},
               {"source", source}, {"joined", joined},    {"sync", sync}};
+}
+
+// A worker sends the job's pipeline profile once (the first member of the first epoch, after
+// every member profiled): the coordinator plans the templates once, for the nodes of this
+// epoch, and starts an epoch that carries the plan; every later epoch re-instantiates them
+// for its members. Later requests are ignored: the first one fixed the job's templates.
+void Coordinator::Impl::onPipeline(int worker, const json& body) {
+  if (pipelineJob_) return;
+  const std::string who = "worker " + std::to_string(worker) + "'s pipeline request: ";
+  try {
+    profile_ = pipeline::parseProfileJson(body.at("profile").get<std::string>());
+  } catch (const Error& e) {
+    return failJob(who + "bad profile: " + e.what());
+  }
+  const int G = profile_.job.devices_per_node;
+  const int nodes = static_cast<int>(members_.size()) / G;
+  planOptions_.fault_tolerance = body.at("fault_tolerance").get<int>();
+  planOptions_.global_microbatches = body.at("microbatches").get<int64_t>();
+  try {
+    if (nodes < 1) {
+      SINEW_THROW(InvalidArgument, members_.size(), " workers are fewer than one node of ",
+                  "devices_per_node = ", G);
+    }
+    pipeline::TemplateOptions to;
+    to.nodes = nodes;
+    to.fault_tolerance = planOptions_.fault_tolerance;
+    to.global_microbatches = planOptions_.global_microbatches;
+    templates_ = pipeline::planTemplates(profile_, to);
+  } catch (const Error& e) {
+    return failJob(who + e.what());
+  }
+  pipelineJob_ = true;
+  log("planned pipeline templates for " + std::to_string(templates_.min_nodes) + ".." +
+      std::to_string(templates_.max_nodes) + " nodes (" + std::to_string(nodes) + " nodes of " +
+      std::to_string(G) + " workers, fault tolerance " +
+      std::to_string(planOptions_.fault_tolerance) + ")");
+  newEpoch("pipeline plan", {});
+}
+
+// The plan for members_: with G devices per node, node k is members [kG, kG + G) in
+// ascending id order (its id the first of them, device i the i-th); members beyond the last
+// full node stay idle. Throws InvalidArgument if the templates cannot cover them.
+pipeline::Plan Coordinator::Impl::pipelinePlan() const {
+  const int G = profile_.job.devices_per_node;
+  const int nodes = static_cast<int>(members_.size()) / G;
+  std::vector<int> nodeIds;
+  for (int k = 0; k < nodes; ++k) nodeIds.push_back(members_[k * G]);
+  pipeline::Plan plan = pipeline::makePlan(templates_, nodeIds, planOptions_);
+  plan.epoch = epoch_;
+  for (auto& w : plan.workers) {
+    const int k =
+        static_cast<int>(std::find(nodeIds.begin(), nodeIds.end(), w.node) - nodeIds.begin());
+    w.worker = members_[k * G + w.device];
+  }
+  return plan;
+}
+
+// Ends the job: every worker is expelled with the reason (e.g. a plan no template fits).
+void Coordinator::Impl::failJob(const std::string& why) {
+  log("job failed: " + why);
+  event({{"event", "job_failed"}, {"epoch", epoch_}, {"reason", why}});
+  for (auto& [id, w] : workers_) {
+    if (w.session && !w.session->closed_) {
+      w.session->write(wire::Type::kExpelled, epoch_, json{{"reason", why}}, /*closeAfter=*/true);
+    }
+    dead_.push_back(id);
+  }
+  workers_.clear();
+  members_.clear();
+  hellos_.clear();
+  ready_.clear();
+  pendingJoin_.clear();
+  cv_.notify_all();
 }
 
 void Coordinator::Impl::onVote(int worker, int64_t epoch, int64_t step) {

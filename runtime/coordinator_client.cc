@@ -222,6 +222,7 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
           e.source = body.at("source").get<int>();
           e.joined = body.at("joined").get<std::vector<int>>();
           e.sync = body.at("sync").get<bool>();
+          e.plan = body.value("plan", std::string());
           if (e.epoch > epoch_.epoch) {
             epoch_ = e;
             announce = e.epoch;
@@ -317,6 +318,13 @@ void CoordinatorClient::requestRebuild(int64_t epoch) {
 }
 void CoordinatorClient::ready(int64_t resumeStep) {
   impl_->post(wire::Type::kReady, impl_->latestEpoch().epoch, json{{"resume_step", resumeStep}});
+}
+void CoordinatorClient::requestPipelines(int64_t epoch, const std::string& profileJson,
+                                         int faultTolerance, int64_t microbatches) {
+  impl_->post(wire::Type::kPipeline, epoch,
+              json{{"profile", profileJson},
+                   {"fault_tolerance", faultTolerance},
+                   {"microbatches", microbatches}});
 }
 void CoordinatorClient::leave(int64_t step) {
   impl_->post(wire::Type::kLeave, impl_->latestEpoch().epoch, json{{"step", step}});

@@ -32,6 +32,9 @@ struct EpochInfo {
   std::vector<int> joined;
   // Every member must take the state from source before the first step (first epoch, joins).
   bool sync = false;
+  // A pipeline job's plan for this epoch (pipeline::planToJson), made by the coordinator;
+  // empty for data parallel jobs and before the job's pipeline request was planned.
+  std::string plan;
 };
 
 struct CoordinatorClientOptions {
@@ -82,6 +85,12 @@ class CoordinatorClient {
   // a durable checkpoint (0 for none). The first epoch forms when every launched worker is
   // ready; it resumes at the smallest such step.
   void ready(int64_t resumeStep);
+  // Asks the coordinator to run the job as pipelines planned from `profileJson`
+  // (docs/profile_format.md) with this fault tolerance and global batch of `microbatches`;
+  // it answers with a new epoch that carries the plan, or expels everyone naming why no plan
+  // fits. Only the first request of a job counts.
+  void requestPipelines(int64_t epoch, const std::string& profileJson, int faultTolerance,
+                        int64_t microbatches);
   // Reports that this worker finished every step.
   void done(int64_t step);
   // Asks to leave the job at the next step boundary (preemption); the coordinator answers

@@ -24,11 +24,9 @@
 #include "sinew/checkpoint/snapshot.h"
 #include "sinew/collectives/error.h"
 #include "sinew/communicator.h"
-#include "sinew/pipeline/instantiation.h"
 #include "sinew/pipeline/plan.h"
 #include "sinew/pipeline/profile.h"
 #include "sinew/pipeline/profiler.h"
-#include "sinew/pipeline/template_planner.h"
 #include "sinew/runtime/context_state.h"
 #include "sinew/runtime/event_log.h"
 
@@ -708,42 +706,6 @@ class Trainer::Impl {
     return pipeline::profileLayers(layers, microbatchData(indices, 0).first, po);
   }
 
-  // The plan of an epoch: pipelines from the templates on its members. With G devices per
-  // node (the profile's devices_per_node), node k is members [kG, kG + G) in ascending id
-  // order, its id the first of them, device i its i-th; members beyond the last full node
-  // stay idle. A pure function of (profile, options, members), so every member computes the
-  // same plan.
-  Plan planFor(const EpochInfo& info) {
-    const int64_t B = o_.globalBatch / o_.microbatch;
-    const int G = profile_.job.devices_per_node;
-    const int N = static_cast<int>(info.members.size()) / G;
-    if (N < 1) {
-      SINEW_THROW(InvalidArgument, "epoch ", info.epoch, " has ", info.members.size(),
-                  " workers, fewer than one node of devices_per_node = ", G);
-    }
-    std::vector<int> nodeIds;
-    for (int k = 0; k < N; ++k) nodeIds.push_back(info.members[k * G]);
-    auto it = templates_.find(N);
-    if (it == templates_.end()) {
-      pipeline::TemplateOptions to;
-      to.nodes = N;
-      to.fault_tolerance = o_.faultTolerance;
-      to.global_microbatches = B;
-      it = templates_.emplace(N, pipeline::planTemplates(profile_, to)).first;
-    }
-    pipeline::PlanOptions po;
-    po.fault_tolerance = o_.faultTolerance;
-    po.global_microbatches = B;
-    Plan plan = pipeline::makePlan(it->second, nodeIds, po);
-    plan.epoch = info.epoch;
-    for (auto& w : plan.workers) {
-      const int k =
-          static_cast<int>(std::find(nodeIds.begin(), nodeIds.end(), w.node) - nodeIds.begin());
-      w.worker = info.members[k * G + w.device];
-    }
-    return plan;
-  }
-
   // The assignment of this worker in plan_, or null if the plan leaves it idle.
   const pipeline::WorkerAssignment* mineIn(const Plan& plan) const {
     for (const auto& w : plan.workers) {
@@ -757,12 +719,34 @@ class Trainer::Impl {
     const int64_t e = info.epoch;
     auto store = std::make_shared<AbortableStore>(
         ctx_.store(), [this, e] { return client_.latestEpoch().epoch > e; });
-    if (profile_.layers.empty()) agreeOnProfile(info, store);
-    Plan plan = planFor(info);
+    if (info.plan.empty()) {
+      // The job's first epoch: agree on the profile, have the first member ask the
+      // coordinator to plan, and wait for the epoch that carries the plan.
+      if (profile_.layers.empty()) agreeOnProfile(info, store);
+      if (info.members.front() == self) {
+        client_.requestPipelines(info.epoch, pipeline::profileToJson(profile_), o_.faultTolerance,
+                                 o_.globalBatch / o_.microbatch);
+      }
+      SINEW_THROW(EpochChanged, "epoch ", info.epoch,
+                  " has no pipeline plan yet; waiting for the coordinator's");
+    }
+    Plan plan = pipeline::planFromJson(info.plan);
+    if (plan.numLayers != static_cast<int>(spec_.layers.size())) {
+      SINEW_THROW(InvalidArgument, "the coordinator's plan of epoch ", info.epoch, " has ",
+                  plan.numLayers, " layers but the model has ", spec_.layers.size(),
+                  " (workers of one job must train the same ModelSpec)");
+    }
+    for (const auto& w : plan.workers) {
+      if (std::find(info.members.begin(), info.members.end(), w.worker) == info.members.end()) {
+        SINEW_THROW(Corruption, "the coordinator's plan of epoch ", info.epoch,
+                    " assigns layers to ", "worker ", w.worker, ", which is not a member");
+      }
+    }
     const pipeline::WorkerAssignment* mine = mineIn(plan);
     const int first = mine ? mine->firstLayer : 0;
     const int end = mine ? mine->endLayer : 0;
-    if (heldFirst_ < 0) {
+    const bool firstPlan = heldFirst_ < 0;
+    if (firstPlan) {
       // The first epoch: build this stage's layers and nothing else.
       if (end > first) {
         torch::nn::Sequential built = buildLayers(spec_, o_.seed, o_.dtype, first, end);
@@ -785,7 +769,7 @@ class Trainer::Impl {
                   " admits joining workers, which "
                   "pipeline mode cannot give layers to yet (docs/pipeline.md)");
     }
-    if (!info.sync && applied_ != info.resumeStep - 1) {
+    if (!firstPlan && applied_ != info.resumeStep - 1) {
       SINEW_THROW(InvalidArgument, "worker ", self, " holds the state after step ", applied_,
                   " but epoch ", info.epoch, " resumes at step ", info.resumeStep,
                   " without a state copy");
@@ -834,8 +818,8 @@ class Trainer::Impl {
     epoch_ = info.epoch;
     members_ = info.members;
     plan_ = std::move(plan);
-    if (info.sync && applied_ < info.resumeStep - 1) {
-      // The first epoch of a resumed job: every worker reads its own layers from disk.
+    if (firstPlan && applied_ < info.resumeStep - 1) {
+      // The first plan of a resumed job: every worker reads its own layers from disk.
       restoreFromDisk(info.resumeStep - 1);
     }
     applied_ = info.resumeStep - 1;
@@ -870,8 +854,9 @@ class Trainer::Impl {
          << plan_.pipelines[p].microbatches << " microbatches:" << ps.str();
     }
     // The cost model's 1F1B time of the slowest pipeline (ticks are 1/G ns, G = 1 here).
-    const double predicted = static_cast<double>(plan_.iterationTicks) /
-                             (1e9 * static_cast<double>(profile_.job.devices_per_node));
+    const double predicted =
+        static_cast<double>(plan_.iterationTicks) /
+        (1e9 * static_cast<double>(std::max(1, profile_.job.devices_per_node)));
     event({{"event", "plan"},
            {"epoch", epoch_},
            {"pipelines", pipes},
@@ -1390,7 +1375,6 @@ class Trainer::Impl {
   std::vector<GradGroup> groups_;  // Pipeline mode; guarded by commMu_ like comm_.
   bool pipelineMode_ = false;
   pipeline::Profile profile_;
-  std::map<int, pipeline::TemplateSet> templates_;  // By the node count they were planned for.
   int heldFirst_ = -1;  // The layers this worker holds in pipeline mode, [heldFirst_, heldEnd_).
   int heldEnd_ = -1;
   double scheduleSeconds_ = 0;  // runSchedule() time since the last progress report.

@@ -48,7 +48,12 @@ std::vector<Field> fieldsOf(Type type) {
               {"resume_step", Kind::kInt, true, 0, kMaxStep},
               {"source", Kind::kInt, true, -1, kMaxWorkerId - 1},
               {"joined", Kind::kIntArray, true, 0, kMaxMembers},
-              {"sync", Kind::kBool, true, 0, 0}};
+              {"sync", Kind::kBool, true, 0, 0},
+              {"plan", Kind::kString, false, 2, kMaxPlanBytes}};
+    case Type::kPipeline:
+      return {{"profile", Kind::kString, true, 2, kMaxProfileBytes},
+              {"fault_tolerance", Kind::kInt, true, 0, kMaxWorkerId - 1},
+              {"microbatches", Kind::kInt, true, 1, INT32_MAX}};
     case Type::kDone:
       return {{"step", Kind::kInt, true, -1, kMaxStep}};
     case Type::kExpelled:
@@ -104,6 +109,8 @@ const char* typeName(uint8_t type) {
       return "leave";
     case Type::kReleased:
       return "released";
+    case Type::kPipeline:
+      return "pipeline";
   }
   return nullptr;
 }
@@ -118,6 +125,7 @@ const char* workerTypeName(uint8_t type) {
     case Type::kRebuild:
     case Type::kReady:
     case Type::kLeave:
+    case Type::kPipeline:
       return typeName(type);
     default:
       return nullptr;

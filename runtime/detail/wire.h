@@ -39,7 +39,13 @@ enum class Type : uint8_t {
   kReady = 11,     // worker -> coordinator: {resume_step} ready to train from this step
   kLeave = 12,     // worker -> coordinator: {step} preempted: leave at the next step boundary
   kReleased = 13,  // coordinator -> worker: {step, reason} left the job cleanly after step
+  kPipeline = 14,  // worker -> coordinator: {profile, fault_tolerance, microbatches} plan the
+                   // job as pipelines; every later epoch message carries its plan
 };
+
+// Largest profile (JSON) a worker may send, and largest plan (JSON) an epoch may carry.
+constexpr int64_t kMaxProfileBytes = 1 << 20;
+constexpr int64_t kMaxPlanBytes = 32 << 20;
 
 const char* typeName(uint8_t type);
 // Types a worker may send (the coordinator's rules) and types the coordinator sends (the
