@@ -83,6 +83,33 @@ write_corpus("profile_json", {
 })
 
 
+# --- plan_json: pipeline::planToJson (docs/pipeline.md, "The plan on the wire").
+def plan(pipelines, workers, microbatches=None, layers=10, **extra):
+    p = {"epoch": 1, "num_layers": layers,
+         "microbatches": microbatches if microbatches is not None
+         else sum(q["microbatches"] for q in pipelines),
+         "fault_tolerance": 1, "iteration_ticks": 1000, "idle": [],
+         "pipelines": pipelines, "workers": workers}
+    p.update(extra)
+    return json.dumps(p)
+
+
+two_pipes = [{"nodes": 2, "node_ids": [0, 1], "microbatches": 5, "iteration_ticks": 900},
+             {"nodes": 1, "node_ids": [2], "microbatches": 3, "iteration_ticks": 1000}]
+two_pipes_workers = [[0, 0, 0, 0, 0, 0, 4], [1, 1, 0, 0, 1, 4, 10], [2, 2, 0, 1, 0, 0, 10]]
+write_corpus("plan_json", {
+    "two_pipelines": plan(two_pipes, two_pipes_workers),
+    "wide_stages": plan([{"nodes": 1, "node_ids": [0], "microbatches": 4, "iteration_ticks": 7}],
+                        [[0, 0, 0, 0, 0, 0, 10], [1, 0, 1, 0, 0, 0, 10]]),
+    "bad_sum": plan(two_pipes, two_pipes_workers, microbatches=9),
+    "bad_layer_range": plan(two_pipes, [[0, 0, 0, 0, 0, 4, 4]]),
+    "bad_skipped_stage": plan(two_pipes, [[0, 0, 0, 0, 1, 0, 10]]),
+    "bad_pipeline_index": plan(two_pipes, [[0, 0, 0, 2, 0, 0, 10]]),
+    "bad_huge": plan(two_pipes, two_pipes_workers, epoch=2**70),
+    "bad_truncated": plan(two_pipes, two_pipes_workers)[:50],
+})
+
+
 # --- shard_layout: ShardLayout::toJson, a NUL, then the shard's bytes.
 def shard_layout(tensors, total=None, data=None):
     """tensors: (layer, name, dtype, shape, nbytes); data defaults to a byte pattern."""

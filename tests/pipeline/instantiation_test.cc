@@ -7,6 +7,8 @@
 #include <numeric>
 #include <random>
 #include <set>
+#include <string>
+#include <tuple>
 
 #include "brute_force.h"
 #include "sinew/collectives/error.h"
@@ -244,6 +246,55 @@ TEST(PlanTest, DataParallelGivesEveryMemberEveryLayerAndAShareOfTheBatch) {
   EXPECT_EQ(all, (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6, 7}));
   EXPECT_EQ(plan.of(9).microbatches.size(), 3u);
   EXPECT_THROW(plan.of(7), InvalidArgument);
+}
+
+TEST(PlanTest, JsonRoundTripsAndNamesTheBadField) {
+  std::mt19937_64 rng(8);
+  TemplateSet set = randomTemplates(rng, 2, 6);
+  Plan plan = makePlan(set, {10, 11, 12, 13, 14, 15, 16, 17}, {1, 16});
+  plan.epoch = 3;
+  for (size_t i = 0; i < plan.workers.size(); ++i) plan.workers[i].worker = 100 + int(i);
+  Plan back = planFromJson(planToJson(plan));
+  EXPECT_EQ(back.epoch, 3);
+  EXPECT_EQ(back.numLayers, plan.numLayers);
+  EXPECT_EQ(back.microbatchesPerStep, 16);
+  EXPECT_EQ(back.idleNodeIds, plan.idleNodeIds);
+  ASSERT_EQ(back.pipelines.size(), plan.pipelines.size());
+  for (size_t p = 0; p < plan.pipelines.size(); ++p) {
+    EXPECT_EQ(back.pipelines[p].nodeIds, plan.pipelines[p].nodeIds);
+    EXPECT_EQ(back.pipelines[p].microbatches, plan.pipelines[p].microbatches);
+  }
+  ASSERT_EQ(back.workers.size(), plan.workers.size());
+  for (size_t i = 0; i < plan.workers.size(); ++i) {
+    const WorkerAssignment& a = plan.workers[i];
+    const WorkerAssignment& b = back.workers[i];
+    EXPECT_EQ(std::make_tuple(a.worker, a.node, a.device, a.pipeline, a.stage, a.firstLayer,
+                              a.endLayer, a.microbatches),
+              std::make_tuple(b.worker, b.node, b.device, b.pipeline, b.stage, b.firstLayer,
+                              b.endLayer, b.microbatches));
+  }
+  EXPECT_EQ(planToJson(back), planToJson(plan));
+  auto expectCorrupt = [](const std::string& text, const std::string& field) {
+    try {
+      planFromJson(text);
+      ADD_FAILURE() << "accepted " << text;
+    } catch (const Corruption& e) {
+      EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
+    }
+  };
+  std::string good = planToJson(plan);
+  expectCorrupt("[1, 2]", "not a JSON object");
+  expectCorrupt(good.substr(0, good.size() / 2), "not a JSON object");
+  auto edit = [&](const std::string& from, const std::string& to) {
+    std::string t = good;
+    size_t at = t.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    return t.replace(at, from.size(), to);
+  };
+  expectCorrupt(edit("\"microbatches\":16", "\"microbatches\":17"), "pipelines run 16");
+  expectCorrupt(edit("\"num_layers\":", "\"num_layerz\":"), "num_layers is missing");
+  expectCorrupt(edit("\"epoch\":3", "\"epoch\":\"3\""), "epoch is not an integer");
+  expectCorrupt(edit("\"workers\":[[", "\"workers\":[[1,2],["), "workers[0] is not");
 }
 
 }  // namespace
