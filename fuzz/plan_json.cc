@@ -23,16 +23,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   int64_t total = 0;
   for (const auto& p : plan.pipelines) total += p.microbatches;
   SINEW_FUZZ_CHECK(total == plan.microbatchesPerStep, "microbatches sum to %lld, not %lld",
-                   static_cast<long long>(total),
-                   static_cast<long long>(plan.microbatchesPerStep));
+                   static_cast<long long>(total), static_cast<long long>(plan.microbatchesPerStep));
   for (const auto& w : plan.workers) {
     SINEW_FUZZ_CHECK(0 <= w.firstLayer && w.firstLayer < w.endLayer && w.endLayer <= plan.numLayers,
                      "layers [%d, %d) outside [0, %d)", w.firstLayer, w.endLayer, plan.numLayers);
     SINEW_FUZZ_CHECK(w.pipeline >= 0 && w.pipeline < static_cast<int>(plan.pipelines.size()),
                      "pipeline %d of %zu", w.pipeline, plan.pipelines.size());
-    SINEW_FUZZ_CHECK(static_cast<int64_t>(w.microbatches.size()) ==
-                         plan.pipelines[w.pipeline].microbatches,
-                     "worker %d runs %zu microbatches", w.worker, w.microbatches.size());
+    SINEW_FUZZ_CHECK(
+        static_cast<int64_t>(w.microbatches.size()) == plan.pipelines[w.pipeline].microbatches,
+        "worker %d runs %zu microbatches", w.worker, w.microbatches.size());
   }
   const std::string json = planToJson(plan);
   Plan again;

@@ -332,6 +332,7 @@ class Trainer::Impl {
     {
       std::lock_guard<std::mutex> lock(commMu_);
       comm_.reset();  // Healthy: its peers are told it closed, not that it aborted.
+      groups_.clear();
     }
     std::exception_ptr flushError;
     {
@@ -425,7 +426,7 @@ class Trainer::Impl {
     inj.fire(self, step_, Phase::kOptimizer, &client_);
     if (arena_) {
       auto t0 = Clock::now();
-      arena_->waitBeforeUpdate();
+      waitForSnapshot();
       ckStall_ += seconds(Clock::now() - t0);
     }
     opt_->step();
@@ -648,7 +649,8 @@ class Trainer::Impl {
     const std::string key = "sinew/pipeline/profile";
     if (!store->check({key})) {
       auto t0 = Clock::now();
-      pipeline::Profile mine = measureProfile();
+      if (myProfile_.layers.empty()) myProfile_ = measureProfile();  // Once, even on retries.
+      const pipeline::Profile& mine = myProfile_;
       const std::string prefix = key + "/e" + std::to_string(info.epoch) + "/w";
       store->set(prefix + std::to_string(ctx_.worker()),
                  collectives::toBytes(pipeline::profileToJson(mine)));
@@ -746,18 +748,13 @@ class Trainer::Impl {
     const int first = mine ? mine->firstLayer : 0;
     const int end = mine ? mine->endLayer : 0;
     const bool firstPlan = heldFirst_ < 0;
-    if (firstPlan) {
-      // The first epoch: build this stage's layers and nothing else.
-      if (end > first) {
-        torch::nn::Sequential built = buildLayers(spec_, o_.seed, o_.dtype, first, end);
-        auto it = built->begin();
-        for (int i = first; i < end; ++i, ++it) model_->push_back(spec_.layers[i].name, *it);
-      }
-      params_ = model_->parameters();
-      opt_ = spec_.optimizer(params_);
-      heldFirst_ = first;
-      heldEnd_ = end;
-    } else if (first != heldFirst_ || end != heldEnd_) {
+    if (std::find(info.joined.begin(), info.joined.end(), self) != info.joined.end() &&
+        !firstPlan) {
+      SINEW_THROW(InvalidArgument, "worker ", self, " joined pipeline job epoch ", info.epoch,
+                  ", but pipeline mode cannot give a joining worker layers yet "
+                  "(docs/pipeline.md)");
+    }
+    if (!firstPlan && (first != heldFirst_ || end != heldEnd_)) {
       SINEW_THROW(InvalidArgument, "worker ", self, " holds layers [", heldFirst_, ", ", heldEnd_,
                   ") but the plan of epoch ", info.epoch, " (", info.members.size(),
                   " workers) gives it [", first, ", ", end,
@@ -814,6 +811,19 @@ class Trainer::Impl {
       groups_.push_back(std::move(g));
       if (client_.latestEpoch().epoch > e && groups_.back().comm) groups_.back().comm->abort();
       l = r;
+    }
+    if (firstPlan) {
+      // The first plan this worker enters (its communicators are up): build this stage's
+      // layers and nothing else.
+      if (end > first) {
+        torch::nn::Sequential built = buildLayers(spec_, o_.seed, o_.dtype, first, end);
+        auto it = built->begin();
+        for (int i = first; i < end; ++i, ++it) model_->push_back(spec_.layers[i].name, *it);
+      }
+      params_ = model_->parameters();
+      opt_ = spec_.optimizer(params_);
+      heldFirst_ = first;
+      heldEnd_ = end;
     }
     epoch_ = info.epoch;
     members_ = info.members;
@@ -978,8 +988,11 @@ class Trainer::Impl {
     };
     // The header of an activation: dtype, number of dimensions, dimensions.
     auto header = [&](const at::Tensor& y) {
-      SINEW_ENFORCE(y.dim() <= kMaxDims, "stage ", s, "'s output has ", y.dim(),
-                    " dimensions; at most ", kMaxDims, " can be sent between stages");
+      if (y.dim() > kMaxDims) {
+        SINEW_THROW(InvalidArgument, "layer '", spec_.layers[mine.endLayer - 1].name,
+                    "' (the last of stage ", s, ") outputs a tensor of ", y.dim(),
+                    " dimensions; at most ", kMaxDims, " can be sent between pipeline stages");
+      }
       at::Tensor h = at::zeros({2 + kMaxDims}, at::kLong);
       auto a = h.accessor<int64_t, 1>();
       a[0] = static_cast<int64_t>(y.scalar_type());
@@ -990,13 +1003,20 @@ class Trainer::Impl {
     auto fromHeader = [&](const at::Tensor& h) {
       auto a = h.accessor<int64_t, 1>();
       const int64_t type = a[0], dims = a[1];
-      SINEW_ENFORCE(type >= 0 && type < static_cast<int64_t>(at::ScalarType::NumOptions) &&
-                        dims >= 0 && dims <= kMaxDims,
-                    "stage ", s, " received a malformed activation header from stage ", s - 1,
-                    " (dtype ", type, ", ", dims, " dimensions)");
+      const bool plain = type >= 0 && type < static_cast<int64_t>(at::ScalarType::NumOptions) &&
+                         (at::isFloatingType(static_cast<at::ScalarType>(type)) ||
+                          at::isIntegralType(static_cast<at::ScalarType>(type),
+                                             /*includeBool=*/true));
+      if (!plain || dims < 0 || dims > kMaxDims) {
+        SINEW_THROW(Corruption, "stage ", s, " received a malformed activation header from stage ",
+                    s - 1, " (dtype code ", type, ", ", dims, " dimensions)");
+      }
       std::vector<int64_t> sizes;
       for (int64_t d = 0; d < dims; ++d) {
-        SINEW_ENFORCE(a[2 + d] >= 0, "stage ", s, " received a negative activation size");
+        if (a[2 + d] < 0 || a[2 + d] > (int64_t{1} << 40)) {
+          SINEW_THROW(Corruption, "stage ", s, " received an activation size of ", a[2 + d],
+                      " from stage ", s - 1);
+        }
         sizes.push_back(a[2 + d]);
       }
       return at::empty(sizes, at::TensorOptions().dtype(static_cast<at::ScalarType>(type)));
@@ -1156,7 +1176,7 @@ class Trainer::Impl {
     // Pipeline mode writes every due version on every writer (a version needs all of their
     // shards), so it waits for the previous one instead of skipping it.
     const bool wait = force || pipelineMode_;
-    if (wait && arena_) arena_->waitBeforeUpdate();  // Its copy is in no step's way.
+    if (wait && arena_) waitForSnapshot();  // Its copy is in no step's way.
     {
       std::unique_lock<std::mutex> lock(ckMu_);
       if (wait) ckCv_.wait(lock, [&] { return ckOutstanding_ == 0; });
@@ -1193,13 +1213,18 @@ class Trainer::Impl {
       writer_ = std::make_unique<checkpoint::CheckpointWriter>(po);
       flushThread_ = std::thread([this] { flushLoop(); });
     }
-    if (arena_->snapshot(step, state)) {
-      lastSnapshot_ = step;
+    {
+      // Counted before the copy starts, so the flush of a fast copy never finds it at 0.
       std::lock_guard<std::mutex> lock(ckMu_);
       ckOutstanding_++;
+    }
+    if (arena_->snapshot(step, state)) {
+      lastSnapshot_ = step;
     } else {
       std::lock_guard<std::mutex> lock(ckMu_);
+      ckOutstanding_--;
       ckSkipped_++;
+      ckCv_.notify_all();
     }
   }
 
@@ -1210,7 +1235,6 @@ class Trainer::Impl {
       if (toFlush_.empty()) return;  // Stopping with nothing left to write.
       FlushJob job = std::move(toFlush_.front());
       toFlush_.pop_front();
-      flushBusy_ = true;
       lock.unlock();
       auto t0 = Clock::now();
       std::exception_ptr error;
@@ -1222,7 +1246,6 @@ class Trainer::Impl {
       }
       double took = seconds(Clock::now() - t0);
       lock.lock();
-      flushBusy_ = false;
       ckOutstanding_--;
       if (!error) {
         ckWritten_++;
@@ -1272,10 +1295,25 @@ class Trainer::Impl {
     for (const std::string& k : keys) store->deleteKey(k);
   }
 
+  // Waits for the copy of the last snapshot. A copy that failed is never flushed (the arena
+  // reports it here, once), so it no longer counts as outstanding; its error propagates.
+  void waitForSnapshot() {
+    try {
+      arena_->waitBeforeUpdate();
+    } catch (const Timeout&) {
+      throw;  // Still copying: its flush comes later.
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(ckMu_);
+      ckOutstanding_--;
+      ckCv_.notify_all();
+      throw;
+    }
+  }
+
   // Waits until the last snapshot is copied and every version taken is flushed.
   void finishCheckpoints() {
     if (!arena_) return;
-    arena_->waitBeforeUpdate();
+    waitForSnapshot();
     std::unique_lock<std::mutex> lock(ckMu_);
     ckCv_.wait(lock, [&] { return ckOutstanding_ == 0; });
   }
@@ -1374,7 +1412,8 @@ class Trainer::Impl {
   std::unique_ptr<collectives::Communicator> comm_;
   std::vector<GradGroup> groups_;  // Pipeline mode; guarded by commMu_ like comm_.
   bool pipelineMode_ = false;
-  pipeline::Profile profile_;
+  pipeline::Profile profile_;    // The job's, as agreed.
+  pipeline::Profile myProfile_;  // This worker's measurement.
   int heldFirst_ = -1;  // The layers this worker holds in pipeline mode, [heldFirst_, heldEnd_).
   int heldEnd_ = -1;
   double scheduleSeconds_ = 0;  // runSchedule() time since the last progress report.
@@ -1392,7 +1431,7 @@ class Trainer::Impl {
   int64_t startStep_ = 0;
   bool leaveSent_ = false;
   int64_t lastSnapshot_ = -1;
-  // Durable checkpoints (the epoch's first member only).
+  // Durable checkpoints (the writers only: checkpointWriter()).
   std::unique_ptr<checkpoint::SnapshotArena> arena_;
   std::unique_ptr<checkpoint::CheckpointWriter> writer_;
   std::thread flushThread_;
@@ -1401,7 +1440,6 @@ class Trainer::Impl {
   std::condition_variable ckCv_;
   // Guarded by ckMu_.
   std::deque<FlushJob> toFlush_;
-  bool flushBusy_ = false;
   int64_t ckOutstanding_ = 0;          // Snapshots taken and not yet flushed (or failed).
   FlushHow ckHow_ = FlushHow::kAlone;  // How the snapshot being copied is to be flushed.
   std::vector<int> ckOthers_;

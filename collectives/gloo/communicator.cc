@@ -915,6 +915,16 @@ namespace {
 // libgloo in the executable's DT_NEEDED list, the dynamic linker binds Sinew's calls to it,
 // whose classes have other layouts, and the first operation crashes.
 std::string glooBindingProblem() {
+  // Where Sinew's own reference to a Gloo function went, whatever the libraries are called.
+  Dl_info mine{};
+  auto* fn = reinterpret_cast<void*>(&gloo::transport::tcp::CreateDevice);
+  if (::dladdr(fn, &mine) != 0 && mine.dli_fname != nullptr &&
+      std::strstr(mine.dli_fname, "libtorch") != nullptr) {
+    return std::string("gloo::transport::tcp::CreateDevice resolves to ") + mine.dli_fname +
+           ": libtorch 2.x bundles its own Gloo, and it comes before libgloo in this "
+           "program's link order. Link Sinew::sinew (or gloo) before ${TORCH_LIBRARIES}, or "
+           "run with LD_PRELOAD=libgloo.so.0";
+  }
   void* ours = ::dlopen("libgloo.so.0", RTLD_NOW | RTLD_NOLOAD);
   if (ours == nullptr) return {};  // Gloo linked in statically: nothing can interpose.
   const char* symbol = "_ZN4gloo9transport3tcp12CreateDeviceERKNS1_4attrE";

@@ -118,7 +118,9 @@ class Communicator {
   // (like torch.distributed's batch_isend_irecv followed by waiting on each), so two members
   // may send to each other in one call without deadlock: a pipeline stage sends its
   // activation forward while it receives a gradient back. Messages with the same (peer, tag)
-  // match in the order of `ops`. The deadline covers the whole batch; a failure of any
+  // match in the order of `ops` (NCCL ignores tags: there all messages between two ranks in
+  // one direction match in posting order, so post them in the same order on both sides, as
+  // the pipeline stages do). The deadline covers the whole batch; a failure of any
   // transfer fails the communicator as send() and recv() do.
   // REQUIRES: every tensor contiguous, every peer another member; a receive's tensor has the
   // byte count of the matching send.

@@ -85,9 +85,10 @@ struct TrainerOptions {
   // f: the job runs at least f + 1 pipelines, so every layer has f + 1 copies.
   int faultTolerance = 1;
   // The layer profile the planner uses: a JSON file (docs/profile_format.md) with one entry
-  // per layer of the model, in order; empty: measured at start by one worker with the
-  // profiler (pipeline/profiler.h) on the first microbatch and shared with the others
-  // through the store, so every worker plans from the same numbers.
+  // per layer of the model, in order; empty: measured at start by every member of the first
+  // epoch at once (pipeline/profiler.h, whole microbatches of step 0, medians of 21 runs; each
+  // worker builds every layer for it, one at a time), the first member publishing the
+  // per-layer median of everyone's times, so every worker plans from the same numbers.
   std::string profilePath;
   // For a measured profile: the memory one worker may use for its layers' parameters,
   // optimizer state and activations (0: unlimited). A profile file sets its own.
