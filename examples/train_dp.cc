@@ -15,118 +15,40 @@
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/linear.h>
 
-#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <limits>
 #include <string>
 
+#include "example_support.h"
 #include "sinew/trainer.h"
 
 namespace {
 
-struct Args {
-  int64_t steps = 80;
-  int64_t globalBatch = 64;
-  int64_t microbatch = 8;
-  uint64_t seed = 1;
-  double lr = 0.01;
-  std::string optimizer = "adam";
-  bool reference = true;
-  bool float32 = false;
-  int progress = 10;
-  std::string checkpointDir;
-  int checkpointEvery = 0;
-};
+using sinew_example::CommonArgs;
 
-[[noreturn]] void usage(const std::string& error) {
-  std::fprintf(stderr,
-               "train_dp: %s\nusage: train_dp [--steps N] [--global-batch B] [--microbatch b] "
-               "[--seed S] [--lr LR] [--optimizer adam|sgd] [--float32] [--progress N] "
-               "[--checkpoint-dir DIR] [--checkpoint-every K] [--no-reference]\n",
-               error.c_str());
-  std::exit(2);
-}
-
-Args parse(int argc, char** argv) {
-  Args a;
-  for (int i = 1; i < argc; ++i) {
-    std::string s = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) usage(s + " needs a value");
-      return argv[++i];
-    };
-    // Whole-string parses: no trailing junk, no nan or inf, nothing that wraps.
-    auto integer = [&](int64_t max) -> int64_t {
-      std::string v = value();
-      int64_t x = 0;
-      auto r = std::from_chars(v.data(), v.data() + v.size(), x);
-      if (v.empty() || r.ec != std::errc() || r.ptr != v.data() + v.size() || x < 0 || x > max) {
-        usage(s + ": '" + v + "' is not an integer in [0, " + std::to_string(max) + "]");
-      }
-      return x;
-    };
-    auto number = [&]() -> double {
-      std::string v = value();
-      double d = 0;
-      auto r = std::from_chars(v.data(), v.data() + v.size(), d);
-      if (v.empty() || r.ec != std::errc() || r.ptr != v.data() + v.size() || !std::isfinite(d) ||
-          d < 0) {
-        usage(s + ": '" + v + "' is not a finite non-negative number");
-      }
-      return d;
-    };
-    constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
-    if (s == "--steps") {
-      a.steps = integer(int64_t{1} << 40);
-    } else if (s == "--global-batch") {
-      a.globalBatch = integer(kMaxInt);
-    } else if (s == "--microbatch") {
-      a.microbatch = integer(kMaxInt);
-    } else if (s == "--seed") {
-      a.seed = static_cast<uint64_t>(integer(std::numeric_limits<int64_t>::max()));
-    } else if (s == "--lr") {
-      a.lr = number();
-    } else if (s == "--optimizer") {
-      a.optimizer = value();
-      if (a.optimizer != "adam" && a.optimizer != "sgd") usage("unknown optimizer " + a.optimizer);
-    } else if (s == "--float32") {
-      a.float32 = true;
-    } else if (s == "--progress") {
-      a.progress = static_cast<int>(integer(kMaxInt));
-    } else if (s == "--checkpoint-dir") {
-      a.checkpointDir = value();
-    } else if (s == "--checkpoint-every") {
-      a.checkpointEvery = static_cast<int>(integer(kMaxInt));
-    } else if (s == "--no-reference") {
-      a.reference = false;
-    } else {
-      usage("unknown argument '" + s + "'");
-    }
+CommonArgs parse(int argc, char** argv) {
+  CommonArgs a;
+  sinew_example::ArgReader r(argc, argv, [](const std::string& error) {
+    std::fprintf(stderr, "train_dp: %s\nusage: train_dp %s\n", error.c_str(),
+                 sinew_example::kCommonUsage);
+  });
+  while (r.next()) {
+    if (!sinew_example::parseCommon(r, a)) r.fail("unknown argument '" + r.flag() + "'");
   }
-  if (a.microbatch <= 0 || a.globalBatch % a.microbatch != 0) {
-    usage("--global-batch must be a positive multiple of --microbatch");
-  }
+  sinew_example::checkCommon(r, a);
   return a;
 }
 
 constexpr int64_t kFeatures = 16;
-
-uint64_t mix(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
 
 // Sample i: x uniform in [-1, 1]^16 from a hash of i; y = sin(w.x) + 0.5 cos(x0 x1).
 sinew::Sample sample(int64_t i) {
   std::vector<double> x(kFeatures);
   double dot = 0;
   for (int64_t k = 0; k < kFeatures; ++k) {
-    x[k] = static_cast<double>(mix(static_cast<uint64_t>(i) * kFeatures + k) >> 11) /
+    x[k] = static_cast<double>(sinew_example::mix(static_cast<uint64_t>(i) * kFeatures + k) >> 11) /
                static_cast<double>(1ull << 53) * 2.0 -
            1.0;
     dot += x[k] * (0.3 + 0.05 * static_cast<double>(k % 5));
@@ -135,7 +57,7 @@ sinew::Sample sample(int64_t i) {
   return {at::tensor(x, at::kDouble), at::tensor(std::vector<double>{y}, at::kDouble)};
 }
 
-sinew::ModelSpec model(const Args& a) {
+sinew::ModelSpec model(const CommonArgs& a) {
   sinew::ModelSpec spec;
   spec.layers = {
       {"fc1", [] { return torch::nn::AnyModule(torch::nn::Linear(kFeatures, 64)); }},
@@ -147,45 +69,16 @@ sinew::ModelSpec model(const Args& a) {
   spec.loss = [](const at::Tensor& out, const at::Tensor& target) {
     return (out - target).pow(2).mean();
   };
-  spec.optimizer = a.optimizer == "adam" ? sinew::adam(a.lr) : sinew::sgd(a.lr, 0.9);
+  spec.optimizer = sinew_example::optimizer(a);
   spec.dataset = sample;
   spec.datasetSize = 1 << 20;
   return spec;
 }
 
-// The same training, single-process, in plain libtorch. Returns the last step's loss.
-double trainReference(const Args& a, const sinew::ModelSpec& spec, at::ScalarType dtype,
-                      torch::nn::Sequential* out) {
-  torch::nn::Sequential ref = sinew::buildModel(spec, a.seed, dtype);
-  auto opt = spec.optimizer(ref->parameters());
-  double loss = 0;
-  const int64_t micro = a.globalBatch / a.microbatch;
-  for (int64_t s = 0; s < a.steps; ++s) {
-    auto idx = sinew::globalBatchIndices(a.seed, s, a.globalBatch, spec.datasetSize);
-    opt->zero_grad();
-    double sum = 0;
-    for (int64_t m = 0; m < micro; ++m) {
-      std::vector<at::Tensor> xs, ys;
-      for (int64_t j = m * a.microbatch; j < (m + 1) * a.microbatch; ++j) {
-        auto smp = spec.dataset(idx[j]);
-        xs.push_back(smp.input);
-        ys.push_back(smp.target);
-      }
-      at::Tensor l = spec.loss(ref->forward(at::stack(xs).to(dtype)), at::stack(ys).to(dtype));
-      (l * (static_cast<double>(a.microbatch) / a.globalBatch)).backward();
-      sum += l.item<double>() * a.microbatch;
-    }
-    loss = sum / a.globalBatch;
-    opt->step();
-  }
-  *out = ref;
-  return loss;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
-  Args a = parse(argc, argv);
+  CommonArgs a = parse(argc, argv);
   at::set_num_threads(1);  // Several workers share a few cores.
   std::unique_ptr<sinew::Context> ctx;
   try {
@@ -194,15 +87,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "train_dp: cannot join the job: %s\n", e.what());
     return 1;
   }
-  sinew::TrainerOptions o;
-  o.steps = a.steps;
-  o.globalBatch = a.globalBatch;
-  o.microbatch = a.microbatch;
-  o.seed = a.seed;
-  o.progressEvery = a.progress;
-  o.dtype = a.float32 ? at::kFloat : at::kDouble;
-  o.checkpointDir = a.checkpointDir;
-  o.checkpointEvery = a.checkpointEvery;
+  sinew::TrainerOptions o = sinew_example::trainerOptions(a);
   sinew::ModelSpec spec = model(a);
   sinew::Trainer trainer(*ctx, spec, o);
   sinew::TrainResult r;
@@ -240,20 +125,15 @@ int main(int argc, char** argv) {
     double refLoss = -1, maxRel = -1;
     if (a.reference) {
       torch::nn::Sequential ref;
-      refLoss = trainReference(a, spec, o.dtype, &ref);
+      refLoss = sinew_example::trainReference(a, spec, o.dtype, &ref);
       maxRel = 0;
       auto mine = trainer.parameters();
       auto theirs = ref->parameters();
       for (size_t i = 0; i < mine.size(); ++i) {
-        double diff = (mine[i] - theirs[i]).abs().max().item<double>();
-        double scale = std::max(theirs[i].abs().max().item<double>(), 1e-30);
-        maxRel = std::max(maxRel, diff / scale);
+        maxRel = std::max(maxRel, sinew_example::relDiff(mine[i], theirs[i]));
       }
     }
-    std::printf(
-        "RESULT final_loss=%.9g reference_loss=%.9g max_param_rel_diff=%.3g recoveries=%d "
-        "recovery_s_max=%.3f\n",
-        r.finalLoss, refLoss, maxRel, r.recoveries, r.recoveryMaxSeconds);
+    sinew_example::printResult(r, refLoss, maxRel);
   }
   std::fflush(stdout);
   return 0;

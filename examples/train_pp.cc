@@ -4,6 +4,9 @@
 //
 //   sinew-run -n 6 build/examples/train_pp
 //
+// Each worker may use 2 MB (--memory-bytes) and the model needs 2.5 MB for its parameters and
+// Adam state alone, so no worker can hold it: the job trains as pipelines of 2-3 stages.
+//
 // Each sequence counts up from a random token by a stride of 1, 2 or 3 (mod the vocabulary);
 // the model learns to continue it, which needs attention to the previous tokens. Inputs and
 // targets are token ids (int64), so the first stage runs an Embedding on integer tensors.
@@ -24,7 +27,6 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
-#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -32,109 +34,55 @@
 #include <limits>
 #include <string>
 
+#include "example_support.h"
 #include "sinew/trainer.h"
 
 namespace {
 
-struct Args {
-  int64_t steps = 40;
-  int64_t globalBatch = 32;
-  int64_t microbatch = 4;
-  uint64_t seed = 1;
-  double lr = 0.003;
-  std::string optimizer = "adam";
-  bool reference = true;
-  bool float32 = false;
+struct Args : sinew_example::CommonArgs {
   bool dataParallel = false;
-  int progress = 10;
   int blocks = 8;
   int faultTolerance = 1;
   std::string profile;
-  int64_t memoryBytes = 0;
-  std::string checkpointDir;
-  int checkpointEvery = 0;
-};
+  // A worker may use 2 MB for its layers: the model's parameters and Adam state alone are
+  // 2.5 MB, so no worker can hold it and the job trains as pipelines (0: unlimited).
+  int64_t memoryBytes = 2000000;
 
-[[noreturn]] void usage(const std::string& error) {
-  std::fprintf(stderr,
-               "train_pp: %s\nusage: train_pp [--steps N] [--global-batch B] [--microbatch b] "
-               "[--seed S] [--lr LR] [--optimizer adam|sgd] [--float32] [--progress N] "
-               "[--blocks N] [--fault-tolerance F] [--profile FILE] [--memory-bytes M] "
-               "[--data-parallel] [--checkpoint-dir DIR] [--checkpoint-every K] "
-               "[--no-reference]\n",
-               error.c_str());
-  std::exit(2);
-}
+  Args() {
+    steps = 40;
+    globalBatch = 32;
+    microbatch = 4;
+    lr = 0.003;
+  }
+};
 
 Args parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    std::string s = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) usage(s + " needs a value");
-      return argv[++i];
-    };
-    auto integer = [&](int64_t max) -> int64_t {
-      std::string v = value();
-      int64_t x = 0;
-      auto r = std::from_chars(v.data(), v.data() + v.size(), x);
-      if (v.empty() || r.ec != std::errc() || r.ptr != v.data() + v.size() || x < 0 || x > max) {
-        usage(s + ": '" + v + "' is not an integer in [0, " + std::to_string(max) + "]");
-      }
-      return x;
-    };
-    auto number = [&]() -> double {
-      std::string v = value();
-      double d = 0;
-      auto r = std::from_chars(v.data(), v.data() + v.size(), d);
-      if (v.empty() || r.ec != std::errc() || r.ptr != v.data() + v.size() || !std::isfinite(d) ||
-          d < 0) {
-        usage(s + ": '" + v + "' is not a finite non-negative number");
-      }
-      return d;
-    };
-    constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
-    if (s == "--steps") {
-      a.steps = integer(int64_t{1} << 40);
-    } else if (s == "--global-batch") {
-      a.globalBatch = integer(kMaxInt);
-    } else if (s == "--microbatch") {
-      a.microbatch = integer(kMaxInt);
-    } else if (s == "--seed") {
-      a.seed = static_cast<uint64_t>(integer(std::numeric_limits<int64_t>::max()));
-    } else if (s == "--lr") {
-      a.lr = number();
-    } else if (s == "--optimizer") {
-      a.optimizer = value();
-      if (a.optimizer != "adam" && a.optimizer != "sgd") usage("unknown optimizer " + a.optimizer);
-    } else if (s == "--float32") {
-      a.float32 = true;
-    } else if (s == "--data-parallel") {
+  sinew_example::ArgReader r(argc, argv, [](const std::string& error) {
+    std::fprintf(stderr,
+                 "train_pp: %s\nusage: train_pp %s [--blocks N] [--fault-tolerance F] "
+                 "[--profile FILE] [--memory-bytes M] [--data-parallel]\n",
+                 error.c_str(), sinew_example::kCommonUsage);
+  });
+  while (r.next()) {
+    const std::string& s = r.flag();
+    if (sinew_example::parseCommon(r, a)) continue;
+    if (s == "--data-parallel") {
       a.dataParallel = true;
-    } else if (s == "--progress") {
-      a.progress = static_cast<int>(integer(kMaxInt));
     } else if (s == "--blocks") {
-      a.blocks = static_cast<int>(integer(256));
+      a.blocks = static_cast<int>(r.integer(256));
     } else if (s == "--fault-tolerance") {
-      a.faultTolerance = static_cast<int>(integer(64));
+      a.faultTolerance = static_cast<int>(r.integer(64));
     } else if (s == "--profile") {
-      a.profile = value();
+      a.profile = r.value();
     } else if (s == "--memory-bytes") {
-      a.memoryBytes = integer(std::numeric_limits<int64_t>::max());
-    } else if (s == "--checkpoint-dir") {
-      a.checkpointDir = value();
-    } else if (s == "--checkpoint-every") {
-      a.checkpointEvery = static_cast<int>(integer(kMaxInt));
-    } else if (s == "--no-reference") {
-      a.reference = false;
+      a.memoryBytes = r.integer(std::numeric_limits<int64_t>::max());
     } else {
-      usage("unknown argument '" + s + "'");
+      r.fail("unknown argument '" + s + "'");
     }
   }
-  if (a.microbatch <= 0 || a.globalBatch % a.microbatch != 0) {
-    usage("--global-batch must be a positive multiple of --microbatch");
-  }
-  if (a.blocks < 1) usage("--blocks must be at least 1");
+  sinew_example::checkCommon(r, a);
+  if (a.blocks < 1) r.fail("--blocks must be at least 1");
   return a;
 }
 
@@ -196,17 +144,10 @@ struct HeadImpl : torch::nn::Module {
 };
 TORCH_MODULE(Head);
 
-uint64_t mix(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
 // Sample i: a sequence start, start + k, start + 2k, ... (mod V), k in {1, 2, 3}; the target
 // is the input shifted by one token.
 sinew::Sample sample(int64_t i) {
-  uint64_t h = mix(static_cast<uint64_t>(i));
+  uint64_t h = sinew_example::mix(static_cast<uint64_t>(i));
   const int64_t start = static_cast<int64_t>(h % kVocab);
   const int64_t stride = 1 + static_cast<int64_t>((h >> 32) % 3);
   at::Tensor seq = (at::arange(kContext + 1, at::kLong) * stride + start).remainder(kVocab);
@@ -224,44 +165,10 @@ sinew::ModelSpec model(const Args& a) {
   spec.loss = [](const at::Tensor& logits, const at::Tensor& target) {
     return at::cross_entropy_loss(logits.reshape({-1, kVocab}), target.reshape({-1}));
   };
-  spec.optimizer = a.optimizer == "adam" ? sinew::adam(a.lr) : sinew::sgd(a.lr, 0.9);
+  spec.optimizer = sinew_example::optimizer(a);
   spec.dataset = sample;
   spec.datasetSize = 1 << 20;
   return spec;
-}
-
-at::Tensor toTraining(const at::Tensor& t, at::ScalarType dtype) {
-  return at::isFloatingType(t.scalar_type()) ? t.to(dtype) : t;
-}
-
-// The same training, single-process, in plain libtorch. Returns the last step's loss.
-double trainReference(const Args& a, const sinew::ModelSpec& spec, at::ScalarType dtype,
-                      torch::nn::Sequential* out) {
-  torch::nn::Sequential ref = sinew::buildModel(spec, a.seed, dtype);
-  auto opt = spec.optimizer(ref->parameters());
-  double loss = 0;
-  const int64_t micro = a.globalBatch / a.microbatch;
-  for (int64_t s = 0; s < a.steps; ++s) {
-    auto idx = sinew::globalBatchIndices(a.seed, s, a.globalBatch, spec.datasetSize);
-    opt->zero_grad();
-    double sum = 0;
-    for (int64_t m = 0; m < micro; ++m) {
-      std::vector<at::Tensor> xs, ys;
-      for (int64_t j = m * a.microbatch; j < (m + 1) * a.microbatch; ++j) {
-        auto smp = spec.dataset(idx[j]);
-        xs.push_back(smp.input);
-        ys.push_back(smp.target);
-      }
-      at::Tensor l = spec.loss(ref->forward(toTraining(at::stack(xs), dtype)),
-                               toTraining(at::stack(ys), dtype));
-      (l * (static_cast<double>(a.microbatch) / a.globalBatch)).backward();
-      sum += l.item<double>() * a.microbatch;
-    }
-    loss = sum / a.globalBatch;
-    opt->step();
-  }
-  *out = ref;
-  return loss;
 }
 
 std::string paramKey(const std::string& name) { return "train_pp/param/" + name; }
@@ -278,15 +185,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "train_pp: cannot join the job: %s\n", e.what());
     return 1;
   }
-  sinew::TrainerOptions o;
-  o.steps = a.steps;
-  o.globalBatch = a.globalBatch;
-  o.microbatch = a.microbatch;
-  o.seed = a.seed;
-  o.progressEvery = a.progress;
-  o.dtype = a.float32 ? at::kFloat : at::kDouble;
-  o.checkpointDir = a.checkpointDir;
-  o.checkpointEvery = a.checkpointEvery;
+  sinew::TrainerOptions o = sinew_example::trainerOptions(a);
   o.parallelism = a.dataParallel ? sinew::Parallelism::kData : sinew::Parallelism::kPipeline;
   o.faultTolerance = a.faultTolerance;
   o.profilePath = a.profile;
@@ -333,7 +232,7 @@ int main(int argc, char** argv) {
     double refLoss = -1, maxRel = -1;
     if (a.reference) {
       torch::nn::Sequential ref;
-      refLoss = trainReference(a, spec, o.dtype, &ref);
+      refLoss = sinew_example::trainReference(a, spec, o.dtype, &ref);
       maxRel = 0;
       for (const auto& np : ref->named_parameters(/*recurse=*/true)) {
         at::Tensor theirs = np.value().detach().to(at::kDouble).contiguous();
@@ -352,15 +251,10 @@ int main(int argc, char** argv) {
         }
         at::Tensor mine = at::empty_like(theirs);
         std::memcpy(mine.data_ptr(), got.data(), got.size());
-        double diff = (mine - theirs).abs().max().item<double>();
-        double scale = std::max(theirs.abs().max().item<double>(), 1e-30);
-        maxRel = std::max(maxRel, diff / scale);
+        maxRel = std::max(maxRel, sinew_example::relDiff(mine, theirs));
       }
     }
-    std::printf(
-        "RESULT final_loss=%.9g reference_loss=%.9g max_param_rel_diff=%.3g recoveries=%d "
-        "recovery_s_max=%.3f\n",
-        r.finalLoss, refLoss, maxRel, r.recoveries, r.recoveryMaxSeconds);
+    sinew_example::printResult(r, refLoss, maxRel);
   }
   std::fflush(stdout);
   return 0;

@@ -1,0 +1,207 @@
+#pragma once
+
+// What the examples share: their common command line (parsed strictly: whole-string numbers,
+// no nan or inf, nothing that wraps), the options it sets, the single-process reference
+// training every example compares with, and the RESULT line.
+
+#include <ATen/ATen.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <charconv>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "sinew/trainer.h"
+
+namespace sinew_example {
+
+constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
+
+// The options every example takes.
+struct CommonArgs {
+  int64_t steps = 80;
+  int64_t globalBatch = 64;
+  int64_t microbatch = 8;
+  uint64_t seed = 1;
+  double lr = 0.01;
+  std::string optimizer = "adam";
+  bool reference = true;
+  bool float32 = false;
+  int progress = 10;
+  std::string checkpointDir;
+  int checkpointEvery = 0;
+};
+
+constexpr const char* kCommonUsage =
+    "[--steps N] [--global-batch B] [--microbatch b] [--seed S] [--lr LR] "
+    "[--optimizer adam|sgd] [--float32] [--progress N] [--checkpoint-dir DIR] "
+    "[--checkpoint-every K] [--no-reference]";
+
+// Walks argv flag by flag; `usage` prints the error and exits.
+class ArgReader {
+ public:
+  ArgReader(int argc, char** argv, std::function<void(const std::string&)> usage)
+      : argc_(argc), argv_(argv), usage_(std::move(usage)) {}
+
+  bool next() {
+    if (++i_ >= argc_) return false;
+    flag_ = argv_[i_];
+    return true;
+  }
+  const std::string& flag() const { return flag_; }
+  [[noreturn]] void fail(const std::string& error) const {
+    usage_(error);
+    std::exit(2);
+  }
+  std::string value() {
+    if (i_ + 1 >= argc_) fail(flag_ + " needs a value");
+    return argv_[++i_];
+  }
+  int64_t integer(int64_t max) {
+    std::string v = value();
+    int64_t x = 0;
+    auto r = std::from_chars(v.data(), v.data() + v.size(), x);
+    if (v.empty() || r.ec != std::errc() || r.ptr != v.data() + v.size() || x < 0 || x > max) {
+      fail(flag_ + ": '" + v + "' is not an integer in [0, " + std::to_string(max) + "]");
+    }
+    return x;
+  }
+  double number() {
+    std::string v = value();
+    double d = 0;
+    auto r = std::from_chars(v.data(), v.data() + v.size(), d);
+    if (v.empty() || r.ec != std::errc() || r.ptr != v.data() + v.size() || !std::isfinite(d) ||
+        d < 0) {
+      fail(flag_ + ": '" + v + "' is not a finite non-negative number");
+    }
+    return d;
+  }
+
+ private:
+  int argc_;
+  char** argv_;
+  std::function<void(const std::string&)> usage_;
+  int i_ = 0;
+  std::string flag_;
+};
+
+// Handles r.flag() if it is a common option; returns whether it was.
+inline bool parseCommon(ArgReader& r, CommonArgs& a) {
+  const std::string& s = r.flag();
+  if (s == "--steps") {
+    a.steps = r.integer(int64_t{1} << 40);
+  } else if (s == "--global-batch") {
+    a.globalBatch = r.integer(kMaxInt);
+  } else if (s == "--microbatch") {
+    a.microbatch = r.integer(kMaxInt);
+  } else if (s == "--seed") {
+    a.seed = static_cast<uint64_t>(r.integer(std::numeric_limits<int64_t>::max()));
+  } else if (s == "--lr") {
+    a.lr = r.number();
+  } else if (s == "--optimizer") {
+    a.optimizer = r.value();
+    if (a.optimizer != "adam" && a.optimizer != "sgd") r.fail("unknown optimizer " + a.optimizer);
+  } else if (s == "--float32") {
+    a.float32 = true;
+  } else if (s == "--progress") {
+    a.progress = static_cast<int>(r.integer(kMaxInt));
+  } else if (s == "--checkpoint-dir") {
+    a.checkpointDir = r.value();
+  } else if (s == "--checkpoint-every") {
+    a.checkpointEvery = static_cast<int>(r.integer(kMaxInt));
+  } else if (s == "--no-reference") {
+    a.reference = false;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// Checks what parseCommon() cannot check flag by flag.
+inline void checkCommon(const ArgReader& r, const CommonArgs& a) {
+  if (a.microbatch <= 0 || a.globalBatch % a.microbatch != 0) {
+    r.fail("--global-batch must be a positive multiple of --microbatch");
+  }
+}
+
+inline sinew::TrainerOptions trainerOptions(const CommonArgs& a) {
+  sinew::TrainerOptions o;
+  o.steps = a.steps;
+  o.globalBatch = a.globalBatch;
+  o.microbatch = a.microbatch;
+  o.seed = a.seed;
+  o.progressEvery = a.progress;
+  o.dtype = a.float32 ? at::kFloat : at::kDouble;
+  o.checkpointDir = a.checkpointDir;
+  o.checkpointEvery = a.checkpointEvery;
+  return o;
+}
+
+inline sinew::OptimizerFactory optimizer(const CommonArgs& a) {
+  return a.optimizer == "adam" ? sinew::adam(a.lr) : sinew::sgd(a.lr, 0.9);
+}
+
+// SplitMix64: the examples' deterministic data.
+inline uint64_t mix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// As the trainer does: floating-point data in the training dtype, integer data unchanged.
+inline at::Tensor toTraining(const at::Tensor& t, at::ScalarType dtype) {
+  return at::isFloatingType(t.scalar_type()) ? t.to(dtype) : t;
+}
+
+// The same training, single-process, in plain libtorch over the same global batches. Returns
+// the last step's loss; *out gets the trained model.
+inline double trainReference(const CommonArgs& a, const sinew::ModelSpec& spec,
+                             at::ScalarType dtype, torch::nn::Sequential* out) {
+  torch::nn::Sequential ref = sinew::buildModel(spec, a.seed, dtype);
+  auto opt = spec.optimizer(ref->parameters());
+  double loss = 0;
+  const int64_t micro = a.globalBatch / a.microbatch;
+  for (int64_t s = 0; s < a.steps; ++s) {
+    auto idx = sinew::globalBatchIndices(a.seed, s, a.globalBatch, spec.datasetSize);
+    opt->zero_grad();
+    double sum = 0;
+    for (int64_t m = 0; m < micro; ++m) {
+      std::vector<at::Tensor> xs, ys;
+      for (int64_t j = m * a.microbatch; j < (m + 1) * a.microbatch; ++j) {
+        auto smp = spec.dataset(idx[j]);
+        xs.push_back(smp.input);
+        ys.push_back(smp.target);
+      }
+      at::Tensor l = spec.loss(ref->forward(toTraining(at::stack(xs), dtype)),
+                               toTraining(at::stack(ys), dtype));
+      (l * (static_cast<double>(a.microbatch) / a.globalBatch)).backward();
+      sum += l.item<double>() * a.microbatch;
+    }
+    loss = sum / a.globalBatch;
+    opt->step();
+  }
+  *out = ref;
+  return loss;
+}
+
+// max |mine - theirs| / max |theirs| of one tensor.
+inline double relDiff(const at::Tensor& mine, const at::Tensor& theirs) {
+  double diff = (mine - theirs).abs().max().item<double>();
+  return diff / std::max(theirs.abs().max().item<double>(), 1e-30);
+}
+
+inline void printResult(const sinew::TrainResult& r, double refLoss, double maxRel) {
+  std::printf(
+      "RESULT final_loss=%.9g reference_loss=%.9g max_param_rel_diff=%.3g recoveries=%d "
+      "recovery_s_max=%.3f\n",
+      r.finalLoss, refLoss, maxRel, r.recoveries, r.recoveryMaxSeconds);
+}
+
+}  // namespace sinew_example
