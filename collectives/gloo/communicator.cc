@@ -543,9 +543,14 @@ void GlooCommunicator::runOp(const char* name, std::chrono::milliseconds timeout
     if (error()) throwFailure();
     body();
   } catch (const gloo::Exception& e) {
-    fail(std::make_exception_ptr(
-             Aborted(describe() + ": " + name + ": transport error: " + e.what())),
-         GoodbyeKind::kAborted, self());
+    // Posting a send or receive on a pair whose peer just aborted fails here, possibly before
+    // that peer's watcher has delivered its Goodbye (the peer closes right after sending it):
+    // give the watchers the grace onPairError gives them, so the failure names its cause.
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, kVerdictWait, [&] { return failure_ != nullptr; });
+    failLocked(std::make_exception_ptr(
+                   Aborted(describe() + ": " + name + ": transport error: " + e.what())),
+               GoodbyeKind::kAborted, self());
   } catch (...) {
     // Usually the recorded failure rethrown; otherwise this exception becomes it.
     fail(std::current_exception(), GoodbyeKind::kAborted, self());
