@@ -123,6 +123,33 @@ typename StateMap::key_type stateKey(const StateMap&, const at::Tensor& p) {
   }
 }
 
+// Every parameter's gradient (zeros where it has none) in one flat tensor, then `tail`: one
+// allreduce sums them all.
+at::Tensor flatGradients(const std::vector<at::Tensor>& params, const at::Tensor& tail = {}) {
+  std::vector<at::Tensor> parts;
+  for (const auto& p : params) {
+    parts.push_back(p.grad().defined() ? p.grad().reshape(-1)
+                                       : at::zeros({p.numel()}, p.options()));
+  }
+  if (tail.defined()) parts.push_back(tail);
+  return at::cat(parts);
+}
+
+// Copies flatGradients()'s layout back into the gradients; returns the elements it used.
+int64_t setGradients(const std::vector<at::Tensor>& params, const at::Tensor& flat) {
+  int64_t offset = 0;
+  for (const auto& p : params) {
+    at::Tensor g = flat.narrow(0, offset, p.numel()).view(p.sizes());
+    if (p.grad().defined()) {
+      p.mutable_grad().copy_(g);
+    } else {
+      p.mutable_grad() = g.clone();
+    }
+    offset += p.numel();
+  }
+  return offset;
+}
+
 }  // namespace
 
 OptimizerFactory sgd(double lr, double momentum) {
@@ -390,26 +417,12 @@ class Trainer::Impl {
       lossSum += loss.item<double>() * static_cast<double>(o_.microbatch);
     }
     // One flat buffer: every gradient, then the loss sum.
-    std::vector<at::Tensor> parts;
-    for (auto& p : params_) {
-      parts.push_back(p.grad().defined() ? p.grad().reshape(-1)
-                                         : at::zeros({p.numel()}, p.options()));
-    }
-    parts.push_back(at::full({1}, lossSum, at::TensorOptions().dtype(o_.dtype)));
-    at::Tensor flat = at::cat(parts);
+    at::Tensor flat =
+        flatGradients(params_, at::full({1}, lossSum, at::TensorOptions().dtype(o_.dtype)));
     inj.fire(self, step_, Phase::kReduce, &client_);
     comm_->allreduce(flat, collectives::ReduceOp::kSum, o_.opTimeout);
     inj.fire(self, step_, Phase::kAfterReduce, &client_);
-    int64_t offset = 0;
-    for (auto& p : params_) {
-      at::Tensor g = flat.narrow(0, offset, p.numel()).view(p.sizes());
-      if (p.grad().defined()) {
-        p.mutable_grad().copy_(g);
-      } else {
-        p.mutable_grad() = g.clone();
-      }
-      offset += p.numel();
-    }
+    const int64_t offset = setGradients(params_, flat);
     double loss = flat[offset].item<double>() / static_cast<double>(o_.globalBatch);
     return commitAndApply(loss);
   }
@@ -923,23 +936,9 @@ class Trainer::Impl {
         for (auto& p : (*model_)[l - heldFirst_]->parameters()) ps.push_back(p);
       }
       if (ps.empty()) continue;
-      std::vector<at::Tensor> parts;
-      for (auto& p : ps) {
-        parts.push_back(p.grad().defined() ? p.grad().reshape(-1)
-                                           : at::zeros({p.numel()}, p.options()));
-      }
-      at::Tensor flat = at::cat(parts);
+      at::Tensor flat = flatGradients(ps);
       g.comm->allreduce(flat, collectives::ReduceOp::kSum, o_.opTimeout);
-      int64_t offset = 0;
-      for (auto& p : ps) {
-        at::Tensor v = flat.narrow(0, offset, p.numel()).view(p.sizes());
-        if (p.grad().defined()) {
-          p.mutable_grad().copy_(v);
-        } else {
-          p.mutable_grad() = v.clone();
-        }
-        offset += p.numel();
-      }
+      setGradients(ps, flat);
     }
     at::Tensor loss = at::full({1}, lossSum, at::TensorOptions().dtype(at::kDouble));
     comm_->allreduce(loss, collectives::ReduceOp::kSum, o_.opTimeout);
