@@ -7,9 +7,10 @@
 // a plan says which worker holds which layers and runs which microbatches. Two modes
 // (TrainerOptions::parallelism):
 //   - data parallel: every worker holds every layer (one-stage pipelines);
-//   - pipeline parallel (docs/pipeline.md): from a layer profile every worker plans the same
-//     pipeline templates and instantiates at least faultTolerance + 1 pipelines on the
-//     epoch's members; each worker builds only its stage's layers, runs 1F1B over its
+//   - pipeline parallel (docs/pipeline.md): from the job's layer profile the coordinator
+//     plans the pipeline templates once and sends each epoch's plan (at least
+//     faultTolerance + 1 pipelines on its members); each worker builds only its stage's
+//     layers, runs 1F1B over its
 //     pipeline's share of the global batch (activations forward and gradients back through
 //     Communicator::exchange), and each layer's gradient is summed over the workers that hold
 //     that layer (one group per layer range).
@@ -88,7 +89,7 @@ struct TrainerOptions {
   // per layer of the model, in order; empty: measured at start by every member of the first
   // epoch at once (pipeline/profiler.h, whole microbatches of step 0, medians of 21 runs; each
   // worker builds every layer for it, one at a time), the first member publishing the
-  // per-layer median of everyone's times, so every worker plans from the same numbers.
+  // per-layer median of everyone's times, which the coordinator plans from.
   std::string profilePath;
   // For a measured profile: the memory one worker may use for its layers' parameters,
   // optimizer state and activations (0: unlimited). A profile file sets its own.
