@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <limits>
+#include <memory>
+#include <sstream>
+#include <string>
 #include <utility>
 
 #include "sinew/collectives/error.h"
@@ -17,6 +20,8 @@ namespace {
 constexpr int64_t kInf = std::numeric_limits<int64_t>::max() / 4;
 // Bound on (L + 1) * (S_max + 1) table entries for one width (16 bytes each).
 constexpr int64_t kMaxTableEntries = int64_t{1} << 27;
+// Bound on the mixed-width table (8 bytes per entry): 2^23 entries, 64 MiB.
+constexpr int64_t kMaxMixedEntries = int64_t{1} << 23;
 
 // A split of the layers into stages: ends[s] is the end layer (exclusive) of stage s.
 struct Split {
@@ -283,9 +288,281 @@ Split WidthPlanner::leastFillSplit(int64_t T, int S) {
   return result;
 }
 
+// The mixed-width search (docs/planner.md, "Mixed widths"): stages of any widths of the chain C
+// (CostModel::chainWidths), S stages of total width W on n nodes iff W <= n * G and S >= n.
+// V(k, i, W) = least fill of a split of [i, L) into k stages (the first at position k) of total
+// width W, every stage's compute <= the bound T and every stage fitting at its position:
+//   V(0, L, 0) = 0,  V(k, i, W) = min over c in C, j in (i, J] of fill(i, j, c) + V(k-1, j, W-c).
+// One table serves every node count: the best template on n nodes under T is the least
+// V(S, 0, W) over S >= n and W <= n * G.
+class MixedPlanner {
+ public:
+  MixedPlanner(const CostModel& model, std::vector<int> chain, int max_stages, int max_devices)
+      : model_(model),
+        chain_(std::move(chain)),
+        L_(model.numLayers()),
+        K_(max_stages),
+        Wmax_(max_devices),
+        cols_(max_devices + 1) {
+    state_base_.assign(K_ + 2, 0);
+    for (int k = 1; k <= K_; ++k) state_base_[k + 1] = state_base_[k] + (L_ - k + 1);
+    const size_t states = state_base_[K_ + 1];
+    v_.assign(states * cols_, kInf);
+    lo_.assign(states, cols_);
+    hi_.assign(states, -1);
+    prefix_.assign(static_cast<size_t>(K_ + 1) * cols_, kInf);
+    prefix_arg_.assign(static_cast<size_t>(K_ + 1) * cols_, -1);
+  }
+
+  // Entries of the table for L layers, K stages and W devices (the caller bounds memory).
+  static int64_t tableEntries(int L, int K, int W) {
+    int64_t states = 0;
+    for (int k = 1; k <= K; ++k) states += L - k + 1;
+    return states * (W + 1);
+  }
+
+  // Fills the table for the compute bound T (kInf: unbounded): least fill.
+  void run(int64_t T) { fillTable</*kBottleneck=*/false>(T); }
+  // Fills the table with the least bottleneck (max of stage compute) instead of the least
+  // fill, under no bound; pick() then gives the least bottleneck on n nodes.
+  void runBottleneck() { fillTable</*kBottleneck=*/true>(kInf); }
+
+ private:
+  template <bool kBottleneck>
+  void fillTable(int64_t T) {
+    const int C = static_cast<int>(chain_.size());
+    for (int k = 1; k <= K_; ++k) {
+      for (int i = 0; i <= L_ - k; ++i) {
+        const size_t st = state(k, i);
+        int64_t* v = &v_[st * cols_];
+        for (int x = lo_[st]; x <= hi_[st]; ++x) v[x] = kInf;
+        int lo = cols_, hi = -1;
+        for (int c = 0; c < C; ++c) {
+          const int w = chain_[c];
+          const int d = model_.widths()[w];
+          if (k == 1) {
+            if (d > Wmax_ || model_.computeTicks(i, L_, w) > T || !model_.fits(i, L_, w, 1)) {
+              continue;
+            }
+            int64_t val = kBottleneck ? model_.computeTicks(i, L_, w) : model_.fillTicks(i, L_, w);
+            if (val < v[d]) {
+              v[d] = val;
+              lo = std::min(lo, d);
+              hi = std::max(hi, d);
+            }
+            continue;
+          }
+          for (int j = i + 1; j <= L_ - (k - 1); ++j) {
+            if (model_.computeTicks(i, j, w) > T || !model_.fits(i, j, w, k)) break;
+            const size_t ps = state(k - 1, j);
+            const int plo = lo_[ps];
+            const int phi = std::min(hi_[ps], Wmax_ - d);
+            if (plo > phi) continue;
+            const int64_t* pv = &v_[ps * cols_];
+            int64_t* vd = v + d;
+            if (kBottleneck) {
+              const int64_t t = model_.computeTicks(i, j, w);
+              for (int x = plo; x <= phi; ++x) vd[x] = std::min(vd[x], std::max(t, pv[x]));
+            } else {
+              // Unreached entries hold kInf, and kInf + cost is never below an entry (<= kInf).
+              const int64_t cost = model_.fillTicks(i, j, w);
+              for (int x = plo; x <= phi; ++x) vd[x] = std::min(vd[x], cost + pv[x]);
+            }
+            lo = std::min(lo, plo + d);
+            hi = std::max(hi, phi + d);
+          }
+        }
+        lo_[st] = lo;
+        hi_[st] = hi;
+      }
+    }
+    // For pick(): per stage count S, the least value over at most W devices and where.
+    for (int S = 1; S <= std::min(K_, L_); ++S) {
+      const size_t st = state(S, 0);
+      const int64_t* v = &v_[st * cols_];
+      int64_t* pm = &prefix_[static_cast<size_t>(S) * cols_];
+      int* pa = &prefix_arg_[static_cast<size_t>(S) * cols_];
+      int64_t least = kInf;
+      int where = -1;
+      for (size_t x = 0; x < cols_; ++x) {
+        if (v[x] < least) {
+          least = v[x];
+          where = static_cast<int>(x);
+        }
+        pm[x] = least;
+        pa[x] = where;
+      }
+    }
+  }
+
+ public:
+  struct Pick {
+    int64_t fill = kInf;
+    int S = 0;
+    int W = 0;
+  };
+  // The least-fill split on n nodes of the last run: fewest stages, then fewest devices, on
+  // ties.
+  Pick pick(int n) const {
+    Pick p;
+    const int cap = static_cast<int>(
+        std::min<int64_t>(static_cast<int64_t>(n) * model_.devicesPerNode(), Wmax_));
+    for (int S = n; S <= std::min(K_, L_); ++S) {
+      const size_t at = static_cast<size_t>(S) * cols_ + cap;
+      if (prefix_[at] < p.fill) {
+        p.fill = prefix_[at];
+        p.S = S;
+        p.W = prefix_arg_[at];
+      }
+    }
+    return p;
+  }
+
+  // The split behind a pick of the last run: stage ends, width indices and its bottleneck.
+  // Each stage is the first (width in chain order, then end) whose fill plus the rest's least
+  // fill gives the state's value, found again from the table instead of stored.
+  Split split(const Pick& p, int64_t T, std::vector<int>* widths) const {
+    Split s;
+    s.feasible = true;
+    s.fill = p.fill;
+    s.bottleneck = 0;
+    widths->clear();
+    int i = 0, x = p.W;
+    for (int k = p.S; k >= 1; --k) {
+      const int64_t target = v_[state(k, i) * cols_ + x];
+      int found_j = -1, found_w = -1;
+      for (size_t c = 0; c < chain_.size() && found_j < 0; ++c) {
+        const int w = chain_[c];
+        const int d = model_.widths()[w];
+        if (d > x) continue;
+        for (int j = i + 1; j <= L_ - (k - 1); ++j) {
+          if (model_.computeTicks(i, j, w) > T || !model_.fits(i, j, w, k)) break;
+          if (k == 1 && j != L_) continue;
+          const int64_t rest = k == 1 ? (x == d ? 0 : kInf) : v_[state(k - 1, j) * cols_ + x - d];
+          if (rest < kInf && model_.fillTicks(i, j, w) + rest == target) {
+            found_j = j;
+            found_w = w;
+            break;
+          }
+        }
+      }
+      SINEW_ENFORCE(found_j >= 0, "mixed planner: no split found again at k=", k, " i=", i,
+                    " W=", x);
+      s.ends.push_back(found_j);
+      widths->push_back(found_w);
+      s.bottleneck = std::max(s.bottleneck, model_.computeTicks(i, found_j, found_w));
+      x -= model_.widths()[found_w];
+      i = found_j;
+    }
+    return s;
+  }
+
+ private:
+  size_t state(int k, int i) const { return state_base_[k] + i; }
+
+  const CostModel& model_;
+  const std::vector<int> chain_;
+  const int L_;
+  const int K_;
+  const int Wmax_;
+  const size_t cols_;
+  std::vector<size_t> state_base_;  // states of row k: i in [0, L - k]
+  std::vector<int64_t> v_;
+  std::vector<int> lo_, hi_;     // finite entries of a state lie in W in [lo, hi]
+  std::vector<int64_t> prefix_;  // [S][W]: least V(S, 0, W') over W' <= W
+  std::vector<int> prefix_arg_;  // the least such W'
+};
+
 int64_t mulSat(int64_t a, int64_t b) {
   __int128 p = static_cast<__int128>(a) * b;
   return p >= kInf ? kInf : static_cast<int64_t>(p);
+}
+
+// The chain of widths for mixed templates, as indices into model.widths(), largest first: from
+// 1, each the smallest divisor of G that is a multiple of the one before (1, 2, 4, 8 for G = 8;
+// 1, 2, 6 for G = 6). Chain widths pack like bin sizes that divide each other: a multiset of
+// total W fills ceil(W / G) nodes.
+std::vector<int> chainWidths(const CostModel& model) {
+  const int G = model.devicesPerNode();
+  std::vector<int> chain;
+  for (int d = 1; d <= G;) {
+    chain.insert(chain.begin(), model.widthIndex(d));
+    int next = d + 1;
+    while (next <= G && (G % next != 0 || next % d != 0)) ++next;
+    d = next;
+  }
+  return chain;
+}
+
+// A template from a split and its stages' widths (indices into model.widths()), placed on n
+// nodes: stages go to nodes in order while they fit; if that needs more than n nodes they are
+// packed largest first (first fit; chain widths fill every node but the last), and while fewer
+// than n nodes hold stages, the last-placed stage of the node holding the most moves to an
+// empty node. REQUIRES: S >= n and the widths sum to at most n * G.
+PipelineTemplate buildTemplate(const CostModel& model, int n, int64_t M, const Split& split,
+                               const std::vector<int>& widths) {
+  const int G = model.devicesPerNode();
+  const int S = static_cast<int>(split.ends.size());
+  PipelineTemplate tpl;
+  tpl.nodes = n;
+  tpl.microbatches = M;
+  tpl.fill_ticks = split.fill;
+  tpl.bottleneck_ticks = split.bottleneck;
+  tpl.stage_devices = model.widths()[widths[0]];
+  int first = 0;
+  for (int st = 0; st < S; ++st) {
+    const int w = widths[st];
+    StageAssignment a;
+    a.first_layer = first;
+    a.end_layer = split.ends[st];
+    a.devices = model.widths()[w];
+    a.compute_ticks = model.computeTicks(first, a.end_layer, w);
+    a.fill_ticks = model.fillTicks(first, a.end_layer, w);
+    a.memory_bytes = model.memoryBytes(first, a.end_layer, w, S - st);
+    if (a.devices != tpl.stage_devices) tpl.stage_devices = 0;
+    tpl.stages.push_back(a);
+    first = a.end_layer;
+  }
+  // Placement: in order first.
+  std::vector<int> used;  // devices taken on each node
+  for (StageAssignment& a : tpl.stages) {
+    if (used.empty() || used.back() + a.devices > G) used.push_back(0);
+    a.node = static_cast<int>(used.size()) - 1;
+    a.first_device = used.back();
+    used.back() += a.devices;
+  }
+  if (static_cast<int>(used.size()) > n) {
+    std::vector<int> order(S);
+    for (int st = 0; st < S; ++st) order[st] = st;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int x, int y) { return tpl.stages[x].devices > tpl.stages[y].devices; });
+    used.clear();
+    for (int st : order) {
+      StageAssignment& a = tpl.stages[st];
+      size_t node = 0;
+      while (node < used.size() && used[node] + a.devices > G) ++node;
+      if (node == used.size()) used.push_back(0);
+      a.node = static_cast<int>(node);
+      a.first_device = used[node];
+      used[node] += a.devices;
+    }
+  }
+  SINEW_ENFORCE(static_cast<int>(used.size()) <= n, "template for n=", n, " needs ", used.size(),
+                " nodes");
+  while (static_cast<int>(used.size()) < n) {
+    std::vector<int> held(used.size(), 0);
+    for (const StageAssignment& a : tpl.stages) held[a.node]++;
+    const int from = static_cast<int>(std::max_element(held.begin(), held.end()) - held.begin());
+    SINEW_ENFORCE(held[from] >= 2, "template for n=", n, " has fewer stages than nodes");
+    StageAssignment* last = nullptr;
+    for (StageAssignment& a : tpl.stages) {
+      if (a.node == from && (last == nullptr || a.first_device > last->first_device)) last = &a;
+    }
+    last->node = static_cast<int>(used.size());
+    last->first_device = 0;
+    used.push_back(last->devices);
+  }
+  return tpl;
 }
 
 }  // namespace
@@ -360,12 +637,25 @@ TemplateSet planTemplates(const Profile& profile, const TemplateOptions& options
     return false;
   };
 
+  // The mixed-width search when the chain has more than one width and its table is small
+  // enough (docs/planner.md, "Mixed widths").
+  const std::vector<int> chain = chainWidths(model);
+  const int mixed_K = static_cast<int>(std::min<int64_t>(L, static_cast<int64_t>(N - f) * G));
+  const int mixed_W = static_cast<int>(
+      std::min<int64_t>(static_cast<int64_t>(mixed_K) * G, static_cast<int64_t>(N - f) * G));
+  std::unique_ptr<MixedPlanner> mixed;
+  if (chain.size() > 1 && MixedPlanner::tableEntries(L, mixed_K, mixed_W) <= kMaxMixedEntries) {
+    mixed = std::make_unique<MixedPlanner>(model, chain, mixed_K, mixed_W);
+    mixed->run(kInf);
+  }
+
   TemplateSet set;
   set.devices_per_node = G;
   set.num_layers = L;
+  set.mixed_widths = mixed != nullptr;
   int n_min = 0;
   for (int n = 1; n <= std::min(N - f, L); ++n) {
-    if (feasible(n)) {
+    if (feasible(n) || (mixed && mixed->pick(n).fill < kInf)) {
       n_min = n;
       break;
     }
@@ -383,12 +673,21 @@ TemplateSet planTemplates(const Profile& profile, const TemplateOptions& options
   }
   set.min_nodes = n_min;
   set.max_nodes = std::min(N - f * n_min, L);
+  const int count = set.max_nodes - n_min + 1;
 
-  // Step 2: for each n, each width, descend over bottleneck bounds (docs/planner.md, "Exact
-  // search over the bottleneck").
+  // The best template for each n: its objective, its split and the width of every stage.
+  struct Best {
+    int64_t objective = kInf;
+    Split split;
+    std::vector<int> widths;
+  };
+  std::vector<Best> best(count);
+
+  // Step 2, uniform widths: for each n, each width, descend over bottleneck bounds
+  // (docs/planner.md, "Exact search over the bottleneck").
   for (int n = n_min; n <= set.max_nodes; ++n) {
     const int64_t M = templateMicrobatches(options.global_microbatches, n, N);
-    int64_t best = kInf;
+    int64_t top = kInf;
     int best_w = -1;
     int best_S = -1;
     int64_t best_T = kInf;
@@ -400,63 +699,177 @@ TemplateSet planTemplates(const Profile& profile, const TemplateOptions& options
         const int64_t t_star = p.leastBottleneck(S);
         if (t_star >= kInf) continue;
         const int64_t g_inf = p.leastFill(S);
-        if (g_inf + mulSat(M - 1, t_star) >= best) continue;
+        if (g_inf + mulSat(M - 1, t_star) >= top) continue;
         int64_t phi0 = p.bottleneckSplitFill(S) + mulSat(M - 1, t_star);
-        if (phi0 < best) {
-          best = phi0;
+        if (phi0 < top) {
+          top = phi0;
           best_w = static_cast<int>(w);
           best_S = S;
           best_T = t_star;
         }
         if (phi0 == g_inf + mulSat(M - 1, t_star)) continue;  // meets the lower bound
-        // Any split with phi < best has bottleneck <= (best - g_inf - 1) / (M - 1).
-        int64_t T = M == 1 ? kInf : (best - g_inf - 1) / (M - 1);
+        // Any split with phi < top has bottleneck <= (top - g_inf - 1) / (M - 1).
+        int64_t T = M == 1 ? kInf : (top - g_inf - 1) / (M - 1);
         while (T >= t_star) {
           Split s = p.leastFillSplit(T, S);
           if (!s.feasible) break;
           int64_t phi = s.fill + mulSat(M - 1, s.bottleneck);
-          if (phi < best) {
-            best = phi;
+          if (phi < top) {
+            top = phi;
             best_w = static_cast<int>(w);
             best_S = S;
             best_T = T;
           }
-          if (s.fill + mulSat(M - 1, t_star) >= best) break;
+          if (s.fill + mulSat(M - 1, t_star) >= top) break;
           T = s.bottleneck - 1;
-          if (M > 1) T = std::min(T, (best - g_inf - 1) / (M - 1));
+          if (M > 1) T = std::min(T, (top - g_inf - 1) / (M - 1));
         }
       }
     }
-    if (best_w < 0) continue;  // no feasible template on n nodes
-    const int d = widths[best_w];
-    const int S = best_S;
-    Split s = planners[best_w].leastFillSplit(best_T, S);
-    SINEW_ENFORCE(s.feasible && s.fill + mulSat(M - 1, s.bottleneck) == best,
+    if (best_w < 0) continue;
+    Best& b = best[n - n_min];
+    b.split = planners[best_w].leastFillSplit(best_T, best_S);
+    SINEW_ENFORCE(b.split.feasible && b.split.fill + mulSat(M - 1, b.split.bottleneck) == top,
                   "planner reconstruction disagrees for n=", n);
-    PipelineTemplate tpl;
-    tpl.nodes = n;
-    tpl.stage_devices = d;
-    tpl.microbatches = M;
-    tpl.fill_ticks = s.fill;
-    tpl.bottleneck_ticks = s.bottleneck;
-    const int per_node = G / d;
-    int first = 0;
-    for (int st = 0; st < S; ++st) {
-      StageAssignment a;
-      a.first_layer = first;
-      a.end_layer = s.ends[st];
-      a.node = st / per_node;
-      a.first_device = (st % per_node) * d;
-      a.devices = d;
-      a.compute_ticks = model.computeTicks(first, a.end_layer, best_w);
-      a.fill_ticks = model.fillTicks(first, a.end_layer, best_w);
-      a.memory_bytes = model.memoryBytes(first, a.end_layer, best_w, S - st);
-      tpl.stages.push_back(a);
-      first = a.end_layer;
+    b.objective = top;
+    b.widths.assign(best_S, best_w);
+  }
+
+  // Step 3, mixed widths: one descent over bottleneck bounds shared by every n, each bound one
+  // run of the table (docs/planner.md, "Mixed widths"). A mixed template replaces the uniform
+  // one only if strictly better.
+  if (mixed) {
+    struct Search {
+      bool active = false;
+      int64_t M = 1;
+      int64_t t_star = 0;   // least bottleneck of any mixed split on n nodes
+      int64_t fill = kInf;  // least fill under the last bound visited
+      int64_t next = kInf;  // the next bound n needs
+    };
+    std::vector<Search> search(count);
+    // The cap on later bounds for a split to beat `objective`, given that every split under
+    // them has fill >= x.fill (they are below the last bound): (objective - fill - 1) / (M - 1).
+    auto cap = [](const Search& x, int64_t objective) {
+      return x.M == 1 ? int64_t{-1}
+                      : (objective >= kInf ? kInf : (objective - x.fill - 1) / (x.M - 1));
+    };
+    auto stillUseful = [&](Search& x, int64_t objective) {
+      x.next = std::min(x.next, cap(x, objective));
+      x.active = x.next >= x.t_star && x.fill + mulSat(x.M - 1, x.t_star) < objective;
+    };
+    auto consider = [&](int n, int64_t T) {
+      Search& x = search[n - n_min];
+      Best& b = best[n - n_min];
+      MixedPlanner::Pick pk = mixed->pick(n);
+      if (pk.fill >= kInf) {
+        x.active = false;  // no split under T, so none under a smaller bound either
+        return;
+      }
+      std::vector<int> ws;
+      Split s = mixed->split(pk, T, &ws);
+      const int64_t bottleneck = s.bottleneck;
+      const int64_t phi = s.fill + mulSat(x.M - 1, bottleneck);
+      x.fill = pk.fill;
+      if (phi < b.objective) {
+        b.objective = phi;
+        b.split = std::move(s);
+        b.widths = std::move(ws);
+      }
+      // The least-fill split under T is also one under n's own next bound if its bottleneck is
+      // within it (its fill is the least under any bound between), so it answers that bound.
+      if (bottleneck <= x.next) x.next = bottleneck - 1;
+      stillUseful(x, b.objective);
+    };
+    for (int n = n_min; n <= set.max_nodes; ++n) {
+      search[n - n_min].M = templateMicrobatches(options.global_microbatches, n, N);
+      consider(n, kInf);
     }
-    set.templates.push_back(std::move(tpl));
+    mixed->runBottleneck();
+    for (int n = n_min; n <= set.max_nodes; ++n) {
+      Search& x = search[n - n_min];
+      if (!x.active) continue;
+      x.t_star = mixed->pick(n).fill;
+      stillUseful(x, best[n - n_min].objective);
+    }
+    for (;;) {
+      int64_t T = -1;
+      for (const Search& x : search) {
+        if (x.active) T = std::max(T, x.next);
+      }
+      if (T < 0) break;
+      mixed->run(T);
+      for (int n = n_min; n <= set.max_nodes; ++n) {
+        if (search[n - n_min].active) consider(n, T);
+      }
+    }
+  }
+
+  for (int n = n_min; n <= set.max_nodes; ++n) {
+    const Best& b = best[n - n_min];
+    if (b.objective >= kInf) continue;  // no feasible template on n nodes
+    set.templates.push_back(buildTemplate(
+        model, n, templateMicrobatches(options.global_microbatches, n, N), b.split, b.widths));
   }
   return set;
+}
+
+}  // namespace pipeline
+}  // namespace sinew
+
+namespace sinew {
+namespace pipeline {
+
+std::string explainNoTemplate(const Profile& profile, const TemplateSet& set,
+                              const TemplateOptions& options, int n) {
+  if (set.find(n) != nullptr) return "";
+  const CostModel model(profile);
+  const int L = model.numLayers();
+  const int G = model.devicesPerNode();
+  std::ostringstream why;
+  if (n < 1) {
+    why << "a pipeline needs at least one node";
+    return why.str();
+  }
+  if (n > L) {
+    why << n << " nodes would need at least " << n << " stages, but the model has only " << L
+        << " layers";
+    return why.str();
+  }
+  if (n > set.max_nodes && n >= set.min_nodes) {
+    why << "above n_max = nodes - f * n_min = " << options.nodes << " - " << options.fault_tolerance
+        << " * " << set.min_nodes << " = " << set.max_nodes << ": the other "
+        << options.fault_tolerance << " pipeline(s) need " << set.min_nodes << " nodes each";
+    return why.str();
+  }
+  // Parameters and optimizer state are not split by a stage's width: the fewest stages any
+  // split needs is the greedy count with the loosest memory (one microbatch in flight, activations
+  // over G devices).
+  int stages = 0;
+  for (int i = 0; i < L;) {
+    int j = i;
+    while (j < L && model.fits(i, j + 1, 0, 1)) ++j;
+    if (j == i) {
+      why << "layer " << i << " ('" << profile.layers[i].name << "') alone needs "
+          << model.memoryBytes(i, i + 1, 0, 1)
+          << " bytes per device, more than device_memory_bytes=" << model.deviceMemoryBytes();
+      return why.str();
+    }
+    ++stages;
+    i = j;
+  }
+  if (stages > static_cast<int64_t>(n) * G) {
+    why << "the model needs at least " << stages << " stages (parameters and optimizer state of "
+        << "its layers fill " << stages
+        << " devices of device_memory_bytes=" << model.deviceMemoryBytes() << "), and " << n
+        << " nodes of " << G << " devices hold at most " << static_cast<int64_t>(n) * G;
+    return why.str();
+  }
+  why << "no split into at most " << static_cast<int64_t>(n) * G
+      << " stages fits device_memory_bytes=" << model.deviceMemoryBytes()
+      << " once the first stages keep their 1F1B in-flight microbatches' activations";
+  if (!set.mixed_widths && G > 1)
+    why << " (among uniform-width templates; mixed widths not searched)";
+  return why.str();
 }
 
 }  // namespace pipeline

@@ -5,16 +5,23 @@
 // sinew/pipeline/cost_model.h. docs/planner.md states the model, the algorithm and the proof
 // that it is exact.
 //
-// A template on n nodes with stage width d (d divides devices_per_node G) has S stages,
-// (n - 1) * G / d < S <= n * G / d (so it needs exactly n nodes; devices of its last node may
-// stay idle); node i of the pipeline holds stages i*G/d .. (i+1)*G/d - 1, each on d consecutive
-// devices. Contiguous layer ranges go to the stages in order. Among all widths, stage counts
-// and layer splits whose stages fit in memory, the template minimises the 1F1B iteration time
-// for M_n microbatches, the pipeline's share of the global batch (TemplateOptions).
+// A template on n nodes is S contiguous, non-empty layer ranges (stages), each on d_s devices
+// of one node (d_s divides devices_per_node G), every one of the n nodes holding at least one
+// stage; devices may stay idle. Two families are searched (docs/planner.md):
+//   - uniform: every stage has the same width d, any divisor of G, and
+//     (n - 1) * G / d < S <= n * G / d; node i holds stages i*G/d .. (i+1)*G/d - 1;
+//   - mixed: each stage's width from the chain 1 = c_0 | c_1 | ... of divisors of G (all of them
+//     when G is a prime power, e.g. 1, 2, 4, 8), with S >= n and sum of widths <= n * G, so that
+//     a node may hold stages of different widths. Searched when its table has at most 2^23
+//     entries (TemplateSet::mixed_widths).
+// Among all candidates whose stages fit in memory, the template minimises the 1F1B iteration
+// time for M_n microbatches, the pipeline's share of the global batch (TemplateOptions); a
+// mixed template is kept only where it is strictly faster than every uniform one.
 //
 // Thread safety: planTemplates() is a pure function; results are plain values.
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "sinew/pipeline/cost_model.h"
@@ -29,7 +36,7 @@ struct StageAssignment {
   int end_layer = 0;
   int node = 0;               // index of the node within the pipeline, 0-based
   int first_device = 0;       // devices [first_device, first_device + devices) of that node
-  int devices = 0;            // = the template's stage width
+  int devices = 0;            // the stage's width d_s
   int64_t compute_ticks = 0;  // forward + backward of one microbatch
   int64_t fill_ticks = 0;     // compute + in-node allreduce + transfer to the next stage
   int64_t memory_bytes = 0;   // per device, at this stage's 1F1B in-flight count
@@ -37,7 +44,7 @@ struct StageAssignment {
 
 struct PipelineTemplate {
   int nodes = 0;
-  int stage_devices = 0;     // d: every stage's width
+  int stage_devices = 0;     // every stage's width if they share one, else 0
   int64_t microbatches = 0;  // M_n the template was optimised for
   std::vector<StageAssignment> stages;
   int64_t fill_ticks = 0;        // sum of the stages' fill ticks
@@ -66,6 +73,9 @@ struct TemplateOptions {
 struct TemplateSet {
   int devices_per_node = 0;
   int num_layers = 0;
+  // Whether mixed-width templates were searched (G has more than one chain width and the
+  // table fits 2^23 entries); if not, every template is uniform.
+  bool mixed_widths = false;
   // n_min: the fewest nodes on which some template fits in memory.
   int min_nodes = 0;
   // n_max = min(N - f * n_min, L): above L nodes a pipeline would need more stages than layers.
@@ -88,6 +98,11 @@ struct TemplateSet {
 // L), plus, per (n, d, S), r banded least-fill DPs of O(L * band) each, r the bottleneck bounds
 // the exact search visits; O(L * K_d) memory per width.
 TemplateSet planTemplates(const Profile& profile, const TemplateOptions& options);
+
+// Why `set` (planned from profile and options) has no template on n nodes, in one sentence
+// naming the limit (memory, layers, fault tolerance); "" if it has one.
+std::string explainNoTemplate(const Profile& profile, const TemplateSet& set,
+                              const TemplateOptions& options, int n);
 
 // Microbatches the template for n nodes is optimised for: max(1, round(B * n / N)).
 int64_t templateMicrobatches(int64_t global_microbatches, int nodes, int total_nodes);

@@ -8,10 +8,11 @@
 // U(0.5, 1.5) MiB and outputs 1 MiB per microbatch; each device holds the static bytes of one
 // layer but not two (1.6 x the mean) plus L x 1.5 MiB of activations, so the model needs
 // several nodes (n_min = 4, 8 and 20). Fault tolerance f = 1, B = 4 * N microbatches.
+// (synthetic_profile.h; the planner tests use the same profile.)
 //
 // As a baseline in the same run, the (32, 32, 8) case is also planned by the straightforward
-// exact search (every bottleneck candidate, an O(S * L^2) least-fill DP each), and the two
-// must agree on every template's cost.
+// exact search over both template families (baselineTemplates: every bottleneck candidate, a
+// plain DP each, no pruning), and the two must agree on every node count's cost.
 
 #include <algorithm>
 #include <chrono>
@@ -25,85 +26,106 @@
 #include "sinew/pipeline/instantiation.h"
 #include "sinew/pipeline/profile.h"
 #include "sinew/pipeline/template_planner.h"
+#include "synthetic_profile.h"
 
 namespace {
 
 using sinew::pipeline::CostModel;
 using sinew::pipeline::Instantiation;
-using sinew::pipeline::LayerCost;
 using sinew::pipeline::Profile;
 using sinew::pipeline::TemplateSet;
-
-constexpr int64_t kMiB = int64_t{1} << 20;
-
-Profile syntheticProfile(int L, int G, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> fwd(0.5, 1.5), bwd(1.0, 3.0), pscale(0.9, 1.1),
-      ascale(0.5, 1.5);
-  Profile p;
-  p.microbatch_size = 1;
-  p.job.devices_per_node = G;
-  p.job.inter_stage_gbps = 100.0;
-  p.job.allreduce.bandwidth_gbps = 1600.0;
-  p.job.allreduce.latency_us = 5.0;
-  int64_t total = 0;
-  for (int l = 0; l < L; ++l) {
-    LayerCost c;
-    c.name = "layer" + std::to_string(l);
-    c.forward_ns = static_cast<int64_t>(fwd(rng) * 1e6);
-    c.backward_ns = static_cast<int64_t>(bwd(rng) * 1e6);
-    c.param_bytes = static_cast<int64_t>(pscale(rng) * 64 * kMiB);
-    c.optimizer_bytes = 2 * c.param_bytes;
-    c.activation_bytes = static_cast<int64_t>(ascale(rng) * kMiB);
-    c.output_bytes = kMiB;
-    total += c.param_bytes + c.optimizer_bytes;
-    p.layers.push_back(c);
-  }
-  p.job.device_memory_bytes = static_cast<int64_t>(1.6 * static_cast<double>(total) / L) +
-                              static_cast<int64_t>(L) * 3 * kMiB / 2;
-  return p;
-}
 
 double msSince(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// The baseline: the same exact search, with a plain O(S * L^2) least-fill DP per bottleneck
-// candidate instead of the banded windowed one, and no lower-bound pruning.
-int64_t baselineTemplate(const CostModel& m, int n, int64_t M, int* stage_devices) {
+// The baseline: a plain exact search over both template families of docs/planner.md, for every
+// n at once. Uniform: every width, every stage count, every candidate bottleneck T (every
+// stage's compute time), an O(S * L^2) least-fill DP each. Mixed (chain widths 1, 2, 4, 8): for
+// every candidate T, a plain DP over (stages k, first layer i, devices W); the best on n nodes
+// is the least over T of (least fill with S >= n, W <= n * G) + (M - 1) * T, which is exact
+// because the optimum's own bottleneck is one of the candidates. No pruning of any kind.
+std::vector<int64_t> baselineTemplates(const CostModel& m, int n_lo, int n_hi, int64_t B, int N) {
   const int L = m.numLayers();
   const int G = m.devicesPerNode();
   const int64_t kInf = INT64_MAX / 4;
-  int64_t best = kInf;
+  std::vector<int64_t> best(n_hi + 1, kInf);
+  auto M = [&](int n) { return sinew::pipeline::templateMicrobatches(B, n, N); };
   for (size_t w = 0; w < m.widths().size(); ++w) {
     const int per_node = G / m.widths()[w];
-    for (int S = (n - 1) * per_node + 1; S <= std::min(n * per_node, L); ++S) {
-      // Candidate bottlenecks: every stage's compute time, in decreasing order.
-      std::vector<int64_t> candidates;
-      for (int i = 0; i < L; ++i) {
-        for (int j = i + 1; j <= L; ++j) candidates.push_back(m.computeTicks(i, j, w));
-      }
-      std::sort(candidates.rbegin(), candidates.rend());
-      candidates.erase(std::unique(candidates.begin(), candidates.end()), candidates.end());
-      std::vector<int64_t> prev(L + 1), cur(L + 1);
-      for (int64_t T : candidates) {
-        std::fill(prev.begin(), prev.end(), kInf);
-        prev[L] = 0;
-        for (int k = 1; k <= S; ++k) {
-          std::fill(cur.begin(), cur.end(), kInf);
-          for (int i = 0; i < L; ++i) {
-            for (int j = i + 1; j <= L; ++j) {
-              if (prev[j] >= kInf || m.computeTicks(i, j, w) > T || !m.fits(i, j, w, k)) continue;
-              cur[i] = std::min(cur[i], m.fillTicks(i, j, w) + prev[j]);
+    std::vector<int64_t> candidates;
+    for (int i = 0; i < L; ++i) {
+      for (int j = i + 1; j <= L; ++j) candidates.push_back(m.computeTicks(i, j, w));
+    }
+    std::sort(candidates.rbegin(), candidates.rend());
+    candidates.erase(std::unique(candidates.begin(), candidates.end()), candidates.end());
+    for (int n = n_lo; n <= n_hi; ++n) {
+      for (int S = (n - 1) * per_node + 1; S <= std::min(n * per_node, L); ++S) {
+        std::vector<int64_t> prev(L + 1), cur(L + 1);
+        for (int64_t T : candidates) {
+          std::fill(prev.begin(), prev.end(), kInf);
+          prev[L] = 0;
+          for (int k = 1; k <= S; ++k) {
+            std::fill(cur.begin(), cur.end(), kInf);
+            for (int i = 0; i < L; ++i) {
+              for (int j = i + 1; j <= L; ++j) {
+                if (prev[j] >= kInf || m.computeTicks(i, j, w) > T || !m.fits(i, j, w, k)) continue;
+                cur[i] = std::min(cur[i], m.fillTicks(i, j, w) + prev[j]);
+              }
             }
+            std::swap(prev, cur);
           }
-          std::swap(prev, cur);
+          if (prev[0] >= kInf) break;  // lower bounds only make it worse
+          best[n] = std::min(best[n], prev[0] + (M(n) - 1) * T);
         }
-        if (prev[0] >= kInf) break;  // lower bounds only make it worse
-        best = std::min(best, prev[0] + (M - 1) * T);
       }
     }
-    (void)stage_devices;
+  }
+  // Mixed: widths are the divisors of G = 8, a chain.
+  std::vector<int64_t> candidates;
+  for (size_t w = 0; w < m.widths().size(); ++w) {
+    for (int i = 0; i < L; ++i) {
+      for (int j = i + 1; j <= L; ++j) candidates.push_back(m.computeTicks(i, j, w));
+    }
+  }
+  std::sort(candidates.rbegin(), candidates.rend());
+  candidates.erase(std::unique(candidates.begin(), candidates.end()), candidates.end());
+  const int Wmax = n_hi * G;
+  // V[k][i][W], k = 0..L, i = 0..L, W = 0..Wmax.
+  auto at = [&](int k, int i, int W) {
+    return (static_cast<size_t>(k) * (L + 1) + i) * (Wmax + 1) + W;
+  };
+  std::vector<int64_t> V(static_cast<size_t>(L + 1) * (L + 1) * (Wmax + 1));
+  for (int64_t T : candidates) {
+    std::fill(V.begin(), V.end(), kInf);
+    V[at(0, L, 0)] = 0;
+    bool any = false;
+    for (int k = 1; k <= L; ++k) {
+      for (int i = 0; i < L; ++i) {
+        for (size_t w = 0; w < m.widths().size(); ++w) {
+          const int d = m.widths()[w];
+          for (int j = i + 1; j <= L; ++j) {
+            if (m.computeTicks(i, j, w) > T || !m.fits(i, j, w, k)) continue;
+            const int64_t c = m.fillTicks(i, j, w);
+            for (int W = 0; W + d <= Wmax; ++W) {
+              const int64_t rest = V[at(k - 1, j, W)];
+              if (rest < kInf) V[at(k, i, W + d)] = std::min(V[at(k, i, W + d)], c + rest);
+            }
+          }
+        }
+      }
+    }
+    for (int n = n_lo; n <= n_hi; ++n) {
+      int64_t least = kInf;
+      for (int S = n; S <= L; ++S) {
+        for (int W = 0; W <= n * G; ++W) least = std::min(least, V[at(S, 0, W)]);
+      }
+      if (least < kInf) {
+        any = true;
+        best[n] = std::min(best[n], least + (M(n) - 1) * T);
+      }
+    }
+    if (!any) break;  // lower bounds only make it worse
   }
   return best;
 }
@@ -121,7 +143,7 @@ int main(int argc, char** argv) {
   std::string result = "RESULT";
   bool ok = true;
   for (const Case& c : cases) {
-    Profile p = syntheticProfile(c.L, c.G, 42);
+    Profile p = sinew::pipeline::syntheticProfile(c.L, c.G, 42);
     const int64_t B = 4 * static_cast<int64_t>(c.N);
     auto t0 = std::chrono::steady_clock::now();
     TemplateSet set = sinew::pipeline::planTemplates(p, {c.N, f, B});
@@ -132,10 +154,14 @@ int main(int argc, char** argv) {
     double total_ms = msSince(t0);
     char name[64];
     std::snprintf(name, sizeof(name), "(%d,%d,%d)", c.L, c.N, c.G);
-    std::printf("%-18s %6d %6d %10zu %12.1f %12.1f %12.1f   %zu pipelines, makespan %.3f ms\n",
-                name, set.min_nodes, set.max_nodes, set.templates.size(), templates_ms, instance_ms,
-                total_ms, inst.pipelines.size(),
-                static_cast<double>(inst.iteration_ticks) / c.G / 1e6);
+    int mixed = 0;
+    for (const auto& t : set.templates) mixed += t.stage_devices == 0;
+    std::printf(
+        "%-18s %6d %6d %10zu %12.1f %12.1f %12.1f   %zu pipelines, makespan %.3f ms, "
+        "%d mixed-width templates%s\n",
+        name, set.min_nodes, set.max_nodes, set.templates.size(), templates_ms, instance_ms,
+        total_ms, inst.pipelines.size(), static_cast<double>(inst.iteration_ticks) / c.G / 1e6,
+        mixed, set.mixed_widths ? "" : " (mixed widths not searched: table over 2^23 entries)");
     std::fflush(stdout);
     char kv[96];
     std::snprintf(kv, sizeof(kv), " plan_ms_%d_%d_%d=%.1f", c.L, c.N, c.G, total_ms);
@@ -143,17 +169,21 @@ int main(int argc, char** argv) {
     if (c.L == 32) {
       CostModel model(p);
       auto tb = std::chrono::steady_clock::now();
-      for (const auto& t : set.templates) {
-        int64_t base = baselineTemplate(model, t.nodes, t.microbatches, nullptr);
-        if (base != t.iterationTicks(t.microbatches)) {
-          std::printf("MISMATCH n=%d: planner %lld, baseline %lld\n", t.nodes,
-                      static_cast<long long>(t.iterationTicks(t.microbatches)),
-                      static_cast<long long>(base));
+      std::vector<int64_t> base = baselineTemplates(model, set.min_nodes, set.max_nodes, B, c.N);
+      size_t found = 0;
+      for (int n = set.min_nodes; n <= set.max_nodes; ++n) {
+        const sinew::pipeline::PipelineTemplate* t = set.find(n);
+        const int64_t planned = t == nullptr ? INT64_MAX / 4 : t->iterationTicks(t->microbatches);
+        found += t != nullptr;
+        if (base[n] != planned) {
+          std::printf("MISMATCH n=%d: planner %lld, baseline %lld\n", n,
+                      static_cast<long long>(planned), static_cast<long long>(base[n]));
           ok = false;
         }
       }
-      std::printf("%-18s baseline (plain exact DP) templates_ms %.1f, same costs: %s\n", name,
-                  msSince(tb), ok ? "yes" : "NO");
+      std::printf(
+          "%-18s baseline (plain exact search) templates_ms %.1f, same costs for all %zu: %s\n",
+          name, msSince(tb), found, ok ? "yes" : "NO");
     }
   }
   std::printf("%s\n", result.c_str());

@@ -92,6 +92,14 @@ Args parseArgs(int argc, char** argv) {
 }
 
 // Ticks are 1/G ns (sinew/pipeline/cost_model.h).
+sinew::pipeline::TemplateOptions options(const Args& a) {
+  sinew::pipeline::TemplateOptions o;
+  o.nodes = static_cast<int>(a.nodes);
+  o.fault_tolerance = static_cast<int>(a.fault_tolerance);
+  o.global_microbatches = a.microbatches;
+  return o;
+}
+
 double ticksToMs(int64_t ticks, int G) { return static_cast<double>(ticks) / G / 1e6; }
 
 json templateJson(const PipelineTemplate& t, int G) {
@@ -115,13 +123,20 @@ json templateJson(const PipelineTemplate& t, int G) {
           {"stages", stages}};
 }
 
+// "0-3 4-7 ..." for a uniform template; with mixed widths each range carries its width,
+// "0-3x4 4-5x2 ...".
 std::string layerRanges(const PipelineTemplate& t) {
   std::ostringstream os;
   for (size_t s = 0; s < t.stages.size(); ++s) {
     if (s) os << ' ';
     os << t.stages[s].first_layer << '-' << t.stages[s].end_layer - 1;
+    if (t.stage_devices == 0) os << 'x' << t.stages[s].devices;
   }
   return os.str();
+}
+
+std::string widthName(const PipelineTemplate& t) {
+  return t.stage_devices == 0 ? std::string("mixed") : std::to_string(t.stage_devices);
 }
 
 void printTable(const Profile& p, const TemplateSet& set, const Plan& plan, const Args& a) {
@@ -135,10 +150,14 @@ void printTable(const Profile& p, const TemplateSet& set, const Plan& plan, cons
   std::printf("%6s %6s %7s %6s %13s %13s  %s\n", "nodes", "width", "stages", "M", "iteration_ms",
               "bottleneck_ms", "layers per stage");
   for (const PipelineTemplate& t : set.templates) {
-    std::printf("%6d %6d %7zu %6lld %13.3f %13.3f  %s\n", t.nodes, t.stage_devices, t.stages.size(),
-                static_cast<long long>(t.microbatches),
+    std::printf("%6d %6s %7zu %6lld %13.3f %13.3f  %s\n", t.nodes, widthName(t).c_str(),
+                t.stages.size(), static_cast<long long>(t.microbatches),
                 ticksToMs(t.iterationTicks(t.microbatches), G), ticksToMs(t.bottleneck_ticks, G),
                 layerRanges(t).c_str());
+  }
+  for (int n = 1; n <= static_cast<int>(a.nodes); ++n) {
+    std::string why = explainNoTemplate(p, set, options(a), n);
+    if (!why.empty()) std::printf("  no template on %d nodes: %s\n", n, why.c_str());
   }
   std::printf("\n%8s %6s %13s %13s  %s\n", "pipeline", "nodes", "microbatches", "iteration_ms",
               "node ids");
@@ -162,7 +181,7 @@ int main(int argc, char** argv) {
     Profile profile = loadProfile(a.profile);
     const int N = static_cast<int>(a.nodes);
     const int f = static_cast<int>(a.fault_tolerance);
-    TemplateSet set = planTemplates(profile, {N, f, a.microbatches});
+    TemplateSet set = planTemplates(profile, options(a));
     std::vector<int> node_ids(N);
     for (int i = 0; i < N; ++i) node_ids[i] = i;
     Plan plan = makePlan(set, node_ids, {f, a.microbatches});
@@ -173,6 +192,11 @@ int main(int argc, char** argv) {
     const int G = set.devices_per_node;
     json templates = json::array();
     for (const PipelineTemplate& t : set.templates) templates.push_back(templateJson(t, G));
+    json noTemplate = json::array();
+    for (int n = 1; n <= N; ++n) {
+      std::string why = explainNoTemplate(profile, set, options(a), n);
+      if (!why.empty()) noTemplate.push_back({{"nodes", n}, {"why", why}});
+    }
     json pipelines = json::array();
     for (const PipelinePlan& pp : plan.pipelines) {
       pipelines.push_back({{"nodes", pp.nodes},
@@ -190,6 +214,7 @@ int main(int argc, char** argv) {
                 {"min_nodes", set.min_nodes},
                 {"max_nodes", set.max_nodes},
                 {"templates", templates},
+                {"no_template", noTemplate},
                 {"plan",
                  {{"pipelines", pipelines},
                   {"idle_node_ids", plan.idleNodeIds},

@@ -52,49 +52,86 @@ inline Profile randomProfile(std::mt19937_64& rng, int layers, int G) {
   return p;
 }
 
-// Cost of one uniform-width split, recomputed from the profile; kNone if a stage does not fit.
+// Cost of one split, recomputed from the profile; kNone if a stage does not fit.
 struct BruteCost {
   int64_t objective = kNone;
   int64_t fill = 0;
   int64_t bottleneck = 0;
 };
 
-inline BruteCost bruteSplitCost(const Profile& p, int d, const std::vector<int>& ends, int64_t M) {
+// One stage [first, end) on d devices at position in_flight from the end: its compute and fill
+// ticks, or fits = false.
+struct BruteStage {
+  bool fits = false;
+  int64_t compute = 0;
+  int64_t fill = 0;
+};
+
+inline BruteStage bruteStage(const Profile& p, int first, int end, int d, int64_t in_flight) {
   const int64_t G = p.job.devices_per_node;
   const int64_t inter = bitsPerSecond(p.job.inter_stage_gbps);
   const int64_t ar_bps = bitsPerSecond(p.job.allreduce.bandwidth_gbps);
   const int64_t lat_ns = static_cast<int64_t>(p.job.allreduce.latency_us * 1000 + 0.5);
   const int L = static_cast<int>(p.layers.size());
+  int64_t compute = 0, allreduce = 0, stat = 0, act = 0;
+  for (int l = first; l < end; ++l) {
+    const LayerCost& x = p.layers[l];
+    compute += (x.forward_ns + x.backward_ns) * G / d;
+    if (d > 1) {
+      allreduce += G * (2 * (d - 1) * lat_ns +
+                        ceilDiv(static_cast<__int128>(2 * (d - 1)) * x.param_bytes * 8 * 1000000000,
+                                static_cast<__int128>(d) * ar_bps));
+    }
+    stat += x.param_bytes + x.optimizer_bytes;
+    act += x.activation_bytes;
+  }
+  int64_t transfer = 0;
+  if (end < L) {
+    transfer =
+        2 * G *
+        ceilDiv(static_cast<__int128>(p.layers[end - 1].output_bytes) * 8 * 1000000000, inter);
+  }
+  BruteStage st;
+  if (stat + in_flight * ceilDiv(act, d) > p.job.device_memory_bytes) return st;
+  st.fits = true;
+  st.compute = compute;
+  st.fill = compute + allreduce + transfer;
+  return st;
+}
+
+// A split with a width per stage.
+inline BruteCost bruteSplitCost(const Profile& p, const std::vector<int>& widths,
+                                const std::vector<int>& ends, int64_t M) {
   const int S = static_cast<int>(ends.size());
   BruteCost c;
   int first = 0;
   for (int s = 0; s < S; ++s) {
-    int64_t compute = 0, allreduce = 0, stat = 0, act = 0;
-    for (int l = first; l < ends[s]; ++l) {
-      const LayerCost& x = p.layers[l];
-      compute += (x.forward_ns + x.backward_ns) * G / d;
-      if (d > 1) {
-        allreduce += G * (2 * (d - 1) * lat_ns + ceilDiv(static_cast<__int128>(2 * (d - 1)) *
-                                                             x.param_bytes * 8 * 1000000000,
-                                                         static_cast<__int128>(d) * ar_bps));
-      }
-      stat += x.param_bytes + x.optimizer_bytes;
-      act += x.activation_bytes;
-    }
-    int64_t transfer = 0;
-    if (ends[s] < L) {
-      transfer = 2 * G *
-                 ceilDiv(static_cast<__int128>(p.layers[ends[s] - 1].output_bytes) * 8 * 1000000000,
-                         inter);
-    }
-    const int64_t in_flight = S - s;
-    if (stat + in_flight * ceilDiv(act, d) > p.job.device_memory_bytes) return BruteCost{};
-    c.fill += compute + allreduce + transfer;
-    c.bottleneck = std::max(c.bottleneck, compute);
+    BruteStage st = bruteStage(p, first, ends[s], widths[s], S - s);
+    if (!st.fits) return BruteCost{};
+    c.fill += st.fill;
+    c.bottleneck = std::max(c.bottleneck, st.compute);
     first = ends[s];
   }
   c.objective = c.fill + (M - 1) * c.bottleneck;
   return c;
+}
+
+// A split whose stages all have width d.
+inline BruteCost bruteSplitCost(const Profile& p, int d, const std::vector<int>& ends, int64_t M) {
+  return bruteSplitCost(p, std::vector<int>(ends.size(), d), ends, M);
+}
+
+// The chain of widths of mixed templates: 1, then each the smallest divisor of G that is a
+// multiple of the one before.
+inline std::vector<int> chainOf(int G) {
+  std::vector<int> chain;
+  for (int d = 1; d <= G;) {
+    chain.push_back(d);
+    int next = d + 1;
+    while (next <= G && (G % next != 0 || next % d != 0)) ++next;
+    d = next;
+  }
+  return chain;
 }
 
 // Every split of L layers into S non-empty contiguous stages.
@@ -114,20 +151,41 @@ inline void forEachSplit(int L, int S, const std::function<void(const std::vecto
   if (S >= 1 && S <= L) rec(0, 0);
 }
 
-// The least objective over all widths, stage counts and splits for n nodes (kNone if none
-// fits).
-inline int64_t bruteTemplateCost(const Profile& p, int n, int64_t M) {
+// The least objective for n nodes over both families of docs/planner.md (kNone if none fits):
+// uniform templates (one width d | G for every stage, (n - 1) G / d < S <= n G / d) and, if
+// `mixed`, every assignment of chain widths to the stages of every split with S >= n stages
+// and widths summing to at most n * G.
+inline int64_t bruteTemplateCost(const Profile& p, int n, int64_t M, bool mixed = true) {
   const int G = p.job.devices_per_node;
   const int L = static_cast<int>(p.layers.size());
   int64_t best = kNone;
   for (int d = 1; d <= G; ++d) {
     if (G % d != 0) continue;
-    // Stage counts that need exactly n nodes (the last node may keep devices idle).
     for (int S = (n - 1) * G / d + 1; S <= std::min(n * G / d, L); ++S) {
       forEachSplit(L, S, [&](const std::vector<int>& ends) {
         best = std::min(best, bruteSplitCost(p, d, ends, M).objective);
       });
     }
+  }
+  if (!mixed) return best;
+  const std::vector<int> chain = chainOf(G);
+  for (int S = n; S <= L; ++S) {
+    std::function<void(int, int, int64_t, int64_t, int64_t)> rec =
+        [&](int s, int first, int64_t W, int64_t fill, int64_t bottleneck) {
+          if (s == S) {
+            if (first == L) best = std::min(best, fill + (M - 1) * bottleneck);
+            return;
+          }
+          for (int end = first + 1; end <= L - (S - 1 - s); ++end) {
+            for (int d : chain) {
+              if (W + d > static_cast<int64_t>(n) * G) continue;
+              BruteStage st = bruteStage(p, first, end, d, S - s);
+              if (!st.fits) continue;
+              rec(s + 1, end, W + d, fill + st.fill, std::max(bottleneck, st.compute));
+            }
+          }
+        };
+    rec(0, 0, 0, 0, 0);
   }
   return best;
 }

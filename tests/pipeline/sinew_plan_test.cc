@@ -45,6 +45,15 @@ TEST(SinewPlanTest, PrintsTemplatesInstantiationAndSplitAsDeterministicJson) {
   }
   EXPECT_EQ(sum, 16);
   EXPECT_EQ(nodes + static_cast<int>(j["plan"]["idle_node_ids"].size()), 8);
+  // Every node count without a template says why: 1 node is too little memory (the example's
+  // 16 layers need 6 devices of 4 GiB), 7 and 8 leave too few nodes for the second pipeline.
+  const auto& none = j["no_template"];
+  ASSERT_EQ(none.size(), 3u) << none.dump();
+  EXPECT_EQ(none[0]["nodes"], 1);
+  EXPECT_NE(none[0]["why"].get<std::string>().find("needs at least 6 stages"), std::string::npos)
+      << none.dump();
+  EXPECT_EQ(none[1]["nodes"], 7);
+  EXPECT_NE(none[1]["why"].get<std::string>().find("n_max"), std::string::npos) << none.dump();
 }
 
 TEST(SinewPlanTest, TableForHumans) {
@@ -52,6 +61,9 @@ TEST(SinewPlanTest, TableForHumans) {
   ASSERT_EQ(r.status, 0) << r.out;
   EXPECT_NE(r.out.find("layers per stage"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("iteration"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("no template on 1 nodes: the model needs at least 6 stages"),
+            std::string::npos)
+      << r.out;
 }
 
 TEST(SinewPlanTest, BadArgumentsAndProfilesAreReported) {

@@ -3,10 +3,14 @@
 #include <gtest/gtest.h>
 
 #include <random>
+#include <set>
 
 #include "brute_force.h"
 #include "sinew/collectives/error.h"
 #include "sinew/pipeline/cost_model.h"
+#include "sinew/pipeline/instantiation.h"
+#include "sinew/pipeline/reconfiguration.h"
+#include "synthetic_profile.h"
 
 namespace sinew {
 namespace pipeline {
@@ -17,30 +21,44 @@ using testing::bruteTemplateCost;
 using testing::kNone;
 using testing::randomProfile;
 
-// The template's stages are a valid uniform-width split, its reported costs are what the
-// brute-force model says, and the objective equals the brute-force optimum.
+// The template's stages are a valid split placed on exactly its n nodes (every node holds a
+// stage, no device holds two), its reported costs are what the brute-force model says, and
+// the objective equals the brute-force optimum.
 void checkTemplate(const Profile& p, const PipelineTemplate& t, int64_t brute_best) {
   const int G = p.job.devices_per_node;
   const int L = static_cast<int>(p.layers.size());
-  ASSERT_EQ(G % t.stage_devices, 0);
-  const int per_node = G / t.stage_devices;
-  ASSERT_GT(static_cast<int>(t.stages.size()), (t.nodes - 1) * per_node);  // needs n nodes
-  ASSERT_LE(static_cast<int>(t.stages.size()), t.nodes * per_node);
-  std::vector<int> ends;
+  std::vector<int> ends, widths;
+  std::vector<std::vector<int>> owner(t.nodes, std::vector<int>(G, -1));
   int first = 0;
+  bool uniform = true;
   for (size_t s = 0; s < t.stages.size(); ++s) {
     const StageAssignment& a = t.stages[s];
     EXPECT_EQ(a.first_layer, first);
     EXPECT_GT(a.end_layer, a.first_layer);
-    EXPECT_EQ(a.devices, t.stage_devices);
-    EXPECT_EQ(a.node, static_cast<int>(s) / (G / t.stage_devices));
-    EXPECT_EQ(a.first_device, static_cast<int>(s) % (G / t.stage_devices) * t.stage_devices);
+    ASSERT_GE(a.devices, 1);
+    ASSERT_EQ(G % a.devices, 0);
+    ASSERT_GE(a.node, 0);
+    ASSERT_LT(a.node, t.nodes);
+    ASSERT_GE(a.first_device, 0);
+    ASSERT_LE(a.first_device + a.devices, G);
+    for (int d = a.first_device; d < a.first_device + a.devices; ++d) {
+      EXPECT_EQ(owner[a.node][d], -1) << "device " << d << " of node " << a.node << " twice";
+      owner[a.node][d] = static_cast<int>(s);
+    }
     EXPECT_LE(a.memory_bytes, p.job.device_memory_bytes);
+    uniform = uniform && a.devices == t.stages[0].devices;
     ends.push_back(a.end_layer);
+    widths.push_back(a.devices);
     first = a.end_layer;
   }
   ASSERT_EQ(first, L);
-  testing::BruteCost c = bruteSplitCost(p, t.stage_devices, ends, t.microbatches);
+  for (int node = 0; node < t.nodes; ++node) {
+    bool holds = false;
+    for (int owner_stage : owner[node]) holds = holds || owner_stage >= 0;
+    EXPECT_TRUE(holds) << "node " << node << " of the " << t.nodes << "-node template is idle";
+  }
+  EXPECT_EQ(t.stage_devices, uniform ? t.stages[0].devices : 0);
+  testing::BruteCost c = bruteSplitCost(p, widths, ends, t.microbatches);
   ASSERT_NE(c.objective, kNone) << "the template does not fit in memory";
   EXPECT_EQ(c.fill, t.fill_ticks);
   EXPECT_EQ(c.bottleneck, t.bottleneck_ticks);
@@ -49,7 +67,7 @@ void checkTemplate(const Profile& p, const PipelineTemplate& t, int64_t brute_be
 
 TEST(TemplatePlannerTest, EqualsBruteForceOnRandomSmallInstances) {
   std::mt19937_64 rng(20240501);
-  int checked = 0, infeasible_counts = 0;
+  int checked = 0, infeasible_counts = 0, mixed = 0;
   for (int iter = 0; iter < 2500; ++iter) {
     const int L = 1 + static_cast<int>(rng() % 10);
     const int G = 1 + static_cast<int>(rng() % 2);
@@ -88,16 +106,18 @@ TEST(TemplatePlannerTest, EqualsBruteForceOnRandomSmallInstances) {
       EXPECT_EQ(t->microbatches, M);
       checkTemplate(p, *t, brute);
       ++checked;
+      mixed += t->stage_devices == 0;
     }
     EXPECT_EQ(next, set.templates.size());
   }
   EXPECT_GT(checked, 1000);
+  EXPECT_GT(mixed, 50);             // templates with stages of different widths are really compared
   EXPECT_GT(infeasible_counts, 0);  // memory really constrains some instances
 }
 
 TEST(TemplatePlannerTest, EqualsBruteForceWithFourDevicesPerNode) {
   std::mt19937_64 rng(7);
-  int checked = 0;
+  int checked = 0, mixed = 0;
   for (int iter = 0; iter < 300; ++iter) {
     const int L = 2 + static_cast<int>(rng() % 8);
     const int N = 1 + static_cast<int>(rng() % 2);
@@ -115,9 +135,102 @@ TEST(TemplatePlannerTest, EqualsBruteForceWithFourDevicesPerNode) {
     for (const PipelineTemplate& t : set.templates) {
       checkTemplate(p, t, bruteTemplateCost(p, t.nodes, t.microbatches));
       ++checked;
+      mixed += t.stage_devices == 0;
     }
   }
   EXPECT_GT(checked, 100);
+  EXPECT_GT(mixed, 20);
+}
+
+// The planner bench's (32 layers, 8 devices per node) profile, on which a device holds one
+// layer: a uniform-width template needs 32 stages and exists only for 4, 8, 16 and 32 nodes.
+// With mixed widths every node count from n_min to n_max has one.
+TEST(TemplatePlannerTest, MixedWidthsGiveEveryNodeCountATemplate) {
+  const Profile p = syntheticProfile(32, 8, 42);
+  TemplateSet set = planTemplates(p, {32, 1, 4 * 32});
+  EXPECT_TRUE(set.mixed_widths);
+  EXPECT_EQ(set.min_nodes, 4);
+  EXPECT_EQ(set.max_nodes, 28);
+  int mixed = 0;
+  for (int n = set.min_nodes; n <= set.max_nodes; ++n) {
+    const PipelineTemplate* t = set.find(n);
+    ASSERT_NE(t, nullptr) << "no template on " << n << " nodes";
+    EXPECT_EQ(t->stages.size(), 32u) << "n=" << n;  // one layer per device
+    mixed += t->stage_devices == 0;
+    for (const StageAssignment& a : t->stages) EXPECT_LE(a.memory_bytes, p.job.device_memory_bytes);
+  }
+  // Every count but 4, 8 and 16 (and some of those) needs stages of different widths.
+  EXPECT_GE(mixed, 25 - 3);
+  // Memory, not the search, limits the fewest nodes: 3 nodes of 8 devices cannot hold 32
+  // layers one per device.
+  EXPECT_EQ(set.find(3), nullptr);
+}
+
+// With 16 such nodes and f = 1, losing any 1, 2 or 3 nodes leaves no survivor idle: every
+// survivor runs in a pipeline, at least f + 1 pipelines run, and each pipeline's template is
+// one of the planned ones. (With uniform-width templates only, every such loss set left 3, 2 or
+// 1 survivors idle.) All 696 loss sets are enumerated.
+TEST(TemplatePlannerTest, NoSurvivorIsIdleAfterAnyLossOfUpToThreeNodes) {
+  const Profile p = syntheticProfile(32, 8, 42);
+  const int N = 16;
+  const PlanOptions po{1, 4 * N};
+  TemplateSet set = planTemplates(p, {N, po.fault_tolerance, po.global_microbatches});
+  std::vector<int> nodes(N);
+  for (int i = 0; i < N; ++i) nodes[i] = 100 + i;
+  const Plan start = makePlan(set, nodes, po);
+  ASSERT_TRUE(start.idleNodeIds.empty());
+  int sets = 0;
+  auto check = [&](const std::vector<int>& lost) {
+    ++sets;
+    Reconfiguration r = reconfigure(set, start, lost);
+    std::set<int> used;
+    for (const PipelinePlan& pp : r.plan.pipelines) {
+      ASSERT_NE(set.find(pp.nodes), nullptr);
+      for (int id : pp.nodeIds) EXPECT_TRUE(used.insert(id).second) << "node " << id << " twice";
+    }
+    EXPECT_TRUE(r.plan.idleNodeIds.empty())
+        << r.plan.idleNodeIds.size() << " idle after losing " << lost.size() << " nodes";
+    EXPECT_EQ(used.size(), static_cast<size_t>(N) - lost.size());
+    for (int id : lost) EXPECT_EQ(used.count(id), 0u);
+    EXPECT_GE(r.plan.pipelines.size(), 2u);
+    int64_t total = 0;
+    for (const PipelinePlan& pp : r.plan.pipelines) total += pp.microbatches;
+    EXPECT_EQ(total, po.global_microbatches);
+  };
+  for (int a = 0; a < N; ++a) {
+    check({nodes[a]});
+    for (int b = a + 1; b < N; ++b) {
+      check({nodes[a], nodes[b]});
+      for (int c = b + 1; c < N; ++c) check({nodes[a], nodes[b], nodes[c]});
+    }
+  }
+  EXPECT_EQ(sets, 16 + 120 + 560);
+}
+
+// G = 6 has divisors 1, 2, 3, 6 but the chain 1, 2, 6: width-3 stages appear only in uniform
+// templates, and the planner equals the brute force over both families.
+TEST(TemplatePlannerTest, EqualsBruteForceWithSixDevicesPerNode) {
+  std::mt19937_64 rng(11);
+  int checked = 0, mixed = 0;
+  for (int iter = 0; iter < 120; ++iter) {
+    const int L = 2 + static_cast<int>(rng() % 5);
+    const int N = 1 + static_cast<int>(rng() % 2);
+    const int64_t B = 1 + static_cast<int64_t>(rng() % 8);
+    Profile p = randomProfile(rng, L, 6);
+    TemplateSet set;
+    try {
+      set = planTemplates(p, {N, 0, B});
+    } catch (const InvalidArgument&) {
+      continue;
+    }
+    for (const PipelineTemplate& t : set.templates) {
+      checkTemplate(p, t, bruteTemplateCost(p, t.nodes, t.microbatches));
+      ++checked;
+      mixed += t.stage_devices == 0;
+    }
+  }
+  EXPECT_GT(checked, 50);
+  EXPECT_GT(mixed, 5);
 }
 
 TEST(TemplatePlannerTest, DeterministicAcrossRuns) {
