@@ -956,21 +956,35 @@ class Trainer::Impl {
     const int s = mine.stage;
     const bool firstStage = s == 0, lastStage = s == S - 1;
     // A stage of width d: worker j of it runs samples [j b / d, (j + 1) b / d) of every
-    // microbatch (b samples) and exchanges activations with worker j of the neighbouring
-    // stages (a template's stages all have one width).
+    // microbatch (b samples). Neighbouring stages may have other widths (mixed-width
+    // templates): a worker exchanges with each worker of the neighbouring stage whose samples
+    // overlap its own, the overlap's rows of the activation (dimension 0, the batch) forward
+    // and of its gradient back.
     const std::vector<int> peers = stageWorkers(mine.pipeline, s);
     const int d = static_cast<int>(peers.size());
     const int j =
         static_cast<int>(std::find(peers.begin(), peers.end(), ctx_.worker()) - peers.begin());
-    auto neighbour = [&](int stage) {
-      std::vector<int> ws = stageWorkers(mine.pipeline, stage);
-      SINEW_ENFORCE(static_cast<int>(ws.size()) == d, "stage ", stage, " has ", ws.size(),
-                    " workers, stage ", s, " has ", d);
-      return rankOf(ws[j]);
-    };
-    const int prev = firstStage ? -1 : neighbour(s - 1);
-    const int next = lastStage ? -1 : neighbour(s + 1);
     const int64_t sliceBegin = j * o_.microbatch / d, sliceEnd = (j + 1) * o_.microbatch / d;
+    struct Piece {
+      int rank;
+      int64_t begin, end;  // rows of the microbatch, within [sliceBegin, sliceEnd)
+    };
+    auto overlaps = [&](int stage) {
+      std::vector<Piece> pieces;
+      const std::vector<int> ws = stageWorkers(mine.pipeline, stage);
+      const int64_t n = static_cast<int64_t>(ws.size());
+      for (int64_t q = 0; q < n; ++q) {
+        const int64_t lo = std::max(sliceBegin, q * o_.microbatch / n);
+        const int64_t hi = std::min(sliceEnd, (q + 1) * o_.microbatch / n);
+        if (lo < hi) pieces.push_back({rankOf(ws[q]), lo, hi});
+      }
+      return pieces;
+    };
+    const std::vector<Piece> prevPieces = firstStage ? std::vector<Piece>{} : overlaps(s - 1);
+    const std::vector<Piece> nextPieces = lastStage ? std::vector<Piece>{} : overlaps(s + 1);
+    auto rows = [&](const at::Tensor& t, const Piece& p) {
+      return t.narrow(0, p.begin - sliceBegin, p.end - p.begin);
+    };
     const int64_t W = std::min<int64_t>(S - s - 1, static_cast<int64_t>(mine.microbatches.size()));
     const int64_t M = static_cast<int64_t>(mine.microbatches.size());
     const double scale =
@@ -999,18 +1013,19 @@ class Trainer::Impl {
       for (int64_t d = 0; d < y.dim(); ++d) a[2 + d] = y.size(d);
       return h;
     };
-    auto fromHeader = [&](const at::Tensor& h) {
+    // The sizes a header announces; Corruption if malformed.
+    auto fromHeader = [&](const at::Tensor& h, const Piece& p) {
       auto a = h.accessor<int64_t, 1>();
       const int64_t type = a[0], dims = a[1];
       const bool plain = type >= 0 && type < static_cast<int64_t>(at::ScalarType::NumOptions) &&
                          (at::isFloatingType(static_cast<at::ScalarType>(type)) ||
                           at::isIntegralType(static_cast<at::ScalarType>(type),
                                              /*includeBool=*/true));
-      if (!plain || dims < 0 || dims > kMaxDims) {
+      if (!plain || dims < 1 || dims > kMaxDims) {
         SINEW_THROW(Corruption, "stage ", s, " received a malformed activation header from stage ",
                     s - 1, " (dtype code ", type, ", ", dims, " dimensions)");
       }
-      std::vector<int64_t> sizes;
+      std::vector<int64_t> sizes{type};
       for (int64_t d = 0; d < dims; ++d) {
         if (a[2 + d] < 0 || a[2 + d] > (int64_t{1} << 40)) {
           SINEW_THROW(Corruption, "stage ", s, " received an activation size of ", a[2 + d],
@@ -1018,25 +1033,57 @@ class Trainer::Impl {
         }
         sizes.push_back(a[2 + d]);
       }
-      return at::empty(sizes, at::TensorOptions().dtype(static_cast<at::ScalarType>(type)));
+      if (sizes[1] != p.end - p.begin) {
+        SINEW_THROW(Corruption, "stage ", s, " expected ", p.end - p.begin,
+                    " rows of activation from stage ", s - 1, ", the header says ", sizes[1]);
+      }
+      return sizes;  // dtype code, then the dimensions
     };
     auto sendForward = [&](const at::Tensor& y, std::vector<collectives::P2POp>& ops) {
       if (lastStage) return;
       at::Tensor data = y.detach().contiguous();
-      ops.push_back(collectives::P2POp::send(header(data), next, kTagHeader));
-      ops.push_back(collectives::P2POp::send(data, next, kTagActivation));
+      if (data.dim() < 1 || data.size(0) != sliceEnd - sliceBegin) {
+        SINEW_THROW(InvalidArgument, "layer '", spec_.layers[mine.endLayer - 1].name,
+                    "' (the last of stage ", s, ") outputs a tensor whose first dimension is not ",
+                    "the ", sliceEnd - sliceBegin, " samples it was given");
+      }
+      for (const Piece& p : nextPieces) {
+        at::Tensor part = rows(data, p);
+        ops.push_back(collectives::P2POp::send(header(part), p.rank, kTagHeader));
+        ops.push_back(collectives::P2POp::send(part, p.rank, kTagActivation));
+      }
     };
-    // After `pre` (sends of the same exchange) completes with the header's receive.
+    // After `pre` (sends of the same exchange) completes with the headers' receives.
     auto inputFor = [&](int64_t k, std::vector<collectives::P2POp> pre) -> at::Tensor {
       if (firstStage) {
         exchange(std::move(pre));
         return microbatchData(indices, mine.microbatches[k], sliceBegin, sliceEnd).first;
       }
-      at::Tensor h = at::zeros({2 + kMaxDims}, at::kLong);
-      pre.push_back(collectives::P2POp::recv(h, prev, kTagHeader));
+      std::vector<at::Tensor> headers;
+      for (const Piece& p : prevPieces) {
+        headers.push_back(at::zeros({2 + kMaxDims}, at::kLong));
+        pre.push_back(collectives::P2POp::recv(headers.back(), p.rank, kTagHeader));
+      }
       exchange(std::move(pre));
-      at::Tensor x = fromHeader(h);
-      exchange({collectives::P2POp::recv(x, prev, kTagActivation)});
+      std::vector<int64_t> shape;
+      for (size_t i = 0; i < prevPieces.size(); ++i) {
+        std::vector<int64_t> sizes = fromHeader(headers[i], prevPieces[i]);
+        if (i == 0) {
+          shape = sizes;
+          shape[1] = sliceEnd - sliceBegin;
+        } else if (sizes[0] != shape[0] || sizes.size() != shape.size() ||
+                   !std::equal(sizes.begin() + 2, sizes.end(), shape.begin() + 2)) {
+          SINEW_THROW(Corruption, "stage ", s, " received activation parts of different types ",
+                      "or shapes from the workers of stage ", s - 1);
+        }
+      }
+      at::Tensor x = at::empty(std::vector<int64_t>(shape.begin() + 1, shape.end()),
+                               at::TensorOptions().dtype(static_cast<at::ScalarType>(shape[0])));
+      std::vector<collectives::P2POp> ops;
+      for (const Piece& p : prevPieces) {
+        ops.push_back(collectives::P2POp::recv(rows(x, p), p.rank, kTagActivation));
+      }
+      exchange(std::move(ops));
       if (at::isFloatingType(x.scalar_type())) x.requires_grad_(true);
       return x;
     };
@@ -1057,7 +1104,9 @@ class Trainer::Impl {
       at::Tensor g;
       if (!lastStage && at::isFloatingType(f.y.scalar_type())) {
         g = at::empty(f.y.sizes(), f.y.options().requires_grad(false));
-        ops.push_back(collectives::P2POp::recv(g, next, kTagGradient));
+        for (const Piece& p : nextPieces) {
+          ops.push_back(collectives::P2POp::recv(rows(g, p), p.rank, kTagGradient));
+        }
       }
       return g;
     };
@@ -1074,7 +1123,9 @@ class Trainer::Impl {
       }
       if (!firstStage && at::isFloatingType(f.x.scalar_type())) {
         at::Tensor dx = f.x.grad().defined() ? f.x.grad().contiguous() : at::zeros_like(f.x);
-        ops.push_back(collectives::P2POp::send(dx.detach(), prev, kTagGradient));
+        for (const Piece& p : prevPieces) {
+          ops.push_back(collectives::P2POp::send(rows(dx.detach(), p), p.rank, kTagGradient));
+        }
       }
     };
     // Warm-up: forwards only.

@@ -252,4 +252,59 @@ TEST(PipelineJobTest, StagesTwoWorkersWideSplitEachMicrobatch) {
   std::filesystem::remove(profile);
 }
 
+// A profile of train_pp's layers, 2 devices per node, where block3 keeps 300 kB of activations
+// per microbatch: on one device it does not fit with the two microbatches in flight of a middle
+// stage, on two it does. The planner's template is mixed: layers 0-3 on one device, 4-5 on two
+// (one node), 6-9 on one device (the two one-device stages share the other node). Activations
+// are split from one worker to two and joined from two to one, and gradients the other way.
+std::string mixedProfile(const std::string& path) {
+  std::ofstream out(path);
+  out << R"({"version": 1, "microbatch_size": 4, "job": {"devices_per_node": 2,
+    "device_memory_bytes": 600000, "inter_stage_gbps": 10.0,
+    "allreduce": {"algorithm": "ring", "bandwidth_gbps": 1000.0, "latency_us": 1.0}},
+    "layers": [)";
+  for (int l = 0; l < 10; ++l) {
+    std::string name = l == 0 ? "embed" : l == 9 ? "head" : "block" + std::to_string(l - 1);
+    out << (l ? ", " : "") << R"({"name": ")" << name
+        << R"(", "forward_ms": 1.0, "backward_ms": 2.0, "param_bytes": 100000,
+      "optimizer_bytes": 0, "activation_bytes": )"
+        << (l == 4 ? 300000 : 15000) << R"(, "output_bytes": 16384})";
+  }
+  out << "]}\n";
+  return path;
+}
+
+TEST(PipelineJobTest, MixedWidthStagesSplitAndJoinActivations) {
+  const std::string profile = mixedProfile(logDir("pp-mixed") + "-profile.json");
+  JobRun run = trainPp("pp-mixed", 8, {"--profile", profile, "--steps", "20"});
+  SCOPED_TRACE(run.output);
+  expectMatchesReference(run);
+  EXPECT_EQ(planStages(run.output), (std::vector<int>{3, 3}));
+  std::vector<WorkerLine> lines = workerLines(run.output);
+  ASSERT_EQ(lines.size(), 8u);
+  std::map<std::pair<int, int>, std::vector<WorkerLine>> byStage;
+  for (const auto& w : lines) {
+    EXPECT_EQ(w.params, paramsOf(w.first, w.last)) << "worker " << w.worker;
+    byStage[{w.pipeline, w.stage}].push_back(w);
+  }
+  ASSERT_EQ(byStage.size(), 6u);
+  for (int p = 0; p < 2; ++p) {
+    const auto& s0 = byStage[{p, 0}];
+    const auto& s1 = byStage[{p, 1}];
+    const auto& s2 = byStage[{p, 2}];
+    ASSERT_EQ(s0.size(), 1u) << "pipeline " << p;
+    ASSERT_EQ(s1.size(), 2u) << "pipeline " << p;
+    ASSERT_EQ(s2.size(), 1u) << "pipeline " << p;
+    EXPECT_EQ(s0[0].first, 0);
+    EXPECT_EQ(s0[0].last, 3);
+    for (const auto& w : s1) {
+      EXPECT_EQ(w.first, 4);
+      EXPECT_EQ(w.last, 5);
+    }
+    EXPECT_EQ(s2[0].first, 6);
+    EXPECT_EQ(s2[0].last, 9);
+  }
+  std::filesystem::remove(profile);
+}
+
 }  // namespace
