@@ -249,9 +249,9 @@ TEST(CommunicatorTest, RejectsBadArguments) {
 
 // SIGKILL one member of four during 16 MiB allreduces: every survivor gets PeerLost naming
 // it within 1 s, then the survivors build epoch 1 without it and allreduce correctly.
-TEST(CommunicatorFailureTest, SigkillDuringAllreduce) {
-  constexpr int kWorld = 4;
-  constexpr int kVictim = 2;
+// SIGKILL one member in a loop of 16 MiB allreduces: every survivor gets PeerLost naming it
+// within a second, then the survivors rebuild and reduce correctly.
+void sigkillDuringAllreduce(const int kWorld, const int kVictim) {
   TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
   for (int r = 0; r < kWorld; ++r) {
@@ -273,7 +273,7 @@ TEST(CommunicatorFailureTest, SigkillDuringAllreduce) {
           std::cerr << "rank " << r << ": unexpected " << e.what() << std::endl;
           return 2;
         }
-        if (t[0].item<float>() != 10.0f) return 3;
+        if (t[0].item<float>() != static_cast<float>(kWorld * (kWorld + 1) / 2)) return 3;
         if (iter == 1) store->set("ready/" + std::to_string(r), toBytes("1"));
       }
       // Survivors rebuild without the victim under epoch 1.
@@ -284,7 +284,7 @@ TEST(CommunicatorFailureTest, SigkillDuringAllreduce) {
       auto next = createGlooCommunicator(store, options(survivors, kWorkerBase + r, 1));
       at::Tensor u = at::full({1 << 20}, r + 1, at::kFloat);
       next->allreduce(u);
-      float want = 1 + 2 + 4;  // Ranks 0, 1, 3 contribute r + 1.
+      float want = static_cast<float>(kWorld * (kWorld + 1) / 2 - (kVictim + 1));
       if (!at::equal(u, at::full({1 << 20}, want, at::kFloat))) return 4;
       return 0;
     });
@@ -308,6 +308,11 @@ TEST(CommunicatorFailureTest, SigkillDuringAllreduce) {
         << "rank " << r << " noticed after " << (at - killedAt) << " us";
   }
 }
+
+TEST(CommunicatorFailureTest, SigkillDuringAllreduce) { sigkillDuringAllreduce(4, 2); }
+
+// Two members take the one-exchange path (allreduceTwo); a kill there is named the same way.
+TEST(CommunicatorFailureTest, SigkillDuringTwoMemberAllreduce) { sigkillDuringAllreduce(2, 1); }
 
 // SIGSTOP one member: survivors get Timeout at their deadline (+-200 ms), then rebuild.
 TEST(CommunicatorFailureTest, SigstopGivesTimeoutAtDeadline) {
