@@ -167,6 +167,7 @@ class Coordinator::Impl {
   void release(int worker, const std::string& why);
   void onSessionClosed(const std::shared_ptr<Session>& s, const std::string& why);
   void declareDead(int worker, const std::string& why);
+  void discountOwnPause(Clock::time_point now);
   void formFirstEpoch(const std::string& why);
   void newEpoch(const std::string& why, std::vector<int> joiners);
   json epochBody(const std::vector<int>& joined, bool sync) const;
@@ -180,6 +181,7 @@ class Coordinator::Impl {
   asio::io_context io_;
   std::unique_ptr<collectives::transport::Listener> listener_;
   asio::steady_timer checkTimer_;
+  Clock::time_point lastCheck_{};  // when the liveness check last ran
   asio::steady_timer startTimer_;
   std::thread thread_;
   bool stopping_ = false;  // io thread only
@@ -284,6 +286,7 @@ void Coordinator::Impl::scheduleCheck() {
     if (ec || stopping_) return;
     std::lock_guard<std::mutex> lock(mu_);
     auto now = Clock::now();
+    discountOwnPause(now);
     std::vector<std::pair<int, int64_t>> silent;
     for (const auto& [id, w] : workers_) {
       if (done_.count(id)) continue;
@@ -298,6 +301,24 @@ void Coordinator::Impl::scheduleCheck() {
     }
     scheduleCheck();
   });
+}
+
+// The check runs every heartbeatInterval / 2. A run much later than that means this process
+// (or its io thread) did not run: a SIGSTOP, a Slurm suspend, a VM pause. The workers' silence
+// over that time is the coordinator's own doing (docs/failure_semantics.md, rule 2), so it is
+// not counted against them: their last-heard times move forward by the pause.
+void Coordinator::Impl::discountOwnPause(Clock::time_point now) {
+  const auto expected = options_.heartbeatInterval / 2;
+  if (lastCheck_ != Clock::time_point{} &&
+      now - lastCheck_ > expected + options_.heartbeatInterval) {
+    const auto paused = now - lastCheck_ - expected;
+    for (auto& [id, w] : workers_) w.lastHeard = std::min(now, w.lastHeard + paused);
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(paused).count();
+    log("the coordinator did not run for " + std::to_string(ms) +
+        " ms (paused?); the workers' silence over that time is not counted against them");
+    event({{"event", "coordinator_paused"}, {"ms", ms}});
+  }
+  lastCheck_ = now;
 }
 
 void Coordinator::Impl::onSessionClosed(const std::shared_ptr<Session>& s, const std::string& why) {

@@ -12,10 +12,13 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <regex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace sinew {
@@ -116,6 +119,31 @@ inline Result parseResult(const std::string& out) {
 
 inline std::string logDir(const std::string& name) {
   return std::string(SINEW_TEST_TMP) + "/" + name + "-" + std::to_string(::getpid());
+}
+
+// Reads a file whole ("" if it does not exist yet).
+inline std::string slurp(const std::string& path) {
+  std::ifstream f(path);
+  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
+// Waits (up to 60 s) until worker 0 of the job in `dir` has logged `text`.
+inline bool waitForLog(const std::string& dir, const std::string& text) {
+  auto deadline = Clock::now() + 60s;
+  while (Clock::now() < deadline) {
+    if (slurp(dir + "/worker-0.log").find(text) != std::string::npos) return true;
+    std::this_thread::sleep_for(20ms);
+  }
+  return false;
+}
+
+// The pid of a worker, from the coordinator's event log (-1 if not there yet).
+inline pid_t workerPid(const std::string& dir, int worker) {
+  std::smatch m;
+  std::string events = slurp(dir + "/coordinator-events.jsonl");
+  std::regex re("\"event\":\"hello\",\"node\":\"[^\"]*\",\"pid\":(\\d+),[^\\n]*\"worker\":" +
+                std::to_string(worker) + "\\}");
+  return std::regex_search(events, m, re) ? static_cast<pid_t>(std::stol(m[1])) : -1;
 }
 
 }  // namespace testing

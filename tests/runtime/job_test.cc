@@ -36,7 +36,10 @@ using sinew::testing::JobRun;
 using sinew::testing::logDir;
 using sinew::testing::parseResult;
 using sinew::testing::Result;
+using sinew::testing::slurp;
 using sinew::testing::start;
+using sinew::testing::waitForLog;
+using sinew::testing::workerPid;
 
 // The verdict every scenario must meet.
 void expectGoodJob(const JobRun& run, const std::string& lostList, int minRecoveries) {
@@ -190,31 +193,6 @@ TEST(JobTest, RestartFromDiskWithFewerWorkers) {
       std::string::npos);
   EXPECT_NE(resumed.output.find("resume at step " + std::to_string(durable + 1)),
             std::string::npos);
-}
-
-// Reads a file whole ("" if it does not exist yet).
-std::string slurp(const std::string& path) {
-  std::ifstream f(path);
-  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-}
-
-// Waits until worker 0 of the job in `dir` has logged `text`.
-bool waitForLog(const std::string& dir, const std::string& text) {
-  auto deadline = Clock::now() + 60s;
-  while (Clock::now() < deadline) {
-    if (slurp(dir + "/worker-0.log").find(text) != std::string::npos) return true;
-    std::this_thread::sleep_for(20ms);
-  }
-  return false;
-}
-
-// The pid of a worker, from the coordinator's event log.
-pid_t workerPid(const std::string& dir, int worker) {
-  std::smatch m;
-  std::string events = slurp(dir + "/coordinator-events.jsonl");
-  std::regex re("\"event\":\"hello\",\"node\":\"[^\"]*\",\"pid\":(\\d+),[^\\n]*\"worker\":" +
-                std::to_string(worker) + "\\}");
-  return std::regex_search(events, m, re) ? static_cast<pid_t>(std::stol(m[1])) : -1;
 }
 
 // SIGTERM to one worker (what a scheduler sends before taking its node): it leaves at the
