@@ -65,11 +65,11 @@ double parseDuration(const std::string& fault, const std::string& key, const std
 
 Phase parsePhase(const std::string& fault, const std::string& v) {
   for (Phase p : {Phase::kForward, Phase::kBackward, Phase::kReduce, Phase::kAfterReduce,
-                  Phase::kOptimizer, Phase::kRecovery}) {
+                  Phase::kOptimizer, Phase::kRecovery, Phase::kFlush}) {
     if (v == phaseName(p)) return p;
   }
   SINEW_THROW(InvalidArgument, "fault '", fault, "': unknown phase '", v,
-              "' (expected forward, backward, reduce, after-reduce, optimizer or recovery)");
+              "' (expected forward, backward, reduce, after-reduce, optimizer, recovery or flush)");
 }
 
 }  // namespace
@@ -88,6 +88,8 @@ const char* phaseName(Phase p) {
       return "optimizer";
     case Phase::kRecovery:
       return "recovery";
+    case Phase::kFlush:
+      return "flush";
   }
   return "?";
 }
@@ -156,7 +158,8 @@ FailureInjector FailureInjector::fromEnvironment() {
 
 void FailureInjector::fireSlow(int worker, int64_t step, Phase phase, CoordinatorClient* client) {
   for (Fault& f : faults_) {
-    if (f.fired || (f.worker >= 0 && f.worker != worker) || f.phase != phase) continue;
+    // The phase first: it is immutable, and a fault of another phase belongs to another thread.
+    if (f.phase != phase || f.fired || (f.worker >= 0 && f.worker != worker)) continue;
     bool everyStep = f.kind == Fault::Kind::kSlow && f.step < 0;
     bool due = everyStep || (phase == Phase::kRecovery ? step >= f.step : step == f.step);
     if (!due) continue;

@@ -8,12 +8,15 @@
 //   mute:worker=1:step=20:secs=3            send no heartbeats for secs
 //   slow:worker=0:ms=20[:step=N]            sleep ms (at every step when step is absent)
 // worker is the launch rank (or `*` for every worker); phase is one of forward, backward,
-// reduce, after-reduce, optimizer, recovery (default forward; `recovery` fires in the first
-// recovery at or after `step`). Each fault except an every-step slow fires once.
+// reduce, after-reduce, optimizer, recovery, flush (default forward; `recovery` fires in the
+// first recovery at or after `step`; `flush` fires on the checkpoint flush thread before it
+// writes version `step`, or every version when a slow has no step). Each fault except an
+// every-step slow fires once.
 //
 // With no faults, fire() is one inlined emptiness check: zero cost when unset.
 //
-// Thread safety: fire() must be called from one thread (the trainer's).
+// Thread safety: fire() for phase flush is called from the flush thread, every other phase from
+// the trainer's thread; a fault is touched only by the thread of its phase.
 
 #include <chrono>
 #include <cstdint>
@@ -25,7 +28,7 @@ namespace runtime {
 
 class CoordinatorClient;
 
-enum class Phase { kForward, kBackward, kReduce, kAfterReduce, kOptimizer, kRecovery };
+enum class Phase { kForward, kBackward, kReduce, kAfterReduce, kOptimizer, kRecovery, kFlush };
 
 const char* phaseName(Phase p);
 

@@ -5,12 +5,18 @@
 #include <torch/optim/sgd.h>
 #include <torch/serialize/archive.h>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <exception>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -287,9 +293,8 @@ class Trainer::Impl {
     });
     int64_t resume = 0;
     if (!o_.checkpointDir.empty()) {
-      int64_t latest =
-          checkpoint::CheckpointReader(o_.checkpointDir, state_.checkpointEnv).latestStep();
-      if (latest >= 0) resume = latest + 1;
+      checkCheckpointDir();
+      resume = newestRestorable() + 1;
     }
     client_.ready(resume);
     recoverInto(-1, /*failure=*/false, "start");
@@ -1224,8 +1229,9 @@ class Trainer::Impl {
                step == o_.steps - 1 || force;
     if (!due || step == lastSnapshot_) return;
     // Pipeline mode writes every due version on every writer (a version needs all of their
-    // shards), so it waits for the previous one instead of skipping it.
-    const bool wait = force || pipelineMode_;
+    // shards), so it waits for the previous one instead of skipping it. The job's last step
+    // is never skipped either (docs/failure_semantics.md, rule 4).
+    const bool wait = force || pipelineMode_ || step == o_.steps - 1;
     if (wait && arena_) waitForSnapshot();  // Its copy is in no step's way.
     {
       std::unique_lock<std::mutex> lock(ckMu_);
@@ -1290,6 +1296,7 @@ class Trainer::Impl {
       std::exception_ptr error;
       const auto& shard = job.shard;
       try {
+        state_.injector.fire(ctx_.worker(), shard->step, Phase::kFlush, nullptr);
         flushOne(job);
       } catch (...) {
         error = std::current_exception();
@@ -1377,6 +1384,76 @@ class Trainer::Impl {
     if (flushThread_.joinable()) flushThread_.join();
   }
 
+  // A checkpoint directory that cannot be written is an error at start, before any training
+  // (docs/failure_semantics.md, rule 6): created if missing, then probed with a file.
+  void checkCheckpointDir() {
+    const std::string& dir = o_.checkpointDir;
+    auto fail = [&](const std::string& why) {
+      SINEW_THROW(InvalidArgument, "worker ", ctx_.worker(), " cannot write checkpoints to '", dir,
+                  "' (TrainerOptions::checkpointDir): ", why);
+    };
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (ec) fail("creating it failed: " + ec.message());
+    if (!std::filesystem::is_directory(dir, ec)) fail("it is not a directory");
+    const std::string probe = dir + "/.probe-w" + std::to_string(ctx_.worker()) + "-" +
+                              std::to_string(static_cast<long long>(::getpid()));
+    int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) fail(std::string("creating a file in it failed: ") + std::strerror(errno));
+    const char byte = 0;
+    const bool wrote = ::write(fd, &byte, 1) == 1;
+    const int writeErrno = errno;
+    ::close(fd);
+    ::unlink(probe.c_str());
+    if (!wrote) fail(std::string("writing a file in it failed: ") + std::strerror(writeErrno));
+  }
+
+  // The newest durable version this worker can read back whole, or -1 if there is none
+  // (docs/failure_semantics.md, rule 5): versions up to the one LATEST names (every manifest
+  // if LATEST itself is damaged), newest first; a version with a corrupt or missing file is
+  // reported and the one before is tried. Every worker reads the same files, so all agree.
+  // Throws Corruption if versions exist but none can be read (starting over would lose them).
+  int64_t newestRestorable() {
+    checkpoint::CheckpointReader reader(o_.checkpointDir, state_.checkpointEnv);
+    int64_t latest = -1;
+    bool latestDamaged = false;
+    try {
+      latest = reader.latestStep();
+    } catch (const Error& e) {
+      latestDamaged = true;
+      std::fprintf(stderr, "sinew: worker %d: %s; looking for the newest intact version\n",
+                   ctx_.worker(), e.what());
+      event({{"event", "checkpoint_unreadable"}, {"what", "LATEST"}, {"error", e.what()}});
+    }
+    std::vector<int64_t> steps = reader.durableSteps();
+    std::string lastError;
+    for (int64_t step : steps) {
+      if (!latestDamaged && step > latest) continue;  // Never committed.
+      try {
+        auto layers = reader.load(step);
+        if (!pipelineMode_ && o_.parallelism != Parallelism::kPipeline) {
+          validated_ = std::move(layers);  // The source restores from it without reading again.
+          validatedStep_ = step;
+        }
+        return step;
+      } catch (const Error& e) {
+        lastError = e.what();
+        std::fprintf(stderr,
+                     "sinew: worker %d: the checkpoint of step %lld cannot be restored (%s); "
+                     "trying the one before\n",
+                     ctx_.worker(), static_cast<long long>(step), e.what());
+        event({{"event", "checkpoint_unreadable"}, {"step", step}, {"error", e.what()}});
+      }
+    }
+    if (!lastError.empty() || latestDamaged) {
+      SINEW_THROW(Corruption, "no checkpoint in '", o_.checkpointDir,
+                  "' can be restored; the last error: ",
+                  lastError.empty() ? std::string("LATEST is damaged and no version has a manifest")
+                                    : lastError);
+    }
+    return -1;
+  }
+
   // Loads version `step` from checkpointDir into the parameters and optimizer state.
   void restoreFromDisk(int64_t step) {
     if (o_.checkpointDir.empty()) {
@@ -1393,8 +1470,12 @@ class Trainer::Impl {
       applied_ = step;
       return;
     }
-    auto layers =
-        checkpoint::CheckpointReader(o_.checkpointDir, state_.checkpointEnv).load(step, names);
+    auto layers = validatedStep_ == step
+                      ? std::move(validated_)
+                      : checkpoint::CheckpointReader(o_.checkpointDir, state_.checkpointEnv)
+                            .load(step, names);
+    validated_.clear();
+    validatedStep_ = -1;
     at::NoGradGuard noGrad;
     auto& st = opt_->state();
     for (const auto& child : model_->named_children()) {
@@ -1464,6 +1545,9 @@ class Trainer::Impl {
   bool pipelineMode_ = false;
   pipeline::Profile profile_;    // The job's, as agreed.
   pipeline::Profile myProfile_;  // This worker's measurement.
+  // The version newestRestorable() read back whole (data parallel), kept for restoreFromDisk.
+  std::map<std::string, checkpoint::RestoredLayer> validated_;
+  int64_t validatedStep_ = -1;
   int heldFirst_ = -1;  // The layers this worker holds in pipeline mode, [heldFirst_, heldEnd_).
   int heldEnd_ = -1;
   double scheduleSeconds_ = 0;  // runSchedule() time since the last progress report.
