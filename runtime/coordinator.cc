@@ -152,6 +152,11 @@ class Coordinator::Impl {
     std::shared_ptr<Session> session;
     Clock::time_point lastHeard;
     bool hasState = false;  // held the model in an epoch (not a joiner awaiting state)
+    // Progress, from heartbeats and votes: the step it is on, and since when it has been
+    // waiting on the others for that step (epoch start: not waiting).
+    int64_t step = -1;
+    bool waiting = false;
+    Clock::time_point waitingSince;
   };
 
   void scheduleCheck();
@@ -168,6 +173,9 @@ class Coordinator::Impl {
   void onSessionClosed(const std::shared_ptr<Session>& s, const std::string& why);
   void declareDead(int worker, const std::string& why);
   void discountOwnPause(Clock::time_point now);
+  void noteProgress(Worker& w, int64_t step, bool waiting, Clock::time_point now);
+  void checkProgress(Clock::time_point now);
+  std::chrono::milliseconds stepDeadline() const;
   void formFirstEpoch(const std::string& why);
   void newEpoch(const std::string& why, std::vector<int> joiners);
   json epochBody(const std::vector<int>& joined, bool sync) const;
@@ -182,6 +190,8 @@ class Coordinator::Impl {
   std::unique_ptr<collectives::transport::Listener> listener_;
   asio::steady_timer checkTimer_;
   Clock::time_point lastCheck_{};  // when the liveness check last ran
+  Clock::time_point lastCommit_{};
+  std::deque<Clock::duration> stepTimes_;  // between the last commits, at most 20
   asio::steady_timer startTimer_;
   std::thread thread_;
   bool stopping_ = false;  // io thread only
@@ -299,6 +309,7 @@ void Coordinator::Impl::scheduleCheck() {
     for (const auto& [id, ms] : silent) {
       declareDead(id, "no heartbeat for " + std::to_string(ms) + " ms");
     }
+    checkProgress(now);
     scheduleCheck();
   });
 }
@@ -319,6 +330,54 @@ void Coordinator::Impl::discountOwnPause(Clock::time_point now) {
     event({{"event", "coordinator_paused"}, {"ms", ms}});
   }
   lastCheck_ = now;
+}
+
+void Coordinator::Impl::noteProgress(Worker& w, int64_t step, bool waiting, Clock::time_point now) {
+  if (waiting && (!w.waiting || w.step != step)) w.waitingSince = now;
+  w.step = step;
+  w.waiting = waiting;
+}
+
+std::chrono::milliseconds Coordinator::Impl::stepDeadline() const {
+  auto deadline = options_.progressFloor;
+  if (!stepTimes_.empty()) {
+    std::vector<Clock::duration> sorted(stepTimes_.begin(), stepTimes_.end());
+    std::sort(sorted.begin(), sorted.end());
+    auto median = std::chrono::duration_cast<std::chrono::milliseconds>(sorted[sorted.size() / 2]);
+    deadline = std::max(deadline, options_.progressFactor * median);
+  }
+  return deadline;
+}
+
+// Rule 1 of docs/failure_semantics.md: a member that computes on while the others have waited
+// for it past the step deadline is stuck (a hung training thread, a late vote), not they: it
+// alone is declared dead, and the next epoch goes on without it.
+void Coordinator::Impl::checkProgress(Clock::time_point now) {
+  if (options_.progressFloor.count() <= 0 || epoch_ < 0 || members_.size() < 2) return;
+  const int64_t step = committed_ + 1;
+  Clock::time_point firstWait = Clock::time_point::max();
+  for (int id : members_) {
+    auto it = workers_.find(id);
+    if (it == workers_.end()) continue;
+    const Worker& w = it->second;
+    if (w.waiting && w.step == step) firstWait = std::min(firstWait, w.waitingSince);
+  }
+  const auto deadline = stepDeadline();
+  if (firstWait == Clock::time_point::max() || now - firstWait <= deadline) return;
+  std::vector<int> stuck;
+  for (int id : members_) {
+    auto it = workers_.find(id);
+    if (it == workers_.end() || done_.count(id)) continue;
+    const Worker& w = it->second;
+    if (!(w.waiting && w.step >= step)) stuck.push_back(id);
+  }
+  if (stuck.empty() || stuck.size() == members_.size()) return;
+  const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - firstWait);
+  for (int id : stuck) {
+    declareDead(id, "no progress on step " + std::to_string(step) + " while the others waited " +
+                        std::to_string(waited.count()) + " ms for it (step deadline " +
+                        std::to_string(deadline.count()) + " ms)");
+  }
 }
 
 void Coordinator::Impl::onSessionClosed(const std::shared_ptr<Session>& s, const std::string& why) {
@@ -354,7 +413,12 @@ void Coordinator::Impl::onMessage(const std::shared_ptr<Session>& s,
   }
   switch (type) {
     case wire::Type::kHeartbeat:
-      return;  // Liveness only: accepted in any epoch.
+      // Liveness in any epoch; progress only in the current one.
+      if (h.epoch == epoch_ && body.contains("waiting")) {
+        noteProgress(it->second, body.at("step").get<int64_t>(), body.at("waiting").get<bool>(),
+                     it->second.lastHeard);
+      }
+      return;
     case wire::Type::kDone:
       return onDone(worker, body.at("step").get<int64_t>());
     case wire::Type::kReady:
@@ -475,6 +539,11 @@ void Coordinator::Impl::formFirstEpoch(const std::string& why) {
 void Coordinator::Impl::newEpoch(const std::string& why, std::vector<int> joiners) {
   epoch_ = epoch_ < 0 ? 0 : epoch_ + 1;
   votes_.clear();
+  for (auto& [id, w] : workers_) {
+    w.waiting = false;  // Progress counts afresh in the new epoch.
+    w.step = -1;
+  }
+  lastCommit_ = Clock::time_point{};  // A recovery is not a step.
   bool first = epoch_ == 0;
   std::vector<int> members;
   for (const auto& [id, w] : workers_) {
@@ -612,11 +681,20 @@ void Coordinator::Impl::onVote(int worker, int64_t epoch, int64_t step) {
   }
   auto& voters = votes_[step];
   voters.insert(worker);
+  noteProgress(workers_.at(worker), step, /*waiting=*/true, Clock::now());
   for (int id : members_) {
     if (!voters.count(id)) return;
   }
   committed_ = step;
   votes_.erase(step);
+  {
+    const auto now = Clock::now();
+    if (lastCommit_ != Clock::time_point{}) {
+      stepTimes_.push_back(now - lastCommit_);
+      if (stepTimes_.size() > 20) stepTimes_.pop_front();
+    }
+    lastCommit_ = now;
+  }
   if (pendingJoin_.empty() && leaving_.empty()) {
     for (int id : members_) send(id, wire::Type::kCommit, json{{"step", step}});
     return;

@@ -46,6 +46,13 @@ struct CoordinatorOptions {
   std::chrono::milliseconds heartbeatInterval{100};
   // ...and are declared dead after this much silence (or at once on a closed connection).
   std::chrono::milliseconds deadAfter{1000};
+  // Progress (docs/failure_semantics.md, rule 1): once a member has waited on the others for
+  // step S (in a collective or for its vote's verdict) longer than the step deadline, every
+  // member still computing step S (or an older one) is declared dead. The step deadline is
+  // max(progressFloor, progressFactor x the median time between the last 20 commits); a
+  // progressFloor of 0 turns the check off.
+  std::chrono::milliseconds progressFloor{3000};
+  int progressFactor = 20;
   // Largest message accepted; a larger one drops the connection.
   uint32_t maxMessageBytes = 1u << 20;
   // Connections beyond this many are refused (both ports).

@@ -128,6 +128,10 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
   }
 
   void setStep(int64_t step) { step_.store(step); }
+  void setProgress(int64_t step, bool waiting) {
+    step_.store(step);
+    waiting_.store(waiting);
+  }
   void mute(std::chrono::milliseconds d) {
     std::lock_guard<std::mutex> lock(mu_);
     mutedUntil_ = Clock::now() + d;
@@ -197,7 +201,10 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
         muted = Clock::now() < mutedUntil_;
         epoch = epoch_.epoch;
       }
-      if (!muted) queue(wire::Type::kHeartbeat, epoch, json{{"step", step_.load()}});
+      if (!muted) {
+        queue(wire::Type::kHeartbeat, epoch,
+              json{{"step", step_.load()}, {"waiting", waiting_.load()}});
+      }
       scheduleHeartbeat();
     });
   }
@@ -272,6 +279,7 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
   asio::steady_timer heartbeat_;
   std::thread thread_;
   std::atomic<int64_t> step_{-1};
+  std::atomic<bool> waiting_{false};
   // io thread only (set before the io thread starts).
   std::shared_ptr<transport::Channel> channel_;
   bool closed_ = false;
@@ -333,6 +341,9 @@ void CoordinatorClient::done(int64_t step) {
   impl_->post(wire::Type::kDone, impl_->latestEpoch().epoch, json{{"step", step}});
 }
 void CoordinatorClient::setStep(int64_t step) { impl_->setStep(step); }
+void CoordinatorClient::setProgress(int64_t step, bool waiting) {
+  impl_->setProgress(step, waiting);
+}
 void CoordinatorClient::muteHeartbeats(std::chrono::milliseconds d) { impl_->mute(d); }
 void CoordinatorClient::setEpochListener(std::function<void(int64_t)> l) {
   impl_->setListener(std::move(l));

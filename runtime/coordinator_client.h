@@ -99,6 +99,11 @@ class CoordinatorClient {
   void leave(int64_t step);
   // The step heartbeats carry.
   void setStep(int64_t step);
+  // The progress heartbeats carry (docs/failure_semantics.md, rule 1): the step, and whether
+  // this worker is waiting on others (in a collective of that step, or for its vote's verdict)
+  // rather than computing. The coordinator declares dead a member that computes on while the
+  // others have waited for it past the step deadline.
+  void setProgress(int64_t step, bool waiting);
   // Sends no heartbeats for this long (failure injection).
   void muteHeartbeats(std::chrono::milliseconds duration);
 

@@ -107,6 +107,8 @@ std::string forkCoordinator(int expected, const InitOptions& o) {
       c.expectedWorkers = expected;
       c.heartbeatInterval = o.heartbeatInterval;
       c.deadAfter = o.deadAfter;
+      c.progressFloor = o.stepDeadlineFloor;
+      c.progressFactor = o.stepDeadlineFactor;
       c.startTimeout = o.connectTimeout;
       if (const char* dir = env("SINEW_LOG_DIR")) {
         c.eventLogPath = std::string(dir) + "/coordinator-events.jsonl";
@@ -235,6 +237,8 @@ std::unique_ptr<Context> init(int* argc, char*** argv, const InitOptions& option
     CoordinatorOptions c;
     c.heartbeatInterval = options.heartbeatInterval;
     c.deadAfter = options.deadAfter;
+    c.progressFloor = options.stepDeadlineFloor;
+    c.progressFactor = options.stepDeadlineFactor;
     ctx->localCoordinator = std::make_unique<Coordinator>(c);
     co.host = c.host;
     co.port = ctx->localCoordinator->port();

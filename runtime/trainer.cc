@@ -131,6 +131,22 @@ typename StateMap::key_type stateKey(const StateMap&, const at::Tensor& p) {
 
 // Every parameter's gradient (zeros where it has none) in one flat tensor, then `tail`: one
 // allreduce sums them all.
+// While alive, this worker's heartbeats say it waits on the others for `step` (in a collective,
+// or for its vote's verdict) rather than computing (docs/failure_semantics.md, rule 1).
+class WaitingOnOthers {
+ public:
+  WaitingOnOthers(CoordinatorClient& client, int64_t step) : client_(client), step_(step) {
+    client_.setProgress(step_, true);
+  }
+  ~WaitingOnOthers() { client_.setProgress(step_, false); }
+  WaitingOnOthers(const WaitingOnOthers&) = delete;
+  WaitingOnOthers& operator=(const WaitingOnOthers&) = delete;
+
+ private:
+  CoordinatorClient& client_;
+  const int64_t step_;
+};
+
 at::Tensor flatGradients(const std::vector<at::Tensor>& params, const at::Tensor& tail = {}) {
   std::vector<at::Tensor> parts;
   for (const auto& p : params) {
@@ -401,6 +417,7 @@ class Trainer::Impl {
     if (client_.latestEpoch().epoch != epoch_) {
       SINEW_THROW(EpochChanged, "epoch ", epoch_, " was superseded");
     }
+    client_.setProgress(step_, /*waiting=*/false);
     if (pipelineMode_) return runPipelineStep();
     const int self = ctx_.worker();
     auto& inj = state_.injector;
@@ -425,7 +442,10 @@ class Trainer::Impl {
     at::Tensor flat =
         flatGradients(params_, at::full({1}, lossSum, at::TensorOptions().dtype(o_.dtype)));
     inj.fire(self, step_, Phase::kReduce, &client_);
-    comm_->allreduce(flat, collectives::ReduceOp::kSum, o_.opTimeout);
+    {
+      WaitingOnOthers waiting(client_, step_);
+      comm_->allreduce(flat, collectives::ReduceOp::kSum, o_.opTimeout);
+    }
     inj.fire(self, step_, Phase::kAfterReduce, &client_);
     const int64_t offset = setGradients(params_, flat);
     double loss = flat[offset].item<double>() / static_cast<double>(o_.globalBatch);
@@ -436,8 +456,11 @@ class Trainer::Impl {
   bool commitAndApply(double loss) {
     const int self = ctx_.worker();
     auto& inj = state_.injector;
-    client_.setStep(step_);
-    auto verdict = client_.vote(epoch_, step_, o_.opTimeout);
+    CoordinatorClient::VoteResult verdict;
+    {
+      WaitingOnOthers waiting(client_, step_);
+      verdict = client_.vote(epoch_, step_, o_.opTimeout);
+    }
     if (verdict == CoordinatorClient::VoteResult::kSuperseded) {
       SINEW_THROW(EpochChanged, "step ", step_, " was not committed in epoch ", epoch_);
     }
@@ -942,11 +965,15 @@ class Trainer::Impl {
       }
       if (ps.empty()) continue;
       at::Tensor flat = flatGradients(ps);
+      WaitingOnOthers waiting(client_, step_);
       g.comm->allreduce(flat, collectives::ReduceOp::kSum, o_.opTimeout);
       setGradients(ps, flat);
     }
     at::Tensor loss = at::full({1}, lossSum, at::TensorOptions().dtype(at::kDouble));
-    comm_->allreduce(loss, collectives::ReduceOp::kSum, o_.opTimeout);
+    {
+      WaitingOnOthers waiting(client_, step_);
+      comm_->allreduce(loss, collectives::ReduceOp::kSum, o_.opTimeout);
+    }
     inj.fire(self, step_, Phase::kAfterReduce, &client_);
     return commitAndApply(loss.item<double>() / static_cast<double>(o_.globalBatch));
   }
@@ -1002,7 +1029,9 @@ class Trainer::Impl {
     double lossSum = 0;
     bool firstBackward = true;
     auto exchange = [&](std::vector<collectives::P2POp> ops) {
-      if (!ops.empty()) comm_->exchange(ops, o_.opTimeout);
+      if (ops.empty()) return;
+      WaitingOnOthers waiting(client_, step_);
+      comm_->exchange(ops, o_.opTimeout);
     };
     // The header of an activation: dtype, number of dimensions, dimensions.
     auto header = [&](const at::Tensor& y) {

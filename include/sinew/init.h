@@ -41,6 +41,11 @@ struct InitOptions {
   // Heartbeat settings of a coordinator this process starts (mpirun, single process).
   std::chrono::milliseconds heartbeatInterval{100};
   std::chrono::milliseconds deadAfter{1000};
+  // Step deadline of that coordinator (docs/failure_semantics.md, rule 1): a member computing
+  // while the others have waited for it longer than max(stepDeadlineFloor, stepDeadlineFactor
+  // x the median step time) is declared dead. A floor of 0 turns the check off.
+  std::chrono::milliseconds stepDeadlineFloor{3000};
+  int stepDeadlineFactor = 20;
   // SIGTERM (what Slurm's --signal and most schedulers send before a preemption) asks this
   // worker to leave the job cleanly at the next step boundary instead of killing it. The
   // handler only sets a flag; set false to keep the program's own SIGTERM disposition.

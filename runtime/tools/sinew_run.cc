@@ -28,6 +28,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -48,6 +49,8 @@ struct Args {
   std::string logDir;
   int heartbeatMs = 100;
   int deadAfterMs = 1000;
+  int stepDeadlineMs = 3000;
+  int stepDeadlineFactor = 20;
   bool quiet = false;
   std::vector<std::string> program;
 };
@@ -77,7 +80,8 @@ Args parse(int argc, char** argv) {
       "Everything from the first non-option argument (or after --) is the program and its\n"
       "arguments. Exit status: 0 when the job finished, 75 when every worker was preempted,\n"
       "2 for bad arguments, 1 otherwise.");
-  std::string workers, heartbeat = "100", deadAfter = "1000";
+  std::string workers, heartbeat = "100", deadAfter = "1000", stepDeadline = "3000",
+                       stepFactor = "20";
   app.add_option("-n,--nproc", workers, "worker processes to start, in [1, 1000000]")
       ->type_name("N");
   app.add_option("--inject", a.inject, "faults to inject (SINEW_INJECT syntax, docs/runtime.md)")
@@ -90,6 +94,14 @@ Args parse(int argc, char** argv) {
   app.add_option("--dead-after-ms", deadAfter,
                  "silence in ms after which a worker is declared dead (default 1000)")
       ->type_name("MS");
+  app.add_option("--step-deadline-ms", stepDeadline,
+                 "a worker computing while the others have waited for it this long (ms; at least "
+                 "--step-deadline-factor x the median step time) is declared dead; 0 turns the "
+                 "check off (default 3000)")
+      ->type_name("MS");
+  app.add_option("--step-deadline-factor", stepFactor,
+                 "multiple of the median step time the step deadline is at least (default 20)")
+      ->type_name("K");
   app.add_flag("--quiet", a.quiet, "do not echo the workers' output (still logged)");
   app.prefix_command();  // The first positional and everything after it: the program.
   try {
@@ -109,6 +121,8 @@ Args parse(int argc, char** argv) {
   a.workers = parseCount("-n", workers, 1000000);
   a.heartbeatMs = parseCount("--heartbeat-ms", heartbeat, 1000000);
   a.deadAfterMs = parseCount("--dead-after-ms", deadAfter, 1000000);
+  a.stepDeadlineMs = parseCount("--step-deadline-ms", stepDeadline, 100000000);
+  a.stepDeadlineFactor = parseCount("--step-deadline-factor", stepFactor, 1000000);
   if (a.program.empty()) usage("no program to run");
   if (a.deadAfterMs <= a.heartbeatMs) usage("--dead-after-ms must exceed --heartbeat-ms");
   return a;
@@ -149,6 +163,8 @@ int main(int argc, char** argv) {
   co.expectedWorkers = a.workers;
   co.heartbeatInterval = std::chrono::milliseconds(a.heartbeatMs);
   co.deadAfter = std::chrono::milliseconds(a.deadAfterMs);
+  co.progressFloor = std::chrono::milliseconds(a.stepDeadlineMs);
+  co.progressFactor = a.stepDeadlineFactor;
   co.eventLogPath = a.logDir + "/coordinator-events.jsonl";
   co.log = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
   sinew::runtime::Coordinator coordinator(co);
@@ -258,15 +274,48 @@ int main(int argc, char** argv) {
     }
   });
 
+  // Reaps the workers. A worker declared dead that is still running once the job has ended
+  // (its training thread stalled, docs/failure_semantics.md rule 1) gets a 2 s grace to learn
+  // it was expelled and exit, then is killed by its PID: the launcher never waits out a hang.
   std::map<pid_t, int> status;
+  std::optional<std::chrono::steady_clock::time_point> graceSince;
+  bool killedStragglers = false;
   while (status.size() < gChildren.size()) {
     int st = 0;
-    pid_t p = ::waitpid(-1, &st, 0);
+    pid_t p = ::waitpid(-1, &st, WNOHANG);
     if (p < 0) {
       if (errno == EINTR) continue;
       break;
     }
-    status[p] = st;
+    if (p > 0) {
+      status[p] = st;
+      continue;
+    }
+    auto cs = coordinator.status();
+    const bool ended = cs.finished || (cs.epoch >= 0 && cs.members.empty());
+    bool onlyDeadLeft = true;
+    for (size_t w = 0; w < gChildren.size(); ++w) {
+      if (status.count(gChildren[w])) continue;
+      onlyDeadLeft = onlyDeadLeft && std::find(cs.dead.begin(), cs.dead.end(),
+                                               static_cast<int>(w)) != cs.dead.end();
+    }
+    if (ended && onlyDeadLeft && !killedStragglers) {
+      auto now = std::chrono::steady_clock::now();
+      if (!graceSince) graceSince = now;
+      if (now - *graceSince > std::chrono::seconds(2)) {
+        for (size_t w = 0; w < gChildren.size(); ++w) {
+          if (status.count(gChildren[w])) continue;
+          std::printf(
+              "sinew-run: worker %zu was declared dead and still runs after the job "
+              "ended; killing pid %d\n",
+              w, static_cast<int>(gChildren[w]));
+          ::kill(gChildren[w], SIGKILL);  // Our own child, by PID.
+        }
+        std::fflush(stdout);
+        killedStragglers = true;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   reader.join();
   for (auto& s : streams) {

@@ -154,4 +154,36 @@ TEST(FaultSemanticsTest, UnwritableCheckpointDirIsAClearErrorAtStart) {
   std::filesystem::remove(file);
 }
 
+// Item 1: a worker whose training thread stalls (its heartbeat thread keeps beating) while the
+// others wait for it in the step's collective is declared dead for making no progress, and
+// only it; the others go on without it, exact. The launcher ends the stalled process (an
+// expelled worker of a finished job) instead of waiting out its 30 s stall. Before, the healthy
+// workers aborted with a Timeout that blamed a healthy worker, and the stalled one trained on
+// alone.
+TEST(FaultSemanticsTest, StalledWorkerIsTheOneDeclaredDead) {
+  auto t0 = std::chrono::steady_clock::now();
+  JobRun run = trainDp("stalled", 3, {"--steps", "40"}, "slow:worker=1:step=10:ms=30000");
+  SCOPED_TRACE(run.output);
+  expectExact(run, "1");
+  EXPECT_NE(run.output.find("worker 1 declared dead: no progress on step 10"), std::string::npos);
+  EXPECT_EQ(run.output.find("worker 0 declared dead"), std::string::npos);
+  EXPECT_EQ(run.output.find("worker 2 declared dead"), std::string::npos);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 25s) << "the job waited out the stall";
+}
+
+// Item 3: a worker that votes 11 s late (after the reduction, before its vote) is expelled for
+// making no progress; the on-time workers, which voted, never crash: they redo the step without
+// it and end exact. Before, the three on-time workers crashed and the late one finished alone
+// with exit status 0.
+TEST(FaultSemanticsTest, LateVoterIsExpelledAndTheOthersGoOn) {
+  JobRun run = trainDp("late-vote", 4, {"--steps", "30"},
+                       "slow:worker=1:step=5:ms=11000:phase=after-reduce");
+  SCOPED_TRACE(run.output);
+  expectExact(run, "1");
+  EXPECT_NE(run.output.find("worker 1 declared dead: no progress on step 5"), std::string::npos);
+  for (int w : {0, 2, 3}) {
+    EXPECT_EQ(run.output.find("worker " + std::to_string(w) + " failed"), std::string::npos);
+  }
+}
+
 }  // namespace
