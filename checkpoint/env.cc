@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -134,6 +135,32 @@ class PosixEnv : public Env {
 };
 
 }  // namespace
+
+namespace {
+
+class PosixFileLock : public Env::FileLock {
+ public:
+  explicit PosixFileLock(int fd) : fd_(fd) {}
+  ~PosixFileLock() override { ::close(fd_); }  // Releases the flock.
+
+ private:
+  const int fd_;
+};
+
+}  // namespace
+
+std::unique_ptr<Env::FileLock> Env::lockFile(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) throwErrno("open lock file", path);
+  while (::flock(fd, LOCK_EX) != 0) {
+    if (errno == EINTR) continue;
+    const int e = errno;
+    ::close(fd);
+    errno = e;
+    throwErrno("flock", path);
+  }
+  return std::make_unique<PosixFileLock>(fd);
+}
 
 std::string Env::readFile(const std::string& path) {
   auto f = newRandomAccessFile(path);

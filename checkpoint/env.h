@@ -53,6 +53,15 @@ class Env {
   // Names (not paths) of the entries of dir, without "." and "..".
   virtual std::vector<std::string> listDir(const std::string& dir) = 0;
 
+  // Held until destroyed: an exclusive lock on a file (created if missing), across processes.
+  class FileLock {
+   public:
+    virtual ~FileLock() = default;
+  };
+  // Blocks until this process holds the lock on path. The default uses flock(2) on the real
+  // file system; an Env without files may override it.
+  virtual std::unique_ptr<FileLock> lockFile(const std::string& path);
+
   // Whole-file helpers built on the above.
   std::string readFile(const std::string& path);
   // Writes data to path + ".tmp", fsyncs it, renames it to path and fsyncs the folder.

@@ -23,6 +23,7 @@ using nlohmann::json;
 namespace {
 
 constexpr const char* kLatest = "LATEST";
+constexpr const char* kLatestLock = "LATEST.lock";
 constexpr const char* kManifest = "manifest.json";
 constexpr const char* kFormat = "sinew-checkpoint";
 constexpr int kFormatVersion = 1;
@@ -483,6 +484,23 @@ void CheckpointWriter::commitVersion(int64_t step, const std::vector<ShardFileRe
   env_->writeFileDurably(joinPath(vdir, kManifest), m.toJson());
   if (options_.onPoint) options_.onPoint("manifest-durable");
   const std::string manifestText = env_->readFile(joinPath(vdir, kManifest));
+  // LATEST never moves backwards (docs/failure_semantics.md, rule 8): under a lock shared by
+  // every writer of the folder, a version older than the one LATEST names is left unnamed. Only
+  // a stale writer (paused or preempted past its epoch) can get here with one: every later
+  // version of the job is newer. A damaged LATEST is replaced.
+  auto lock = env_->lockFile(joinPath(options_.dir, kLatestLock));
+  int64_t current = -1;
+  try {
+    current = reader.latestStep();
+  } catch (const Error&) {
+    current = -1;
+  }
+  if (current > step) {
+    SINEW_THROW(InvalidArgument, "checkpoint ", options_.dir, ": version ", step,
+                " is older than version ", current,
+                " that LATEST names; a stale writer (paused or preempted) does not move LATEST "
+                "backwards");
+  }
   json latest = {
       {"step", step},
       {"manifest", versionDirName(step) + "/" + kManifest},

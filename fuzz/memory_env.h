@@ -25,6 +25,11 @@ class MemoryEnv : public Env {
  public:
   std::map<std::string, std::string>& files() { return files_; }
 
+  // One process, no real files: the lock is a no-op.
+  std::unique_ptr<FileLock> lockFile(const std::string&) override {
+    return std::make_unique<FileLock>();
+  }
+
   std::unique_ptr<WritableFile> newWritableFile(const std::string& path) override {
     files_[path].clear();
     return std::make_unique<File>(&files_[path]);

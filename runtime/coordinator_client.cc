@@ -186,6 +186,12 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
   // io thread only.
   void queue(wire::Type type, int64_t epoch, const json& body) {
     if (closed_ || !channel_) return;
+    {
+      // A muted worker (failure injection) says nothing at all, votes included: every message
+      // counts as a heartbeat, so muting heartbeats alone would never make it look dead.
+      std::lock_guard<std::mutex> lock(mu_);
+      if (Clock::now() < mutedUntil_) return;
+    }
     channel_->send(static_cast<uint8_t>(type), epoch, wire::encodeBody(body));
   }
 

@@ -104,7 +104,8 @@ class CoordinatorClient {
   // rather than computing. The coordinator declares dead a member that computes on while the
   // others have waited for it past the step deadline.
   void setProgress(int64_t step, bool waiting);
-  // Sends no heartbeats for this long (failure injection).
+  // Sends the coordinator nothing, heartbeats and votes alike, for this long (failure
+  // injection): the worker looks dead.
   void muteHeartbeats(std::chrono::milliseconds duration);
 
   // Called on the io thread when an epoch newer than the previous one is announced, or when

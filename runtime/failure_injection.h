@@ -5,7 +5,8 @@
 //   kill:worker=2:step=30:phase=backward    SIGKILL this process
 //   stop:worker=1:step=50:secs=3            SIGSTOP this process for secs (a helper
 //                                           process sends SIGCONT)
-//   mute:worker=1:step=20:secs=3            send no heartbeats for secs
+//   mute:worker=1:step=20:secs=3            send the coordinator nothing (no heartbeats, no
+//                                           votes) for secs
 //   slow:worker=0:ms=20[:step=N]            sleep ms (at every step when step is absent)
 // worker is the launch rank (or `*` for every worker); phase is one of forward, backward,
 // reduce, after-reduce, optimizer, recovery, flush (default forward; `recovery` fires in the

@@ -438,7 +438,7 @@ TEST(PersistTest, FlushAndLoadExactBytesKeepTheNewestK) {
   EXPECT_THROW(reader.load(4, {"no.such.layer"}), InvalidArgument);
   auto entries = posixEnv()->listDir(dir);
   EXPECT_EQ(std::set<std::string>(entries.begin(), entries.end()),
-            (std::set<std::string>{"LATEST", "step-00000003", "step-00000004"}));
+            (std::set<std::string>{"LATEST", "LATEST.lock", "step-00000003", "step-00000004"}));
   removeTree(dir);
 }
 

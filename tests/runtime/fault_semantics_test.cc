@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -184,6 +185,51 @@ TEST(FaultSemanticsTest, LateVoterIsExpelledAndTheOthersGoOn) {
   for (int w : {0, 2, 3}) {
     EXPECT_EQ(run.output.find("worker " + std::to_string(w) + " failed"), std::string::npos);
   }
+}
+
+// Item 8: a writer paused in the middle of a flush (SIGSTOP for 2 s while it flushes version
+// 19) is declared dead; the next epoch's writer writes newer versions; when the stale writer
+// wakes up and finishes its flush, LATEST must not go back to 19. LATEST is watched all along.
+TEST(FaultSemanticsTest, StaleWriterNeverMovesLatestBackwards) {
+  const std::string ckpt = logDir("stale-writer-ckpt");
+  std::filesystem::remove_all(ckpt);
+  std::atomic<bool> running{true};
+  std::atomic<int64_t> highest{-1};
+  std::atomic<int> backwards{0};
+  std::string seen;
+  std::thread watch([&] {
+    while (running) {
+      int64_t s = latestStep(ckpt);
+      if (s >= 0) {
+        if (s < highest && backwards++ < 3) {
+          seen += std::to_string(highest.load()) + " -> " + std::to_string(s) + "; ";
+        }
+        highest = std::max(highest.load(), s);
+      }
+      std::this_thread::sleep_for(2ms);
+    }
+  });
+  JobRun run = trainDp("stale-writer", 3,
+                       {"--steps", "200", "--checkpoint-dir", ckpt, "--checkpoint-every", "10"},
+                       "stop:worker=0:step=19:phase=flush:secs=2;slow:worker=*:ms=20");
+  running = false;
+  watch.join();
+  SCOPED_TRACE(run.output);
+  expectExact(run, "0");
+  EXPECT_EQ(backwards.load(), 0) << "LATEST went backwards: " << seen;
+  EXPECT_EQ(latestStep(ckpt), 199);
+  std::filesystem::remove_all(ckpt);
+}
+
+// Item 7: `mute` makes a worker silent to the coordinator, votes included, so it is declared
+// dead after --dead-after-ms and the job goes on without it (before, every vote counted as a
+// heartbeat and a muted worker never looked dead).
+TEST(FaultSemanticsTest, MutedWorkerIsDeclaredDead) {
+  JobRun run =
+      trainDp("muted", 3, {"--steps", "60"}, "mute:worker=1:step=10:secs=3;slow:worker=*:ms=20");
+  SCOPED_TRACE(run.output);
+  expectExact(run, "1");
+  EXPECT_NE(run.output.find("worker 1 declared dead: no heartbeat for"), std::string::npos);
 }
 
 }  // namespace
