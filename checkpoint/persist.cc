@@ -448,6 +448,27 @@ ShardFileRecord CheckpointWriter::writeShard(const HostShard& shard) {
   return rec;
 }
 
+namespace {
+
+// Writes LATEST naming version `step` (whose manifest must exist), durably.
+void writeLatest(Env* env, const std::string& dir, int64_t step) {
+  const std::string manifestText =
+      env->readFile(joinPath(joinPath(dir, versionDirName(step)), kManifest));
+  json latest = {
+      {"step", step},
+      {"manifest", versionDirName(step) + "/" + kManifest},
+      {"manifest_crc32c", hex32(detail::crc32c(manifestText.data(), manifestText.size()))}};
+  env->writeFileDurably(joinPath(dir, kLatest), latest.dump() + "\n");
+}
+
+}  // namespace
+
+void repointLatest(const std::string& dir, Env* env, int64_t step) {
+  if (env == nullptr) env = posixEnv();
+  auto lock = env->lockFile(joinPath(dir, kLatestLock));
+  writeLatest(env, dir, step);
+}
+
 void CheckpointWriter::commitVersion(int64_t step, const std::vector<ShardFileRecord>& shards) {
   Manifest m;
   m.step = step;
@@ -483,11 +504,12 @@ void CheckpointWriter::commitVersion(int64_t step, const std::vector<ShardFileRe
   env_->createDir(vdir);
   env_->writeFileDurably(joinPath(vdir, kManifest), m.toJson());
   if (options_.onPoint) options_.onPoint("manifest-durable");
-  const std::string manifestText = env_->readFile(joinPath(vdir, kManifest));
   // LATEST never moves backwards (docs/failure_semantics.md, rule 8): under a lock shared by
   // every writer of the folder, a version older than the one LATEST names is left unnamed. Only
   // a stale writer (paused or preempted past its epoch) can get here with one: every later
-  // version of the job is newer. A damaged LATEST is replaced.
+  // version of the job is newer (a restore from an older version than LATEST's, because
+  // LATEST's is damaged, first names the restored one: repointLatest). A damaged LATEST is
+  // replaced.
   auto lock = env_->lockFile(joinPath(options_.dir, kLatestLock));
   int64_t current = -1;
   try {
@@ -501,11 +523,7 @@ void CheckpointWriter::commitVersion(int64_t step, const std::vector<ShardFileRe
                 " that LATEST names; a stale writer (paused or preempted) does not move LATEST "
                 "backwards");
   }
-  json latest = {
-      {"step", step},
-      {"manifest", versionDirName(step) + "/" + kManifest},
-      {"manifest_crc32c", hex32(detail::crc32c(manifestText.data(), manifestText.size()))}};
-  env_->writeFileDurably(joinPath(options_.dir, kLatest), latest.dump() + "\n");
+  writeLatest(env_, options_.dir, step);
   if (options_.onPoint) options_.onPoint("latest-durable");
   collectGarbage();
 }

@@ -114,6 +114,11 @@ class CheckpointReader {
   Env* const env_;
 };
 
+// Makes LATEST name version `step` (whose manifest must exist), under the writers' lock,
+// whatever it named before: for a restore that found LATEST's version damaged and fell back to
+// an older one (docs/failure_semantics.md, rules 5 and 8). env null: the POSIX file system.
+void repointLatest(const std::string& dir, Env* env, int64_t step);
+
 std::string versionDirName(int64_t step);  // "step-00000012"
 std::string shardFileName(int owner);      // "shard-w3.safetensors"
 

@@ -10,8 +10,9 @@
 #include "sinew/collectives/error.h"
 
 // The algorithm and its proof of exactness are in docs/planner.md; the comments here refer to
-// its sections. Notation: L layers, G devices per node, d a stage width, S = n * G / d stages,
-// t(i, j) the compute ticks of stage [i, j), c(i, j) its fill ticks, M the microbatches.
+// its sections. Notation: L layers, G devices per node, d a stage width, S stages (uniform
+// templates: (n - 1) * G / d < S <= n * G / d), W the devices of a mixed template, t(i, j) the
+// compute ticks of stage [i, j), c(i, j) its fill ticks, M the microbatches.
 
 namespace sinew {
 namespace pipeline {

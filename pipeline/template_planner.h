@@ -96,7 +96,8 @@ struct TemplateSet {
 // Cost (docs/planner.md, "Complexity"): O(sum over widths d of K_d * L * w) for the bottleneck
 // tables (K_d = min(L, (N - f) * G / d) stage counts, w the stage ends scanned per state, at most
 // L), plus, per (n, d, S), r banded least-fill DPs of O(L * band) each, r the bottleneck bounds
-// the exact search visits; O(L * K_d) memory per width.
+// the exact search visits; O(L * K_d) memory per width. Mixed widths: per bound visited, one
+// run of a table of at most 2^23 entries (64 MiB), O(entries * |chain| * w).
 TemplateSet planTemplates(const Profile& profile, const TemplateOptions& options);
 
 // Why `set` (planned from profile and options) has no template on n nodes, in one sentence

@@ -172,7 +172,8 @@ class Coordinator::Impl {
   void release(int worker, const std::string& why);
   void onSessionClosed(const std::shared_ptr<Session>& s, const std::string& why);
   void declareDead(int worker, const std::string& why);
-  void discountOwnPause(Clock::time_point now);
+  // Whether the coordinator was paused since the last check (then discounted).
+  bool discountOwnPause(Clock::time_point now);
   void noteProgress(Worker& w, int64_t step, bool waiting, Clock::time_point now);
   void checkProgress(Clock::time_point now);
   std::chrono::milliseconds stepDeadline() const;
@@ -296,7 +297,7 @@ void Coordinator::Impl::scheduleCheck() {
     if (ec || stopping_) return;
     std::lock_guard<std::mutex> lock(mu_);
     auto now = Clock::now();
-    discountOwnPause(now);
+    const bool paused = discountOwnPause(now);
     std::vector<std::pair<int, int64_t>> silent;
     for (const auto& [id, w] : workers_) {
       if (done_.count(id)) continue;
@@ -309,7 +310,9 @@ void Coordinator::Impl::scheduleCheck() {
     for (const auto& [id, ms] : silent) {
       declareDead(id, "no heartbeat for " + std::to_string(ms) + " ms");
     }
-    checkProgress(now);
+    // Right after a pause the workers' messages of the pause are still unread: judge
+    // progress at the next check.
+    if (!paused) checkProgress(now);
     scheduleCheck();
   });
 }
@@ -318,18 +321,24 @@ void Coordinator::Impl::scheduleCheck() {
 // (or its io thread) did not run: a SIGSTOP, a Slurm suspend, a VM pause. The workers' silence
 // over that time is the coordinator's own doing (docs/failure_semantics.md, rule 2), so it is
 // not counted against them: their last-heard times move forward by the pause.
-void Coordinator::Impl::discountOwnPause(Clock::time_point now) {
+bool Coordinator::Impl::discountOwnPause(Clock::time_point now) {
   const auto expected = options_.heartbeatInterval / 2;
+  bool paused = false;
   if (lastCheck_ != Clock::time_point{} &&
       now - lastCheck_ > expected + options_.heartbeatInterval) {
-    const auto paused = now - lastCheck_ - expected;
-    for (auto& [id, w] : workers_) w.lastHeard = std::min(now, w.lastHeard + paused);
-    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(paused).count();
+    paused = true;
+    const auto pause = now - lastCheck_ - expected;
+    for (auto& [id, w] : workers_) {
+      w.lastHeard = std::min(now, w.lastHeard + pause);
+      if (w.waiting) w.waitingSince = std::min(now, w.waitingSince + pause);
+    }
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(pause).count();
     log("the coordinator did not run for " + std::to_string(ms) +
         " ms (paused?); the workers' silence over that time is not counted against them");
     event({{"event", "coordinator_paused"}, {"ms", ms}});
   }
   lastCheck_ = now;
+  return paused;
 }
 
 void Coordinator::Impl::noteProgress(Worker& w, int64_t step, bool waiting, Clock::time_point now) {
@@ -353,7 +362,12 @@ std::chrono::milliseconds Coordinator::Impl::stepDeadline() const {
 // for it past the step deadline is stuck (a hung training thread, a late vote), not they: it
 // alone is declared dead, and the next epoch goes on without it.
 void Coordinator::Impl::checkProgress(Clock::time_point now) {
-  if (options_.progressFloor.count() <= 0 || epoch_ < 0 || members_.size() < 2) return;
+  // Not before a step time has been measured: the first step (warm-up, first allocations)
+  // may take long on every worker for reasons of its own.
+  if (options_.progressFloor.count() <= 0 || epoch_ < 0 || members_.size() < 2 ||
+      stepTimes_.empty()) {
+    return;
+  }
   const int64_t step = committed_ + 1;
   Clock::time_point firstWait = Clock::time_point::max();
   for (int id : members_) {

@@ -127,11 +127,8 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
     asio::post(io_, [this, type, epoch, body = std::move(body)] { queue(type, epoch, body); });
   }
 
-  void setStep(int64_t step) { step_.store(step); }
-  void setProgress(int64_t step, bool waiting) {
-    step_.store(step);
-    waiting_.store(waiting);
-  }
+  void setStep(int64_t step) { setProgress(step, false); }
+  void setProgress(int64_t step, bool waiting) { progress_.store(step * 2 + (waiting ? 1 : 0)); }
   void mute(std::chrono::milliseconds d) {
     std::lock_guard<std::mutex> lock(mu_);
     mutedUntil_ = Clock::now() + d;
@@ -208,8 +205,9 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
         epoch = epoch_.epoch;
       }
       if (!muted) {
+        const int64_t progress = progress_.load();  // step and waiting, read together
         queue(wire::Type::kHeartbeat, epoch,
-              json{{"step", step_.load()}, {"waiting", waiting_.load()}});
+              json{{"step", progress >> 1}, {"waiting", (progress & 1) != 0}});
       }
       scheduleHeartbeat();
     });
@@ -284,8 +282,9 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
   asio::io_context io_;
   asio::steady_timer heartbeat_;
   std::thread thread_;
-  std::atomic<int64_t> step_{-1};
-  std::atomic<bool> waiting_{false};
+  // The step (times 2) and whether the worker waits on the others (the low bit), in one word
+  // so that a heartbeat never pairs one step with another step's flag. -2: step -1.
+  std::atomic<int64_t> progress_{-2};
   // io thread only (set before the io thread starts).
   std::shared_ptr<transport::Channel> channel_;
   bool closed_ = false;

@@ -143,6 +143,11 @@ FailureInjector FailureInjector::parse(const std::string& spec) {
     if ((f.kind == Fault::Kind::kStop || f.kind == Fault::Kind::kMute) && f.seconds <= 0) {
       SINEW_THROW(InvalidArgument, "fault '", text, "': needs secs=<seconds> > 0");
     }
+    if (f.phase == Phase::kFlush && f.kind == Fault::Kind::kMute) {
+      SINEW_THROW(InvalidArgument, "fault '", text,
+                  "': mute cannot fire in phase flush (the flush thread does not talk to the "
+                  "coordinator)");
+    }
     if (f.kind == Fault::Kind::kSlow && f.milliseconds <= 0) {
       SINEW_THROW(InvalidArgument, "fault '", text, "': needs ms=<milliseconds> > 0");
     }

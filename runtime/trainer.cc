@@ -20,6 +20,7 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <thread>
 #include <type_traits>
@@ -314,6 +315,8 @@ class Trainer::Impl {
     }
     client_.ready(resume);
     recoverInto(-1, /*failure=*/false, "start");
+    validated_.clear();  // Only the first epoch's source restores from it.
+    validatedStep_ = -1;
     startStep_ = step_;
     bool preempted = false;
     while (step_ < o_.steps) {
@@ -1261,6 +1264,9 @@ class Trainer::Impl {
     // shards), so it waits for the previous one instead of skipping it. The job's last step
     // is never skipped either (docs/failure_semantics.md, rule 4).
     const bool wait = force || pipelineMode_ || step == o_.steps - 1;
+    // Waiting on the disk is not being stuck: the step deadline does not count it.
+    std::optional<WaitingOnOthers> onDisk;
+    if (wait) onDisk.emplace(client_, step_);
     if (wait && arena_) waitForSnapshot();  // Its copy is in no step's way.
     {
       std::unique_lock<std::mutex> lock(ckMu_);
@@ -1463,6 +1469,12 @@ class Trainer::Impl {
         if (!pipelineMode_ && o_.parallelism != Parallelism::kPipeline) {
           validated_ = std::move(layers);  // The source restores from it without reading again.
           validatedStep_ = step;
+        }
+        if (latestDamaged || step < latest) {
+          // LATEST names a damaged version: name this one instead, so that the versions this
+          // run writes (newer than `step`, maybe older than the damaged one) are not refused
+          // as a stale writer's (rule 8). Every worker does the same, under the lock.
+          checkpoint::repointLatest(o_.checkpointDir, state_.checkpointEnv, step);
         }
         return step;
       } catch (const Error& e) {

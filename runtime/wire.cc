@@ -35,7 +35,7 @@ std::vector<Field> fieldsOf(Type type) {
               {"heartbeat_ms", Kind::kInt, true, 1, 3600 * 1000},
               {"dead_after_ms", Kind::kInt, false, 1, 24 * 3600 * 1000}};
     case Type::kHeartbeat:
-      return {{"step", Kind::kInt, true, -1, kMaxStep}};
+      return {{"step", Kind::kInt, true, -1, kMaxStep}, {"waiting", Kind::kBool, false, 0, 0}};
     case Type::kLost:
       return {{"worker", Kind::kInt, true, 0, kMaxWorkerId - 1}};
     case Type::kVote:

@@ -255,7 +255,8 @@ class GlooCommunicator final : public Communicator {
   uint64_t collectiveSeq_ = 0;      // Operation thread only.
   std::atomic<int> waitingOn_{-1};  // Rank the operation thread waits for, or -1.
 
-  // Receive space of allreduceTwo, kept between operations (one operation runs at a time).
+  // Receive slots of allreduceTwo (at most 4 segments), kept between operations (one
+  // operation runs at a time).
   std::vector<char> scratch_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
@@ -770,37 +771,53 @@ void GlooCommunicator::allreduce(at::Tensor& t, ReduceOp op, std::chrono::millis
 }
 
 // Two members: one exchange instead of the ring's two phases. Each sends its whole tensor,
-// segment by segment, and receives the other's into scratch; a segment is added into the
-// tensor once it has arrived and its own send has completed (sends to one peer complete in
-// order), so the reduction overlaps the rest of the transfer. a + b and b + a are the same
-// float, so both members end with identical bytes. Same bytes on the wire as the ring (N each
-// way), half the round trips: Open MPI's recursive doubling does the same for two ranks.
+// segment by segment, and receives the other's segments into kTwoSlots scratch slots, reused
+// in turn (receives from one peer complete in order); a segment is added into the tensor once
+// it has arrived and its own send has completed (sends to one peer complete in order too), so
+// the reduction overlaps the rest of the transfer and scratch stays at kTwoSlots segments
+// (2 MiB) whatever the tensor. a + b and b + a are the same float, so both members end with
+// identical bytes. Same bytes on the wire as the ring (N each way), half the round trips: Open
+// MPI's recursive doubling does the same for two ranks.
 void GlooCommunicator::allreduceTwo(at::Tensor& t, std::chrono::milliseconds timeout) {
+  constexpr size_t kTwoSlots = 4;
   const size_t esize = t.element_size();
   const size_t numel = t.numel();
-  const size_t bytes = numel * esize;
-  const Segmenter seg{numel, 1, segmentsFor(bytes)};
-  if (scratch_.size() < bytes) scratch_.resize(bytes);
+  const Segmenter seg{numel, 1, segmentsFor(numel * esize)};
+  size_t maxSeg = 0;
+  for (size_t s = 0; s < seg.segments; ++s) {
+    auto [b, e] = seg.segment(0, s);
+    maxSeg = std::max(maxSeg, e - b);
+  }
+  const size_t slotBytes = maxSeg * esize;
+  if (scratch_.size() < kTwoSlots * slotBytes) scratch_.resize(kTwoSlots * slotBytes);
   char* data = static_cast<char*>(t.data_ptr());
   const int peer = 1 - rank_;
-  auto sendBuf = buffer(data, bytes);
-  auto recvBuf = buffer(scratch_.data(), bytes);
+  auto sendBuf = buffer(data, numel * esize);
+  auto recvBuf = buffer(scratch_.data(), kTwoSlots * slotBytes);
   const uint64_t slot = nextCollectiveSlot();
+  std::vector<size_t> order;  // non-empty segments, in order
+  for (size_t s = 0; s < seg.segments; ++s) {
+    auto [b, e] = seg.segment(0, s);
+    if (e > b) order.push_back(s);
+  }
   runOp("allreduce", timeout, {sendBuf.get(), recvBuf.get()}, [&] {
-    for (size_t s = 0; s < seg.segments; ++s) {
+    auto postRecv = [&](size_t k) {
+      if (k >= order.size()) return;
+      auto [b, e] = seg.segment(0, order[k]);
+      recvBuf->recv(peer, slot, (k % kTwoSlots) * slotBytes, (e - b) * esize);
+    };
+    for (size_t k = 0; k < kTwoSlots; ++k) postRecv(k);
+    for (size_t s : order) {
       auto [b, e] = seg.segment(0, s);
-      if (e > b) recvBuf->recv(peer, slot, b * esize, (e - b) * esize);
+      sendBuf->send(peer, slot, b * esize, (e - b) * esize);
     }
-    for (size_t s = 0; s < seg.segments; ++s) {
-      auto [b, e] = seg.segment(0, s);
-      if (e > b) sendBuf->send(peer, slot, b * esize, (e - b) * esize);
-    }
-    for (size_t s = 0; s < seg.segments; ++s) {
-      auto [b, e] = seg.segment(0, s);
-      if (e == b) continue;
+    for (size_t k = 0; k < order.size(); ++k) {
+      auto [b, e] = seg.segment(0, order[k]);
       waitRecv(recvBuf.get(), peer);
       waitSend(sendBuf.get(), peer);
-      reduceSum(t.scalar_type(), data + b * esize, scratch_.data() + b * esize, e - b);
+      reduceSum(t.scalar_type(), data + b * esize, scratch_.data() + (k % kTwoSlots) * slotBytes,
+                e - b);
+      postRecv(k + kTwoSlots);
     }
   });
 }

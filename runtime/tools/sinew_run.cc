@@ -28,7 +28,6 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -278,7 +277,8 @@ int main(int argc, char** argv) {
   // (its training thread stalled, docs/failure_semantics.md rule 1) gets a 2 s grace to learn
   // it was expelled and exit, then is killed by its PID: the launcher never waits out a hang.
   std::map<pid_t, int> status;
-  std::optional<std::chrono::steady_clock::time_point> graceSince;
+  bool graceRunning = false;
+  std::chrono::steady_clock::time_point graceSince{};
   bool killedStragglers = false;
   while (status.size() < gChildren.size()) {
     int st = 0;
@@ -299,10 +299,14 @@ int main(int argc, char** argv) {
       onlyDeadLeft = onlyDeadLeft && std::find(cs.dead.begin(), cs.dead.end(),
                                                static_cast<int>(w)) != cs.dead.end();
     }
+    if (!(ended && onlyDeadLeft)) graceRunning = false;
     if (ended && onlyDeadLeft && !killedStragglers) {
       auto now = std::chrono::steady_clock::now();
-      if (!graceSince) graceSince = now;
-      if (now - *graceSince > std::chrono::seconds(2)) {
+      if (!graceRunning) {
+        graceRunning = true;
+        graceSince = now;
+      }
+      if (now - graceSince > std::chrono::seconds(2)) {
         for (size_t w = 0; w < gChildren.size(); ++w) {
           if (status.count(gChildren[w])) continue;
           std::printf(

@@ -126,11 +126,15 @@ TEST(FaultSemanticsTest, CorruptNewestCheckpointFallsBackToThePreviousOne) {
   ASSERT_EQ(first.exitCode, 0) << first.output;
   ASSERT_EQ(latestStep(ckpt), 29);
   corruptVersion(ckpt, 29);
-  JobRun run = trainDp("corrupt-newest-2", 3, {"--steps", "40", "--checkpoint-dir", ckpt});
+  // Versions every 5 steps: 24 is older than the damaged 29 that LATEST named, and must still
+  // be written (restore names 19 in LATEST first, rule 8).
+  JobRun run = trainDp("corrupt-newest-2", 3,
+                       {"--steps", "40", "--checkpoint-dir", ckpt, "--checkpoint-every", "5"});
   SCOPED_TRACE(run.output);
   expectExact(run, "");
   EXPECT_NE(run.output.find("resumed from the durable checkpoint of step 19"), std::string::npos);
   EXPECT_NE(run.output.find("checkpoint of step 29 cannot be restored"), std::string::npos);
+  EXPECT_EQ(run.output.find("does not move LATEST backwards"), std::string::npos);
   EXPECT_EQ(latestStep(ckpt), 39);
   std::filesystem::remove_all(ckpt);
 }
