@@ -27,22 +27,12 @@ using sinew::testing::Child;
 using sinew::testing::finish;
 using sinew::testing::JobRun;
 using sinew::testing::logDir;
-using sinew::testing::parseResult;
-using sinew::testing::Result;
 using sinew::testing::slurp;
 using sinew::testing::start;
 using sinew::testing::waitForLog;
 
-// The job finished every step with parameters equal to the reference.
 void expectExact(const JobRun& run, const std::string& lostList) {
-  EXPECT_FALSE(run.timedOut) << "the job hung";
-  EXPECT_EQ(run.exitCode, 0);
-  Result r = parseResult(run.output);
-  ASSERT_TRUE(r.found) << "no RESULT line";
-  EXPECT_LE(r.maxRel, 1e-5);
-  EXPECT_LT(r.finalLoss, 0.05) << "the model did not learn";
-  EXPECT_NE(run.output.find("workers lost: [" + lostList + "]"), std::string::npos)
-      << "expected workers lost: [" << lostList << "]";
+  sinew::testing::expectFinishedExact(run, lostList);
 }
 
 // Item 2: SIGSTOP of the launcher (which hosts the coordinator) for longer than the heartbeat

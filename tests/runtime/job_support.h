@@ -10,6 +10,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <gtest/gtest.h>
+
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
@@ -119,6 +121,19 @@ inline Result parseResult(const std::string& out) {
 
 inline std::string logDir(const std::string& name) {
   return std::string(SINEW_TEST_TMP) + "/" + name + "-" + std::to_string(::getpid());
+}
+
+// A train_dp job that finished every step with parameters equal to the reference (within
+// 1e-5), learned, and lost exactly the workers in lostList ("1,2"; "" for none).
+inline void expectFinishedExact(const JobRun& run, const std::string& lostList) {
+  EXPECT_FALSE(run.timedOut) << "the job hung";
+  EXPECT_EQ(run.exitCode, 0);
+  Result r = parseResult(run.output);
+  ASSERT_TRUE(r.found) << "no RESULT line";
+  EXPECT_LE(r.maxRel, 1e-5);
+  EXPECT_LT(r.finalLoss, 0.05) << "the model did not learn";
+  EXPECT_NE(run.output.find("workers lost: [" + lostList + "]"), std::string::npos)
+      << "expected workers lost: [" << lostList << "]";
 }
 
 // Reads a file whole ("" if it does not exist yet).

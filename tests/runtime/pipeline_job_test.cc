@@ -192,12 +192,10 @@ TEST(PipelineJobTest, RestartFromDiskOntoOtherPlansAndDataParallel) {
   std::filesystem::remove_all(dir);
 }
 
-// A profile of train_pp's layers with 2 devices (workers) per node: every layer's parameters
-// are 100 kB and a device has 600 kB, so a pipeline needs two stages; a stage of width 1 on one
-// node would keep twice the activations of one of width 2 and does not fit, so the planner
-// runs two-stage pipelines of width 2, each worker of a stage running half of every
-// microbatch.
-std::string wideProfile(const std::string& path) {
+// A profile of train_pp's layers with 2 devices (workers) per node and 600 kB per device:
+// every layer's parameters are 100 kB, so a pipeline needs two stages or more; layer l keeps
+// activationBytes(l) of activations per microbatch.
+std::string twoPerNodeProfile(const std::string& path, int64_t (*activationBytes)(int)) {
   std::ofstream out(path);
   out << R"({"version": 1, "microbatch_size": 4, "job": {"devices_per_node": 2,
     "device_memory_bytes": 600000, "inter_stage_gbps": 10.0,
@@ -207,10 +205,33 @@ std::string wideProfile(const std::string& path) {
     std::string name = l == 0 ? "embed" : l == 9 ? "head" : "block" + std::to_string(l - 1);
     out << (l ? ", " : "") << R"({"name": ")" << name
         << R"(", "forward_ms": 1.0, "backward_ms": 2.0, "param_bytes": 100000,
-      "optimizer_bytes": 0, "activation_bytes": 15000, "output_bytes": 16384})";
+      "optimizer_bytes": 0, "activation_bytes": )"
+        << activationBytes(l) << R"(, "output_bytes": 16384})";
   }
   out << "]}\n";
   return path;
+}
+
+// 15 kB of activations per layer: a pipeline needs two stages; a stage of width 1 on one
+// node would keep twice the activations of one of width 2 and does not fit, so the planner
+// runs two-stage pipelines of width 2, each worker of a stage running half of every
+// microbatch.
+std::string wideProfile(const std::string& path) {
+  return twoPerNodeProfile(path, [](int) -> int64_t { return 15000; });
+}
+
+// The workers' lines of a finished job by (pipeline, stage), each worker holding exactly the
+// parameters of its layers.
+std::map<std::pair<int, int>, std::vector<WorkerLine>> workersByStage(const std::string& out,
+                                                                      size_t workers) {
+  std::vector<WorkerLine> lines = workerLines(out);
+  EXPECT_EQ(lines.size(), workers);
+  std::map<std::pair<int, int>, std::vector<WorkerLine>> byStage;
+  for (const auto& w : lines) {
+    EXPECT_EQ(w.params, paramsOf(w.first, w.last)) << "worker " << w.worker;
+    byStage[{w.pipeline, w.stage}].push_back(w);
+  }
+  return byStage;
 }
 
 TEST(PipelineJobTest, StagesTwoWorkersWideSplitEachMicrobatch) {
@@ -225,13 +246,7 @@ TEST(PipelineJobTest, StagesTwoWorkersWideSplitEachMicrobatch) {
   EXPECT_EQ(planStages(run.output), (std::vector<int>{2, 2}));
   // Two pipelines x two stages x two workers: the two workers of a stage hold the same
   // layers, the stages of a pipeline cover the model.
-  std::vector<WorkerLine> lines = workerLines(run.output);
-  ASSERT_EQ(lines.size(), 8u);
-  std::map<std::pair<int, int>, std::vector<WorkerLine>> byStage;
-  for (const auto& w : lines) {
-    EXPECT_EQ(w.params, paramsOf(w.first, w.last)) << "worker " << w.worker;
-    byStage[{w.pipeline, w.stage}].push_back(w);
-  }
+  auto byStage = workersByStage(run.output, 8);
   ASSERT_EQ(byStage.size(), 4u);
   for (const auto& [key, ws] : byStage) {
     ASSERT_EQ(ws.size(), 2u) << "pipeline " << key.first << " stage " << key.second;
@@ -258,20 +273,7 @@ TEST(PipelineJobTest, StagesTwoWorkersWideSplitEachMicrobatch) {
 // (one node), 6-9 on one device (the two one-device stages share the other node). Activations
 // are split from one worker to two and joined from two to one, and gradients the other way.
 std::string mixedProfile(const std::string& path) {
-  std::ofstream out(path);
-  out << R"({"version": 1, "microbatch_size": 4, "job": {"devices_per_node": 2,
-    "device_memory_bytes": 600000, "inter_stage_gbps": 10.0,
-    "allreduce": {"algorithm": "ring", "bandwidth_gbps": 1000.0, "latency_us": 1.0}},
-    "layers": [)";
-  for (int l = 0; l < 10; ++l) {
-    std::string name = l == 0 ? "embed" : l == 9 ? "head" : "block" + std::to_string(l - 1);
-    out << (l ? ", " : "") << R"({"name": ")" << name
-        << R"(", "forward_ms": 1.0, "backward_ms": 2.0, "param_bytes": 100000,
-      "optimizer_bytes": 0, "activation_bytes": )"
-        << (l == 4 ? 300000 : 15000) << R"(, "output_bytes": 16384})";
-  }
-  out << "]}\n";
-  return path;
+  return twoPerNodeProfile(path, [](int l) -> int64_t { return l == 4 ? 300000 : 15000; });
 }
 
 TEST(PipelineJobTest, MixedWidthStagesSplitAndJoinActivations) {
@@ -280,13 +282,7 @@ TEST(PipelineJobTest, MixedWidthStagesSplitAndJoinActivations) {
   SCOPED_TRACE(run.output);
   expectMatchesReference(run);
   EXPECT_EQ(planStages(run.output), (std::vector<int>{3, 3}));
-  std::vector<WorkerLine> lines = workerLines(run.output);
-  ASSERT_EQ(lines.size(), 8u);
-  std::map<std::pair<int, int>, std::vector<WorkerLine>> byStage;
-  for (const auto& w : lines) {
-    EXPECT_EQ(w.params, paramsOf(w.first, w.last)) << "worker " << w.worker;
-    byStage[{w.pipeline, w.stage}].push_back(w);
-  }
+  auto byStage = workersByStage(run.output, 8);
   ASSERT_EQ(byStage.size(), 6u);
   for (int p = 0; p < 2; ++p) {
     const auto& s0 = byStage[{p, 0}];
