@@ -14,6 +14,9 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <regex>
+#include <set>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -224,6 +227,60 @@ TEST(FaultSemanticsTest, MutedWorkerIsDeclaredDead) {
   SCOPED_TRACE(run.output);
   expectExact(run, "1");
   EXPECT_NE(run.output.find("worker 1 declared dead: no heartbeat for"), std::string::npos);
+}
+
+// Inodes of the sockets listening on `port` (from /proc/net/tcp and tcp6).
+std::set<std::string> listeningInodes(int port) {
+  std::set<std::string> inodes;
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      std::istringstream f(line);
+      std::string slot, local, remote, state, queues, timer, retr, uid, timeout, inode;
+      f >> slot >> local >> remote >> state >> queues >> timer >> retr >> uid >> timeout >> inode;
+      const auto colon = local.rfind(':');
+      if (state != "0A" || colon == std::string::npos) continue;  // 0A: LISTEN
+      if (std::stoi(local.substr(colon + 1), nullptr, 16) == port) inodes.insert(inode);
+    }
+  }
+  return inodes;
+}
+
+// Item 8: the coordinator's and the store's listening sockets are close-on-exec, so no worker
+// holds one (a worker that did would keep the ports bound after the launcher dies).
+TEST(FaultSemanticsTest, WorkersHoldNoListeningSocketOfTheLauncher) {
+  const std::string dir = logDir("no-inherited");
+  Child job = start({SINEW_RUN_PATH, "-n", "2", "--log-dir", dir, "--inject", "slow:worker=*:ms=20",
+                     TRAIN_DP_PATH, "--steps", "60"},
+                    {});
+  ASSERT_TRUE(waitForLog(dir, "sinew: step 10 ")) << "the job did not reach step 10";
+  const std::string endpoint = slurp(dir + "/coordinator.json");
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(endpoint, m, std::regex("\"port\":(\\d+),\"store_port\":(\\d+)")))
+      << endpoint;
+  std::set<std::string> listening = listeningInodes(std::stoi(m[1]));
+  for (const auto& i : listeningInodes(std::stoi(m[2]))) listening.insert(i);
+  ASSERT_EQ(listening.size(), 2u) << "the coordinator's and the store's listening sockets";
+  int checked = 0;
+  for (int w = 0; w < 2; ++w) {
+    const pid_t pid = sinew::testing::workerPid(dir, w);
+    ASSERT_GT(pid, 0);
+    for (const auto& fd :
+         std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd")) {
+      std::error_code ec;
+      const std::string target = std::filesystem::read_symlink(fd.path(), ec).string();
+      if (ec || target.rfind("socket:[", 0) != 0) continue;
+      ++checked;
+      const std::string inode = target.substr(8, target.size() - 9);
+      EXPECT_EQ(listening.count(inode), 0u)
+          << "worker " << w << " holds listening socket " << inode;
+    }
+  }
+  EXPECT_GT(checked, 0) << "the workers have no sockets at all?";
+  JobRun run = finish(job, 120s);
+  EXPECT_EQ(run.exitCode, 0) << run.output;
 }
 
 }  // namespace
