@@ -131,8 +131,15 @@ Args parse(int argc, char** argv) {
 // a process-wide table is the natural owner).
 std::vector<pid_t> gChildren;
 
+// SIGTERM and SIGINT: the first is forwarded, and the workers drain (leave at the next step
+// boundary, the last step durable); a second one ends the job at once: every worker is
+// SIGKILLed (docs/failure_semantics.md). Only async-signal-safe calls.
+volatile sig_atomic_t gSignals = 0;
+
 void forward(int sig) {
-  for (pid_t p : gChildren) ::kill(p, sig);
+  gSignals = gSignals + 1;
+  const int send = gSignals >= 2 ? SIGKILL : sig;
+  for (pid_t p : gChildren) ::kill(p, send);
 }
 
 struct Stream {

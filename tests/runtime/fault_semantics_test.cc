@@ -283,4 +283,28 @@ TEST(FaultSemanticsTest, WorkersHoldNoListeningSocketOfTheLauncher) {
   EXPECT_EQ(run.exitCode, 0) << run.output;
 }
 
+// SIGTERM to the launcher drains the job at the next step boundary; a second SIGTERM ends it at
+// once (here a step takes 3 s, so a drain would take up to 3 s more): the launcher kills every
+// worker and reports the job failed.
+TEST(FaultSemanticsTest, SecondSigtermEndsTheJobAtOnce) {
+  const std::string dir = logDir("second-sigterm");
+  Child job = start({SINEW_RUN_PATH, "-n", "2", "--log-dir", dir, "--inject",
+                     "slow:worker=*:ms=3000", TRAIN_DP_PATH, "--steps", "60"},
+                    {});
+  for (int i = 0; i < 300 && sinew::testing::workerPid(dir, 1) < 0; ++i) {
+    std::this_thread::sleep_for(20ms);
+  }
+  ASSERT_GT(sinew::testing::workerPid(dir, 1), 0) << "the job did not start";
+  std::this_thread::sleep_for(1500ms);  // Into the first 3 s step.
+  ::kill(job.pid, SIGTERM);             // The launcher this test started.
+  std::this_thread::sleep_for(200ms);
+  auto t0 = std::chrono::steady_clock::now();
+  ::kill(job.pid, SIGTERM);
+  JobRun run = finish(job, 60s);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 2s) << run.output;
+  EXPECT_FALSE(run.timedOut);
+  EXPECT_EQ(run.exitCode, 1) << run.output;
+  EXPECT_NE(run.output.find("killed by signal 9"), std::string::npos) << run.output;
+}
+
 }  // namespace
