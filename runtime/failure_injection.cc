@@ -109,9 +109,12 @@ FailureInjector FailureInjector::parse(const std::string& spec) {
       f.kind = Fault::Kind::kMute;
     } else if (kind == "slow") {
       f.kind = Fault::Kind::kSlow;
+    } else if (kind == "failwrite") {
+      f.kind = Fault::Kind::kFailWrite;
+      f.phase = Phase::kFlush;
     } else {
       SINEW_THROW(InvalidArgument, "fault '", text, "': unknown kind '", kind,
-                  "' (expected kill, stop, mute or slow)");
+                  "' (expected kill, stop, mute, slow or failwrite)");
     }
     bool haveWorker = false;
     for (size_t i = 1; i < parts.size(); ++i) {
@@ -142,6 +145,9 @@ FailureInjector FailureInjector::parse(const std::string& spec) {
     }
     if ((f.kind == Fault::Kind::kStop || f.kind == Fault::Kind::kMute) && f.seconds <= 0) {
       SINEW_THROW(InvalidArgument, "fault '", text, "': needs secs=<seconds> > 0");
+    }
+    if (f.kind == Fault::Kind::kFailWrite && f.phase != Phase::kFlush) {
+      SINEW_THROW(InvalidArgument, "fault '", text, "': failwrite fires only in phase flush");
     }
     if (f.phase == Phase::kFlush && f.kind == Fault::Kind::kMute) {
       SINEW_THROW(InvalidArgument, "fault '", text,
@@ -203,6 +209,11 @@ void FailureInjector::fireSlow(int worker, int64_t step, Phase phase, Coordinato
           client->muteHeartbeats(std::chrono::milliseconds(static_cast<int64_t>(f.seconds * 1e3)));
         }
         break;
+      case Fault::Kind::kFailWrite:
+        std::fprintf(stderr, "sinew inject: worker %d fails its write of checkpoint %lld\n", worker,
+                     static_cast<long long>(step));
+        SINEW_THROW(IoError, "injected write failure (failwrite:worker=", worker, ":step=", step,
+                    ")");
       case Fault::Kind::kSlow:
         std::this_thread::sleep_for(
             std::chrono::microseconds(static_cast<int64_t>(f.milliseconds * 1e3)));

@@ -8,6 +8,8 @@
 //   mute:worker=1:step=20:secs=3            send the coordinator nothing (no heartbeats, no
 //                                           votes) for secs
 //   slow:worker=0:ms=20[:step=N]            sleep ms (at every step when step is absent)
+//   failwrite:worker=0:step=19              the flush of version 19 fails with IoError (phase
+//                                           flush, the only one it takes)
 // worker is the launch rank (or `*` for every worker); phase is one of forward, backward,
 // reduce, after-reduce, optimizer, recovery, flush (default forward; `recovery` fires in the
 // first recovery at or after `step`; `flush` fires on the checkpoint flush thread before it
@@ -34,7 +36,7 @@ enum class Phase { kForward, kBackward, kReduce, kAfterReduce, kOptimizer, kReco
 const char* phaseName(Phase p);
 
 struct Fault {
-  enum class Kind { kKill, kStop, kMute, kSlow };
+  enum class Kind { kKill, kStop, kMute, kSlow, kFailWrite };
   Kind kind = Kind::kKill;
   int worker = -1;    // -1: every worker
   int64_t step = -1;  // -1: every step (slow only)

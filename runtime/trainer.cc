@@ -390,7 +390,9 @@ class Trainer::Impl {
       std::lock_guard<std::mutex> lock(ckMu_);
       flushError = flushError_;
     }
-    if (flushError) std::rethrow_exception(flushError);  // A durable checkpoint failed.
+    // The newest version this worker wrote failed, and none after it was written: the job's
+    // last durable state is not what it trained to.
+    if (flushError) std::rethrow_exception(flushError);
     return r;
   }
 
@@ -1341,15 +1343,21 @@ class Trainer::Impl {
       ckOutstanding_--;
       if (!error) {
         ckWritten_++;
+        if (shard->step >= flushErrorStep_) flushError_ = nullptr;  // A newer one is durable.
         event({{"event", "checkpoint"}, {"step", shard->step}, {"duration_s", took}});
       } else {
-        // Training goes on (a later version may be written); run() rethrows the first failure
-        // when it returns (see Trainer::run()).
-        if (!flushError_) flushError_ = error;
+        // Reported, and training goes on: a later version may be written. run() rethrows it
+        // only if no newer version was written after it (docs/failure_semantics.md, rule 10).
+        flushError_ = error;
+        flushErrorStep_ = shard->step;
         const std::string what = describe(error);
-        std::fprintf(stderr, "sinew: worker %d could not write checkpoint %lld: %s\n",
-                     ctx_.worker(), static_cast<long long>(shard->step), what.c_str());
-        event({{"event", "checkpoint_failed"}, {"step", shard->step}, {"error", what}});
+        std::fprintf(stderr, "sinew: worker %d could not write checkpoint %lld to '%s': %s\n",
+                     ctx_.worker(), static_cast<long long>(shard->step), o_.checkpointDir.c_str(),
+                     what.c_str());
+        event({{"event", "checkpoint_failed"},
+               {"step", shard->step},
+               {"dir", o_.checkpointDir},
+               {"error", what}});
       }
       ckCv_.notify_all();
     }
@@ -1621,7 +1629,9 @@ class Trainer::Impl {
   bool ckStop_ = false;
   int64_t ckWritten_ = 0;
   int64_t ckSkipped_ = 0;
-  std::exception_ptr flushError_;  // The first failed flush, rethrown by run().
+  // The newest failed flush, cleared when a newer version is written; rethrown by run().
+  std::exception_ptr flushError_;
+  int64_t flushErrorStep_ = -1;
 };
 
 namespace {

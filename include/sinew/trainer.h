@@ -134,10 +134,12 @@ class Trainer {
   // checkpoints, that step is written first.
   // Throws Expelled if this worker was declared dead, Timeout if a recovery took longer than
   // recoveryTimeout. Durable checkpoints are written by a background thread while training
-  // goes on: a write that fails (e.g. IoError from a failing disk) is logged as a
-  // "checkpoint_failed" event naming this worker and the step, training continues, and once
-  // training is over (the job was told this worker is done) run() rethrows the first such
-  // error, so the caller learns that the newest durable version is older than it asked for.
+  // goes on: a write that fails (e.g. IoError from a failing disk) is logged on stderr and as a
+  // "checkpoint_failed" event naming this worker, the step and the folder, and training
+  // continues. Once training is over (the job was told this worker is done) run() rethrows the
+  // newest such error if no newer version was written after it, so the caller learns that the
+  // newest durable version is older than the last step; a failure that a later version made
+  // good is only reported.
   TrainResult run();
 
   // The layers this worker holds: all of them in data parallel mode; in pipeline mode its

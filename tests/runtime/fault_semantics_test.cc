@@ -307,4 +307,32 @@ TEST(FaultSemanticsTest, SecondSigtermEndsTheJobAtOnce) {
   EXPECT_NE(run.output.find("killed by signal 9"), std::string::npos) << run.output;
 }
 
+// A flush that fails is reported with the worker, the version and the folder, and training
+// goes on; the next version is written, so the job ends well (exit 0, the last step durable).
+// A failed flush of the last step fails the job: its last step is not durable.
+TEST(FaultSemanticsTest, FailedFlushIsReportedAndTrainingGoesOn) {
+  const std::string ckpt = logDir("failwrite-ckpt");
+  std::filesystem::remove_all(ckpt);
+  JobRun run = trainDp("failwrite", 3,
+                       {"--steps", "40", "--checkpoint-dir", ckpt, "--checkpoint-every", "10"},
+                       "failwrite:worker=0:step=19");
+  {
+    SCOPED_TRACE(run.output);
+    expectExact(run, "");
+    EXPECT_NE(run.output.find("worker 0 could not write checkpoint 19 to '" + ckpt +
+                              "': injected write failure"),
+              std::string::npos);
+    EXPECT_EQ(latestStep(ckpt), 39);
+  }
+  std::filesystem::remove_all(ckpt);
+  JobRun last = trainDp("failwrite-last", 3,
+                        {"--steps", "40", "--checkpoint-dir", ckpt, "--checkpoint-every", "10"},
+                        "failwrite:worker=0:step=39");
+  SCOPED_TRACE(last.output);
+  EXPECT_FALSE(last.timedOut);
+  EXPECT_NE(last.exitCode, 0) << "the last step is not durable, yet the job passed";
+  EXPECT_EQ(latestStep(ckpt), 29);
+  std::filesystem::remove_all(ckpt);
+}
+
 }  // namespace
