@@ -432,6 +432,9 @@ TEST(FailureInjectionTest, MalformedSpecsNameWhatIsWrong) {
            {"stop:worker=1:step=3", "needs secs"},
            {"kill:worker=1:step=3:color=red", "unknown key 'color'"},
            {"kill:worker=1:step", "'step' is not key=value"},
+           {"failwrite:worker=1:step=2:phase=forward", "failwrite fires only in phase flush"},
+           {"failwrite:worker=1", "needs step"},
+           {"mute:worker=1:step=2:secs=1:phase=flush", "mute cannot fire in phase flush"},
        }) {
     try {
       FailureInjector::parse(b.spec);
