@@ -127,7 +127,6 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
     asio::post(io_, [this, type, epoch, body = std::move(body)] { queue(type, epoch, body); });
   }
 
-  void setStep(int64_t step) { setProgress(step, false); }
   void setProgress(int64_t step, bool waiting) { progress_.store(step * 2 + (waiting ? 1 : 0)); }
   void mute(std::chrono::milliseconds d) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -345,7 +344,6 @@ void CoordinatorClient::leave(int64_t step) {
 void CoordinatorClient::done(int64_t step) {
   impl_->post(wire::Type::kDone, impl_->latestEpoch().epoch, json{{"step", step}});
 }
-void CoordinatorClient::setStep(int64_t step) { impl_->setStep(step); }
 void CoordinatorClient::setProgress(int64_t step, bool waiting) {
   impl_->setProgress(step, waiting);
 }

@@ -97,8 +97,6 @@ class CoordinatorClient {
   // by releasing it right after the next committed step (waitEpochAfter then throws
   // Released).
   void leave(int64_t step);
-  // The step heartbeats carry.
-  void setStep(int64_t step);
   // The progress heartbeats carry (docs/failure_semantics.md, rule 1): the step, and whether
   // this worker is waiting on others (in a collective of that step, or for its vote's verdict)
   // rather than computing. The coordinator declares dead a member that computes on while the

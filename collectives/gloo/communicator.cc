@@ -111,6 +111,17 @@ struct Segmenter {
   size_t segments;
 
   size_t blockBegin(size_t b) const { return numel * b / parts; }
+  // Elements of the largest segment of any block.
+  size_t maxSegment() const {
+    size_t most = 0;
+    for (size_t b = 0; b < parts; ++b) {
+      for (size_t s = 0; s < segments; ++s) {
+        auto [x, y] = segment(b, s);
+        most = std::max(most, y - x);
+      }
+    }
+    return most;
+  }
   std::pair<size_t, size_t> segment(size_t block, size_t s) const {
     size_t begin = blockBegin(block);
     size_t len = blockBegin(block + 1) - begin;
@@ -741,14 +752,7 @@ void GlooCommunicator::allreduce(at::Tensor& t, ReduceOp op, std::chrono::millis
     const size_t esize = t.element_size();
     const size_t numel = t.numel();
     Segmenter seg{numel, size_t(P), segmentsFor(((numel + P - 1) / P) * esize)};
-    size_t maxSeg = 0;
-    for (int b = 0; b < P; ++b) {
-      for (size_t s = 0; s < seg.segments; ++s) {
-        auto [x, y] = seg.segment(b, s);
-        maxSeg = std::max(maxSeg, y - x);
-      }
-    }
-    std::vector<char> scratch(std::max<size_t>(1, 2 * maxSeg * esize));
+    std::vector<char> scratch(std::max<size_t>(1, 2 * seg.maxSegment() * esize));
     char* data = static_cast<char*>(t.data_ptr());
     // One buffer per direction, so a broken connection names its peer.
     auto sendBuf = buffer(data, numel * esize);
@@ -783,12 +787,7 @@ void GlooCommunicator::allreduceTwo(at::Tensor& t, std::chrono::milliseconds tim
   const size_t esize = t.element_size();
   const size_t numel = t.numel();
   const Segmenter seg{numel, 1, segmentsFor(numel * esize)};
-  size_t maxSeg = 0;
-  for (size_t s = 0; s < seg.segments; ++s) {
-    auto [b, e] = seg.segment(0, s);
-    maxSeg = std::max(maxSeg, e - b);
-  }
-  const size_t slotBytes = maxSeg * esize;
+  const size_t slotBytes = seg.maxSegment() * esize;
   if (scratch_.size() < kTwoSlots * slotBytes) scratch_.resize(kTwoSlots * slotBytes);
   char* data = static_cast<char*>(t.data_ptr());
   const int peer = 1 - rank_;
