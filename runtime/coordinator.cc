@@ -1,5 +1,9 @@
 #include "sinew/runtime/coordinator.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/post.hpp>
@@ -9,10 +13,14 @@
 
 #include <algorithm>
 #include <array>
+#include <cerrno>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
+#include <cstring>
 #include <deque>
 #include <fstream>
+#include <list>
 #include <map>
 #include <mutex>
 #include <random>
@@ -26,6 +34,7 @@
 #include "sinew/pipeline/plan.h"
 #include "sinew/pipeline/profile.h"
 #include "sinew/pipeline/template_planner.h"
+#include "sinew/runtime/control_server.h"
 #include "sinew/runtime/detail/wire.h"
 #include "sinew/runtime/event_log.h"
 
@@ -38,9 +47,41 @@ using boost::system::error_code;
 using Clock = std::chrono::steady_clock;
 using nlohmann::json;
 
-namespace {}  // namespace
+namespace {
 
-class Coordinator::Impl {
+double secondsOf(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Prometheus text format: one metric with its help and type.
+void metric(std::string& out, const char* name, const char* type, const char* help, double value) {
+  out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.17g", value);
+  out += std::string(name) + " " + buf + "\n";
+}
+
+// A label value, escaped as the text format requires.
+std::string labelValue(const std::string& v) {
+  std::string out;
+  for (char c : v) {
+    if (c == '\\' || c == '"') out += '\\';
+    if (c == '\n') {
+      out += "\\n";
+      continue;
+    }
+    out += c;
+  }
+  return out;
+}
+
+}  // namespace
+
+class Coordinator::Impl : public control::Backend, public EventFeed {
  public:
   class Session;
 
@@ -83,6 +124,27 @@ class Coordinator::Impl {
     listener_ = std::make_unique<collectives::transport::Listener>(
         io_, lo, [this] { return std::make_shared<Session>(this); });
     port_ = listener_->port();
+    startTime_ = Clock::now();
+    if (options_.controlPort >= 0) {
+      if (options_.controlPort > 65535) {
+        SINEW_THROW(InvalidArgument, "CoordinatorOptions::controlPort = ", options_.controlPort,
+                    " is not a port");
+      }
+      if (options_.controlToken.empty()) {
+        char hex[32];
+        std::snprintf(hex, sizeof(hex), "%llx", static_cast<unsigned long long>(options_.token));
+        options_.controlToken = hex;
+      }
+      ControlServerOptions cs;
+      cs.host = options_.controlHost.empty() ? options_.host : options_.controlHost;
+      cs.port = static_cast<uint16_t>(options_.controlPort);
+      cs.token = options_.controlToken;
+      cs.requestTimeout = options_.controlTimeout;
+      cs.maxConnections = options_.controlMaxConnections;
+      cs.log = [this](const std::string& line) { logLine(line); };
+      control_ = std::make_unique<ControlServer>(io_, cs, this, this);
+      controlPort_ = control_->port();
+    }
     scheduleCheck();
     startTimer_.expires_after(options_.startTimeout);
     startTimer_.async_wait([this](error_code e) {
@@ -104,11 +166,18 @@ class Coordinator::Impl {
       checkTimer_.cancel();
       startTimer_.cancel();
       listener_->close();
+      if (control_) control_->close();
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& [id, d] : drains_) {
+        if (d.timer) d.timer->cancel();
+      }
+      if (stopTimer_) stopTimer_->cancel();
+      subscribers_.clear();
     });
     thread_.join();
   }
 
-  CoordinatorStatus status() const {
+  CoordinatorStatus coordinatorStatus() const {
     std::lock_guard<std::mutex> lock(mu_);
     CoordinatorStatus s;
     s.epoch = epoch_;
@@ -121,6 +190,7 @@ class Coordinator::Impl {
     s.finished = finished_;
     s.droppedConnections = dropped_;
     s.ignoredMessages = ignored_;
+    s.pids = pids_;
     return s;
   }
 
@@ -139,8 +209,21 @@ class Coordinator::Impl {
     }
   }
 
+  // control::Backend (docs/control_api.md); any thread, mu_ not held.
+  ControlReply status() override;
+  ControlReply scaling() override;
+  ControlReply resize(int64_t nodes) override;
+  ControlReply drain(const control::DrainRequest& request) override;
+  ControlReply checkpoint() override;
+  ControlReply stop(double deadlineSeconds) override;
+  std::string metrics() override;
+  // EventFeed.
+  int subscribe(Sink sink, int64_t after) override;
+  void unsubscribe(int id) override;
+
   CoordinatorOptions options_;
   uint16_t port_ = 0;
+  uint16_t controlPort_ = 0;
   std::unique_ptr<collectives::TcpStoreServer> store_;
 
  private:
@@ -157,6 +240,27 @@ class Coordinator::Impl {
     int64_t step = -1;
     bool waiting = false;
     Clock::time_point waitingSince;
+    // From its votes: its last step's compute time (forward and backward, not the waits).
+    double computeSeconds = -1;
+    double stallSeconds = 0;  // snapshot stalls, summed
+  };
+  // A worker released (drained, resized away, preempted): it applies its last step, writes
+  // its checkpoint if it is the writer, then exits; its connection closing says it is gone.
+  struct ReleasedWorker {
+    int64_t step = -1;
+    std::string node;
+    std::shared_ptr<Session> session;
+    bool exited = false;
+  };
+  // A drain (POST /v1/drain): these workers must be free by the deadline.
+  struct Drain {
+    int id = 0;
+    std::vector<int> workers;
+    double deadlineSeconds = 0;
+    double requestedAt = 0;  // wall-clock seconds
+    int64_t releaseStep = -1;
+    bool expelled = false;  // the deadline passed first: they were declared dead
+    std::unique_ptr<asio::steady_timer> timer;
   };
 
   void scheduleCheck();
@@ -167,9 +271,21 @@ class Coordinator::Impl {
   void onHello(const std::shared_ptr<Session>& s, const json& body);
   void onVote(int worker, int64_t epoch, int64_t step);
   void onDone(int worker, int64_t step);
-  void onReady(int worker, int64_t resumeStep);
+  void onReady(int worker, int64_t resumeStep, const json& body);
   void onLeave(int worker, int64_t step);
+  void onDurable(int worker, const json& body);
+  void onVoteStats(Worker& w, const json& body);
   void release(int worker, const std::string& why);
+  void sendCommit(int worker, int64_t step, bool nextEpoch);
+  void noteCommit(int64_t step);
+  std::string state() const;
+  int currentNodes() const;
+  std::vector<std::string> nodesOf(const std::vector<int>& workers) const;
+  json drainJson(const Drain& d) const;
+  json durableJson() const;
+  double samplesPerSecondNow() const;
+  // The step time at n workers from the measured ones (data parallel: t(n) = a + b / n).
+  std::map<int, double> measuredStepSeconds() const;
   void onSessionClosed(const std::shared_ptr<Session>& s, const std::string& why);
   void declareDead(int worker, const std::string& why);
   // Whether the coordinator was paused since the last check (then discounted).
@@ -224,6 +340,56 @@ class Coordinator::Impl {
   pipeline::PlanOptions planOptions_;
   pipeline::TemplateSet templates_;
   EventLog events_;
+
+  // The control API (docs/control_api.md). Guarded by mu_.
+  std::unique_ptr<ControlServer> control_;  // Used on the io thread only.
+  Clock::time_point startTime_{};
+  std::map<int, int64_t> pids_;
+  int64_t globalBatch_ = 0;
+  int64_t microbatch_ = 0;
+  int64_t totalSteps_ = 0;
+  bool checkpointsOn_ = false;
+  bool jobFailed_ = false;
+  // Commits: how many, when the first was, time between commits of one epoch (per member
+  // count, at most 50 each), their sum (effective training time).
+  int64_t commits_ = 0;
+  Clock::time_point firstCommit_{};
+  std::map<int, std::deque<double>> stepSecondsBySize_;
+  double effectiveSeconds_ = 0;
+  int64_t epochCommits_ = 0;  // commits in the current epoch
+  // Failures and recoveries (failure declared -> next commit).
+  int64_t failures_ = 0;
+  bool recovering_ = false;
+  Clock::time_point recoveringSince_{};
+  std::vector<double> recoverySeconds_;
+  double stallSeconds_ = 0;
+  // Checkpoints: a request waits for the next commit; the durable version reported last.
+  bool checkpointNext_ = false;
+  int64_t checkpointStep_ = -1;  // the newest step whose commit asked for a checkpoint
+  struct DurableVersion {
+    int64_t step = -1;
+    std::string path;
+    int64_t bytes = 0;
+    double flushSeconds = 0;
+    Clock::time_point at{};
+  } durable_;
+  int64_t durableWrites_ = 0;
+  int64_t durableBytes_ = 0;
+  double flushSecondsTotal_ = 0;
+  // Releases, drains, resizes, stop.
+  std::map<int, ReleasedWorker> releasedWorkers_;
+  std::map<int, std::string> leaveReason_;  // coordinator-initiated leaves -> why
+  std::map<int, Drain> drains_;
+  int nextDrain_ = 1;
+  json lastResize_;
+  bool stopRequested_ = false;
+  double stopDeadline_ = 0;
+  std::unique_ptr<asio::steady_timer> stopTimer_;
+  // Events for /v1/events: the newest ones, and who is listening.
+  int64_t eventSeq_ = 0;
+  std::deque<std::pair<int64_t, json>> recentEvents_;
+  std::map<int, Sink> subscribers_;
+  int nextSubscriber_ = 1;
 };
 
 // One worker's connection: the channel reads and checks frames; this dispatches them under
@@ -398,6 +564,14 @@ void Coordinator::Impl::onSessionClosed(const std::shared_ptr<Session>& s, const
   int worker = s->worker_;
   s->close();
   if (worker < 0) return;
+  auto rit = releasedWorkers_.find(worker);
+  if (rit != releasedWorkers_.end() && rit->second.session == s && !rit->second.exited) {
+    // A released worker closes its connection when its process ends: its node is free.
+    rit->second.exited = true;
+    rit->second.session.reset();
+    event({{"event", "worker_exited"}, {"worker", worker}, {"node", rit->second.node}});
+    return;
+  }
   auto it = workers_.find(worker);
   if (it == workers_.end() || it->second.session != s) return;
   if (done_.count(worker)) {
@@ -419,7 +593,12 @@ void Coordinator::Impl::onMessage(const std::shared_ptr<Session>& s,
   }
   int worker = s->worker_;
   auto it = workers_.find(worker);
-  if (it == workers_.end()) return;  // Already declared dead; its expulsion is on its way.
+  if (it == workers_.end()) {
+    // A released worker still writes the checkpoint of its last step and says so; anything
+    // else from it, or from a worker declared dead (its expulsion is on its way), is moot.
+    if (type == wire::Type::kDurable && releasedWorkers_.count(worker)) onDurable(worker, body);
+    return;
+  }
   it->second.lastHeard = Clock::now();
   if (h.epoch > epoch_) {
     throw std::runtime_error("message of epoch " + std::to_string(h.epoch) +
@@ -436,9 +615,11 @@ void Coordinator::Impl::onMessage(const std::shared_ptr<Session>& s,
     case wire::Type::kDone:
       return onDone(worker, body.at("step").get<int64_t>());
     case wire::Type::kReady:
-      return onReady(worker, body.at("resume_step").get<int64_t>());
+      return onReady(worker, body.at("resume_step").get<int64_t>(), body);
     case wire::Type::kLeave:
       return onLeave(worker, body.at("step").get<int64_t>());
+    case wire::Type::kDurable:
+      return onDurable(worker, body);  // A version written in an older epoch is still durable.
     default:
       break;
   }
@@ -460,6 +641,7 @@ void Coordinator::Impl::onMessage(const std::shared_ptr<Session>& s,
       return;
     }
     case wire::Type::kVote:
+      onVoteStats(it->second, body);
       return onVote(worker, h.epoch, body.at("step").get<int64_t>());
     case wire::Type::kPipeline:
       return onPipeline(worker, body);
@@ -495,6 +677,7 @@ void Coordinator::Impl::onHello(const std::shared_ptr<Session>& s, const json& b
   w.session = s;
   w.lastHeard = Clock::now();
   workers_[id] = w;
+  pids_[id] = pid;
   json welcome = {{"worker", id},
                   {"store_host", options_.host},
                   {"store_port", store_->port()},
@@ -515,7 +698,14 @@ void Coordinator::Impl::onHello(const std::shared_ptr<Session>& s, const json& b
   }
 }
 
-void Coordinator::Impl::onReady(int worker, int64_t resumeStep) {
+void Coordinator::Impl::onReady(int worker, int64_t resumeStep, const json& body) {
+  // Every worker of a job trains the same shape; the first to say it is believed.
+  if (globalBatch_ == 0 && body.contains("global_batch")) {
+    globalBatch_ = body.at("global_batch").get<int64_t>();
+    microbatch_ = body.value("microbatch", int64_t(0));
+    totalSteps_ = body.value("steps", int64_t(0));
+    checkpointsOn_ = body.value("checkpoints", false);
+  }
   if (epoch_ >= 0 || std::find(hellos_.begin(), hellos_.end(), worker) == hellos_.end()) {
     return;  // A joiner, or late: it takes the state of the epoch's source anyway.
   }
@@ -558,6 +748,7 @@ void Coordinator::Impl::newEpoch(const std::string& why, std::vector<int> joiner
     w.step = -1;
   }
   lastCommit_ = Clock::time_point{};  // A recovery is not a step.
+  epochCommits_ = 0;
   bool first = epoch_ == 0;
   std::vector<int> members;
   for (const auto& [id, w] : workers_) {
@@ -671,6 +862,7 @@ pipeline::Plan Coordinator::Impl::pipelinePlan() const {
 // Ends the job: every worker is expelled with the reason (e.g. a plan no template fits).
 void Coordinator::Impl::failJob(const std::string& why) {
   log("job failed: " + why);
+  jobFailed_ = true;
   event({{"event", "job_failed"}, {"epoch", epoch_}, {"reason", why}});
   for (auto& [id, w] : workers_) {
     if (w.session && !w.session->closed_) {
@@ -701,25 +893,23 @@ void Coordinator::Impl::onVote(int worker, int64_t epoch, int64_t step) {
   }
   committed_ = step;
   votes_.erase(step);
-  {
-    const auto now = Clock::now();
-    if (lastCommit_ != Clock::time_point{}) {
-      stepTimes_.push_back(now - lastCommit_);
-      if (stepTimes_.size() > 20) stepTimes_.pop_front();
-    }
-    lastCommit_ = now;
-  }
+  noteCommit(step);
   if (pendingJoin_.empty() && leaving_.empty()) {
-    for (int id : members_) send(id, wire::Type::kCommit, json{{"step", step}});
+    for (int id : members_) sendCommit(id, step, false);
     return;
   }
   if (!leaving_.empty()) {
-    // Step boundary with preempted members: they apply this step, then are released.
+    // Step boundary with preempted (or drained, or resized away) members: they apply this
+    // step, then are released.
     std::vector<int> old = members_;
-    for (int id : old) send(id, wire::Type::kCommit, json{{"step", step}, {"next_epoch", true}});
+    for (int id : old) sendCommit(id, step, true);
     std::vector<int> leaving(leaving_.begin(), leaving_.end());
     leaving_.clear();
-    for (int id : leaving) release(id, "preempted; left after step " + std::to_string(step));
+    for (int id : leaving) {
+      auto why = leaveReason_.find(id);
+      release(id, (why != leaveReason_.end() ? why->second : std::string("preempted")) +
+                      "; left after step " + std::to_string(step));
+    }
     bool anyLeft = false;
     for (int id : old) anyLeft = anyLeft || workers_.count(id) > 0;
     if (!anyLeft) {
@@ -739,7 +929,7 @@ void Coordinator::Impl::onVote(int worker, int64_t epoch, int64_t step) {
   // right after applying the step.
   std::vector<int> joiners = pendingJoin_;
   std::vector<int> old = members_;
-  for (int id : old) send(id, wire::Type::kCommit, json{{"step", step}, {"next_epoch", true}});
+  for (int id : old) sendCommit(id, step, true);
   newEpoch("worker(s) joining at step " + std::to_string(step + 1), joiners);
 }
 
@@ -760,9 +950,30 @@ void Coordinator::Impl::release(int worker, const std::string& why) {
   auto it = workers_.find(worker);
   if (it == workers_.end()) return;
   if (it->second.session && !it->second.session->closed_) {
+    // The connection stays open: the worker may still report its checkpoint, and its closing
+    // says the process is gone (docs/control_api.md, drains).
     it->second.session->write(wire::Type::kReleased, epoch_,
-                              json{{"reason", why}, {"step", committed_}},
-                              /*closeAfter=*/true);
+                              json{{"reason", why}, {"step", committed_}});
+    ReleasedWorker r;
+    r.step = committed_;
+    r.node = it->second.node;
+    r.session = it->second.session;
+    releasedWorkers_[worker] = r;
+  } else {
+    ReleasedWorker r;
+    r.step = committed_;
+    r.node = it->second.node;
+    r.exited = true;
+    releasedWorkers_[worker] = r;
+  }
+  leaveReason_.erase(worker);
+  for (auto& [id, d] : drains_) {
+    if (d.releaseStep < 0 &&
+        std::find(d.workers.begin(), d.workers.end(), worker) != d.workers.end()) {
+      bool all = true;
+      for (int w : d.workers) all = all && (w == worker || releasedWorkers_.count(w));
+      if (all) d.releaseStep = committed_;
+    }
   }
   // Erased from workers_: its closing connection and any late message are no failure.
   pendingJoin_.erase(std::remove(pendingJoin_.begin(), pendingJoin_.end(), worker),
@@ -833,7 +1044,12 @@ void Coordinator::Impl::declareDead(int worker, const std::string& why) {
     dead_.push_back(id);
     workers_.erase(wit);
   }
+  failures_ += static_cast<int64_t>(victims.size());
   if (epoch_ >= 0 && wasMember && !finished_) {
+    if (!recovering_) {
+      recovering_ = true;
+      recoveringSince_ = Clock::now();
+    }
     newEpoch("worker " + std::to_string(worker) + " failed: " + why, {});
     checkFinished();
   }
@@ -846,7 +1062,674 @@ void Coordinator::Impl::send(int worker, wire::Type type, const json& body) {
   it->second.session->write(type, epoch_, body);
 }
 
-void Coordinator::Impl::event(json e) { events_.write(std::move(e)); }
+void Coordinator::Impl::event(json e) {
+  e["time"] = wallSeconds();
+  events_.write(e);
+  const int64_t seq = ++eventSeq_;
+  recentEvents_.emplace_back(seq, e);
+  if (recentEvents_.size() > 1000) recentEvents_.pop_front();
+  for (const auto& [id, sink] : subscribers_) {
+    asio::post(io_, [sink = sink, seq, e] { sink(seq, e); });
+  }
+}
+
+// ---- Control API (docs/control_api.md) ------------------------------------------------------
+
+void Coordinator::Impl::onVoteStats(Worker& w, const json& body) {
+  if (body.contains("compute_us")) w.computeSeconds = body.at("compute_us").get<int64_t>() * 1e-6;
+  if (body.contains("stall_us")) {
+    const double stall = body.at("stall_us").get<int64_t>() * 1e-6;
+    w.stallSeconds += stall;
+    stallSeconds_ += stall;
+  }
+}
+
+void Coordinator::Impl::onDurable(int worker, const json& body) {
+  const int64_t step = body.at("step").get<int64_t>();
+  const double flush = body.at("flush_us").get<int64_t>() * 1e-6;
+  durableWrites_++;
+  durableBytes_ += body.at("bytes").get<int64_t>();
+  flushSecondsTotal_ += flush;
+  if (step >= durable_.step) {
+    durable_.step = step;
+    durable_.path = body.at("path").get<std::string>();
+    durable_.bytes = body.at("bytes").get<int64_t>();
+    durable_.flushSeconds = flush;
+    durable_.at = Clock::now();
+  }
+  event({{"event", "checkpoint"},
+         {"step", step},
+         {"worker", worker},
+         {"bytes", body.at("bytes").get<int64_t>()},
+         {"flush_s", flush},
+         {"path", body.at("path").get<std::string>()}});
+}
+
+void Coordinator::Impl::sendCommit(int worker, int64_t step, bool nextEpoch) {
+  json body = {{"step", step}};
+  if (nextEpoch) body["next_epoch"] = true;
+  if (checkpointStep_ == step) body["checkpoint"] = true;
+  send(worker, wire::Type::kCommit, body);
+}
+
+// Called once per commit, before the commit is sent.
+void Coordinator::Impl::noteCommit(int64_t step) {
+  const auto now = Clock::now();
+  if (lastCommit_ != Clock::time_point{}) {
+    stepTimes_.push_back(now - lastCommit_);
+    if (stepTimes_.size() > 20) stepTimes_.pop_front();
+    const double s = secondsOf(now - lastCommit_);
+    effectiveSeconds_ += s;
+    auto& bySize = stepSecondsBySize_[static_cast<int>(members_.size())];
+    bySize.push_back(s);
+    if (bySize.size() > 50) bySize.pop_front();
+  }
+  lastCommit_ = now;
+  if (commits_++ == 0) firstCommit_ = now;
+  epochCommits_++;
+  if (recovering_) {
+    recovering_ = false;
+    const double took = secondsOf(now - recoveringSince_);
+    recoverySeconds_.push_back(took);
+    event({{"event", "recovered"}, {"step", step}, {"epoch", epoch_}, {"seconds", took}});
+  }
+  if (checkpointNext_) {
+    checkpointNext_ = false;
+    checkpointStep_ = step;
+    event({{"event", "checkpoint_requested"}, {"step", step}});
+  }
+}
+
+std::string Coordinator::Impl::state() const {
+  if (jobFailed_ || (epoch_ >= 0 && members_.empty() && !finished_)) return "failed";
+  if (finished_) return "finished";
+  if (epoch_ < 0) return "starting";
+  if (stopRequested_ || !leaving_.empty()) return "draining";
+  if (recovering_ || (epoch_ > 0 && epochCommits_ == 0)) return "reconfiguring";
+  if (checkpointNext_ || checkpointStep_ > durable_.step) return "checkpointing";
+  return "running";
+}
+
+std::vector<std::string> Coordinator::Impl::nodesOf(const std::vector<int>& workers) const {
+  std::vector<std::string> nodes;
+  for (int id : workers) {
+    auto it = workers_.find(id);
+    if (it == workers_.end()) continue;
+    if (std::find(nodes.begin(), nodes.end(), it->second.node) == nodes.end()) {
+      nodes.push_back(it->second.node);
+    }
+  }
+  return nodes;
+}
+
+// Nodes the job trains on and keeps (members not on their way out).
+int Coordinator::Impl::currentNodes() const {
+  std::vector<int> staying;
+  for (int id : members_) {
+    if (!leaving_.count(id)) staying.push_back(id);
+  }
+  if (pipelineJob_) return static_cast<int>(staying.size()) / profile_.job.devices_per_node;
+  return static_cast<int>(nodesOf(staying).size());
+}
+
+json Coordinator::Impl::durableJson() const {
+  if (durable_.step < 0) return nullptr;
+  return json{{"step", durable_.step},
+              {"path", durable_.path},
+              {"bytes", durable_.bytes},
+              {"flush_s", durable_.flushSeconds},
+              {"age_s", secondsOf(Clock::now() - durable_.at)}};
+}
+
+json Coordinator::Impl::drainJson(const Drain& d) const {
+  bool safe = true;
+  json workers = json::array();
+  for (int id : d.workers) {
+    std::string st;
+    auto r = releasedWorkers_.find(id);
+    if (r != releasedWorkers_.end()) {
+      st = r->second.exited ? "exited" : "released";
+      safe = safe && r->second.exited;
+    } else if (workers_.count(id)) {
+      st = "training";
+      safe = false;
+    } else {
+      st = "dead";  // declared dead (or expelled at the deadline): the job no longer needs it
+    }
+    workers.push_back({{"worker", id}, {"state", st}});
+  }
+  const bool durable = !checkpointsOn_ || (d.releaseStep >= 0 && durable_.step >= d.releaseStep);
+  json out = {{"id", d.id},
+              {"workers", workers},
+              {"deadline_s", d.deadlineSeconds},
+              {"requested_at", d.requestedAt},
+              {"release_step", d.releaseStep >= 0 ? json(d.releaseStep) : json(nullptr)},
+              {"checkpoint_durable", checkpointsOn_ ? json(durable) : json(nullptr)},
+              {"deadline_missed", d.expelled},
+              {"safe_to_kill", safe}};
+  return out;
+}
+
+double Coordinator::Impl::samplesPerSecondNow() const {
+  if (globalBatch_ <= 0 || stepTimes_.empty() || lastCommit_ == Clock::time_point{}) return 0;
+  std::vector<double> recent;
+  for (auto it = stepTimes_.rbegin(); it != stepTimes_.rend() && recent.size() < 5; ++it) {
+    recent.push_back(secondsOf(*it));
+  }
+  const double step = median(recent);
+  // No commit for three step times: the job is not training now (recovering, stuck).
+  if (step <= 0 || secondsOf(Clock::now() - lastCommit_) > 3 * step + 1) return 0;
+  return static_cast<double>(globalBatch_) / step;
+}
+
+std::map<int, double> Coordinator::Impl::measuredStepSeconds() const {
+  std::map<int, double> out;
+  for (const auto& [n, times] : stepSecondsBySize_) {
+    if (times.size() >= 3) out[n] = median(std::vector<double>(times.begin(), times.end()));
+  }
+  return out;
+}
+
+ControlReply Coordinator::Impl::status() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto now = Clock::now();
+  ControlReply r;
+  json& b = r.body;
+  b["state"] = state();
+  b["step"] = committed_ + 1;
+  b["committed_step"] = committed_;
+  b["steps"] = totalSteps_ > 0 ? json(totalSteps_) : json(nullptr);
+  b["epoch"] = epoch_;
+  std::vector<double> recent;
+  for (const auto& d : stepTimes_) recent.push_back(secondsOf(d));
+  const double step = median(recent);
+  b["step_time_s"] = step > 0 ? json(step) : json(nullptr);
+  json members = json::array();
+  for (int id : members_) {
+    auto it = workers_.find(id);
+    if (it == workers_.end()) continue;
+    const Worker& w = it->second;
+    json m = {{"worker", id},
+              {"node", w.node},
+              {"pid", w.pid},
+              {"heartbeat_age_s", secondsOf(now - w.lastHeard)},
+              {"step", w.step},
+              {"waiting", w.waiting},
+              {"leaving", leaving_.count(id) > 0}};
+    m["compute_s"] = w.computeSeconds >= 0 ? json(w.computeSeconds) : json(nullptr);
+    // The share of the step this worker spent computing (the rest it waited on the others).
+    m["step_time_share"] = w.computeSeconds >= 0 && step > 0
+                               ? json(std::min(1.0, w.computeSeconds / step))
+                               : json(nullptr);
+    m["checkpoint_stall_s"] = w.stallSeconds;
+    members.push_back(m);
+  }
+  b["members"] = members;
+  b["pending_joiners"] = pendingJoin_;
+  b["nodes"] = currentNodes();
+  if (pipelineJob_ && !members_.empty()) {
+    try {
+      b["plan"] = json::parse(pipeline::planToJson(pipelinePlan()));
+    } catch (const std::exception& e) {
+      b["plan"] = json{{"error", e.what()}};
+    }
+  } else {
+    b["plan"] = json{{"mode", "data_parallel"}, {"workers", members_.size()}};
+  }
+  // Every version is committed when it is durable (peer-RAM versions come with issue 12).
+  b["checkpoint"] = {{"enabled", checkpointsOn_},
+                     {"last_committed", durableJson()},
+                     {"last_durable", durableJson()},
+                     {"requested_step", checkpointNext_ ? json("next") : json(checkpointStep_)}};
+  const double wall = firstCommit_ == Clock::time_point{} ? 0 : secondsOf(now - firstCommit_);
+  b["samples_per_s"] = {{"now", samplesPerSecondNow()},
+                        {"average", wall > 0 && globalBatch_ > 0
+                                        ? static_cast<double>((commits_ - 1) * globalBatch_) / wall
+                                        : 0.0}};
+  json recoveries = json::array();
+  for (double s : recoverySeconds_) recoveries.push_back(s);
+  b["failures"] = failures_;
+  b["recovery_s"] = recoveries;
+  b["recovering"] = recovering_;
+  b["effective_training_s"] = effectiveSeconds_;
+  b["wall_s"] = secondsOf(now - startTime_);
+  b["dead"] = dead_;
+  json released = json::array();
+  for (const auto& [id, rw] : releasedWorkers_) {
+    released.push_back(
+        {{"worker", id}, {"node", rw.node}, {"step", rw.step}, {"exited", rw.exited}});
+  }
+  b["released"] = released;
+  json drains = json::array();
+  for (const auto& [id, d] : drains_) drains.push_back(drainJson(d));
+  b["drains"] = drains;
+  b["last_resize"] = lastResize_.is_null() ? json(nullptr) : lastResize_;
+  b["stop"] = stopRequested_ ? json{{"deadline_s", stopDeadline_}} : json(nullptr);
+  return r;
+}
+
+ControlReply Coordinator::Impl::scaling() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ControlReply r;
+  const auto measured = measuredStepSeconds();
+  const int workersNow = static_cast<int>(members_.size());
+  const int nodesNow = currentNodes();
+  json points = json::array();
+  if (pipelineJob_) {
+    // Pipelines: the templates' cost model, scaled to seconds by the step time measured at
+    // the present size (docs/control_api.md).
+    const int G = profile_.job.devices_per_node;
+    double secondsPerTick = 0;
+    auto mine = measured.find(workersNow);
+    try {
+      if (mine != measured.end()) secondsPerTick = mine->second / pipelinePlan().iterationTicks;
+    } catch (const std::exception&) {
+      secondsPerTick = 0;
+    }
+    for (int n = templates_.min_nodes; n <= std::max(templates_.max_nodes, nodesNow); ++n) {
+      json p = {{"nodes", n}, {"workers", n * G}};
+      try {
+        std::vector<int> ids(n);
+        for (int k = 0; k < n; ++k) ids[k] = k;
+        pipeline::Plan plan = pipeline::makePlan(templates_, ids, planOptions_);
+        p["feasible"] = true;
+        p["pipelines"] = plan.pipelines.size();
+        p["iteration_ticks"] = plan.iterationTicks;
+        p["predicted_samples_per_s"] =
+            secondsPerTick > 0 && globalBatch_ > 0
+                ? json(globalBatch_ / (secondsPerTick * static_cast<double>(plan.iterationTicks)))
+                : json(nullptr);
+      } catch (const Error& e) {
+        p["feasible"] = false;
+        p["why"] = e.what();
+      }
+      auto m = measured.find(n * G);
+      if (m != measured.end() && globalBatch_ > 0) {
+        p["measured_samples_per_s"] = globalBatch_ / m->second;
+      }
+      points.push_back(p);
+    }
+    r.body["model"] = "pipeline templates (cost model), calibrated by the measured step time";
+  } else {
+    // Data parallel: t(n) = a + b / n (the per-worker compute shrinks with n, the
+    // reduction does not), least squares over the sizes measured; one size: t(n) = b / n.
+    double a = 0, b = 0;
+    if (measured.size() == 1) {
+      b = measured.begin()->second * measured.begin()->first;
+    } else if (measured.size() >= 2) {
+      double sx = 0, sy = 0, sxx = 0, sxy = 0;
+      const double k = static_cast<double>(measured.size());
+      for (const auto& [n, t] : measured) {
+        const double x = 1.0 / n;
+        sx += x;
+        sy += t;
+        sxx += x * x;
+        sxy += x * t;
+      }
+      b = (k * sxy - sx * sy) / (k * sxx - sx * sx);
+      a = (sy - b * sx) / k;
+      if (b < 0) {  // More workers never made it slower per sample than this: flat.
+        b = 0;
+        a = sy / k;
+      } else if (a < 0) {
+        a = 0;
+        b = sxy / sxx;
+      }
+    }
+    const int64_t microbatches = microbatch_ > 0 ? globalBatch_ / microbatch_ : 0;
+    int maxN = std::max({2 * workersNow, workersNow + 4, 8});
+    if (!measured.empty()) maxN = std::max(maxN, measured.rbegin()->first);
+    if (microbatches > 0) maxN = static_cast<int>(std::min<int64_t>(maxN, microbatches));
+    for (int n = 1; n <= maxN; ++n) {
+      json p = {{"nodes", n}, {"workers", n}, {"feasible", true}};
+      auto m = measured.find(n);
+      if (m != measured.end() && globalBatch_ > 0) {
+        p["measured_samples_per_s"] = globalBatch_ / m->second;
+        p["measured_steps"] = stepSecondsBySize_.at(n).size();
+      }
+      const double t = a + b / n;
+      p["predicted_samples_per_s"] =
+          t > 0 && globalBatch_ > 0 ? json(globalBatch_ / t) : json(nullptr);
+      points.push_back(p);
+    }
+    r.body["model"] = measured.size() >= 2   ? "fitted: step_s = a + b / workers"
+                      : measured.size() == 1 ? "one size measured: step_s = b / workers"
+                                             : "nothing measured yet";
+    r.body["fit"] = {{"a_s", a}, {"b_s", b}};
+    r.body["feasible_note"] = microbatches > 0
+                                  ? "a data-parallel step has " + std::to_string(microbatches) +
+                                        " microbatches: at most that many workers"
+                                  : std::string("the job's batch shape is not known yet");
+  }
+  r.body["nodes_now"] = nodesNow;
+  r.body["workers_now"] = workersNow;
+  r.body["global_batch"] = globalBatch_;
+  r.body["points"] = points;
+  return r;
+}
+
+ControlReply Coordinator::Impl::resize(int64_t nodes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto refuse = [](int status, const std::string& why) {
+    ControlReply r;
+    r.status = status;
+    r.body = json{{"error", why}};
+    return r;
+  };
+  if (epoch_ < 0) return refuse(409, "the job has not started: no epoch has formed yet");
+  if (finished_ || jobFailed_) return refuse(409, "the job has ended (" + state() + ")");
+  if (stopRequested_) return refuse(409, "the job is stopping");
+  const int now = currentNodes();
+  ControlReply r;
+  r.body = {{"from", now}, {"to", nodes}, {"at_step", committed_ + 1}};
+  if (pipelineJob_) {
+    const int G = profile_.job.devices_per_node;
+    try {
+      std::vector<int> ids(nodes);
+      for (int k = 0; k < nodes; ++k) ids[k] = k;
+      pipeline::makePlan(templates_, ids, planOptions_);
+    } catch (const Error& e) {
+      return refuse(409, "no pipeline plan fits " + std::to_string(nodes) + " nodes: " + e.what());
+    }
+    if (nodes < now) {
+      // The last nodes (node k is members [kG, kG + G)): every pipeline node costs the same.
+      std::vector<int> staying;
+      for (int id : members_) {
+        if (!leaving_.count(id)) staying.push_back(id);
+      }
+      std::vector<int> release(staying.begin() + nodes * G, staying.end());
+      for (int id : release) {
+        leaving_.insert(id);
+        leaveReason_[id] = "released by a resize to " + std::to_string(nodes) + " nodes";
+      }
+      r.body["action"] = "shrink";
+      r.body["release_workers"] = release;
+      lastResize_ = r.body;
+      event({{"event", "resize"}, {"from", now}, {"to", nodes}, {"release", release}});
+      return r;
+    }
+  } else if (nodes < now) {
+    // The nodes whose loss costs least: the slowest (their workers' compute time, highest
+    // first), then the newest (highest id).
+    std::map<std::string, std::pair<double, int>> cost;  // node -> (compute, highest id)
+    for (int id : members_) {
+      if (leaving_.count(id)) continue;
+      const Worker& w = workers_.at(id);
+      auto& c = cost[w.node];
+      c.first = std::max(c.first, w.computeSeconds);
+      c.second = std::max(c.second, id);
+    }
+    std::vector<std::pair<std::string, std::pair<double, int>>> order(cost.begin(), cost.end());
+    std::sort(order.begin(), order.end(), [](const auto& x, const auto& y) {
+      return x.second.first != y.second.first ? x.second.first > y.second.first
+                                              : x.second.second > y.second.second;
+    });
+    json released = json::array();
+    for (int k = 0; k < now - nodes; ++k) {
+      std::vector<int> ws;
+      for (int id : members_) {
+        if (!leaving_.count(id) && workers_.at(id).node == order[k].first) ws.push_back(id);
+      }
+      for (int id : ws) {
+        leaving_.insert(id);
+        leaveReason_[id] = "released by a resize to " + std::to_string(nodes) + " nodes";
+      }
+      released.push_back({{"node", order[k].first}, {"workers", ws}});
+    }
+    r.body["action"] = "shrink";
+    r.body["release"] = released;
+    lastResize_ = r.body;
+    event({{"event", "resize"}, {"from", now}, {"to", nodes}, {"release", released}});
+    return r;
+  }
+  if (nodes == now) {
+    r.body["action"] = "none";
+    return r;
+  }
+  // Growth: joiners are admitted at the next step boundary after they say hello.
+  const int perNode = pipelineJob_ ? profile_.job.devices_per_node : 1;
+  const int pending = static_cast<int>(pendingJoin_.size()) / perNode;
+  const int need = static_cast<int>(nodes) - now - pending;
+  int started = 0;
+  if (need > 0 && options_.startWorkers) started = options_.startWorkers(need * perNode) / perNode;
+  if (need > 0 && options_.startWorkers && started == 0) {
+    return refuse(409, "the launcher may start no more workers (sinew-run --max-workers)");
+  }
+  r.body["action"] = "grow";
+  r.body["pending_joiners"] = pendingJoin_;
+  r.body["started"] = started;
+  r.body["joiners_needed"] = std::max(0, need - started);
+  if (need - started > 0) {
+    r.body["how"] =
+        "start " + std::to_string(need - started) +
+        " more worker(s) with SINEW_COORDINATOR and SINEW_TOKEN set (coordinator.json); each "
+        "joins at the next step boundary after it connects";
+  }
+  lastResize_ = r.body;
+  event({{"event", "resize"}, {"from", now}, {"to", nodes}, {"started", started}});
+  return r;
+}
+
+ControlReply Coordinator::Impl::drain(const control::DrainRequest& request) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ControlReply r;
+  auto refuse = [&](int status, const std::string& why) {
+    r.status = status;
+    r.body = json{{"error", why}};
+    return r;
+  };
+  if (epoch_ < 0) return refuse(409, "the job has not started: no epoch has formed yet");
+  if (finished_ || jobFailed_) return refuse(409, "the job has ended (" + state() + ")");
+  std::set<int> chosen;
+  for (int id : request.workers) {
+    if (!workers_.count(id)) {
+      return refuse(400, "drain: worker " + std::to_string(id) + " is not in the job");
+    }
+    chosen.insert(id);
+  }
+  for (const std::string& node : request.nodes) {
+    bool any = false;
+    for (const auto& [id, w] : workers_) {
+      if (w.node == node && !done_.count(id)) {
+        chosen.insert(id);
+        any = true;
+      }
+    }
+    if (!any) return refuse(400, "drain: no worker of the job is on node '" + node + "'");
+  }
+  // What it takes: the rest of this step, then the checkpoint of it.
+  std::vector<double> recent;
+  for (const auto& d : stepTimes_) recent.push_back(secondsOf(d));
+  const double step = median(recent);
+  const double flush = durableWrites_ > 0 ? flushSecondsTotal_ / durableWrites_ : 0;
+  const double estimate = step + (checkpointsOn_ ? flush : 0);
+  Drain d;
+  d.id = nextDrain_++;
+  d.workers.assign(chosen.begin(), chosen.end());
+  d.deadlineSeconds = request.deadlineSeconds;
+  d.requestedAt = wallSeconds();
+  std::vector<int> pendingNow;
+  for (int id : d.workers) {
+    if (std::find(members_.begin(), members_.end(), id) == members_.end()) {
+      pendingNow.push_back(id);  // Not training yet: it goes at once.
+      continue;
+    }
+    leaving_.insert(id);
+    leaveReason_[id] = "drained (request " + std::to_string(d.id) + ")";
+  }
+  if (checkpointsOn_) checkpointNext_ = true;
+  d.timer = std::make_unique<asio::steady_timer>(io_);
+  d.timer->expires_after(std::chrono::milliseconds(static_cast<int64_t>(d.deadlineSeconds * 1e3)));
+  const int id = d.id;
+  d.timer->async_wait([this, id](error_code ec) {
+    if (ec) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = drains_.find(id);
+    if (it == drains_.end() || stopping_) return;
+    std::vector<int> late;
+    for (int w : it->second.workers) {
+      if (workers_.count(w)) late.push_back(w);
+    }
+    if (late.empty()) return;
+    it->second.expelled = true;
+    for (int w : late) {
+      leaving_.erase(w);
+      declareDead(w, "drain " + std::to_string(id) + " deadline of " +
+                         std::to_string(it->second.deadlineSeconds) +
+                         " s passed before a step boundary");
+    }
+  });
+  auto [it, inserted] = drains_.emplace(d.id, std::move(d));
+  for (int w : pendingNow)
+    release(w, "drained (request " + std::to_string(id) + ") before it trained");
+  const Drain& stored = it->second;
+  r.body = drainJson(stored);
+  r.body["estimate_s"] = estimate;
+  r.body["meets_deadline"] = estimate <= stored.deadlineSeconds;
+  if (estimate > stored.deadlineSeconds) {
+    r.body["warning"] = "the deadline is shorter than a step plus a checkpoint flush (" +
+                        std::to_string(estimate) +
+                        " s measured): workers still training at the deadline are declared "
+                        "dead then, and the job goes on from the last committed step";
+  }
+  r.body["nodes"] = nodesOf(stored.workers);
+  event({{"event", "drain"},
+         {"id", stored.id},
+         {"workers", stored.workers},
+         {"deadline_s", stored.deadlineSeconds},
+         {"estimate_s", estimate}});
+  return r;
+}
+
+ControlReply Coordinator::Impl::checkpoint() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ControlReply r;
+  if (!checkpointsOn_) {
+    r.status = 409;
+    r.body = {{"error",
+               "this job writes no checkpoints (start it with a checkpoint directory, e.g. "
+               "train_dp --checkpoint-dir DIR)"}};
+    return r;
+  }
+  if (epoch_ < 0 || finished_ || jobFailed_) {
+    r.status = 409;
+    r.body = {{"error", "the job is " + state() + ": no step boundary to checkpoint at"}};
+    return r;
+  }
+  checkpointNext_ = true;
+  r.body = {{"at_step", committed_ + 1}, {"last_durable", durableJson()}};
+  return r;
+}
+
+ControlReply Coordinator::Impl::stop(double deadlineSeconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ControlReply r;
+  if (epoch_ < 0 || finished_ || jobFailed_) {
+    r.status = 409;
+    r.body = {{"error", "the job is " + state() + ": nothing to stop"}};
+    return r;
+  }
+  stopRequested_ = true;
+  stopDeadline_ = deadlineSeconds;
+  for (int id : members_) {
+    leaving_.insert(id);
+    leaveReason_[id] = "stopped by the control API";
+  }
+  std::vector<int> waiting = pendingJoin_;
+  for (int id : waiting) release(id, "the job is stopping");
+  if (checkpointsOn_) checkpointNext_ = true;
+  if (deadlineSeconds > 0) {
+    stopTimer_ = std::make_unique<asio::steady_timer>(io_);
+    stopTimer_->expires_after(
+        std::chrono::milliseconds(static_cast<int64_t>(deadlineSeconds * 1e3)));
+    stopTimer_->async_wait([this, deadlineSeconds](error_code ec) {
+      if (ec) return;
+      std::lock_guard<std::mutex> lock(mu_);
+      if (finished_ || jobFailed_ || stopping_) return;
+      failJob("the stop deadline of " + std::to_string(deadlineSeconds) +
+              " s passed before the job reached a step boundary");
+    });
+  }
+  r.body = {{"at_step", committed_ + 1},
+            {"checkpoint", checkpointsOn_},
+            {"deadline_s", deadlineSeconds > 0 ? json(deadlineSeconds) : json(nullptr)}};
+  if (!checkpointsOn_) {
+    r.body["warning"] = "this job writes no checkpoints: its state ends with it";
+  }
+  event({{"event", "stop_requested"}, {"deadline_s", deadlineSeconds}});
+  return r;
+}
+
+std::string Coordinator::Impl::metrics() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string out;
+  const auto now = Clock::now();
+  metric(out, "sinew_step", "gauge", "The next step the job runs (last committed + 1).",
+         committed_ + 1);
+  metric(out, "sinew_epoch", "gauge", "The current epoch (membership version).", epoch_);
+  metric(out, "sinew_members", "gauge", "Workers training in the current epoch.", members_.size());
+  metric(out, "sinew_nodes", "gauge", "Nodes the job trains on.", currentNodes());
+  metric(out, "sinew_samples_per_second", "gauge",
+         "Samples per second over the last steps (0 while not training).", samplesPerSecondNow());
+  metric(out, "sinew_committed_steps_total", "counter", "Steps committed by this coordinator.",
+         commits_);
+  metric(out, "sinew_failures_total", "counter", "Workers declared dead.", failures_);
+  metric(out, "sinew_recoveries_total", "counter",
+         "Recoveries finished (a failure, then the next committed step).", recoverySeconds_.size());
+  double recoverySum = 0;
+  for (double s : recoverySeconds_) recoverySum += s;
+  metric(out, "sinew_recovery_seconds_sum", "counter",
+         "Seconds from failures to the next committed step, summed.", recoverySum);
+  metric(out, "sinew_effective_training_seconds_total", "counter",
+         "Seconds between consecutive commits of one epoch, summed.", effectiveSeconds_);
+  metric(out, "sinew_checkpoint_stall_seconds_total", "counter",
+         "Seconds workers waited for a checkpoint snapshot before an optimizer step, summed.",
+         stallSeconds_);
+  metric(out, "sinew_checkpoint_flush_seconds_total", "counter",
+         "Seconds spent writing durable checkpoints, summed.", flushSecondsTotal_);
+  metric(out, "sinew_checkpoints_durable_total", "counter", "Durable checkpoint versions written.",
+         durableWrites_);
+  metric(out, "sinew_checkpoint_bytes_total", "counter", "Bytes of durable checkpoints written.",
+         durableBytes_);
+  metric(out, "sinew_checkpoint_durable_step", "gauge",
+         "Step of the newest durable checkpoint (-1: none).", durable_.step);
+  // Data-parallel and pipeline jobs keep no peer-RAM replicas yet (issue 12): 0 bytes.
+  metric(out, "sinew_replicated_bytes_total", "counter",
+         "Bytes of checkpoint replicas sent to peers' host memory.", 0);
+  out += "# HELP sinew_worker_heartbeat_age_seconds Seconds since each member was last heard.\n";
+  out += "# TYPE sinew_worker_heartbeat_age_seconds gauge\n";
+  for (int id : members_) {
+    auto it = workers_.find(id);
+    if (it == workers_.end()) continue;
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "%.6f", secondsOf(now - it->second.lastHeard));
+    out += "sinew_worker_heartbeat_age_seconds{worker=\"" + std::to_string(id) + "\",node=\"" +
+           labelValue(it->second.node) + "\"} " + buf + "\n";
+  }
+  out += "# HELP sinew_state The job's state (1 for the present one).\n";
+  out += "# TYPE sinew_state gauge\n";
+  const std::string st = state();
+  for (const char* s : {"starting", "running", "reconfiguring", "draining", "checkpointing",
+                        "finished", "failed"}) {
+    out += std::string("sinew_state{state=\"") + s + "\"} " + (st == s ? "1" : "0") + "\n";
+  }
+  return out;
+}
+
+int Coordinator::Impl::subscribe(Sink sink, int64_t after) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int id = nextSubscriber_++;
+  for (const auto& [seq, e] : recentEvents_) {
+    if (seq > after) asio::post(io_, [sink, seq = seq, e = e] { sink(seq, e); });
+  }
+  subscribers_[id] = std::move(sink);
+  return id;
+}
+
+void Coordinator::Impl::unsubscribe(int id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  subscribers_.erase(id);
+}
 
 Coordinator::Coordinator(CoordinatorOptions options)
     : impl_(std::make_unique<Impl>(std::move(options))) {}
@@ -855,10 +1738,51 @@ uint16_t Coordinator::port() const { return impl_->port_; }
 uint16_t Coordinator::storePort() const { return impl_->store_->port(); }
 uint64_t Coordinator::token() const { return impl_->options_.token; }
 const std::string& Coordinator::host() const { return impl_->options_.host; }
-CoordinatorStatus Coordinator::status() const { return impl_->status(); }
+CoordinatorStatus Coordinator::status() const { return impl_->coordinatorStatus(); }
 bool Coordinator::waitFinished(std::chrono::milliseconds timeout) {
   return impl_->waitFinished(timeout);
 }
+ControlReply Coordinator::controlStatus() { return impl_->status(); }
+ControlReply Coordinator::scaling() { return impl_->scaling(); }
+ControlReply Coordinator::resize(int64_t nodes) { return impl_->resize(nodes); }
+ControlReply Coordinator::drain(const control::DrainRequest& request) {
+  return impl_->drain(request);
+}
+ControlReply Coordinator::checkpoint() { return impl_->checkpoint(); }
+ControlReply Coordinator::stop(double deadlineSeconds) { return impl_->stop(deadlineSeconds); }
+std::string Coordinator::metrics() { return impl_->metrics(); }
+uint16_t Coordinator::controlPort() const { return impl_->controlPort_; }
+const std::string& Coordinator::controlHost() const {
+  return impl_->options_.controlHost.empty() ? impl_->options_.host : impl_->options_.controlHost;
+}
+
+void writeCoordinatorJson(const Coordinator& coordinator, const std::string& path) {
+  char token[32];
+  std::snprintf(token, sizeof(token), "%llx", static_cast<unsigned long long>(coordinator.token()));
+  json j = {{"host", coordinator.host()},
+            {"port", coordinator.port()},
+            {"token", token},
+            {"store_port", coordinator.storePort()}};
+  if (coordinator.controlPort() != 0) {
+    j["control_host"] = coordinator.controlHost();
+    j["control_port"] = coordinator.controlPort();
+    j["control_token"] = coordinator.controlToken();
+  }
+  // Readable by this user only, from the moment it exists; replaced whole (rename).
+  const std::string tmp = path + ".tmp";
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0 || ::fchmod(fd, 0600) != 0) {
+    if (fd >= 0) ::close(fd);
+    SINEW_THROW(IoError, "cannot create ", tmp, ": ", std::strerror(errno));
+  }
+  const std::string text = j.dump() + "\n";
+  const bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  ::close(fd);
+  if (!ok || ::rename(tmp.c_str(), path.c_str()) != 0) {
+    SINEW_THROW(IoError, "cannot write ", path, ": ", std::strerror(errno));
+  }
+}
+const std::string& Coordinator::controlToken() const { return impl_->options_.controlToken; }
 
 }  // namespace runtime
 }  // namespace sinew

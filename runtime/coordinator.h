@@ -24,9 +24,12 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
+
+#include "sinew/runtime/control_api.h"
 
 namespace sinew {
 namespace runtime {
@@ -66,6 +69,20 @@ struct CoordinatorOptions {
   std::function<void(const std::string&)> log;
   // If set, membership events are appended here as JSON lines.
   std::string eventLogPath;
+
+  // The HTTP control API (DESIGN.md section 7, docs/control_api.md): served when controlPort
+  // >= 0 (0 picks a free port), on controlHost (default: host), to requests that carry
+  // controlToken as a bearer token (default: the job token in hex, as coordinator.json has it).
+  int controlPort = -1;
+  std::string controlHost;
+  std::string controlToken;
+  // A request must arrive within this; idle keep-alive connections are closed after it.
+  std::chrono::milliseconds controlTimeout{10000};
+  size_t controlMaxConnections = 128;
+  // Growth: a resize that needs `count` more workers calls this; it returns how many workers
+  // it starts (each joins with SINEW_COORDINATOR). Called with the coordinator's lock held:
+  // it must not block or call the coordinator. Unset: the scheduler starts joiners itself.
+  std::function<int(int count)> startWorkers;
 };
 
 struct CoordinatorStatus {
@@ -79,6 +96,7 @@ struct CoordinatorStatus {
   bool stopped = false;       // every member left (preempted) before the last step
   int64_t droppedConnections = 0;
   int64_t ignoredMessages = 0;
+  std::map<int, int64_t> pids;  // every worker that said hello -> its process id
 };
 
 class Coordinator {
@@ -100,10 +118,30 @@ class Coordinator {
   // the timeout passes. Returns whether the job finished with at least one member done.
   bool waitFinished(std::chrono::milliseconds timeout);
 
+  // The control operations (docs/control_api.md), for a scheduler in this process; the HTTP
+  // API serves the same answers. Each returns at once: resize, drain, checkpoint and stop take
+  // effect at the next step boundary, and status() says when they did.
+  ControlReply controlStatus();
+  ControlReply scaling();
+  ControlReply resize(int64_t nodes);
+  ControlReply drain(const control::DrainRequest& request);
+  ControlReply checkpoint();
+  ControlReply stop(double deadlineSeconds);
+  std::string metrics();
+  // The control API's address and port (0 when it is off), and its bearer token.
+  const std::string& controlHost() const;
+  uint16_t controlPort() const;
+  const std::string& controlToken() const;
+
  private:
   class Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+// Writes the job's endpoints and tokens as JSON ({host, port, token, store_port, control_host,
+// control_port, control_token}) to path, readable by this user only (it holds the token);
+// sinewctl and joiners read it. Throws IoError naming the path.
+void writeCoordinatorJson(const Coordinator& coordinator, const std::string& path);
 
 }  // namespace runtime
 }  // namespace sinew

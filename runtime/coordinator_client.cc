@@ -10,6 +10,7 @@
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/write.hpp>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <condition_variable>
@@ -105,8 +106,12 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
     return epoch_;
   }
 
-  VoteResult vote(int64_t epoch, int64_t step, std::chrono::milliseconds timeout) {
-    post(wire::Type::kVote, epoch, json{{"step", step}});
+  VoteResult vote(int64_t epoch, int64_t step, std::chrono::milliseconds timeout, StepStats stats) {
+    auto us = [](double s) { return static_cast<int64_t>(std::max(0.0, s) * 1e6); };
+    post(wire::Type::kVote, epoch,
+         json{{"step", step},
+              {"compute_us", us(stats.computeSeconds)},
+              {"stall_us", us(stats.stallSeconds)}});
     std::unique_lock<std::mutex> lock(mu_);
     bool ok = cv_.wait_for(lock, timeout, [&] {
       return committed_ >= step || epoch_.epoch > epoch || !gone_.empty();
@@ -125,6 +130,11 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
 
   void post(wire::Type type, int64_t epoch, json body) {
     asio::post(io_, [this, type, epoch, body = std::move(body)] { queue(type, epoch, body); });
+  }
+
+  bool checkpointRequested(int64_t step) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return checkpointAt_ == step;
   }
 
   void setProgress(int64_t step, bool waiting) { progress_.store(step * 2 + (waiting ? 1 : 0)); }
@@ -243,13 +253,15 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
           int64_t step = body.at("step").get<int64_t>();
           committed_ = std::max(committed_, step);
           if (body.value("next_epoch", false)) reshapeAfter_ = step;
+          if (body.value("checkpoint", false)) checkpointAt_ = std::max(checkpointAt_, step);
           break;
         }
         case wire::Type::kReleased:
           gone_ = "released by the coordinator: " + body.value("reason", std::string("?"));
           released_ = true;
           announce = -1;
-          closed_ = true;
+          // The connection stays open until this worker ends: it may still report the
+          // checkpoint of its last step (durable), and heartbeats keep it from timing out.
           break;
         case wire::Type::kExpelled:
           gone_ = "the coordinator expelled it: " + body.value("reason", std::string("?"));
@@ -298,6 +310,7 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
   EpochInfo epoch_;
   int64_t committed_ = -1;
   int64_t reshapeAfter_ = -1;
+  int64_t checkpointAt_ = -1;  // the newest commit that asked for a durable checkpoint
   std::chrono::milliseconds heartbeatInterval_{100};
   Clock::time_point mutedUntil_{};
   std::function<void(int64_t)> listener_;  // Guarded by mu_; called under listenerMu_.
@@ -319,8 +332,20 @@ EpochInfo CoordinatorClient::waitEpochAfter(int64_t epoch, std::chrono::millisec
   return impl_->waitEpochAfter(epoch, timeout);
 }
 CoordinatorClient::VoteResult CoordinatorClient::vote(int64_t epoch, int64_t step,
-                                                      std::chrono::milliseconds timeout) {
-  return impl_->vote(epoch, step, timeout);
+                                                      std::chrono::milliseconds timeout,
+                                                      StepStats stats) {
+  return impl_->vote(epoch, step, timeout, stats);
+}
+bool CoordinatorClient::checkpointRequested(int64_t step) const {
+  return impl_->checkpointRequested(step);
+}
+void CoordinatorClient::durable(int64_t step, uint64_t bytes, double flushSeconds,
+                                const std::string& path) {
+  impl_->post(wire::Type::kDurable, impl_->latestEpoch().epoch,
+              json{{"step", step},
+                   {"bytes", static_cast<int64_t>(bytes)},
+                   {"flush_us", static_cast<int64_t>(std::max(0.0, flushSeconds) * 1e6)},
+                   {"path", path.empty() ? std::string(".") : path}});
 }
 void CoordinatorClient::reportLost(int64_t epoch, int worker) {
   impl_->post(wire::Type::kLost, epoch, json{{"worker", worker}});
@@ -328,8 +353,13 @@ void CoordinatorClient::reportLost(int64_t epoch, int worker) {
 void CoordinatorClient::requestRebuild(int64_t epoch) {
   impl_->post(wire::Type::kRebuild, epoch, json::object());
 }
-void CoordinatorClient::ready(int64_t resumeStep) {
-  impl_->post(wire::Type::kReady, impl_->latestEpoch().epoch, json{{"resume_step", resumeStep}});
+void CoordinatorClient::ready(int64_t resumeStep, JobShape shape) {
+  json body = {{"resume_step", resumeStep}};
+  if (shape.globalBatch > 0) body["global_batch"] = shape.globalBatch;
+  if (shape.microbatch > 0) body["microbatch"] = shape.microbatch;
+  if (shape.steps > 0) body["steps"] = shape.steps;
+  if (shape.checkpoints) body["checkpoints"] = true;
+  impl_->post(wire::Type::kReady, impl_->latestEpoch().epoch, body);
 }
 void CoordinatorClient::requestPipelines(int64_t epoch, const std::string& profileJson,
                                          int faultTolerance, int64_t microbatches) {

@@ -37,6 +37,21 @@ struct EpochInfo {
   std::string plan;
 };
 
+// How the voter's step went, for the coordinator's status and scaling (docs/control_api.md):
+// its forward and backward time, and how long it stalled for a checkpoint snapshot.
+struct StepStats {
+  double computeSeconds = 0;
+  double stallSeconds = 0;
+};
+
+// The job's shape, for the coordinator's throughput figures and scaling curve.
+struct JobShape {
+  int64_t globalBatch = 0;  // samples per step; 0: unknown
+  int64_t microbatch = 0;
+  int64_t steps = 0;
+  bool checkpoints = false;  // writes durable checkpoints
+};
+
 struct CoordinatorClientOptions {
   std::string host = "127.0.0.1";
   uint16_t port = 0;
@@ -75,7 +90,14 @@ class CoordinatorClient {
   };
   // Votes that this worker finished the reduction of `step` in `epoch`, and waits for the
   // verdict. Throws Expelled, or Timeout.
-  VoteResult vote(int64_t epoch, int64_t step, std::chrono::milliseconds timeout);
+  VoteResult vote(int64_t epoch, int64_t step, std::chrono::milliseconds timeout,
+                  StepStats stats = StepStats());
+  // Whether the commit of `step` asked for a durable checkpoint of it (a scheduler's
+  // checkpoint, drain or stop request).
+  bool checkpointRequested(int64_t step) const;
+  // Reports that the version of `step` is durable: `bytes` written to `path` in `flushSeconds`
+  // (sent by the worker that moved LATEST to it).
+  void durable(int64_t step, uint64_t bytes, double flushSeconds, const std::string& path);
 
   // Reports a peer the data plane lost (from PeerLost).
   void reportLost(int64_t epoch, int worker);
@@ -84,7 +106,7 @@ class CoordinatorClient {
   // Reports that this worker is ready to train, and the first step it could resume at from
   // a durable checkpoint (0 for none). The first epoch forms when every launched worker is
   // ready; it resumes at the smallest such step.
-  void ready(int64_t resumeStep);
+  void ready(int64_t resumeStep, JobShape shape = JobShape());
   // Asks the coordinator to run the job as pipelines planned from `profileJson`
   // (docs/profile_format.md) with this fault tolerance and global batch of `microbatches`;
   // it answers with a new epoch that carries the plan, or expels everyone naming why no plan

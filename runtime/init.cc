@@ -113,7 +113,15 @@ std::string forkCoordinator(int expected, const InitOptions& o) {
       if (const char* dir = env("SINEW_LOG_DIR")) {
         c.eventLogPath = std::string(dir) + "/coordinator-events.jsonl";
       }
+      // The control API (docs/control_api.md): SINEW_CONTROL_PORT=0 picks a free port.
+      if (const char* port = env("SINEW_CONTROL_PORT")) {
+        c.controlPort = static_cast<int>(parseInt("SINEW_CONTROL_PORT", port, 0, 65535));
+      }
+      if (const char* h = env("SINEW_CONTROL_HOST")) c.controlHost = h;
       Coordinator coord(c);
+      if (const char* dir = env("SINEW_LOG_DIR")) {
+        runtime::writeCoordinatorJson(coord, std::string(dir) + "/coordinator.json");
+      }
       std::string line = std::to_string(coord.port()) + " " + std::to_string(coord.token()) + "\n";
       if (::write(fds[1], line.data(), line.size()) < 0) _exit(1);
       ::close(fds[1]);
@@ -177,6 +185,10 @@ std::unique_ptr<Context> init(int* argc, char*** argv, const InitOptions& option
     sa.sa_handler = onSigterm;
     ::sigemptyset(&sa.sa_mask);
     ::sigaction(SIGTERM, &sa, nullptr);
+    // A scheduler's advance warning (Slurm's --signal=USR1@120) drains this worker too.
+    if (const char* name = env("SINEW_DRAIN_SIGNAL")) {
+      ::sigaction(runtime::signalNumber("SINEW_DRAIN_SIGNAL", name), &sa, nullptr);
+    }
   }
   if (const char* h = env("SINEW_HOST")) ctx->host = h;
   const char* node = env("SINEW_NODE");

@@ -133,19 +133,26 @@ typename StateMap::key_type stateKey(const StateMap&, const at::Tensor& p) {
 // Every parameter's gradient (zeros where it has none) in one flat tensor, then `tail`: one
 // allreduce sums them all.
 // While alive, this worker's heartbeats say it waits on the others for `step` (in a collective,
-// or for its vote's verdict) rather than computing (docs/failure_semantics.md, rule 1).
+// or for its vote's verdict) rather than computing (docs/failure_semantics.md, rule 1). The
+// time waited is added to *waited, so that a step's compute time excludes it.
 class WaitingOnOthers {
  public:
-  WaitingOnOthers(CoordinatorClient& client, int64_t step) : client_(client), step_(step) {
+  WaitingOnOthers(CoordinatorClient& client, int64_t step, double* waited)
+      : client_(client), step_(step), waited_(waited), since_(std::chrono::steady_clock::now()) {
     client_.setProgress(step_, true);
   }
-  ~WaitingOnOthers() { client_.setProgress(step_, false); }
+  ~WaitingOnOthers() {
+    client_.setProgress(step_, false);
+    *waited_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - since_).count();
+  }
   WaitingOnOthers(const WaitingOnOthers&) = delete;
   WaitingOnOthers& operator=(const WaitingOnOthers&) = delete;
 
  private:
   CoordinatorClient& client_;
   const int64_t step_;
+  double* const waited_;
+  const std::chrono::steady_clock::time_point since_;
 };
 
 at::Tensor flatGradients(const std::vector<at::Tensor>& params, const at::Tensor& tail = {}) {
@@ -313,7 +320,12 @@ class Trainer::Impl {
       checkCheckpointDir();
       resume = newestRestorable() + 1;
     }
-    client_.ready(resume);
+    runtime::JobShape shape;
+    shape.globalBatch = o_.globalBatch;
+    shape.microbatch = o_.microbatch;
+    shape.steps = o_.steps;
+    shape.checkpoints = !o_.checkpointDir.empty();
+    client_.ready(resume, shape);
     recoverInto(-1, /*failure=*/false, "start");
     validated_.clear();  // Only the first epoch's source restores from it.
     validatedStep_ = -1;
@@ -423,6 +435,8 @@ class Trainer::Impl {
       SINEW_THROW(EpochChanged, "epoch ", epoch_, " was superseded");
     }
     client_.setProgress(step_, /*waiting=*/false);
+    stepStart_ = Clock::now();
+    stepWaited_ = 0;
     if (pipelineMode_) return runPipelineStep();
     const int self = ctx_.worker();
     auto& inj = state_.injector;
@@ -448,7 +462,7 @@ class Trainer::Impl {
         flatGradients(params_, at::full({1}, lossSum, at::TensorOptions().dtype(o_.dtype)));
     inj.fire(self, step_, Phase::kReduce, &client_);
     {
-      WaitingOnOthers waiting(client_, step_);
+      WaitingOnOthers waiting(client_, step_, &stepWaited_);
       comm_->allreduce(flat, collectives::ReduceOp::kSum, o_.opTimeout);
     }
     inj.fire(self, step_, Phase::kAfterReduce, &client_);
@@ -463,21 +477,27 @@ class Trainer::Impl {
     auto& inj = state_.injector;
     CoordinatorClient::VoteResult verdict;
     {
-      WaitingOnOthers waiting(client_, step_);
-      verdict = client_.vote(epoch_, step_, o_.opTimeout);
+      runtime::StepStats stats;
+      stats.computeSeconds = seconds(Clock::now() - stepStart_) - stepWaited_;
+      stats.stallSeconds = lastStall_;
+      WaitingOnOthers waiting(client_, step_, &stepWaited_);
+      verdict = client_.vote(epoch_, step_, o_.opTimeout, stats);
     }
     if (verdict == CoordinatorClient::VoteResult::kSuperseded) {
       SINEW_THROW(EpochChanged, "step ", step_, " was not committed in epoch ", epoch_);
     }
     inj.fire(self, step_, Phase::kOptimizer, &client_);
+    lastStall_ = 0;
     if (arena_) {
       auto t0 = Clock::now();
       waitForSnapshot();
-      ckStall_ += seconds(Clock::now() - t0);
+      lastStall_ = seconds(Clock::now() - t0);
+      ckStall_ += lastStall_;
     }
     opt_->step();
     applied_ = step_;
-    maybeCheckpoint(step_);
+    // A scheduler's checkpoint, drain or stop asked for this step to be durable.
+    maybeCheckpoint(step_, /*force=*/client_.checkpointRequested(step_));
     lastLoss_ = loss;
     ++step_;
     progress(loss);
@@ -970,13 +990,13 @@ class Trainer::Impl {
       }
       if (ps.empty()) continue;
       at::Tensor flat = flatGradients(ps);
-      WaitingOnOthers waiting(client_, step_);
+      WaitingOnOthers waiting(client_, step_, &stepWaited_);
       g.comm->allreduce(flat, collectives::ReduceOp::kSum, o_.opTimeout);
       setGradients(ps, flat);
     }
     at::Tensor loss = at::full({1}, lossSum, at::TensorOptions().dtype(at::kDouble));
     {
-      WaitingOnOthers waiting(client_, step_);
+      WaitingOnOthers waiting(client_, step_, &stepWaited_);
       comm_->allreduce(loss, collectives::ReduceOp::kSum, o_.opTimeout);
     }
     inj.fire(self, step_, Phase::kAfterReduce, &client_);
@@ -1035,7 +1055,7 @@ class Trainer::Impl {
     bool firstBackward = true;
     auto exchange = [&](std::vector<collectives::P2POp> ops) {
       if (ops.empty()) return;
-      WaitingOnOthers waiting(client_, step_);
+      WaitingOnOthers waiting(client_, step_, &stepWaited_);
       comm_->exchange(ops, o_.opTimeout);
     };
     // The header of an activation: dtype, number of dimensions, dimensions.
@@ -1268,7 +1288,7 @@ class Trainer::Impl {
     const bool wait = force || pipelineMode_ || step == o_.steps - 1;
     // Waiting on the disk is not being stuck: the step deadline does not count it.
     std::optional<WaitingOnOthers> onDisk;
-    if (wait) onDisk.emplace(client_, step_);
+    if (wait) onDisk.emplace(client_, step_, &stepWaited_);
     if (wait && arena_) waitForSnapshot();  // Its copy is in no step's way.
     {
       std::unique_lock<std::mutex> lock(ckMu_);
@@ -1345,6 +1365,10 @@ class Trainer::Impl {
         ckWritten_++;
         if (shard->step >= flushErrorStep_) flushError_ = nullptr;  // A newer one is durable.
         event({{"event", "checkpoint"}, {"step", shard->step}, {"duration_s", took}});
+        // The writer that moved LATEST tells the coordinator (its status and /metrics).
+        if (job.how != FlushHow::kPost) {
+          client_.durable(shard->step, shard->capacity(), took, o_.checkpointDir);
+        }
       } else {
         // Reported, and training goes on: a later version may be written. run() rethrows it
         // only if no newer version was written after it (docs/failure_semantics.md, rule 10).
@@ -1619,6 +1643,11 @@ class Trainer::Impl {
   std::unique_ptr<checkpoint::CheckpointWriter> writer_;
   std::thread flushThread_;
   double ckStall_ = 0;
+  // The step being run: when it started, how long it waited on the others, and the snapshot
+  // stall before the previous step's optimizer step (reported with the vote).
+  Clock::time_point stepStart_{};
+  double stepWaited_ = 0;
+  double lastStall_ = 0;
   std::mutex ckMu_;
   std::condition_variable ckCv_;
   // Guarded by ckMu_.

@@ -39,9 +39,13 @@ std::vector<Field> fieldsOf(Type type) {
     case Type::kLost:
       return {{"worker", Kind::kInt, true, 0, kMaxWorkerId - 1}};
     case Type::kVote:
-      return {{"step", Kind::kInt, true, 0, kMaxStep}};
+      return {{"step", Kind::kInt, true, 0, kMaxStep},
+              {"compute_us", Kind::kInt, false, 0, kMaxStep},
+              {"stall_us", Kind::kInt, false, 0, kMaxStep}};
     case Type::kCommit:
-      return {{"step", Kind::kInt, true, 0, kMaxStep}, {"next_epoch", Kind::kBool, false, 0, 0}};
+      return {{"step", Kind::kInt, true, 0, kMaxStep},
+              {"next_epoch", Kind::kBool, false, 0, 0},
+              {"checkpoint", Kind::kBool, false, 0, 0}};
     case Type::kEpoch:
       return {{"epoch", Kind::kInt, true, 0, kMaxStep},
               {"members", Kind::kIntArray, true, 0, kMaxMembers},
@@ -61,7 +65,16 @@ std::vector<Field> fieldsOf(Type type) {
     case Type::kRebuild:
       return {};
     case Type::kReady:
-      return {{"resume_step", Kind::kInt, true, 0, kMaxStep}};
+      return {{"resume_step", Kind::kInt, true, 0, kMaxStep},
+              {"global_batch", Kind::kInt, false, 1, kMaxStep},
+              {"microbatch", Kind::kInt, false, 1, kMaxStep},
+              {"steps", Kind::kInt, false, 0, kMaxStep},
+              {"checkpoints", Kind::kBool, false, 0, 0}};
+    case Type::kDurable:
+      return {{"step", Kind::kInt, true, 0, kMaxStep},
+              {"bytes", Kind::kInt, true, 0, kMaxStep},
+              {"flush_us", Kind::kInt, true, 0, kMaxStep},
+              {"path", Kind::kString, true, 1, kMaxText}};
     case Type::kLeave:
       return {{"step", Kind::kInt, true, -1, kMaxStep}};
     case Type::kReleased:
@@ -111,6 +124,8 @@ const char* typeName(uint8_t type) {
       return "released";
     case Type::kPipeline:
       return "pipeline";
+    case Type::kDurable:
+      return "durable";
   }
   return nullptr;
 }
@@ -126,6 +141,7 @@ const char* workerTypeName(uint8_t type) {
     case Type::kReady:
     case Type::kLeave:
     case Type::kPipeline:
+    case Type::kDurable:
       return typeName(type);
     default:
       return nullptr;

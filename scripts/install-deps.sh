@@ -14,6 +14,7 @@ PACKAGES=(
   libgtest-dev
   nlohmann-json3-dev
   libcli11-dev
+  curl gnuplot-nox
 )
 
 missing=()

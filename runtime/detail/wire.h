@@ -30,17 +30,21 @@ enum class Type : uint8_t {
   kWelcome = 2,    // coordinator -> worker: {worker, store_host, store_port, ...}
   kHeartbeat = 3,  // worker -> coordinator: {step}
   kLost = 4,       // worker -> coordinator: {worker} a peer the data plane lost
-  kVote = 5,       // worker -> coordinator: {step} reduction of step done in this epoch
-  kCommit = 6,     // coordinator -> worker: {step[, next_epoch]} every member voted for step
+  kVote = 5,       // worker -> coordinator: {step[, compute_us, stall_us]} reduction of step
+                   // done in this epoch (and how long its compute and snapshot stall took)
+  kCommit = 6,     // coordinator -> worker: {step[, next_epoch, checkpoint]} every member voted
+                   // for step (checkpoint: make this step durable)
   kEpoch = 7,      // coordinator -> worker: {epoch, members, resume_step, source, joined, sync}
   kDone = 8,       // worker -> coordinator: {step} finished every step
   kExpelled = 9,   // coordinator -> worker: {reason} declared dead; must leave
   kRebuild = 10,   // worker -> coordinator: {} this epoch's communicator could not be built
-  kReady = 11,     // worker -> coordinator: {resume_step} ready to train from this step
+  kReady = 11,     // worker -> coordinator: {resume_step[, global_batch, microbatch, steps]}
+                   // ready to train from this step
   kLeave = 12,     // worker -> coordinator: {step} preempted: leave at the next step boundary
   kReleased = 13,  // coordinator -> worker: {step, reason} left the job cleanly after step
   kPipeline = 14,  // worker -> coordinator: {profile, fault_tolerance, microbatches} plan the
                    // job as pipelines; every later epoch message carries its plan
+  kDurable = 15,   // worker -> coordinator: {step, bytes, flush_us, path} a version is durable
 };
 
 // Largest profile (JSON) a worker may send, and largest plan (JSON) an epoch may carry.

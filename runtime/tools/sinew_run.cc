@@ -6,11 +6,13 @@
 // which leave at the next step boundary) and the job stopped cleanly, resumable from its
 // checkpoint directory; 1 otherwise.
 //
-//   sinew-run -n N [--inject SPEC] [--log-dir DIR] [--heartbeat-ms MS] [--dead-after-ms MS]
-//             [--quiet] [--] program [args...]
+//   sinew-run -n N [--max-workers M] [--inject SPEC] [--log-dir DIR] [--control-port P]
+//             [--drain-signal SIG --drain-deadline-s T] [--quiet] [--] program [args...]
 //
 // <log-dir>/coordinator.json holds the coordinator's endpoint and token, so another worker
-// can join the running job: SINEW_COORDINATOR=host:port SINEW_TOKEN=token program args...
+// can join the running job (SINEW_COORDINATOR=host:port SINEW_TOKEN=token program args...),
+// and the control API's address and token (docs/control_api.md), which sinewctl reads. A
+// resize that grows the job makes sinew-run start joiners, up to --max-workers in all.
 
 #include <fcntl.h>
 #include <poll.h>
@@ -20,6 +22,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -28,6 +31,8 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -51,12 +56,20 @@ struct Args {
   int stepDeadlineMs = 3000;
   int stepDeadlineFactor = 20;
   bool quiet = false;
+  int maxWorkers = 0;  // 0: -n
+  int controlPort = 0;
+  bool noControl = false;
+  std::string controlHost = "127.0.0.1";
+  int controlTimeoutMs = 10000;
+  int drainSignal = 0;
+  double drainDeadline = 120;
   std::vector<std::string> program;
 };
 
 constexpr const char* kUsage =
-    "usage: sinew-run -n N [--inject SPEC] [--log-dir DIR] [--heartbeat-ms MS]\n"
-    "                 [--dead-after-ms MS] [--quiet] [--] program [args...]\n";
+    "usage: sinew-run -n N [--max-workers M] [--inject SPEC] [--log-dir DIR]\n"
+    "                 [--heartbeat-ms MS] [--dead-after-ms MS] [--control-port P]\n"
+    "                 [--drain-signal SIG] [--quiet] [--] program [args...]\n";
 
 [[noreturn]] void usage(const std::string& error) {
   std::fprintf(stderr, "sinew-run: %s\n%s", error.c_str(), kUsage);
@@ -101,6 +114,29 @@ Args parse(int argc, char** argv) {
   app.add_option("--step-deadline-factor", stepFactor,
                  "multiple of the median step time the step deadline is at least (default 20)")
       ->type_name("K");
+  std::string maxWorkers, controlPort = "0", controlTimeout = "10000", drainSignal,
+                          drainDeadline = "120";
+  app.add_option("--max-workers", maxWorkers,
+                 "workers a resize may grow the job to (joiners this launcher starts; default -n)")
+      ->type_name("M");
+  app.add_option("--control-port", controlPort,
+                 "port of the HTTP control API (docs/control_api.md; default 0: a free one)")
+      ->type_name("P");
+  app.add_flag("--no-control", a.noControl, "do not serve the control API");
+  app.add_option("--control-host", a.controlHost,
+                 "address of the control API (default 127.0.0.1; others need a firewall)")
+      ->type_name("HOST");
+  app.add_option("--control-timeout-ms", controlTimeout,
+                 "a control request must arrive within this; idle connections close after it "
+                 "(default 10000)")
+      ->type_name("MS");
+  app.add_option("--drain-signal", drainSignal,
+                 "a signal (e.g. USR1, as Slurm's --signal=B:USR1@120 sends) that stops the job "
+                 "with a durable checkpoint within --drain-deadline-s")
+      ->type_name("SIG");
+  app.add_option("--drain-deadline-s", drainDeadline,
+                 "deadline of the stop --drain-signal asks for, in seconds (default 120)")
+      ->type_name("T");
   app.add_flag("--quiet", a.quiet, "do not echo the workers' output (still logged)");
   app.prefix_command();  // The first positional and everything after it: the program.
   try {
@@ -122,14 +158,45 @@ Args parse(int argc, char** argv) {
   a.deadAfterMs = parseCount("--dead-after-ms", deadAfter, 1000000);
   a.stepDeadlineMs = parseCount("--step-deadline-ms", stepDeadline, 100000000);
   a.stepDeadlineFactor = parseCount("--step-deadline-factor", stepFactor, 1000000);
+  a.maxWorkers = maxWorkers.empty() ? a.workers : parseCount("--max-workers", maxWorkers, 1000000);
+  if (a.maxWorkers < a.workers) usage("--max-workers must be at least -n");
+  {
+    int64_t x = 0;
+    std::string error = sinew::detail::parseIntOrError(controlPort, "--control-port", 0, 65535, &x);
+    if (!error.empty()) usage(error);
+    a.controlPort = static_cast<int>(x);
+  }
+  a.controlTimeoutMs = parseCount("--control-timeout-ms", controlTimeout, 100000000);
+  if (!drainSignal.empty()) {
+    try {
+      a.drainSignal = sinew::runtime::signalNumber("--drain-signal", drainSignal);
+    } catch (const std::exception& e) {
+      usage(e.what());
+    }
+    if (a.drainSignal == SIGINT || a.drainSignal == SIGTERM) {
+      usage("--drain-signal must not be INT or TERM (they drain already)");
+    }
+  }
+  {
+    char* end = nullptr;
+    a.drainDeadline = std::strtod(drainDeadline.c_str(), &end);
+    if (drainDeadline.empty() || *end != '\0' || !(a.drainDeadline > 0) ||
+        !(a.drainDeadline <= 1e7)) {
+      usage("--drain-deadline-s = '" + drainDeadline + "' must be a number of seconds in (0, 1e7]");
+    }
+  }
   if (a.program.empty()) usage("no program to run");
   if (a.deadAfterMs <= a.heartbeatMs) usage("--dead-after-ms must exceed --heartbeat-ms");
   return a;
 }
 
 // The launcher's children, for the signal handler (a launcher's main is the one place where
-// a process-wide table is the natural owner).
+// a process-wide table is the natural owner). Its capacity is reserved for --max-workers up
+// front, so that starting a joiner never moves it under a running handler.
 std::vector<pid_t> gChildren;
+// Set by --drain-signal's handler; the main loop asks the coordinator to stop.
+volatile sig_atomic_t gDrainSignal = 0;
+void onDrainSignal(int) { gDrainSignal = 1; }
 
 // SIGTERM and SIGINT: the first is forwarded, and the workers drain (leave at the next step
 // boundary, the last step durable); a second one ends the job at once: every worker is
@@ -144,7 +211,7 @@ void forward(int sig) {
 
 struct Stream {
   int fd;
-  int worker;
+  std::string label;  // "worker 3", or "joiner 1" until the coordinator names it
   std::string pending;
   std::FILE* log;
 };
@@ -164,6 +231,12 @@ int main(int argc, char** argv) {
   std::error_code ec;
   std::filesystem::create_directories(a.logDir, ec);
   if (ec) usage("cannot create --log-dir " + a.logDir + ": " + ec.message());
+  gChildren.reserve(a.maxWorkers);
+
+  // Joiners a resize asked for: the coordinator counts them here (under its lock, so it must
+  // not fork), the main loop starts them.
+  std::atomic<int> joinersWanted{0};
+  std::atomic<int> joinersGranted{0};
 
   sinew::runtime::CoordinatorOptions co;
   co.expectedWorkers = a.workers;
@@ -173,55 +246,75 @@ int main(int argc, char** argv) {
   co.progressFactor = a.stepDeadlineFactor;
   co.eventLogPath = a.logDir + "/coordinator-events.jsonl";
   co.log = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
-  sinew::runtime::Coordinator coordinator(co);
+  if (!a.noControl) {
+    co.controlPort = a.controlPort;
+    co.controlHost = a.controlHost;
+    co.controlTimeout = std::chrono::milliseconds(a.controlTimeoutMs);
+    co.startWorkers = [&](int count) {
+      const int room = a.maxWorkers - a.workers - joinersGranted.load();
+      const int n = std::max(0, std::min(count, room));
+      joinersGranted += n;
+      joinersWanted += n;
+      return n;
+    };
+  }
+  std::unique_ptr<sinew::runtime::Coordinator> coordinatorOwner;
+  try {
+    coordinatorOwner = std::make_unique<sinew::runtime::Coordinator>(co);
+    sinew::runtime::writeCoordinatorJson(*coordinatorOwner, a.logDir + "/coordinator.json");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "sinew-run: %s\n", e.what());
+    return 1;
+  }
+  sinew::runtime::Coordinator& coordinator = *coordinatorOwner;
   char token[32];
   std::snprintf(token, sizeof(token), "%llx", static_cast<unsigned long long>(coordinator.token()));
   std::string endpoint = coordinator.host() + ":" + std::to_string(coordinator.port());
-  {
-    // It holds the job token: readable by this user only, from the moment it exists.
-    const std::string path = a.logDir + "/coordinator.json";
-    int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-    if (fd < 0 || ::fchmod(fd, 0600) != 0) {
-      std::fprintf(stderr, "sinew-run: cannot create %s: %s\n", path.c_str(), std::strerror(errno));
-      return 1;
-    }
-    std::string text = nlohmann::json{{"host", coordinator.host()},
-                                      {"port", coordinator.port()},
-                                      {"token", token},
-                                      {"store_port", coordinator.storePort()}}
-                           .dump() +
-                       "\n";
-    bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
-    ::close(fd);
-    if (!ok) {
-      std::fprintf(stderr, "sinew-run: cannot write %s\n", path.c_str());
-      return 1;
-    }
-  }
   std::printf("sinew-run: coordinator at %s, %d workers, logs in %s\n", endpoint.c_str(), a.workers,
               a.logDir.c_str());
+  if (coordinator.controlPort() != 0) {
+    std::printf("sinew-run: control API at http://%s:%d (token in %s/coordinator.json)\n",
+                coordinator.controlHost().c_str(), coordinator.controlPort(), a.logDir.c_str());
+  }
 
-  std::vector<Stream> streams;
-  for (int w = 0; w < a.workers; ++w) {
+  std::mutex streamsMu;
+  std::vector<Stream> streams;  // Guarded by streamsMu.
+  std::vector<int> launchRank;  // per child: its launch rank, or -1 for a joiner
+  int joinerCount = 0;
+  // Starts one worker: launch rank `rank`, or a joiner (-1). False if it could not.
+  auto start = [&](int rank) {
     int fds[2];
-    if (::pipe(fds) != 0) {
+    if (::pipe2(fds, O_CLOEXEC) != 0) {
       std::perror("sinew-run: pipe");
-      forward(SIGKILL);
-      return 1;
+      return false;
     }
+    const std::string label =
+        rank >= 0 ? "worker " + std::to_string(rank) : "joiner " + std::to_string(++joinerCount);
+    const std::string logName = rank >= 0 ? "worker-" + std::to_string(rank) + ".log"
+                                          : "joiner-" + std::to_string(joinerCount) + ".log";
     std::fflush(nullptr);
     pid_t pid = ::fork();
+    if (pid < 0) {
+      std::perror("sinew-run: fork");
+      ::close(fds[0]);
+      ::close(fds[1]);
+      return false;
+    }
     if (pid == 0) {
       ::dup2(fds[1], 1);
       ::dup2(fds[1], 2);
-      ::close(fds[0]);
-      ::close(fds[1]);
       ::setenv("SINEW_COORDINATOR", endpoint.c_str(), 1);
       ::setenv("SINEW_TOKEN", token, 1);
-      ::setenv("SINEW_WORKER_ID", std::to_string(w).c_str(), 1);
+      if (rank >= 0) {
+        ::setenv("SINEW_WORKER_ID", std::to_string(rank).c_str(), 1);
+      } else {
+        ::unsetenv("SINEW_WORKER_ID");
+      }
       ::setenv("SINEW_LOG_DIR", a.logDir.c_str(), 1);
       if (!std::getenv("SINEW_NODE")) {
-        ::setenv("SINEW_NODE", ("local-" + std::to_string(w)).c_str(), 1);
+        const std::string node = rank >= 0 ? "local-" + std::to_string(rank)
+                                           : "local-joiner-" + std::to_string(joinerCount);
+        ::setenv("SINEW_NODE", node.c_str(), 1);
       }
       if (!a.inject.empty()) ::setenv("SINEW_INJECT", a.inject.c_str(), 1);
       std::vector<char*> args;
@@ -233,24 +326,49 @@ int main(int argc, char** argv) {
     }
     ::close(fds[1]);
     gChildren.push_back(pid);
-    std::string logPath = a.logDir + "/worker-" + std::to_string(w) + ".log";
-    streams.push_back({fds[0], w, "", std::fopen(logPath.c_str(), "w")});
-    std::printf("sinew-run: worker %d pid %d log %s\n", w, pid, logPath.c_str());
+    launchRank.push_back(rank);
+    std::string logPath = a.logDir + "/" + logName;
+    {
+      std::lock_guard<std::mutex> lock(streamsMu);
+      streams.push_back({fds[0], label, "", std::fopen(logPath.c_str(), "we")});
+    }
+    std::printf("sinew-run: %s pid %d log %s\n", label.c_str(), pid, logPath.c_str());
+    std::fflush(stdout);
+    return true;
+  };
+  for (int w = 0; w < a.workers; ++w) {
+    if (!start(w)) {
+      forward(SIGKILL);
+      return 1;
+    }
   }
-  std::fflush(stdout);
   struct sigaction sa {};
   sa.sa_handler = forward;
   ::sigaction(SIGINT, &sa, nullptr);
   ::sigaction(SIGTERM, &sa, nullptr);
+  if (a.drainSignal != 0) {
+    struct sigaction ds {};
+    ds.sa_handler = onDrainSignal;
+    ::sigaction(a.drainSignal, &ds, nullptr);
+  }
 
-  // Echo and log every worker's output until all pipes close.
+  // Echo and log every worker's output until all pipes close and no more workers start.
+  std::atomic<bool> noMoreWorkers{false};
   std::thread reader([&] {
-    size_t open = streams.size();
-    while (open > 0) {
+    while (true) {
       std::vector<pollfd> pfds;
-      for (auto& s : streams) pfds.push_back({s.fd, POLLIN, 0});  // fd -1: ignored
+      {
+        std::lock_guard<std::mutex> lock(streamsMu);
+        size_t open = 0;
+        for (auto& s : streams) {
+          pfds.push_back({s.fd, POLLIN, 0});  // fd -1: ignored
+          open += s.fd >= 0;
+        }
+        if (open == 0 && noMoreWorkers.load()) break;
+      }
       if (::poll(pfds.data(), pfds.size(), 200) < 0 && errno != EINTR) break;
-      for (size_t i = 0; i < streams.size(); ++i) {
+      std::lock_guard<std::mutex> lock(streamsMu);
+      for (size_t i = 0; i < pfds.size(); ++i) {
         Stream& s = streams[i];
         if (s.fd < 0 || !(pfds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
         char buf[8192];
@@ -258,11 +376,10 @@ int main(int argc, char** argv) {
         if (n <= 0) {
           if (n < 0 && errno == EINTR) continue;
           if (!s.pending.empty() && !a.quiet) {
-            std::printf("[worker %d] %s\n", s.worker, s.pending.c_str());
+            std::printf("[%s] %s\n", s.label.c_str(), s.pending.c_str());
           }
           ::close(s.fd);
           s.fd = -1;
-          open--;
           continue;
         }
         if (s.log) {
@@ -272,13 +389,22 @@ int main(int argc, char** argv) {
         s.pending.append(buf, n);
         size_t nl;
         while ((nl = s.pending.find('\n')) != std::string::npos) {
-          if (!a.quiet) std::printf("[worker %d] %s\n", s.worker, s.pending.substr(0, nl).c_str());
+          if (!a.quiet) std::printf("[%s] %s\n", s.label.c_str(), s.pending.substr(0, nl).c_str());
           s.pending.erase(0, nl + 1);
         }
         std::fflush(stdout);
       }
     }
   });
+
+  // The worker id of child i: its launch rank, or the id the coordinator gave the joiner.
+  auto workerOf = [&](size_t i, const sinew::runtime::CoordinatorStatus& cs) {
+    if (launchRank[i] >= 0) return launchRank[i];
+    for (const auto& [id, pid] : cs.pids) {
+      if (pid == gChildren[i]) return id;
+    }
+    return -1;
+  };
 
   // Reaps the workers. A worker declared dead that is still running once the job has ended
   // (its training thread stalled, docs/failure_semantics.md rule 1) gets a 2 s grace to learn
@@ -287,7 +413,18 @@ int main(int argc, char** argv) {
   bool graceRunning = false;
   std::chrono::steady_clock::time_point graceSince{};
   bool killedStragglers = false;
-  while (status.size() < gChildren.size()) {
+  bool drainAsked = false;
+  while (status.size() < gChildren.size() || joinersWanted.load() > 0) {
+    if (gDrainSignal && !drainAsked) {
+      drainAsked = true;
+      auto reply = coordinator.stop(a.drainDeadline);
+      std::printf("sinew-run: drain signal: stopping the job within %.0f s: %s\n", a.drainDeadline,
+                  reply.body.dump().c_str());
+      std::fflush(stdout);
+    }
+    for (int want = joinersWanted.exchange(0); want > 0 && gSignals == 0; --want) {
+      if (!start(-1)) break;
+    }
     int st = 0;
     pid_t p = ::waitpid(-1, &st, WNOHANG);
     if (p < 0) {
@@ -301,10 +438,10 @@ int main(int argc, char** argv) {
     auto cs = coordinator.status();
     const bool ended = cs.finished || (cs.epoch >= 0 && cs.members.empty());
     bool onlyDeadLeft = true;
-    for (size_t w = 0; w < gChildren.size(); ++w) {
-      if (status.count(gChildren[w])) continue;
-      onlyDeadLeft = onlyDeadLeft && std::find(cs.dead.begin(), cs.dead.end(),
-                                               static_cast<int>(w)) != cs.dead.end();
+    for (size_t i = 0; i < gChildren.size(); ++i) {
+      if (status.count(gChildren[i])) continue;
+      const int w = workerOf(i, cs);
+      onlyDeadLeft = onlyDeadLeft && std::find(cs.dead.begin(), cs.dead.end(), w) != cs.dead.end();
     }
     if (!(ended && onlyDeadLeft)) graceRunning = false;
     if (ended && onlyDeadLeft && !killedStragglers) {
@@ -314,13 +451,13 @@ int main(int argc, char** argv) {
         graceSince = now;
       }
       if (now - graceSince > std::chrono::seconds(2)) {
-        for (size_t w = 0; w < gChildren.size(); ++w) {
-          if (status.count(gChildren[w])) continue;
+        for (size_t i = 0; i < gChildren.size(); ++i) {
+          if (status.count(gChildren[i])) continue;
           std::printf(
-              "sinew-run: worker %zu was declared dead and still runs after the job "
+              "sinew-run: worker %d was declared dead and still runs after the job "
               "ended; killing pid %d\n",
-              w, static_cast<int>(gChildren[w]));
-          ::kill(gChildren[w], SIGKILL);  // Our own child, by PID.
+              workerOf(i, cs), static_cast<int>(gChildren[i]));
+          ::kill(gChildren[i], SIGKILL);  // Our own child, by PID.
         }
         std::fflush(stdout);
         killedStragglers = true;
@@ -328,6 +465,7 @@ int main(int argc, char** argv) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
+  noMoreWorkers = true;
   reader.join();
   for (auto& s : streams) {
     if (s.log) std::fclose(s.log);
@@ -336,16 +474,17 @@ int main(int argc, char** argv) {
   auto st = coordinator.status();
   std::vector<int> dead = st.dead;
   bool ok = st.finished;
-  for (size_t w = 0; w < gChildren.size(); ++w) {
-    int s = status[gChildren[w]];
-    bool declaredDead = std::find(dead.begin(), dead.end(), static_cast<int>(w)) != dead.end();
+  for (size_t i = 0; i < gChildren.size(); ++i) {
+    int s = status[gChildren[i]];
+    const int w = workerOf(i, st);
+    bool declaredDead = std::find(dead.begin(), dead.end(), w) != dead.end();
     std::string how = WIFEXITED(s) ? "exited " + std::to_string(WEXITSTATUS(s))
                                    : "killed by signal " + std::to_string(WTERMSIG(s));
     bool clean = WIFEXITED(s) && WEXITSTATUS(s) == 0;
     if (!clean && !declaredDead) ok = false;
     if (!clean) {
-      std::printf("sinew-run: worker %zu %s%s\n", w, how.c_str(),
-                  declaredDead ? " (declared dead; the job went on without it)" : "");
+      std::printf("sinew-run: worker %d (pid %d) %s%s\n", w, static_cast<int>(gChildren[i]),
+                  how.c_str(), declaredDead ? " (declared dead; the job went on without it)" : "");
     }
   }
   std::string deadList;
@@ -353,7 +492,7 @@ int main(int argc, char** argv) {
   std::string releasedList;
   for (int r : st.released) releasedList += (releasedList.empty() ? "" : ",") + std::to_string(r);
   const char* verdict = !ok          ? "FAILED"
-                        : st.stopped ? "stopped (every worker preempted)"
+                        : st.stopped ? "stopped (every worker preempted or stopped)"
                                      : "finished";
   std::printf(
       "sinew-run: job %s at step %lld, epoch %lld; workers lost: [%s]; released: [%s]; "

@@ -1,0 +1,247 @@
+#include "sinew/runtime/control_api.h"
+
+#include <signal.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <set>
+
+#include "sinew/collectives/error.h"
+
+namespace sinew {
+namespace runtime {
+int signalNumber(const std::string& what, const std::string& name) {
+  static const std::pair<const char*, int> kNames[] = {
+      {"HUP", SIGHUP},   {"INT", SIGINT},   {"QUIT", SIGQUIT}, {"USR1", SIGUSR1},
+      {"USR2", SIGUSR2}, {"TERM", SIGTERM}, {"XCPU", SIGXCPU}, {"URG", SIGURG}};
+  std::string n = name.rfind("SIG", 0) == 0 ? name.substr(3) : name;
+  for (const auto& [text, number] : kNames) {
+    if (n == text) return number;
+  }
+  if (!n.empty() && n.size() <= 2 && std::all_of(n.begin(), n.end(), ::isdigit)) {
+    const int number = std::stoi(n);
+    if (number >= 1 && number <= 64 && number != SIGKILL && number != SIGSTOP) return number;
+  }
+  SINEW_THROW(InvalidArgument, what, " = '", name,
+              "' is not a signal that can be caught (USR1, USR2, TERM, HUP, INT, QUIT, XCPU, "
+              "URG, or a number)");
+}
+
+namespace control {
+
+using nlohmann::json;
+
+namespace {
+
+// The paths, and the method each takes.
+struct Route {
+  const char* path;
+  const char* method;
+};
+constexpr Route kRoutes[] = {
+    {"/v1/status", "GET"},      {"/v1/scaling", "GET"}, {"/v1/events", "GET"},
+    {"/metrics", "GET"},        {"/v1/resize", "POST"}, {"/v1/drain", "POST"},
+    {"/v1/checkpoint", "POST"}, {"/v1/stop", "POST"},
+};
+
+std::string pathList() {
+  std::string out;
+  for (const Route& r : kRoutes)
+    out += std::string(out.empty() ? "" : ", ") + r.method + " " + r.path;
+  return out;
+}
+
+// Fields other than `known` are an error: a misspelt field must not be silently ignored.
+void onlyFields(const json& body, std::initializer_list<const char*> known, const char* what) {
+  for (auto it = body.begin(); it != body.end(); ++it) {
+    bool ok = false;
+    for (const char* k : known) ok = ok || it.key() == k;
+    if (!ok) {
+      std::string names;
+      for (const char* k : known) names += std::string(names.empty() ? "" : ", ") + "'" + k + "'";
+      SINEW_THROW(InvalidArgument, what, ": unknown field '", it.key(), "' (known: ", names, ")");
+    }
+  }
+}
+
+double deadlineOf(const json& v, const char* what) {
+  if (!v.is_number()) {
+    SINEW_THROW(InvalidArgument, what, ": 'deadline_s' = ", v.dump(), " is not a number");
+  }
+  double d = v.get<double>();
+  if (!(d > 0) || !(d <= kMaxDeadlineSeconds)) {
+    SINEW_THROW(InvalidArgument, what, ": 'deadline_s' = ", v.dump(), " must be in (0, ",
+                kMaxDeadlineSeconds, "] seconds");
+  }
+  return d;
+}
+
+Answer jsonAnswer(const ControlReply& r) {
+  Answer a;
+  a.status = r.status;
+  a.body = r.body.dump(2, ' ', false, json::error_handler_t::replace) + "\n";
+  return a;
+}
+
+}  // namespace
+
+bool authorized(std::string_view authorization, const std::string& token) {
+  constexpr std::string_view kBearer = "Bearer ";
+  if (token.empty() || authorization.size() != kBearer.size() + token.size() ||
+      authorization.substr(0, kBearer.size()) != kBearer) {
+    return false;
+  }
+  unsigned diff = 0;
+  for (size_t i = 0; i < token.size(); ++i) {
+    diff |= static_cast<unsigned char>(authorization[kBearer.size() + i]) ^
+            static_cast<unsigned char>(token[i]);
+  }
+  return diff == 0;
+}
+
+Answer errorAnswer(int status, const std::string& message) {
+  ControlReply r;
+  r.status = status;
+  r.body = json{{"error", message}};
+  return jsonAnswer(r);
+}
+
+json parseObject(std::string_view body) {
+  if (body.empty()) return json::object();
+  json v = json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
+  if (v.is_discarded()) SINEW_THROW(InvalidArgument, "the request body is not valid JSON");
+  if (!v.is_object()) {
+    SINEW_THROW(InvalidArgument, "the request body must be a JSON object, not ", v.type_name());
+  }
+  return v;
+}
+
+int64_t parseResize(const json& body) {
+  onlyFields(body, {"nodes"}, "resize");
+  if (!body.contains("nodes")) SINEW_THROW(InvalidArgument, "resize: field 'nodes' is missing");
+  const json& v = body.at("nodes");
+  if (!v.is_number_integer() ||
+      (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(kMaxNodes)) || v.get<int64_t>() < 1 ||
+      v.get<int64_t>() > kMaxNodes) {
+    SINEW_THROW(InvalidArgument, "resize: 'nodes' = ", v.dump(), " must be an integer in [1, ",
+                kMaxNodes, "]");
+  }
+  return v.get<int64_t>();
+}
+
+DrainRequest parseDrain(const json& body) {
+  onlyFields(body, {"nodes", "workers", "deadline_s"}, "drain");
+  DrainRequest r;
+  const bool nodes = body.contains("nodes"), workers = body.contains("workers");
+  if (nodes == workers) {
+    SINEW_THROW(InvalidArgument, "drain: give exactly one of 'nodes' (names) and 'workers' (ids)");
+  }
+  const json& list = body.at(nodes ? "nodes" : "workers");
+  const char* field = nodes ? "nodes" : "workers";
+  if (!list.is_array() || list.empty() || list.size() > kMaxListed) {
+    SINEW_THROW(InvalidArgument, "drain: '", field, "' must be a non-empty array of at most ",
+                kMaxListed, " entries");
+  }
+  for (const json& e : list) {
+    if (nodes) {
+      if (!e.is_string() || e.get<std::string>().empty() || e.get<std::string>().size() > 255) {
+        SINEW_THROW(InvalidArgument, "drain: 'nodes' holds ", e.dump(),
+                    ", not a node name of 1 to 255 characters");
+      }
+      r.nodes.push_back(e.get<std::string>());
+    } else {
+      if (!e.is_number_integer() || (e.is_number_unsigned() && e.get<uint64_t>() > INT32_MAX) ||
+          e.get<int64_t>() < 0 || e.get<int64_t>() > INT32_MAX) {
+        SINEW_THROW(InvalidArgument, "drain: 'workers' holds ", e.dump(), ", not a worker id");
+      }
+      r.workers.push_back(e.get<int>());
+    }
+  }
+  if (!body.contains("deadline_s")) {
+    SINEW_THROW(InvalidArgument, "drain: field 'deadline_s' is missing");
+  }
+  r.deadlineSeconds = deadlineOf(body.at("deadline_s"), "drain");
+  return r;
+}
+
+void parseCheckpoint(const json& body) {
+  onlyFields(body, {"durable"}, "checkpoint");
+  if (body.contains("durable")) {
+    const json& v = body.at("durable");
+    if (!v.is_boolean()) {
+      SINEW_THROW(InvalidArgument, "checkpoint: 'durable' = ", v.dump(), " is not true or false");
+    }
+    if (!v.get<bool>()) {
+      SINEW_THROW(InvalidArgument,
+                  "checkpoint: 'durable' = false (a copy in host memory only) is not offered: "
+                  "every checkpoint this job takes is written to its checkpoint directory");
+    }
+  }
+}
+
+double parseStop(const json& body) {
+  onlyFields(body, {"deadline_s"}, "stop");
+  return body.contains("deadline_s") ? deadlineOf(body.at("deadline_s"), "stop") : 0;
+}
+
+Answer route(Backend& backend, std::string_view method, std::string_view target,
+             std::string_view body) {
+  std::string_view path = target.substr(0, target.find('?'));
+  const Route* found = nullptr;
+  for (const Route& r : kRoutes) {
+    if (path == r.path) found = &r;
+  }
+  if (found == nullptr) {
+    std::string shown(path.substr(0, 200));
+    return errorAnswer(404, "no such path '" + shown + "' (the API has: " + pathList() + ")");
+  }
+  if (method != found->method) {
+    Answer a = errorAnswer(405, std::string(found->path) + " takes " + found->method + ", not " +
+                                    std::string(method.substr(0, 32)));
+    a.allow = found->method;
+    return a;
+  }
+  try {
+    if (path == "/v1/status") return jsonAnswer(backend.status());
+    if (path == "/v1/scaling") return jsonAnswer(backend.scaling());
+    if (path == "/metrics") {
+      Answer a;
+      a.contentType = "text/plain; version=0.0.4; charset=utf-8";
+      a.body = backend.metrics();
+      return a;
+    }
+    if (path == "/v1/events") {
+      Answer a;
+      a.contentType = "text/event-stream";
+      a.eventStream = true;
+      return a;
+    }
+    json request = parseObject(body);
+    if (path == "/v1/resize") return jsonAnswer(backend.resize(parseResize(request)));
+    if (path == "/v1/drain") return jsonAnswer(backend.drain(parseDrain(request)));
+    if (path == "/v1/checkpoint") {
+      parseCheckpoint(request);
+      return jsonAnswer(backend.checkpoint());
+    }
+    return jsonAnswer(backend.stop(parseStop(request)));
+  } catch (const InvalidArgument& e) {
+    return errorAnswer(400, e.what());
+  } catch (const std::exception& e) {
+    return errorAnswer(500, std::string("internal error: ") + e.what());
+  }
+}
+
+std::string sseEvent(int64_t seq, const json& event) {
+  std::string name = event.value("event", std::string("event"));
+  // An event name is one line of safe characters.
+  for (char& c : name) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-')) c = '_';
+  }
+  return "id: " + std::to_string(seq) + "\nevent: " + name +
+         "\ndata: " + event.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
+}
+
+}  // namespace control
+}  // namespace runtime
+}  // namespace sinew

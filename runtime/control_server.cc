@@ -1,0 +1,318 @@
+#include "sinew/runtime/control_server.h"
+
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/write.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+
+#include <array>
+#include <deque>
+#include <optional>
+
+#include "sinew/collectives/error.h"
+#include "sinew/collectives/transport/channel.h"
+
+namespace sinew {
+namespace runtime {
+
+namespace asio = boost::asio;
+namespace beast = boost::beast;
+namespace http = boost::beast::http;
+using asio::ip::tcp;
+using boost::system::error_code;
+
+// What the sessions share with the server: it outlives the server while a session or a
+// handler holds it, and `closed` tells them that backend and feed may be gone.
+struct ControlServer::Shared {
+  ControlServerOptions options;
+  control::Backend* backend;  // Valid while !closed (the coordinator closes before it dies).
+  EventFeed* feed;            // Same.
+  std::optional<tcp::acceptor> acceptor;
+  bool closed = false;
+  size_t connections = 0;
+  size_t streams = 0;
+
+  void log(const std::string& line) const {
+    if (options.log) options.log("sinew control API: " + line);
+  }
+};
+
+namespace {
+
+// Events a slow reader may have queued before its stream is dropped.
+constexpr size_t kMaxQueuedEvents = 4096;
+
+class Session : public std::enable_shared_from_this<Session> {
+ public:
+  Session(tcp::socket socket, std::shared_ptr<ControlServer::Shared> shared)
+      : stream_(std::move(socket)), shared_(std::move(shared)) {
+    shared_->connections++;
+    error_code ec;
+    auto ep = stream_.socket().remote_endpoint(ec);
+    peer_ = ec ? std::string("an unknown peer")
+               : ep.address().to_string() + ":" + std::to_string(ep.port());
+  }
+
+  ~Session() {
+    shared_->connections--;
+    if (subscription_ >= 0) {
+      shared_->streams--;
+      if (!shared_->closed) shared_->feed->unsubscribe(subscription_);
+    }
+  }
+
+  void start() { readHeader(); }
+
+  // Sends a refusal and closes (a connection over the cap).
+  void refuse(int status, const std::string& why) {
+    respond(control::errorAnswer(status, why), /*keepAlive=*/false, 11);
+  }
+
+ private:
+  void readHeader() {
+    if (shared_->closed) return;
+    parser_.emplace();
+    parser_->header_limit(control::kMaxHeaderBytes);
+    parser_->body_limit(shared_->options.maxBodyBytes);
+    stream_.expires_after(shared_->options.requestTimeout);
+    http::async_read_header(
+        stream_, buffer_, *parser_,
+        [self = shared_from_this()](error_code ec, size_t) { self->onHeader(ec); });
+  }
+
+  // A failed read: answer what was wrong when the client can still hear it, then close.
+  void onReadError(error_code ec) {
+    if (ec == http::error::end_of_stream || ec == asio::error::connection_reset ||
+        ec == asio::error::operation_aborted || shared_->closed) {
+      return close();
+    }
+    if (ec == beast::error::timeout) {
+      if (!parser_->got_some()) return close();  // An idle keep-alive connection.
+      shared_->log("request from " + peer_ + " did not arrive within " +
+                   std::to_string(shared_->options.requestTimeout.count()) + " ms; closing");
+      return respond(control::errorAnswer(
+                         408, "the request did not arrive within " +
+                                  std::to_string(shared_->options.requestTimeout.count()) + " ms"),
+                     false, 11);
+    }
+    if (ec == http::error::body_limit) {
+      return respond(
+          control::errorAnswer(413, "the request body is over the limit of " +
+                                        std::to_string(shared_->options.maxBodyBytes) + " bytes"),
+          false, 11);
+    }
+    if (ec == http::error::header_limit) {
+      return respond(
+          control::errorAnswer(431, "the request headers are over the limit of " +
+                                        std::to_string(control::kMaxHeaderBytes) + " bytes"),
+          false, 11);
+    }
+    shared_->log("malformed request from " + peer_ + ": " + ec.message());
+    respond(control::errorAnswer(400, "malformed HTTP request: " + ec.message()), false, 11);
+  }
+
+  void onHeader(error_code ec) {
+    if (ec) return onReadError(ec);
+    auto& req = parser_->get();
+    version_ = req.version();
+    // The token before anything else: no body is read for a stranger.
+    auto auth = req[http::field::authorization];
+    if (!control::authorized(std::string_view(auth.data(), auth.size()), shared_->options.token)) {
+      refuseUnauthorized();
+      return;
+    }
+    if (parser_->is_done()) return onRequest();
+    http::async_read(stream_, buffer_, *parser_,
+                     [self = shared_from_this()](error_code ec, size_t) {
+                       if (ec) return self->onReadError(ec);
+                       self->onRequest();
+                     });
+  }
+
+  void refuseUnauthorized() {
+    control::Answer a = control::errorAnswer(
+        401,
+        "missing or wrong bearer token (send 'Authorization: Bearer <token>'; the token is in "
+        "the job's coordinator.json)");
+    respond(a, false, version_);
+  }
+
+  void onRequest() {
+    stream_.expires_never();
+    if (shared_->closed) return close();
+    auto& req = parser_->get();
+    const bool keepAlive = req.keep_alive();
+    auto target = req.target();
+    auto method = req.method_string();
+    control::Answer a =
+        control::route(*shared_->backend, std::string_view(method.data(), method.size()),
+                       std::string_view(target.data(), target.size()), req.body());
+    if (a.eventStream) return startStream(req);
+    respond(a, keepAlive, version_);
+  }
+
+  void respond(const control::Answer& a, bool keepAlive, unsigned version) {
+    auto res = std::make_shared<http::response<http::string_body>>(
+        static_cast<http::status>(a.status), version);
+    res->set(http::field::server, "sinew");
+    res->set(http::field::content_type, a.contentType);
+    res->set(http::field::cache_control, "no-store");
+    if (a.status == 401) res->set(http::field::www_authenticate, "Bearer");
+    if (!a.allow.empty()) res->set(http::field::allow, a.allow);
+    res->keep_alive(keepAlive);
+    res->body() = a.body;
+    res->prepare_payload();
+    stream_.expires_after(shared_->options.requestTimeout);
+    http::async_write(stream_, *res,
+                      [self = shared_from_this(), res, keepAlive](error_code ec, size_t) {
+                        if (ec || !keepAlive) return self->close();
+                        self->readHeader();
+                      });
+  }
+
+  // GET /v1/events: a server-sent event stream until the client goes or the server closes.
+  void startStream(const http::request<http::string_body>& req) {
+    if (shared_->streams >= shared_->options.maxEventStreams) {
+      return respond(
+          control::errorAnswer(503, "too many event streams open (at most " +
+                                        std::to_string(shared_->options.maxEventStreams) + ")"),
+          false, version_);
+    }
+    int64_t after = -1;
+    auto last = req["Last-Event-ID"];
+    if (!last.empty() && last.size() < 20) {
+      try {
+        after = std::stoll(std::string(last.data(), last.size()));
+      } catch (const std::exception&) {
+        after = -1;
+      }
+    }
+    shared_->streams++;
+    queue_.push_back(
+        "HTTP/1.1 200 OK\r\nServer: sinew\r\nContent-Type: text/event-stream\r\n"
+        "Cache-Control: no-store\r\nConnection: close\r\n\r\n");
+    std::weak_ptr<Session> weak = weak_from_this();
+    subscription_ = shared_->feed->subscribe(
+        [weak](int64_t seq, const nlohmann::json& e) {
+          if (auto self = weak.lock()) self->push(control::sseEvent(seq, e));
+        },
+        after);
+    writeQueued();
+    // Reading on tells when the client goes away (anything it sends is ignored).
+    watchClient();
+  }
+
+  void push(std::string text) {
+    if (closing_) return;
+    if (queue_.size() >= kMaxQueuedEvents) {
+      shared_->log("event stream to " + peer_ + " is not read; dropping it");
+      return close();
+    }
+    queue_.push_back(std::move(text));
+    if (!writing_) writeQueued();
+  }
+
+  void writeQueued() {
+    if (queue_.empty() || closing_) return;
+    writing_ = true;
+    stream_.expires_after(shared_->options.requestTimeout);
+    asio::async_write(stream_, asio::buffer(queue_.front()),
+                      [self = shared_from_this()](error_code ec, size_t) {
+                        self->writing_ = false;
+                        if (ec) return self->close();
+                        self->queue_.pop_front();
+                        if (self->queue_.empty()) {
+                          self->stream_.expires_never();
+                        } else {
+                          self->writeQueued();
+                        }
+                      });
+  }
+
+  void watchClient() {
+    stream_.socket().async_read_some(asio::buffer(sink_),
+                                     [self = shared_from_this()](error_code ec, size_t) {
+                                       if (ec) return self->close();
+                                       self->watchClient();
+                                     });
+  }
+
+  void close() {
+    if (closing_) return;
+    closing_ = true;
+    error_code ignored;
+    stream_.socket().shutdown(tcp::socket::shutdown_both, ignored);
+    stream_.socket().close(ignored);
+  }
+
+  beast::tcp_stream stream_;
+  std::shared_ptr<ControlServer::Shared> shared_;
+  beast::flat_buffer buffer_{control::kMaxHeaderBytes + 1024};
+  std::optional<http::request_parser<http::string_body>> parser_;
+  unsigned version_ = 11;
+  std::string peer_;
+  int subscription_ = -1;
+  std::deque<std::string> queue_;
+  bool writing_ = false;
+  bool closing_ = false;
+  std::array<char, 512> sink_{};
+};
+
+void accept(const std::shared_ptr<ControlServer::Shared>& shared) {
+  shared->acceptor->async_accept([shared](error_code ec, tcp::socket socket) {
+    if (shared->closed) return;
+    if (!ec) {
+      collectives::transport::setCloseOnExec(socket.native_handle());
+      auto session = std::make_shared<Session>(std::move(socket), shared);
+      if (shared->connections > shared->options.maxConnections) {
+        shared->log("refusing a connection: " + std::to_string(shared->options.maxConnections) +
+                    " are open");
+        session->refuse(503, "too many connections (at most " +
+                                 std::to_string(shared->options.maxConnections) + ")");
+      } else {
+        session->start();
+      }
+    }
+    accept(shared);
+  });
+}
+
+}  // namespace
+
+ControlServer::ControlServer(asio::io_context& io, ControlServerOptions options,
+                             control::Backend* backend, EventFeed* feed)
+    : shared_(std::make_shared<Shared>()) {
+  shared_->options = std::move(options);
+  shared_->backend = backend;
+  shared_->feed = feed;
+  if (shared_->options.token.empty()) {
+    SINEW_THROW(InvalidArgument, "ControlServerOptions::token is empty");
+  }
+  try {
+    tcp::endpoint ep(asio::ip::make_address(shared_->options.host), shared_->options.port);
+    shared_->acceptor.emplace(io);
+    shared_->acceptor->open(ep.protocol());
+    shared_->acceptor->set_option(tcp::acceptor::reuse_address(true));
+    shared_->acceptor->bind(ep);
+    shared_->acceptor->listen();
+    // Workers and launchers fork: the listening socket stays with this process.
+    collectives::transport::setCloseOnExec(shared_->acceptor->native_handle());
+  } catch (const boost::system::system_error& e) {
+    SINEW_THROW(IoError, "the control API cannot listen on ", shared_->options.host, ":",
+                shared_->options.port, ": ", e.what());
+  }
+  accept(shared_);
+}
+
+ControlServer::~ControlServer() = default;
+
+uint16_t ControlServer::port() const { return shared_->acceptor->local_endpoint().port(); }
+
+void ControlServer::close() {
+  shared_->closed = true;
+  error_code ignored;
+  if (shared_->acceptor) shared_->acceptor->close(ignored);
+}
+
+}  // namespace runtime
+}  // namespace sinew
