@@ -397,3 +397,27 @@ write_corpus("checkpoint_reader", {
     "negative_dim": shaped([-1], 0),
     "huge_shape": shaped([1 << 40], 0),
 }, kind="regressions")
+
+
+# --- control_request: HTTP requests to the control API (runtime/control_api.h). The harness's
+# token is 0123456789abcdef.
+AUTH = "Authorization: Bearer 0123456789abcdef\r\n"
+
+
+def post(path, body, extra=""):
+    return ("POST %s HTTP/1.1\r\n%s%sContent-Length: %d\r\n\r\n%s"
+            % (path, AUTH, extra, len(body), body))
+
+
+write_corpus("control_request", {
+    "status": "GET /v1/status HTTP/1.1\r\nHost: x\r\n" + AUTH + "\r\n",
+    "metrics": "GET /metrics HTTP/1.1\r\n" + AUTH + "\r\n",
+    "events": "GET /v1/events HTTP/1.1\r\n" + AUTH + "Last-Event-ID: 5\r\n\r\n",
+    "resize": post("/v1/resize", '{"nodes": 6}'),
+    "drain": post("/v1/drain", '{"workers": [1, 2], "deadline_s": 30}'),
+    "drain_chunked": "POST /v1/drain HTTP/1.1\r\n" + AUTH + "Transfer-Encoding: chunked\r\n\r\n"
+                     "24\r\n{\"nodes\": [\"n1\"], \"deadline_s\": 0.5}\r\n0\r\n\r\n",
+    "checkpoint": post("/v1/checkpoint", '{"durable": true}'),
+    "stop": post("/v1/stop", '{"deadline_s": 60}'),
+    "no_token": "GET /v1/status HTTP/1.1\r\n\r\n",
+})

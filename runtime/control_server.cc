@@ -1,6 +1,7 @@
 #include "sinew/runtime/control_server.h"
 
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <boost/asio/write.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
@@ -45,7 +46,7 @@ constexpr size_t kMaxQueuedEvents = 4096;
 class Session : public std::enable_shared_from_this<Session> {
  public:
   Session(tcp::socket socket, std::shared_ptr<ControlServer::Shared> shared)
-      : stream_(std::move(socket)), shared_(std::move(shared)) {
+      : stream_(std::move(socket)), deadline_(stream_.get_executor()), shared_(std::move(shared)) {
     shared_->connections++;
     error_code ec;
     auto ep = stream_.socket().remote_endpoint(ec);
@@ -74,7 +75,17 @@ class Session : public std::enable_shared_from_this<Session> {
     parser_.emplace();
     parser_->header_limit(control::kMaxHeaderBytes);
     parser_->body_limit(shared_->options.maxBodyBytes);
-    stream_.expires_after(shared_->options.requestTimeout);
+    // The request deadline is a timer of ours, not the stream's (which would close the
+    // socket): a late request still hears 408.
+    stream_.expires_never();
+    timedOut_ = false;
+    deadline_.expires_after(shared_->options.requestTimeout);
+    deadline_.async_wait([self = shared_from_this()](error_code ec) {
+      if (ec || self->closing_) return;
+      self->timedOut_ = true;
+      error_code ignored;
+      self->stream_.socket().cancel(ignored);
+    });
     http::async_read_header(
         stream_, buffer_, *parser_,
         [self = shared_from_this()](error_code ec, size_t) { self->onHeader(ec); });
@@ -82,11 +93,8 @@ class Session : public std::enable_shared_from_this<Session> {
 
   // A failed read: answer what was wrong when the client can still hear it, then close.
   void onReadError(error_code ec) {
-    if (ec == http::error::end_of_stream || ec == asio::error::connection_reset ||
-        ec == asio::error::operation_aborted || shared_->closed) {
-      return close();
-    }
-    if (ec == beast::error::timeout) {
+    deadline_.cancel();
+    if (timedOut_ && ec == asio::error::operation_aborted && !shared_->closed) {
       if (!parser_->got_some()) return close();  // An idle keep-alive connection.
       shared_->log("request from " + peer_ + " did not arrive within " +
                    std::to_string(shared_->options.requestTimeout.count()) + " ms; closing");
@@ -94,6 +102,10 @@ class Session : public std::enable_shared_from_this<Session> {
                          408, "the request did not arrive within " +
                                   std::to_string(shared_->options.requestTimeout.count()) + " ms"),
                      false, 11);
+    }
+    if (ec == http::error::end_of_stream || ec == asio::error::connection_reset ||
+        ec == asio::error::operation_aborted || shared_->closed) {
+      return close();
     }
     if (ec == http::error::body_limit) {
       return respond(
@@ -138,7 +150,7 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void onRequest() {
-    stream_.expires_never();
+    deadline_.cancel();
     if (shared_->closed) return close();
     auto& req = parser_->get();
     const bool keepAlive = req.keep_alive();
@@ -240,12 +252,15 @@ class Session : public std::enable_shared_from_this<Session> {
   void close() {
     if (closing_) return;
     closing_ = true;
+    deadline_.cancel();
     error_code ignored;
     stream_.socket().shutdown(tcp::socket::shutdown_both, ignored);
     stream_.socket().close(ignored);
   }
 
   beast::tcp_stream stream_;
+  asio::steady_timer deadline_;  // the request deadline (see readHeader)
+  bool timedOut_ = false;
   std::shared_ptr<ControlServer::Shared> shared_;
   beast::flat_buffer buffer_{control::kMaxHeaderBytes + 1024};
   std::optional<http::request_parser<http::string_body>> parser_;

@@ -1351,29 +1351,50 @@ ControlReply Coordinator::Impl::scaling() {
     }
     r.body["model"] = "pipeline templates (cost model), calibrated by the measured step time";
   } else {
-    // Data parallel: t(n) = a + b / n (the per-worker compute shrinks with n, the
-    // reduction does not), least squares over the sizes measured; one size: t(n) = b / n.
-    double a = 0, b = 0;
+    // Data parallel: the step time t(n) fitted by least squares to the sizes measured, as
+    // t = a + b / n (the per-worker compute shrinks with n, the reduction does not) or, where
+    // that fits worse (more workers made steps slower: shared cores, a slow network),
+    // t = a + c n; both with non-negative coefficients. One size measured: t = b / n.
+    double a = 0, b = 0, c = 0;
+    std::string model = "nothing measured yet";
     if (measured.size() == 1) {
       b = measured.begin()->second * measured.begin()->first;
+      model = "one size measured: step_s = b / workers";
     } else if (measured.size() >= 2) {
-      double sx = 0, sy = 0, sxx = 0, sxy = 0;
-      const double k = static_cast<double>(measured.size());
-      for (const auto& [n, t] : measured) {
-        const double x = 1.0 / n;
-        sx += x;
-        sy += t;
-        sxx += x * x;
-        sxy += x * t;
-      }
-      b = (k * sxy - sx * sy) / (k * sxx - sx * sx);
-      a = (sy - b * sx) / k;
-      if (b < 0) {  // More workers never made it slower per sample than this: flat.
-        b = 0;
-        a = sy / k;
-      } else if (a < 0) {
-        a = 0;
-        b = sxy / sxx;
+      // Fits t = p + q x over (x, t) with p, q >= 0; returns (p, q, squared error).
+      auto fit = [&](auto xOf) {
+        double sx = 0, sy = 0, sxx = 0, sxy = 0;
+        const double k = static_cast<double>(measured.size());
+        for (const auto& [n, t] : measured) {
+          const double x = xOf(n);
+          sx += x;
+          sy += t;
+          sxx += x * x;
+          sxy += x * t;
+        }
+        double q = (k * sxy - sx * sy) / (k * sxx - sx * sx);
+        double p = (sy - q * sx) / k;
+        if (q < 0) {
+          q = 0;
+          p = sy / k;
+        } else if (p < 0) {
+          p = 0;
+          q = sxy / sxx;
+        }
+        double err = 0;
+        for (const auto& [n, t] : measured) err += std::pow(p + q * xOf(n) - t, 2);
+        return std::array<double, 3>{p, q, err};
+      };
+      auto inverse = fit([](int n) { return 1.0 / n; });
+      auto linear = fit([](int n) { return static_cast<double>(n); });
+      if (inverse[2] <= linear[2]) {
+        a = inverse[0];
+        b = inverse[1];
+        model = "fitted: step_s = a + b / workers";
+      } else {
+        a = linear[0];
+        c = linear[1];
+        model = "fitted: step_s = a + c * workers (more workers were slower per step)";
       }
     }
     const int64_t microbatches = microbatch_ > 0 ? globalBatch_ / microbatch_ : 0;
@@ -1387,15 +1408,13 @@ ControlReply Coordinator::Impl::scaling() {
         p["measured_samples_per_s"] = globalBatch_ / m->second;
         p["measured_steps"] = stepSecondsBySize_.at(n).size();
       }
-      const double t = a + b / n;
+      const double t = a + b / n + c * n;
       p["predicted_samples_per_s"] =
           t > 0 && globalBatch_ > 0 ? json(globalBatch_ / t) : json(nullptr);
       points.push_back(p);
     }
-    r.body["model"] = measured.size() >= 2   ? "fitted: step_s = a + b / workers"
-                      : measured.size() == 1 ? "one size measured: step_s = b / workers"
-                                             : "nothing measured yet";
-    r.body["fit"] = {{"a_s", a}, {"b_s", b}};
+    r.body["model"] = model;
+    r.body["fit"] = {{"a_s", a}, {"b_s", b}, {"c_s", c}};
     r.body["feasible_note"] = microbatches > 0
                                   ? "a data-parallel step has " + std::to_string(microbatches) +
                                         " microbatches: at most that many workers"

@@ -132,6 +132,22 @@ typename StateMap::key_type stateKey(const StateMap&, const at::Tensor& p) {
 
 // Every parameter's gradient (zeros where it has none) in one flat tensor, then `tail`: one
 // allreduce sums them all.
+// Seconds as "42s", "3m05s" or "2h07m" for progress lines.
+std::string formatEta(double seconds) {
+  const int64_t s = static_cast<int64_t>(seconds + 0.5);
+  char buf[32];
+  if (s < 60) {
+    std::snprintf(buf, sizeof(buf), "%llds", static_cast<long long>(s));
+  } else if (s < 3600) {
+    std::snprintf(buf, sizeof(buf), "%lldm%02llds", static_cast<long long>(s / 60),
+                  static_cast<long long>(s % 60));
+  } else {
+    std::snprintf(buf, sizeof(buf), "%lldh%02lldm", static_cast<long long>(s / 3600),
+                  static_cast<long long>(s / 60 % 60));
+  }
+  return buf;
+}
+
 // While alive, this worker's heartbeats say it waits on the others for `step` (in a collective,
 // or for its vote's verdict) rather than computing (docs/failure_semantics.md, rule 1). The
 // time waited is added to *waited, so that a step's compute time excludes it.
@@ -510,8 +526,13 @@ class Trainer::Impl {
     auto now = Clock::now();
     double elapsed = seconds(now - lastReport_);
     double rate = elapsed > 0 ? stepsSinceReport_ * o_.globalBatch / elapsed : 0;
+    // The time left at this rate (ETA), in seconds.
+    const double eta = rate > 0 ? static_cast<double>(o_.steps - step_) *
+                                      static_cast<double>(o_.globalBatch) / rate
+                                : 0;
     nlohmann::json e = {{"event", "progress"},   {"step", step_},   {"loss", loss},
-                        {"samples_per_s", rate}, {"epoch", epoch_}, {"workers", members_.size()}};
+                        {"samples_per_s", rate}, {"epoch", epoch_}, {"workers", members_.size()},
+                        {"eta_s", eta}};
     if (pipelineMode_) {
       // This stage's mean 1F1B time per step since the last report (forward, backward and
       // the transfers, without the gradient sums and the vote).
@@ -522,9 +543,9 @@ class Trainer::Impl {
     stepsSinceReport_ = 0;
     event(std::move(e));
     if (!members_.empty() && members_.front() == ctx_.worker()) {
-      std::printf("sinew: step %lld loss %.6g samples/s %.0f epoch %lld workers %zu\n",
+      std::printf("sinew: step %lld loss %.6g samples/s %.0f epoch %lld workers %zu eta %s\n",
                   static_cast<long long>(step_), loss, rate, static_cast<long long>(epoch_),
-                  members_.size());
+                  members_.size(), formatEta(eta).c_str());
       std::fflush(stdout);
     }
   }

@@ -1,0 +1,349 @@
+// sinewctl: a scheduler's or a person's client of a running job's control API
+// (docs/control_api.md). It finds the API in the job's coordinator.json (sinew-run writes it
+// in its --log-dir; under mpirun, SINEW_LOG_DIR of rank 0) or takes --url and --token, and
+// prints tables for people or the API's JSON with --json.
+//
+//   sinewctl [--log-dir DIR | --url URL --token T] [--json] status|scaling|metrics
+//   sinewctl ... resize NODES
+//   sinewctl ... drain (--workers 1,2 | --nodes a,b) --deadline-s T
+//   sinewctl ... checkpoint
+//   sinewctl ... stop [--deadline-s T]
+//   sinewctl ... events [--count N]
+//
+// Exit status: 0 when the API answered 200, 1 when it answered an error (printed) or could not
+// be reached, 2 for bad arguments.
+
+#include <boost/asio/connect.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/read.hpp>
+#include <boost/asio/read_until.hpp>
+#include <boost/asio/streambuf.hpp>
+#include <boost/asio/write.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+namespace {
+
+namespace asio = boost::asio;
+namespace beast = boost::beast;
+namespace http = boost::beast::http;
+using asio::ip::tcp;
+using nlohmann::json;
+
+struct Target {
+  std::string host;
+  std::string port;
+  std::string token;
+};
+
+[[noreturn]] void fail(int code, const std::string& why) {
+  std::fprintf(stderr, "sinewctl: %s\n", why.c_str());
+  std::exit(code);
+}
+
+Target findTarget(const std::string& logDir, const std::string& url, const std::string& token) {
+  Target t;
+  if (!url.empty()) {
+    std::string rest = url;
+    if (rest.rfind("http://", 0) == 0) rest = rest.substr(7);
+    if (!rest.empty() && rest.back() == '/') rest.pop_back();
+    auto colon = rest.rfind(':');
+    if (colon == std::string::npos || colon == 0 || colon + 1 == rest.size()) {
+      fail(2, "--url '" + url + "' is not http://host:port");
+    }
+    t.host = rest.substr(0, colon);
+    t.port = rest.substr(colon + 1);
+    t.token = token;
+    if (t.token.empty()) fail(2, "--url needs --token (or use --log-dir)");
+    return t;
+  }
+  const std::string path = (logDir.empty() ? std::string(".") : logDir) + "/coordinator.json";
+  std::ifstream in(path);
+  if (!in) fail(2, "cannot read " + path + " (give --log-dir of the job, or --url and --token)");
+  json j = json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("control_port")) {
+    fail(2, path + " has no control_port: the job serves no control API (sinew-run --no-control?)");
+  }
+  t.host = j.value("control_host", std::string("127.0.0.1"));
+  t.port = std::to_string(j.at("control_port").get<int>());
+  t.token = token.empty() ? j.value("control_token", std::string()) : token;
+  return t;
+}
+
+tcp::socket connectTo(asio::io_context& io, const Target& t) {
+  tcp::resolver resolver(io);
+  tcp::socket socket(io);
+  boost::system::error_code ec;
+  auto endpoints = resolver.resolve(t.host, t.port, ec);
+  if (!ec) asio::connect(socket, endpoints, ec);
+  if (ec) fail(1, "cannot reach the control API at " + t.host + ":" + t.port + ": " + ec.message());
+  return socket;
+}
+
+// One request; returns (status, body).
+std::pair<int, std::string> request(const Target& t, http::verb method, const std::string& path,
+                                    const std::string& body, std::chrono::seconds timeout) {
+  asio::io_context io;
+  beast::tcp_stream stream(connectTo(io, t));
+  stream.expires_after(timeout);
+  http::request<http::string_body> req(method, path, 11);
+  req.set(http::field::host, t.host);
+  req.set(http::field::authorization, "Bearer " + t.token);
+  req.set(http::field::user_agent, "sinewctl");
+  if (!body.empty()) {
+    req.set(http::field::content_type, "application/json");
+    req.body() = body;
+  }
+  req.prepare_payload();
+  beast::flat_buffer buffer;
+  http::response<http::string_body> res;
+  try {
+    http::write(stream, req);
+    http::read(stream, buffer, res);
+  } catch (const std::exception& e) {
+    fail(1, "request " + path + " failed: " + std::string(e.what()));
+  }
+  return {static_cast<int>(res.result_int()), res.body()};
+}
+
+std::string num(const json& v, int precision = 0) {
+  if (v.is_null()) return "-";
+  if (v.is_number_integer()) return std::to_string(v.get<int64_t>());
+  if (!v.is_number()) return v.dump();
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.*f", precision, v.get<double>());
+  return buf;
+}
+
+std::string bytes(int64_t b) {
+  char buf[64];
+  if (b >= (1 << 30)) {
+    std::snprintf(buf, sizeof(buf), "%.1f GiB", b / double(1 << 30));
+  } else if (b >= (1 << 20)) {
+    std::snprintf(buf, sizeof(buf), "%.1f MiB", b / double(1 << 20));
+  } else {
+    std::snprintf(buf, sizeof(buf), "%.1f KiB", b / 1024.0);
+  }
+  return buf;
+}
+
+void printStatus(const json& s) {
+  std::printf("state %s   step %s/%s   epoch %s   nodes %s   samples/s %s (average %s)\n",
+              s.value("state", "?").c_str(), num(s["step"]).c_str(), num(s["steps"]).c_str(),
+              num(s["epoch"]).c_str(), num(s["nodes"]).c_str(),
+              num(s["samples_per_s"]["now"]).c_str(), num(s["samples_per_s"]["average"]).c_str());
+  const json& d = s["checkpoint"]["last_durable"];
+  if (!s["checkpoint"].value("enabled", false)) {
+    std::printf("checkpoints: off\n");
+  } else if (d.is_null()) {
+    std::printf("checkpoints: none durable yet\n");
+  } else {
+    std::printf("checkpoint: step %s durable, %s, %s s ago, in %s\n", num(d["step"]).c_str(),
+                bytes(d.value("bytes", int64_t(0))).c_str(), num(d["age_s"], 1).c_str(),
+                d.value("path", "?").c_str());
+  }
+  std::string rec;
+  for (const auto& r : s["recovery_s"]) rec += (rec.empty() ? "" : ", ") + num(r, 2) + " s";
+  std::printf("failures %s; recoveries [%s]; effective training %s s of %s s\n",
+              num(s["failures"]).c_str(), rec.c_str(), num(s["effective_training_s"], 1).c_str(),
+              num(s["wall_s"], 1).c_str());
+  std::printf("%-7s %-20s %-8s %-8s %-10s %-10s %s\n", "WORKER", "NODE", "PID", "STEP", "HEARTBEAT",
+              "COMPUTE", "SHARE");
+  for (const auto& m : s["members"]) {
+    std::printf("%-7s %-20s %-8s %-8s %-10s %-10s %s%s\n", num(m["worker"]).c_str(),
+                m.value("node", "?").c_str(), num(m["pid"]).c_str(), num(m["step"]).c_str(),
+                (num(m["heartbeat_age_s"], 3) + " s").c_str(),
+                m["compute_s"].is_null() ? "-" : (num(m["compute_s"], 4) + " s").c_str(),
+                num(m["step_time_share"], 2).c_str(), m.value("leaving", false) ? " leaving" : "");
+  }
+  for (const auto& dr : s["drains"]) {
+    std::string ws;
+    for (const auto& w : dr["workers"]) {
+      ws += (ws.empty() ? "" : ", ") + num(w["worker"]) + " " + w.value("state", "?");
+    }
+    std::printf("drain %s: [%s] release step %s, safe to kill: %s%s\n", num(dr["id"]).c_str(),
+                ws.c_str(), num(dr["release_step"]).c_str(),
+                dr.value("safe_to_kill", false) ? "yes" : "no",
+                dr.value("deadline_missed", false) ? " (deadline missed)" : "");
+  }
+}
+
+void printScaling(const json& s) {
+  std::printf("model: %s\n", s.value("model", "?").c_str());
+  std::printf("%-6s %-8s %-9s %-12s %s\n", "NODES", "WORKERS", "FEASIBLE", "MEASURED",
+              "PREDICTED (samples/s)");
+  for (const auto& p : s["points"]) {
+    std::printf(
+        "%-6s %-8s %-9s %-12s %s%s\n", num(p["nodes"]).c_str(), num(p["workers"]).c_str(),
+        p.value("feasible", false) ? "yes" : "no",
+        p.contains("measured_samples_per_s") ? num(p["measured_samples_per_s"]).c_str() : "-",
+        num(p.value("predicted_samples_per_s", json(nullptr))).c_str(),
+        p.value("nodes", 0) == s.value("nodes_now", -1) ? "   <- now" : "");
+  }
+}
+
+// GET /v1/events: prints each event as it comes until the stream ends or `count` were seen.
+int streamEvents(const Target& t, bool asJson, int count) {
+  asio::io_context io;
+  tcp::socket socket = connectTo(io, t);
+  std::string req = "GET /v1/events HTTP/1.1\r\nHost: " + t.host + "\r\nAuthorization: Bearer " +
+                    t.token + "\r\nAccept: text/event-stream\r\n\r\n";
+  boost::system::error_code ec;
+  asio::write(socket, asio::buffer(req), ec);
+  if (ec) fail(1, "events: " + ec.message());
+  asio::streambuf buf;
+  asio::read_until(socket, buf, "\r\n\r\n", ec);
+  if (ec) fail(1, "events: " + ec.message());
+  std::istream in(&buf);
+  std::string status;
+  std::getline(in, status);
+  if (status.find(" 200 ") == std::string::npos) {
+    fail(1, "events: the API answered '" + status.substr(0, status.size() - 1) + "'");
+  }
+  std::string line;
+  while (std::getline(in, line) && line != "\r") {
+  }
+  int seen = 0;
+  while (true) {
+    while (std::getline(in, line)) {
+      if (in.eof()) {  // A partial line: keep it for the next read.
+        std::string rest = line;
+        in.clear();
+        std::ostream out(&buf);
+        out << rest;
+        break;
+      }
+      if (line.rfind("data: ", 0) != 0) continue;
+      json e = json::parse(line.substr(6), nullptr, false);
+      if (asJson) {
+        std::printf("%s\n", line.substr(6).c_str());
+      } else if (!e.is_discarded()) {
+        std::string rest;
+        for (auto it = e.begin(); it != e.end(); ++it) {
+          if (it.key() == "event" || it.key() == "time") continue;
+          rest += " " + it.key() + "=" + it.value().dump();
+        }
+        std::printf("%.3f %s%s\n", e.value("time", 0.0), e.value("event", "?").c_str(),
+                    rest.c_str());
+      }
+      std::fflush(stdout);
+      if (count > 0 && ++seen >= count) return 0;
+    }
+    in.clear();
+    asio::read(socket, buf, asio::transfer_at_least(1), ec);
+    if (ec) return 0;  // The job ended.
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app("Talks to a running Sinew job's control API (docs/control_api.md).", "sinewctl");
+  std::string logDir, url, token;
+  bool asJson = false;
+  int timeoutS = 30;
+  app.add_option("--log-dir", logDir, "the job's log directory (holds coordinator.json)");
+  app.add_option("--url", url, "http://host:port of the control API (instead of --log-dir)");
+  app.add_option("--token", token, "bearer token (default: coordinator.json's)");
+  app.add_flag("--json", asJson, "print the API's JSON instead of tables");
+  app.add_option("--timeout-s", timeoutS, "seconds to wait for an answer (default 30)")
+      ->check(CLI::Range(1, 3600));
+  app.require_subcommand(1);
+  auto* status = app.add_subcommand("status", "the job's state, members and checkpoints");
+  auto* scaling = app.add_subcommand("scaling", "samples/s per node count, measured and predicted");
+  auto* metrics = app.add_subcommand("metrics", "the Prometheus metrics");
+  int64_t nodes = 0;
+  auto* resize = app.add_subcommand("resize", "shrink or grow the job to NODES nodes");
+  resize->add_option("nodes", nodes, "target node count")
+      ->required()
+      ->check(CLI::Range(1, 1 << 20));
+  std::vector<int> drainWorkers;
+  std::vector<std::string> drainNodes;
+  double deadline = 0;
+  auto* drain = app.add_subcommand("drain", "free these workers or nodes by a deadline");
+  auto* dw = drain->add_option("--workers", drainWorkers, "worker ids")->delimiter(',');
+  auto* dn = drain->add_option("--nodes", drainNodes, "node names")->delimiter(',');
+  dw->excludes(dn);
+  drain->add_option("--deadline-s", deadline, "seconds")->required();
+  auto* checkpoint = app.add_subcommand("checkpoint", "a durable checkpoint at the next step");
+  auto* stop = app.add_subcommand("stop", "stop at the next step boundary, checkpoint durable");
+  stop->add_option("--deadline-s", deadline, "seconds (default: none)");
+  int count = 0;
+  auto* events = app.add_subcommand("events", "follow the job's events");
+  events->add_option("--count", count, "stop after this many events");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  if (drain->parsed() && drainWorkers.empty() && drainNodes.empty()) {
+    fail(2, "drain needs --workers or --nodes");
+  }
+  const Target t = findTarget(logDir, url, token);
+  if (events->parsed()) return streamEvents(t, asJson, count);
+  http::verb verb = http::verb::get;
+  std::string path, body;
+  if (status->parsed()) path = "/v1/status";
+  if (scaling->parsed()) path = "/v1/scaling";
+  if (metrics->parsed()) path = "/metrics";
+  if (resize->parsed()) {
+    verb = http::verb::post;
+    path = "/v1/resize";
+    body = json{{"nodes", nodes}}.dump();
+  }
+  if (drain->parsed()) {
+    verb = http::verb::post;
+    path = "/v1/drain";
+    json b = {{"deadline_s", deadline}};
+    if (!drainWorkers.empty()) b["workers"] = drainWorkers;
+    if (!drainNodes.empty()) b["nodes"] = drainNodes;
+    body = b.dump();
+  }
+  if (checkpoint->parsed()) {
+    verb = http::verb::post;
+    path = "/v1/checkpoint";
+    body = json{{"durable", true}}.dump();
+  }
+  if (stop->parsed()) {
+    verb = http::verb::post;
+    path = "/v1/stop";
+    body = deadline > 0 ? json{{"deadline_s", deadline}}.dump() : "{}";
+  }
+  auto [code, text] = request(t, verb, path, body, std::chrono::seconds(timeoutS));
+  if (metrics->parsed()) {
+    std::fputs(text.c_str(), code == 200 ? stdout : stderr);
+    return code == 200 ? 0 : 1;
+  }
+  json j = json::parse(text, nullptr, false);
+  if (code != 200) {
+    const std::string why = !j.is_discarded() && j.is_object() && j.contains("error")
+                                ? j["error"].get<std::string>()
+                                : text;
+    std::fprintf(stderr, "sinewctl: %s answered %d: %s\n", path.c_str(), code, why.c_str());
+    return 1;
+  }
+  if (asJson || j.is_discarded()) {
+    std::printf("%s\n", j.is_discarded() ? text.c_str() : j.dump(2).c_str());
+  } else if (status->parsed()) {
+    printStatus(j);
+  } else if (scaling->parsed()) {
+    printScaling(j);
+  } else {
+    for (auto it = j.begin(); it != j.end(); ++it) {
+      std::printf("%s: %s\n", it.key().c_str(), it.value().dump().c_str());
+    }
+  }
+  return 0;
+}

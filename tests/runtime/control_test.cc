@@ -1,0 +1,616 @@
+// The control API (issue 10, docs/control_api.md): the request checks and routing, the
+// Prometheus text it serves, and whole train_dp jobs under sinew-run driven with curl and by
+// a scripted scheduler (grow, shrink, drain, stop), whose parameters must equal the
+// single-process reference.
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <cmath>
+#include <regex>
+#include <set>
+
+#include <gtest/gtest-spi.h>
+#include <nlohmann/json.hpp>
+
+#include "job_support.h"
+#include "sinew/error.h"
+#include "sinew/runtime/control_api.h"
+
+namespace sinew {
+namespace testing {
+namespace {
+
+using nlohmann::json;
+using runtime::ControlReply;
+namespace control = runtime::control;
+
+// ---- Routing and request checks, without sockets --------------------------------------------
+
+class FakeBackend : public control::Backend {
+ public:
+  ControlReply status() override { return reply("status"); }
+  ControlReply scaling() override { return reply("scaling"); }
+  ControlReply resize(int64_t nodes) override {
+    lastNodes = nodes;
+    return reply("resize");
+  }
+  ControlReply drain(const control::DrainRequest& r) override {
+    lastDrain = r;
+    return reply("drain");
+  }
+  ControlReply checkpoint() override { return reply("checkpoint"); }
+  ControlReply stop(double deadline) override {
+    lastDeadline = deadline;
+    return reply("stop");
+  }
+  std::string metrics() override { return "sinew_step 1\n"; }
+
+  std::vector<std::string> calls;
+  int64_t lastNodes = -1;
+  control::DrainRequest lastDrain;
+  double lastDeadline = -1;
+
+ private:
+  ControlReply reply(const std::string& what) {
+    calls.push_back(what);
+    ControlReply r;
+    r.body = {{"op", what}};
+    return r;
+  }
+};
+
+std::string errorOf(const control::Answer& a) {
+  json j = json::parse(a.body);
+  return j.value("error", std::string());
+}
+
+TEST(ControlApiTest, RoutesEachPathAndMethod) {
+  FakeBackend b;
+  EXPECT_EQ(control::route(b, "GET", "/v1/status", "").status, 200);
+  EXPECT_EQ(control::route(b, "GET", "/v1/scaling?x=1", "").status, 200);
+  control::Answer m = control::route(b, "GET", "/metrics", "");
+  EXPECT_EQ(m.body, "sinew_step 1\n");
+  EXPECT_NE(m.contentType.find("text/plain"), std::string::npos);
+  EXPECT_TRUE(control::route(b, "GET", "/v1/events", "").eventStream);
+  EXPECT_EQ(control::route(b, "POST", "/v1/resize", R"({"nodes": 6})").status, 200);
+  EXPECT_EQ(b.lastNodes, 6);
+  EXPECT_EQ(
+      control::route(b, "POST", "/v1/drain", R"({"workers": [2, 3], "deadline_s": 30})").status,
+      200);
+  EXPECT_EQ(b.lastDrain.workers, (std::vector<int>{2, 3}));
+  EXPECT_DOUBLE_EQ(b.lastDrain.deadlineSeconds, 30);
+  EXPECT_EQ(control::route(b, "POST", "/v1/checkpoint", R"({"durable": true})").status, 200);
+  EXPECT_EQ(control::route(b, "POST", "/v1/stop", "").status, 200);
+  EXPECT_EQ(b.lastDeadline, 0);
+  EXPECT_EQ(control::route(b, "POST", "/v1/stop", R"({"deadline_s": 2.5})").status, 200);
+  EXPECT_DOUBLE_EQ(b.lastDeadline, 2.5);
+  EXPECT_EQ(b.calls, (std::vector<std::string>{"status", "scaling", "resize", "drain", "checkpoint",
+                                               "stop", "stop"}));
+}
+
+TEST(ControlApiTest, BadRequestsNameWhatIsWrongAndReachNoOperation) {
+  FakeBackend b;
+  control::Answer a = control::route(b, "GET", "/v1/nope", "");
+  EXPECT_EQ(a.status, 404);
+  EXPECT_NE(errorOf(a).find("'/v1/nope'"), std::string::npos);
+  a = control::route(b, "GET", "/v1/resize", "");
+  EXPECT_EQ(a.status, 405);
+  EXPECT_EQ(a.allow, "POST");
+  struct Case {
+    const char* path;
+    const char* body;
+    const char* says;
+  };
+  const Case cases[] = {
+      {"/v1/resize", "{nodes: 3", "not valid JSON"},
+      {"/v1/resize", "[1, 2]", "must be a JSON object"},
+      {"/v1/resize", "{}", "'nodes' is missing"},
+      {"/v1/resize", R"({"nodes": 0})", "'nodes' = 0"},
+      {"/v1/resize", R"({"nodes": 2.5})", "'nodes' = 2.5"},
+      {"/v1/resize", R"({"nodes": 99999999999999999999})", "'nodes'"},
+      {"/v1/resize", R"({"nodes": 3, "nodez": 4})", "unknown field 'nodez'"},
+      {"/v1/drain", R"({"deadline_s": 5})", "exactly one of"},
+      {"/v1/drain", R"({"workers": [1], "nodes": ["a"], "deadline_s": 5})", "exactly one of"},
+      {"/v1/drain", R"({"workers": [], "deadline_s": 5})", "non-empty"},
+      {"/v1/drain", R"({"workers": [-1], "deadline_s": 5})", "not a worker id"},
+      {"/v1/drain", R"({"nodes": [""], "deadline_s": 5})", "not a node name"},
+      {"/v1/drain", R"({"workers": [1]})", "'deadline_s' is missing"},
+      {"/v1/drain", R"({"workers": [1], "deadline_s": -3})", "'deadline_s' = -3"},
+      {"/v1/drain", R"({"workers": [1], "deadline_s": "soon"})", "is not a number"},
+      {"/v1/checkpoint", R"({"durable": false})", "'durable' = false"},
+      {"/v1/checkpoint", R"({"durable": "yes"})", "'durable' = \"yes\""},
+      {"/v1/stop", R"({"deadline_s": 1e99})", "'deadline_s'"},
+  };
+  for (const Case& c : cases) {
+    a = control::route(b, "POST", c.path, c.body);
+    EXPECT_EQ(a.status, 400) << c.path << " " << c.body;
+    EXPECT_NE(errorOf(a).find(c.says), std::string::npos)
+        << c.path << " " << c.body << ": " << errorOf(a);
+  }
+  EXPECT_TRUE(b.calls.empty()) << "a bad request reached the coordinator";
+}
+
+TEST(ControlApiTest, TokenMustMatchExactly) {
+  EXPECT_TRUE(control::authorized("Bearer abc123", "abc123"));
+  EXPECT_FALSE(control::authorized("", "abc123"));
+  EXPECT_FALSE(control::authorized("abc123", "abc123"));
+  EXPECT_FALSE(control::authorized("Bearer abc12", "abc123"));
+  EXPECT_FALSE(control::authorized("Bearer abc1234", "abc123"));
+  EXPECT_FALSE(control::authorized("Bearer abc124", "abc123"));
+  EXPECT_FALSE(control::authorized("bearer abc123", "abc123"));
+  EXPECT_FALSE(control::authorized("Bearer ", ""));
+}
+
+TEST(ControlApiTest, SignalNames) {
+  EXPECT_EQ(runtime::signalNumber("x", "USR1"), SIGUSR1);
+  EXPECT_EQ(runtime::signalNumber("x", "SIGUSR2"), SIGUSR2);
+  EXPECT_EQ(runtime::signalNumber("x", "15"), 15);
+  EXPECT_THROW(runtime::signalNumber("x", "KILL"), InvalidArgument);
+  EXPECT_THROW(runtime::signalNumber("x", "9"), InvalidArgument);
+  EXPECT_THROW(runtime::signalNumber("x", "USR3"), InvalidArgument);
+}
+
+// ---- The Prometheus text format, checked line by line ---------------------------------------
+
+// Checks text against the exposition format's rules (prometheus.io, "Exposition formats"):
+// HELP and TYPE comments name valid metrics, at most one TYPE per metric and before its
+// samples, a known type; each sample is `name{label="value",...} value` with a valid name,
+// labels and a float value, and belongs to a metric whose TYPE came first. Returns the
+// samples (name with labels -> value); adds a failure for each broken rule.
+std::map<std::string, double> parsePrometheus(const std::string& text) {
+  std::map<std::string, double> samples;
+  std::map<std::string, std::string> types;
+  std::set<std::string> sampled;
+  const std::regex name("[a-zA-Z_:][a-zA-Z0-9_:]*");
+  const std::regex sample(
+      R"(([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-zA-Z_][a-zA-Z0-9_]*="(\\.|[^"\\])*")(,[a-zA-Z_][a-zA-Z0-9_]*="(\\.|[^"\\])*")*\})? (\S+))");
+  EXPECT_FALSE(text.empty());
+  EXPECT_EQ(text.back(), '\n') << "the last line must end with a line feed";
+  std::istringstream in(text);
+  std::string line;
+  int n = 0;
+  while (std::getline(in, line)) {
+    ++n;
+    SCOPED_TRACE("line " + std::to_string(n) + ": " + line);
+    if (line.empty()) continue;
+    if (line[0] == '#') {
+      std::istringstream words(line);
+      std::string hash, kind, metric;
+      words >> hash >> kind >> metric;
+      if (kind != "HELP" && kind != "TYPE") continue;  // Other comments are allowed.
+      EXPECT_TRUE(std::regex_match(metric, name)) << "bad metric name";
+      if (kind == "TYPE") {
+        std::string type;
+        words >> type;
+        EXPECT_TRUE(type == "counter" || type == "gauge" || type == "summary" ||
+                    type == "histogram" || type == "untyped")
+            << "unknown type";
+        EXPECT_FALSE(types.count(metric)) << "second TYPE for " << metric;
+        EXPECT_FALSE(sampled.count(metric)) << "TYPE after samples of " << metric;
+        types[metric] = type;
+      }
+      continue;
+    }
+    std::smatch m;
+    if (!std::regex_match(line, m, sample)) {
+      ADD_FAILURE() << "not a sample line";
+      continue;
+    }
+    const std::string metric = m[1];
+    EXPECT_TRUE(types.count(metric)) << "sample before its TYPE";
+    sampled.insert(metric);
+    const std::string value = m[m.size() - 1];
+    char* end = nullptr;
+    double v = std::strtod(value.c_str(), &end);
+    EXPECT_TRUE(*end == '\0' || value == "NaN" || value == "+Inf" || value == "-Inf")
+        << "bad value '" << value << "'";
+    std::string key = metric + (m[2].matched ? std::string(m[2]) : "");
+    EXPECT_FALSE(samples.count(key)) << "duplicate sample " << key;
+    samples[key] = v;
+  }
+  return samples;
+}
+
+TEST(ControlApiTest, PrometheusCheckerCatchesBrokenText) {
+  // The checker itself must fail on broken text (so a pass below means something).
+  auto failures = [](const std::string& text) {
+    ::testing::TestPartResultArray results;
+    {
+      ::testing::ScopedFakeTestPartResultReporter reporter(
+          ::testing::ScopedFakeTestPartResultReporter::INTERCEPT_ONLY_CURRENT_THREAD, &results);
+      parsePrometheus(text);
+    }
+    return results.size();
+  };
+  EXPECT_EQ(failures("# TYPE a gauge\na 1\n# TYPE b counter\nb{x=\"y\",z=\"w\\\"\"} 2.5\n"), 0);
+  EXPECT_GT(failures("a 1\n"), 0);                                  // no TYPE
+  EXPECT_GT(failures("# TYPE a gauge\na one\n"), 0);                // bad value
+  EXPECT_GT(failures("# TYPE a gauge\na{x=y} 1\n"), 0);             // unquoted label
+  EXPECT_GT(failures("# TYPE a gauge\na 1\n# TYPE a gauge\n"), 0);  // second TYPE
+  EXPECT_GT(failures("# TYPE 1a gauge\n"), 0);                      // bad name
+  EXPECT_GT(failures("# TYPE a widget\n"), 0);                      // bad type
+  EXPECT_GT(failures("# TYPE a gauge\na 1"), 0);                    // no final line feed
+}
+
+// ---- Whole jobs, over HTTP -------------------------------------------------------------------
+#ifdef CURL_PATH
+
+struct Http {
+  int status = 0;
+  std::string body;
+};
+
+// Runs curl (a real HTTP client) and returns the status and body.
+Http curl(const std::vector<std::string>& args) {
+  std::vector<std::string> argv = {CURL_PATH, "-s", "-m", "20", "-w", "\n%{http_code}"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  JobRun r = finish(start(argv, {}), 60s);
+  Http h;
+  auto nl = r.output.rfind('\n');
+  if (nl == std::string::npos) return h;
+  h.body = r.output.substr(0, nl);
+  h.status = std::atoi(r.output.c_str() + nl + 1);
+  return h;
+}
+
+struct Api {
+  std::string url;
+  std::string token;
+
+  Http get(const std::string& path) const {
+    return curl({"-H", "Authorization: Bearer " + token, url + path});
+  }
+  Http post(const std::string& path, const std::string& body) const {
+    return curl({"-H", "Authorization: Bearer " + token, "-H", "Content-Type: application/json",
+                 "-d", body, url + path});
+  }
+  json status() const {
+    Http h = get("/v1/status");
+    EXPECT_EQ(h.status, 200) << h.body;
+    json j = json::parse(h.body, nullptr, false);
+    return j.is_discarded() ? json::object() : j;
+  }
+  // Polls status until pred holds (or 120 s pass); returns the last status.
+  template <typename Pred>
+  json waitFor(Pred pred, const std::string& what) const {
+    auto deadline = Clock::now() + 120s;
+    json s;
+    while (Clock::now() < deadline) {
+      s = status();
+      if (pred(s)) return s;
+      std::this_thread::sleep_for(100ms);
+    }
+    ADD_FAILURE() << "timed out waiting for " << what << "; last status " << s.dump();
+    return s;
+  }
+};
+
+Api waitForApi(const std::string& dir) {
+  auto deadline = Clock::now() + 60s;
+  while (Clock::now() < deadline) {
+    json j = json::parse(slurp(dir + "/coordinator.json"), nullptr, false);
+    if (!j.is_discarded() && j.contains("control_port")) {
+      return {"http://" + j["control_host"].get<std::string>() + ":" +
+                  std::to_string(j["control_port"].get<int>()),
+              j["control_token"].get<std::string>()};
+    }
+    std::this_thread::sleep_for(50ms);
+  }
+  ADD_FAILURE() << "no control API in " << dir << "/coordinator.json";
+  return {};
+}
+
+int connectTo(const std::string& url) {
+  const int port = std::stoi(url.substr(url.rfind(':') + 1));
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Whether the server closed fd within `within` (reading whatever it answered into *got).
+bool closedWithin(int fd, std::chrono::milliseconds within, std::string* got = nullptr) {
+  auto deadline = Clock::now() + within;
+  while (Clock::now() < deadline) {
+    pollfd p{fd, POLLIN, 0};
+    ::poll(&p, 1, 50);
+    if (p.revents & (POLLIN | POLLHUP | POLLERR)) {
+      char buf[4096];
+      ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+      if (n <= 0) return true;
+      if (got) got->append(buf, n);
+    }
+  }
+  return false;
+}
+
+int64_t stepOf(const json& s) { return s.value("step", int64_t(-1)); }
+
+// Every endpoint over HTTP against a running job, and every kind of bad client: the job keeps
+// training through them and stops cleanly at the end.
+TEST(ControlJobTest, EveryEndpointAndBadClients) {
+  const std::string dir = logDir("control-api");
+  const std::string ckpt = logDir("control-api-ckpt");
+  Child job = start({SINEW_RUN_PATH, "-n", "3", "--log-dir", dir, "--quiet", "--control-timeout-ms",
+                     "2000", "--inject", "slow:worker=*:ms=5", TRAIN_DP_PATH, "--steps", "100000",
+                     "--checkpoint-dir", ckpt, "--checkpoint-every", "200", "--no-reference"},
+                    {});
+  Api api = waitForApi(dir);
+  json s = api.waitFor([](const json& s) { return stepOf(s) >= 20; }, "step 20");
+  EXPECT_EQ(s["state"], "running");
+  EXPECT_EQ(s["members"].size(), 3u);
+  EXPECT_EQ(s["plan"]["mode"], "data_parallel");
+  EXPECT_EQ(s["steps"], 100000);
+  for (const auto& m : s["members"]) {
+    EXPECT_TRUE(m.contains("node") && m.contains("heartbeat_age_s") && m.contains("pid"));
+    EXPECT_LT(m["heartbeat_age_s"].get<double>(), 1.0);
+  }
+  EXPECT_GT(s["samples_per_s"]["now"].get<double>(), 0);
+
+  // Wrong or missing token: 401, before anything else.
+  Http h = curl({api.url + "/v1/status"});
+  EXPECT_EQ(h.status, 401) << h.body;
+  h = curl({"-H", "Authorization: Bearer 1234", api.url + "/v1/status"});
+  EXPECT_EQ(h.status, 401);
+  h = curl(
+      {"-H", "Authorization: Bearer " + api.token, "-d", R"({"nodes": 1})", api.url + "/v1/resiz"});
+  EXPECT_EQ(h.status, 404);
+  EXPECT_NE(h.body.find("no such path '/v1/resiz'"), std::string::npos) << h.body;
+  h = api.post("/v1/resize", "{nodes: 2");
+  EXPECT_EQ(h.status, 400);
+  EXPECT_NE(h.body.find("not valid JSON"), std::string::npos) << h.body;
+  h = api.post("/v1/drain", R"({"workers": [77], "deadline_s": 5})");
+  EXPECT_EQ(h.status, 400);
+  EXPECT_NE(h.body.find("worker 77 is not in the job"), std::string::npos) << h.body;
+  {
+    const std::string big = dir + "/big.json";
+    std::ofstream(big) << "{\"nodes\": 2, \"pad\": \"" << std::string(100 * 1024, 'x') << "\"}";
+    h = curl({"-H", "Authorization: Bearer " + api.token, "-H", "Content-Type: application/json",
+              "--data-binary", "@" + big, api.url + "/v1/resize"});
+    EXPECT_EQ(h.status, 413) << h.body;
+  }
+
+  // Scaling and metrics.
+  h = api.get("/v1/scaling");
+  ASSERT_EQ(h.status, 200) << h.body;
+  json sc = json::parse(h.body);
+  bool measured3 = false;
+  for (const auto& p : sc["points"]) {
+    if (p["workers"] == 3 && p.contains("measured_samples_per_s")) measured3 = true;
+    EXPECT_TRUE(p.contains("predicted_samples_per_s"));
+  }
+  EXPECT_TRUE(measured3) << h.body;
+  h = api.get("/metrics");
+  ASSERT_EQ(h.status, 200);
+  auto metrics = parsePrometheus(h.body);
+  EXPECT_EQ(metrics["sinew_members"], 3);
+  EXPECT_GE(metrics["sinew_step"], 20);
+  EXPECT_EQ(metrics["sinew_state{state=\"running\"}"], 1);
+  EXPECT_EQ(metrics.count("sinew_checkpoint_flush_seconds_total"), 1u);
+  EXPECT_EQ(metrics.count("sinew_worker_heartbeat_age_seconds{worker=\"0\",node=\"local-0\"}"), 1u);
+
+  // A slow-drip client is cut off at the request deadline (2 s here) with 408.
+  {
+    int fd = connectTo(api.url);
+    ASSERT_GE(fd, 0);
+    const std::string req = "GET /v1/status HTTP/1.1\r\nHost: x\r\nX-Slow: ";
+    std::string got;
+    bool closed = false;
+    auto t0 = Clock::now();
+    for (size_t i = 0; i < 60 && !closed; ++i) {
+      (void)::send(fd, i < req.size() ? &req[i] : "y", 1, MSG_NOSIGNAL);
+      closed = closedWithin(fd, 200ms, &got);
+    }
+    EXPECT_TRUE(closed) << "a slow-drip client was never cut off";
+    EXPECT_LT(Clock::now() - t0, 8s);
+    EXPECT_NE(got.find("408"), std::string::npos) << got;
+    ::close(fd);
+  }
+  // 100 idle connections: all closed after the timeout, and the job trains meanwhile.
+  {
+    const int64_t before = stepOf(api.status());
+    std::vector<int> fds;
+    for (int i = 0; i < 100; ++i) {
+      int fd = connectTo(api.url);
+      ASSERT_GE(fd, 0);
+      fds.push_back(fd);
+    }
+    json mid = api.status();  // The API still answers with 100 idle connections open.
+    int closed = 0;
+    for (int fd : fds) {
+      closed += closedWithin(fd, 6s);
+      ::close(fd);
+    }
+    EXPECT_EQ(closed, 100) << "idle connections were not timed out";
+    EXPECT_GT(stepOf(api.status()), before) << "training stalled";
+    EXPECT_GT(stepOf(mid), 0);
+  }
+  // A stray binary message on the port: a 400, and the server goes on.
+  {
+    int fd = connectTo(api.url);
+    ASSERT_GE(fd, 0);
+    const char junk[] = "SNWF\x01\x02\x00\x00\xff\xff\xff\xff\r\n\r\n";
+    (void)::send(fd, junk, sizeof(junk) - 1, MSG_NOSIGNAL);
+    std::string got;
+    EXPECT_TRUE(closedWithin(fd, 5s, &got));
+    EXPECT_NE(got.find("400"), std::string::npos) << got;
+    ::close(fd);
+  }
+
+  // sinewctl finds the API through coordinator.json and prints tables (or JSON).
+  JobRun ctl = finish(start({SINEWCTL_PATH, "--log-dir", dir, "status"}, {}), 60s);
+  EXPECT_EQ(ctl.exitCode, 0) << ctl.output;
+  EXPECT_NE(ctl.output.find("state running"), std::string::npos) << ctl.output;
+  EXPECT_NE(ctl.output.find("local-2"), std::string::npos) << ctl.output;
+  ctl = finish(start({SINEWCTL_PATH, "--log-dir", dir, "--json", "scaling"}, {}), 60s);
+  EXPECT_EQ(ctl.exitCode, 0) << ctl.output;
+  EXPECT_NE(ctl.output.find("\"points\""), std::string::npos) << ctl.output;
+  ctl = finish(
+      start({SINEWCTL_PATH, "--log-dir", dir, "drain", "--workers", "55", "--deadline-s", "5"}, {}),
+      60s);
+  EXPECT_EQ(ctl.exitCode, 1);
+  EXPECT_NE(ctl.output.find("worker 55 is not in the job"), std::string::npos) << ctl.output;
+  ctl = finish(start({SINEWCTL_PATH, "--log-dir", dir, "--token", "bad", "status"}, {}), 60s);
+  EXPECT_EQ(ctl.exitCode, 1);
+  EXPECT_NE(ctl.output.find("answered 401"), std::string::npos) << ctl.output;
+  ctl = finish(start({SINEWCTL_PATH, "--log-dir", dir, "events", "--count", "3"}, {}), 60s);
+  EXPECT_EQ(ctl.exitCode, 0) << ctl.output;
+  EXPECT_NE(ctl.output.find(" hello node="), std::string::npos) << ctl.output;
+
+  // Events stream: what happened so far, as server-sent events.
+  JobRun ev = finish(start({CURL_PATH, "-s", "-N", "-m", "2", "-H",
+                            "Authorization: Bearer " + api.token, api.url + "/v1/events"},
+                           {}),
+                     30s);
+  EXPECT_NE(ev.output.find("event: epoch\ndata: {"), std::string::npos) << ev.output;
+  EXPECT_NE(ev.output.find("event: hello"), std::string::npos);
+
+  // A durable checkpoint on request, then a stop with a deadline.
+  h = api.post("/v1/checkpoint", R"({"durable": true})");
+  ASSERT_EQ(h.status, 200) << h.body;
+  const int64_t at = json::parse(h.body)["at_step"].get<int64_t>();
+  s = api.waitFor(
+      [&](const json& s) {
+        const json& d = s["checkpoint"]["last_durable"];
+        return !d.is_null() && d["step"].get<int64_t>() >= at;
+      },
+      "the requested checkpoint");
+  EXPECT_GT(s["checkpoint"]["last_durable"]["bytes"].get<int64_t>(), 0);
+  h = api.post("/v1/stop", R"({"deadline_s": 60})");
+  ASSERT_EQ(h.status, 200) << h.body;
+  JobRun run = finish(job, 120s);
+  EXPECT_FALSE(run.timedOut);
+  EXPECT_EQ(run.exitCode, 75) << run.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(run.output, m, std::regex("job stopped after step (\\d+)")))
+      << run.output;
+  EXPECT_NE(slurp(ckpt + "/LATEST").find("\"step\":" + std::string(m[1])), std::string::npos)
+      << "the stop's step is not durable";
+}
+
+// A scripted scheduler: 4 workers, grow to 6, shrink to 3, drain one node by a deadline, stop;
+// every action takes effect at a step boundary within its deadline, /v1/scaling measured 3, 4
+// and 6, and the state the stop left on disk continues to the reference's parameters.
+TEST(ControlJobTest, ScriptedSchedulerGrowsShrinksDrainsAndStops) {
+  const std::string dir = logDir("scheduler");
+  const std::string ckpt = logDir("scheduler-ckpt");
+  const std::string steps = "3000";
+  Child job = start({SINEW_RUN_PATH, "-n", "4", "--max-workers", "6", "--log-dir", dir, "--quiet",
+                     "--inject", "slow:worker=*:ms=10", TRAIN_DP_PATH, "--steps", steps,
+                     "--checkpoint-dir", ckpt, "--checkpoint-every", "1000", "--no-reference"},
+                    {});
+  Api api = waitForApi(dir);
+  auto members = [](const json& s) { return s["members"].size(); };
+  json s = api.waitFor([](const json& s) { return stepOf(s) >= 30; }, "step 30 with 4 workers");
+  EXPECT_EQ(members(s), 4u);
+
+  Http h = api.post("/v1/resize", R"({"nodes": 6})");
+  ASSERT_EQ(h.status, 200) << h.body;
+  json r = json::parse(h.body);
+  EXPECT_EQ(r["action"], "grow");
+  EXPECT_EQ(r["started"], 2);
+  s = api.waitFor([&](const json& s) { return members(s) == 6 && s["state"] == "running"; },
+                  "6 members");
+  int64_t step6 = stepOf(s);
+  api.waitFor([&](const json& s) { return stepOf(s) >= step6 + 30; }, "30 steps with 6");
+  h = api.post("/v1/resize", R"({"nodes": 7})");
+  EXPECT_EQ(h.status, 409) << "growing past --max-workers: " << h.body;
+
+  h = api.post("/v1/resize", R"({"nodes": 3})");
+  ASSERT_EQ(h.status, 200) << h.body;
+  r = json::parse(h.body);
+  EXPECT_EQ(r["action"], "shrink");
+  EXPECT_EQ(r["release"].size(), 3u);
+  s = api.waitFor([&](const json& s) { return members(s) == 3 && s["state"] == "running"; },
+                  "3 members");
+  int64_t step3 = stepOf(s);
+  api.waitFor([&](const json& s) { return stepOf(s) >= step3 + 30; }, "30 steps with 3");
+
+  // Drain the node of one member by a deadline.
+  const int victim = s["members"][1]["worker"].get<int>();
+  const std::string node = s["members"][1]["node"].get<std::string>();
+  auto t0 = Clock::now();
+  h = api.post("/v1/drain", json{{"nodes", {node}}, {"deadline_s", 30}}.dump());
+  ASSERT_EQ(h.status, 200) << h.body;
+  r = json::parse(h.body);
+  EXPECT_TRUE(r["meets_deadline"].get<bool>()) << h.body;
+  s = api.waitFor(
+      [&](const json& s) { return !s["drains"].empty() && s["drains"][0]["safe_to_kill"]; },
+      "the drained node safe to kill");
+  EXPECT_LT(Clock::now() - t0, 30s);
+  const json& d = s["drains"][0];
+  EXPECT_FALSE(d["deadline_missed"].get<bool>());
+  EXPECT_TRUE(d["checkpoint_durable"].get<bool>()) << d.dump();
+  EXPECT_EQ(d["workers"][0]["worker"], victim);
+  EXPECT_EQ(d["workers"][0]["state"], "exited");
+  const int64_t releaseStep = d["release_step"].get<int64_t>();
+  EXPECT_NE(slurp(ckpt + "/LATEST").find("\"step\":"), std::string::npos);
+  s = api.waitFor([&](const json& s) { return members(s) == 2 && stepOf(s) > releaseStep + 5; },
+                  "training on 2 after the drain");
+
+  // The scaling curve saw 3, 4 and 6 workers.
+  h = api.get("/v1/scaling");
+  ASSERT_EQ(h.status, 200);
+  json sc = json::parse(h.body);
+  std::set<int> measured;
+  for (const auto& p : sc["points"]) {
+    if (p.contains("measured_samples_per_s")) {
+      measured.insert(p["workers"].get<int>());
+      EXPECT_GT(p["measured_samples_per_s"].get<double>(), 0);
+    }
+  }
+  for (int n : {3, 4, 6})
+    EXPECT_TRUE(measured.count(n)) << "no measurement at " << n << ": " << h.body;
+
+  h = api.post("/v1/stop", R"({"deadline_s": 60})");
+  ASSERT_EQ(h.status, 200) << h.body;
+  t0 = Clock::now();
+  JobRun stopped = finish(job, 120s);
+  EXPECT_LT(Clock::now() - t0, 60s);
+  EXPECT_EQ(stopped.exitCode, 75) << stopped.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(stopped.output, m, std::regex("job stopped after step (\\d+)")))
+      << stopped.output;
+  const std::string last = m[1];
+  EXPECT_NE(slurp(ckpt + "/LATEST").find("\"step\":" + last), std::string::npos);
+  // Each action took effect at a step boundary: the coordinator's epochs say at which step.
+  const std::string events = slurp(dir + "/coordinator-events.jsonl");
+  EXPECT_NE(events.find("worker(s) joining at step"), std::string::npos);
+  EXPECT_NE(events.find("released by a resize to 3 nodes; left after step"), std::string::npos);
+  EXPECT_NE(events.find("drained (request 1); left after step " + std::to_string(releaseStep)),
+            std::string::npos);
+  EXPECT_NE(events.find("stopped by the control API; left after step " + last), std::string::npos);
+
+  // The run's picture: its epochs, drains and checkpoints, drawn by gnuplot.
+  const std::string png = dir + "/run.png";
+  JobRun tl = finish(start({SINEW_TIMELINE_PATH, dir, "-o", png}, {}), 120s);
+  if (tl.output.find("gnuplot is not installed") == std::string::npos) {
+    EXPECT_EQ(tl.exitCode, 0) << tl.output;
+    EXPECT_NE(tl.output.find("wrote " + png), std::string::npos) << tl.output;
+    EXPECT_EQ(slurp(png).substr(0, 8), std::string("\x89PNG\r\n\x1a\n", 8));
+  }
+
+  // The stopped state, continued to the last step, equals the single-process reference.
+  JobRun resumed = finish(start({SINEW_RUN_PATH, "-n", "2", "--log-dir", dir + "-resume",
+                                 TRAIN_DP_PATH, "--steps", steps, "--checkpoint-dir", ckpt},
+                                {}),
+                          300s);
+  expectFinishedExact(resumed, "");
+  EXPECT_NE(resumed.output.find("resumed from the durable checkpoint of step " + last),
+            std::string::npos)
+      << resumed.output;
+}
+
+#endif  // CURL_PATH
+
+}  // namespace
+}  // namespace testing
+}  // namespace sinew
