@@ -1326,7 +1326,9 @@ ControlReply Coordinator::Impl::scaling() {
     } catch (const std::exception&) {
       secondsPerTick = 0;
     }
-    for (int n = templates_.min_nodes; n <= std::max(templates_.max_nodes, nodesNow); ++n) {
+    // Beyond the node count planned for, only more copies of the planned templates fit.
+    const int maxNodes = std::max(templates_.max_nodes, nodesNow);
+    for (int n = std::max(1, templates_.min_nodes); n <= maxNodes + maxNodes / 2 + 1; ++n) {
       json p = {{"nodes", n}, {"workers", n * G}};
       try {
         std::vector<int> ids(n);

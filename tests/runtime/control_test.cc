@@ -609,6 +609,51 @@ TEST(ControlJobTest, ScriptedSchedulerGrowsShrinksDrainsAndStops) {
       << resumed.output;
 }
 
+#ifdef TRAIN_PP_PATH
+// A pipeline job's curve comes from its templates: feasible where a template combination
+// fits (with the planner's reason where none does), predicted from the cost model calibrated
+// by the step time measured now; a stop ends it at a step boundary.
+TEST(ControlJobTest, PipelineScalingFromTemplates) {
+  const std::string dir = logDir("control-pp");
+  Child job = start({SINEW_RUN_PATH, "-n", "5", "--log-dir", dir, "--quiet", TRAIN_PP_PATH,
+                     "--steps", "100000", "--no-reference"},
+                    {});
+  Api api = waitForApi(dir);
+  json s =
+      api.waitFor([](const json& s) { return stepOf(s) >= 12 && s["plan"].contains("pipelines"); },
+                  "12 pipeline steps");
+  EXPECT_EQ(s["plan"]["pipelines"].size(), 2u) << s["plan"].dump();
+  Http h = api.get("/v1/scaling");
+  ASSERT_EQ(h.status, 200) << h.body;
+  json sc = json::parse(h.body);
+  EXPECT_NE(sc["model"].get<std::string>().find("pipeline templates"), std::string::npos);
+  std::map<int, json> byNodes;
+  for (const auto& p : sc["points"]) byNodes[p["nodes"].get<int>()] = p;
+  ASSERT_TRUE(byNodes.count(3) && byNodes.count(4) && byNodes.count(5)) << h.body;
+  // f = 1 needs two pipelines of at least n_min = 2 nodes.
+  EXPECT_FALSE(byNodes[3]["feasible"].get<bool>());
+  EXPECT_NE(byNodes[3]["why"].get<std::string>().find("fault_tolerance=1"), std::string::npos);
+  EXPECT_TRUE(byNodes[4]["feasible"].get<bool>());
+  EXPECT_TRUE(byNodes[5]["feasible"].get<bool>());
+  EXPECT_GT(byNodes[5]["measured_samples_per_s"].get<double>(), 0);
+  EXPECT_GT(byNodes[4]["predicted_samples_per_s"].get<double>(), 0);
+  // The model and the measurement agree where both exist (the calibration point).
+  EXPECT_NEAR(byNodes[5]["predicted_samples_per_s"].get<double>(),
+              byNodes[5]["measured_samples_per_s"].get<double>(),
+              1e-6 * byNodes[5]["measured_samples_per_s"].get<double>());
+  // A resize to a node count no template fits is refused, naming why.
+  h = api.post("/v1/resize", R"({"nodes": 3})");
+  EXPECT_EQ(h.status, 409) << h.body;
+  EXPECT_NE(h.body.find("no pipeline plan fits 3 nodes"), std::string::npos) << h.body;
+  h = api.post("/v1/stop", "{}");
+  ASSERT_EQ(h.status, 200) << h.body;
+  EXPECT_NE(h.body.find("writes no checkpoints"), std::string::npos) << h.body;
+  JobRun run = finish(job, 120s);
+  EXPECT_FALSE(run.timedOut);
+  EXPECT_EQ(run.exitCode, 75) << run.output;
+}
+#endif  // TRAIN_PP_PATH
+
 #endif  // CURL_PATH
 
 }  // namespace
