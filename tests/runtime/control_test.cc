@@ -609,6 +609,57 @@ TEST(ControlJobTest, ScriptedSchedulerGrowsShrinksDrainsAndStops) {
       << resumed.output;
 }
 
+// Slurm-style advance warnings: --drain-signal USR1 to the launcher stops the whole job with
+// its last step durable (exit 75); SINEW_DRAIN_SIGNAL=USR1 makes that signal to one worker
+// release it at a step boundary, and the job goes on without it.
+TEST(ControlJobTest, DrainSignalsStopTheJobOrReleaseAWorker) {
+  const std::string dir = logDir("drain-signal");
+  const std::string ckpt = logDir("drain-signal-ckpt");
+  Child job = start({SINEW_RUN_PATH,
+                     "-n",
+                     "3",
+                     "--log-dir",
+                     dir,
+                     "--quiet",
+                     "--drain-signal",
+                     "USR1",
+                     "--drain-deadline-s",
+                     "60",
+                     "--inject",
+                     "slow:worker=*:ms=5",
+                     TRAIN_DP_PATH,
+                     "--steps",
+                     "100000",
+                     "--checkpoint-dir",
+                     ckpt,
+                     "--checkpoint-every",
+                     "1000",
+                     "--no-reference"},
+                    {{"SINEW_DRAIN_SIGNAL", "USR1"}});
+  Api api = waitForApi(dir);
+  json s = api.waitFor([](const json& s) { return stepOf(s) >= 20; }, "step 20");
+  const int64_t pid1 = s["members"][1]["pid"].get<int64_t>();
+  const int worker1 = s["members"][1]["worker"].get<int>();
+  ::kill(static_cast<pid_t>(pid1), SIGUSR1);  // A worker sinew-run started, by its PID.
+  s = api.waitFor([](const json& s) { return s["members"].size() == 2 && stepOf(s) > 0; },
+                  "the signalled worker released");
+  bool released = false;
+  for (const auto& r : s["released"]) released = released || r["worker"] == worker1;
+  EXPECT_TRUE(released) << s.dump();
+  const int64_t before = stepOf(s);
+  api.waitFor([&](const json& s) { return stepOf(s) >= before + 20; }, "training on 2");
+  ::kill(job.pid, SIGUSR1);
+  JobRun run = finish(job, 120s);
+  EXPECT_FALSE(run.timedOut);
+  EXPECT_EQ(run.exitCode, 75) << run.output;
+  EXPECT_NE(run.output.find("drain signal: stopping the job within 60 s"), std::string::npos)
+      << run.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(run.output, m, std::regex("job stopped after step (\\d+)")))
+      << run.output;
+  EXPECT_NE(slurp(ckpt + "/LATEST").find("\"step\":" + std::string(m[1])), std::string::npos);
+}
+
 #ifdef TRAIN_PP_PATH
 // A pipeline job's curve comes from its templates: feasible where a template combination
 // fits (with the planner's reason where none does), predicted from the cost model calibrated
