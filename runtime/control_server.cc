@@ -6,6 +6,7 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 
+#include <algorithm>
 #include <array>
 #include <deque>
 #include <optional>
@@ -22,6 +23,13 @@ namespace http = boost::beast::http;
 using asio::ip::tcp;
 using boost::system::error_code;
 
+// What close() needs of a session.
+class SessionBase {
+ public:
+  virtual ~SessionBase() = default;
+  virtual void close() = 0;
+};
+
 // What the sessions share with the server: it outlives the server while a session or a
 // handler holds it, and `closed` tells them that backend and feed may be gone.
 struct ControlServer::Shared {
@@ -29,6 +37,9 @@ struct ControlServer::Shared {
   control::Backend* backend;  // Valid while !closed (the coordinator closes before it dies).
   EventFeed* feed;            // Same.
   std::optional<tcp::acceptor> acceptor;
+  std::optional<asio::steady_timer> retry;  // backs off after a failed accept
+  // Every session, so that close() can end them (an event stream never ends by itself).
+  std::vector<std::weak_ptr<SessionBase>> sessions;
   bool closed = false;
   size_t connections = 0;
   size_t streams = 0;
@@ -43,7 +54,7 @@ namespace {
 // Events a slow reader may have queued before its stream is dropped.
 constexpr size_t kMaxQueuedEvents = 4096;
 
-class Session : public std::enable_shared_from_this<Session> {
+class Session : public SessionBase, public std::enable_shared_from_this<Session> {
  public:
   Session(tcp::socket socket, std::shared_ptr<ControlServer::Shared> shared)
       : stream_(std::move(socket)), deadline_(stream_.get_executor()), shared_(std::move(shared)) {
@@ -62,7 +73,10 @@ class Session : public std::enable_shared_from_this<Session> {
     }
   }
 
-  void start() { readHeader(); }
+  void start() {
+    shared_->sessions.push_back(weak_from_this());
+    readHeader();
+  }
 
   // Sends a refusal and closes (a connection over the cap).
   void refuse(int status, const std::string& why) {
@@ -81,7 +95,11 @@ class Session : public std::enable_shared_from_this<Session> {
     timedOut_ = false;
     deadline_.expires_after(shared_->options.requestTimeout);
     deadline_.async_wait([self = shared_from_this()](error_code ec) {
-      if (ec || self->closing_) return;
+      // A completion queued just before a cancel() still runs: believe the clock.
+      if (ec || self->closing_ ||
+          self->deadline_.expiry() > asio::steady_timer::clock_type::now()) {
+        return;
+      }
       self->timedOut_ = true;
       error_code ignored;
       self->stream_.socket().cancel(ignored);
@@ -249,7 +267,7 @@ class Session : public std::enable_shared_from_this<Session> {
                                      });
   }
 
-  void close() {
+  void close() override {
     if (closing_) return;
     closing_ = true;
     deadline_.cancel();
@@ -276,7 +294,22 @@ class Session : public std::enable_shared_from_this<Session> {
 void accept(const std::shared_ptr<ControlServer::Shared>& shared) {
   shared->acceptor->async_accept([shared](error_code ec, tcp::socket socket) {
     if (shared->closed) return;
-    if (!ec) {
+    if (ec) {
+      // Out of descriptors, say: the connection stays queued, so retrying at once would spin.
+      shared->log("accept failed (" + ec.message() + "); retrying in 50 ms");
+      shared->retry->expires_after(std::chrono::milliseconds(50));
+      shared->retry->async_wait([shared](error_code e) {
+        if (!e && !shared->closed) accept(shared);
+      });
+      return;
+    }
+    {
+      // Forget sessions that ended.
+      auto& v = shared->sessions;
+      v.erase(std::remove_if(v.begin(), v.end(), [](const auto& w) { return w.expired(); }),
+              v.end());
+    }
+    {
       collectives::transport::setCloseOnExec(socket.native_handle());
       auto session = std::make_shared<Session>(std::move(socket), shared);
       if (shared->connections > shared->options.maxConnections) {
@@ -306,6 +339,7 @@ ControlServer::ControlServer(asio::io_context& io, ControlServerOptions options,
   try {
     tcp::endpoint ep(asio::ip::make_address(shared_->options.host), shared_->options.port);
     shared_->acceptor.emplace(io);
+    shared_->retry.emplace(io);
     shared_->acceptor->open(ep.protocol());
     shared_->acceptor->set_option(tcp::acceptor::reuse_address(true));
     shared_->acceptor->bind(ep);
@@ -327,6 +361,11 @@ void ControlServer::close() {
   shared_->closed = true;
   error_code ignored;
   if (shared_->acceptor) shared_->acceptor->close(ignored);
+  if (shared_->retry) shared_->retry->cancel();
+  for (auto& weak : shared_->sessions) {
+    if (auto session = weak.lock()) session->close();
+  }
+  shared_->sessions.clear();
 }
 
 }  // namespace runtime

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <deque>
 #include <fstream>
+#include <future>
 #include <list>
 #include <map>
 #include <mutex>
@@ -136,7 +137,9 @@ class Coordinator::Impl : public control::Backend, public EventFeed {
         options_.controlToken = hex;
       }
       ControlServerOptions cs;
-      cs.host = options_.controlHost.empty() ? options_.host : options_.controlHost;
+      // Loopback unless configured (DESIGN.md section 7), whatever the coordinator binds to.
+      if (options_.controlHost.empty()) options_.controlHost = "127.0.0.1";
+      cs.host = options_.controlHost;
       cs.port = static_cast<uint16_t>(options_.controlPort);
       cs.token = options_.controlToken;
       cs.requestTimeout = options_.controlTimeout;
@@ -154,6 +157,7 @@ class Coordinator::Impl : public control::Backend, public EventFeed {
     });
     thread_ = std::thread([this] {
       collectives::transport::runIoThread(io_, [this](const std::string& what) {
+        std::lock_guard<std::mutex> lock(mu_);
         log("internal error in the io thread (it goes on serving): " + what);
         event({{"event", "internal_error"}, {"what", what}});
       });
@@ -191,6 +195,9 @@ class Coordinator::Impl : public control::Backend, public EventFeed {
     s.droppedConnections = dropped_;
     s.ignoredMessages = ignored_;
     s.pids = pids_;
+    for (const auto& [id, r] : releasedWorkers_) {
+      if (!r.exited) s.releasedRunning.push_back(id);
+    }
     return s;
   }
 
@@ -209,7 +216,18 @@ class Coordinator::Impl : public control::Backend, public EventFeed {
     }
   }
 
-  // control::Backend (docs/control_api.md); any thread, mu_ not held.
+  // Runs f on the io thread (at once when called there) and returns its result: the control
+  // operations write to workers' connections, which only the io thread may touch.
+  template <typename F>
+  auto onIo(F f) -> decltype(f()) {
+    if (std::this_thread::get_id() == thread_.get_id()) return f();
+    std::packaged_task<decltype(f())()> task(std::move(f));
+    auto result = task.get_future();
+    asio::post(io_, [&task] { task(); });
+    return result.get();
+  }
+
+  // control::Backend (docs/control_api.md); on the io thread, mu_ not held.
   ControlReply status() override;
   ControlReply scaling() override;
   ControlReply resize(int64_t nodes) override;
@@ -277,6 +295,8 @@ class Coordinator::Impl : public control::Backend, public EventFeed {
   void onVoteStats(Worker& w, const json& body);
   void release(int worker, const std::string& why);
   void sendCommit(int worker, int64_t step, bool nextEpoch);
+  // A drain is done with its workers once each was released or declared dead.
+  void updateDrains();
   void noteCommit(int64_t step);
   std::string state() const;
   int currentNodes() const;
@@ -382,6 +402,8 @@ class Coordinator::Impl : public control::Backend, public EventFeed {
   std::map<int, Drain> drains_;
   int nextDrain_ = 1;
   json lastResize_;
+  int targetNodes_ = -1;     // the last resize's target (-1: none)
+  int joinersStarting_ = 0;  // workers a launcher started for a resize that have not said hello
   bool stopRequested_ = false;
   double stopDeadline_ = 0;
   std::unique_ptr<asio::steady_timer> stopTimer_;
@@ -691,7 +713,14 @@ void Coordinator::Impl::onHello(const std::shared_ptr<Session>& s, const json& b
     hellos_.push_back(id);  // Counts towards the first epoch once it is ready.
   } else if (finished_) {
     declareDead(id, "the job has already finished");
+  } else if (requested < 0 && targetNodes_ >= 0 &&
+             currentNodes() + static_cast<int>(pendingJoin_.size()) /
+                                  (pipelineJob_ ? profile_.job.devices_per_node : 1) >=
+                 targetNodes_) {
+    joinersStarting_ = std::max(0, joinersStarting_ - 1);
+    release(id, "the job is at its resize target of " + std::to_string(targetNodes_) + " nodes");
   } else {
+    if (requested < 0) joinersStarting_ = std::max(0, joinersStarting_ - 1);
     pendingJoin_.push_back(id);
     log("worker " + std::to_string(id) + " (node " + node +
         ") asks to join; it joins at the next step boundary");
@@ -967,14 +996,6 @@ void Coordinator::Impl::release(int worker, const std::string& why) {
     releasedWorkers_[worker] = r;
   }
   leaveReason_.erase(worker);
-  for (auto& [id, d] : drains_) {
-    if (d.releaseStep < 0 &&
-        std::find(d.workers.begin(), d.workers.end(), worker) != d.workers.end()) {
-      bool all = true;
-      for (int w : d.workers) all = all && (w == worker || releasedWorkers_.count(w));
-      if (all) d.releaseStep = committed_;
-    }
-  }
   // Erased from workers_: its closing connection and any late message are no failure.
   pendingJoin_.erase(std::remove(pendingJoin_.begin(), pendingJoin_.end(), worker),
                      pendingJoin_.end());
@@ -983,6 +1004,7 @@ void Coordinator::Impl::release(int worker, const std::string& why) {
   leaving_.erase(worker);
   released_.push_back(worker);
   workers_.erase(it);
+  updateDrains();
   log("worker " + std::to_string(worker) + " released: " + why);
   event({{"event", "released"}, {"worker", worker}, {"reason", why}});
 }
@@ -1045,6 +1067,17 @@ void Coordinator::Impl::declareDead(int worker, const std::string& why) {
     workers_.erase(wit);
   }
   failures_ += static_cast<int64_t>(victims.size());
+  updateDrains();
+  // A checkpoint asked for and not yet durable is lost with its writer (data parallel: the
+  // epoch's first member; pipelines: any member): status stops saying "checkpointing".
+  const bool writerLost =
+      !members_.empty() &&
+      (pipelineJob_ ? wasMember
+                    : std::find(victims.begin(), victims.end(), members_.front()) != victims.end());
+  if (writerLost && checkpointStep_ > durable_.step) {
+    event({{"event", "checkpoint_abandoned"}, {"step", checkpointStep_}, {"reason", why}});
+    checkpointStep_ = -1;
+  }
   if (epoch_ >= 0 && wasMember && !finished_) {
     if (!recovering_) {
       recovering_ = true;
@@ -1103,6 +1136,15 @@ void Coordinator::Impl::onDurable(int worker, const json& body) {
          {"bytes", body.at("bytes").get<int64_t>()},
          {"flush_s", flush},
          {"path", body.at("path").get<std::string>()}});
+}
+
+void Coordinator::Impl::updateDrains() {
+  for (auto& [id, d] : drains_) {
+    if (d.releaseStep >= 0) continue;
+    bool all = true;
+    for (int w : d.workers) all = all && !workers_.count(w);
+    if (all) d.releaseStep = committed_;
+  }
 }
 
 void Coordinator::Impl::sendCommit(int worker, int64_t step, bool nextEpoch) {
@@ -1443,6 +1485,16 @@ ControlReply Coordinator::Impl::resize(int64_t nodes) {
   const int now = currentNodes();
   ControlReply r;
   r.body = {{"from", now}, {"to", nodes}, {"at_step", committed_ + 1}};
+  // The target holds for joiners too: one that connects while the job is at it (a retried
+  // grow, a worker started by hand) is released at once (onHello).
+  targetNodes_ = static_cast<int>(nodes);
+  if (nodes <= now && !pendingJoin_.empty()) {
+    std::vector<int> surplus = pendingJoin_;
+    for (int id : surplus) {
+      release(id, "the job was resized to " + std::to_string(nodes) + " nodes before it joined");
+    }
+    r.body["released_joiners"] = surplus;
+  }
   if (pipelineJob_) {
     const int G = profile_.job.devices_per_node;
     try {
@@ -1507,12 +1559,19 @@ ControlReply Coordinator::Impl::resize(int64_t nodes) {
     r.body["action"] = "none";
     return r;
   }
-  // Growth: joiners are admitted at the next step boundary after they say hello.
+  // Growth: joiners are admitted at the next step boundary after they say hello. Those
+  // connected and those a launcher is still starting count towards the target.
   const int perNode = pipelineJob_ ? profile_.job.devices_per_node : 1;
-  const int pending = static_cast<int>(pendingJoin_.size()) / perNode;
+  const int pending =
+      (static_cast<int>(pendingJoin_.size()) + joinersStarting_ + perNode - 1) / perNode;
   const int need = static_cast<int>(nodes) - now - pending;
   int started = 0;
-  if (need > 0 && options_.startWorkers) started = options_.startWorkers(need * perNode) / perNode;
+  if (need > 0 && options_.startWorkers) {
+    const int workers = options_.startWorkers(need * perNode);
+    joinersStarting_ += workers;
+    started = workers / perNode;
+    if (workers > 0 && started == 0) started = 1;  // A node's first workers are on their way.
+  }
   if (need > 0 && options_.startWorkers && started == 0) {
     return refuse(409, "the launcher may start no more workers (sinew-run --max-workers)");
   }
@@ -1586,10 +1645,10 @@ ControlReply Coordinator::Impl::drain(const control::DrainRequest& request) {
     if (ec) return;
     std::lock_guard<std::mutex> lock(mu_);
     auto it = drains_.find(id);
-    if (it == drains_.end() || stopping_) return;
+    if (it == drains_.end() || stopping_ || finished_) return;
     std::vector<int> late;
     for (int w : it->second.workers) {
-      if (workers_.count(w)) late.push_back(w);
+      if (workers_.count(w) && !done_.count(w)) late.push_back(w);
     }
     if (late.empty()) return;
     it->second.expelled = true;
@@ -1763,19 +1822,29 @@ CoordinatorStatus Coordinator::status() const { return impl_->coordinatorStatus(
 bool Coordinator::waitFinished(std::chrono::milliseconds timeout) {
   return impl_->waitFinished(timeout);
 }
-ControlReply Coordinator::controlStatus() { return impl_->status(); }
-ControlReply Coordinator::scaling() { return impl_->scaling(); }
-ControlReply Coordinator::resize(int64_t nodes) { return impl_->resize(nodes); }
+ControlReply Coordinator::controlStatus() {
+  return impl_->onIo([this] { return impl_->status(); });
+}
+ControlReply Coordinator::scaling() {
+  return impl_->onIo([this] { return impl_->scaling(); });
+}
+ControlReply Coordinator::resize(int64_t nodes) {
+  return impl_->onIo([this, nodes] { return impl_->resize(nodes); });
+}
 ControlReply Coordinator::drain(const control::DrainRequest& request) {
-  return impl_->drain(request);
+  return impl_->onIo([this, &request] { return impl_->drain(request); });
 }
-ControlReply Coordinator::checkpoint() { return impl_->checkpoint(); }
-ControlReply Coordinator::stop(double deadlineSeconds) { return impl_->stop(deadlineSeconds); }
-std::string Coordinator::metrics() { return impl_->metrics(); }
+ControlReply Coordinator::checkpoint() {
+  return impl_->onIo([this] { return impl_->checkpoint(); });
+}
+ControlReply Coordinator::stop(double deadlineSeconds) {
+  return impl_->onIo([this, deadlineSeconds] { return impl_->stop(deadlineSeconds); });
+}
+std::string Coordinator::metrics() {
+  return impl_->onIo([this] { return impl_->metrics(); });
+}
 uint16_t Coordinator::controlPort() const { return impl_->controlPort_; }
-const std::string& Coordinator::controlHost() const {
-  return impl_->options_.controlHost.empty() ? impl_->options_.host : impl_->options_.controlHost;
-}
+const std::string& Coordinator::controlHost() const { return impl_->options_.controlHost; }
 
 void writeCoordinatorJson(const Coordinator& coordinator, const std::string& path) {
   char token[32];

@@ -96,7 +96,8 @@ struct CoordinatorStatus {
   bool stopped = false;       // every member left (preempted) before the last step
   int64_t droppedConnections = 0;
   int64_t ignoredMessages = 0;
-  std::map<int, int64_t> pids;  // every worker that said hello -> its process id
+  std::map<int, int64_t> pids;       // every worker that said hello -> its process id
+  std::vector<int> releasedRunning;  // released, and their process has not ended yet
 };
 
 class Coordinator {

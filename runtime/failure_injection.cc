@@ -4,8 +4,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <sstream>
 #include <thread>
@@ -64,12 +67,19 @@ double parseDuration(const std::string& fault, const std::string& key, const std
 }
 
 Phase parsePhase(const std::string& fault, const std::string& v) {
-  for (Phase p : {Phase::kForward, Phase::kBackward, Phase::kReduce, Phase::kAfterReduce,
-                  Phase::kOptimizer, Phase::kRecovery, Phase::kFlush}) {
+  for (Phase p :
+       {Phase::kForward, Phase::kBackward, Phase::kReduce, Phase::kAfterReduce, Phase::kOptimizer,
+        Phase::kSnapshot, Phase::kRecovery, Phase::kReconfiguration, Phase::kFlush}) {
     if (v == phaseName(p)) return p;
   }
+  if (v == "replication") {
+    SINEW_THROW(InvalidArgument, "fault '", fault,
+                "': phase 'replication' needs peer-RAM replicas in the training path, which no "
+                "job has yet");
+  }
   SINEW_THROW(InvalidArgument, "fault '", fault, "': unknown phase '", v,
-              "' (expected forward, backward, reduce, after-reduce, optimizer, recovery or flush)");
+              "' (expected forward, backward, reduce, after-reduce, optimizer, snapshot, "
+              "recovery, reconfiguration or flush)");
 }
 
 }  // namespace
@@ -86,8 +96,12 @@ const char* phaseName(Phase p) {
       return "after-reduce";
     case Phase::kOptimizer:
       return "optimizer";
+    case Phase::kSnapshot:
+      return "snapshot";
     case Phase::kRecovery:
       return "recovery";
+    case Phase::kReconfiguration:
+      return "reconfiguration";
     case Phase::kFlush:
       return "flush";
   }
@@ -112,9 +126,12 @@ FailureInjector FailureInjector::parse(const std::string& spec) {
     } else if (kind == "failwrite") {
       f.kind = Fault::Kind::kFailWrite;
       f.phase = Phase::kFlush;
+    } else if (kind == "corrupt") {
+      f.kind = Fault::Kind::kCorrupt;
+      f.phase = Phase::kFlush;
     } else {
       SINEW_THROW(InvalidArgument, "fault '", text, "': unknown kind '", kind,
-                  "' (expected kill, stop, mute, slow or failwrite)");
+                  "' (expected kill, stop, mute, slow, failwrite or corrupt)");
     }
     bool haveWorker = false;
     for (size_t i = 1; i < parts.size(); ++i) {
@@ -149,6 +166,9 @@ FailureInjector FailureInjector::parse(const std::string& spec) {
     if (f.kind == Fault::Kind::kFailWrite && f.phase != Phase::kFlush) {
       SINEW_THROW(InvalidArgument, "fault '", text, "': failwrite fires only in phase flush");
     }
+    if (f.kind == Fault::Kind::kCorrupt && f.phase != Phase::kFlush) {
+      SINEW_THROW(InvalidArgument, "fault '", text, "': corrupt fires only in phase flush");
+    }
     if (f.phase == Phase::kFlush && f.kind == Fault::Kind::kMute) {
       SINEW_THROW(InvalidArgument, "fault '", text,
                   "': mute cannot fire in phase flush (the flush thread does not talk to the "
@@ -171,8 +191,10 @@ void FailureInjector::fireSlow(int worker, int64_t step, Phase phase, Coordinato
   for (Fault& f : faults_) {
     // The phase first: it is immutable, and a fault of another phase belongs to another thread.
     if (f.phase != phase || f.fired || (f.worker >= 0 && f.worker != worker)) continue;
+    if (f.kind == Fault::Kind::kCorrupt) continue;  // afterFlush runs it.
     bool everyStep = f.kind == Fault::Kind::kSlow && f.step < 0;
-    bool due = everyStep || (phase == Phase::kRecovery ? step >= f.step : step == f.step);
+    const bool atOrAfter = phase == Phase::kRecovery || phase == Phase::kReconfiguration;
+    bool due = everyStep || (atOrAfter ? step >= f.step : step == f.step);
     if (!due) continue;
     if (!everyStep) f.fired = true;
     switch (f.kind) {
@@ -214,12 +236,40 @@ void FailureInjector::fireSlow(int worker, int64_t step, Phase phase, Coordinato
                      static_cast<long long>(step));
         SINEW_THROW(IoError, "injected write failure (failwrite:worker=", worker, ":step=", step,
                     ")");
+      case Fault::Kind::kCorrupt:
+        break;  // Not here: afterFlush.
       case Fault::Kind::kSlow:
         std::this_thread::sleep_for(
             std::chrono::microseconds(static_cast<int64_t>(f.milliseconds * 1e3)));
         break;
     }
   }
+}
+
+int FailureInjector::corruptDue(int worker, int64_t step, const std::string& dir) {
+  int damaged = 0;
+  for (Fault& f : faults_) {
+    if (f.kind != Fault::Kind::kCorrupt || f.fired || f.step != step ||
+        (f.worker >= 0 && f.worker != worker)) {
+      continue;
+    }
+    f.fired = true;
+    char name[32];
+    std::snprintf(name, sizeof(name), "step-%08lld", static_cast<long long>(step));
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(dir + "/" + name, ec)) {
+      if (e.path().filename().string().rfind("shard-", 0) != 0) continue;
+      const auto size = std::filesystem::file_size(e.path(), ec);
+      if (ec || size < 8) continue;
+      std::fstream file(e.path(), std::ios::in | std::ios::out | std::ios::binary);
+      file.seekp(static_cast<std::streamoff>(size - std::min<uintmax_t>(size, 64)));
+      file.write("\xde\xad\xbe\xef\xde\xad\xbe\xef", 8);
+      damaged += file.good() ? 1 : 0;
+    }
+    std::fprintf(stderr, "sinew inject: worker %d corrupted %d file(s) of checkpoint %lld in %s\n",
+                 worker, damaged, static_cast<long long>(step), dir.c_str());
+  }
+  return damaged;
 }
 
 }  // namespace runtime

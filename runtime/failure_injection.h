@@ -10,11 +10,19 @@
 //   slow:worker=0:ms=20[:step=N]            sleep ms (at every step when step is absent)
 //   failwrite:worker=0:step=19              the flush of version 19 fails with IoError (phase
 //                                           flush, the only one it takes)
+//   corrupt:worker=0:step=19                once version 19 is written, 8 bytes near the end
+//                                           of each of its shard files are overwritten, as
+//                                           bit rot would (phase flush, the only one it takes):
+//                                           a restore must notice and fall back
 // worker is the launch rank (or `*` for every worker); phase is one of forward, backward,
-// reduce, after-reduce, optimizer, recovery, flush (default forward; `recovery` fires in the
-// first recovery at or after `step`; `flush` fires on the checkpoint flush thread before it
-// writes version `step`, or every version when a slow has no step). Each fault except an
-// every-step slow fires once.
+// reduce, after-reduce, optimizer, snapshot, recovery, reconfiguration, flush (default
+// forward; `snapshot` fires before a checkpoint writer copies version `step` to host memory;
+// `recovery` fires in the first recovery after a failure at or after `step`;
+// `reconfiguration` when an epoch after the first is announced (a failure, a join, a leave)
+// at or after `step`, before the worker builds its communicator; `flush` fires on the
+// checkpoint flush thread before it writes version `step`, or every version when a slow has no
+// step). Each fault except an every-step slow fires once. (`replication`, in DESIGN.md
+// section 8, needs peer-RAM replicas in the training path: issue 12.)
 //
 // With no faults, fire() is one inlined emptiness check: zero cost when unset.
 //
@@ -31,12 +39,22 @@ namespace runtime {
 
 class CoordinatorClient;
 
-enum class Phase { kForward, kBackward, kReduce, kAfterReduce, kOptimizer, kRecovery, kFlush };
+enum class Phase {
+  kForward,
+  kBackward,
+  kReduce,
+  kAfterReduce,
+  kOptimizer,
+  kSnapshot,
+  kRecovery,
+  kReconfiguration,
+  kFlush
+};
 
 const char* phaseName(Phase p);
 
 struct Fault {
-  enum class Kind { kKill, kStop, kMute, kSlow, kFailWrite };
+  enum class Kind { kKill, kStop, kMute, kSlow, kFailWrite, kCorrupt };
   Kind kind = Kind::kKill;
   int worker = -1;    // -1: every worker
   int64_t step = -1;  // -1: every step (slow only)
@@ -63,9 +81,16 @@ class FailureInjector {
     if (faults_.empty()) return;
     fireSlow(worker, step, phase, client);
   }
+  // On the flush thread, once version `step` is written to the checkpoint directory `dir`:
+  // runs the corrupt faults due. Returns how many files it damaged.
+  int afterFlush(int worker, int64_t step, const std::string& dir) {
+    if (faults_.empty()) return 0;
+    return corruptDue(worker, step, dir);
+  }
 
  private:
   void fireSlow(int worker, int64_t step, Phase phase, CoordinatorClient* client);
+  int corruptDue(int worker, int64_t step, const std::string& dir);
   std::vector<Fault> faults_;
 };
 

@@ -131,6 +131,13 @@ std::string forkCoordinator(int expected, const InitOptions& o) {
         if (st.epoch >= 0 && st.members.empty()) break;
         if (st.epoch < 0 && std::chrono::steady_clock::now() - start > o.connectTimeout) break;
       }
+      // Released workers (a stop, a drain) may still be writing the checkpoint of their last
+      // step through the store: serve until their processes end (at most 60 s).
+      const auto released = std::chrono::steady_clock::now();
+      while (!coord.status().releasedRunning.empty() &&
+             std::chrono::steady_clock::now() - released < std::chrono::seconds(60)) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(200));  // Let the last words out.
     } catch (const std::exception& e) {
       std::fprintf(stderr, "sinew coordinator: %s\n", e.what());

@@ -342,12 +342,18 @@ class Trainer::Impl {
     shape.steps = o_.steps;
     shape.checkpoints = !o_.checkpointDir.empty();
     client_.ready(resume, shape);
-    recoverInto(-1, /*failure=*/false, "start");
+    bool preempted = false;
+    try {
+      recoverInto(-1, /*failure=*/false, "start");
+    } catch (const Released&) {
+      // Released before it trained: a joiner the job no longer needs (a resize, a drain, a
+      // stop), or preempted while it started.
+      preempted = true;
+    }
     validated_.clear();  // Only the first epoch's source restores from it.
     validatedStep_ = -1;
     startStep_ = step_;
-    bool preempted = false;
-    while (step_ < o_.steps) {
+    while (!preempted && step_ < o_.steps) {
       if (!leaveSent_ && ctx_.preemptionRequested()) {
         client_.leave(step_);
         leaveSent_ = true;
@@ -587,6 +593,10 @@ class Trainer::Impl {
         // ask for a fresh epoch with the same members.
         if (waitFrom >= 0) client_.requestRebuild(waitFrom);
         continue;
+      }
+      // A new epoch after the first: the worker is reconfiguring (DESIGN.md section 8).
+      if (from >= 0) {
+        state_.injector.fire(ctx_.worker(), step_, Phase::kReconfiguration, &client_);
       }
       try {
         enter(info);
@@ -1352,6 +1362,7 @@ class Trainer::Impl {
       std::lock_guard<std::mutex> lock(ckMu_);
       ckOutstanding_++;
     }
+    state_.injector.fire(ctx_.worker(), step, Phase::kSnapshot, &client_);
     if (arena_->snapshot(step, state)) {
       lastSnapshot_ = step;
     } else {
@@ -1386,6 +1397,7 @@ class Trainer::Impl {
         ckWritten_++;
         if (shard->step >= flushErrorStep_) flushError_ = nullptr;  // A newer one is durable.
         event({{"event", "checkpoint"}, {"step", shard->step}, {"duration_s", took}});
+        state_.injector.afterFlush(ctx_.worker(), shard->step, o_.checkpointDir);
         // The writer that moved LATEST tells the coordinator (its status and /metrics).
         if (job.how != FlushHow::kPost) {
           client_.durable(shard->step, shard->capacity(), took, o_.checkpointDir);

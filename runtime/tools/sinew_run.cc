@@ -292,6 +292,34 @@ int main(int argc, char** argv) {
         rank >= 0 ? "worker " + std::to_string(rank) : "joiner " + std::to_string(++joinerCount);
     const std::string logName = rank >= 0 ? "worker-" + std::to_string(rank) + ".log"
                                           : "joiner-" + std::to_string(joinerCount) + ".log";
+    // Everything the child needs is built before fork(): between fork and exec it only makes
+    // async-signal-safe calls (other threads may hold locks that would never be released).
+    std::vector<std::string> env;
+    for (char** e = environ; *e != nullptr; ++e) {
+      const std::string kv = *e;
+      const std::string key = kv.substr(0, kv.find('='));
+      if (key == "SINEW_COORDINATOR" || key == "SINEW_TOKEN" || key == "SINEW_WORKER_ID" ||
+          key == "SINEW_LOG_DIR" || (key == "SINEW_INJECT" && !a.inject.empty())) {
+        continue;
+      }
+      env.push_back(kv);
+    }
+    env.push_back("SINEW_COORDINATOR=" + endpoint);
+    env.push_back(std::string("SINEW_TOKEN=") + token);
+    if (rank >= 0) env.push_back("SINEW_WORKER_ID=" + std::to_string(rank));
+    env.push_back("SINEW_LOG_DIR=" + a.logDir);
+    if (!std::getenv("SINEW_NODE")) {
+      env.push_back("SINEW_NODE=" + (rank >= 0 ? "local-" + std::to_string(rank)
+                                               : "local-joiner-" + std::to_string(joinerCount)));
+    }
+    if (!a.inject.empty()) env.push_back("SINEW_INJECT=" + a.inject);
+    std::vector<char*> envp;
+    for (auto& kv : env) envp.push_back(const_cast<char*>(kv.c_str()));
+    envp.push_back(nullptr);
+    std::vector<char*> args;
+    for (auto& arg : a.program) args.push_back(const_cast<char*>(arg.c_str()));
+    args.push_back(nullptr);
+    const std::string cannot = "sinew-run: cannot run " + a.program[0] + "\n";
     std::fflush(nullptr);
     pid_t pid = ::fork();
     if (pid < 0) {
@@ -303,25 +331,8 @@ int main(int argc, char** argv) {
     if (pid == 0) {
       ::dup2(fds[1], 1);
       ::dup2(fds[1], 2);
-      ::setenv("SINEW_COORDINATOR", endpoint.c_str(), 1);
-      ::setenv("SINEW_TOKEN", token, 1);
-      if (rank >= 0) {
-        ::setenv("SINEW_WORKER_ID", std::to_string(rank).c_str(), 1);
-      } else {
-        ::unsetenv("SINEW_WORKER_ID");
-      }
-      ::setenv("SINEW_LOG_DIR", a.logDir.c_str(), 1);
-      if (!std::getenv("SINEW_NODE")) {
-        const std::string node = rank >= 0 ? "local-" + std::to_string(rank)
-                                           : "local-joiner-" + std::to_string(joinerCount);
-        ::setenv("SINEW_NODE", node.c_str(), 1);
-      }
-      if (!a.inject.empty()) ::setenv("SINEW_INJECT", a.inject.c_str(), 1);
-      std::vector<char*> args;
-      for (auto& s : a.program) args.push_back(const_cast<char*>(s.c_str()));
-      args.push_back(nullptr);
-      ::execvp(args[0], args.data());
-      std::fprintf(stderr, "sinew-run: cannot run %s: %s\n", args[0], std::strerror(errno));
+      ::execvpe(args[0], args.data(), envp.data());
+      (void)!::write(2, cannot.data(), cannot.size());
       _exit(127);
     }
     ::close(fds[1]);
@@ -416,11 +427,15 @@ int main(int argc, char** argv) {
   bool drainAsked = false;
   while (status.size() < gChildren.size() || joinersWanted.load() > 0) {
     if (gDrainSignal && !drainAsked) {
-      drainAsked = true;
+      // Before the first epoch (or while nothing can stop) it is asked again at the next turn.
       auto reply = coordinator.stop(a.drainDeadline);
-      std::printf("sinew-run: drain signal: stopping the job within %.0f s: %s\n", a.drainDeadline,
-                  reply.body.dump().c_str());
-      std::fflush(stdout);
+      const auto cs = coordinator.status();
+      if (reply.status == 200 || cs.finished || (cs.epoch >= 0 && cs.members.empty())) {
+        drainAsked = true;
+        std::printf("sinew-run: drain signal: stopping the job within %.0f s: %s\n",
+                    a.drainDeadline, reply.body.dump().c_str());
+        std::fflush(stdout);
+      }
     }
     for (int want = joinersWanted.exchange(0); want > 0 && gSignals == 0; --want) {
       if (!start(-1)) break;

@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <future>
@@ -417,6 +418,43 @@ TEST(FailureInjectionTest, ParsesTheDocumentedSpec) {
   EXPECT_EQ(inj.faults()[3].worker, -1);
   EXPECT_EQ(inj.faults()[3].step, -1);
   EXPECT_TRUE(FailureInjector::parse("").empty());
+  auto more = FailureInjector::parse(
+      "corrupt:worker=0:step=19;kill:worker=1:step=4:phase=snapshot;"
+      "stop:worker=2:step=7:secs=1:phase=reconfiguration");
+  ASSERT_EQ(more.faults().size(), 3u);
+  EXPECT_EQ(more.faults()[0].kind, Fault::Kind::kCorrupt);
+  EXPECT_EQ(more.faults()[0].phase, Phase::kFlush);
+  EXPECT_EQ(more.faults()[1].phase, Phase::kSnapshot);
+  EXPECT_EQ(more.faults()[2].phase, Phase::kReconfiguration);
+}
+
+// corrupt damages the shard files of its version once it is written, and only that version.
+TEST(FailureInjectionTest, CorruptDamagesTheShardFilesOfItsVersionOnce) {
+  char dir[] = "/tmp/sinew-corrupt-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir), nullptr);
+  const std::string root = dir;
+  for (const char* step : {"step-00000019", "step-00000029"}) {
+    std::filesystem::create_directories(root + "/" + step);
+    std::ofstream(root + "/" + step + "/shard-w0.safetensors") << std::string(256, 'a');
+    std::ofstream(root + "/" + step + "/manifest.json") << "{}";
+  }
+  auto inj = FailureInjector::parse("corrupt:worker=0:step=19");
+  EXPECT_EQ(inj.afterFlush(1, 19, root), 0);  // another worker
+  EXPECT_EQ(inj.afterFlush(0, 29, root), 0);  // another version
+  inj.fire(0, 19, Phase::kFlush, nullptr);    // the flush itself: nothing yet
+  auto read = [&](const std::string& f) {
+    std::ifstream in(root + "/" + f);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  EXPECT_EQ(read("step-00000019/shard-w0.safetensors"), std::string(256, 'a'));
+  EXPECT_EQ(inj.afterFlush(0, 19, root), 1);
+  const std::string damaged = read("step-00000019/shard-w0.safetensors");
+  EXPECT_EQ(damaged.size(), 256u);
+  EXPECT_EQ(damaged.substr(192, 8), "\xde\xad\xbe\xef\xde\xad\xbe\xef");
+  EXPECT_EQ(read("step-00000029/shard-w0.safetensors"), std::string(256, 'a'));
+  EXPECT_EQ(read("step-00000019/manifest.json"), "{}");
+  EXPECT_EQ(inj.afterFlush(0, 19, root), 0);  // once
+  std::filesystem::remove_all(root);
 }
 
 TEST(FailureInjectionTest, MalformedSpecsNameWhatIsWrong) {
@@ -435,6 +473,9 @@ TEST(FailureInjectionTest, MalformedSpecsNameWhatIsWrong) {
            {"failwrite:worker=1:step=2:phase=forward", "failwrite fires only in phase flush"},
            {"failwrite:worker=1", "needs step"},
            {"mute:worker=1:step=2:secs=1:phase=flush", "mute cannot fire in phase flush"},
+           {"corrupt:worker=1:step=2:phase=backward", "corrupt fires only in phase flush"},
+           {"corrupt:worker=1", "needs step"},
+           {"kill:worker=1:step=2:phase=replication", "needs peer-RAM replicas"},
        }) {
     try {
       FailureInjector::parse(b.spec);

@@ -335,4 +335,32 @@ TEST(FaultSemanticsTest, FailedFlushIsReportedAndTrainingGoesOn) {
   std::filesystem::remove_all(ckpt);
 }
 
+// The corrupt injection kind damages a version after it was written (bit rot): the job does
+// not notice, a restart does, falls back to the version before it, says so, and ends exact.
+// A kill while the writer takes a snapshot, and a stall while the survivors reconfigure, are
+// survived too (the snapshot and reconfiguration phases of DESIGN.md section 8).
+TEST(FaultSemanticsTest, CorruptSnapshotAndReconfigurationInjections) {
+  const std::string ckpt = logDir("corrupt-inject-ckpt");
+  std::filesystem::remove_all(ckpt);
+  JobRun first = trainDp("corrupt-inject-1", 3,
+                         {"--steps", "30", "--checkpoint-dir", ckpt, "--checkpoint-every", "10"},
+                         "corrupt:worker=0:step=29");
+  ASSERT_EQ(first.exitCode, 0) << first.output;
+  EXPECT_NE(first.output.find("worker 0 corrupted 1 file(s) of checkpoint 29"), std::string::npos)
+      << first.output;
+  // A version every 2 steps, so that the writer snapshots step 33.
+  JobRun second = trainDp("corrupt-inject-2", 3,
+                          {"--steps", "40", "--checkpoint-dir", ckpt, "--checkpoint-every", "2"},
+                          "kill:worker=0:step=33:phase=snapshot;"
+                          "slow:worker=1:step=33:ms=300:phase=reconfiguration");
+  SCOPED_TRACE(second.output);
+  expectExact(second, "0");
+  EXPECT_NE(second.output.find("checkpoint of step 29 cannot be restored"), std::string::npos);
+  EXPECT_NE(second.output.find("resumed from the durable checkpoint of step 19"),
+            std::string::npos);
+  EXPECT_NE(second.output.find("SIGKILLs itself at step 33 phase snapshot"), std::string::npos);
+  EXPECT_EQ(latestStep(ckpt), 39);
+  std::filesystem::remove_all(ckpt);
+}
+
 }  // namespace
