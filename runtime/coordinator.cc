@@ -829,8 +829,10 @@ json Coordinator::Impl::epochBody(const std::vector<int>& joined, bool sync) con
       break;
     }
   }
-  return json{{"epoch", epoch_},  {"members", members_}, {"resume_step", committed_ + 1},
-              {"source", source}, {"joined", joined},    {"sync", sync}};
+  json body = {{"epoch", epoch_},  {"members", members_}, {"resume_step", committed_ + 1},
+               {"source", source}, {"joined", joined},    {"sync", sync}};
+  if (options_.progressFloor.count() > 0) body["step_deadline_ms"] = stepDeadline().count();
+  return body;
 }
 
 // A worker sends the job's pipeline profile once (the first member of the first epoch, after
@@ -1151,6 +1153,8 @@ void Coordinator::Impl::sendCommit(int worker, int64_t step, bool nextEpoch) {
   json body = {{"step", step}};
   if (nextEpoch) body["next_epoch"] = true;
   if (checkpointStep_ == step) body["checkpoint"] = true;
+  // Workers derive their operation and recovery deadlines from it (failure_semantics.md 12).
+  if (options_.progressFloor.count() > 0) body["step_deadline_ms"] = stepDeadline().count();
   send(worker, wire::Type::kCommit, body);
 }
 

@@ -132,6 +132,10 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
     asio::post(io_, [this, type, epoch, body = std::move(body)] { queue(type, epoch, body); });
   }
 
+  std::chrono::milliseconds stepDeadline() const {
+    return std::chrono::milliseconds(stepDeadlineMs_.load());
+  }
+
   bool checkpointRequested(int64_t step) const {
     std::lock_guard<std::mutex> lock(mu_);
     return checkpointAt_ == step;
@@ -243,6 +247,9 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
           e.joined = body.at("joined").get<std::vector<int>>();
           e.sync = body.at("sync").get<bool>();
           e.plan = body.value("plan", std::string());
+          if (body.contains("step_deadline_ms")) {
+            stepDeadlineMs_.store(body.at("step_deadline_ms").get<int64_t>());
+          }
           if (e.epoch > epoch_.epoch) {
             epoch_ = e;
             announce = e.epoch;
@@ -254,6 +261,9 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
           committed_ = std::max(committed_, step);
           if (body.value("next_epoch", false)) reshapeAfter_ = step;
           if (body.value("checkpoint", false)) checkpointAt_ = std::max(checkpointAt_, step);
+          if (body.contains("step_deadline_ms")) {
+            stepDeadlineMs_.store(body.at("step_deadline_ms").get<int64_t>());
+          }
           break;
         }
         case wire::Type::kReleased:
@@ -296,6 +306,8 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
   // The step (times 2) and whether the worker waits on the others (the low bit), in one word
   // so that a heartbeat never pairs one step with another step's flag. -2: step -1.
   std::atomic<int64_t> progress_{-2};
+  // The coordinator's step deadline in ms (0: not given).
+  std::atomic<int64_t> stepDeadlineMs_{0};
   // io thread only (set before the io thread starts).
   std::shared_ptr<transport::Channel> channel_;
   bool closed_ = false;
@@ -336,6 +348,7 @@ CoordinatorClient::VoteResult CoordinatorClient::vote(int64_t epoch, int64_t ste
                                                       StepStats stats) {
   return impl_->vote(epoch, step, timeout, stats);
 }
+std::chrono::milliseconds CoordinatorClient::stepDeadline() const { return impl_->stepDeadline(); }
 bool CoordinatorClient::checkpointRequested(int64_t step) const {
   return impl_->checkpointRequested(step);
 }

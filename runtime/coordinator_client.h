@@ -95,6 +95,9 @@ class CoordinatorClient {
   // Whether the commit of `step` asked for a durable checkpoint of it (a scheduler's
   // checkpoint, drain or stop request).
   bool checkpointRequested(int64_t step) const;
+  // The coordinator's step deadline, as its last commit or epoch gave it (0 before any, or
+  // when its progress check is off): the base of the worker's own deadlines.
+  std::chrono::milliseconds stepDeadline() const;
   // Reports that the version of `step` is durable: `bytes` written to `path` in `flushSeconds`
   // (sent by the worker that moved LATEST to it).
   void durable(int64_t step, uint64_t bytes, double flushSeconds, const std::string& path);

@@ -485,7 +485,7 @@ class Trainer::Impl {
     inj.fire(self, step_, Phase::kReduce, &client_);
     {
       WaitingOnOthers waiting(client_, step_, &stepWaited_);
-      comm_->allreduce(flat, collectives::ReduceOp::kSum, o_.opTimeout);
+      comm_->allreduce(flat, collectives::ReduceOp::kSum, opTimeout());
     }
     inj.fire(self, step_, Phase::kAfterReduce, &client_);
     const int64_t offset = setGradients(params_, flat);
@@ -503,7 +503,7 @@ class Trainer::Impl {
       stats.computeSeconds = seconds(Clock::now() - stepStart_) - stepWaited_;
       stats.stallSeconds = lastStall_;
       WaitingOnOthers waiting(client_, step_, &stepWaited_);
-      verdict = client_.vote(epoch_, step_, o_.opTimeout, stats);
+      verdict = client_.vote(epoch_, step_, opTimeout(), stats);
     }
     if (verdict == CoordinatorClient::VoteResult::kSuperseded) {
       SINEW_THROW(EpochChanged, "step ", step_, " was not committed in epoch ", epoch_);
@@ -556,6 +556,18 @@ class Trainer::Impl {
     }
   }
 
+  // The deadline hierarchy (docs/failure_semantics.md, rule 12): the coordinator's step
+  // deadline, derived from the measured step time, is the first to expire, so that it, not a
+  // timeout in some collective, decides who is stuck; an operation's deadline is at least
+  // twice it and a recovery's four times (each at least its TrainerOptions value); the job's
+  // is the launcher's (--deadline-s).
+  std::chrono::milliseconds opTimeout() const {
+    return std::max(o_.opTimeout, 2 * client_.stepDeadline());
+  }
+  std::chrono::milliseconds recoveryTimeout() const {
+    return std::max(o_.recoveryTimeout, 4 * client_.stepDeadline());
+  }
+
   // Aborts and destroys the communicator of an epoch being left.
   void dropCommunicator() {
     std::lock_guard<std::mutex> lock(commMu_);
@@ -576,14 +588,14 @@ class Trainer::Impl {
       state_.memberLost = true;  // MPI_Finalize would wait for the lost member forever.
       event({{"event", "failure_noticed"}, {"epoch", from}, {"step", step_}, {"reason", why}});
     }
-    auto deadline = t0 + o_.recoveryTimeout;
+    auto deadline = t0 + recoveryTimeout();
     int64_t waitFrom = from;
     while (true) {
       if (failure) state_.injector.fire(ctx_.worker(), step_, Phase::kRecovery, &client_);
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
       if (left.count() <= 0) {
         SINEW_THROW(Timeout, "worker ", ctx_.worker(), " could not recover within ",
-                    o_.recoveryTimeout.count(), " ms (", why, ")");
+                    recoveryTimeout().count(), " ms (", why, ")");
       }
       EpochInfo info;
       try {
@@ -645,8 +657,8 @@ class Trainer::Impl {
     co.self = self;
     co.epoch = info.epoch;
     co.name = "dp";
-    co.timeout = o_.opTimeout;
-    co.initTimeout = std::min(o_.buildTimeout, o_.recoveryTimeout);
+    co.timeout = opTimeout();
+    co.initTimeout = std::min(o_.buildTimeout, recoveryTimeout());
     co.hostname = ctx_.host();
     const int64_t e = info.epoch;
     auto store = std::make_shared<AbortableStore>(
@@ -683,7 +695,7 @@ class Trainer::Impl {
     at::NoGradGuard noGrad;
     for (auto& p : params_) {
       at::Tensor d = p.detach();
-      comm_->broadcast(d, root, o_.opTimeout);
+      comm_->broadcast(d, root, opTimeout());
     }
     std::string bytes;
     if (comm_->rank() == root) {
@@ -694,11 +706,11 @@ class Trainer::Impl {
       bytes = os.str();
     }
     at::Tensor len = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
-    comm_->broadcast(len, root, o_.opTimeout);
+    comm_->broadcast(len, root, opTimeout());
     int64_t n = len.item<int64_t>();
     at::Tensor buf = at::zeros({(n + 7) / 8}, at::kLong);
     if (comm_->rank() == root) std::memcpy(buf.data_ptr(), bytes.data(), bytes.size());
-    comm_->broadcast(buf, root, o_.opTimeout);
+    comm_->broadcast(buf, root, opTimeout());
     if (comm_->rank() != root) {
       std::string received(static_cast<const char*>(buf.data_ptr()), static_cast<size_t>(n));
       std::istringstream is(received);
@@ -755,7 +767,7 @@ class Trainer::Impl {
         std::vector<pipeline::Profile> all;
         for (int w : info.members) {
           all.push_back(pipeline::parseProfileJson(
-              collectives::toString(store->get(prefix + std::to_string(w), o_.recoveryTimeout))));
+              collectives::toString(store->get(prefix + std::to_string(w), recoveryTimeout()))));
         }
         pipeline::Profile agreed = mine;
         for (size_t l = 0; l < agreed.layers.size(); ++l) {
@@ -778,7 +790,7 @@ class Trainer::Impl {
              {"profile", nlohmann::json::parse(pipeline::profileToJson(mine))}});
     }
     profile_ =
-        pipeline::parseProfileJson(collectives::toString(store->get(key, o_.recoveryTimeout)));
+        pipeline::parseProfileJson(collectives::toString(store->get(key, recoveryTimeout())));
     checkProfile("the measured profile");
   }
 
@@ -874,8 +886,8 @@ class Trainer::Impl {
       co.self = self;
       co.epoch = e;
       co.name = std::move(name);
-      co.timeout = o_.opTimeout;
-      co.initTimeout = std::min(o_.buildTimeout, o_.recoveryTimeout);
+      co.timeout = opTimeout();
+      co.initTimeout = std::min(o_.buildTimeout, recoveryTimeout());
       co.hostname = ctx_.host();
       return co;
     };
@@ -1022,13 +1034,13 @@ class Trainer::Impl {
       if (ps.empty()) continue;
       at::Tensor flat = flatGradients(ps);
       WaitingOnOthers waiting(client_, step_, &stepWaited_);
-      g.comm->allreduce(flat, collectives::ReduceOp::kSum, o_.opTimeout);
+      g.comm->allreduce(flat, collectives::ReduceOp::kSum, opTimeout());
       setGradients(ps, flat);
     }
     at::Tensor loss = at::full({1}, lossSum, at::TensorOptions().dtype(at::kDouble));
     {
       WaitingOnOthers waiting(client_, step_, &stepWaited_);
-      comm_->allreduce(loss, collectives::ReduceOp::kSum, o_.opTimeout);
+      comm_->allreduce(loss, collectives::ReduceOp::kSum, opTimeout());
     }
     inj.fire(self, step_, Phase::kAfterReduce, &client_);
     return commitAndApply(loss.item<double>() / static_cast<double>(o_.globalBatch));
@@ -1087,7 +1099,7 @@ class Trainer::Impl {
     auto exchange = [&](std::vector<collectives::P2POp> ops) {
       if (ops.empty()) return;
       WaitingOnOthers waiting(client_, step_, &stepWaited_);
-      comm_->exchange(ops, o_.opTimeout);
+      comm_->exchange(ops, opTimeout());
     };
     // The header of an activation: dtype, number of dimensions, dimensions.
     auto header = [&](const at::Tensor& y) {
@@ -1438,15 +1450,15 @@ class Trainer::Impl {
     std::vector<std::string> keys;
     for (int w : job.others) keys.push_back(recordKey(shard.step, w));
     try {
-      store->wait(keys, o_.recoveryTimeout);
+      store->wait(keys, recoveryTimeout());
     } catch (const Timeout&) {
       SINEW_THROW(Timeout, "checkpoint ", shard.step, ": the shards of pipeline 0's other ",
-                  "writers did not all arrive within ", o_.recoveryTimeout.count(), " ms");
+                  "writers did not all arrive within ", recoveryTimeout().count(), " ms");
     }
     std::vector<checkpoint::ShardFileRecord> records = {mine};
     for (const std::string& k : keys) {
       records.push_back(checkpoint::ShardFileRecord::fromJson(
-          collectives::toString(store->get(k, o_.recoveryTimeout))));
+          collectives::toString(store->get(k, recoveryTimeout()))));
     }
     writer_->commitVersion(shard.step, records);
     for (const std::string& k : keys) store->deleteKey(k);

@@ -45,7 +45,8 @@ std::vector<Field> fieldsOf(Type type) {
     case Type::kCommit:
       return {{"step", Kind::kInt, true, 0, kMaxStep},
               {"next_epoch", Kind::kBool, false, 0, 0},
-              {"checkpoint", Kind::kBool, false, 0, 0}};
+              {"checkpoint", Kind::kBool, false, 0, 0},
+              {"step_deadline_ms", Kind::kInt, false, 0, kMaxStep}};
     case Type::kEpoch:
       return {{"epoch", Kind::kInt, true, 0, kMaxStep},
               {"members", Kind::kIntArray, true, 0, kMaxMembers},
@@ -53,7 +54,8 @@ std::vector<Field> fieldsOf(Type type) {
               {"source", Kind::kInt, true, -1, kMaxWorkerId - 1},
               {"joined", Kind::kIntArray, true, 0, kMaxMembers},
               {"sync", Kind::kBool, true, 0, 0},
-              {"plan", Kind::kString, false, 2, kMaxPlanBytes}};
+              {"plan", Kind::kString, false, 2, kMaxPlanBytes},
+              {"step_deadline_ms", Kind::kInt, false, 0, kMaxStep}};
     case Type::kPipeline:
       return {{"profile", Kind::kString, true, 2, kMaxProfileBytes},
               {"fault_tolerance", Kind::kInt, true, 0, kMaxWorkerId - 1},

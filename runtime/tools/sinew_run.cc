@@ -55,6 +55,8 @@ struct Args {
   int deadAfterMs = 1000;
   int stepDeadlineMs = 3000;
   int stepDeadlineFactor = 20;
+  double deadline = 0;    // the whole job, seconds (0: none)
+  double exitGrace = 30;  // after the job ended, for every worker to exit
   bool quiet = false;
   int maxWorkers = 0;  // 0: -n
   int controlPort = 0;
@@ -137,6 +139,15 @@ Args parse(int argc, char** argv) {
   app.add_option("--drain-deadline-s", drainDeadline,
                  "deadline of the stop --drain-signal asks for, in seconds (default 120)")
       ->type_name("T");
+  std::string jobDeadline = "0", exitGrace = "30";
+  app.add_option("--deadline-s", jobDeadline,
+                 "the job's deadline in seconds: then it stops at a step boundary with that step "
+                 "durable (exit 75), or is killed 60 s later (exit 1); default 0: none")
+      ->type_name("T");
+  app.add_option("--exit-grace-s", exitGrace,
+                 "once the job has ended, workers still running after this many seconds are "
+                 "killed (default 30)")
+      ->type_name("T");
   app.add_flag("--quiet", a.quiet, "do not echo the workers' output (still logged)");
   app.prefix_command();  // The first positional and everything after it: the program.
   try {
@@ -185,6 +196,17 @@ Args parse(int argc, char** argv) {
       usage("--drain-deadline-s = '" + drainDeadline + "' must be a number of seconds in (0, 1e7]");
     }
   }
+  auto seconds = [](const std::string& flag, const std::string& v, bool zeroOk) {
+    char* end = nullptr;
+    const double x = std::strtod(v.c_str(), &end);
+    if (v.empty() || *end != '\0' || !(zeroOk ? x >= 0 : x > 0) || !(x <= 1e7)) {
+      usage(flag + " = '" + v + "' must be a number of seconds in " + (zeroOk ? "[0" : "(0") +
+            ", 1e7]");
+    }
+    return x;
+  };
+  a.deadline = seconds("--deadline-s", jobDeadline, true);
+  a.exitGrace = seconds("--exit-grace-s", exitGrace, false);
   if (a.program.empty()) usage("no program to run");
   if (a.deadAfterMs <= a.heartbeatMs) usage("--dead-after-ms must exceed --heartbeat-ms");
   return a;
@@ -425,7 +447,32 @@ int main(int argc, char** argv) {
   std::chrono::steady_clock::time_point graceSince{};
   bool killedStragglers = false;
   bool drainAsked = false;
+  // Every wait has a deadline (docs/failure_semantics.md, rule 11): the job's (--deadline-s),
+  // then 60 s to stop; and once the job has ended, --exit-grace-s for every worker to exit.
+  const auto started = std::chrono::steady_clock::now();
+  bool deadlineStop = false, deadlineKilled = false, graceKilled = false;
+  std::chrono::steady_clock::time_point endedAt{}, quietAt{};
   while (status.size() < gChildren.size() || joinersWanted.load() > 0) {
+    const auto now = std::chrono::steady_clock::now();
+    if (a.deadline > 0 && !deadlineStop &&
+        now - started > std::chrono::duration<double>(a.deadline)) {
+      deadlineStop = true;
+      auto reply = coordinator.stop(60);
+      std::printf(
+          "sinew-run: the job's deadline of %.0f s passed: stopping it at the next step "
+          "boundary (%s)\n",
+          a.deadline, reply.body.dump().c_str());
+      std::fflush(stdout);
+    }
+    if (deadlineStop && !deadlineKilled &&
+        now - started > std::chrono::duration<double>(a.deadline + 60)) {
+      deadlineKilled = true;
+      std::printf("sinew-run: the job did not stop within 60 s of its deadline; killing it\n");
+      std::fflush(stdout);
+      for (pid_t p : gChildren) {
+        if (!status.count(p)) ::kill(p, SIGKILL);  // Our own children, by PID.
+      }
+    }
     if (gDrainSignal && !drainAsked) {
       // Before the first epoch (or while nothing can stop) it is asked again at the next turn.
       auto reply = coordinator.stop(a.drainDeadline);
@@ -458,9 +505,27 @@ int main(int argc, char** argv) {
       const int w = workerOf(i, cs);
       onlyDeadLeft = onlyDeadLeft && std::find(cs.dead.begin(), cs.dead.end(), w) != cs.dead.end();
     }
+    // Released workers may still be writing their last checkpoint: the grace starts when they
+    // are gone (and ten graces after the end in any case).
+    const std::chrono::steady_clock::time_point never{};
+    if (ended && endedAt == never) endedAt = now;
+    if (ended && cs.releasedRunning.empty() && quietAt == never) quietAt = now;
+    const auto grace = std::chrono::duration<double>(a.exitGrace);
+    if (ended && !graceKilled &&
+        ((quietAt != never && now - quietAt > grace) || now - endedAt > 10 * grace)) {
+      graceKilled = true;
+      for (size_t i = 0; i < gChildren.size(); ++i) {
+        if (status.count(gChildren[i])) continue;
+        std::printf(
+            "sinew-run: worker %d (pid %d) still runs %.0f s after the job ended; "
+            "killing it\n",
+            workerOf(i, cs), static_cast<int>(gChildren[i]), a.exitGrace);
+        ::kill(gChildren[i], SIGKILL);  // Our own child, by PID.
+      }
+      std::fflush(stdout);
+    }
     if (!(ended && onlyDeadLeft)) graceRunning = false;
     if (ended && onlyDeadLeft && !killedStragglers) {
-      auto now = std::chrono::steady_clock::now();
       if (!graceRunning) {
         graceRunning = true;
         graceSince = now;
@@ -506,6 +571,7 @@ int main(int argc, char** argv) {
   for (int d : dead) deadList += (deadList.empty() ? "" : ",") + std::to_string(d);
   std::string releasedList;
   for (int r : st.released) releasedList += (releasedList.empty() ? "" : ",") + std::to_string(r);
+  if (deadlineKilled) ok = false;
   const char* verdict = !ok          ? "FAILED"
                         : st.stopped ? "stopped (every worker preempted or stopped)"
                                      : "finished";

@@ -363,4 +363,65 @@ TEST(FaultSemanticsTest, CorruptSnapshotAndReconfigurationInjections) {
   std::filesystem::remove_all(ckpt);
 }
 
+// Rule 11: every wait of the launcher has a deadline. --deadline-s stops the job at a step
+// boundary with that step durable (exit 75); a worker that still runs --exit-grace-s after the
+// job ended (here: it sleeps after training) is killed and the job reported failed, instead of
+// sinew-run waiting for it forever.
+TEST(FaultSemanticsTest, LauncherDeadlinesEndEveryWait) {
+  const std::string ckpt = logDir("deadline-ckpt");
+  std::filesystem::remove_all(ckpt);
+  auto t0 = std::chrono::steady_clock::now();
+  JobRun run =
+      finish(start({SINEW_RUN_PATH, "-n", "3", "--log-dir", logDir("deadline"), "--deadline-s", "3",
+                    "--inject", "slow:worker=*:ms=5", TRAIN_DP_PATH, "--steps", "100000",
+                    "--checkpoint-dir", ckpt, "--checkpoint-every", "1000", "--no-reference"},
+                   {}),
+             120s);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 60s);
+  EXPECT_EQ(run.exitCode, 75) << run.output;
+  EXPECT_NE(run.output.find("the job's deadline of 3 s passed"), std::string::npos) << run.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(run.output, m, std::regex("job stopped after step (\\d+)")))
+      << run.output;
+  EXPECT_EQ(latestStep(ckpt), std::stoll(m[1]));
+  std::filesystem::remove_all(ckpt);
+
+  // Each worker trains, then its process sleeps instead of exiting.
+  t0 = std::chrono::steady_clock::now();
+  JobRun hung = finish(
+      start({SINEW_RUN_PATH, "-n", "2", "--log-dir", logDir("exit-grace"), "--exit-grace-s", "2",
+             "sh", "-c", "\"$0\" --steps 20 --no-reference; exec sleep 1000", TRAIN_DP_PATH},
+            {}),
+      120s);
+  EXPECT_FALSE(hung.timedOut) << hung.output;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 60s);
+  EXPECT_EQ(hung.exitCode, 1) << hung.output;
+  EXPECT_NE(hung.output.find("still runs 2 s after the job ended; killing it"), std::string::npos)
+      << hung.output;
+}
+
+// Rule 12: the deadline hierarchy. With steps of 1 s the step deadline (here 11 x the median
+// step) is longer than TrainerOptions::opTimeout (10 s); the workers' operation and recovery
+// deadlines grow with it (they learn it from the coordinator), so the healthy workers wait in
+// their collective until the coordinator blames the hung worker. Before, their allreduce timed
+// out first, they rebuilt the epoch again and again (which restarted the progress check),
+// gave up and crashed, and the hung worker finished alone.
+TEST(FaultSemanticsTest, HungWorkerWithSlowStepsIsBlamedNotTheHealthyOnes) {
+  JobRun run = finish(start({SINEW_RUN_PATH, "-n", "3", "--log-dir", logDir("hung-slow-steps"),
+                             "--step-deadline-factor", "11", "--deadline-s", "200", "--inject",
+                             "slow:worker=*:ms=1000;slow:worker=1:step=4:ms=90000",
+                             TRAIN_DP_PATH, "--steps", "8"},
+                            {}),
+                      240s);
+  SCOPED_TRACE(run.output);
+  // Eight steps are too few to learn much: the parameters, not the loss, are the check.
+  EXPECT_FALSE(run.timedOut);
+  EXPECT_EQ(run.exitCode, 0);
+  sinew::testing::Result r = sinew::testing::parseResult(run.output);
+  ASSERT_TRUE(r.found) << "no RESULT line";
+  EXPECT_LE(r.maxRel, 1e-5);
+  EXPECT_NE(run.output.find("workers lost: [1]"), std::string::npos);
+  EXPECT_NE(run.output.find("worker 1 declared dead: no progress on step 4"), std::string::npos);
+}
+
 }  // namespace
