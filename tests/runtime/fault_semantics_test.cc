@@ -407,12 +407,12 @@ TEST(FaultSemanticsTest, LauncherDeadlinesEndEveryWait) {
 // out first, they rebuilt the epoch again and again (which restarted the progress check),
 // gave up and crashed, and the hung worker finished alone.
 TEST(FaultSemanticsTest, HungWorkerWithSlowStepsIsBlamedNotTheHealthyOnes) {
-  JobRun run = finish(start({SINEW_RUN_PATH, "-n", "3", "--log-dir", logDir("hung-slow-steps"),
-                             "--step-deadline-factor", "11", "--deadline-s", "200", "--inject",
-                             "slow:worker=*:ms=1000;slow:worker=1:step=4:ms=90000",
-                             TRAIN_DP_PATH, "--steps", "8"},
-                            {}),
-                      240s);
+  JobRun run = finish(
+      start({SINEW_RUN_PATH, "-n", "3", "--log-dir", logDir("hung-slow-steps"),
+             "--step-deadline-factor", "11", "--deadline-s", "200", "--inject",
+             "slow:worker=*:ms=1000;slow:worker=1:step=4:ms=90000", TRAIN_DP_PATH, "--steps", "8"},
+            {}),
+      240s);
   SCOPED_TRACE(run.output);
   // Eight steps are too few to learn much: the parameters, not the loss, are the check.
   EXPECT_FALSE(run.timedOut);
