@@ -188,14 +188,6 @@ Args parse(int argc, char** argv) {
       usage("--drain-signal must not be INT or TERM (they drain already)");
     }
   }
-  {
-    char* end = nullptr;
-    a.drainDeadline = std::strtod(drainDeadline.c_str(), &end);
-    if (drainDeadline.empty() || *end != '\0' || !(a.drainDeadline > 0) ||
-        !(a.drainDeadline <= 1e7)) {
-      usage("--drain-deadline-s = '" + drainDeadline + "' must be a number of seconds in (0, 1e7]");
-    }
-  }
   auto seconds = [](const std::string& flag, const std::string& v, bool zeroOk) {
     char* end = nullptr;
     const double x = std::strtod(v.c_str(), &end);
@@ -205,6 +197,7 @@ Args parse(int argc, char** argv) {
     }
     return x;
   };
+  a.drainDeadline = seconds("--drain-deadline-s", drainDeadline, false);
   a.deadline = seconds("--deadline-s", jobDeadline, true);
   a.exitGrace = seconds("--exit-grace-s", exitGrace, false);
   if (a.program.empty()) usage("no program to run");

@@ -158,7 +158,8 @@ TEST(SinewRunArgumentsTest, HelpAndBadNumbers) {
   ToolRun r = runTool("--help");
   EXPECT_EQ(r.status, 0) << r.out;
   for (const char* flag :
-       {"--nproc", "--inject", "--log-dir", "--heartbeat-ms", "--dead-after-ms", "--quiet"}) {
+       {"--nproc", "--inject", "--log-dir", "--heartbeat-ms", "--dead-after-ms", "--quiet",
+        "--max-workers", "--control-port", "--drain-signal", "--deadline-s", "--exit-grace-s"}) {
     EXPECT_NE(r.out.find(flag), std::string::npos) << r.out;
   }
   struct Bad {
@@ -177,6 +178,13 @@ TEST(SinewRunArgumentsTest, HelpAndBadNumbers) {
            {"-n 2 --bogus true", "--bogus"},
            {"-n 2", "no program to run"},
            {"true", "-n N is required"},
+           {"-n 4 --max-workers 3 true", "--max-workers must be at least -n"},
+           {"-n 2 --control-port 70000 true", "--control-port must be in [0, 65535]"},
+           {"-n 2 --drain-signal KILL true", "--drain-signal = 'KILL' is not a signal"},
+           {"-n 2 --drain-signal TERM true", "must not be INT or TERM"},
+           {"-n 2 --drain-deadline-s 0 true", "--drain-deadline-s = '0' must be a number"},
+           {"-n 2 --deadline-s -1 true", "--deadline-s = '-1' must be a number"},
+           {"-n 2 --exit-grace-s nan true", "--exit-grace-s = 'nan' must be a number"},
        }) {
     ToolRun bad = runTool(b.args);
     EXPECT_EQ(bad.status, 2) << b.args << ": " << bad.out;
