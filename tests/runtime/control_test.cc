@@ -7,7 +7,9 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <regex>
 #include <set>
 
@@ -659,6 +661,38 @@ TEST(ControlJobTest, DrainSignalsStopTheJobOrReleaseAWorker) {
       << run.output;
   EXPECT_NE(slurp(ckpt + "/LATEST").find("\"step\":" + std::string(m[1])), std::string::npos);
 }
+
+#ifdef MPIEXEC_PATH
+// Under mpirun, the coordinator rank 0 forks serves the API when SINEW_CONTROL_PORT is set and
+// writes coordinator.json into SINEW_LOG_DIR; a stop releases every rank at a step boundary,
+// each exits 0, and so does mpirun.
+TEST(ControlJobTest, UnderMpirunTheCoordinatorServesTheApi) {
+  const std::string dir = logDir("control-mpi");
+  std::filesystem::create_directories(dir);
+  Child job = start({MPIEXEC_PATH, "--allow-run-as-root", "--oversubscribe", "--enable-recovery",
+                     "-np", "3", "-x", "SINEW_NODE=node{rank}", "-x", "SINEW_CONTROL_PORT=0", "-x",
+                     "SINEW_LOG_DIR=" + dir, "-x", "SINEW_INJECT=slow:worker=*:ms=5", TRAIN_DP_PATH,
+                     "--steps", "100000", "--no-reference"},
+                    {});
+  Api api = waitForApi(dir);
+  EXPECT_NE(api.url.find("http://127.0.0.1:"), std::string::npos) << "not on loopback";
+  json s = api.waitFor([](const json& s) { return stepOf(s) >= 20; }, "step 20 under mpirun");
+  ASSERT_EQ(s["members"].size(), 3u);
+  std::set<std::string> nodes;
+  for (const auto& m : s["members"]) nodes.insert(m["node"].get<std::string>());
+  EXPECT_EQ(nodes, (std::set<std::string>{"node0", "node1", "node2"}));
+  Http h = api.post("/v1/stop", R"({"deadline_s": 60})");
+  ASSERT_EQ(h.status, 200) << h.body;
+  JobRun run = finish(job, 120s);
+  EXPECT_FALSE(run.timedOut) << run.output;
+  EXPECT_EQ(run.exitCode, 0) << run.output;
+  for (int w = 0; w < 3; ++w) {
+    EXPECT_NE(run.output.find("worker " + std::to_string(w) + " left the job (preempted)"),
+              std::string::npos)
+        << run.output;
+  }
+}
+#endif  // MPIEXEC_PATH
 
 #ifdef TRAIN_PP_PATH
 // A pipeline job's curve comes from its templates: feasible where a template combination
