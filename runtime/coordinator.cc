@@ -58,6 +58,14 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// A control operation's refusal: the status and {"error": why}.
+ControlReply refusal(int status, const std::string& why) {
+  ControlReply r;
+  r.status = status;
+  r.body = json{{"error", why}};
+  return r;
+}
+
 // Prometheus text format: one metric with its help and type.
 void metric(std::string& out, const char* name, const char* type, const char* help, double value) {
   out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
@@ -304,6 +312,8 @@ class Coordinator::Impl : public control::Backend, public EventFeed {
   json drainJson(const Drain& d) const;
   json durableJson() const;
   double samplesPerSecondNow() const;
+  // The median of the newest step times (seconds; 0 before any was measured).
+  double medianStepSeconds(size_t newest = SIZE_MAX) const;
   // The step time at n workers from the measured ones (data parallel: t(n) = a + b / n).
   std::map<int, double> measuredStepSeconds() const;
   void onSessionClosed(const std::shared_ptr<Session>& s, const std::string& why);
@@ -1256,13 +1266,17 @@ json Coordinator::Impl::drainJson(const Drain& d) const {
   return out;
 }
 
-double Coordinator::Impl::samplesPerSecondNow() const {
-  if (globalBatch_ <= 0 || stepTimes_.empty() || lastCommit_ == Clock::time_point{}) return 0;
+double Coordinator::Impl::medianStepSeconds(size_t newest) const {
   std::vector<double> recent;
-  for (auto it = stepTimes_.rbegin(); it != stepTimes_.rend() && recent.size() < 5; ++it) {
+  for (auto it = stepTimes_.rbegin(); it != stepTimes_.rend() && recent.size() < newest; ++it) {
     recent.push_back(secondsOf(*it));
   }
-  const double step = median(recent);
+  return median(recent);
+}
+
+double Coordinator::Impl::samplesPerSecondNow() const {
+  if (globalBatch_ <= 0 || stepTimes_.empty() || lastCommit_ == Clock::time_point{}) return 0;
+  const double step = medianStepSeconds(5);
   // No commit for three step times: the job is not training now (recovering, stuck).
   if (step <= 0 || secondsOf(Clock::now() - lastCommit_) > 3 * step + 1) return 0;
   return static_cast<double>(globalBatch_) / step;
@@ -1286,9 +1300,7 @@ ControlReply Coordinator::Impl::status() {
   b["committed_step"] = committed_;
   b["steps"] = totalSteps_ > 0 ? json(totalSteps_) : json(nullptr);
   b["epoch"] = epoch_;
-  std::vector<double> recent;
-  for (const auto& d : stepTimes_) recent.push_back(secondsOf(d));
-  const double step = median(recent);
+  const double step = medianStepSeconds();
   b["step_time_s"] = step > 0 ? json(step) : json(nullptr);
   json members = json::array();
   for (int id : members_) {
@@ -1477,15 +1489,9 @@ ControlReply Coordinator::Impl::scaling() {
 
 ControlReply Coordinator::Impl::resize(int64_t nodes) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto refuse = [](int status, const std::string& why) {
-    ControlReply r;
-    r.status = status;
-    r.body = json{{"error", why}};
-    return r;
-  };
-  if (epoch_ < 0) return refuse(409, "the job has not started: no epoch has formed yet");
-  if (finished_ || jobFailed_) return refuse(409, "the job has ended (" + state() + ")");
-  if (stopRequested_) return refuse(409, "the job is stopping");
+  if (epoch_ < 0) return refusal(409, "the job has not started: no epoch has formed yet");
+  if (finished_ || jobFailed_) return refusal(409, "the job has ended (" + state() + ")");
+  if (stopRequested_) return refusal(409, "the job is stopping");
   const int now = currentNodes();
   ControlReply r;
   r.body = {{"from", now}, {"to", nodes}, {"at_step", committed_ + 1}};
@@ -1506,7 +1512,7 @@ ControlReply Coordinator::Impl::resize(int64_t nodes) {
       for (int k = 0; k < nodes; ++k) ids[k] = k;
       pipeline::makePlan(templates_, ids, planOptions_);
     } catch (const Error& e) {
-      return refuse(409, "no pipeline plan fits " + std::to_string(nodes) + " nodes: " + e.what());
+      return refusal(409, "no pipeline plan fits " + std::to_string(nodes) + " nodes: " + e.what());
     }
     if (nodes < now) {
       // The last nodes (node k is members [kG, kG + G)): every pipeline node costs the same.
@@ -1577,7 +1583,7 @@ ControlReply Coordinator::Impl::resize(int64_t nodes) {
     if (workers > 0 && started == 0) started = 1;  // A node's first workers are on their way.
   }
   if (need > 0 && options_.startWorkers && started == 0) {
-    return refuse(409, "the launcher may start no more workers (sinew-run --max-workers)");
+    return refusal(409, "the launcher may start no more workers (sinew-run --max-workers)");
   }
   r.body["action"] = "grow";
   r.body["pending_joiners"] = pendingJoin_;
@@ -1597,17 +1603,12 @@ ControlReply Coordinator::Impl::resize(int64_t nodes) {
 ControlReply Coordinator::Impl::drain(const control::DrainRequest& request) {
   std::lock_guard<std::mutex> lock(mu_);
   ControlReply r;
-  auto refuse = [&](int status, const std::string& why) {
-    r.status = status;
-    r.body = json{{"error", why}};
-    return r;
-  };
-  if (epoch_ < 0) return refuse(409, "the job has not started: no epoch has formed yet");
-  if (finished_ || jobFailed_) return refuse(409, "the job has ended (" + state() + ")");
+  if (epoch_ < 0) return refusal(409, "the job has not started: no epoch has formed yet");
+  if (finished_ || jobFailed_) return refusal(409, "the job has ended (" + state() + ")");
   std::set<int> chosen;
   for (int id : request.workers) {
     if (!workers_.count(id)) {
-      return refuse(400, "drain: worker " + std::to_string(id) + " is not in the job");
+      return refusal(400, "drain: worker " + std::to_string(id) + " is not in the job");
     }
     chosen.insert(id);
   }
@@ -1619,12 +1620,10 @@ ControlReply Coordinator::Impl::drain(const control::DrainRequest& request) {
         any = true;
       }
     }
-    if (!any) return refuse(400, "drain: no worker of the job is on node '" + node + "'");
+    if (!any) return refusal(400, "drain: no worker of the job is on node '" + node + "'");
   }
   // What it takes: the rest of this step, then the checkpoint of it.
-  std::vector<double> recent;
-  for (const auto& d : stepTimes_) recent.push_back(secondsOf(d));
-  const double step = median(recent);
+  const double step = medianStepSeconds();
   const double flush = durableWrites_ > 0 ? flushSecondsTotal_ / durableWrites_ : 0;
   const double estimate = step + (checkpointsOn_ ? flush : 0);
   Drain d;
@@ -1687,19 +1686,15 @@ ControlReply Coordinator::Impl::drain(const control::DrainRequest& request) {
 
 ControlReply Coordinator::Impl::checkpoint() {
   std::lock_guard<std::mutex> lock(mu_);
-  ControlReply r;
   if (!checkpointsOn_) {
-    r.status = 409;
-    r.body = {{"error",
-               "this job writes no checkpoints (start it with a checkpoint directory, e.g. "
-               "train_dp --checkpoint-dir DIR)"}};
-    return r;
+    return refusal(409,
+                   "this job writes no checkpoints (start it with a checkpoint directory, e.g. "
+                   "train_dp --checkpoint-dir DIR)");
   }
   if (epoch_ < 0 || finished_ || jobFailed_) {
-    r.status = 409;
-    r.body = {{"error", "the job is " + state() + ": no step boundary to checkpoint at"}};
-    return r;
+    return refusal(409, "the job is " + state() + ": no step boundary to checkpoint at");
   }
+  ControlReply r;
   checkpointNext_ = true;
   r.body = {{"at_step", committed_ + 1}, {"last_durable", durableJson()}};
   return r;
@@ -1707,12 +1702,10 @@ ControlReply Coordinator::Impl::checkpoint() {
 
 ControlReply Coordinator::Impl::stop(double deadlineSeconds) {
   std::lock_guard<std::mutex> lock(mu_);
-  ControlReply r;
   if (epoch_ < 0 || finished_ || jobFailed_) {
-    r.status = 409;
-    r.body = {{"error", "the job is " + state() + ": nothing to stop"}};
-    return r;
+    return refusal(409, "the job is " + state() + ": nothing to stop");
   }
+  ControlReply r;
   stopRequested_ = true;
   stopDeadline_ = deadlineSeconds;
   for (int id : members_) {
