@@ -50,6 +50,21 @@ SnapshotArena::SnapshotArena(const ShardState& like, SnapshotOptions options)
     cudaStream_t s = nullptr;
     checkCuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
     cudaStream_ = s;
+    // Events the copy thread waits on block it (no spinning on a core training needs).
+    auto event = [](unsigned flags) {
+      cudaEvent_t ev = nullptr;
+      checkCuda(cudaEventCreateWithFlags(&ev, flags), "cudaEventCreate");
+      return static_cast<void*>(ev);
+    };
+    readyEvent_ = event(cudaEventDisableTiming);
+    copiedEvent_ = event(cudaEventDisableTiming);
+    for (const auto& l : like) {
+      for (const auto& t : l.tensors) {
+        tensorEvents_.push_back(t.tensor.is_cuda()
+                                    ? event(cudaEventDisableTiming | cudaEventBlockingSync)
+                                    : nullptr);
+      }
+    }
 #else
     SINEW_THROW(InvalidArgument,
                 "snapshot of CUDA tensors needs Sinew built with CUDA (SINEW_WITH_NCCL=1)");
@@ -70,7 +85,16 @@ SnapshotArena::~SnapshotArena() {
   cv_.notify_all();
   thread_.join();
 #if SINEW_WITH_NCCL
-  if (cudaStream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(cudaStream_));
+  if (cudaStream_ != nullptr) {
+    // Copies still queued write into slots freed below: let them land first.
+    cudaStreamSynchronize(static_cast<cudaStream_t>(cudaStream_));
+    for (void* ev : tensorEvents_) {
+      if (ev != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(ev));
+    }
+    cudaEventDestroy(static_cast<cudaEvent_t>(readyEvent_));
+    cudaEventDestroy(static_cast<cudaEvent_t>(copiedEvent_));
+    cudaStreamDestroy(static_cast<cudaStream_t>(cudaStream_));
+  }
 #endif
 }
 
@@ -88,12 +112,30 @@ bool SnapshotArena::snapshot(int64_t step, const ShardState& state) {
       // A non-contiguous tensor is made contiguous here, once (an allocation); trainers
       // pass contiguous parameters and optimizer state.
       job->tensors.push_back(t.tensor.is_contiguous() ? t.tensor : t.tensor.contiguous());
+      const size_t i = job->tensors.size() - 1;
+      const bool deviceCopy = pinned_ && tensorEvents_[i] != nullptr;
+      if (t.tensor.is_cuda() != deviceCopy || (!t.tensor.is_cuda() && !t.tensor.is_cpu())) {
+        SINEW_THROW(InvalidArgument, "snapshot of step ", step, ": tensor '", l.name, ".", t.name,
+                    "' is on ", t.tensor.device().str(), ", not where the arena's was");
+      }
     }
   }
   std::unique_lock<std::mutex> lock(mu_);
-  if (pending_) {
+  if (pending_ && !waited_) {
     SINEW_THROW(InvalidArgument, "snapshot of step ", step, " while step ", pendingStep_,
                 " is still being copied: call waitBeforeUpdate() first");
+  }
+  if (error_) {
+    // A copy that failed after waitBeforeUpdate() returned (CUDA): reported here, once.
+    auto e = error_;
+    error_ = nullptr;
+    std::rethrow_exception(e);
+  }
+  if (pending_) {
+    // CUDA: the previous version's copies are ordered before the update but its checksums
+    // are still being computed; this version is skipped rather than the step blocked.
+    stats_.skipped++;
+    return false;
   }
   // Pick the oldest slot nobody reads that is neither the newest complete nor protected.
   int64_t newest = -1;
@@ -114,37 +156,85 @@ bool SnapshotArena::snapshot(int64_t step, const ShardState& state) {
   chosen->step = step;
   chosen->layout = layout_;
   job->slot = chosen;
-#if SINEW_WITH_NCCL
-  if (pinned_) {
-    cudaEvent_t ev = nullptr;
-    checkCuda(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
-    checkCuda(cudaEventRecord(ev, 0), "cudaEventRecord");  // Legacy default stream.
-    job->cudaEvent = ev;
-  }
-#endif
+  if (pinned_) enqueueDeviceCopies(*job);
   job_ = std::move(job);
   pending_ = true;
+  hostPending_ = true;
+  waited_ = false;
   pendingStep_ = step;
-  error_ = nullptr;
   lock.unlock();
   cv_.notify_all();
   return true;
 }
 
-void SnapshotArena::waitBeforeUpdate(std::chrono::milliseconds timeout) {
+void SnapshotArena::enqueueDeviceCopies(Job& job) {
+#if SINEW_WITH_NCCL
+  auto stream = static_cast<cudaStream_t>(cudaStream_);
+  auto ready = static_cast<cudaEvent_t>(readyEvent_);
+  // After everything queued so far on the legacy default stream: the optimizer step.
+  checkCuda(cudaEventRecord(ready, cudaStreamLegacy), "cudaEventRecord");
+  checkCuda(cudaStreamWaitEvent(stream, ready, 0), "cudaStreamWaitEvent");
+  for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+    if (tensorEvents_[i] == nullptr) continue;  // A host tensor: the copy thread's.
+    const auto& rec = layout_.tensors[i];
+    checkCuda(cudaMemcpyAsync(job.slot->data() + rec.offset, job.tensors[i].data_ptr(),
+                              rec.nbytes, cudaMemcpyDeviceToHost, stream),
+              "cudaMemcpyAsync");
+    checkCuda(cudaEventRecord(static_cast<cudaEvent_t>(tensorEvents_[i]), stream),
+              "cudaEventRecord");
+  }
+  checkCuda(cudaEventRecord(static_cast<cudaEvent_t>(copiedEvent_), stream), "cudaEventRecord");
+  deviceCopiesQueued_ = true;
+#else
+  (void)job;
+#endif
+}
+
+void SnapshotArena::orderDefaultStream() {
+#if SINEW_WITH_NCCL
+  if (!deviceCopiesQueued_) return;
+  checkCuda(cudaStreamWaitEvent(cudaStreamLegacy, static_cast<cudaEvent_t>(copiedEvent_), 0),
+            "cudaStreamWaitEvent");
+  deviceCopiesQueued_ = false;
+#endif
+}
+
+bool SnapshotArena::waitFor(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds timeout,
+                            const std::function<bool()>& done) {
   if (timeout.count() < 0) timeout = options_.waitTimeout;
   auto start = Clock::now();
-  std::unique_lock<std::mutex> lock(mu_);
-  if (!cv_.wait_for(lock, timeout, [&] { return !pending_; })) {
+  if (!cv_.wait_for(lock, timeout, done)) {
     SINEW_THROW(Timeout, "snapshot of step ", pendingStep_, " not complete after ", timeout.count(),
                 " ms");
   }
   stats_.waitSeconds += secondsSince(start);
+  return true;
+}
+
+void SnapshotArena::waitBeforeUpdate(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  waitFor(lock, timeout, [&] { return !hostPending_ || error_ != nullptr; });
   if (error_) {
     auto e = error_;
     error_ = nullptr;
     std::rethrow_exception(e);
   }
+  waited_ = true;
+  lock.unlock();
+  orderDefaultStream();
+}
+
+void SnapshotArena::waitComplete(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  waitFor(lock, timeout, [&] { return !pending_; });
+  if (error_) {
+    auto e = error_;
+    error_ = nullptr;
+    std::rethrow_exception(e);
+  }
+  waited_ = true;
+  lock.unlock();
+  orderDefaultStream();
 }
 
 std::shared_ptr<const HostShard> SnapshotArena::latest() const {
@@ -178,6 +268,11 @@ void SnapshotArena::protect(int64_t step) {
   protected_ = std::max(protected_, step);
 }
 
+void SnapshotArena::setOnFailed(std::function<void(int64_t, std::exception_ptr)> fn) {
+  std::lock_guard<std::mutex> lock(mu_);
+  onFailed_ = std::move(fn);
+}
+
 void SnapshotArena::setOnComplete(std::function<void(std::shared_ptr<const HostShard>)> fn) {
   std::lock_guard<std::mutex> lock(mu_);
   onComplete_ = std::move(fn);
@@ -204,6 +299,15 @@ void SnapshotArena::copyLoop() {
     } catch (...) {
       err = std::current_exception();  // Rethrown by waitBeforeUpdate().
     }
+    if (err) {
+      // Before any waiter can see the failure, so its owner's accounting is already done.
+      std::function<void(int64_t, std::exception_ptr)> onFailed;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        onFailed = onFailed_;
+      }
+      if (onFailed) onFailed(job->step, err);
+    }
     std::function<void(std::shared_ptr<const HostShard>)> onComplete;
     std::shared_ptr<const HostShard> done;
     {
@@ -220,6 +324,7 @@ void SnapshotArena::copyLoop() {
         onComplete = onComplete_;
       }
       pending_ = false;
+      hostPending_ = false;
     }
     job.reset();  // Drops the tensor references before waking the trainer.
     cv_.notify_all();
@@ -234,45 +339,46 @@ void SnapshotArena::copyLoop() {
   }
 }
 
+void SnapshotArena::copyHost(Job& job, size_t i) {
+  auto& rec = job.slot->layout.tensors[i];
+  if (options_.beforeCopyTensor) options_.beforeCopyTensor(rec);
+  const auto* src = static_cast<const uint8_t*>(job.tensors[i].data_ptr());
+  uint8_t* dst = job.slot->data() + rec.offset;
+  uint32_t crc = 0;
+  for (uint64_t done = 0; done < rec.nbytes;) {
+    size_t n = static_cast<size_t>(std::min<uint64_t>(options_.copyChunkBytes, rec.nbytes - done));
+    std::memcpy(dst + done, src + done, n);
+    crc = detail::crc32cExtend(crc, dst + done, n);
+    done += n;
+  }
+  rec.crc32c = crc;
+}
+
 void SnapshotArena::copyOne(Job& job) {
-  HostShard& slot = *job.slot;
-#if SINEW_WITH_NCCL
-  if (pinned_) {
-    auto stream = static_cast<cudaStream_t>(cudaStream_);
-    auto ev = static_cast<cudaEvent_t>(job.cudaEvent);
-    checkCuda(cudaStreamWaitEvent(stream, ev, 0), "cudaStreamWaitEvent");
-    for (size_t i = 0; i < layout_.tensors.size(); ++i) {
-      const auto& rec = layout_.tensors[i];
-      if (options_.beforeCopyTensor) options_.beforeCopyTensor(rec);
-      checkCuda(
-          cudaMemcpyAsync(slot.data() + rec.offset, job.tensors[i].data_ptr(), rec.nbytes,
-                          job.tensors[i].is_cuda() ? cudaMemcpyDeviceToHost : cudaMemcpyHostToHost,
-                          stream),
-          "cudaMemcpyAsync");
-    }
-    checkCuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-    cudaEventDestroy(ev);
-    for (auto& rec : slot.layout.tensors) {
-      rec.crc32c = detail::crc32c(slot.data() + rec.offset, rec.nbytes);
-    }
+  if (!pinned_) {
+    for (size_t i = 0; i < layout_.tensors.size(); ++i) copyHost(job, i);
     return;
   }
-#endif
+#if SINEW_WITH_NCCL
+  // Host tensors first: the optimizer step waits for them (waitBeforeUpdate).
   for (size_t i = 0; i < layout_.tensors.size(); ++i) {
-    auto& rec = slot.layout.tensors[i];
-    if (options_.beforeCopyTensor) options_.beforeCopyTensor(rec);
-    const auto* src = static_cast<const uint8_t*>(job.tensors[i].data_ptr());
-    uint8_t* dst = slot.data() + rec.offset;
-    uint32_t crc = 0;
-    for (uint64_t done = 0; done < rec.nbytes;) {
-      size_t n =
-          static_cast<size_t>(std::min<uint64_t>(options_.copyChunkBytes, rec.nbytes - done));
-      std::memcpy(dst + done, src + done, n);
-      crc = detail::crc32cExtend(crc, dst + done, n);
-      done += n;
-    }
-    rec.crc32c = crc;
+    if (tensorEvents_[i] == nullptr) copyHost(job, i);
   }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    hostPending_ = false;
+  }
+  cv_.notify_all();
+  // Each device tensor is checksummed as soon as its copy has landed.
+  for (size_t i = 0; i < layout_.tensors.size(); ++i) {
+    if (tensorEvents_[i] == nullptr) continue;
+    auto& rec = job.slot->layout.tensors[i];
+    if (options_.beforeCopyTensor) options_.beforeCopyTensor(rec);
+    checkCuda(cudaEventSynchronize(static_cast<cudaEvent_t>(tensorEvents_[i])),
+              "cudaEventSynchronize (the copy of a CUDA tensor)");
+    rec.crc32c = detail::crc32c(job.slot->data() + rec.offset, rec.nbytes);
+  }
+#endif
 }
 
 }  // namespace checkpoint

@@ -16,9 +16,18 @@
 // complete snapshot nor the protected one (the newest committed version). When no slot is
 // free, snapshot() skips the version and returns false: it never blocks the step.
 //
-// CUDA tensors (built with SINEW_WITH_NCCL): slots are pinned; the copy runs on a side
-// stream after an event recorded on the legacy default stream at snapshot() time, so the
-// optimizer step must have been issued on that stream (libtorch's default).
+// CUDA tensors (built with SINEW_WITH_NCCL; docs/gpu.md): slots are pinned. snapshot()
+// records an event on the legacy default stream (libtorch's default stream, where the
+// optimizer step that made the version was issued) and queues one cudaMemcpyAsync per tensor
+// on a side stream that waits for that event, so the copy overlaps the next forward and
+// backward on the GPU. waitBeforeUpdate() does not block the host for them: it makes the
+// legacy default stream wait for the side stream's copies (cudaStreamWaitEvent), so the next
+// optimizer step's kernels, issued on that stream, start only once its tensors are in host
+// memory, and nothing else waits. (Host tensors of the shard, e.g. Adam's step counts, are
+// copied by the copy thread, and waitBeforeUpdate() does wait for those.) The copy thread
+// checksums each tensor as soon as its copy lands (one event per tensor), so the snapshot is
+// complete about when the last copy is. An optimizer step issued on another stream must make
+// that stream wait for the default one first.
 //
 // Thread safety: snapshot() and waitBeforeUpdate() are called by the training thread; the
 // accessors may be called from any thread.
@@ -71,10 +80,16 @@ class SnapshotArena {
   // otherwise); steps increase; the previous snapshot was waited for.
   bool snapshot(int64_t step, const ShardState& state);
 
-  // Blocks until the copy started by the last snapshot() is complete and rethrows its
-  // error, if any. Returns at once when nothing is being copied. Throws Timeout naming the
-  // step after `timeout` (default: options.waitTimeout).
+  // Returns when the state may be modified: blocks until the copy started by the last
+  // snapshot() is complete and rethrows its error, if any; for the CUDA tensors of a shard it
+  // only orders the legacy default stream after their copies (see above) and returns.
+  // Returns at once when nothing is being copied. Throws Timeout naming the step after
+  // `timeout` (default: options.waitTimeout).
   void waitBeforeUpdate(std::chrono::milliseconds timeout = std::chrono::milliseconds(-1));
+
+  // Blocks until the last snapshot is complete (copied and checksummed, latest() returns it)
+  // and rethrows its error, if any; the same as waitBeforeUpdate() for host tensors.
+  void waitComplete(std::chrono::milliseconds timeout = std::chrono::milliseconds(-1));
 
   // The newest complete snapshot, or null.
   std::shared_ptr<const HostShard> latest() const;
@@ -87,6 +102,9 @@ class SnapshotArena {
   void protect(int64_t step);
   // Called on the copy thread with each completed snapshot (the engine replicates it).
   void setOnComplete(std::function<void(std::shared_ptr<const HostShard>)> fn);
+  // Called on the copy thread with the step and error of each copy that failed (the error is
+  // also rethrown by the next wait, or by the next snapshot() if every wait came before it).
+  void setOnFailed(std::function<void(int64_t step, std::exception_ptr)> fn);
 
   const ShardLayout& layout() const { return layout_; }
   SnapshotStats stats() const;
@@ -96,15 +114,28 @@ class SnapshotArena {
     int64_t step;
     std::shared_ptr<HostShard> slot;
     std::vector<at::Tensor> tensors;  // In layout order; hold the storage alive.
-    void* cudaEvent = nullptr;
   };
   void copyLoop();
   void copyOne(Job& job);
+  void copyHost(Job& job, size_t i);
+  // CUDA: queues the device tensors' copies of `job` on the side stream (training thread).
+  void enqueueDeviceCopies(Job& job);
+  // CUDA: orders the legacy default stream after the copies queued last.
+  void orderDefaultStream();
+  bool waitFor(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds timeout,
+               const std::function<bool()>& done);
 
   const SnapshotOptions options_;
   const ShardLayout layout_;
   bool pinned_ = false;
-  void* cudaStream_ = nullptr;  // cudaStream_t when pinned_.
+  // When pinned_ (cudaStream_t, cudaEvent_t): the side stream; the event the copies wait for;
+  // one event per tensor of the layout, after its copy (null for host tensors); the event
+  // after the last copy.
+  void* cudaStream_ = nullptr;
+  void* readyEvent_ = nullptr;
+  std::vector<void*> tensorEvents_;
+  void* copiedEvent_ = nullptr;
+  bool deviceCopiesQueued_ = false;  // Training thread only: orderDefaultStream() is due.
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
@@ -112,11 +143,14 @@ class SnapshotArena {
   std::vector<std::shared_ptr<HostShard>> slots_;
   std::unique_ptr<Job> job_;  // The queued or running copy.
   bool pending_ = false;      // A snapshot is registered and not yet complete.
+  bool hostPending_ = false;  // Its host tensors are not all copied yet.
+  bool waited_ = true;        // waitBeforeUpdate() was called since the last snapshot().
   int64_t pendingStep_ = -1;
   std::exception_ptr error_;
   int64_t protected_ = -1;
   bool stop_ = false;
   std::function<void(std::shared_ptr<const HostShard>)> onComplete_;
+  std::function<void(int64_t, std::exception_ptr)> onFailed_;
   SnapshotStats stats_;
 
   std::thread thread_;

@@ -36,12 +36,15 @@ struct CommonArgs {
   int progress = 10;
   std::string checkpointDir;
   int checkpointEvery = 0;
+  std::string device = "cpu";
+  sinew::CommBackend backend = sinew::CommBackend::kAuto;
 };
 
 constexpr const char* kCommonUsage =
     "[--steps N] [--global-batch B] [--microbatch b] [--seed S] [--lr LR] "
     "[--optimizer adam|sgd] [--float32] [--progress N] [--checkpoint-dir DIR] "
-    "[--checkpoint-every K] [--no-reference]";
+    "[--checkpoint-every K] [--no-reference] [--device cpu|cuda|cuda:N] "
+    "[--backend auto|gloo|nccl]";
 
 // Walks argv flag by flag; `usage` prints the error and exits.
 class ArgReader {
@@ -117,6 +120,19 @@ inline bool parseCommon(ArgReader& r, CommonArgs& a) {
     a.checkpointEvery = static_cast<int>(r.integer(kMaxInt));
   } else if (s == "--no-reference") {
     a.reference = false;
+  } else if (s == "--device") {
+    a.device = r.value();  // Checked by the trainer (TrainerOptions::device).
+  } else if (s == "--backend") {
+    const std::string b = r.value();
+    if (b == "auto") {
+      a.backend = sinew::CommBackend::kAuto;
+    } else if (b == "gloo") {
+      a.backend = sinew::CommBackend::kGloo;
+    } else if (b == "nccl") {
+      a.backend = sinew::CommBackend::kNccl;
+    } else {
+      r.fail("--backend: '" + b + "' is not auto, gloo or nccl");
+    }
   } else {
     return false;
   }
@@ -140,6 +156,8 @@ inline sinew::TrainerOptions trainerOptions(const CommonArgs& a) {
   o.dtype = a.float32 ? at::kFloat : at::kDouble;
   o.checkpointDir = a.checkpointDir;
   o.checkpointEvery = a.checkpointEvery;
+  o.device = a.device;
+  o.backend = a.backend;
   return o;
 }
 
@@ -191,9 +209,9 @@ inline double trainReference(const CommonArgs& a, const sinew::ModelSpec& spec,
   return loss;
 }
 
-// max |mine - theirs| / max |theirs| of one tensor.
+// max |mine - theirs| / max |theirs| of one tensor (mine may be on a GPU).
 inline double relDiff(const at::Tensor& mine, const at::Tensor& theirs) {
-  double diff = (mine - theirs).abs().max().item<double>();
+  double diff = (mine.detach().cpu() - theirs).abs().max().item<double>();
   return diff / std::max(theirs.abs().max().item<double>(), 1e-30);
 }
 

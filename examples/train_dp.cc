@@ -17,6 +17,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <memory>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -89,13 +90,17 @@ int main(int argc, char** argv) {
   }
   sinew::TrainerOptions o = sinew_example::trainerOptions(a);
   sinew::ModelSpec spec = model(a);
-  sinew::Trainer trainer(*ctx, spec, o);
+  std::unique_ptr<sinew::Trainer> trainer;
   sinew::TrainResult r;
   try {
-    r = trainer.run();
+    trainer = std::make_unique<sinew::Trainer>(*ctx, spec, o);
+    r = trainer->run();
   } catch (const sinew::Expelled& e) {
     std::fprintf(stderr, "train_dp: worker %d left the job: %s\n", ctx->worker(), e.what());
     return 3;
+  } catch (const sinew::Error& e) {
+    std::fprintf(stderr, "train_dp: worker %d failed: %s\n", ctx->worker(), e.what());
+    return 1;
   }
   if (r.preempted) {
     std::printf("train_dp: worker %d left the job (preempted) after step %lld\n", ctx->worker(),
@@ -114,12 +119,12 @@ int main(int argc, char** argv) {
         static_cast<long long>(r.checkpointsSkipped), r.checkpointStallSeconds * 1e3);
   }
   double checksum = 0;
-  for (const auto& p : trainer.parameters()) checksum += p.abs().sum().item<double>();
+  for (const auto& p : trainer->parameters()) checksum += p.abs().sum().item<double>();
   std::printf(
       "train_dp: worker %d done: %lld steps, epoch %lld, %zu workers, loss %.9g, "
-      "param_checksum %.12g\n",
+      "param_checksum %.12g, device %s, backend %s\n",
       ctx->worker(), static_cast<long long>(r.steps), static_cast<long long>(r.finalEpoch),
-      r.finalMembers.size(), r.finalLoss, checksum);
+      r.finalMembers.size(), r.finalLoss, checksum, r.device.c_str(), r.backend.c_str());
   bool reporter = !r.finalMembers.empty() && r.finalMembers.front() == ctx->worker();
   if (reporter) {
     double refLoss = -1, maxRel = -1;
@@ -127,7 +132,7 @@ int main(int argc, char** argv) {
       torch::nn::Sequential ref;
       refLoss = sinew_example::trainReference(a, spec, o.dtype, &ref);
       maxRel = 0;
-      auto mine = trainer.parameters();
+      auto mine = trainer->parameters();
       auto theirs = ref->parameters();
       for (size_t i = 0; i < mine.size(); ++i) {
         maxRel = std::max(maxRel, sinew_example::relDiff(mine[i], theirs[i]));

@@ -119,7 +119,8 @@ struct BlockImpl : torch::nn::Module {
     auto heads = [&](const at::Tensor& t) { return t.view({B, T, kHeads, hd}).transpose(1, 2); };
     at::Tensor q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
     at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
-    at::Tensor causal = at::ones({T, T}, at::TensorOptions().dtype(at::kBool)).triu(1);
+    at::Tensor causal =
+        at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(x.device())).triu(1);
     scores = scores.masked_fill(causal, -std::numeric_limits<double>::infinity());
     at::Tensor attn =
         at::matmul(at::softmax(scores, -1), v).transpose(1, 2).reshape({B, T, kEmbed});
@@ -215,15 +216,15 @@ int main(int argc, char** argv) {
   std::string held = r.layers.empty() ? "no layers" : r.layers.front() + ".." + r.layers.back();
   std::printf(
       "train_pp: worker %d done: %lld steps, epoch %lld, %zu workers, pipeline %d of %d, stage "
-      "%d, layers %s (%zu layers, %lld parameters), loss %.9g\n",
+      "%d, layers %s (%zu layers, %lld parameters), loss %.9g, device %s, backend %s\n",
       ctx->worker(), static_cast<long long>(r.steps), static_cast<long long>(r.finalEpoch),
       r.finalMembers.size(), r.pipeline, r.pipelines, r.stage, held.c_str(), r.layers.size(),
-      static_cast<long long>(r.parameterCount), r.finalLoss);
+      static_cast<long long>(r.parameterCount), r.finalLoss, r.device.c_str(), r.backend.c_str());
   std::fflush(stdout);
   // Every worker publishes its layers' parameters; one copy of each layer is enough.
   const auto& store = ctx->store();
   for (const auto& np : trainer->model()->named_parameters(/*recurse=*/true)) {
-    at::Tensor t = np.value().detach().to(at::kDouble).contiguous();
+    at::Tensor t = np.value().detach().to(at::kCPU, at::kDouble).contiguous();
     const auto* bytes = static_cast<const uint8_t*>(t.data_ptr());
     store->set(paramKey(np.key()), sinew::collectives::Bytes(bytes, bytes + t.nbytes()));
   }

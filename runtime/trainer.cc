@@ -29,8 +29,10 @@
 
 #include "sinew/checkpoint/persist.h"
 #include "sinew/checkpoint/snapshot.h"
+#include "sinew/collectives/cuda_device.h"
 #include "sinew/collectives/error.h"
 #include "sinew/communicator.h"
+#include "sinew/config.h"
 #include "sinew/pipeline/plan.h"
 #include "sinew/pipeline/profile.h"
 #include "sinew/pipeline/profiler.h"
@@ -171,6 +173,20 @@ class WaitingOnOthers {
   const std::chrono::steady_clock::time_point since_;
 };
 
+// The local rank the launcher gives this process (its index among the workers of its
+// machine), or -1 if none says.
+int localRankFromEnv() {
+  for (const char* name : {"SINEW_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID",
+                           "MPI_LOCALRANKID", "LOCAL_RANK"}) {
+    const char* v = std::getenv(name);
+    if (v == nullptr || *v == 0) continue;
+    char* end = nullptr;
+    long r = std::strtol(v, &end, 10);
+    if (*end == 0 && r >= 0 && r < (1 << 20)) return static_cast<int>(r);
+  }
+  return -1;
+}
+
 at::Tensor flatGradients(const std::vector<at::Tensor>& params, const at::Tensor& tail = {}) {
   std::vector<at::Tensor> parts;
   for (const auto& p : params) {
@@ -275,6 +291,7 @@ class Trainer::Impl {
                   " must be positive");
     }
     pipelineMode_ = o_.parallelism == Parallelism::kPipeline;
+    device_ = resolveDevice();
     if (pipelineMode_) {
       if (o_.faultTolerance < 0) {
         SINEW_THROW(InvalidArgument, "TrainerOptions::faultTolerance = ", o_.faultTolerance,
@@ -289,6 +306,7 @@ class Trainer::Impl {
         checkProfile("TrainerOptions::profilePath = '" + o_.profilePath + "'");
       }
     } else {
+      model_->to(device_);
       params_ = model_->parameters();
     }
     // In pipeline mode the optimizer is made once the stage's layers exist (makeOptimizer);
@@ -331,6 +349,12 @@ class Trainer::Impl {
         }
       }
     });
+    if (device_.is_cuda()) collectives::setCudaDevice(device_.index());
+    // Which device this worker trains on, for the choice of each epoch's backend.
+    ctx_.store()->set(deviceKey(ctx_.worker()),
+                      collectives::toBytes(device_.is_cuda()
+                                               ? collectives::cudaDeviceUuid(device_.index())
+                                               : std::string("cpu")));
     int64_t resume = 0;
     if (!o_.checkpointDir.empty()) {
       checkCheckpointDir();
@@ -414,6 +438,8 @@ class Trainer::Impl {
     }
     for (const auto& child : model_->named_children()) r.layers.push_back(child.key());
     for (const auto& p : model_->parameters()) r.parameterCount += p.numel();
+    r.device = device_.str();
+    r.backend = backend_;
     {
       std::lock_guard<std::mutex> lock(commMu_);
       comm_.reset();  // Healthy: its peers are told it closed, not that it aborted.
@@ -437,6 +463,109 @@ class Trainer::Impl {
     return at::isFloatingType(t.scalar_type()) ? t.to(o_.dtype) : t;
   }
 
+  at::TensorOptions onDevice(at::ScalarType dtype) const {
+    return at::TensorOptions().dtype(dtype).device(device_);
+  }
+
+  // TrainerOptions::device as a device this process can use (docs/gpu.md).
+  at::Device resolveDevice() const {
+    const std::string& d = o_.device;
+    auto bad = [&](const std::string& why) {
+      SINEW_THROW(InvalidArgument, "TrainerOptions::device = '", d, "' on worker ", ctx_.worker(),
+                  ": ", why);
+    };
+    if (d == "cpu") return at::Device(at::kCPU);
+    int index = -1;
+    if (d != "cuda") {
+      const std::string digits = d.rfind("cuda:", 0) == 0 ? d.substr(5) : std::string();
+      if (digits.empty() || digits.size() > 6 ||
+          digits.find_first_not_of("0123456789") != std::string::npos) {
+        bad("expected cpu, cuda or cuda:N");
+      }
+      index = std::stoi(digits);
+    }
+    if (!SINEW_WITH_NCCL) {
+      bad("this Sinew was built without the CUDA toolkit (SINEW_WITH_NCCL=OFF)");
+    }
+    if (!at::hasCUDA()) bad("this libtorch has no CUDA (at::hasCUDA() is false)");
+    const int count = collectives::cudaDeviceCount();
+    if (count == 0) {
+      const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+      bad(std::string("this process sees no GPU (CUDA_VISIBLE_DEVICES=") +
+          (visible ? visible : "unset") + ")");
+    }
+    if (index < 0) {
+      const int local = localRankFromEnv();
+      index = (local >= 0 ? local : std::max(ctx_.worker(), 0)) % count;
+    }
+    if (index >= count) bad("this process sees only " + std::to_string(count) + " GPUs");
+    return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
+  }
+
+  static std::string deviceKey(int worker) { return "sinew/device/w" + std::to_string(worker); }
+
+  // Whether the workers `members` can form one NCCL communicator: each on a GPU of its own
+  // (NCCL refuses two ranks of one communicator on the same GPU). *why says why not.
+  bool ncclPossible(Store& store, const std::vector<int>& members, std::string* why) {
+    if (!SINEW_WITH_NCCL) {
+      *why = "Sinew was built without NCCL";
+      return false;
+    }
+    std::map<std::string, int> owner;
+    for (int w : members) {
+      const std::string id = collectives::toString(store.get(deviceKey(w), opTimeout()));
+      if (id == "cpu") {
+        *why = "worker " + std::to_string(w) + " trains on the CPU";
+        return false;
+      }
+      auto [it, fresh] = owner.emplace(id, w);
+      if (!fresh) {
+        *why = "workers " + std::to_string(it->second) + " and " + std::to_string(w) +
+               " share GPU " + id + ", and NCCL needs a GPU per worker";
+        return false;
+      }
+    }
+    *why = "every worker has a GPU of its own";
+    return true;
+  }
+
+  // The communicator of `co.members` (TrainerOptions::backend): NCCL, or Gloo (through host
+  // memory for CUDA tensors). Every member decides alike, from the same published devices.
+  std::unique_ptr<collectives::Communicator> makeCommunicator(
+      const std::shared_ptr<Store>& store, collectives::CommunicatorOptions co) {
+    std::string why = "TrainerOptions::backend is kGloo";
+    bool nccl = false;
+    if (o_.backend != CommBackend::kGloo && device_.is_cuda()) {
+      nccl = ncclPossible(*store, co.members, &why);
+    } else if (!device_.is_cuda()) {
+      why = "this worker trains on the CPU";
+    }
+    if (o_.backend == CommBackend::kNccl && !nccl) {
+      SINEW_THROW(InvalidArgument, "TrainerOptions::backend is kNccl, but communicator '", co.name,
+                  "' of epoch ", co.epoch, " cannot use NCCL: ", why);
+    }
+    const std::string backend = nccl ? "nccl" : "gloo";
+    if (co.name == "dp" || co.name == "pp") {
+      if (backend != backend_ || why != backendWhy_) {
+        event({{"event", "backend"}, {"epoch", co.epoch}, {"backend", backend}, {"reason", why}});
+        if (co.members.front() == ctx_.worker()) {
+          std::printf("sinew: epoch %lld transfers over %s%s (%s)\n",
+                      static_cast<long long>(co.epoch), backend.c_str(),
+                      !nccl && device_.is_cuda() ? " through host memory" : "", why.c_str());
+          std::fflush(stdout);
+        }
+      }
+      backend_ = backend;
+      backendWhy_ = why;
+    }
+    if (nccl) {
+      co.device = device_.index();
+      return collectives::createNcclCommunicator(store, co);
+    }
+    return device_.is_cuda() ? collectives::createHostStagedCommunicator(store, co)
+                             : collectives::createGlooCommunicator(store, co);
+  }
+
   // The inputs and targets of global microbatch m of the step whose batch is `indices`, or of
   // its samples [begin, end) (a slice for one worker of a wide stage).
   std::pair<at::Tensor, at::Tensor> microbatchData(const std::vector<int64_t>& indices, int64_t m,
@@ -448,7 +577,7 @@ class Trainer::Impl {
       xs.push_back(s.input);
       ys.push_back(s.target);
     }
-    return {toTraining(at::stack(xs)), toTraining(at::stack(ys))};
+    return {toTraining(at::stack(xs)).to(device_), toTraining(at::stack(ys)).to(device_)};
   }
 
   // One step; returns false when the coordinator reshapes the job right after it.
@@ -481,7 +610,7 @@ class Trainer::Impl {
     }
     // One flat buffer: every gradient, then the loss sum.
     at::Tensor flat =
-        flatGradients(params_, at::full({1}, lossSum, at::TensorOptions().dtype(o_.dtype)));
+        flatGradients(params_, at::full({1}, lossSum, onDevice(o_.dtype)));
     inj.fire(self, step_, Phase::kReduce, &client_);
     {
       WaitingOnOthers waiting(client_, step_, &stepWaited_);
@@ -663,7 +792,7 @@ class Trainer::Impl {
     const int64_t e = info.epoch;
     auto store = std::make_shared<AbortableStore>(
         ctx_.store(), [this, e] { return client_.latestEpoch().epoch > e; });
-    auto comm = collectives::createGlooCommunicator(store, co);
+    auto comm = makeCommunicator(store, co);
     {
       std::lock_guard<std::mutex> lock(commMu_);
       comm_ = std::move(comm);
@@ -705,17 +834,20 @@ class Trainer::Impl {
       archive.save_to(os);
       bytes = os.str();
     }
-    at::Tensor len = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
+    // Through the communicator's device (NCCL moves CUDA tensors only).
+    at::Tensor len = at::full({1}, static_cast<int64_t>(bytes.size()), onDevice(at::kLong));
     comm_->broadcast(len, root, opTimeout());
     int64_t n = len.item<int64_t>();
-    at::Tensor buf = at::zeros({(n + 7) / 8}, at::kLong);
-    if (comm_->rank() == root) std::memcpy(buf.data_ptr(), bytes.data(), bytes.size());
+    at::Tensor host = at::zeros({(n + 7) / 8}, at::kLong);
+    if (comm_->rank() == root) std::memcpy(host.data_ptr(), bytes.data(), bytes.size());
+    at::Tensor buf = host.to(device_);
     comm_->broadcast(buf, root, opTimeout());
     if (comm_->rank() != root) {
-      std::string received(static_cast<const char*>(buf.data_ptr()), static_cast<size_t>(n));
+      host = buf.cpu();
+      std::string received(static_cast<const char*>(host.data_ptr()), static_cast<size_t>(n));
       std::istringstream is(received);
       torch::serialize::InputArchive archive;
-      archive.load_from(is);
+      archive.load_from(is, device_);  // The state onto this worker's device.
       opt_->load(archive);
     }
   }
@@ -800,6 +932,7 @@ class Trainer::Impl {
     std::vector<pipeline::ProfiledLayer> layers;
     for (int i = 0; i < L; ++i) {
       torch::nn::Sequential m = buildLayers(spec_, o_.seed, o_.dtype, i, i + 1);
+      m->to(device_);
       layers.push_back({spec_.layers[i].name,
                         [m](const at::Tensor& x) mutable { return m->forward(x); },
                         m->parameters()});
@@ -891,7 +1024,7 @@ class Trainer::Impl {
       co.hostname = ctx_.host();
       return co;
     };
-    auto comm = collectives::createGlooCommunicator(store, options(info.members, "pp"));
+    auto comm = makeCommunicator(store, options(info.members, "pp"));
     {
       std::lock_guard<std::mutex> lock(commMu_);
       comm_ = std::move(comm);
@@ -913,7 +1046,7 @@ class Trainer::Impl {
       g.end = r;
       g.members = holders[l];
       if (g.members.size() > 1) {
-        g.comm = collectives::createGlooCommunicator(
+        g.comm = makeCommunicator(
             store, options(g.members, "grad-" + std::to_string(l) + "-" + std::to_string(r)));
       }
       std::lock_guard<std::mutex> lock(commMu_);
@@ -926,6 +1059,7 @@ class Trainer::Impl {
       // layers and nothing else.
       if (end > first) {
         torch::nn::Sequential built = buildLayers(spec_, o_.seed, o_.dtype, first, end);
+        built->to(device_);
         auto it = built->begin();
         for (int i = first; i < end; ++i, ++it) model_->push_back(spec_.layers[i].name, *it);
       }
@@ -1037,7 +1171,7 @@ class Trainer::Impl {
       g.comm->allreduce(flat, collectives::ReduceOp::kSum, opTimeout());
       setGradients(ps, flat);
     }
-    at::Tensor loss = at::full({1}, lossSum, at::TensorOptions().dtype(at::kDouble));
+    at::Tensor loss = at::full({1}, lossSum, onDevice(at::kDouble));
     {
       WaitingOnOthers waiting(client_, step_, &stepWaited_);
       comm_->allreduce(loss, collectives::ReduceOp::kSum, opTimeout());
@@ -1113,10 +1247,11 @@ class Trainer::Impl {
       a[0] = static_cast<int64_t>(y.scalar_type());
       a[1] = y.dim();
       for (int64_t d = 0; d < y.dim(); ++d) a[2 + d] = y.size(d);
-      return h;
+      return h.to(device_);
     };
     // The sizes a header announces; Corruption if malformed.
-    auto fromHeader = [&](const at::Tensor& h, const Piece& p) {
+    auto fromHeader = [&](const at::Tensor& received, const Piece& p) {
+      at::Tensor h = received.cpu();
       auto a = h.accessor<int64_t, 1>();
       const int64_t type = a[0], dims = a[1];
       const bool plain = type >= 0 && type < static_cast<int64_t>(at::ScalarType::NumOptions) &&
@@ -1163,7 +1298,7 @@ class Trainer::Impl {
       }
       std::vector<at::Tensor> headers;
       for (const Piece& p : prevPieces) {
-        headers.push_back(at::zeros({2 + kMaxDims}, at::kLong));
+        headers.push_back(at::zeros({2 + kMaxDims}, onDevice(at::kLong)));
         pre.push_back(collectives::P2POp::recv(headers.back(), p.rank, kTagHeader));
       }
       exchange(std::move(pre));
@@ -1180,7 +1315,7 @@ class Trainer::Impl {
         }
       }
       at::Tensor x = at::empty(std::vector<int64_t>(shape.begin() + 1, shape.end()),
-                               at::TensorOptions().dtype(static_cast<at::ScalarType>(shape[0])));
+                               onDevice(static_cast<at::ScalarType>(shape[0])));
       std::vector<collectives::P2POp> ops;
       for (const Piece& p : prevPieces) {
         ops.push_back(collectives::P2POp::recv(rows(x, p), p.rank, kTagActivation));
@@ -1332,7 +1467,7 @@ class Trainer::Impl {
     // Waiting on the disk is not being stuck: the step deadline does not count it.
     std::optional<WaitingOnOthers> onDisk;
     if (wait) onDisk.emplace(client_, step_, &stepWaited_);
-    if (wait && arena_) waitForSnapshot();  // Its copy is in no step's way.
+    if (wait && arena_) waitForSnapshot(/*complete=*/true);  // Its copy is in no step's way.
     {
       std::unique_lock<std::mutex> lock(ckMu_);
       if (wait) ckCv_.wait(lock, [&] { return ckOutstanding_ == 0; });
@@ -1362,6 +1497,13 @@ class Trainer::Impl {
         toFlush_.push_back({std::move(shard), ckHow_, ckOthers_});
         ckCv_.notify_all();
       });
+      // A copy that failed is never flushed: it no longer counts as outstanding (its error
+      // reaches the training thread through the arena's next wait or snapshot).
+      arena_->setOnFailed([this](int64_t, std::exception_ptr) {
+        std::lock_guard<std::mutex> lock(ckMu_);
+        ckOutstanding_--;
+        ckCv_.notify_all();
+      });
       checkpoint::PersistOptions po;
       po.dir = o_.checkpointDir;
       po.keep = o_.checkpointKeep;
@@ -1375,7 +1517,16 @@ class Trainer::Impl {
       ckOutstanding_++;
     }
     state_.injector.fire(ctx_.worker(), step, Phase::kSnapshot, &client_);
-    if (arena_->snapshot(step, state)) {
+    bool taken = false;
+    try {
+      taken = arena_->snapshot(step, state);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(ckMu_);
+      ckOutstanding_--;
+      ckCv_.notify_all();
+      throw;
+    }
+    if (taken) {
       lastSnapshot_ = step;
     } else {
       std::lock_guard<std::mutex> lock(ckMu_);
@@ -1464,25 +1615,21 @@ class Trainer::Impl {
     for (const std::string& k : keys) store->deleteKey(k);
   }
 
-  // Waits for the copy of the last snapshot. A copy that failed is never flushed (the arena
-  // reports it here, once), so it no longer counts as outstanding; its error propagates.
-  void waitForSnapshot() {
-    try {
+  // Waits for the copy of the last snapshot: until the state may be updated, or (complete)
+  // until the snapshot is whole. The error of a copy that failed propagates (its outstanding
+  // count was dropped by the arena's onFailed).
+  void waitForSnapshot(bool complete = false) {
+    if (complete) {
+      arena_->waitComplete();
+    } else {
       arena_->waitBeforeUpdate();
-    } catch (const Timeout&) {
-      throw;  // Still copying: its flush comes later.
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(ckMu_);
-      ckOutstanding_--;
-      ckCv_.notify_all();
-      throw;
     }
   }
 
   // Waits until the last snapshot is copied and every version taken is flushed.
   void finishCheckpoints() {
     if (!arena_) return;
-    waitForSnapshot();
+    waitForSnapshot(/*complete=*/true);
     std::unique_lock<std::mutex> lock(ckMu_);
     ckCv_.wait(lock, [&] { return ckOutstanding_ == 0; });
   }
@@ -1622,16 +1769,16 @@ class Trainer::Impl {
         p.detach().copy_(*v);
         if (const at::Tensor* m = get(n + ".exp_avg")) {
           auto a = std::make_unique<torch::optim::AdamParamState>();
-          a->exp_avg(m->to(p.dtype()).clone());
-          a->exp_avg_sq(get(n + ".exp_avg_sq")->to(p.dtype()).clone());
+          a->exp_avg(m->to(p.device(), p.scalar_type()).clone());
+          a->exp_avg_sq(get(n + ".exp_avg_sq")->to(p.device(), p.scalar_type()).clone());
           if (const at::Tensor* mx = get(n + ".max_exp_avg_sq")) {
-            a->max_exp_avg_sq(mx->to(p.dtype()).clone());
+            a->max_exp_avg_sq(mx->to(p.device(), p.scalar_type()).clone());
           }
           a->step(get(n + ".step")->item<int64_t>());
           st[stateKey(st, p)] = std::move(a);
         } else if (const at::Tensor* b = get(n + ".momentum_buffer")) {
           auto s = std::make_unique<torch::optim::SGDParamState>();
-          s->momentum_buffer(b->to(p.dtype()).clone());
+          s->momentum_buffer(b->to(p.device(), p.scalar_type()).clone());
           st[stateKey(st, p)] = std::move(s);
         }
       }
@@ -1661,6 +1808,9 @@ class Trainer::Impl {
   std::unique_ptr<collectives::Communicator> comm_;
   std::vector<GradGroup> groups_;  // Pipeline mode; guarded by commMu_ like comm_.
   bool pipelineMode_ = false;
+  at::Device device_{at::kCPU};  // Where this worker's layers live (TrainerOptions::device).
+  std::string backend_;          // The current epoch's transfers: "gloo" or "nccl".
+  std::string backendWhy_;       // Why, as last reported.
   pipeline::Profile profile_;    // The job's, as agreed.
   pipeline::Profile myProfile_;  // This worker's measurement.
   // The version newestRestorable() read back whole (data parallel), kept for restoreFromDisk.

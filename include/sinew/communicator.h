@@ -163,6 +163,15 @@ std::unique_ptr<Communicator> createGlooCommunicator(const std::shared_ptr<Store
 std::unique_ptr<Communicator> createNcclCommunicator(const std::shared_ptr<Store>& store,
                                                      const CommunicatorOptions& options);
 
+// Builds a Gloo communicator that also takes CUDA tensors, through host memory: each
+// operation copies a CUDA tensor to the host (after the work queued on its device's current
+// stream), runs on the CPU and copies the results back. For jobs whose GPUs cannot all join
+// one NCCL communicator: several workers sharing one GPU (NCCL refuses two ranks of one
+// communicator on the same GPU), or workers with and without GPUs. CPU tensors pass through
+// as in createGlooCommunicator; backend() is "gloo".
+std::unique_ptr<Communicator> createHostStagedCommunicator(const std::shared_ptr<Store>& store,
+                                                           const CommunicatorOptions& options);
+
 // Builds the backend that suits tensors of the given device type ("cpu" → Gloo,
 // "cuda" → NCCL).
 std::unique_ptr<Communicator> createCommunicator(const std::string& deviceType,

@@ -46,6 +46,16 @@
 
 namespace sinew {
 
+// How workers move tensors between them (docs/gpu.md).
+enum class CommBackend {
+  // NCCL when every member of an epoch trains on a GPU of its own; otherwise Gloo, through
+  // host memory for CUDA tensors (several workers sharing one GPU, which NCCL refuses, or a
+  // job that mixes GPU and CPU workers). Decided again for each epoch and gradient group.
+  kAuto,
+  kGloo,  // always Gloo (CUDA tensors through host memory)
+  kNccl,  // always NCCL: InvalidArgument when a member is not on a GPU of its own
+};
+
 enum class Parallelism {
   kData,      // every worker holds every layer
   kPipeline,  // pipelines from templates; each worker holds one stage's layers
@@ -62,6 +72,14 @@ struct TrainerOptions {
   std::string eventLog;
   // Parameters and data are cast to this type.
   at::ScalarType dtype = at::kDouble;
+  // Where this worker's layers, activations and gradients live (docs/gpu.md): "cpu"; "cuda",
+  // the GPU of this worker's local rank modulo the GPUs it sees (the local rank from
+  // SINEW_LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID, MPI_LOCALRANKID or
+  // LOCAL_RANK, else the worker id); or "cuda:N". Layers are built on the CPU from their
+  // seeds and then moved, so every device starts from the same parameters. CUDA needs a
+  // libtorch with CUDA and Sinew built with the CUDA toolkit (SINEW_WITH_NCCL).
+  std::string device = "cpu";
+  CommBackend backend = CommBackend::kAuto;
   // Deadline of each collective and of the step vote.
   std::chrono::milliseconds opTimeout{10000};
   // How long a recovery may take before the worker gives up (throws).
@@ -115,6 +133,8 @@ struct TrainResult {
   int stage = -1;
   std::vector<std::string> layers;
   int64_t parameterCount = 0;
+  std::string device;   // where its layers were: "cpu", "cuda:0", ...
+  std::string backend;  // of its final epoch's transfers: "gloo" or "nccl"
 };
 
 // The dataset indices of step `step`'s global batch: a pure function of (seed, step).
