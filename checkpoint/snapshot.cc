@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <cstring>
 
 #include "sinew/checkpoint/detail/crc32c.h"
@@ -41,8 +42,9 @@ void checkCuda(cudaError_t e, const char* what) {
 
 SnapshotArena::SnapshotArena(const ShardState& like, SnapshotOptions options)
     : options_(std::move(options)), layout_(ShardLayout::of(like)) {
-  if (options_.slots < 2) {
-    SINEW_THROW(InvalidArgument, "SnapshotOptions::slots = ", options_.slots, " must be >= 2");
+  if (options_.slots < 2 || options_.checksumThreads < 1) {
+    SINEW_THROW(InvalidArgument, "SnapshotOptions::slots = ", options_.slots,
+                " must be >= 2 and checksumThreads = ", options_.checksumThreads, " >= 1");
   }
   if (anyCuda(like)) {
 #if SINEW_WITH_NCCL
@@ -369,15 +371,32 @@ void SnapshotArena::copyOne(Job& job) {
     hostPending_ = false;
   }
   cv_.notify_all();
-  // Each device tensor is checksummed as soon as its copy has landed.
-  for (size_t i = 0; i < layout_.tensors.size(); ++i) {
-    if (tensorEvents_[i] == nullptr) continue;
-    auto& rec = job.slot->layout.tensors[i];
-    if (options_.beforeCopyTensor) options_.beforeCopyTensor(rec);
-    checkCuda(cudaEventSynchronize(static_cast<cudaEvent_t>(tensorEvents_[i])),
-              "cudaEventSynchronize (the copy of a CUDA tensor)");
-    rec.crc32c = detail::crc32c(job.slot->data() + rec.offset, rec.nbytes);
-  }
+  // Each device tensor is checksummed as soon as its copy has landed, in copy order, by
+  // checksumThreads threads (this one among them).
+  std::atomic<size_t> next{0};
+  std::mutex errorMu;
+  std::exception_ptr error;
+  auto work = [&] {
+    try {
+      for (size_t i = next++; i < layout_.tensors.size(); i = next++) {
+        if (tensorEvents_[i] == nullptr) continue;
+        auto& rec = job.slot->layout.tensors[i];
+        if (options_.beforeCopyTensor) options_.beforeCopyTensor(rec);
+        checkCuda(cudaEventSynchronize(static_cast<cudaEvent_t>(tensorEvents_[i])),
+                  "cudaEventSynchronize (the copy of a CUDA tensor)");
+        rec.crc32c = detail::crc32c(job.slot->data() + rec.offset, rec.nbytes);
+      }
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(errorMu);
+      if (!error) error = std::current_exception();
+      next = layout_.tensors.size();  // The others stop too.
+    }
+  };
+  std::vector<std::thread> helpers;
+  for (int t = 1; t < options_.checksumThreads; ++t) helpers.emplace_back(work);
+  work();
+  for (auto& h : helpers) h.join();
+  if (error) std::rethrow_exception(error);
 #endif
 }
 

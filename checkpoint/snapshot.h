@@ -55,6 +55,9 @@ struct SnapshotOptions {
   // Bytes copied between crc passes; keeps the freshly copied bytes in cache for the crc.
   size_t copyChunkBytes = 1 << 20;
   std::chrono::milliseconds waitTimeout = kDefaultSnapshotWaitTimeout;
+  // CUDA: threads that checksum the copied tensors as they land (a GPU copies into pinned
+  // memory several times faster than one core computes crc32c). >= 1.
+  int checksumThreads = 4;
   // Test hook, run on the copy thread before each tensor is copied (an injected slow copy).
   std::function<void(const TensorRecord&)> beforeCopyTensor;
 };

@@ -35,6 +35,10 @@ if [ ! -f /usr/local/cuda/include/nccl.h ] && [ -z "${NCCL_HOME:-}" ]; then
     export LD_LIBRARY_PATH="$wheel/lib:$LD_LIBRARY_PATH"
   fi
 fi
+# The programs need the unpacked libraries (libgloo's own dependencies are not on their
+# RPATH): `source build-device/env.sh` before running tests, examples or benches there.
+mkdir -p build-device
+printf 'export LD_LIBRARY_PATH="%s"\n' "$LD_LIBRARY_PATH" > build-device/env.sh
 torch_prefix="$(python3 -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')"
 cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_PREFIX_PATH="$torch_prefix;$prefix/usr" -DSINEW_INSTALL=OFF \
