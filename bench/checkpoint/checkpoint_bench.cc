@@ -132,14 +132,18 @@ ShardState stateOf(Model& m) {
   return s;
 }
 
-void forwardBackward(Model& m) {
+// Returns the loss. Reading it waits for the GPU, as a training loop does before its
+// optimizer step (Sinew's trainer reads every microbatch's loss and reduces the gradients).
+double forwardBackward(Model& m) {
   m.adam->zero_grad();
   torch::Tensor x = m.input;
   for (size_t i = 0; i < m.layers.size(); ++i) {
     x = m.layers[i]->forward(x);
     if (i + 1 < m.layers.size()) x = torch::relu(x);
   }
-  torch::mse_loss(x, m.target).backward();
+  torch::Tensor loss = torch::mse_loss(x, m.target);
+  loss.backward();
+  return loss.item<double>();
 }
 
 struct Run {
