@@ -128,11 +128,14 @@ Plan planFromJson(const std::string& text) {
   plan.microbatchesPerStep = intField(j, "microbatches", 1, INT32_MAX, "");
   plan.faultTolerance = static_cast<int>(intField(j, "fault_tolerance", 0, kMaxId, ""));
   plan.iterationTicks = intField(j, "iteration_ticks", 0, maxTicks, "");
-  const json& idle = arrayField(j, "idle", kMaxId, "");
+  // A named (empty) prefix, not a temporary string: the arrays are references into j, which
+  // GCC 13's -Wdangling-reference cannot tell when an argument is a temporary.
+  const std::string top;
+  const json& idle = arrayField(j, "idle", kMaxId, top);
   for (size_t i = 0; i < idle.size(); ++i) {
     plan.idleNodeIds.push_back(static_cast<int>(intAt(idle, i, 0, kMaxId - 1, "idle")));
   }
-  const json& pipes = arrayField(j, "pipelines", kMaxId, "");
+  const json& pipes = arrayField(j, "pipelines", kMaxId, top);
   if (pipes.empty()) bad("pipelines", "is empty");
   int64_t total = 0;
   std::vector<int64_t> firstMicrobatch;
@@ -158,7 +161,7 @@ Plan planFromJson(const std::string& text) {
     bad("pipelines", "run " + std::to_string(total) + " microbatches, not the global batch's " +
                          std::to_string(plan.microbatchesPerStep));
   }
-  const json& workers = arrayField(j, "workers", kMaxId, "");
+  const json& workers = arrayField(j, "workers", kMaxId, top);
   std::vector<int> stagesSeen(plan.pipelines.size(), 0);
   for (size_t i = 0; i < workers.size(); ++i) {
     const std::string field = "workers[" + std::to_string(i) + "]";

@@ -74,9 +74,13 @@ TEST(GpuJobTest, NcclIsRefusedForWorkersSharingAGpuWithAClearError) {
   EXPECT_TRUE(has(r, "cannot use NCCL: workers 0 and 1 share GPU GPU-"));
 }
 
+// Two pipelines on the GPU; pipeline 0's stage writers snapshot their layers out of GPU
+// memory and commit durable versions together.
 TEST(GpuJobTest, PipelinesOnTheGpu) {
   SINEW_REQUIRE_GPU();
-  JobRun r = run("gpu-pp", 4, TRAIN_PP_PATH, {"--device", "cuda"});
+  const std::string ckpt = logDir("gpu-pp-ckpt");
+  JobRun r = run("gpu-pp", 4, TRAIN_PP_PATH,
+                 {"--device", "cuda", "--checkpoint-dir", ckpt, "--checkpoint-every", "10"});
   SCOPED_TRACE(r.output);
   EXPECT_FALSE(r.timedOut) << "the job hung";
   EXPECT_EQ(r.exitCode, 0);
@@ -89,6 +93,10 @@ TEST(GpuJobTest, PipelinesOnTheGpu) {
   EXPECT_EQ(std::distance(std::sregex_iterator(r.output.begin(), r.output.end(), done),
                           std::sregex_iterator()),
             4);
+  std::smatch m;
+  const std::string latest = slurp(ckpt + "/LATEST");
+  ASSERT_TRUE(std::regex_search(latest, m, std::regex("\"step\":(\\d+)"))) << latest;
+  EXPECT_EQ(std::stoi(m[1]), 39) << "the last step is not durable";
 }
 
 // The writer is killed while its snapshot of step 30 is being copied out of GPU memory; the
