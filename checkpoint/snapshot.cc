@@ -62,9 +62,8 @@ SnapshotArena::SnapshotArena(const ShardState& like, SnapshotOptions options)
     copiedEvent_ = event(cudaEventDisableTiming);
     for (const auto& l : like) {
       for (const auto& t : l.tensors) {
-        tensorEvents_.push_back(t.tensor.is_cuda()
-                                    ? event(cudaEventDisableTiming | cudaEventBlockingSync)
-                                    : nullptr);
+        tensorEvents_.push_back(
+            t.tensor.is_cuda() ? event(cudaEventDisableTiming | cudaEventBlockingSync) : nullptr);
       }
     }
 #else
@@ -179,8 +178,8 @@ void SnapshotArena::enqueueDeviceCopies(Job& job) {
   for (size_t i = 0; i < layout_.tensors.size(); ++i) {
     if (tensorEvents_[i] == nullptr) continue;  // A host tensor: the copy thread's.
     const auto& rec = layout_.tensors[i];
-    checkCuda(cudaMemcpyAsync(job.slot->data() + rec.offset, job.tensors[i].data_ptr(),
-                              rec.nbytes, cudaMemcpyDeviceToHost, stream),
+    checkCuda(cudaMemcpyAsync(job.slot->data() + rec.offset, job.tensors[i].data_ptr(), rec.nbytes,
+                              cudaMemcpyDeviceToHost, stream),
               "cudaMemcpyAsync");
     checkCuda(cudaEventRecord(static_cast<cudaEvent_t>(tensorEvents_[i]), stream),
               "cudaEventRecord");

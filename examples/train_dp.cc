@@ -17,9 +17,9 @@
 
 #include <cmath>
 #include <cstdio>
-#include <memory>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 
 #include "example_support.h"

@@ -351,9 +351,9 @@ class Trainer::Impl {
     });
     if (device_.is_cuda()) collectives::setCudaDevice(device_.index());
     // Which device this worker trains on, for the choice of each epoch's backend.
-    ctx_.store()->set(deviceKey(ctx_.worker()),
-                      collectives::toBytes(device_.is_cuda()
-                                               ? collectives::cudaDeviceUuid(device_.index())
+    ctx_.store()->set(
+        deviceKey(ctx_.worker()),
+        collectives::toBytes(device_.is_cuda() ? collectives::cudaDeviceUuid(device_.index())
                                                : std::string("cpu")));
     int64_t resume = 0;
     if (!o_.checkpointDir.empty()) {
@@ -531,8 +531,8 @@ class Trainer::Impl {
 
   // The communicator of `co.members` (TrainerOptions::backend): NCCL, or Gloo (through host
   // memory for CUDA tensors). Every member decides alike, from the same published devices.
-  std::unique_ptr<collectives::Communicator> makeCommunicator(
-      const std::shared_ptr<Store>& store, collectives::CommunicatorOptions co) {
+  std::unique_ptr<collectives::Communicator> makeCommunicator(const std::shared_ptr<Store>& store,
+                                                              collectives::CommunicatorOptions co) {
     std::string why = "TrainerOptions::backend is kGloo";
     bool nccl = false;
     if (o_.backend != CommBackend::kGloo && device_.is_cuda()) {
@@ -609,8 +609,7 @@ class Trainer::Impl {
       lossSum += loss.item<double>() * static_cast<double>(o_.microbatch);
     }
     // One flat buffer: every gradient, then the loss sum.
-    at::Tensor flat =
-        flatGradients(params_, at::full({1}, lossSum, onDevice(o_.dtype)));
+    at::Tensor flat = flatGradients(params_, at::full({1}, lossSum, onDevice(o_.dtype)));
     inj.fire(self, step_, Phase::kReduce, &client_);
     {
       WaitingOnOthers waiting(client_, step_, &stepWaited_);

@@ -27,8 +27,8 @@ inline std::string noGpuReason() {
 }  // namespace testing
 }  // namespace sinew
 
-#define SINEW_REQUIRE_GPU()                                            \
-  do {                                                                 \
-    const std::string why_ = ::sinew::testing::noGpuReason();          \
-    if (!why_.empty()) GTEST_SKIP() << "needs a CUDA GPU: " << why_;   \
+#define SINEW_REQUIRE_GPU()                                          \
+  do {                                                               \
+    const std::string why_ = ::sinew::testing::noGpuReason();        \
+    if (!why_.empty()) GTEST_SKIP() << "needs a CUDA GPU: " << why_; \
   } while (0)

@@ -251,7 +251,8 @@ int benchGpu(int steps, int64_t width, int nlayers, int64_t batch) {
   // Copy throughput on an idle GPU, best of 5 each, interleaved: the snapshot (one
   // cudaMemcpyAsync per tensor on its side stream) against one cudaMemcpyAsync of the same
   // bytes from one device buffer into pinned memory.
-  at::Tensor src = at::empty({static_cast<int64_t>(stateBytes)}, at::TensorOptions(at::kByte).device(dev));
+  at::Tensor src =
+      at::empty({static_cast<int64_t>(stateBytes)}, at::TensorOptions(at::kByte).device(dev));
   at::Tensor dst = at::empty({static_cast<int64_t>(stateBytes)},
                              at::TensorOptions(at::kByte).pinned_memory(true));
   cudaStream_t stream;
@@ -260,9 +261,9 @@ int benchGpu(int steps, int64_t width, int nlayers, int64_t batch) {
   for (int rep = 0; rep < 5; ++rep) {
     cudaCheck(cudaDeviceSynchronize(), "sync");
     auto t = Clock::now();
-    cudaCheck(cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), stateBytes, cudaMemcpyDeviceToHost,
-                              stream),
-              "memcpy");
+    cudaCheck(
+        cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), stateBytes, cudaMemcpyDeviceToHost, stream),
+        "memcpy");
     cudaCheck(cudaStreamSynchronize(stream), "sync");
     memcpyBest = std::min(memcpyBest, since(t));
     cudaCheck(cudaDeviceSynchronize(), "sync");

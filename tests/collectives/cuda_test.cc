@@ -131,8 +131,8 @@ TEST(HostStagedTest, CudaTensorsThroughGlooOnOneGpu) {
       at::Tensor mine = cuda(at::arange(12, at::kDouble).view({6, 2}) + 100 * r);
       at::Tensor got = cuda(at::zeros({6, 2}, at::kDouble));
       const int peer = 1 - r;
-      comm->exchange({P2POp::send(mine.narrow(0, 2, 2), peer, 7),
-                      P2POp::recv(got.narrow(0, 4, 2), peer, 7)});
+      comm->exchange(
+          {P2POp::send(mine.narrow(0, 2, 2), peer, 7), P2POp::recv(got.narrow(0, 4, 2), peer, 7)});
       at::Tensor want = at::zeros({6, 2}, at::kDouble);
       want.narrow(0, 4, 2).copy_(at::arange(4, 8, at::kDouble).view({2, 2}) + 100 * peer);
       if (!got.cpu().equal(want)) failures[r] += "exchange into rows; ";

@@ -117,9 +117,9 @@ TEST(GpuJobTest, KillDuringACudaSnapshotThenRestartFromDisk) {
   ASSERT_TRUE(std::regex_search(latest, m, std::regex("\"step\":(\\d+)"))) << latest;
   EXPECT_EQ(std::stoi(m[1]), 79) << "the last step is not durable";
 
-  JobRun resumed = run("gpu-snapshot-resume", 2, TRAIN_DP_PATH,
-                       {"--device", "cuda", "--checkpoint-dir", ckpt, "--checkpoint-every", "1",
-                        "--steps", "100"});
+  JobRun resumed = run(
+      "gpu-snapshot-resume", 2, TRAIN_DP_PATH,
+      {"--device", "cuda", "--checkpoint-dir", ckpt, "--checkpoint-every", "1", "--steps", "100"});
   SCOPED_TRACE(resumed.output);
   sinew::testing::expectFinishedExact(resumed, "");
   EXPECT_TRUE(has(resumed, "resumed from the durable checkpoint of step 79"));
