@@ -12,6 +12,9 @@
 //
 // Last line: RESULT pp_iter_vs_model=<measured/predicted> p2p_ratio_vs_tcp=<r> pp_vs_dp=<x>
 
+#include <ftw.h>
+#include <sys/stat.h>
+
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -38,6 +41,15 @@
 #include "sinew/communicator.h"
 
 namespace {
+
+// Not std::filesystem::remove_all: libtorch 2.11 exports a copy of it that crashes when it
+// wins symbol resolution (docs/gpu.md).
+void removeTree(const std::string& path) {
+  ::nftw(
+      path.c_str(),
+      [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
+      FTW_DEPTH | FTW_PHYS);
+}
 
 using Clock = std::chrono::steady_clock;
 constexpr int64_t kBytes = 16 << 20;
@@ -153,7 +165,7 @@ double sinewSeconds() {
   double result = run(0);
   int st = 0;
   ::waitpid(pid, &st, 0);
-  std::filesystem::remove_all(dir);
+  removeTree(dir);
   return result;
 }
 
@@ -166,7 +178,7 @@ struct JobStats {
 JobStats runJob(const std::string& name, const std::vector<std::string>& args, int steps) {
   std::string dir = std::filesystem::temp_directory_path().string() + "/sinew-bench-pipeline-" +
                     name + "-" + std::to_string(::getpid());
-  std::filesystem::remove_all(dir);
+  removeTree(dir);
   std::string cmd = std::string(SINEW_RUN_PATH) + " -n 2 --log-dir " + dir + " " + TRAIN_PP_PATH +
                     " --steps " + std::to_string(steps) + " --progress 5 --no-reference";
   for (const auto& a : args) cmd += " " + a;
@@ -200,7 +212,7 @@ JobStats runJob(const std::string& name, const std::vector<std::string>& args, i
     stats.measuredIterationS = std::max(stats.measuredIterationS, median(v));
   }
   stats.samplesPerS = median(rates);
-  std::filesystem::remove_all(dir);
+  removeTree(dir);
   std::filesystem::remove(dir + ".out");
   return stats;
 }

@@ -19,6 +19,7 @@
 #include <mutex>
 #include <thread>
 
+#include "../fs_support.h"
 #include "../support.h"
 #include "sinew/runtime/coordinator.h"
 #include "sinew/runtime/coordinator_client.h"
@@ -454,7 +455,7 @@ TEST(FailureInjectionTest, CorruptDamagesTheShardFilesOfItsVersionOnce) {
   EXPECT_EQ(read("step-00000029/shard-w0.safetensors"), std::string(256, 'a'));
   EXPECT_EQ(read("step-00000019/manifest.json"), "{}");
   EXPECT_EQ(inj.afterFlush(0, 19, root), 0);  // once
-  std::filesystem::remove_all(root);
+  sinew::testing::removeTree(root);
 }
 
 TEST(FailureInjectionTest, MalformedSpecsNameWhatIsWrong) {

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "../fs_support.h"
 #include "../checkpoint/fault_env.h"
 #include "sinew/error.h"
 #include "sinew/init.h"
@@ -67,7 +68,7 @@ TEST(TrainerTest, AFailingCheckpointDiskSurfacesAsIoErrorFromRun) {
   } catch (const IoError& e) {
     EXPECT_NE(std::string(e.what()).find("injected failure"), std::string::npos) << e.what();
   }
-  std::filesystem::remove_all(dir);
+  sinew::testing::removeTree(dir);
 }
 
 TEST(TrainerTest, BadOptionsAreInvalidArgumentsNamingTheOption) {
