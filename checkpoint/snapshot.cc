@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <system_error>
 
 #include "sinew/checkpoint/detail/crc32c.h"
 #include "sinew/collectives/error.h"
@@ -49,6 +50,19 @@ SnapshotArena::SnapshotArena(const ShardState& like, SnapshotOptions options)
   if (anyCuda(like)) {
 #if SINEW_WITH_NCCL
     pinned_ = true;
+    // One GPU per arena: its stream, events and legacy stream are that device's.
+    for (const auto& l : like) {
+      for (const auto& t : l.tensors) {
+        if (!t.tensor.defined() || !t.tensor.is_cuda()) continue;
+        if (device_ < 0) device_ = t.tensor.get_device();
+        if (t.tensor.get_device() != device_) {
+          SINEW_THROW(InvalidArgument, "snapshot arena: tensor '", l.name, ".", t.name, "' is on ",
+                      t.tensor.device().str(), " but others on cuda:", device_,
+                      "; one arena holds the tensors of one GPU");
+        }
+      }
+    }
+    checkCuda(cudaSetDevice(device_), "cudaSetDevice");
     cudaStream_t s = nullptr;
     checkCuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
     cudaStream_ = s;
@@ -88,6 +102,7 @@ SnapshotArena::~SnapshotArena() {
 #if SINEW_WITH_NCCL
   if (cudaStream_ != nullptr) {
     // Copies still queued write into slots freed below: let them land first.
+    cudaSetDevice(device_);
     cudaStreamSynchronize(static_cast<cudaStream_t>(cudaStream_));
     for (void* ev : tensorEvents_) {
       if (ev != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(ev));
@@ -115,7 +130,8 @@ bool SnapshotArena::snapshot(int64_t step, const ShardState& state) {
       job->tensors.push_back(t.tensor.is_contiguous() ? t.tensor : t.tensor.contiguous());
       const size_t i = job->tensors.size() - 1;
       const bool deviceCopy = pinned_ && tensorEvents_[i] != nullptr;
-      if (t.tensor.is_cuda() != deviceCopy || (!t.tensor.is_cuda() && !t.tensor.is_cpu())) {
+      if (t.tensor.is_cuda() != deviceCopy || (!t.tensor.is_cuda() && !t.tensor.is_cpu()) ||
+          (deviceCopy && t.tensor.get_device() != device_)) {
         SINEW_THROW(InvalidArgument, "snapshot of step ", step, ": tensor '", l.name, ".", t.name,
                     "' is on ", t.tensor.device().str(), ", not where the arena's was");
       }
@@ -157,7 +173,18 @@ bool SnapshotArena::snapshot(int64_t step, const ShardState& state) {
   chosen->step = step;
   chosen->layout = layout_;
   job->slot = chosen;
-  if (pinned_) enqueueDeviceCopies(*job);
+  if (pinned_) {
+    try {
+      enqueueDeviceCopies(*job);
+    } catch (...) {
+#if SINEW_WITH_NCCL
+      // Copies queued before the failure still read the tensors and write the slot.
+      cudaStreamSynchronize(static_cast<cudaStream_t>(cudaStream_));
+#endif
+      chosen->step = -1;
+      throw;
+    }
+  }
   job_ = std::move(job);
   pending_ = true;
   hostPending_ = true;
@@ -172,6 +199,7 @@ void SnapshotArena::enqueueDeviceCopies(Job& job) {
 #if SINEW_WITH_NCCL
   auto stream = static_cast<cudaStream_t>(cudaStream_);
   auto ready = static_cast<cudaEvent_t>(readyEvent_);
+  checkCuda(cudaSetDevice(device_), "cudaSetDevice");  // The legacy stream of our GPU.
   // After everything queued so far on the legacy default stream: the optimizer step.
   checkCuda(cudaEventRecord(ready, cudaStreamLegacy), "cudaEventRecord");
   checkCuda(cudaStreamWaitEvent(stream, ready, 0), "cudaStreamWaitEvent");
@@ -194,6 +222,7 @@ void SnapshotArena::enqueueDeviceCopies(Job& job) {
 void SnapshotArena::orderDefaultStream() {
 #if SINEW_WITH_NCCL
   if (!deviceCopiesQueued_) return;
+  checkCuda(cudaSetDevice(device_), "cudaSetDevice");
   checkCuda(cudaStreamWaitEvent(cudaStreamLegacy, static_cast<cudaEvent_t>(copiedEvent_), 0),
             "cudaStreamWaitEvent");
   deviceCopiesQueued_ = false;
@@ -361,6 +390,17 @@ void SnapshotArena::copyOne(Job& job) {
     return;
   }
 #if SINEW_WITH_NCCL
+  // The job's device copies were queued before it reached this thread; whatever fails here,
+  // they must have landed before its tensors are released (to the caching allocator) and
+  // its slot reused.
+  struct DrainOnError {
+    void* event;
+    bool armed = true;
+    ~DrainOnError() {
+      if (armed) cudaEventSynchronize(static_cast<cudaEvent_t>(event));
+    }
+  } drain{copiedEvent_};
+  checkCuda(cudaSetDevice(device_), "cudaSetDevice");
   // Host tensors first: the optimizer step waits for them (waitBeforeUpdate).
   for (size_t i = 0; i < layout_.tensors.size(); ++i) {
     if (tensorEvents_[i] == nullptr) copyHost(job, i);
@@ -377,6 +417,7 @@ void SnapshotArena::copyOne(Job& job) {
   std::exception_ptr error;
   auto work = [&] {
     try {
+      checkCuda(cudaSetDevice(device_), "cudaSetDevice");
       for (size_t i = next++; i < layout_.tensors.size(); i = next++) {
         if (tensorEvents_[i] == nullptr) continue;
         auto& rec = job.slot->layout.tensors[i];
@@ -392,10 +433,17 @@ void SnapshotArena::copyOne(Job& job) {
     }
   };
   std::vector<std::thread> helpers;
-  for (int t = 1; t < options_.checksumThreads; ++t) helpers.emplace_back(work);
+  for (int t = 1; t < options_.checksumThreads; ++t) {
+    try {
+      helpers.emplace_back(work);
+    } catch (const std::system_error&) {
+      break;  // No more threads to be had: fewer checksum the rest.
+    }
+  }
   work();
   for (auto& h : helpers) h.join();
   if (error) std::rethrow_exception(error);
+  drain.armed = false;  // Every copy's event was waited for.
 #endif
 }
 

@@ -29,8 +29,8 @@
 // complete about when the last copy is. An optimizer step issued on another stream must make
 // that stream wait for the default one first.
 //
-// Thread safety: snapshot() and waitBeforeUpdate() are called by the training thread; the
-// accessors may be called from any thread.
+// Thread safety: snapshot(), waitBeforeUpdate() and waitComplete() are called by the
+// training thread; the accessors may be called from any thread.
 
 #include <chrono>
 #include <condition_variable>
@@ -58,7 +58,9 @@ struct SnapshotOptions {
   // CUDA: threads that checksum the copied tensors as they land (a GPU copies into pinned
   // memory several times faster than one core computes crc32c). >= 1.
   int checksumThreads = 4;
-  // Test hook, run on the copy thread before each tensor is copied (an injected slow copy).
+  // Test hook, run before each tensor is copied (an injected slow or failing copy): on the
+  // copy thread; for CUDA tensors, whose copies are already queued, before each tensor is
+  // checksummed, on any of the checksumThreads threads.
   std::function<void(const TensorRecord&)> beforeCopyTensor;
 };
 
@@ -79,8 +81,10 @@ class SnapshotArena {
   SnapshotArena& operator=(const SnapshotArena&) = delete;
 
   // Starts copying version `step` of state in the background. Returns false (and copies
-  // nothing) when no slot is free. REQUIRES: state has the arena's layout (InvalidArgument
-  // otherwise); steps increase; the previous snapshot was waited for.
+  // nothing) when no slot is free, or (CUDA) while the previous version, already waited for,
+  // is still being checksummed. Rethrows the error of a copy that failed after its wait
+  // returned (CUDA). REQUIRES: state has the arena's layout, its CUDA tensors on the arena's
+  // GPU (InvalidArgument otherwise); steps increase; the previous snapshot was waited for.
   bool snapshot(int64_t step, const ShardState& state);
 
   // Returns when the state may be modified: blocks until the copy started by the last
@@ -139,6 +143,7 @@ class SnapshotArena {
   std::vector<void*> tensorEvents_;
   void* copiedEvent_ = nullptr;
   bool deviceCopiesQueued_ = false;  // Training thread only: orderDefaultStream() is due.
+  int device_ = -1;                  // The GPU of the CUDA tensors when pinned_.
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -350,11 +350,14 @@ class Trainer::Impl {
       }
     });
     if (device_.is_cuda()) collectives::setCudaDevice(device_.index());
-    // Which device this worker trains on, for the choice of each epoch's backend.
-    ctx_.store()->set(
-        deviceKey(ctx_.worker()),
-        collectives::toBytes(device_.is_cuda() ? collectives::cudaDeviceUuid(device_.index())
-                                               : std::string("cpu")));
+    // Which device this worker trains on and the backend it asks for, from which every
+    // member of a communicator makes the same choice (makeCommunicator).
+    const char* asks = o_.backend == CommBackend::kGloo   ? "gloo"
+                       : o_.backend == CommBackend::kNccl ? "nccl"
+                                                          : "auto";
+    const std::string where =
+        device_.is_cuda() ? collectives::cudaDeviceUuid(device_.index()) : std::string("cpu");
+    ctx_.store()->set(deviceKey(ctx_.worker()), collectives::toBytes(where + " " + asks));
     int64_t resume = 0;
     if (!o_.checkpointDir.empty()) {
       checkCheckpointDir();
@@ -504,16 +507,25 @@ class Trainer::Impl {
 
   static std::string deviceKey(int worker) { return "sinew/device/w" + std::to_string(worker); }
 
-  // Whether the workers `members` can form one NCCL communicator: each on a GPU of its own
-  // (NCCL refuses two ranks of one communicator on the same GPU). *why says why not.
-  bool ncclPossible(Store& store, const std::vector<int>& members, std::string* why) {
+  // Whether the workers `members` use one NCCL communicator: each is on a GPU of its own
+  // (NCCL refuses two ranks of one communicator on the same GPU) and none asks for Gloo
+  // (TrainerOptions::backend). Decided from what every member published, so that all decide
+  // alike. *why says why (not).
+  bool ncclChosen(Store& store, const std::vector<int>& members, std::string* why) {
     if (!SINEW_WITH_NCCL) {
       *why = "Sinew was built without NCCL";
       return false;
     }
     std::map<std::string, int> owner;
     for (int w : members) {
-      const std::string id = collectives::toString(store.get(deviceKey(w), opTimeout()));
+      const std::string published = collectives::toString(store.get(deviceKey(w), opTimeout()));
+      const size_t space = published.find(' ');
+      const std::string id = published.substr(0, space);
+      const std::string asks = space == std::string::npos ? "auto" : published.substr(space + 1);
+      if (asks == "gloo") {
+        *why = "worker " + std::to_string(w) + " asks for Gloo (TrainerOptions::backend)";
+        return false;
+      }
       if (id == "cpu") {
         *why = "worker " + std::to_string(w) + " trains on the CPU";
         return false;
@@ -533,20 +545,18 @@ class Trainer::Impl {
   // memory for CUDA tensors). Every member decides alike, from the same published devices.
   std::unique_ptr<collectives::Communicator> makeCommunicator(const std::shared_ptr<Store>& store,
                                                               collectives::CommunicatorOptions co) {
-    std::string why = "TrainerOptions::backend is kGloo";
-    bool nccl = false;
-    if (o_.backend != CommBackend::kGloo && device_.is_cuda()) {
-      nccl = ncclPossible(*store, co.members, &why);
-    } else if (!device_.is_cuda()) {
-      why = "this worker trains on the CPU";
-    }
+    std::string why = "this worker trains on the CPU";
+    // A CPU worker needs no one else's word: NCCL needs every member on a GPU.
+    const bool nccl = device_.is_cuda() && ncclChosen(*store, co.members, &why);
     if (o_.backend == CommBackend::kNccl && !nccl) {
       SINEW_THROW(InvalidArgument, "TrainerOptions::backend is kNccl, but communicator '", co.name,
                   "' of epoch ", co.epoch, " cannot use NCCL: ", why);
     }
     const std::string backend = nccl ? "nccl" : "gloo";
+    // CPU jobs with the default backend say nothing new (their output is as before).
+    const bool report = device_.is_cuda() || o_.backend != CommBackend::kAuto;
     if (co.name == "dp" || co.name == "pp") {
-      if (backend != backend_ || why != backendWhy_) {
+      if (report && (backend != backend_ || why != backendWhy_)) {
         event({{"event", "backend"}, {"epoch", co.epoch}, {"backend", backend}, {"reason", why}});
         if (co.members.front() == ctx_.worker()) {
           std::printf("sinew: epoch %lld transfers over %s%s (%s)\n",
@@ -1515,7 +1525,6 @@ class Trainer::Impl {
       std::lock_guard<std::mutex> lock(ckMu_);
       ckOutstanding_++;
     }
-    state_.injector.fire(ctx_.worker(), step, Phase::kSnapshot, &client_);
     bool taken = false;
     try {
       taken = arena_->snapshot(step, state);
@@ -1533,6 +1542,8 @@ class Trainer::Impl {
       ckSkipped_++;
       ckCv_.notify_all();
     }
+    // While the copy is in flight (on a GPU: queued on the side stream).
+    state_.injector.fire(ctx_.worker(), step, Phase::kSnapshot, &client_);
   }
 
   void flushLoop() {

@@ -46,9 +46,8 @@ namespace {
 // wins symbol resolution (docs/gpu.md).
 void removeTree(const std::string& path) {
   ::nftw(
-      path.c_str(),
-      [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
-      FTW_DEPTH | FTW_PHYS);
+      path.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); },
+      16, FTW_DEPTH | FTW_PHYS);
 }
 
 using Clock = std::chrono::steady_clock;

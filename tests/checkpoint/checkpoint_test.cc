@@ -233,6 +233,36 @@ TEST(SnapshotTest, RejectsAStateOfAnotherLayoutAndASnapshotBeforeTheWait) {
   slow.waitBeforeUpdate();
 }
 
+// A copy that fails: its owner hears of it once through onFailed (before any wait returns),
+// the wait rethrows it, no version of that step appears, and the next snapshot works.
+TEST(SnapshotTest, AFailedCopyIsReportedOnceAndTheNextOneWorks) {
+  ShardState state = makeState(2, 8, 1);
+  SnapshotOptions o;
+  std::atomic<bool> fail{true};
+  o.beforeCopyTensor = [&](const TensorRecord&) {
+    if (fail.exchange(false)) throw IoError("injected copy failure");
+  };
+  SnapshotArena arena(state, o);
+  std::atomic<int> failed{0};
+  std::atomic<int64_t> failedStep{-1};
+  arena.setOnFailed([&](int64_t step, std::exception_ptr e) {
+    failed++;
+    failedStep = step;
+    EXPECT_NE(e, nullptr);
+  });
+  ASSERT_TRUE(arena.snapshot(5, state));
+  EXPECT_THROW(arena.waitBeforeUpdate(), IoError);
+  EXPECT_EQ(failed.load(), 1);
+  EXPECT_EQ(failedStep.load(), 5);
+  EXPECT_EQ(arena.find(5), nullptr);
+  arena.waitBeforeUpdate();  // Reported once: nothing left to wait for.
+  ASSERT_TRUE(arena.snapshot(6, state));
+  arena.waitComplete();
+  ASSERT_NE(arena.find(6), nullptr);
+  EXPECT_EQ(arena.find(6)->verify(), "");
+  EXPECT_EQ(failed.load(), 1);
+}
+
 int64_t residentBytes() {
   std::ifstream f("/proc/self/statm");
   int64_t size = 0, resident = 0;

@@ -89,14 +89,21 @@ TEST(CudaSnapshotTest, UpdateWaitsOnTheGpuForItsTensorsAndTheVersionComesBackWho
   EXPECT_EQ(shard->verify(), "");  // Checksums computed over the bytes that landed.
   EXPECT_EQ(w.max().item<float>(), 10);
 
-  // Version 2, then a third while nothing waits: the arena keeps both whole.
+  // Version 2, again behind GPU work. Its wait returns at once, so version 3, asked for while
+  // version 2 is still being copied and checksummed, is skipped rather than the step blocked;
+  // both complete versions stay whole.
+  busyGpu(0.5);
+  w.fill_(5);
   ASSERT_TRUE(arena.snapshot(2, state));
   arena.waitBeforeUpdate();
+  EXPECT_FALSE(arena.snapshot(3, state));
+  EXPECT_EQ(arena.stats().skipped, 1);
   w.fill_(100);
   arena.waitComplete();
   ASSERT_NE(arena.find(2), nullptr);
-  EXPECT_TRUE(allEqual(*arena.find(2), "w", 10));
+  EXPECT_TRUE(allEqual(*arena.find(2), "w", 5));
   EXPECT_TRUE(allEqual(*arena.find(1), "w", 1));
+  EXPECT_EQ(arena.find(3), nullptr);
 }
 
 TEST(CudaSnapshotTest, ATensorOnAnotherDeviceIsRefused) {

@@ -1,6 +1,7 @@
-// The communicators with CUDA tensors (docs/gpu.md): NCCL with one rank (init, every
-// collective, abort, a deadline on a stream that never drains), and Gloo through host memory
-// for several ranks sharing one GPU. Skipped, with the reason, without a GPU.
+// The communicators with CUDA tensors (docs/gpu.md): NCCL with one rank (non-blocking init,
+// every collective, abort), NCCL refusing two ranks on one GPU within its init deadline, and
+// Gloo through host memory for several ranks sharing one GPU. Skipped, with the reason,
+// without a GPU.
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>

@@ -99,15 +99,16 @@ TEST(GpuJobTest, PipelinesOnTheGpu) {
   EXPECT_EQ(std::stoi(m[1]), 39) << "the last step is not durable";
 }
 
-// The writer is killed while its snapshot of step 30 is being copied out of GPU memory; the
-// next writer snapshots from its own GPU memory, the job ends exact with its last step
-// durable, and a new job resumes from that version onto the GPU, exact again.
+// The writer is killed while its snapshot of step 29 is being copied out of GPU memory (the
+// snapshot phase fires once the copies are queued); the next writer snapshots from its own
+// GPU memory, the job ends exact with its last step durable, and a new job resumes from that
+// version onto the GPU, exact again.
 TEST(GpuJobTest, KillDuringACudaSnapshotThenRestartFromDisk) {
   SINEW_REQUIRE_GPU();
   const std::string ckpt = logDir("gpu-snapshot-ckpt");
   JobRun r = run("gpu-snapshot-kill", 3, TRAIN_DP_PATH,
-                 {"--device", "cuda", "--checkpoint-dir", ckpt, "--checkpoint-every", "1"},
-                 "kill:worker=0:step=30:phase=snapshot");
+                 {"--device", "cuda", "--checkpoint-dir", ckpt, "--checkpoint-every", "10"},
+                 "kill:worker=0:step=29:phase=snapshot");
   {
     SCOPED_TRACE(r.output);
     sinew::testing::expectFinishedExact(r, "0");

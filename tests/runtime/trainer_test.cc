@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "../fs_support.h"
 #include "../checkpoint/fault_env.h"
+#include "../fs_support.h"
 #include "sinew/error.h"
 #include "sinew/init.h"
 #include "sinew/runtime/context_state.h"
