@@ -333,6 +333,8 @@ class Trainer::Impl {
     if (!path.empty()) events_.open(path, {{"worker", ctx_.worker()}});
   }
 
+  torch::nn::Sequential& model() { return model_; }
+
   ~Impl() {
     client_.setEpochListener(nullptr);
     arena_.reset();  // Joins the copy thread, whose completion callback uses ckMu_.
@@ -967,6 +969,283 @@ class Trainer::Impl {
     return nullptr;
   }
 
+  // ---- Reconfiguration: moving layers between workers (docs/pipeline.md) ----------------
+
+  // What a member holds when an epoch starts: layers [first, end) (first < 0: none built
+  // yet) with the state after step `applied`.
+  struct Holding {
+    int first = -1;
+    int end = -1;
+    int64_t applied = -1;
+    bool holds(int layer) const { return first >= 0 && layer >= first && layer < end; }
+  };
+
+  static std::string heldKey(int64_t epoch, int worker) {
+    return "sinew/pipeline/held/" + std::to_string(epoch) + "/w" + std::to_string(worker);
+  }
+
+  static Holding parseHolding(const std::string& text, int worker, int64_t epoch) {
+    Holding h;
+    std::istringstream is(text);
+    if (!(is >> h.first >> h.end >> h.applied) || h.end < h.first || h.applied < -1) {
+      SINEW_THROW(Corruption, "worker ", worker, " published a malformed holding for epoch ", epoch,
+                  ": '", text, "'");
+    }
+    return h;
+  }
+
+  // The new layers of this worker, and their state, from a reconfiguration.
+  struct Relayout {
+    torch::nn::Sequential model;                               // [first, end), on device_
+    std::map<std::string, checkpoint::RestoredLayer> state;  // by layer name, as checkpoints
+    int copied = 0, fromDisk = 0, fresh = 0;
+    std::vector<int> sources;
+  };
+
+  // Per-parameter flags of a layer copy's manifest.
+  static constexpr int64_t kHasAdam = 1;     // exp_avg, exp_avg_sq and step follow
+  static constexpr int64_t kHasMaxSq = 2;    // max_exp_avg_sq follows (AMSGrad)
+  static constexpr int64_t kHasMomentum = 4;  // SGD's momentum_buffer follows
+  static constexpr uint32_t kTagLayerManifest = 4;
+  static constexpr uint32_t kTagLayerState = 5;
+
+  // The manifest of held layer `layer` (per parameter: flags, then Adam's step count) and
+  // its tensors in manifest order (a parameter, then its optimizer state).
+  at::Tensor layerManifest(int layer, std::vector<at::Tensor>* tensors) {
+    auto params = (*model_)[layer - heldFirst_]->named_parameters(/*recurse=*/true);
+    const int64_t n = static_cast<int64_t>(params.size());
+    at::Tensor m = at::zeros({2 * n}, at::kLong);
+    auto a = m.accessor<int64_t, 1>();
+    auto& st = opt_->state();
+    int64_t i = 0;
+    for (const auto& np : params) {
+      const at::Tensor& p = np.value();
+      tensors->push_back(p.detach().contiguous());
+      auto it = st.find(stateKey(st, p));
+      if (it != st.end()) {
+        if (auto* ad = dynamic_cast<torch::optim::AdamParamState*>(it->second.get())) {
+          a[i] |= kHasAdam;
+          a[n + i] = ad->step();
+          tensors->push_back(ad->exp_avg().contiguous());
+          tensors->push_back(ad->exp_avg_sq().contiguous());
+          if (ad->max_exp_avg_sq().defined()) {
+            a[i] |= kHasMaxSq;
+            tensors->push_back(ad->max_exp_avg_sq().contiguous());
+          }
+        } else if (auto* sg = dynamic_cast<torch::optim::SGDParamState*>(it->second.get())) {
+          if (sg->momentum_buffer().defined()) {
+            a[i] |= kHasMomentum;
+            tensors->push_back(sg->momentum_buffer().contiguous());
+          }
+        }
+      }
+      ++i;
+    }
+    return m.to(device_);
+  }
+
+  // Runs this epoch's layer copies (docs/pipeline.md, "Reconfiguration"): every member
+  // derives the same list from the published holdings (for each layer, the live holder of
+  // lowest id sends it to every worker of the new plan that does not hold it live), sends
+  // what it must from its current layers, and receives into new ones. Returns this worker's
+  // new layers and their state, or nothing when it keeps exactly what it holds. Nothing of
+  // this worker changes here: a failure leaves it holding what it held.
+  std::optional<Relayout> relayoutLayers(const Plan& plan, const std::map<int, Holding>& held,
+                                         int first, int end, int64_t resumeApplied) {
+    const int self = ctx_.worker();
+    auto live = [&](int w, int l) {
+      const Holding& h = held.at(w);
+      return h.holds(l) && h.applied == resumeApplied;
+    };
+    std::vector<pipeline::WorkerAssignment> ws = plan.workers;
+    std::sort(ws.begin(), ws.end(),
+              [](const auto& a, const auto& b) { return a.worker < b.worker; });
+    struct Copy {
+      int layer, from, to;
+    };
+    std::vector<Copy> copies;  // By layer, then receiver: the same order on every member.
+    std::vector<int> source(plan.numLayers, -1);
+    for (int l = 0; l < plan.numLayers; ++l) {
+      for (const auto& [w, h] : held) {
+        if (live(w, l)) {
+          source[l] = w;
+          break;
+        }
+      }
+      if (source[l] < 0) continue;
+      for (const auto& w : ws) {
+        if (l >= w.firstLayer && l < w.endLayer && !live(w.worker, l)) {
+          copies.push_back({l, source[l], w.worker});
+        }
+      }
+    }
+    // Ranks in this epoch's communicator (members_ is still the last epoch's).
+    const std::vector<int>& members = comm_->members();
+    auto rankIn = [&](int w) {
+      return static_cast<int>(std::find(members.begin(), members.end(), w) - members.begin());
+    };
+    const Holding& me = held.at(self);
+    const bool keeps = me.first == first && me.end == end && me.applied == resumeApplied;
+    Relayout r;
+    if (!keeps && end > first) {
+      r.model = buildLayers(spec_, o_.seed, o_.dtype, first, end);
+      r.model->to(device_);
+    }
+    auto freshParams = [&](int l) { return (*r.model)[l - first]->named_parameters(true); };
+    auto heldParams = [&](int l) {
+      return (*model_)[l - heldFirst_]->named_parameters(/*recurse=*/true);
+    };
+    // Phase 1: manifests.
+    std::vector<collectives::P2POp> ops;
+    std::map<size_t, std::vector<at::Tensor>> outgoing;  // by copy index, where it sends
+    std::map<size_t, at::Tensor> manifests;              // by copy index, where it receives
+    for (size_t c = 0; c < copies.size(); ++c) {
+      const Copy& k = copies[c];
+      if (k.from == self && heldParams(k.layer).size() > 0) {
+        at::Tensor m = layerManifest(k.layer, &outgoing[c]);
+        ops.push_back(collectives::P2POp::send(m, rankIn(k.to), kTagLayerManifest));
+      } else if (k.to == self && freshParams(k.layer).size() > 0) {
+        at::Tensor m = at::zeros({2 * static_cast<int64_t>(freshParams(k.layer).size())},
+                                 onDevice(at::kLong));
+        manifests[c] = m;
+        ops.push_back(collectives::P2POp::recv(m, rankIn(k.from), kTagLayerManifest));
+      }
+    }
+    if (!ops.empty()) comm_->exchange(ops, recoveryTimeout());
+    // Phase 2: the tensors, in manifest order.
+    ops.clear();
+    for (const auto& [c, tensors] : outgoing) {
+      for (const auto& t : tensors) {
+        ops.push_back(collectives::P2POp::send(t, rankIn(copies[c].to), kTagLayerState));
+      }
+    }
+    struct Incoming {
+      std::string layer, name;
+      at::Tensor tensor;
+    };
+    std::vector<Incoming> incoming;
+    for (const auto& [c, received] : manifests) {
+      const Copy& k = copies[c];
+      const std::string& layerName = spec_.layers[k.layer].name;
+      at::Tensor m = received.cpu();
+      auto a = m.accessor<int64_t, 1>();
+      auto params = freshParams(k.layer);
+      const int64_t n = static_cast<int64_t>(params.size());
+      int64_t i = 0;
+      for (const auto& np : params) {
+        const int64_t flags = a[i];
+        if (flags < 0 || flags > (kHasAdam | kHasMaxSq | kHasMomentum)) {
+          SINEW_THROW(Corruption, "worker ", self, " received a malformed manifest of layer '",
+                      layerName, "' from worker ", k.from);
+        }
+        auto want = [&](const std::string& suffix) {
+          incoming.push_back({layerName, np.key() + suffix, at::empty_like(np.value())});
+          ops.push_back(collectives::P2POp::recv(incoming.back().tensor, rankIn(k.from),
+                                                 kTagLayerState));
+        };
+        want("");
+        if (flags & kHasAdam) {
+          want(".exp_avg");
+          want(".exp_avg_sq");
+          r.state[layerName][np.key() + ".step"] = at::full({1}, a[n + i], at::kLong);
+        }
+        if (flags & kHasMaxSq) want(".max_exp_avg_sq");
+        if (flags & kHasMomentum) want(".momentum_buffer");
+        ++i;
+      }
+      r.copied++;
+      r.sources.push_back(k.from);
+    }
+    if (!ops.empty()) comm_->exchange(ops, recoveryTimeout());
+    if (keeps) return std::nullopt;
+    for (auto& in : incoming) r.state[in.layer][in.name] = in.tensor;
+    // Layers this worker keeps: its own state. Layers nobody holds live: from their seeds if
+    // no step was applied yet, else from the durable version of the resume step.
+    std::map<std::string, checkpoint::RestoredLayer> own;
+    for (auto& l : shardState()) {
+      auto& m = own[l.name];
+      for (auto& t : l.tensors) m[t.name] = t.tensor;
+    }
+    std::vector<std::string> fromDisk;
+    for (int l = first; l < end; ++l) {
+      const std::string& name = spec_.layers[l].name;
+      if (freshParams(l).size() == 0 || r.state.count(name)) continue;
+      if (live(self, l)) {
+        r.state[name] = own.at(name);
+      } else if (source[l] < 0 && resumeApplied >= 0) {
+        fromDisk.push_back(name);
+      } else {
+        for (const auto& np : freshParams(l)) r.state[name][np.key()] = np.value().detach();
+        r.fresh++;
+      }
+    }
+    if (!fromDisk.empty()) {
+      if (o_.checkpointDir.empty()) {
+        SINEW_THROW(InvalidArgument, "layer '", fromDisk.front(),
+                    "' has no live copy after step ", resumeApplied,
+                    " (every worker that held it is gone) and TrainerOptions::checkpointDir is "
+                    "empty: the job cannot continue");
+      }
+      auto loaded = checkpoint::CheckpointReader(o_.checkpointDir, state_.checkpointEnv)
+                        .load(resumeApplied, fromDisk);
+      for (auto& [name, layer] : loaded) r.state[name] = std::move(layer);
+      r.fromDisk = static_cast<int>(fromDisk.size());
+    }
+    return r;
+  }
+
+  // Makes `r` this worker's layers (after every copy of the epoch succeeded).
+  void adoptLayers(Relayout r, int first, int end, int64_t resumeApplied, int64_t epoch) {
+    auto t0 = Clock::now();
+    if (arena_) {
+      // Its shard layout is the old layers': the next due version makes a new arena.
+      try {
+        arena_->waitComplete();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "sinew: worker %d: a snapshot failed before a reconfiguration: %s\n",
+                     ctx_.worker(), e.what());
+      }
+      arena_.reset();
+    }
+    model_ = r.model ? r.model : torch::nn::Sequential();
+    params_ = model_->parameters();
+    opt_ = spec_.optimizer(params_);
+    loadState(r.state, "the state of the layers moved in epoch " + std::to_string(epoch));
+    const int oldFirst = heldFirst_, oldEnd = heldEnd_;
+    heldFirst_ = first;
+    heldEnd_ = end;
+    applied_ = resumeApplied;
+    std::sort(r.sources.begin(), r.sources.end());
+    r.sources.erase(std::unique(r.sources.begin(), r.sources.end()), r.sources.end());
+    event({{"event", "layers_moved"},
+           {"epoch", epoch},
+           {"held", {oldFirst, oldEnd}},
+           {"holds", {first, end}},
+           {"copied", r.copied},
+           {"from", r.sources},
+           {"from_disk", r.fromDisk},
+           {"fresh", r.fresh},
+           {"duration_s", seconds(Clock::now() - t0)}});
+    std::ostringstream os;
+    os << "sinew: worker " << ctx_.worker() << " now holds ";
+    if (end > first) {
+      os << "layers " << spec_.layers[first].name << ".." << spec_.layers[end - 1].name;
+    } else {
+      os << "no layers";
+    }
+    os << " (epoch " << epoch;
+    if (r.copied > 0) {
+      os << "; " << r.copied << " copied from worker" << (r.sources.size() > 1 ? "s" : "");
+      for (int w : r.sources) os << " " << w;
+    }
+    if (r.fromDisk > 0) os << "; " << r.fromDisk << " read from the durable checkpoint";
+    if (r.fresh > 0) os << "; " << r.fresh << " built from their seeds";
+    if (r.copied + r.fromDisk + r.fresh == 0) os << "; all its own";
+    os << ")";
+    std::printf("%s\n", os.str().c_str());
+    std::fflush(stdout);
+  }
+
   void enterPipeline(const EpochInfo& info) {
     const int self = ctx_.worker();
     const int64_t e = info.epoch;
@@ -998,30 +1277,22 @@ class Trainer::Impl {
     const pipeline::WorkerAssignment* mine = mineIn(plan);
     const int first = mine ? mine->firstLayer : 0;
     const int end = mine ? mine->endLayer : 0;
-    const bool firstPlan = heldFirst_ < 0;
-    if (std::find(info.joined.begin(), info.joined.end(), self) != info.joined.end() &&
-        !firstPlan) {
-      SINEW_THROW(InvalidArgument, "worker ", self, " joined pipeline job epoch ", info.epoch,
-                  ", but pipeline mode cannot give a joining worker layers yet "
-                  "(docs/pipeline.md)");
+    const int64_t resumeApplied = info.resumeStep - 1;
+    // What every member holds now, published for this epoch, so that all agree on who copies
+    // which layers to whom (docs/pipeline.md, "Reconfiguration").
+    store->set(heldKey(e, self), collectives::toBytes(std::to_string(heldFirst_) + " " +
+                                                      std::to_string(heldEnd_) + " " +
+                                                      std::to_string(applied_)));
+    std::map<int, Holding> held;
+    bool anyHeld = false;
+    for (int w : info.members) {
+      held[w] = parseHolding(collectives::toString(store->get(heldKey(e, w), recoveryTimeout())),
+                             w, e);
+      anyHeld = anyHeld || held[w].first >= 0;
     }
-    if (!firstPlan && (first != heldFirst_ || end != heldEnd_)) {
-      SINEW_THROW(InvalidArgument, "worker ", self, " holds layers [", heldFirst_, ", ", heldEnd_,
-                  ") but the plan of epoch ", info.epoch, " (", info.members.size(),
-                  " workers) gives it [", first, ", ", end,
-                  "): moving layers between workers after a membership change is not "
-                  "implemented yet (pipeline reconfiguration, docs/pipeline.md)");
-    }
-    if (info.sync && !info.joined.empty() && epoch_ >= 0) {
-      SINEW_THROW(InvalidArgument, "epoch ", info.epoch,
-                  " admits joining workers, which "
-                  "pipeline mode cannot give layers to yet (docs/pipeline.md)");
-    }
-    if (!firstPlan && applied_ != info.resumeStep - 1) {
-      SINEW_THROW(InvalidArgument, "worker ", self, " holds the state after step ", applied_,
-                  " but epoch ", info.epoch, " resumes at step ", info.resumeStep,
-                  " without a state copy");
-    }
+    // The job's first plan (or the first since it restarted from disk): every worker builds
+    // its own layers from their seeds, or reads them from the durable checkpoint.
+    const bool firstPlan = !anyHeld;
     auto options = [&](std::vector<int> members, std::string name) {
       collectives::CommunicatorOptions co;
       co.members = std::move(members);
@@ -1063,7 +1334,12 @@ class Trainer::Impl {
       if (client_.latestEpoch().epoch > e && groups_.back().comm) groups_.back().comm->abort();
       l = r;
     }
-    if (firstPlan) {
+    // The layers this worker now holds that it did not (a reconfiguration), copied from live
+    // workers that hold them, before anything of this worker's changes.
+    std::optional<Relayout> relayout;
+    if (!firstPlan) relayout = relayoutLayers(plan, held, first, end, resumeApplied);
+    if (relayout) adoptLayers(std::move(*relayout), first, end, resumeApplied, e);
+    if (firstPlan && heldFirst_ < 0) {
       // The first plan this worker enters (its communicators are up): build this stage's
       // layers and nothing else.
       if (end > first) {
@@ -1751,6 +2027,21 @@ class Trainer::Impl {
                             .load(step, names);
     validated_.clear();
     validatedStep_ = -1;
+    loadState(layers, "TrainerOptions::checkpointDir = '" + o_.checkpointDir +
+                          "': its checkpoint " + std::to_string(step));
+    applied_ = step;
+    event({{"event", "restored"},
+           {"step", step},
+           {"dir", o_.checkpointDir},
+           {"duration_s", seconds(Clock::now() - t0)}});
+  }
+
+  // Loads the parameters and optimizer state (SGD, Adam) of every layer of model_ that has
+  // parameters from `layers` (layer name -> tensor name -> tensor, named as in checkpoints:
+  // "<param>", "<param>.exp_avg", ...), onto this worker's device. `source` names where they
+  // came from, for errors.
+  void loadState(const std::map<std::string, checkpoint::RestoredLayer>& layers,
+                 const std::string& source) {
     at::NoGradGuard noGrad;
     auto& st = opt_->state();
     for (const auto& child : model_->named_children()) {
@@ -1758,8 +2049,7 @@ class Trainer::Impl {
       if (params.size() == 0) continue;
       auto lit = layers.find(child.key());
       if (lit == layers.end()) {
-        SINEW_THROW(InvalidArgument, "TrainerOptions::checkpointDir = '", o_.checkpointDir,
-                    "': its checkpoint ", step, " has no layer '", child.key(),
+        SINEW_THROW(InvalidArgument, source, " has no layer '", child.key(),
                     "' (a checkpoint of another model?)");
       }
       const auto& saved = lit->second;
@@ -1772,8 +2062,7 @@ class Trainer::Impl {
         const std::string& n = np.key();
         const at::Tensor* v = get(n);
         if (v == nullptr || v->sizes() != p.sizes()) {
-          SINEW_THROW(InvalidArgument, "TrainerOptions::checkpointDir = '", o_.checkpointDir,
-                      "': in its checkpoint ", step, ", layer '", child.key(), "' tensor '", n,
+          SINEW_THROW(InvalidArgument, source, ", layer '", child.key(), "' tensor '", n,
                       "' is missing or has another shape (a checkpoint of another model?)");
         }
         p.detach().copy_(*v);
@@ -1793,11 +2082,6 @@ class Trainer::Impl {
         }
       }
     }
-    applied_ = step;
-    event({{"event", "restored"},
-           {"step", step},
-           {"dir", o_.checkpointDir},
-           {"duration_s", seconds(Clock::now() - t0)}});
   }
 
   // Called by the training and the flush thread.
@@ -1885,9 +2169,14 @@ torch::nn::Sequential initialModel(const ModelSpec& spec, const TrainerOptions& 
 
 }  // namespace
 
-Trainer::Trainer(Context& ctx, ModelSpec spec, TrainerOptions options)
-    : model_(initialModel(spec, options)),
-      impl_(std::make_unique<Impl>(ctx, std::move(spec), std::move(options), model_)) {}
+Trainer::Trainer(Context& ctx, ModelSpec spec, TrainerOptions options) {
+  torch::nn::Sequential model = initialModel(spec, options);
+  impl_ = std::make_unique<Impl>(ctx, std::move(spec), std::move(options), std::move(model));
+}
+
+torch::nn::Sequential& Trainer::model() { return impl_->model(); }
+
+std::vector<at::Tensor> Trainer::parameters() const { return impl_->model()->parameters(); }
 
 Trainer::~Trainer() = default;
 

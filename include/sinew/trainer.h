@@ -163,14 +163,14 @@ class Trainer {
   TrainResult run();
 
   // The layers this worker holds: all of them in data parallel mode; in pipeline mode its
-  // stage's, built when the first epoch's plan is known (empty before run()).
-  torch::nn::Sequential& model() { return model_; }
-  std::vector<at::Tensor> parameters() const { return model_->parameters(); }
+  // stage's, built when the first epoch's plan is known (empty before run()) and replaced
+  // when a reconfiguration moves layers to or from this worker (docs/pipeline.md).
+  torch::nn::Sequential& model();
+  std::vector<at::Tensor> parameters() const;
 
  private:
   class Impl;
 
-  torch::nn::Sequential model_;
   std::unique_ptr<Impl> impl_;
 };
 

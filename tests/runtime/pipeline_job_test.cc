@@ -88,9 +88,15 @@ std::vector<int> planStages(const std::string& out) {
   return stages;
 }
 
-JobRun trainPp(const std::string& name, int workers, const std::vector<std::string>& args) {
-  std::vector<std::string> argv = {SINEW_RUN_PATH, "-n",         std::to_string(workers),
-                                   "--log-dir",    logDir(name), TRAIN_PP_PATH};
+JobRun trainPp(const std::string& name, int workers, const std::vector<std::string>& args,
+               const std::string& inject = "") {
+  std::vector<std::string> argv = {SINEW_RUN_PATH, "-n", std::to_string(workers), "--log-dir",
+                                   logDir(name)};
+  if (!inject.empty()) {
+    argv.push_back("--inject");
+    argv.push_back(inject);
+  }
+  argv.push_back(TRAIN_PP_PATH);
   argv.insert(argv.end(), args.begin(), args.end());
   return finish(start(argv, {}), 300s);
 }
@@ -301,6 +307,85 @@ TEST(PipelineJobTest, MixedWidthStagesSplitAndJoinActivations) {
     EXPECT_EQ(s2[0].last, 9);
   }
   std::filesystem::remove(profile);
+}
+
+// ---- Reconfiguration after worker loss (issue 12, docs/pipeline.md "Reconfiguration") ----
+// Six workers, a model none can hold alone (two-stage pipelines, three of them). After a loss
+// the coordinator plans the survivors again from the templates; workers that now hold layers
+// they did not copy them from live workers that hold them, and the job ends equal to the
+// reference with every survivor holding layers.
+
+// A job that lost exactly `lost` (sinew-run's "workers lost: [...]") and ended exact, with
+// `survivors` workers that each hold layers, every pipeline covering the model once.
+void expectReconfiguredExact(const JobRun& run, const std::string& lost, int survivors) {
+  expectMatchesReference(run);
+  EXPECT_NE(run.output.find("workers lost: [" + lost + "]"), std::string::npos)
+      << "expected workers lost: [" << lost << "]";
+  std::vector<WorkerLine> lines = workerLines(run.output);
+  expectStagesHoldOnlyTheirLayers(lines, survivors);
+  for (const auto& w : lines) EXPECT_GT(w.params, 0) << "worker " << w.worker << " is idle";
+  EXPECT_NE(run.output.find(" copied from worker"), std::string::npos)
+      << "no worker copied a layer from a live one";
+  EXPECT_EQ(run.output.find("read from the durable checkpoint"), std::string::npos)
+      << "a layer came from disk although live copies existed";
+}
+
+TEST(PipelineRecoveryTest, KillInForwardMovesLayersFromLiveWorkers) {
+  JobRun run = trainPp("pp-kill-forward", 6, {"--memory-bytes", kBudget, "--steps", "30"},
+                       "kill:worker=2:step=10:phase=forward");
+  SCOPED_TRACE(run.output);
+  expectReconfiguredExact(run, "2", 5);
+  // Who holds what after the reconfiguration is what each worker reports at the end; the
+  // epoch-2 plan printed by the first worker names the same ranges.
+  EXPECT_NE(run.output.find("epoch 2 plan: 2 pipelines"), std::string::npos);
+}
+
+TEST(PipelineRecoveryTest, KillInBackwardMidSchedule) {
+  JobRun run = trainPp("pp-kill-backward", 6, {"--memory-bytes", kBudget, "--steps", "30"},
+                       "kill:worker=5:step=7:phase=backward");
+  SCOPED_TRACE(run.output);
+  expectReconfiguredExact(run, "5", 5);
+}
+
+TEST(PipelineRecoveryTest, TwoKillsInTheSamePipeline) {
+  // Workers 0 and 1 are pipeline 0's two stages: after both, its layers live on only in the
+  // other pipelines.
+  JobRun run = trainPp("pp-kill-same", 6, {"--memory-bytes", kBudget, "--steps", "30"},
+                       "kill:worker=0:step=5:phase=forward;kill:worker=1:step=12:phase=reduce");
+  SCOPED_TRACE(run.output);
+  expectReconfiguredExact(run, "0,1", 4);
+}
+
+TEST(PipelineRecoveryTest, TwoKillsInDifferentPipelinesAtOnce) {
+  JobRun run = trainPp("pp-kill-two", 6, {"--memory-bytes", kBudget, "--steps", "30"},
+                       "kill:worker=1:step=8:phase=forward;kill:worker=4:step=8:phase=forward");
+  SCOPED_TRACE(run.output);
+  // One or two reconfigurations, depending on when the second death is noticed.
+  EXPECT_TRUE(run.output.find("workers lost: [1,4]") != std::string::npos ||
+              run.output.find("workers lost: [4,1]") != std::string::npos);
+  expectMatchesReference(run);
+  expectStagesHoldOnlyTheirLayers(workerLines(run.output), 4);
+}
+
+TEST(PipelineRecoveryTest, KillDuringTheReconfiguration) {
+  // Worker 3 dies as the epoch after worker 2's loss is announced, before it has copied or
+  // sent anything: the survivors reconfigure again from what each still holds.
+  JobRun run = trainPp("pp-kill-reconf", 6, {"--memory-bytes", kBudget, "--steps", "30"},
+                       "kill:worker=2:step=10:phase=forward;"
+                       "kill:worker=3:step=0:phase=reconfiguration");
+  SCOPED_TRACE(run.output);
+  EXPECT_TRUE(run.output.find("workers lost: [2,3]") != std::string::npos ||
+              run.output.find("workers lost: [3,2]") != std::string::npos);
+  expectMatchesReference(run);
+  expectStagesHoldOnlyTheirLayers(workerLines(run.output), 4);
+}
+
+TEST(PipelineRecoveryTest, SigstopPastTheHeartbeatTimeout) {
+  JobRun run = trainPp("pp-sigstop", 6, {"--memory-bytes", kBudget, "--steps", "30"},
+                       "stop:worker=3:step=10:secs=3");
+  SCOPED_TRACE(run.output);
+  expectReconfiguredExact(run, "3", 5);
+  EXPECT_NE(run.output.find("worker 3 declared dead"), std::string::npos);
 }
 
 }  // namespace
