@@ -996,15 +996,15 @@ class Trainer::Impl {
 
   // The new layers of this worker, and their state, from a reconfiguration.
   struct Relayout {
-    torch::nn::Sequential model;                               // [first, end), on device_
+    torch::nn::Sequential model;                             // [first, end), on device_
     std::map<std::string, checkpoint::RestoredLayer> state;  // by layer name, as checkpoints
     int copied = 0, fromDisk = 0, fresh = 0;
     std::vector<int> sources;
   };
 
   // Per-parameter flags of a layer copy's manifest.
-  static constexpr int64_t kHasAdam = 1;     // exp_avg, exp_avg_sq and step follow
-  static constexpr int64_t kHasMaxSq = 2;    // max_exp_avg_sq follows (AMSGrad)
+  static constexpr int64_t kHasAdam = 1;      // exp_avg, exp_avg_sq and step follow
+  static constexpr int64_t kHasMaxSq = 2;     // max_exp_avg_sq follows (AMSGrad)
   static constexpr int64_t kHasMomentum = 4;  // SGD's momentum_buffer follows
   static constexpr uint32_t kTagLayerManifest = 4;
   static constexpr uint32_t kTagLayerState = 5;
@@ -1105,8 +1105,8 @@ class Trainer::Impl {
         at::Tensor m = layerManifest(k.layer, &outgoing[c]);
         ops.push_back(collectives::P2POp::send(m, rankIn(k.to), kTagLayerManifest));
       } else if (k.to == self && freshParams(k.layer).size() > 0) {
-        at::Tensor m = at::zeros({2 * static_cast<int64_t>(freshParams(k.layer).size())},
-                                 onDevice(at::kLong));
+        at::Tensor m =
+            at::zeros({2 * static_cast<int64_t>(freshParams(k.layer).size())}, onDevice(at::kLong));
         manifests[c] = m;
         ops.push_back(collectives::P2POp::recv(m, rankIn(k.from), kTagLayerManifest));
       }
@@ -1140,8 +1140,8 @@ class Trainer::Impl {
         }
         auto want = [&](const std::string& suffix) {
           incoming.push_back({layerName, np.key() + suffix, at::empty_like(np.value())});
-          ops.push_back(collectives::P2POp::recv(incoming.back().tensor, rankIn(k.from),
-                                                 kTagLayerState));
+          ops.push_back(
+              collectives::P2POp::recv(incoming.back().tensor, rankIn(k.from), kTagLayerState));
         };
         want("");
         if (flags & kHasAdam) {
@@ -1181,8 +1181,8 @@ class Trainer::Impl {
     }
     if (!fromDisk.empty()) {
       if (o_.checkpointDir.empty()) {
-        SINEW_THROW(InvalidArgument, "layer '", fromDisk.front(),
-                    "' has no live copy after step ", resumeApplied,
+        SINEW_THROW(InvalidArgument, "layer '", fromDisk.front(), "' has no live copy after step ",
+                    resumeApplied,
                     " (every worker that held it is gone) and TrainerOptions::checkpointDir is "
                     "empty: the job cannot continue");
       }
@@ -1240,7 +1240,7 @@ class Trainer::Impl {
     }
     if (r.fromDisk > 0) os << "; " << r.fromDisk << " read from the durable checkpoint";
     if (r.fresh > 0) os << "; " << r.fresh << " built from their seeds";
-    if (r.copied + r.fromDisk + r.fresh == 0) os << "; all its own";
+    if (r.copied + r.fromDisk + r.fresh == 0) os << (end > first ? "; all its own" : "; idle");
     os << ")";
     std::printf("%s\n", os.str().c_str());
     std::fflush(stdout);
@@ -1280,15 +1280,15 @@ class Trainer::Impl {
     const int64_t resumeApplied = info.resumeStep - 1;
     // What every member holds now, published for this epoch, so that all agree on who copies
     // which layers to whom (docs/pipeline.md, "Reconfiguration").
-    store->set(heldKey(e, self), collectives::toBytes(std::to_string(heldFirst_) + " " +
-                                                      std::to_string(heldEnd_) + " " +
-                                                      std::to_string(applied_)));
+    store->set(heldKey(e, self),
+               collectives::toBytes(std::to_string(heldFirst_) + " " + std::to_string(heldEnd_) +
+                                    " " + std::to_string(applied_)));
     std::map<int, Holding> held;
     bool anyHeld = false;
     for (int w : info.members) {
-      held[w] = parseHolding(collectives::toString(store->get(heldKey(e, w), recoveryTimeout())),
-                             w, e);
-      anyHeld = anyHeld || held[w].first >= 0;
+      held[w] =
+          parseHolding(collectives::toString(store->get(heldKey(e, w), recoveryTimeout())), w, e);
+      anyHeld = anyHeld || held[w].first < held[w].end;
     }
     // The job's first plan (or the first since it restarted from disk): every worker builds
     // its own layers from their seeds, or reads them from the durable checkpoint.
@@ -1789,6 +1789,10 @@ class Trainer::Impl {
         ckOutstanding_--;
         ckCv_.notify_all();
       });
+    }
+    if (!writer_) {
+      // Once per worker: a reconfiguration that changes its layers makes a new arena (of the
+      // new layout) but keeps the writer and its flush thread.
       checkpoint::PersistOptions po;
       po.dir = o_.checkpointDir;
       po.keep = o_.checkpointKeep;

@@ -164,7 +164,8 @@ class Trainer {
 
   // The layers this worker holds: all of them in data parallel mode; in pipeline mode its
   // stage's, built when the first epoch's plan is known (empty before run()) and replaced
-  // when a reconfiguration moves layers to or from this worker (docs/pipeline.md).
+  // when a reconfiguration moves layers to or from this worker (docs/pipeline.md). Call
+  // them before or after run(), not from another thread during it.
   torch::nn::Sequential& model();
   std::vector<at::Tensor> parameters() const;
 

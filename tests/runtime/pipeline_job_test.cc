@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "../fs_support.h"
 #include "job_support.h"
 
 namespace {
@@ -24,6 +25,7 @@ using sinew::testing::JobRun;
 using sinew::testing::logDir;
 using sinew::testing::parseResult;
 using sinew::testing::Result;
+using sinew::testing::slurp;
 using sinew::testing::start;
 
 // train_pp's layers with their parameter counts: embed (token 32 x 32 + position 16 x 32),
@@ -338,6 +340,23 @@ TEST(PipelineRecoveryTest, KillInForwardMovesLayersFromLiveWorkers) {
   // Who holds what after the reconfiguration is what each worker reports at the end; the
   // epoch-2 plan printed by the first worker names the same ranges.
   EXPECT_NE(run.output.find("epoch 2 plan: 2 pipelines"), std::string::npos);
+}
+
+// With durable checkpoints every step: the writers whose layers changed write the new
+// layout's versions (a new snapshot arena, the same writer), and the last step is durable.
+TEST(PipelineRecoveryTest, KillWithCheckpointsEveryStep) {
+  const std::string ckpt = logDir("pp-kill-ckpt-dir");
+  JobRun run = trainPp("pp-kill-ckpt", 5,
+                       {"--memory-bytes", kBudget, "--steps", "24", "--checkpoint-dir", ckpt,
+                        "--checkpoint-every", "1"},
+                       "kill:worker=4:step=18:phase=backward");
+  SCOPED_TRACE(run.output);
+  expectReconfiguredExact(run, "4", 4);
+  std::smatch m;
+  const std::string latest = slurp(ckpt + "/LATEST");
+  ASSERT_TRUE(std::regex_search(latest, m, std::regex("\"step\":(\\d+)"))) << latest;
+  EXPECT_EQ(std::stoi(m[1]), 23) << "the last step is not durable";
+  sinew::testing::removeTree(ckpt);
 }
 
 TEST(PipelineRecoveryTest, KillInBackwardMidSchedule) {
