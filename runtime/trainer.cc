@@ -27,6 +27,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "sinew/checkpoint/detail/crc32c.h"
 #include "sinew/checkpoint/persist.h"
 #include "sinew/checkpoint/snapshot.h"
 #include "sinew/collectives/cuda_device.h"
@@ -1009,12 +1010,25 @@ class Trainer::Impl {
   static constexpr uint32_t kTagLayerManifest = 4;
   static constexpr uint32_t kTagLayerState = 5;
 
-  // The manifest of held layer `layer` (per parameter: flags, then Adam's step count) and
-  // its tensors in manifest order (a parameter, then its optimizer state).
+  // crc32c of the tensors' bytes, one after the other (host copies of device tensors).
+  static uint32_t checksum(const std::vector<at::Tensor>& tensors) {
+    uint32_t crc = 0;
+    for (const auto& t : tensors) {
+      at::Tensor h = t.is_cpu() ? t.contiguous() : t.to(at::kCPU).contiguous();
+      crc = checkpoint::detail::crc32cExtend(crc, h.data_ptr(),
+                                             static_cast<size_t>(h.numel() * h.element_size()));
+    }
+    return crc;
+  }
+
+  // The manifest of held layer `layer` (per parameter: flags, then Adam's step count; last,
+  // the crc32c of all its tensors) and its tensors in manifest order (a parameter, then its
+  // optimizer state).
   at::Tensor layerManifest(int layer, std::vector<at::Tensor>* tensors) {
     auto params = (*model_)[layer - heldFirst_]->named_parameters(/*recurse=*/true);
     const int64_t n = static_cast<int64_t>(params.size());
-    at::Tensor m = at::zeros({2 * n}, at::kLong);
+    at::Tensor m = at::zeros({2 * n + 1}, at::kLong);
+    const size_t before = tensors->size();
     auto a = m.accessor<int64_t, 1>();
     auto& st = opt_->state();
     int64_t i = 0;
@@ -1041,6 +1055,7 @@ class Trainer::Impl {
       }
       ++i;
     }
+    a[2 * n] = checksum(std::vector<at::Tensor>(tensors->begin() + before, tensors->end()));
     return m.to(device_);
   }
 
@@ -1105,8 +1120,8 @@ class Trainer::Impl {
         at::Tensor m = layerManifest(k.layer, &outgoing[c]);
         ops.push_back(collectives::P2POp::send(m, rankIn(k.to), kTagLayerManifest));
       } else if (k.to == self && freshParams(k.layer).size() > 0) {
-        at::Tensor m =
-            at::zeros({2 * static_cast<int64_t>(freshParams(k.layer).size())}, onDevice(at::kLong));
+        at::Tensor m = at::zeros({2 * static_cast<int64_t>(freshParams(k.layer).size()) + 1},
+                                 onDevice(at::kLong));
         manifests[c] = m;
         ops.push_back(collectives::P2POp::recv(m, rankIn(k.from), kTagLayerManifest));
       }
@@ -1122,8 +1137,10 @@ class Trainer::Impl {
     struct Incoming {
       std::string layer, name;
       at::Tensor tensor;
+      size_t copy;  // its copy's index
     };
     std::vector<Incoming> incoming;
+    std::map<size_t, uint32_t> expected;  // crc32c by copy index
     for (const auto& [c, received] : manifests) {
       const Copy& k = copies[c];
       const std::string& layerName = spec_.layers[k.layer].name;
@@ -1131,6 +1148,7 @@ class Trainer::Impl {
       auto a = m.accessor<int64_t, 1>();
       auto params = freshParams(k.layer);
       const int64_t n = static_cast<int64_t>(params.size());
+      expected[c] = static_cast<uint32_t>(a[2 * n]);
       int64_t i = 0;
       for (const auto& np : params) {
         const int64_t flags = a[i];
@@ -1139,7 +1157,7 @@ class Trainer::Impl {
                       layerName, "' from worker ", k.from);
         }
         auto want = [&](const std::string& suffix) {
-          incoming.push_back({layerName, np.key() + suffix, at::empty_like(np.value())});
+          incoming.push_back({layerName, np.key() + suffix, at::empty_like(np.value()), c});
           ops.push_back(
               collectives::P2POp::recv(incoming.back().tensor, rankIn(k.from), kTagLayerState));
         };
@@ -1158,6 +1176,19 @@ class Trainer::Impl {
     }
     if (!ops.empty()) comm_->exchange(ops, recoveryTimeout());
     if (keeps) return std::nullopt;
+    // Every copy arrived whole, or the reconfiguration fails here (nothing adopted).
+    for (const auto& [c, crc] : expected) {
+      std::vector<at::Tensor> got;
+      for (const auto& in : incoming) {
+        if (in.copy == c) got.push_back(in.tensor);
+      }
+      const uint32_t actual = checksum(got);
+      if (actual != crc) {
+        SINEW_THROW(Corruption, "layer '", spec_.layers[copies[c].layer].name,
+                    "' copied from worker ", copies[c].from, " to worker ", self, " in epoch ",
+                    comm_->epoch(), " arrived damaged: crc32c ", actual, ", the sender's ", crc);
+      }
+    }
     for (auto& in : incoming) r.state[in.layer][in.name] = in.tensor;
     // Layers this worker keeps: its own state. Layers nobody holds live: from their seeds if
     // no step was applied yet, else from the durable version of the resume step.
