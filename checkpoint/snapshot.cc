@@ -229,7 +229,7 @@ void SnapshotArena::orderDefaultStream() {
 #endif
 }
 
-bool SnapshotArena::waitFor(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds timeout,
+void SnapshotArena::waitFor(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds timeout,
                             const std::function<bool()>& done) {
   if (timeout.count() < 0) timeout = options_.waitTimeout;
   auto start = Clock::now();
@@ -238,25 +238,21 @@ bool SnapshotArena::waitFor(std::unique_lock<std::mutex>& lock, std::chrono::mil
                 " ms");
   }
   stats_.waitSeconds += secondsSince(start);
-  return true;
 }
 
 void SnapshotArena::waitBeforeUpdate(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mu_);
   waitFor(lock, timeout, [&] { return !hostPending_ || error_ != nullptr; });
-  if (error_) {
-    auto e = error_;
-    error_ = nullptr;
-    std::rethrow_exception(e);
-  }
-  waited_ = true;
-  lock.unlock();
-  orderDefaultStream();
+  endWait(lock);
 }
 
 void SnapshotArena::waitComplete(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mu_);
   waitFor(lock, timeout, [&] { return !pending_; });
+  endWait(lock);
+}
+
+void SnapshotArena::endWait(std::unique_lock<std::mutex>& lock) {
   if (error_) {
     auto e = error_;
     error_ = nullptr;

@@ -129,8 +129,11 @@ class SnapshotArena {
   void enqueueDeviceCopies(Job& job);
   // CUDA: orders the legacy default stream after the copies queued last.
   void orderDefaultStream();
-  bool waitFor(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds timeout,
+  // Waits (mu_ held) until done() or throws Timeout; then endWait() rethrows a copy's error
+  // or marks the snapshot waited for, and orders the default stream after its device copies.
+  void waitFor(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds timeout,
                const std::function<bool()>& done);
+  void endWait(std::unique_lock<std::mutex>& lock);
 
   const SnapshotOptions options_;
   const ShardLayout layout_;

@@ -150,6 +150,62 @@ struct Run {
   double step = 0, stall = 0;
 };
 
+// Trains `warmup` untimed then `steps` timed steps: forward and backward, beforeUpdate(), the
+// optimizer step, afterStep(step), then endStep() (on a GPU: wait for the default stream).
+// Stall is the time the two hooks took. Prints one line.
+Run timeSteps(Model& m, const char* name, int steps, int warmup,
+              const std::function<double(int64_t)>& afterStep,
+              const std::function<double()>& beforeUpdate, const std::function<void()>& endStep) {
+  Run r;
+  for (int64_t s = 0; s < steps + warmup; ++s) {
+    auto t0 = Clock::now();
+    forwardBackward(m);
+    double stall = beforeUpdate ? beforeUpdate() : 0;
+    m.adam->step();
+    stall += afterStep ? afterStep(s) : 0;
+    if (endStep) endStep();
+    if (s >= warmup) {
+      r.step += since(t0);
+      r.stall += stall;
+    }
+  }
+  r.step /= steps;
+  r.stall /= steps;
+  std::printf("%-34s step %8.2f ms   stall %8.3f ms (%.3f%%)\n", name, r.step * 1e3, r.stall * 1e3,
+              100 * r.stall / r.step);
+  return r;
+}
+
+// The hooks of a lazy snapshot every step: snapshot after the update, wait before the next.
+std::function<double(int64_t)> snapshotAfter(SnapshotArena& arena, Model& m) {
+  return [&arena, &m](int64_t s) {
+    auto t = Clock::now();
+    arena.snapshot(s, stateOf(m));
+    return since(t);
+  };
+}
+
+std::function<double()> waitBefore(SnapshotArena& arena) {
+  return [&arena] {
+    auto t = Clock::now();
+    arena.waitBeforeUpdate();
+    return since(t);
+  };
+}
+
+// A synchronous torch::save of the whole state to `path` after every update.
+std::function<double(int64_t)> torchSaveAfter(Model& m, const std::string& path) {
+  return [&m, path](int64_t) {
+    auto t = Clock::now();
+    std::vector<torch::Tensor> all;
+    for (auto& l : stateOf(m)) {
+      for (auto& t2 : l.tensors) all.push_back(t2.tensor);
+    }
+    torch::save(all, path);
+    return since(t);
+  };
+}
+
 #if SINEW_WITH_NCCL
 void cudaCheck(cudaError_t e, const char* what) {
   if (e != cudaSuccess) {
@@ -192,60 +248,21 @@ int benchGpu(int steps, int64_t width, int nlayers, int64_t batch) {
               nlayers, static_cast<long long>(width), static_cast<long long>(width),
               static_cast<long long>(batch), nparams / 1e6, stateBytes / 1e9);
 
-  // Each step timed until its work on the default stream is done.
+  // Each step timed until its work on the default stream is done; the stall is the host's.
   auto train = [&](const char* name, const std::function<double(int64_t)>& afterStep,
                    const std::function<double()>& beforeUpdate) {
-    Run r;
-    for (int64_t s = 0; s < steps + 2; ++s) {
-      auto t0 = Clock::now();
-      forwardBackward(m);
-      double stall = beforeUpdate ? beforeUpdate() : 0;
-      m.adam->step();
-      stall += afterStep ? afterStep(s) : 0;
-      syncDefault();
-      if (s > 1) {  // Steps 0 and 1 warm up.
-        r.step += since(t0);
-        r.stall += stall;
-      }
-    }
-    r.step /= steps;
-    r.stall /= steps;
-    std::printf("%-34s step %8.2f ms   host stall %8.3f ms (%.3f%%)\n", name, r.step * 1e3,
-                r.stall * 1e3, 100 * r.stall / r.step);
-    return r;
+    return timeSteps(m, name, steps, 2, afterStep, beforeUpdate, syncDefault);
   };
   Run none = train("no checkpoint", nullptr, nullptr);
   SnapshotArena arena(state, SnapshotOptions());
-  Run snap = train(
-      "sinew snapshot every step",
-      [&](int64_t s) {
-        auto t = Clock::now();
-        arena.snapshot(s, stateOf(m));
-        return since(t);
-      },
-      [&] {
-        auto t = Clock::now();
-        arena.waitBeforeUpdate();
-        return since(t);
-      });
+  Run snap = train("sinew snapshot every step", snapshotAfter(arena, m), waitBefore(arena));
   arena.waitComplete();
   auto stats = arena.stats();
   std::printf("  snapshots taken %lld, skipped %lld\n", static_cast<long long>(stats.taken),
               static_cast<long long>(stats.skipped));
   Run none2 = train("no checkpoint (again)", nullptr, nullptr);
   const std::string path = "/tmp/sinew-bench-checkpoint-gpu.pt";
-  Run save = train(
-      "torch::save every step",
-      [&](int64_t) {
-        auto t = Clock::now();
-        std::vector<torch::Tensor> all;
-        for (auto& l : stateOf(m)) {
-          for (auto& t2 : l.tensors) all.push_back(t2.tensor);
-        }
-        torch::save(all, path);
-        return since(t);
-      },
-      nullptr);
+  Run save = train("torch::save every step", torchSaveAfter(m, path), nullptr);
   ::unlink(path.c_str());
 
   // Copy throughput on an idle GPU, best of 5 each, interleaved: the snapshot (one
@@ -374,23 +391,7 @@ int main(int argc, char** argv) {
 
   auto train = [&](const char* name, const std::function<double(int64_t)>& afterStep,
                    const std::function<double()>& beforeUpdate) {
-    Run r;
-    for (int64_t s = 0; s < steps + 1; ++s) {
-      auto t0 = Clock::now();
-      forwardBackward(m);
-      double stall = beforeUpdate ? beforeUpdate() : 0;
-      m.adam->step();
-      stall += afterStep ? afterStep(s) : 0;
-      if (s > 0) {  // Step 0 warms up.
-        r.step += since(t0);
-        r.stall += stall;
-      }
-    }
-    r.step /= steps;
-    r.stall /= steps;
-    std::printf("%-34s step %8.1f ms   stall %8.2f ms (%.2f%%)\n", name, r.step * 1e3,
-                r.stall * 1e3, 100 * r.stall / r.step);
-    return r;
+    return timeSteps(m, name, steps, 1, afterStep, beforeUpdate, nullptr);
   };
 
   Run none = train("no checkpoint", nullptr, nullptr);
@@ -428,18 +429,7 @@ int main(int argc, char** argv) {
       replicated++;
     }
   });
-  Run sinewRun = train(
-      "sinew snapshot + replication",
-      [&](int64_t s) {
-        auto t = Clock::now();
-        arena.snapshot(s, stateOf(m));
-        return since(t);
-      },
-      [&] {
-        auto t = Clock::now();
-        arena.waitBeforeUpdate();
-        return since(t);
-      });
+  Run sinewRun = train("sinew snapshot + replication", snapshotAfter(arena, m), waitBefore(arena));
   arena.waitBeforeUpdate();
   auto snapStats = arena.stats();
   {
@@ -453,18 +443,7 @@ int main(int argc, char** argv) {
               static_cast<long long>(replicated.load()));
 
   const std::string path = "/tmp/sinew-bench-checkpoint.pt";
-  Run save = train(
-      "torch::save every step",
-      [&](int64_t) {
-        auto t = Clock::now();
-        std::vector<torch::Tensor> all;
-        for (auto& l : stateOf(m)) {
-          for (auto& t2 : l.tensors) all.push_back(t2.tensor);
-        }
-        torch::save(all, path);
-        return since(t);
-      },
-      nullptr);
+  Run save = train("torch::save every step", torchSaveAfter(m, path), nullptr);
   ::unlink(path.c_str());
 
   // Bandwidths of one version: memcpy, the snapshot copy, replication vs raw TCP.

@@ -18,25 +18,15 @@
 namespace {
 
 using namespace std::chrono_literals;
-using sinew::testing::finish;
 using sinew::testing::JobRun;
 using sinew::testing::logDir;
 using sinew::testing::parseResult;
 using sinew::testing::Result;
 using sinew::testing::slurp;
-using sinew::testing::start;
 
 JobRun run(const std::string& name, int workers, const char* program,
            const std::vector<std::string>& args, const std::string& inject = "") {
-  std::vector<std::string> argv = {SINEW_RUN_PATH, "-n", std::to_string(workers), "--log-dir",
-                                   logDir(name)};
-  if (!inject.empty()) {
-    argv.push_back("--inject");
-    argv.push_back(inject);
-  }
-  argv.push_back(program);
-  argv.insert(argv.end(), args.begin(), args.end());
-  return finish(start(argv, {}), 300s);
+  return sinew::testing::runJob(name, workers, program, args, inject);
 }
 
 bool has(const JobRun& r, const std::string& text) {

@@ -123,6 +123,22 @@ inline std::string logDir(const std::string& name) {
   return std::string(SINEW_TEST_TMP) + "/" + name + "-" + std::to_string(::getpid());
 }
 
+// Runs `program` with `args` under sinew-run with `workers` workers (and --inject `inject`
+// unless empty), logs in logDir(name), until it ends or `timeout` passes.
+inline JobRun runJob(const std::string& name, int workers, const std::string& program,
+                     const std::vector<std::string>& args, const std::string& inject = "",
+                     std::chrono::seconds timeout = 300s) {
+  std::vector<std::string> argv = {SINEW_RUN_PATH, "-n", std::to_string(workers), "--log-dir",
+                                   logDir(name)};
+  if (!inject.empty()) {
+    argv.push_back("--inject");
+    argv.push_back(inject);
+  }
+  argv.push_back(program);
+  argv.insert(argv.end(), args.begin(), args.end());
+  return finish(start(argv, {}), timeout);
+}
+
 // A train_dp job that finished every step with parameters equal to the reference (within
 // 1e-5), learned, and lost exactly the workers in lostList ("1,2"; "" for none).
 inline void expectFinishedExact(const JobRun& run, const std::string& lostList) {

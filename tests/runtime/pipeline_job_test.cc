@@ -20,13 +20,11 @@
 namespace {
 
 using namespace std::chrono_literals;
-using sinew::testing::finish;
 using sinew::testing::JobRun;
 using sinew::testing::logDir;
 using sinew::testing::parseResult;
 using sinew::testing::Result;
 using sinew::testing::slurp;
-using sinew::testing::start;
 
 // train_pp's layers with their parameter counts: embed (token 32 x 32 + position 16 x 32),
 // 8 blocks (two layer norms, qkv, proj, a 4x MLP over 32 features), head (layer norm, 32 x 32
@@ -92,15 +90,7 @@ std::vector<int> planStages(const std::string& out) {
 
 JobRun trainPp(const std::string& name, int workers, const std::vector<std::string>& args,
                const std::string& inject = "") {
-  std::vector<std::string> argv = {SINEW_RUN_PATH, "-n", std::to_string(workers), "--log-dir",
-                                   logDir(name)};
-  if (!inject.empty()) {
-    argv.push_back("--inject");
-    argv.push_back(inject);
-  }
-  argv.push_back(TRAIN_PP_PATH);
-  argv.insert(argv.end(), args.begin(), args.end());
-  return finish(start(argv, {}), 300s);
+  return sinew::testing::runJob(name, workers, TRAIN_PP_PATH, args, inject);
 }
 
 void expectMatchesReference(const JobRun& run) {
