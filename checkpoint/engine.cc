@@ -131,11 +131,47 @@ void CheckpointEngine::reportHeld(int64_t step) {
   const std::string s = std::to_string(step);
   store.set(key("held/" + s + "/" + std::to_string(options_.self)), toBytes("1"));
   int64_t n = store.add(key("held/" + s), 1);
-  if (n == static_cast<int64_t>(options_.workers.size())) {
-    nlohmann::json record = {
-        {"step", step}, {"workers", options_.workers}, {"replication", options_.replication}};
-    store.set(key("commit/" + s), toBytes(record.dump()));
-    advance(store, key("committed"), step);
+  if (n != static_cast<int64_t>(options_.workers.size())) return;
+  const int64_t previous = committedIn(store, options_.prefix);
+  nlohmann::json record = {{"step", step},
+                           {"workers", options_.workers},
+                           {"replication", options_.replication},
+                           {"previous", previous}};
+  store.set(key("commit/" + s), toBytes(record.dump()));
+  advance(store, key("committed"), step);
+  // Keys nobody reads again: s's reports, and the record two commits back.
+  for (int w : options_.workers) store.deleteKey(key("held/" + s + "/" + std::to_string(w)));
+  store.deleteKey(key("held/" + s));
+  if (previous >= 0) {
+    if (auto before = commitRecordIn(store, options_.prefix, previous)) {
+      if (before->previous >= 0) store.deleteKey(key("commit/" + std::to_string(before->previous)));
+    }
+  }
+}
+
+int64_t CheckpointEngine::committedIn(collectives::Store& store, const std::string& prefix) {
+  const std::string k = prefix + "/committed";
+  return store.check({k}) ? parseStep(store.get(k)) : -1;
+}
+
+std::optional<CommitRecord> CheckpointEngine::commitRecordIn(collectives::Store& store,
+                                                             const std::string& prefix,
+                                                             int64_t step) {
+  const std::string k = prefix + "/commit/" + std::to_string(step);
+  if (!store.check({k})) return std::nullopt;
+  const std::string text = toString(store.get(k));
+  try {
+    auto j = nlohmann::json::parse(text);
+    CommitRecord r;
+    r.step = j.at("step").get<int64_t>();
+    r.workers = j.at("workers").get<std::vector<int>>();
+    r.replication = j.at("replication").get<int>();
+    r.previous = j.value("previous", int64_t{-1});
+    if (r.step != step || r.replication < 1) SINEW_THROW(Corruption, "inconsistent fields");
+    return r;
+  } catch (const std::exception& e) {
+    SINEW_THROW(Corruption, "commit record '", k, "' is malformed (", e.what(), "): '",
+                text.substr(0, 200), "'");
   }
 }
 
@@ -169,9 +205,13 @@ void CheckpointEngine::replicationLoop() {
       int64_t committed = committedStep();
       {
         auto deadline = Clock::now() + options_.timeout;
+        auto pause = kFirstPoll;
         std::unique_lock<std::mutex> lock(mu_);
         while (committed < step && !stop_ && toReplicate_.empty() && Clock::now() < deadline) {
-          cv_.wait_for(lock, std::chrono::milliseconds(1));  // Polls the store.
+          // Polls the store, backing off: every worker's replication thread polls the one store
+          // server, which the training traffic's rendezvous needs too.
+          cv_.wait_for(lock, pause);
+          pause = std::min(pause * 2, kLastPoll);
           lock.unlock();
           committed = committedStep();
           lock.lock();
@@ -255,8 +295,7 @@ void CheckpointEngine::requestFlush() {
 }
 
 int64_t CheckpointEngine::committedStep() const {
-  auto& store = *options_.store;
-  int64_t c = store.check({key("committed")}) ? parseStep(store.get(key("committed"))) : -1;
+  int64_t c = committedIn(*options_.store, options_.prefix);
   // Whoever learns of a commit first protects it, so the next snapshot never waits for the
   // replication thread to notice.
   if (c >= 0) arena_->protect(c);
@@ -265,6 +304,7 @@ int64_t CheckpointEngine::committedStep() const {
 
 int64_t CheckpointEngine::waitCommitted(int64_t step, std::chrono::milliseconds timeout) const {
   auto deadline = Clock::now() + timeout;
+  auto pause = kFirstPoll;
   for (;;) {
     int64_t c = committedStep();
     if (c >= step) return c;
@@ -272,7 +312,8 @@ int64_t CheckpointEngine::waitCommitted(int64_t step, std::chrono::milliseconds 
       SINEW_THROW(Timeout, "version ", step, " not committed after ", timeout.count(),
                   " ms (committed: ", c, ")");
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));  // Polls the store.
+    std::this_thread::sleep_for(pause);  // Polls the store, backing off.
+    pause = std::min(pause * 2, kLastPoll);
   }
 }
 
@@ -302,9 +343,15 @@ int64_t CheckpointEngine::waitDurable(int64_t step, std::chrono::milliseconds ti
 
 RestoreResult CheckpointEngine::restore(int64_t step,
                                         const std::vector<std::string>& layers) const {
+  return restoreLayers(restoreSources(step), step, layers);
+}
+
+RestoreSources CheckpointEngine::restoreSources(int64_t step) const {
   RestoreSources src;
   if (auto own = arena_->find(step)) src.local.push_back(own);
-  for (auto& r : service_->all()) src.local.push_back(r);
+  for (auto& r : service_->all()) {
+    if (r->step == step) src.local.push_back(r);
+  }
   for (int w : options_.workers) {
     if (w == options_.self) continue;
     const std::string k = key("replica/" + std::to_string(w));
@@ -315,7 +362,7 @@ RestoreResult CheckpointEngine::restore(int64_t step,
   src.client.connectTimeout = std::chrono::milliseconds(1000);
   src.dir = options_.persist.dir;
   src.env = options_.persist.env;
-  return restoreLayers(src, step, layers);
+  return src;
 }
 
 EngineStats CheckpointEngine::stats() const {

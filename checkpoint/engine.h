@@ -14,7 +14,8 @@
 //   2. It then sets <prefix>/held/<s>/<worker> and adds 1 to <prefix>/held/<s>.
 //   3. The worker whose add returns N (every shard of s is in m places) writes the commit
 //      record <prefix>/commit/<s> and advances <prefix>/committed (compare-and-set, never
-//      backwards).
+//      backwards). It then deletes s's held keys and the record of the version committed two
+//      before s, so the store holds O(workers) keys however long the job runs.
 //   4. A worker that sees s committed protects its snapshot of s from reuse. A failure in
 //      step 1 (a lost peer, a timeout, a rejected checksum) skips 2: s never commits and
 //      s-1 stays the committed version.
@@ -43,6 +44,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -79,6 +81,15 @@ struct CheckpointEngineOptions {
   std::function<void(int64_t step)> beforeReplicate;
 };
 
+// A commit record (<prefix>/commit/<s>): the workers whose shards version `step` holds, in
+// placement order, and the replication they were placed with.
+struct CommitRecord {
+  int64_t step = -1;
+  std::vector<int> workers;
+  int replication = 0;
+  int64_t previous = -1;  // The version committed before it (-1: none).
+};
+
 struct EngineStats {
   SnapshotStats snapshot;
   int64_t replicated = 0;  // Versions acknowledged by every peer.
@@ -91,6 +102,12 @@ struct EngineStats {
 
 class CheckpointEngine {
  public:
+  // Waits for a commit poll the store, first after kFirstPoll, then twice as long each time up
+  // to kLastPoll: a commit usually follows within a millisecond or two, and many workers polling
+  // one store server every millisecond would starve its other clients.
+  static constexpr std::chrono::milliseconds kFirstPoll{1};
+  static constexpr std::chrono::milliseconds kLastPoll{16};
+
   // Starts the replica service, publishes its address under <prefix>/replica/<self>, and
   // sizes the arena for shards like `like`.
   CheckpointEngine(const ShardState& like, CheckpointEngineOptions options);
@@ -123,6 +140,17 @@ class CheckpointEngine {
   // Restores `layers` of version step: own RAM, then every other worker's replica
   // service, then the checkpoint folder (restoreLayers).
   RestoreResult restore(int64_t step, const std::vector<std::string>& layers) const;
+  // The sources restore() uses for version step (a caller may merge those of several engines,
+  // or drop peers it knows are gone).
+  RestoreSources restoreSources(int64_t step) const;
+
+  // What engines under `prefix` committed, read from `store` by any process: the newest
+  // committed version (-1 if none), and the record of version step (nothing if that version
+  // did not commit, or its record was dropped: the store keeps the records of the two newest
+  // committed versions). Throws Corruption for a malformed value.
+  static int64_t committedIn(collectives::Store& store, const std::string& prefix);
+  static std::optional<CommitRecord> commitRecordIn(collectives::Store& store,
+                                                    const std::string& prefix, int64_t step);
 
   SnapshotArena& arena() { return *arena_; }
   ReplicaService& service() { return *service_; }

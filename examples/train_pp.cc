@@ -43,6 +43,9 @@ struct Args : sinew_example::CommonArgs {
   bool dataParallel = false;
   int blocks = 8;
   int faultTolerance = 1;
+  int peerCheckpointEvery = 1;
+  int replicas = 2;
+  int64_t maxWorkers = 0;
   std::string profile;
   // A worker may use 2 MB for its layers: the model's parameters and Adam state alone are
   // 2.5 MB, so no worker can hold it and the job trains as pipelines (0: unlimited).
@@ -61,7 +64,8 @@ Args parse(int argc, char** argv) {
   sinew_example::ArgReader r(argc, argv, [](const std::string& error) {
     std::fprintf(stderr,
                  "train_pp: %s\nusage: train_pp %s [--blocks N] [--fault-tolerance F] "
-                 "[--profile FILE] [--memory-bytes M] [--data-parallel]\n",
+                 "[--profile FILE] [--memory-bytes M] [--peer-checkpoint-every K] [--replicas M] "
+                 "[--max-workers W] [--data-parallel]\n",
                  error.c_str(), sinew_example::kCommonUsage);
   });
   while (r.next()) {
@@ -77,6 +81,12 @@ Args parse(int argc, char** argv) {
       a.profile = r.value();
     } else if (s == "--memory-bytes") {
       a.memoryBytes = r.integer(std::numeric_limits<int64_t>::max());
+    } else if (s == "--peer-checkpoint-every") {
+      a.peerCheckpointEvery = static_cast<int>(r.integer(sinew_example::kMaxInt));
+    } else if (s == "--replicas") {
+      a.replicas = static_cast<int>(r.integer(64));
+    } else if (s == "--max-workers") {
+      a.maxWorkers = r.integer(1 << 20);
     } else {
       r.fail("unknown argument '" + s + "'");
     }
@@ -189,6 +199,9 @@ int main(int argc, char** argv) {
   sinew::TrainerOptions o = sinew_example::trainerOptions(a);
   o.parallelism = a.dataParallel ? sinew::Parallelism::kData : sinew::Parallelism::kPipeline;
   o.faultTolerance = a.faultTolerance;
+  o.peerCheckpointEvery = a.peerCheckpointEvery;
+  o.replicas = a.replicas;
+  o.maxWorkers = a.maxWorkers;
   o.profilePath = a.profile;
   o.deviceMemoryBytes = a.memoryBytes;
   sinew::ModelSpec spec = model(a);

@@ -589,6 +589,10 @@ TemplateSet planTemplates(const Profile& profile, const TemplateOptions& options
                 "planTemplates: fault_tolerance must be in [0, nodes - 1 = ", options.nodes - 1,
                 "], got ", options.fault_tolerance);
   }
+  if (options.max_nodes < 0 || options.max_nodes > (1 << 20)) {
+    SINEW_THROW(InvalidArgument, "planTemplates: max_nodes must be in [0, 2^20], got ",
+                options.max_nodes);
+  }
   if (options.global_microbatches < 1) {
     SINEW_THROW(InvalidArgument, "planTemplates: global_microbatches must be >= 1, got ",
                 options.global_microbatches);
@@ -603,6 +607,7 @@ TemplateSet planTemplates(const Profile& profile, const TemplateOptions& options
   const int L = model.numLayers();
   const int G = model.devicesPerNode();
   const int N = options.nodes;
+  const int N_grown = std::max(N, options.max_nodes);  // with every join the job may take
   const int f = options.fault_tolerance;
   const std::vector<int>& widths = model.widths();
 
@@ -610,7 +615,7 @@ TemplateSet planTemplates(const Profile& profile, const TemplateOptions& options
   std::vector<WidthPlanner> planners;
   planners.reserve(widths.size());
   for (size_t w = 0; w < widths.size(); ++w) {
-    int64_t most = static_cast<int64_t>(N - f) * G / widths[w];
+    int64_t most = static_cast<int64_t>(N_grown - f) * G / widths[w];
     int K = static_cast<int>(std::min<int64_t>(L, most));
     if (static_cast<int64_t>(L + 1) * (K + 1) > kMaxTableEntries) {
       SINEW_THROW(InvalidArgument, "planTemplates: ", L, " layers x ", K,
@@ -641,9 +646,9 @@ TemplateSet planTemplates(const Profile& profile, const TemplateOptions& options
   // The mixed-width search when the chain has more than one width and its table is small
   // enough (docs/planner.md, "Mixed widths").
   const std::vector<int> chain = chainWidths(model);
-  const int mixed_K = static_cast<int>(std::min<int64_t>(L, static_cast<int64_t>(N - f) * G));
+  const int mixed_K = static_cast<int>(std::min<int64_t>(L, static_cast<int64_t>(N_grown - f) * G));
   const int mixed_W = static_cast<int>(
-      std::min<int64_t>(static_cast<int64_t>(mixed_K) * G, static_cast<int64_t>(N - f) * G));
+      std::min<int64_t>(static_cast<int64_t>(mixed_K) * G, static_cast<int64_t>(N_grown - f) * G));
   std::unique_ptr<MixedPlanner> mixed;
   if (chain.size() > 1 && MixedPlanner::tableEntries(L, mixed_K, mixed_W) <= kMaxMixedEntries) {
     mixed = std::make_unique<MixedPlanner>(model, chain, mixed_K, mixed_W);
@@ -673,7 +678,7 @@ TemplateSet planTemplates(const Profile& profile, const TemplateOptions& options
                 " nodes (n_min = ", n_min, ") but nodes=", N);
   }
   set.min_nodes = n_min;
-  set.max_nodes = std::min(N - f * n_min, L);
+  set.max_nodes = std::min(N_grown - f * n_min, L);
   const int count = set.max_nodes - n_min + 1;
 
   // The best template for each n: its objective, its split and the width of every stage.
@@ -837,9 +842,10 @@ std::string explainNoTemplate(const Profile& profile, const TemplateSet& set,
     return why.str();
   }
   if (n > set.max_nodes && n >= set.min_nodes) {
-    why << "above n_max = nodes - f * n_min = " << options.nodes << " - " << options.fault_tolerance
-        << " * " << set.min_nodes << " = " << set.max_nodes << ": the other "
-        << options.fault_tolerance << " pipeline(s) need " << set.min_nodes << " nodes each";
+    why << "above n_max = nodes - f * n_min = " << std::max(options.nodes, options.max_nodes)
+        << " - " << options.fault_tolerance << " * " << set.min_nodes << " = " << set.max_nodes
+        << ": the other " << options.fault_tolerance << " pipeline(s) need " << set.min_nodes
+        << " nodes each";
     return why.str();
   }
   // Parameters and optimizer state are not split by a stage's width: the fewest stages any

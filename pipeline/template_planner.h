@@ -68,6 +68,10 @@ struct TemplateOptions {
   // M_n = max(1, round(B * n / N)) microbatches, the share a pipeline of n nodes gets when the
   // batch is split in proportion to nodes.
   int64_t global_microbatches = 1;
+  // The most nodes the job may grow to by joins (0: N). Templates go up to
+  // n_max = min(max(N, max_nodes) - f * n_min, L), so that a joined node gets a stage; the
+  // templates of counts up to N - f * n_min, and n_min, do not depend on it.
+  int max_nodes = 0;
 };
 
 struct TemplateSet {
@@ -78,7 +82,8 @@ struct TemplateSet {
   bool mixed_widths = false;
   // n_min: the fewest nodes on which some template fits in memory.
   int min_nodes = 0;
-  // n_max = min(N - f * n_min, L): above L nodes a pipeline would need more stages than layers.
+  // n_max = min(max(N, max_nodes) - f * n_min, L): above L nodes a pipeline would need more
+  // stages than layers.
   int max_nodes = 0;
   // One template per node count in [min_nodes, max_nodes] that has a feasible template
   // (memory can make a count infeasible, e.g. a deep pipeline's first stage keeping too many

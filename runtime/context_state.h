@@ -34,6 +34,7 @@ struct ContextState {
   std::unique_ptr<Coordinator> localCoordinator;
   std::unique_ptr<CoordinatorClient> client;
   std::shared_ptr<collectives::Store> store;
+  uint64_t token = 0;  // The job token (peer-RAM replica services serve under it).
   FailureInjector injector;
   // The file system the trainer's durable checkpoints go through; null: checkpoint::posixEnv().
   // A test seam (a FaultEnv that fails writes); must outlive the trainers.

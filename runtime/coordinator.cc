@@ -28,6 +28,7 @@
 #include <set>
 #include <thread>
 
+#include "sinew/collectives/detail/parse.h"
 #include "sinew/collectives/error.h"
 #include "sinew/collectives/tcp_store.h"
 #include "sinew/collectives/transport/channel.h"
@@ -327,6 +328,7 @@ class Coordinator::Impl : public control::Backend, public EventFeed {
   void newEpoch(const std::string& why, std::vector<int> joiners);
   json epochBody(const std::vector<int>& joined, bool sync) const;
   void onPipeline(int worker, const json& body);
+  void onRollback(int worker, int64_t step);
   pipeline::Plan pipelinePlan() const;
   void failJob(const std::string& why);
   void send(int worker, wire::Type type, const json& body);
@@ -404,6 +406,7 @@ class Coordinator::Impl : public control::Backend, public EventFeed {
     Clock::time_point at{};
   } durable_;
   int64_t durableWrites_ = 0;
+  int64_t rollbacks_ = 0;  // Rollbacks to an older version (pipelines).
   int64_t durableBytes_ = 0;
   double flushSecondsTotal_ = 0;
   // Releases, drains, resizes, stop.
@@ -677,6 +680,8 @@ void Coordinator::Impl::onMessage(const std::shared_ptr<Session>& s,
       return onVote(worker, h.epoch, body.at("step").get<int64_t>());
     case wire::Type::kPipeline:
       return onPipeline(worker, body);
+    case wire::Type::kRollback:
+      return onRollback(worker, body.at("step").get<int64_t>());
     case wire::Type::kRebuild:
       log("worker " + std::to_string(worker) + " could not build epoch " + std::to_string(epoch_) +
           "'s communicator; rebuilding");
@@ -849,6 +854,28 @@ json Coordinator::Impl::epochBody(const std::vector<int>& joined, bool sync) con
 // every member profiled): the coordinator plans the templates once, for the nodes of this
 // epoch, and starts an epoch that carries the plan; every later epoch re-instantiates them
 // for its members. Later requests are ignored: the first one fixed the job's templates.
+// A worker of a pipeline job found a layer that no member holds live after this epoch's
+// resume step (every worker that held it is gone): the job resumes after `step`, the newest
+// version still held somewhere (peers' RAM or disk), which every member restores in the
+// epoch this starts (docs/pipeline.md, "Rollback"). Only before the epoch's first commit.
+void Coordinator::Impl::onRollback(int worker, int64_t step) {
+  const std::string who = "worker " + std::to_string(worker) + "'s rollback to step ";
+  if (!pipelineJob_ || epochCommits_ > 0 || step >= committed_) {
+    log("ignoring " + who + std::to_string(step) + " (epoch " + std::to_string(epoch_) +
+        " resumes at step " + std::to_string(committed_ + 1) +
+        (epochCommits_ > 0 ? ", and has committed steps" : "") + ")");
+    return;
+  }
+  const int64_t from = committed_;
+  committed_ = step;
+  rollbacks_++;
+  event(
+      {{"event", "rollback"}, {"epoch", epoch_}, {"from", from}, {"to", step}, {"worker", worker}});
+  newEpoch("rollback from step " + std::to_string(from) + " to the version after step " +
+               std::to_string(step) + ": a layer has no live copy",
+           {});
+}
+
 void Coordinator::Impl::onPipeline(int worker, const json& body) {
   if (pipelineJob_) return;
   const std::string who = "worker " + std::to_string(worker) + "'s pipeline request: ";
@@ -861,6 +888,15 @@ void Coordinator::Impl::onPipeline(int worker, const json& body) {
   const int nodes = static_cast<int>(members_.size()) / G;
   planOptions_.fault_tolerance = body.at("fault_tolerance").get<int>();
   planOptions_.global_microbatches = body.at("microbatches").get<int64_t>();
+  // The most workers the job may grow to by joins (absent or 0: the workers it starts with).
+  int64_t maxWorkers = 0;
+  try {
+    if (body.contains("max_workers")) {
+      maxWorkers = sinew::detail::jsonInt(body["max_workers"], "max_workers", 0, 1 << 20);
+    }
+  } catch (const Error& e) {
+    return failJob(who + e.what());
+  }
   try {
     if (nodes < 1) {
       SINEW_THROW(InvalidArgument, members_.size(), " workers are fewer than one node of ",
@@ -868,6 +904,7 @@ void Coordinator::Impl::onPipeline(int worker, const json& body) {
     }
     pipeline::TemplateOptions to;
     to.nodes = nodes;
+    to.max_nodes = static_cast<int>(maxWorkers / G);
     to.fault_tolerance = planOptions_.fault_tolerance;
     to.global_microbatches = planOptions_.global_microbatches;
     templates_ = pipeline::planTemplates(profile_, to);
@@ -877,8 +914,9 @@ void Coordinator::Impl::onPipeline(int worker, const json& body) {
   pipelineJob_ = true;
   log("planned pipeline templates for " + std::to_string(templates_.min_nodes) + ".." +
       std::to_string(templates_.max_nodes) + " nodes (" + std::to_string(nodes) + " nodes of " +
-      std::to_string(G) + " workers, fault tolerance " +
-      std::to_string(planOptions_.fault_tolerance) + ")");
+      std::to_string(G) + " workers, up to " +
+      std::to_string(std::max<int64_t>(nodes, maxWorkers / G)) +
+      " nodes by joins, fault tolerance " + std::to_string(planOptions_.fault_tolerance) + ")");
   newEpoch("pipeline plan", {});
 }
 
@@ -1347,6 +1385,7 @@ ControlReply Coordinator::Impl::status() {
   json recoveries = json::array();
   for (double s : recoverySeconds_) recoveries.push_back(s);
   b["failures"] = failures_;
+  b["rollbacks"] = rollbacks_;
   b["recovery_s"] = recoveries;
   b["recovering"] = recovering_;
   b["effective_training_s"] = effectiveSeconds_;
@@ -1751,6 +1790,8 @@ std::string Coordinator::Impl::metrics() {
   metric(out, "sinew_committed_steps_total", "counter", "Steps committed by this coordinator.",
          commits_);
   metric(out, "sinew_failures_total", "counter", "Workers declared dead.", failures_);
+  metric(out, "sinew_rollbacks_total", "counter",
+         "Rollbacks to an older version because a layer had no live copy (pipelines).", rollbacks_);
   metric(out, "sinew_recoveries_total", "counter",
          "Recoveries finished (a failure, then the next committed step).", recoverySeconds_.size());
   double recoverySum = 0;

@@ -375,11 +375,16 @@ void CoordinatorClient::ready(int64_t resumeStep, JobShape shape) {
   impl_->post(wire::Type::kReady, impl_->latestEpoch().epoch, body);
 }
 void CoordinatorClient::requestPipelines(int64_t epoch, const std::string& profileJson,
-                                         int faultTolerance, int64_t microbatches) {
+                                         int faultTolerance, int64_t microbatches,
+                                         int64_t maxWorkers) {
   impl_->post(wire::Type::kPipeline, epoch,
               json{{"profile", profileJson},
                    {"fault_tolerance", faultTolerance},
-                   {"microbatches", microbatches}});
+                   {"microbatches", microbatches},
+                   {"max_workers", maxWorkers}});
+}
+void CoordinatorClient::requestRollback(int64_t epoch, int64_t step) {
+  impl_->post(wire::Type::kRollback, epoch, json{{"step", step}});
 }
 void CoordinatorClient::leave(int64_t step) {
   impl_->post(wire::Type::kLeave, impl_->latestEpoch().epoch, json{{"step", step}});

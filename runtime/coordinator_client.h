@@ -111,11 +111,18 @@ class CoordinatorClient {
   // ready; it resumes at the smallest such step.
   void ready(int64_t resumeStep, JobShape shape = JobShape());
   // Asks the coordinator to run the job as pipelines planned from `profileJson`
-  // (docs/profile_format.md) with this fault tolerance and global batch of `microbatches`;
+  // (docs/profile_format.md) with this fault tolerance and global batch of `microbatches`,
+  // with templates for up to `maxWorkers` workers (joins; 0: the workers it starts with);
   // it answers with a new epoch that carries the plan, or expels everyone naming why no plan
   // fits. Only the first request of a job counts.
   void requestPipelines(int64_t epoch, const std::string& profileJson, int faultTolerance,
-                        int64_t microbatches);
+                        int64_t microbatches, int64_t maxWorkers = 0);
+  // Pipelines: some layer has no live copy after epoch's resume step (every worker that held
+  // it is gone), so the job must resume after `step`, the newest version still held
+  // somewhere (-1: from the start). The coordinator answers with a new epoch resuming at
+  // step + 1; a request for a step at or after the resume step, or of an older epoch, is
+  // ignored (docs/pipeline.md, "Rollback").
+  void requestRollback(int64_t epoch, int64_t step);
   // Reports that this worker finished every step.
   void done(int64_t step);
   // Asks to leave the job at the next step boundary (preemption); the coordinator answers

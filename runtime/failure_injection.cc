@@ -67,19 +67,14 @@ double parseDuration(const std::string& fault, const std::string& key, const std
 }
 
 Phase parsePhase(const std::string& fault, const std::string& v) {
-  for (Phase p :
-       {Phase::kForward, Phase::kBackward, Phase::kReduce, Phase::kAfterReduce, Phase::kOptimizer,
-        Phase::kSnapshot, Phase::kRecovery, Phase::kReconfiguration, Phase::kFlush}) {
+  for (Phase p : {Phase::kForward, Phase::kBackward, Phase::kReduce, Phase::kAfterReduce,
+                  Phase::kOptimizer, Phase::kSnapshot, Phase::kReplication, Phase::kRecovery,
+                  Phase::kReconfiguration, Phase::kCopy, Phase::kFlush}) {
     if (v == phaseName(p)) return p;
-  }
-  if (v == "replication") {
-    SINEW_THROW(InvalidArgument, "fault '", fault,
-                "': phase 'replication' needs peer-RAM replicas in the training path, which no "
-                "job has yet");
   }
   SINEW_THROW(InvalidArgument, "fault '", fault, "': unknown phase '", v,
               "' (expected forward, backward, reduce, after-reduce, optimizer, snapshot, "
-              "recovery, reconfiguration or flush)");
+              "replication, recovery, reconfiguration, copy or flush)");
 }
 
 }  // namespace
@@ -98,10 +93,14 @@ const char* phaseName(Phase p) {
       return "optimizer";
     case Phase::kSnapshot:
       return "snapshot";
+    case Phase::kReplication:
+      return "replication";
     case Phase::kRecovery:
       return "recovery";
     case Phase::kReconfiguration:
       return "reconfiguration";
+    case Phase::kCopy:
+      return "copy";
     case Phase::kFlush:
       return "flush";
   }
@@ -169,10 +168,10 @@ FailureInjector FailureInjector::parse(const std::string& spec) {
     if (f.kind == Fault::Kind::kCorrupt && f.phase != Phase::kFlush) {
       SINEW_THROW(InvalidArgument, "fault '", text, "': corrupt fires only in phase flush");
     }
-    if (f.phase == Phase::kFlush && f.kind == Fault::Kind::kMute) {
-      SINEW_THROW(InvalidArgument, "fault '", text,
-                  "': mute cannot fire in phase flush (the flush thread does not talk to the "
-                  "coordinator)");
+    if ((f.phase == Phase::kFlush || f.phase == Phase::kReplication) &&
+        f.kind == Fault::Kind::kMute) {
+      SINEW_THROW(InvalidArgument, "fault '", text, "': mute cannot fire in phase ",
+                  phaseName(f.phase), " (its thread does not talk to the coordinator)");
     }
     if (f.kind == Fault::Kind::kSlow && f.milliseconds <= 0) {
       SINEW_THROW(InvalidArgument, "fault '", text, "': needs ms=<milliseconds> > 0");
@@ -193,7 +192,9 @@ void FailureInjector::fireSlow(int worker, int64_t step, Phase phase, Coordinato
     if (f.phase != phase || f.fired || (f.worker >= 0 && f.worker != worker)) continue;
     if (f.kind == Fault::Kind::kCorrupt) continue;  // afterFlush runs it.
     bool everyStep = f.kind == Fault::Kind::kSlow && f.step < 0;
-    const bool atOrAfter = phase == Phase::kRecovery || phase == Phase::kReconfiguration;
+    const bool atOrAfter = phase == Phase::kSnapshot || phase == Phase::kReplication ||
+                           phase == Phase::kRecovery || phase == Phase::kReconfiguration ||
+                           phase == Phase::kCopy;
     bool due = everyStep || (atOrAfter ? step >= f.step : step == f.step);
     if (!due) continue;
     if (!everyStep) f.fired = true;

@@ -15,19 +15,22 @@
 //                                           bit rot would (phase flush, the only one it takes):
 //                                           a restore must notice and fall back
 // worker is the launch rank (or `*` for every worker); phase is one of forward, backward,
-// reduce, after-reduce, optimizer, snapshot, recovery, reconfiguration, flush (default
-// forward; `snapshot` fires before a checkpoint writer copies version `step` to host memory;
-// `recovery` fires in the first recovery after a failure at or after `step`;
-// `reconfiguration` when an epoch after the first is announced (a failure, a join, a leave)
-// at or after `step`, before the worker builds its communicator; `flush` fires on the
-// checkpoint flush thread before it writes version `step`, or every version when a slow has no
-// step). Each fault except an every-step slow fires once. (`replication`, in DESIGN.md
-// section 8, needs peer-RAM replicas in the training path: issue 12.)
+// reduce, after-reduce, optimizer, snapshot, replication, recovery, reconfiguration, copy, flush
+// (default forward). forward to optimizer fire at exactly `step`; the others fire at the first
+// occasion at or after `step`, since a writer may skip a version (its previous flush still
+// running) and a failure may come at any step: `snapshot` before a checkpoint writer copies a
+// version to host memory; `replication` on a pipeline worker's replication thread before it
+// sends a peer-RAM version; `recovery` in the first recovery after a failure; `reconfiguration`
+// when an epoch after the first is announced (a failure, a join, a leave), before the worker
+// builds its communicator; `copy` in a pipeline relayout between the layer manifests and the
+// tensors; `flush` on the checkpoint flush thread before it writes version `step` (exactly),
+// or every version when a slow has no step. Each fault except an every-step slow fires once.
 //
 // With no faults, fire() is one inlined emptiness check: zero cost when unset.
 //
-// Thread safety: fire() for phase flush is called from the flush thread, every other phase from
-// the trainer's thread; a fault is touched only by the thread of its phase.
+// Thread safety: fire() for phase flush is called from the flush thread, for phase replication
+// from the checkpoint engine's replication thread, every other phase from the trainer's thread; a
+// fault is touched only by the thread of its phase.
 
 #include <chrono>
 #include <cstdint>
@@ -46,8 +49,10 @@ enum class Phase {
   kAfterReduce,
   kOptimizer,
   kSnapshot,
+  kReplication,  // on the replication thread, before a peer-RAM version is sent (pipelines)
   kRecovery,
   kReconfiguration,
+  kCopy,  // pipelines: between a layer copy's manifests and its tensors (sender and receiver)
   kFlush
 };
 

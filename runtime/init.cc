@@ -266,6 +266,7 @@ std::unique_ptr<Context> init(int* argc, char*** argv, const InitOptions& option
     ctx->mode = "single";
   }
   ctx->client = std::make_unique<runtime::CoordinatorClient>(co);
+  ctx->token = co.token;
   collectives::TcpStoreOptions so;
   so.token = co.token;  // The coordinator serves the store under the job's token.
   so.connectTimeout = options.connectTimeout;

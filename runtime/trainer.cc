@@ -28,9 +28,11 @@
 #include <nlohmann/json.hpp>
 
 #include "sinew/checkpoint/detail/crc32c.h"
+#include "sinew/checkpoint/engine.h"
 #include "sinew/checkpoint/persist.h"
 #include "sinew/checkpoint/snapshot.h"
 #include "sinew/collectives/cuda_device.h"
+#include "sinew/collectives/detail/parse.h"
 #include "sinew/collectives/error.h"
 #include "sinew/communicator.h"
 #include "sinew/config.h"
@@ -174,6 +176,23 @@ class WaitingOnOthers {
   const std::chrono::steady_clock::time_point since_;
 };
 
+// While alive, a training transfer is in flight: peer-RAM replication yields to it between
+// chunks (checkpoint::TrafficGate). A null gate does nothing.
+class TrainingTraffic {
+ public:
+  explicit TrainingTraffic(checkpoint::TrafficGate* gate) : gate_(gate) {
+    if (gate_) gate_->enter();
+  }
+  ~TrainingTraffic() {
+    if (gate_) gate_->exit();
+  }
+  TrainingTraffic(const TrainingTraffic&) = delete;
+  TrainingTraffic& operator=(const TrainingTraffic&) = delete;
+
+ private:
+  checkpoint::TrafficGate* const gate_;
+};
+
 // The local rank the launcher gives this process (its index among the workers of its
 // machine), or -1 if none says.
 int localRankFromEnv() {
@@ -302,6 +321,15 @@ class Trainer::Impl {
         SINEW_THROW(InvalidArgument, "TrainerOptions::deviceMemoryBytes = ", o_.deviceMemoryBytes,
                     " must be >= 0 (0: unlimited)");
       }
+      if (o_.maxWorkers < 0 || o_.maxWorkers > (1 << 20)) {
+        SINEW_THROW(InvalidArgument, "TrainerOptions::maxWorkers = ", o_.maxWorkers,
+                    " must be in [0, 2^20] (0: SINEW_MAX_WORKERS, else twice the start)");
+      }
+      if (o_.peerCheckpointEvery < 0 || o_.replicas < 1) {
+        SINEW_THROW(InvalidArgument,
+                    "TrainerOptions::peerCheckpointEvery = ", o_.peerCheckpointEvery,
+                    " must be >= 0 and replicas = ", o_.replicas, " >= 1");
+      }
       if (!o_.profilePath.empty()) {
         profile_ = pipeline::loadProfile(o_.profilePath);
         checkProfile("TrainerOptions::profilePath = '" + o_.profilePath + "'");
@@ -313,6 +341,16 @@ class Trainer::Impl {
     // In pipeline mode the optimizer is made once the stage's layers exist (makeOptimizer);
     // this one only checks what the factory makes.
     opt_ = spec_.optimizer(params_);
+    if (peerCheckpoints() && dynamic_cast<torch::optim::Adam*>(opt_.get()) == nullptr &&
+        dynamic_cast<torch::optim::SGD*>(opt_.get()) == nullptr) {
+      // Versions hold SGD's and Adam's state only: without them a loss of every live copy of
+      // a layer can only restart from the durable checkpoint or the start.
+      std::fprintf(stderr,
+                   "sinew: worker %d: peer-RAM versions are off (TrainerOptions::"
+                   "peerCheckpointEvery): ModelSpec::optimizer made neither SGD nor Adam\n",
+                   ctx_.worker());
+      o_.peerCheckpointEvery = 0;
+    }
     if (!o_.checkpointDir.empty()) {
       if (dynamic_cast<torch::optim::Adam*>(opt_.get()) == nullptr &&
           dynamic_cast<torch::optim::SGD*>(opt_.get()) == nullptr) {
@@ -338,6 +376,7 @@ class Trainer::Impl {
 
   ~Impl() {
     client_.setEpochListener(nullptr);
+    gens_.clear();   // Joins their threads (the replication hook uses the injector).
     arena_.reset();  // Joins the copy thread, whose completion callback uses ckMu_.
     stopFlushThread();
   }
@@ -651,9 +690,10 @@ class Trainer::Impl {
     }
     inj.fire(self, step_, Phase::kOptimizer, &client_);
     lastStall_ = 0;
-    if (arena_) {
+    {
       auto t0 = Clock::now();
-      waitForSnapshot();
+      if (arena_) waitForSnapshot();
+      if (!gens_.empty() && gens_.back().epoch == epoch_) gens_.back().engine->waitBeforeUpdate();
       lastStall_ = seconds(Clock::now() - t0);
       ckStall_ += lastStall_;
     }
@@ -661,6 +701,7 @@ class Trainer::Impl {
     applied_ = step_;
     // A scheduler's checkpoint, drain or stop asked for this step to be durable.
     maybeCheckpoint(step_, /*force=*/client_.checkpointRequested(step_));
+    maybePeerSnapshot(step_);
     lastLoss_ = loss;
     ++step_;
     progress(loss);
@@ -999,8 +1040,9 @@ class Trainer::Impl {
   struct Relayout {
     torch::nn::Sequential model;                             // [first, end), on device_
     std::map<std::string, checkpoint::RestoredLayer> state;  // by layer name, as checkpoints
-    int copied = 0, fromDisk = 0, fresh = 0;
-    std::vector<int> sources;
+    int copied = 0, fromDisk = 0, fromOwnRam = 0, fromPeerRam = 0, fresh = 0;
+    std::vector<int> sources;     // workers copied from (live layers)
+    std::vector<int> ramSources;  // workers whose RAM versions were restored
   };
 
   // Per-parameter flags of a layer copy's manifest.
@@ -1126,7 +1168,11 @@ class Trainer::Impl {
         ops.push_back(collectives::P2POp::recv(m, rankIn(k.from), kTagLayerManifest));
       }
     }
-    if (!ops.empty()) comm_->exchange(ops, recoveryTimeout());
+    if (!ops.empty()) {
+      comm_->exchange(ops, recoveryTimeout());
+      // Between the two exchanges of this worker's copies (a kill during a layer copy).
+      state_.injector.fire(self, resumeApplied + 1, Phase::kCopy, &client_);
+    }
     // Phase 2: the tensors, in manifest order.
     ops.clear();
     for (const auto& [c, tensors] : outgoing) {
@@ -1211,18 +1257,77 @@ class Trainer::Impl {
       }
     }
     if (!fromDisk.empty()) {
-      if (o_.checkpointDir.empty()) {
-        SINEW_THROW(InvalidArgument, "layer '", fromDisk.front(), "' has no live copy after step ",
-                    resumeApplied,
-                    " (every worker that held it is gone) and TrainerOptions::checkpointDir is "
-                    "empty: the job cannot continue");
+      // The version of the resume step (after a rollback, every layer): own RAM, peers' RAM,
+      // then disk (enterPipeline chose a step every layer can be restored from).
+      std::vector<int> live;
+      for (const auto& [w, h] : held) live.push_back(w);
+      checkpoint::RestoreResult restored = restoreVersion(resumeApplied, fromDisk, live);
+      for (auto& [name, layer] : restored.layers) {
+        const std::string& from = restored.source.at(name);
+        if (from == "local") {
+          r.fromOwnRam++;
+        } else if (from.rfind("peer ", 0) == 0) {
+          r.fromPeerRam++;
+          r.ramSources.push_back(std::stoi(from.substr(5)));
+        } else {
+          r.fromDisk++;
+        }
+        r.state[name] = std::move(layer);
       }
-      auto loaded = checkpoint::CheckpointReader(o_.checkpointDir, state_.checkpointEnv)
-                        .load(resumeApplied, fromDisk);
-      for (auto& [name, layer] : loaded) r.state[name] = std::move(layer);
-      r.fromDisk = static_cast<int>(fromDisk.size());
+      for (const std::string& why : restored.fellThrough) {
+        std::fprintf(stderr, "sinew: worker %d: restoring version %lld: %s\n", self,
+                     static_cast<long long>(resumeApplied), why.c_str());
+      }
     }
     return r;
+  }
+
+  // Rollback (docs/pipeline.md, "Rollback"): when some layer with parameters has no live
+  // holder after the epoch's resume step, the epoch's first member picks the newest version
+  // every layer can still be restored from (rollbackTarget) and publishes it; if it is older
+  // than the resume step, it asks the coordinator for an epoch resuming after it, and every
+  // member waits for that epoch (EpochChanged), in which nobody holds a layer live at the
+  // resume step and every layer is restored from that version.
+  void checkRollback(const EpochInfo& info, const std::map<int, Holding>& held,
+                     collectives::Store& store) {
+    const int64_t e = info.epoch;
+    const int64_t resumeApplied = info.resumeStep - 1;
+    int orphan = -1;
+    for (int l = 0; l < static_cast<int>(spec_.layers.size()) && orphan < 0; ++l) {
+      if (!hasParameters(l)) continue;
+      bool live = false;
+      for (const auto& [w, h] : held) live = live || (h.holds(l) && h.applied == resumeApplied);
+      if (!live) orphan = l;
+    }
+    // The first member always publishes its decision (its own view of which layers have
+    // parameters decides), so a member that sees an orphan never waits for nothing.
+    const std::string key = "sinew/pipeline/rollback/" + std::to_string(e);
+    const bool decides = info.members.front() == ctx_.worker();
+    if (decides) {
+      const int64_t t =
+          orphan < 0 ? resumeApplied : rollbackTarget(resumeApplied, e, info.members, store);
+      store.set(key, collectives::toBytes(std::to_string(t)));
+    }
+    if (orphan < 0) return;
+    const int64_t target = std::stoll(collectives::toString(store.get(key, recoveryTimeout())));
+    if (target >= resumeApplied) return;  // That very version is restorable.
+    event({{"event", "rollback"},
+           {"epoch", e},
+           {"layer", spec_.layers[orphan].name},
+           {"from", resumeApplied},
+           {"to", target}});
+    if (decides) {
+      std::printf(
+          "sinew: epoch %lld: layer %s has no live copy after step %lld; rolling back to %s\n",
+          static_cast<long long>(e), spec_.layers[orphan].name.c_str(),
+          static_cast<long long>(resumeApplied),
+          target >= 0 ? ("version " + std::to_string(target)).c_str() : "the start");
+      std::fflush(stdout);
+      client_.requestRollback(e, target);
+    }
+    SINEW_THROW(EpochChanged, "epoch ", e, ": layer '", spec_.layers[orphan].name,
+                "' has no live copy after step ", resumeApplied, "; the job rolls back to ",
+                target >= 0 ? "version " + std::to_string(target) : std::string("the start"));
   }
 
   // Makes `r` this worker's layers (after every copy of the epoch succeeded).
@@ -1246,8 +1351,11 @@ class Trainer::Impl {
     heldFirst_ = first;
     heldEnd_ = end;
     applied_ = resumeApplied;
-    std::sort(r.sources.begin(), r.sources.end());
-    r.sources.erase(std::unique(r.sources.begin(), r.sources.end()), r.sources.end());
+    for (auto* v : {&r.sources, &r.ramSources}) {
+      std::sort(v->begin(), v->end());
+      v->erase(std::unique(v->begin(), v->end()), v->end());
+    }
+    if (lastSnapshot_ > resumeApplied) lastSnapshot_ = -1;  // A rollback: those steps run again.
     event({{"event", "layers_moved"},
            {"epoch", epoch},
            {"held", {oldFirst, oldEnd}},
@@ -1255,6 +1363,10 @@ class Trainer::Impl {
            {"copied", r.copied},
            {"from", r.sources},
            {"from_disk", r.fromDisk},
+           {"from_own_ram", r.fromOwnRam},
+           {"from_peer_ram", r.fromPeerRam},
+           {"ram_sources", r.ramSources},
+           {"version", resumeApplied},
            {"fresh", r.fresh},
            {"duration_s", seconds(Clock::now() - t0)}});
     std::ostringstream os;
@@ -1269,12 +1381,36 @@ class Trainer::Impl {
       os << "; " << r.copied << " copied from worker" << (r.sources.size() > 1 ? "s" : "");
       for (int w : r.sources) os << " " << w;
     }
-    if (r.fromDisk > 0) os << "; " << r.fromDisk << " read from the durable checkpoint";
+    if (r.fromOwnRam > 0) {
+      os << "; " << r.fromOwnRam << " restored from its own RAM (version " << resumeApplied << ")";
+    }
+    if (r.fromPeerRam > 0) {
+      os << "; " << r.fromPeerRam << " restored from the RAM of worker"
+         << (r.ramSources.size() > 1 ? "s" : "");
+      for (int w : r.ramSources) os << " " << w;
+      os << " (version " << resumeApplied << ")";
+    }
+    if (r.fromDisk > 0) {
+      os << "; " << r.fromDisk << " read from the durable checkpoint (version " << resumeApplied
+         << ")";
+    }
     if (r.fresh > 0) os << "; " << r.fresh << " built from their seeds";
-    if (r.copied + r.fromDisk + r.fresh == 0) os << (end > first ? "; all its own" : "; idle");
+    if (r.copied + r.fromDisk + r.fromOwnRam + r.fromPeerRam + r.fresh == 0) {
+      os << (end > first ? "; all its own" : "; idle");
+    }
     os << ")";
     std::printf("%s\n", os.str().c_str());
     std::fflush(stdout);
+  }
+
+  // The most workers the job may grow to (TrainerOptions::maxWorkers): the option, else
+  // SINEW_MAX_WORKERS, else twice the `members` it starts with.
+  int64_t grownWorkers(int64_t members) const {
+    if (o_.maxWorkers > 0) return o_.maxWorkers;
+    if (const char* env = std::getenv("SINEW_MAX_WORKERS")) {
+      return sinew::detail::parseInt(env, "SINEW_MAX_WORKERS", 1, 1 << 20);
+    }
+    return 2 * members;
   }
 
   void enterPipeline(const EpochInfo& info) {
@@ -1288,7 +1424,8 @@ class Trainer::Impl {
       if (profile_.layers.empty()) agreeOnProfile(info, store);
       if (info.members.front() == self) {
         client_.requestPipelines(info.epoch, pipeline::profileToJson(profile_), o_.faultTolerance,
-                                 o_.globalBatch / o_.microbatch);
+                                 o_.globalBatch / o_.microbatch,
+                                 grownWorkers(static_cast<int64_t>(info.members.size())));
       }
       SINEW_THROW(EpochChanged, "epoch ", info.epoch,
                   " has no pipeline plan yet; waiting for the coordinator's");
@@ -1315,15 +1452,19 @@ class Trainer::Impl {
                collectives::toBytes(std::to_string(heldFirst_) + " " + std::to_string(heldEnd_) +
                                     " " + std::to_string(applied_)));
     std::map<int, Holding> held;
-    bool anyHeld = false;
+    bool anyHeld = false, anyTrained = false;
     for (int w : info.members) {
       held[w] =
           parseHolding(collectives::toString(store->get(heldKey(e, w), recoveryTimeout())), w, e);
       anyHeld = anyHeld || held[w].first < held[w].end;
+      anyTrained = anyTrained || held[w].applied >= 0;
     }
     // The job's first plan (or the first since it restarted from disk): every worker builds
-    // its own layers from their seeds, or reads them from the durable checkpoint.
-    const bool firstPlan = !anyHeld;
+    // its own layers from their seeds, or reads them from the durable checkpoint. (Members
+    // that trained but hold no layers, because every worker that held some is gone, are not
+    // a first plan: they roll back to a version they can restore.)
+    const bool firstPlan = !anyHeld && !anyTrained;
+    if (!firstPlan && resumeApplied >= 0) checkRollback(info, held, *store);
     auto options = [&](std::vector<int> members, std::string name) {
       collectives::CommunicatorOptions co;
       co.members = std::move(members);
@@ -1367,12 +1508,14 @@ class Trainer::Impl {
     }
     // The layers this worker now holds that it did not (a reconfiguration), copied from live
     // workers that hold them, before anything of this worker's changes.
+    waitPeerSnapshots();  // Their copies read the tensors this epoch may replace or update.
     std::optional<Relayout> relayout;
     if (!firstPlan) relayout = relayoutLayers(plan, held, first, end, resumeApplied);
     if (relayout) adoptLayers(std::move(*relayout), first, end, resumeApplied, e);
-    if (firstPlan && heldFirst_ < 0) {
+    if (firstPlan) {
       // The first plan this worker enters (its communicators are up): build this stage's
       // layers and nothing else.
+      model_ = torch::nn::Sequential();
       if (end > first) {
         torch::nn::Sequential built = buildLayers(spec_, o_.seed, o_.dtype, first, end);
         built->to(device_);
@@ -1484,6 +1627,7 @@ class Trainer::Impl {
       if (ps.empty()) continue;
       at::Tensor flat = flatGradients(ps);
       WaitingOnOthers waiting(client_, step_, &stepWaited_);
+      TrainingTraffic traffic(trafficGate());
       g.comm->allreduce(flat, collectives::ReduceOp::kSum, opTimeout());
       setGradients(ps, flat);
     }
@@ -1549,6 +1693,7 @@ class Trainer::Impl {
     auto exchange = [&](std::vector<collectives::P2POp> ops) {
       if (ops.empty()) return;
       WaitingOnOthers waiting(client_, step_, &stepWaited_);
+      TrainingTraffic traffic(trafficGate());
       comm_->exchange(ops, opTimeout());
     };
     // The header of an activation: dtype, number of dimensions, dimensions.
@@ -1857,6 +2002,235 @@ class Trainer::Impl {
     state_.injector.fire(ctx_.worker(), step, Phase::kSnapshot, &client_);
   }
 
+  // ---- Peer-RAM versions (pipelines; docs/pipeline.md, "Peer-RAM versions") ----
+
+  bool peerCheckpoints() const { return pipelineMode_ && o_.peerCheckpointEvery > 0; }
+
+  // The engine of one epoch that snapshotted (a generation): its workers and placement.
+  struct Generation {
+    int64_t epoch = -1;
+    std::unique_ptr<checkpoint::CheckpointEngine> engine;
+    int64_t lastTaken = -1;    // The newest version it snapshotted.
+    int64_t failuresSeen = 0;  // Its replication failures when that version was taken.
+  };
+
+  // The gate the stages' transfers hold while in flight: this epoch's engine's, if any.
+  checkpoint::TrafficGate* trafficGate() {
+    if (gens_.empty() || gens_.back().epoch != epoch_) return nullptr;
+    return &gens_.back().engine->trafficGate();
+  }
+
+  // The store prefix of the peer-RAM versions of epoch `epoch`'s generation.
+  static std::string geminiPrefix(int64_t epoch) {
+    return "sinew/gemini/e" + std::to_string(epoch);
+  }
+  static std::string geminiKey(int64_t epoch, const std::string& suffix) {
+    return geminiPrefix(epoch) + "/" + suffix;
+  }
+
+  // The workers of `plan` that hold layers, in Gemini placement order: by pipeline, then
+  // stage, so that a group (consecutive workers) holds different layers and the loss of every
+  // live copy of a layer (its holders in all pipelines) leaves a replica of each of its shards.
+  static std::vector<int> placementOrder(const Plan& plan) {
+    std::vector<pipeline::WorkerAssignment> ws;
+    for (const auto& w : plan.workers) {
+      if (w.endLayer > w.firstLayer) ws.push_back(w);
+    }
+    std::sort(ws.begin(), ws.end(), [](const auto& a, const auto& b) {
+      return std::tie(a.pipeline, a.stage, a.worker) < std::tie(b.pipeline, b.stage, b.worker);
+    });
+    std::vector<int> order;
+    for (const auto& w : ws) order.push_back(w.worker);
+    return order;
+  }
+
+  // After the optimizer step of `step`: every `peerCheckpointEvery`-th version (and the last
+  // step's) is snapshotted into this epoch's engine, which replicates it to the peers of the
+  // placement and commits it once every shard has `replicas` copies. A version is taken only
+  // after the previous one of this epoch committed or was abandoned, so at most one version
+  // per worker is in flight.
+  void maybePeerSnapshot(int64_t step) {
+    if (!peerCheckpoints() || heldEnd_ <= heldFirst_) return;
+    if ((step + 1) % o_.peerCheckpointEvery != 0 && step != o_.steps - 1) return;
+    const int self = ctx_.worker();
+    if (gens_.empty() || gens_.back().epoch != epoch_) {
+      std::vector<int> order = placementOrder(plan_);
+      if (std::find(order.begin(), order.end(), self) == order.end()) return;
+      checkpoint::CheckpointEngineOptions eo;
+      eo.self = self;
+      eo.workers = std::move(order);
+      eo.replication = o_.replicas;
+      eo.store = ctx_.store();
+      eo.prefix = geminiPrefix(epoch_);
+      eo.token = state_.token;
+      eo.service.host = ctx_.host();
+      // The committed version, the newest complete one and one being taken: a version that
+      // never commits (abandoned) does not keep the next one from being taken.
+      eo.snapshot.slots = 3;
+      // A peer that stopped answering fails the version within the operation deadline, so an
+      // engine being dropped never waits long for its replication thread.
+      eo.client.timeout = opTimeout();
+      eo.client.connectTimeout = std::min(opTimeout(), std::chrono::milliseconds(5000));
+      eo.timeout = recoveryTimeout();
+      eo.beforeReplicate = [this](int64_t s) {
+        state_.injector.fire(ctx_.worker(), s, Phase::kReplication, nullptr);
+      };
+      Generation g;
+      g.epoch = epoch_;
+      g.engine = std::make_unique<checkpoint::CheckpointEngine>(shardState(), std::move(eo));
+      // What this generation's shard holds, for a rollback's decision (rollbackTarget()).
+      ctx_.store()->set(
+          geminiKey(epoch_, "layers/" + std::to_string(self)),
+          collectives::toBytes(std::to_string(heldFirst_) + " " + std::to_string(heldEnd_)));
+      gens_.push_back(std::move(g));
+    }
+    Generation& g = gens_.back();
+    if (g.lastTaken >= 0 && !waitPeerCommit(g)) return;  // A newer epoch is announced.
+    g.failuresSeen = g.engine->stats().replicationFailures;
+    if (g.engine->snapshot(step, shardState())) g.lastTaken = step;
+    state_.injector.fire(self, step, Phase::kSnapshot, &client_);
+    // Generations older than the newest one with a committed version are never restored.
+    for (size_t i = gens_.size(); i-- > 1;) {
+      if (gens_[i].engine->committedStep() >= 0) {
+        gens_.erase(gens_.begin(), gens_.begin() + static_cast<std::ptrdiff_t>(i));
+        break;
+      }
+    }
+  }
+
+  // Waits until g's last version committed or was abandoned: this worker's replication of it
+  // failed (then it abandons it for everyone, under <prefix>/abandoned/<s>), another worker
+  // abandoned it, or recoveryTimeout passed. Returns false if a newer epoch was announced
+  // meanwhile (the next step's operations see it). Counts as waiting on the others for the
+  // next step (the step deadline's rule 1).
+  bool waitPeerCommit(Generation& g) {
+    const int64_t version = g.lastTaken;
+    if (g.engine->committedStep() >= version) return true;
+    const std::string abandoned = geminiKey(g.epoch, "abandoned/" + std::to_string(version));
+    auto& store = *ctx_.store();
+    WaitingOnOthers waiting(client_, step_ + 1, &stepWaited_);
+    const auto deadline = Clock::now() + recoveryTimeout();
+    std::string why;
+    auto pause = checkpoint::CheckpointEngine::kFirstPoll;
+    while (g.engine->committedStep() < version) {
+      if (client_.latestEpoch().epoch > epoch_) return false;
+      if (g.engine->stats().replicationFailures > g.failuresSeen) {
+        why = "its replication failed: " + g.engine->stats().lastError;
+        store.set(abandoned, collectives::toBytes(std::to_string(ctx_.worker())));
+        break;
+      }
+      if (store.check({abandoned})) {
+        why = "worker " + collectives::toString(store.get(abandoned)) + " abandoned it";
+        break;
+      }
+      if (Clock::now() > deadline) {
+        why = "it did not commit within " + std::to_string(recoveryTimeout().count()) + " ms";
+        break;
+      }
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, checkpoint::CheckpointEngine::kLastPoll);
+    }
+    if (!why.empty()) {
+      std::fprintf(stderr, "sinew: worker %d: peer-RAM version %lld abandoned: %s\n", ctx_.worker(),
+                   static_cast<long long>(version), why.c_str());
+      event({{"event", "peer_version_abandoned"}, {"step", version}, {"why", why}});
+    }
+    return true;
+  }
+
+  // The newest version at or before `upTo` from which every layer can be restored when the
+  // workers in `live` are all that remain: a committed peer-RAM version (of a generation this
+  // worker still keeps, or any if it keeps none) that, by its generation's placement and
+  // published shard layers, some live worker holds every layer of; or a durable version in
+  // checkpointDir. -1 if there is none (the job then starts over from the seeds).
+  int64_t rollbackTarget(int64_t upTo, int64_t epoch, const std::vector<int>& live,
+                         collectives::Store& store) {
+    const int numLayers = static_cast<int>(spec_.layers.size());
+    auto isLive = [&](int w) { return std::find(live.begin(), live.end(), w) != live.end(); };
+    const int64_t oldest = gens_.empty() ? 0 : gens_.front().epoch;
+    int64_t best = -1;
+    for (int64_t e = epoch; e >= oldest; --e) {
+      const std::string prefix = geminiPrefix(e);
+      // upTo itself if it committed here (a version may commit after a first decision), else
+      // the generation's newest.
+      auto record = checkpoint::CheckpointEngine::commitRecordIn(store, prefix, upTo);
+      if (!record) {
+        const int64_t c = checkpoint::CheckpointEngine::committedIn(store, prefix);
+        if (c < 0 || c > upTo) continue;
+        record = checkpoint::CheckpointEngine::commitRecordIn(store, prefix, c);
+      }
+      if (!record || record->step <= best) continue;
+      checkpoint::ReplicaPlacement placement(record->workers, record->replication);
+      std::vector<bool> covered(numLayers, false);
+      for (int w : record->workers) {
+        const auto& holders = placement.holders(w);
+        if (std::none_of(holders.begin(), holders.end(), isLive)) continue;
+        std::istringstream is(collectives::toString(
+            store.get(geminiKey(e, "layers/" + std::to_string(w)), recoveryTimeout())));
+        int first = 0, end = 0;
+        if (!(is >> first >> end)) continue;
+        for (int l = std::max(first, 0); l < std::min(end, numLayers); ++l) covered[l] = true;
+      }
+      bool all = true;
+      for (int l = 0; l < numLayers; ++l) all = all && (covered[l] || !hasParameters(l));
+      if (all) best = record->step;
+    }
+    if (!o_.checkpointDir.empty()) {
+      // The newest durable version at or before upTo (restoreLayers verifies its checksums).
+      for (int64_t d :
+           checkpoint::CheckpointReader(o_.checkpointDir, state_.checkpointEnv).durableSteps()) {
+        if (d <= upTo) {
+          best = std::max(best, d);
+          break;
+        }
+      }
+    }
+    return best;
+  }
+
+  // Whether layer l has parameters (from the profile; without one, assume it has).
+  bool hasParameters(int l) const {
+    return profile_.layers.size() != spec_.layers.size() || profile_.layers[l].param_bytes > 0;
+  }
+
+  // Restores `layers` of version `step`: this worker's own RAM (its snapshots and the
+  // replicas it holds, of every generation it keeps), then the RAM of the live workers of
+  // those generations, then checkpointDir (checkpoint::restoreLayers; every tensor's crc32c is
+  // checked, a damaged or missing copy moves on to the next source).
+  checkpoint::RestoreResult restoreVersion(int64_t step, const std::vector<std::string>& layers,
+                                           const std::vector<int>& live) {
+    checkpoint::RestoreSources src;
+    for (auto it = gens_.rbegin(); it != gens_.rend(); ++it) {
+      checkpoint::RestoreSources g = it->engine->restoreSources(step);
+      src.local.insert(src.local.end(), g.local.begin(), g.local.end());
+      for (auto& peer : g.peers) {
+        // Workers that left are gone (a stopped one would only cost its timeout).
+        if (std::find(live.begin(), live.end(), peer.first) != live.end()) {
+          src.peers.push_back(std::move(peer));
+        }
+      }
+      src.client = g.client;
+    }
+    src.client.token = state_.token;
+    src.client.connectTimeout = std::chrono::milliseconds(1000);
+    src.client.timeout = recoveryTimeout();
+    src.dir = o_.checkpointDir;
+    src.env = state_.checkpointEnv;
+    return checkpoint::restoreLayers(src, step, layers);
+  }
+
+  // Waits for every peer-RAM snapshot in flight (their copies read the layers' tensors).
+  void waitPeerSnapshots() {
+    for (auto& g : gens_) {
+      try {
+        g.engine->arena().waitComplete();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "sinew: worker %d: a peer-RAM snapshot failed: %s\n", ctx_.worker(),
+                     e.what());
+      }
+    }
+  }
+
   void flushLoop() {
     std::unique_lock<std::mutex> lock(ckMu_);
     while (true) {
@@ -2162,6 +2536,8 @@ class Trainer::Impl {
   int64_t startStep_ = 0;
   bool leaveSent_ = false;
   int64_t lastSnapshot_ = -1;
+  // Peer-RAM versions (pipelines): one engine per epoch that snapshotted, oldest first.
+  std::deque<Generation> gens_;
   // Durable checkpoints (the writers only: checkpointWriter()).
   std::unique_ptr<checkpoint::SnapshotArena> arena_;
   std::unique_ptr<checkpoint::CheckpointWriter> writer_;

@@ -79,6 +79,8 @@ std::vector<Field> fieldsOf(Type type) {
               {"path", Kind::kString, true, 1, kMaxText}};
     case Type::kLeave:
       return {{"step", Kind::kInt, true, -1, kMaxStep}};
+    case Type::kRollback:
+      return {{"step", Kind::kInt, true, -1, kMaxStep}};
     case Type::kReleased:
       return {{"step", Kind::kInt, true, -1, kMaxStep},
               {"reason", Kind::kString, false, 0, kMaxText}};
@@ -128,6 +130,8 @@ const char* typeName(uint8_t type) {
       return "pipeline";
     case Type::kDurable:
       return "durable";
+    case Type::kRollback:
+      return "rollback";
   }
   return nullptr;
 }
@@ -144,6 +148,7 @@ const char* workerTypeName(uint8_t type) {
     case Type::kLeave:
     case Type::kPipeline:
     case Type::kDurable:
+    case Type::kRollback:
       return typeName(type);
     default:
       return nullptr;

@@ -9,8 +9,12 @@
 //     `predicted_iteration_s`, which the cost model computes from the profile measured at start.
 //  3. Pipeline against data parallelism: the same model, the same 2 workers, samples/s of the
 //     pipeline job against a data-parallel job (the model fits one worker there).
+//  4. Peer-RAM versions (Gemini, every step by default; each worker replicates its stage to the
+//     other) against the same pipeline job with them off (--peer-checkpoint-every 0): the
+//     step time with replication over the step time without (samples/s without / with).
 //
 // Last line: RESULT pp_iter_vs_model=<measured/predicted> p2p_ratio_vs_tcp=<r> pp_vs_dp=<x>
+//            peer_ram_step_ratio=<with/without>
 
 #include <ftw.h>
 #include <sys/stat.h>
@@ -232,6 +236,10 @@ int main(int argc, char** argv) {
 
   JobStats pp = runJob("pp", {"--fault-tolerance", "0", "--memory-bytes", "2000000"}, steps);
   JobStats dp = runJob("dp", {"--data-parallel"}, steps);
+  JobStats bare = runJob(
+      "pp-bare",
+      {"--fault-tolerance", "0", "--memory-bytes", "2000000", "--peer-checkpoint-every", "0"},
+      steps);
   std::printf("train_pp on 2 workers, %d steps\n", steps);
   std::printf(
       "  pipeline (2 stages): 1F1B %8.3f ms/step measured, %8.3f ms predicted; %8.1f "
@@ -239,10 +247,14 @@ int main(int argc, char** argv) {
       pp.measuredIterationS * 1e3, pp.predictedIterationS * 1e3, pp.samplesPerS);
   std::printf("  data parallel:                                                 %8.1f samples/s\n",
               dp.samplesPerS);
+  std::printf("  pipeline without peer-RAM versions:                            %8.1f samples/s\n",
+              bare.samplesPerS);
   double iterRatio =
       pp.predictedIterationS > 0 ? pp.measuredIterationS / pp.predictedIterationS : 0;
   double ppVsDp = dp.samplesPerS > 0 ? pp.samplesPerS / dp.samplesPerS : 0;
-  std::printf("RESULT pp_iter_vs_model=%.3f p2p_ratio_vs_tcp=%.3f pp_vs_dp=%.3f\n", iterRatio,
-              tcp / sinew, ppVsDp);
+  double peerRatio = pp.samplesPerS > 0 ? bare.samplesPerS / pp.samplesPerS : 0;
+  std::printf(
+      "RESULT pp_iter_vs_model=%.3f p2p_ratio_vs_tcp=%.3f pp_vs_dp=%.3f peer_ram_step_ratio=%.3f\n",
+      iterRatio, tcp / sinew, ppVsDp, peerRatio);
   return 0;
 }

@@ -103,6 +103,22 @@ struct TrainerOptions {
   Parallelism parallelism = Parallelism::kData;
   // f: the job runs at least f + 1 pipelines, so every layer has f + 1 copies.
   int faultTolerance = 1;
+  // Peer-RAM versions (Gemini; docs/pipeline.md, "Peer-RAM versions"): after the optimizer
+  // step of every `peerCheckpointEvery`-th step (and of the last step) each worker snapshots
+  // its layers' parameters and optimizer state lazily into host RAM and replicates them to
+  // `replicas - 1` peers chosen by Gemini's group placement (consecutive stages of one
+  // pipeline form a group); a version is committed once every worker's shard has `replicas`
+  // copies. When every live copy of some layer is lost (f + 1 failures, or two workers of
+  // different pipelines holding the same layers) the job rolls back to the newest committed
+  // version, restored from the workers' own RAM, then peers' RAM, then checkpointDir.
+  // 0: off (such a loss then needs a durable version of the very step). SGD or Adam.
+  int peerCheckpointEvery = 1;
+  int replicas = 2;
+  // The most workers the job may grow to by joins: the coordinator plans templates up to
+  // that many nodes, so a joined worker gets a stage (docs/pipeline.md, "Joins"). 0: the
+  // environment's SINEW_MAX_WORKERS (sinew-run --max-workers sets it), else twice the
+  // workers the job starts with.
+  int64_t maxWorkers = 0;
   // The layer profile the planner uses: a JSON file (docs/profile_format.md) with one entry
   // per layer of the model, in order; empty: measured at start by every member of the first
   // epoch at once (pipeline/profiler.h, whole microbatches of step 0, medians of 21 runs; each

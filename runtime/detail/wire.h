@@ -45,6 +45,8 @@ enum class Type : uint8_t {
   kPipeline = 14,  // worker -> coordinator: {profile, fault_tolerance, microbatches} plan the
                    // job as pipelines; every later epoch message carries its plan
   kDurable = 15,   // worker -> coordinator: {step, bytes, flush_us, path} a version is durable
+  kRollback = 16,  // worker -> coordinator: {step} (pipelines) some layer has no live copy
+                   // after the epoch's resume step: resume after the older version `step`
 };
 
 // Largest profile (JSON) a worker may send, and largest plan (JSON) an epoch may carry.

@@ -58,7 +58,8 @@ struct Args {
   double deadline = 0;    // the whole job, seconds (0: none)
   double exitGrace = 30;  // after the job ended, for every worker to exit
   bool quiet = false;
-  int maxWorkers = 0;  // 0: -n
+  int maxWorkers = 0;            // 0: -n
+  bool maxWorkersGiven = false;  // then workers get SINEW_MAX_WORKERS
   int controlPort = 0;
   bool noControl = false;
   std::string controlHost = "127.0.0.1";
@@ -119,7 +120,8 @@ Args parse(int argc, char** argv) {
   std::string maxWorkers, controlPort = "0", controlTimeout = "10000", drainSignal,
                           drainDeadline = "120";
   app.add_option("--max-workers", maxWorkers,
-                 "workers a resize may grow the job to (joiners this launcher starts; default -n)")
+                 "workers a resize may grow the job to (joiners this launcher starts; default -n); "
+                 "pipeline jobs plan templates up to it (SINEW_MAX_WORKERS)")
       ->type_name("M");
   app.add_option("--control-port", controlPort,
                  "port of the HTTP control API (docs/control_api.md; default 0: a free one)")
@@ -170,6 +172,7 @@ Args parse(int argc, char** argv) {
   a.stepDeadlineMs = parseCount("--step-deadline-ms", stepDeadline, 100000000);
   a.stepDeadlineFactor = parseCount("--step-deadline-factor", stepFactor, 1000000);
   a.maxWorkers = maxWorkers.empty() ? a.workers : parseCount("--max-workers", maxWorkers, 1000000);
+  a.maxWorkersGiven = !maxWorkers.empty();
   if (a.maxWorkers < a.workers) usage("--max-workers must be at least -n");
   {
     int64_t x = 0;
@@ -314,7 +317,8 @@ int main(int argc, char** argv) {
       const std::string kv = *e;
       const std::string key = kv.substr(0, kv.find('='));
       if (key == "SINEW_COORDINATOR" || key == "SINEW_TOKEN" || key == "SINEW_WORKER_ID" ||
-          key == "SINEW_LOG_DIR" || (key == "SINEW_INJECT" && !a.inject.empty())) {
+          key == "SINEW_LOG_DIR" || (key == "SINEW_INJECT" && !a.inject.empty()) ||
+          (key == "SINEW_MAX_WORKERS" && a.maxWorkersGiven)) {
         continue;
       }
       env.push_back(kv);
@@ -328,6 +332,9 @@ int main(int argc, char** argv) {
                                                : "local-joiner-" + std::to_string(joinerCount)));
     }
     if (!a.inject.empty()) env.push_back("SINEW_INJECT=" + a.inject);
+    // Pipeline jobs plan templates for the workers the job may grow to
+    // (TrainerOptions::maxWorkers).
+    if (a.maxWorkersGiven) env.push_back("SINEW_MAX_WORKERS=" + std::to_string(a.maxWorkers));
     std::vector<char*> envp;
     for (auto& kv : env) envp.push_back(const_cast<char*>(kv.c_str()));
     envp.push_back(nullptr);

@@ -304,6 +304,19 @@ TEST(SnapshotTest, MemoryStaysFlatOverAThousandCheckpointsWithReplication) {
   EXPECT_EQ(committed, 999);
   EXPECT_EQ(e0.stats().snapshot.taken, 1000);
   EXPECT_EQ(e0.service().bytesAllocated(), 2 * static_cast<uint64_t>(shard));
+  // Nor does the store: the committer drops each version's reports and the record of the
+  // version committed two before it.
+  EXPECT_TRUE(sinew::testing::eventually([&] { return !store->check({"sinew/ckpt/commit/997"}); }));
+  for (const char* gone : {"sinew/ckpt/held/500", "sinew/ckpt/held/500/0", "sinew/ckpt/held/500/1",
+                           "sinew/ckpt/commit/500", "sinew/ckpt/held/999"}) {
+    EXPECT_FALSE(store->check({gone})) << gone;
+  }
+  auto last = CheckpointEngine::commitRecordIn(*store, "sinew/ckpt", 999);
+  ASSERT_TRUE(last.has_value());
+  EXPECT_EQ(last->previous, 998);
+  EXPECT_EQ(last->workers, (std::vector<int>{0, 1}));
+  EXPECT_TRUE(CheckpointEngine::commitRecordIn(*store, "sinew/ckpt", 998).has_value());
+  EXPECT_EQ(CheckpointEngine::committedIn(*store, "sinew/ckpt"), 999);
 }
 
 TEST(EngineTest, AFailedFlushReachesTheWaiterAsIoError) {

@@ -277,6 +277,53 @@ TEST(TemplatePlannerTest, MemoryDecidesTheFewestNodes) {
   EXPECT_EQ(set.find(1), nullptr);
 }
 
+// max_nodes (joins) extends the templates up to max_nodes - f * n_min and changes none of
+// those the starting nodes have: the same splits and costs for every count up to N - f * n_min.
+TEST(TemplatePlannerTest, MaxNodesAddsTemplatesForJoinsAndKeepsTheOthers) {
+  for (int G : {1, 4}) {
+    std::mt19937_64 rng(7 + G);
+    Profile p = randomProfile(rng, 24, G);
+    p.job.device_memory_bytes = 1 << 30;
+    const TemplateSet start = planTemplates(p, {6, 1, 48});
+    TemplateOptions grown{6, 1, 48};
+    grown.max_nodes = 12;
+    const TemplateSet more = planTemplates(p, grown);
+    EXPECT_EQ(more.min_nodes, start.min_nodes);
+    EXPECT_EQ(start.max_nodes, 6 - start.min_nodes);
+    EXPECT_EQ(more.max_nodes, 12 - start.min_nodes);
+    for (int n = start.min_nodes; n <= more.max_nodes; ++n) {
+      const PipelineTemplate* a = start.find(n);
+      const PipelineTemplate* b = more.find(n);
+      ASSERT_NE(b, nullptr) << "G=" << G << ": no template for " << n << " nodes";
+      if (n > start.max_nodes) {
+        EXPECT_EQ(a, nullptr);
+        continue;
+      }
+      ASSERT_NE(a, nullptr);
+      EXPECT_EQ(a->fill_ticks, b->fill_ticks) << n;
+      EXPECT_EQ(a->bottleneck_ticks, b->bottleneck_ticks) << n;
+      ASSERT_EQ(a->stages.size(), b->stages.size()) << n;
+      for (size_t s = 0; s < a->stages.size(); ++s) {
+        EXPECT_EQ(a->stages[s].end_layer, b->stages[s].end_layer);
+        EXPECT_EQ(a->stages[s].devices, b->stages[s].devices);
+      }
+    }
+    // The grown templates instantiate on 12 nodes (e.g. after six joins) with none idle.
+    std::vector<int> nodes(12);
+    for (int i = 0; i < 12; ++i) nodes[i] = i;
+    PlanOptions po;
+    po.fault_tolerance = 1;
+    po.global_microbatches = 48;
+    EXPECT_TRUE(makePlan(more, nodes, po).idleNodeIds.empty()) << "G=" << G;
+  }
+  std::mt19937_64 rng(1);
+  Profile p = randomProfile(rng, 4, 1);
+  p.job.device_memory_bytes = 1 << 30;
+  TemplateOptions bad{6, 1, 48};
+  bad.max_nodes = -1;
+  EXPECT_THROW(planTemplates(p, bad), InvalidArgument);
+}
+
 TEST(TemplatePlannerTest, RejectsBadOptionsAndTooMuchFaultTolerance) {
   std::mt19937_64 rng(3);
   Profile p = randomProfile(rng, 4, 1);

@@ -96,6 +96,22 @@ TEST(CoordinatorTest, StepIsCommittedOnlyWhenEveryMemberVoted) {
   EXPECT_EQ(st.dead, std::vector<int>{1});
 }
 
+// A rollback (docs/pipeline.md, "Rollback") is for pipeline jobs only: in a data-parallel job
+// the request is logged and ignored, and nothing moves back.
+TEST(CoordinatorTest, RollbackRequestOutsideAPipelineJobIsIgnored) {
+  LogSink sink;
+  Coordinator coord(options(1, &sink));
+  auto a = client(coord, 0);
+  EXPECT_EQ(a->waitEpochAfter(-1, 5s).epoch, 0);
+  EXPECT_EQ(a->vote(0, 0, 5s), CoordinatorClient::VoteResult::kCommitted);
+  EXPECT_EQ(a->vote(0, 1, 5s), CoordinatorClient::VoteResult::kCommitted);
+  a->requestRollback(0, 0);
+  EXPECT_TRUE(eventually([&] { return sink.contains("ignoring worker 0's rollback to step 0"); }));
+  EXPECT_EQ(coord.status().committedStep, 1);
+  EXPECT_THROW(a->waitEpochAfter(0, 200ms), Timeout);  // No new epoch.
+  EXPECT_EQ(a->vote(0, 2, 5s), CoordinatorClient::VoteResult::kCommitted);
+}
+
 TEST(CoordinatorTest, HeartbeatSilenceDeclaresDeadAtTheDeadline) {
   Coordinator coord(options(2, nullptr));
   auto a = client(coord, 0);
@@ -476,7 +492,8 @@ TEST(FailureInjectionTest, MalformedSpecsNameWhatIsWrong) {
            {"mute:worker=1:step=2:secs=1:phase=flush", "mute cannot fire in phase flush"},
            {"corrupt:worker=1:step=2:phase=backward", "corrupt fires only in phase flush"},
            {"corrupt:worker=1", "needs step"},
-           {"kill:worker=1:step=2:phase=replication", "needs peer-RAM replicas"},
+           {"mute:worker=1:step=2:secs=1:phase=replication",
+            "mute cannot fire in phase replication"},
        }) {
     try {
       FailureInjector::parse(b.spec);

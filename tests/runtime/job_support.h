@@ -177,5 +177,26 @@ inline pid_t workerPid(const std::string& dir, int worker) {
   return std::regex_search(events, m, re) ? static_cast<pid_t>(std::stol(m[1])) : -1;
 }
 
+// The environment of a worker that joins the job sinew-run runs with logs in `dir`: the
+// coordinator's endpoint and token from coordinator.json (waits up to 30 s for the launcher
+// to write it), SINEW_NODE = node and the job's log folder. Empty if there is no
+// coordinator.json.
+inline std::map<std::string, std::string> joinerEnv(const std::string& dir,
+                                                    const std::string& node) {
+  auto deadline = Clock::now() + 30s;
+  while (Clock::now() < deadline) {
+    std::string text = slurp(dir + "/coordinator.json");
+    std::smatch m;
+    if (std::regex_search(text, m, std::regex("\"port\":(\\d+).*\"token\":\"([0-9a-f]+)\""))) {
+      return {{"SINEW_COORDINATOR", "127.0.0.1:" + m[1].str()},
+              {"SINEW_TOKEN", m[2].str()},
+              {"SINEW_NODE", node},
+              {"SINEW_LOG_DIR", dir}};
+    }
+    std::this_thread::sleep_for(20ms);
+  }
+  return {};
+}
+
 }  // namespace testing
 }  // namespace sinew

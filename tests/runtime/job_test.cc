@@ -33,6 +33,7 @@ using Clock = std::chrono::steady_clock;
 using sinew::testing::Child;
 using sinew::testing::finish;
 using sinew::testing::JobRun;
+using sinew::testing::joinerEnv;
 using sinew::testing::logDir;
 using sinew::testing::parseResult;
 using sinew::testing::Result;
@@ -112,33 +113,11 @@ TEST(JobTest, WorkerJoinsMidRun) {
                      TRAIN_DP_PATH, "--steps", "150"},
                     {});
   // The launcher writes the endpoint and token once the coordinator listens.
-  std::string endpoint, token;
-  auto deadline = Clock::now() + 30s;
-  while (Clock::now() < deadline) {
-    std::ifstream f(dir + "/coordinator.json");
-    std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    std::smatch m;
-    if (std::regex_search(text, m, std::regex("\"port\":(\\d+).*\"token\":\"([0-9a-f]+)\""))) {
-      endpoint = "127.0.0.1:" + m[1].str();
-      token = m[2];
-      break;
-    }
-    std::this_thread::sleep_for(20ms);
-  }
-  ASSERT_FALSE(endpoint.empty()) << "no coordinator.json";
+  const auto env = joinerEnv(dir, "joiner");
+  ASSERT_FALSE(env.empty()) << "no coordinator.json";
   // Join mid-run: once the job has trained 20 steps.
-  bool running = false;
-  while (!running && Clock::now() < deadline) {
-    std::ifstream f(dir + "/worker-0.log");
-    std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    running = text.find("sinew: step 20 ") != std::string::npos;
-    if (!running) std::this_thread::sleep_for(20ms);
-  }
-  ASSERT_TRUE(running) << "the job did not reach step 20";
-  Child joiner = start({TRAIN_DP_PATH, "--steps", "150"}, {{"SINEW_COORDINATOR", endpoint},
-                                                           {"SINEW_TOKEN", token},
-                                                           {"SINEW_NODE", "joiner"},
-                                                           {"SINEW_LOG_DIR", dir}});
+  ASSERT_TRUE(waitForLog(dir, "sinew: step 20 ")) << "the job did not reach step 20";
+  Child joiner = start({TRAIN_DP_PATH, "--steps", "150"}, env);
   JobRun joined = finish(joiner, 240s);
   JobRun run = finish(job, 240s);
   expectGoodJob(run, "", 0);

@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <map>
 #include <regex>
 #include <set>
@@ -20,11 +21,16 @@
 namespace {
 
 using namespace std::chrono_literals;
+using sinew::testing::Child;
+using sinew::testing::finish;
 using sinew::testing::JobRun;
+using sinew::testing::joinerEnv;
 using sinew::testing::logDir;
 using sinew::testing::parseResult;
 using sinew::testing::Result;
 using sinew::testing::slurp;
+using sinew::testing::start;
+using sinew::testing::waitForLog;
 
 // train_pp's layers with their parameter counts: embed (token 32 x 32 + position 16 x 32),
 // 8 blocks (two layer norms, qkv, proj, a 4x MLP over 32 features), head (layer norm, 32 x 32
@@ -190,13 +196,13 @@ TEST(PipelineJobTest, RestartFromDiskOntoOtherPlansAndDataParallel) {
   std::filesystem::remove_all(dir);
 }
 
-// A profile of train_pp's layers with 2 devices (workers) per node and 600 kB per device:
-// every layer's parameters are 100 kB, so a pipeline needs two stages or more; layer l keeps
-// activationBytes(l) of activations per microbatch.
-std::string twoPerNodeProfile(const std::string& path, int64_t (*activationBytes)(int)) {
+// A profile of train_pp's ten layers, each 100 kB of parameters, 1 ms forward and 2 ms backward,
+// with `devicesPerNode` workers per node of `memoryBytes` each and layer l's activations.
+std::string layerProfile(const std::string& path, int devicesPerNode, int64_t memoryBytes,
+                         int64_t (*activationBytes)(int)) {
   std::ofstream out(path);
-  out << R"({"version": 1, "microbatch_size": 4, "job": {"devices_per_node": 2,
-    "device_memory_bytes": 600000, "inter_stage_gbps": 10.0,
+  out << R"({"version": 1, "microbatch_size": 4, "job": {"devices_per_node": )" << devicesPerNode
+      << R"(, "device_memory_bytes": )" << memoryBytes << R"(, "inter_stage_gbps": 10.0,
     "allreduce": {"algorithm": "ring", "bandwidth_gbps": 1000.0, "latency_us": 1.0}},
     "layers": [)";
   for (int l = 0; l < 10; ++l) {
@@ -208,6 +214,13 @@ std::string twoPerNodeProfile(const std::string& path, int64_t (*activationBytes
   }
   out << "]}\n";
   return path;
+}
+
+// A profile of train_pp's layers with 2 devices (workers) per node and 600 kB per device:
+// every layer's parameters are 100 kB, so a pipeline needs two stages or more; layer l keeps
+// activationBytes(l) of activations per microbatch.
+std::string twoPerNodeProfile(const std::string& path, int64_t (*activationBytes)(int)) {
+  return layerProfile(path, 2, 600000, activationBytes);
 }
 
 // 15 kB of activations per layer: a pipeline needs two stages; a stage of width 1 on one
@@ -389,6 +402,22 @@ TEST(PipelineRecoveryTest, KillDuringTheReconfiguration) {
   expectStagesHoldOnlyTheirLayers(workerLines(run.output), 4);
 }
 
+TEST(PipelineRecoveryTest, KillDuringALayerCopy) {
+  // After worker 2's loss, worker 0 sends layers to worker 1 (as in KillInForward...); it dies
+  // between the manifests and the tensors of that copy. Nothing was adopted, so the survivors
+  // reconfigure again from what each still holds.
+  JobRun run = trainPp("pp-kill-copy", 6, {"--memory-bytes", kBudget, "--steps", "30"},
+                       "kill:worker=2:step=10:phase=forward;kill:worker=0:step=0:phase=copy");
+  SCOPED_TRACE(run.output);
+  EXPECT_NE(run.output.find("worker 0 SIGKILLs itself at step 10 phase copy"), std::string::npos);
+  EXPECT_TRUE(run.output.find("workers lost: [2,0]") != std::string::npos ||
+              run.output.find("workers lost: [0,2]") != std::string::npos);
+  expectMatchesReference(run);
+  std::vector<WorkerLine> lines = workerLines(run.output);
+  expectStagesHoldOnlyTheirLayers(lines, 4);
+  for (const auto& w : lines) EXPECT_GT(w.params, 0) << "worker " << w.worker << " is idle";
+}
+
 TEST(PipelineRecoveryTest, SigstopPastTheHeartbeatTimeout) {
   JobRun run = trainPp("pp-sigstop", 6, {"--memory-bytes", kBudget, "--steps", "30"},
                        "stop:worker=3:step=10:secs=3");
@@ -397,4 +426,165 @@ TEST(PipelineRecoveryTest, SigstopPastTheHeartbeatTimeout) {
   EXPECT_NE(run.output.find("worker 3 declared dead"), std::string::npos);
 }
 
+// A worker started with SINEW_COORDINATOR joins a running pipeline job of 4 workers (2 + 2
+// stages). The coordinator planned templates for up to twice the starting workers
+// (TrainerOptions::maxWorkers), so at the next step boundary the 5 workers run as pipelines
+// of 3 and 2 stages: the joiner gets its layers, with their optimizer state, copied from live
+// workers, and every worker ends equal to the reference.
+TEST(PipelineRecoveryTest, AJoinedWorkerGetsAStage) {
+  const std::string dir = logDir("pp-join");
+  // Slowed steps keep the job running while the joiner starts.
+  Child job = start({SINEW_RUN_PATH, "-n", "4", "--log-dir", dir, "--inject", "slow:worker=*:ms=30",
+                     TRAIN_PP_PATH, "--memory-bytes", kBudget, "--steps", "60"},
+                    {});
+  // sinew-run's output is read while the joiner runs, so that its pipe never fills.
+  auto jobRun = std::async(std::launch::async, [&] { return finish(job, 300s); });
+  const auto env = joinerEnv(dir, "joiner");
+  ASSERT_FALSE(env.empty()) << "no coordinator.json";
+  ASSERT_TRUE(waitForLog(dir, "sinew: step 10 ")) << "the job did not reach step 10";
+  JobRun joined =
+      finish(start({TRAIN_PP_PATH, "--memory-bytes", kBudget, "--steps", "60"}, env), 300s);
+  JobRun run = jobRun.get();
+  SCOPED_TRACE(run.output + joined.output);
+  EXPECT_EQ(joined.exitCode, 0);
+  EXPECT_NE(run.output.find("worker 4 (node joiner) asks to join"), std::string::npos);
+  expectMatchesReference(run);
+  EXPECT_EQ(planStages(run.output), (std::vector<int>{2, 2})) << "the first plan";
+  EXPECT_TRUE(run.output.find("pipeline 0: 3 stages") != std::string::npos ||
+              run.output.find("pipeline 1: 3 stages") != std::string::npos)
+      << "no plan of 3 + 2 stages after the join";
+  // Who holds what at the end: the four launched workers and the joiner, every one a stage.
+  std::vector<WorkerLine> lines = workerLines(run.output + joined.output);
+  expectStagesHoldOnlyTheirLayers(lines, 5);
+  bool joinerHolds = false;
+  for (const auto& w : lines) {
+    EXPECT_GT(w.params, 0) << "worker " << w.worker << " is idle";
+    joinerHolds = joinerHolds || (w.worker == 4 && w.params > 0);
+  }
+  EXPECT_TRUE(joinerHolds) << "the joiner holds no layers";
+  EXPECT_TRUE(std::regex_search(
+      joined.output, std::regex("sinew: worker 4 now holds layers \\S+ \\(epoch \\d+; \\d+ "
+                                "copied from worker")))
+      << "the joiner's layers were not copied from live workers";
+  EXPECT_EQ(run.output.find("read from the durable checkpoint"), std::string::npos);
+}
+
 }  // namespace
+
+// ---- Peer-RAM versions and rollback (issue 12; docs/pipeline.md "Peer-RAM versions" and
+// "Rollback") ----
+// Eight workers as two pipelines (below), so every layer has exactly f + 1 = 2 live copies
+// and killing w0 and w5 loses every live copy of embed. Gemini's groups follow the stages of a
+// pipeline, so their shards survive in the RAM of their group partners.
+// The plan comes from a fixed profile (a measured one varies from run to run and can plan 5+3
+// stages): ten equal layers of 100 kB and 450 kB per worker, so a pipeline needs three workers
+// (at most four layers each); eight run pipelines of five (w0..w4) and three (w5..w7)
+// stages, both starting with embed..block0, and six survivors run two of three.
+std::string fourStageProfile(const std::string& path) {
+  return layerProfile(path, 1, 450000, [](int) -> int64_t { return 1000; });
+}
+
+// The version the job said it rolls back to, or -2 if it did not.
+int64_t rollbackVersion(const std::string& out) {
+  std::smatch m;
+  if (!std::regex_search(out, m, std::regex("rolling back to version (\\d+)"))) return -2;
+  return std::stoll(m[1]);
+}
+
+// Lines "worker W now holds ... (epoch E; ...)" of the epoch that restored the rollback's
+// version, by worker.
+std::map<int, std::string> restoreLines(const std::string& out) {
+  std::map<int, std::string> lines;
+  std::regex re("sinew: worker (\\d+) now holds [^\\n]*");
+  for (std::sregex_iterator it(out.begin(), out.end(), re), end; it != end; ++it) {
+    const std::string line = (*it)[0];
+    if (line.find("(version ") != std::string::npos ||
+        line.find("read from the durable checkpoint") != std::string::npos) {
+      lines[std::stoi((*it)[1])] = line;
+    }
+  }
+  return lines;
+}
+
+TEST(PipelineRollbackTest, LosingEveryLiveCopyRestoresTheCommittedVersionFromRam) {
+  const std::string profile = fourStageProfile(logDir("pp-rollback-ram") + "-profile.json");
+  JobRun run = trainPp("pp-rollback-ram", 8, {"--profile", profile, "--steps", "20"},
+                       "kill:worker=0:step=10:phase=forward;kill:worker=5:step=10:phase=forward");
+  SCOPED_TRACE(run.output);
+  expectMatchesReference(run);
+  EXPECT_TRUE(run.output.find("workers lost: [0,5]") != std::string::npos ||
+              run.output.find("workers lost: [5,0]") != std::string::npos);
+  std::vector<WorkerLine> lines = workerLines(run.output);
+  expectStagesHoldOnlyTheirLayers(lines, 6);
+  for (const auto& w : lines) EXPECT_GT(w.params, 0) << "worker " << w.worker << " is idle";
+  std::map<int, std::string> restored = restoreLines(run.output);
+  const int64_t version = rollbackVersion(run.output);
+  if (version == -2) {
+    // Every replica of version 9 arrived before the kills: it is committed and restorable, so
+    // nobody rolls back and the lost layers come from RAM at step 9.
+    EXPECT_FALSE(restored.empty());
+    for (const auto& [w, line] : restored) {
+      EXPECT_NE(line.find("RAM"), std::string::npos) << line;
+      EXPECT_NE(line.find("(version 9)"), std::string::npos) << line;
+    }
+    return;
+  }
+  // Otherwise version 8 is the newest committed one: a worker snapshots a version only after
+  // the previous one committed, and worker 0 had snapshotted 9.
+  EXPECT_NE(run.output.find("layer embed has no live copy after step 9"), std::string::npos);
+  EXPECT_EQ(version, 8);
+  // Every survivor restored its layers of that version from RAM (its own or a peer's):
+  // nothing from disk (there is none), nothing from the seeds.
+  EXPECT_EQ(restored.size(), 6u);
+  bool fromPeer = false;
+  for (const auto& [w, line] : restored) {
+    EXPECT_NE(line.find("(version 8)"), std::string::npos) << line;
+    EXPECT_EQ(line.find("built from their seeds"), std::string::npos) << line;
+    EXPECT_EQ(line.find("durable checkpoint"), std::string::npos) << line;
+    fromPeer = fromPeer || line.find("from the RAM of worker") != std::string::npos;
+  }
+  EXPECT_TRUE(fromPeer) << "no worker restored a layer from a peer's RAM";
+  // embed lived only in w0's and w5's shards: their replicas are in w1's and w4's RAM (groups
+  // {w0,w1} and {w4,w5} of the placement by pipeline, then stage).
+  for (const auto& w : lines) {
+    if (w.first != 0) continue;
+    EXPECT_TRUE(w.worker == 1 || w.worker == 4 ||
+                restored[w.worker].find("from the RAM of worker 1") != std::string::npos ||
+                restored[w.worker].find("from the RAM of worker 4") != std::string::npos)
+        << restored[w.worker];
+  }
+}
+
+TEST(PipelineRollbackTest, WithNoCommittedPeerVersionTheDurableOneIsRestored) {
+  // Peer-RAM versions only every 100 steps: none exists when w0 and w5 die, so the job rolls
+  // back to the newest durable version (every step is written).
+  const std::string ckpt = logDir("pp-rollback-disk-dir");
+  JobRun run = trainPp(
+      "pp-rollback-disk", 8,
+      {"--profile", fourStageProfile(ckpt + "-profile.json"), "--steps", "20", "--checkpoint-dir",
+       ckpt, "--checkpoint-every", "1", "--peer-checkpoint-every", "100"},
+      "kill:worker=0:step=10:phase=forward;kill:worker=5:step=10:phase=forward");
+  SCOPED_TRACE(run.output);
+  expectMatchesReference(run);
+  std::map<int, std::string> restored = restoreLines(run.output);
+  const int64_t version = rollbackVersion(run.output);
+  if (version == -2) {
+    // Worker 0 wrote version 9 before it died: the lost layers come from it, no rollback.
+    EXPECT_NE(run.output.find("read from the durable checkpoint (version 9)"), std::string::npos);
+  } else {
+    EXPECT_GE(version, 5) << "rolled back further than the flushes lag";
+    EXPECT_LE(version, 8);
+    EXPECT_EQ(restored.size(), 6u) << "after a rollback every survivor restores its layers";
+  }
+  EXPECT_FALSE(restored.empty());
+  for (const auto& [w, line] : restored) {
+    EXPECT_NE(line.find("read from the durable checkpoint"), std::string::npos) << line;
+    EXPECT_EQ(line.find("RAM"), std::string::npos) << line;
+  }
+  expectStagesHoldOnlyTheirLayers(workerLines(run.output), 6);
+  std::smatch m;
+  const std::string latest = slurp(ckpt + "/LATEST");
+  ASSERT_TRUE(std::regex_search(latest, m, std::regex("\"step\":(\\d+)"))) << latest;
+  EXPECT_EQ(std::stoi(m[1]), 19) << "the last step is not durable";
+  sinew::testing::removeTree(ckpt);
+}

@@ -1,0 +1,310 @@
+// sinew-bench-recovery: how long a pipeline job stands still after a SIGKILL, measured against
+// stopping it and restarting it from disk, on this machine.
+//
+// Every job is examples/train_pp under sinew-run with a progress event per step
+// (--progress 1). The bench watches worker 0's events; once the job has trained `killAt`
+// steps it SIGKILLs the victims itself (by the PIDs the coordinator logged at their hello)
+// and notes the time. "The next completed step" is the earliest progress event of any
+// survivor in an epoch after the kill's (a progress event is written right after a step's
+// optimizer step).
+//
+//  (a) recovery_s: 6 workers (three 2-stage pipelines), worker 2 killed: the survivors
+//      reconfigure from the templates and copy the lost layers from live workers.
+//  (b) ram_restore_s: 8 workers planned from a fixed profile (pipelines of 5 and 3 stages),
+//      workers 0 and 5 killed at once, so no live copy of embed..block0 is left: the job rolls back
+//      to the newest committed version and restores it from its own and peers' RAM.
+//  (c) restart_s: the job of (a) with durable checkpoints every step; after the kill the whole
+//      job is stopped (SIGKILL of its sinew-run process group) and started again on the same
+//      checkpoint folder: the time from the kill to the restarted job's first completed step.
+//  Throughput: samples/s of job (a) after the recovery (median of its progress reports)
+//  against before the kill.
+//
+// Last line: RESULT recovery_s=<a> ram_restore_s=<b> restart_s=<c> recovery_speedup=<c/a>
+//            throughput_after_1_loss=<after/before>
+
+#include <signal.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace {
+
+using json = nlohmann::json;
+
+double now() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+std::vector<json> events(const std::string& file) {
+  std::vector<json> out;
+  std::ifstream in(file);
+  std::string line;
+  while (std::getline(in, line)) {
+    auto e = json::parse(line, nullptr, false);
+    if (!e.is_discarded() && e.contains("event")) out.push_back(std::move(e));
+  }
+  return out;
+}
+
+// A sinew-run job in its own process group, output to <dir>.out.
+struct Job {
+  pid_t pid = -1;
+  std::string dir;
+
+  Job(const std::string& dir_, int workers, const std::vector<std::string>& args) : dir(dir_) {
+    std::filesystem::create_directories(dir);
+    std::vector<std::string> argv = {SINEW_RUN_PATH, "-n", std::to_string(workers),
+                                     "--log-dir",    dir,  TRAIN_PP_PATH,
+                                     "--progress",   "1",  "--no-reference"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    const std::string out = dir + ".out";
+    pid = ::fork();
+    if (pid < 0) throw std::runtime_error("fork failed");
+    if (pid == 0) {
+      ::setpgid(0, 0);
+      FILE* f = std::freopen(out.c_str(), "w", stdout);
+      if (f == nullptr || ::dup2(::fileno(stdout), 2) < 0) ::_exit(127);
+      std::vector<char*> cargv;
+      for (auto& a : argv) cargv.push_back(a.data());
+      cargv.push_back(nullptr);
+      ::execv(cargv[0], cargv.data());
+      ::_exit(127);
+    }
+    ::setpgid(pid, pid);
+  }
+
+  // Waits for the job to end; returns its exit status.
+  int wait() {
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  }
+
+  void killAll() {
+    ::kill(-pid, SIGKILL);
+    wait();
+  }
+
+  // The step worker 0 last reported done (-1 before its first progress event).
+  int64_t step() const {
+    int64_t s = -1;
+    for (const auto& e : events(dir + "/worker-0-events.jsonl")) {
+      if (e["event"] == "progress") s = std::max(s, e["step"].get<int64_t>());
+    }
+    return s;
+  }
+
+  // The PID of `worker`, from the coordinator's hello event.
+  pid_t pidOf(int worker) const {
+    for (const auto& e : events(dir + "/coordinator-events.jsonl")) {
+      if (e["event"] == "hello" && e["worker"] == worker) return e["pid"].get<pid_t>();
+    }
+    throw std::runtime_error("no hello of worker " + std::to_string(worker) + " in " + dir);
+  }
+
+  // The progress events of every worker.
+  std::vector<json> progress() const {
+    std::vector<json> out;
+    for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+      const std::string f = entry.path().filename().string();
+      if (f.rfind("worker-", 0) != 0 || f.find("-events.jsonl") == std::string::npos) continue;
+      for (auto& e : events(entry.path().string())) {
+        if (e["event"] == "progress") out.push_back(std::move(e));
+      }
+    }
+    return out;
+  }
+
+  // The time of the first step completed after `t` in an epoch newer than those of the steps
+  // completed by then (a step of the epoch the kill interrupted may still be reported after
+  // it by a slower worker; a rollback completes steps again); 0 if none.
+  double firstStepAfter(double t) const {
+    std::vector<json> ps = progress();
+    int64_t epochAtKill = -1;
+    for (const auto& e : ps) {
+      if (e["time"].get<double>() <= t)
+        epochAtKill = std::max(epochAtKill, e["epoch"].get<int64_t>());
+    }
+    double first = 0;
+    for (const auto& e : ps) {
+      const double at = e["time"].get<double>();
+      if (at > t && e["epoch"].get<int64_t>() > epochAtKill && (first == 0 || at < first)) {
+        first = at;
+      }
+    }
+    return first;
+  }
+
+  std::vector<double> rates(int worker, double from, double to) const {
+    std::vector<double> r;
+    bool skippedFirst = false;
+    for (const auto& e : events(dir + "/worker-" + std::to_string(worker) + "-events.jsonl")) {
+      if (e["event"] != "progress") continue;
+      const double at = e["time"].get<double>();
+      if (at <= from || at >= to) continue;
+      if (!skippedFirst) {  // The first report after a start or a recovery includes it.
+        skippedFirst = true;
+        continue;
+      }
+      r.push_back(e["samples_per_s"].get<double>());
+    }
+    return r;
+  }
+};
+
+std::string tmpDir(const std::string& name);
+
+// A fixed profile (a measured one varies from run to run): ten equal layers of 100 kB and
+// 450 kB per worker plan 8 workers as pipelines of 5 (w0..w4) and 3 (w5..w7) stages, w0 and
+// w5 both holding embed..block0.
+std::string fourStageProfile() {
+  const std::string path = tmpDir("profile") + ".json";
+  std::ofstream out(path);
+  out << R"({"version": 1, "microbatch_size": 4, "job": {"devices_per_node": 1,
+    "device_memory_bytes": 450000, "inter_stage_gbps": 10.0,
+    "allreduce": {"algorithm": "ring", "bandwidth_gbps": 1000.0, "latency_us": 1.0}},
+    "layers": [)";
+  for (int l = 0; l < 10; ++l) {
+    std::string name = l == 0 ? "embed" : l == 9 ? "head" : "block" + std::to_string(l - 1);
+    out << (l ? ", " : "") << R"({"name": ")" << name
+        << R"(", "forward_ms": 1.0, "backward_ms": 2.0, "param_bytes": 100000,
+      "optimizer_bytes": 0, "activation_bytes": 1000, "output_bytes": 16384})";
+  }
+  out << "]}\n";
+  return path;
+}
+
+std::string tmpDir(const std::string& name) {
+  return std::filesystem::temp_directory_path().string() + "/sinew-bench-recovery-" + name + "-" +
+         std::to_string(::getpid());
+}
+
+// Waits until the job trained `steps` steps, then SIGKILLs `victims`; returns the kill time.
+double killAt(Job& job, int64_t steps, const std::vector<int>& victims) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(5);
+  while (job.step() < steps) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      throw std::runtime_error("job in " + job.dir + " did not reach step " +
+                               std::to_string(steps));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  std::vector<pid_t> pids;
+  for (int v : victims) pids.push_back(job.pidOf(v));
+  const double t = now();
+  for (pid_t p : pids) ::kill(p, SIGKILL);
+  return t;
+}
+
+struct Measured {
+  double seconds = 0;
+  double before = 0, after = 0;  // samples/s
+};
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// `expect`: what the job's output must say about its recovery (else the measurement is not of
+// the path it names).
+Measured killAndRecover(const std::string& name, int workers, std::vector<std::string> args,
+                        const std::vector<int>& victims, int steps, int killStep,
+                        const std::string& expect) {
+  args.insert(args.end(), {"--steps", std::to_string(steps)});
+  Job job(tmpDir(name), workers, args);
+  const double t = killAt(job, killStep, victims);
+  const int status = job.wait();
+  if (status != 0) {
+    throw std::runtime_error(name + ": the job failed after the kill (exit " +
+                             std::to_string(status) + "; see " + job.dir + ".out)");
+  }
+  if (slurp(job.dir + ".out").find(expect) == std::string::npos) {
+    throw std::runtime_error(name + ": the job's output does not say '" + expect + "' (see " +
+                             job.dir + ".out)");
+  }
+  Measured m;
+  const double next = job.firstStepAfter(t);
+  if (next == 0) throw std::runtime_error(name + ": no step completed after the kill");
+  m.seconds = next - t;
+  int reporter = 0;
+  while (std::find(victims.begin(), victims.end(), reporter) != victims.end()) ++reporter;
+  m.before = median(job.rates(reporter, 0, t));
+  m.after = median(job.rates(reporter, next, 1e18));
+  std::filesystem::remove_all(job.dir);
+  std::filesystem::remove(job.dir + ".out");
+  return m;
+}
+
+double restartFromDisk(int steps, int killStep) {
+  const std::string ckpt = tmpDir("restart-ckpt");
+  std::vector<std::string> args = {"--steps", std::to_string(steps), "--checkpoint-dir",
+                                   ckpt,      "--checkpoint-every",  "1"};
+  Job first(tmpDir("restart-a"), 6, args);
+  const double t = killAt(first, killStep, {2});
+  first.killAll();  // Stop the job as a user would, then start it again on its folder.
+  Job second(tmpDir("restart-b"), 6, args);
+  const int status = second.wait();
+  if (status != 0) {
+    throw std::runtime_error("the restarted job failed (exit " + std::to_string(status) + "; see " +
+                             second.dir + ".out)");
+  }
+  const double next = second.firstStepAfter(t);
+  if (next == 0) throw std::runtime_error("the restarted job completed no step");
+  for (const auto& d : {first.dir, second.dir, ckpt}) {
+    std::filesystem::remove_all(d);
+    std::filesystem::remove(d + ".out");
+  }
+  return next - t;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int steps = 40;
+  if (argc == 3 && std::string(argv[1]) == "--steps") steps = std::max(30, std::atoi(argv[2]));
+  const int killStep = steps / 3;
+  try {
+    Measured a = killAndRecover("reconfigure", 6, {}, {2}, steps, killStep, " copied from worker");
+    Measured b = killAndRecover("rollback", 8, {"--profile", fourStageProfile()}, {0, 5}, steps,
+                                killStep, " restored from ");
+    const double c = restartFromDisk(steps, killStep);
+    std::printf("time from SIGKILL to the next completed step (train_pp, %d steps, kill at %d)\n",
+                steps, killStep);
+    std::printf("  (a) reconfiguration, 6 workers, 1 killed:          %8.3f s\n", a.seconds);
+    std::printf("  (b) rollback from peer RAM, 8 workers, 2 killed:   %8.3f s\n", b.seconds);
+    std::printf("  (c) stop and restart from disk, 6 workers:         %8.3f s\n", c);
+    std::printf("throughput of (a): %.1f samples/s before, %.1f after (5 of 6 workers)\n", a.before,
+                a.after);
+    std::printf(
+        "RESULT recovery_s=%.3f ram_restore_s=%.3f restart_s=%.3f recovery_speedup=%.1f "
+        "throughput_after_1_loss=%.3f\n",
+        a.seconds, b.seconds, c, a.seconds > 0 ? c / a.seconds : 0,
+        a.before > 0 ? a.after / a.before : 0);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "sinew-bench-recovery: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
