@@ -106,7 +106,26 @@ void CheckpointEngine::onSnapshot(std::shared_ptr<const HostShard> shard) {
 }
 
 std::string CheckpointEngine::peerAddress(int worker, std::chrono::milliseconds timeout) const {
-  return toString(options_.store->get(key("replica/" + std::to_string(worker)), timeout));
+  // Polled rather than one blocking get, so that stopping the engine (its destructor) never
+  // waits for a peer that died before it published its address.
+  const std::string k = key("replica/" + std::to_string(worker));
+  auto deadline = Clock::now() + timeout;
+  auto pause = kFirstPoll;
+  for (;;) {
+    if (options_.store->check({k})) return toString(options_.store->get(k));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stop_)
+        SINEW_THROW(Aborted, "checkpoint engine stopped while waiting for worker ", worker,
+                    "'s replica address");
+    }
+    if (Clock::now() > deadline) {
+      SINEW_THROW(Timeout, "worker ", worker, " published no replica address within ",
+                  timeout.count(), " ms");
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, kLastPoll);
+  }
 }
 
 void CheckpointEngine::replicate(const HostShard& shard) {

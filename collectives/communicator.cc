@@ -64,6 +64,34 @@ std::string dtypeName(const at::Tensor& t) {
   }
 }
 
+void exchangeInChunks(Communicator& comm, const std::vector<P2POp>& ops, size_t chunkBytes,
+                      std::chrono::milliseconds timeout) {
+  std::vector<P2POp> chunks;
+  for (const P2POp& op : ops) {
+    const at::Tensor& t = op.tensor;
+    const size_t element = static_cast<size_t>(t.element_size());
+    if (chunkBytes < element) {
+      SINEW_THROW(InvalidArgument, "exchangeInChunks: chunks of ", chunkBytes,
+                  " bytes cannot hold one ", dtypeName(t), " element");
+    }
+    if (!t.is_contiguous()) {
+      SINEW_THROW(InvalidArgument, "exchangeInChunks: a ", dtypeName(t), " tensor of ", t.numel(),
+                  " elements with rank ", op.peer, " is not contiguous");
+    }
+    const int64_t per = static_cast<int64_t>(chunkBytes / element);
+    const int64_t n = t.numel();
+    if (n <= per) {
+      chunks.push_back(op);
+      continue;
+    }
+    at::Tensor flat = t.view({n});
+    for (int64_t off = 0; off < n; off += per) {
+      chunks.push_back({op.kind, flat.narrow(0, off, std::min(per, n - off)), op.peer, op.tag});
+    }
+  }
+  comm.exchange(chunks, timeout);
+}
+
 std::unique_ptr<Communicator> createCommunicator(const std::string& deviceType,
                                                  const std::shared_ptr<Store>& store,
                                                  const CommunicatorOptions& options) {

@@ -46,6 +46,7 @@ struct Args : sinew_example::CommonArgs {
   int peerCheckpointEvery = 1;
   int replicas = 2;
   int64_t maxWorkers = 0;
+  int64_t width = 32;  // features per token; a multiple of the 4 attention heads
   std::string profile;
   // A worker may use 2 MB for its layers: the model's parameters and Adam state alone are
   // 2.5 MB, so no worker can hold it and the job trains as pipelines (0: unlimited).
@@ -65,7 +66,7 @@ Args parse(int argc, char** argv) {
     std::fprintf(stderr,
                  "train_pp: %s\nusage: train_pp %s [--blocks N] [--fault-tolerance F] "
                  "[--profile FILE] [--memory-bytes M] [--peer-checkpoint-every K] [--replicas M] "
-                 "[--max-workers W] [--data-parallel]\n",
+                 "[--max-workers W] [--width D] [--data-parallel]\n",
                  error.c_str(), sinew_example::kCommonUsage);
   });
   while (r.next()) {
@@ -87,25 +88,29 @@ Args parse(int argc, char** argv) {
       a.replicas = static_cast<int>(r.integer(64));
     } else if (s == "--max-workers") {
       a.maxWorkers = r.integer(1 << 20);
+    } else if (s == "--width") {
+      a.width = r.integer(4096);
     } else {
       r.fail("unknown argument '" + s + "'");
     }
   }
   sinew_example::checkCommon(r, a);
   if (a.blocks < 1) r.fail("--blocks must be at least 1");
+  if (a.width < 4 || a.width % 4 != 0) r.fail("--width must be a positive multiple of 4");
   return a;
 }
 
 constexpr int64_t kVocab = 32;
 constexpr int64_t kContext = 16;
-constexpr int64_t kEmbed = 32;
+// The model's width (--width; 32 by default). Set once, before any module is built.
+int64_t gEmbed = 32;
 constexpr int64_t kHeads = 4;
 
 // Token and position embeddings: int64 [batch, T] -> [batch, T, E].
 struct EmbedImpl : torch::nn::Module {
   EmbedImpl()
-      : tok(register_module("tok", torch::nn::Embedding(kVocab, kEmbed))),
-        pos(register_module("pos", torch::nn::Embedding(kContext, kEmbed))) {}
+      : tok(register_module("tok", torch::nn::Embedding(kVocab, gEmbed))),
+        pos(register_module("pos", torch::nn::Embedding(kContext, gEmbed))) {}
   at::Tensor forward(const at::Tensor& ids) {
     at::Tensor positions = at::arange(ids.size(1), ids.options());
     return tok->forward(ids) + pos->forward(positions).unsqueeze(0);
@@ -117,14 +122,14 @@ TORCH_MODULE(Embed);
 // A pre-norm transformer block: x + attention(ln1(x)), then x + mlp(ln2(x)).
 struct BlockImpl : torch::nn::Module {
   BlockImpl()
-      : ln1(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kEmbed})))),
-        qkv(register_module("qkv", torch::nn::Linear(kEmbed, 3 * kEmbed))),
-        proj(register_module("proj", torch::nn::Linear(kEmbed, kEmbed))),
-        ln2(register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kEmbed})))),
-        fc(register_module("fc", torch::nn::Linear(kEmbed, 4 * kEmbed))),
-        out(register_module("out", torch::nn::Linear(4 * kEmbed, kEmbed))) {}
+      : ln1(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({gEmbed})))),
+        qkv(register_module("qkv", torch::nn::Linear(gEmbed, 3 * gEmbed))),
+        proj(register_module("proj", torch::nn::Linear(gEmbed, gEmbed))),
+        ln2(register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({gEmbed})))),
+        fc(register_module("fc", torch::nn::Linear(gEmbed, 4 * gEmbed))),
+        out(register_module("out", torch::nn::Linear(4 * gEmbed, gEmbed))) {}
   at::Tensor forward(const at::Tensor& x) {
-    const int64_t B = x.size(0), T = x.size(1), hd = kEmbed / kHeads;
+    const int64_t B = x.size(0), T = x.size(1), hd = gEmbed / kHeads;
     auto parts = qkv->forward(ln1->forward(x)).chunk(3, -1);
     auto heads = [&](const at::Tensor& t) { return t.view({B, T, kHeads, hd}).transpose(1, 2); };
     at::Tensor q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
@@ -133,7 +138,7 @@ struct BlockImpl : torch::nn::Module {
         at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(x.device())).triu(1);
     scores = scores.masked_fill(causal, -std::numeric_limits<double>::infinity());
     at::Tensor attn =
-        at::matmul(at::softmax(scores, -1), v).transpose(1, 2).reshape({B, T, kEmbed});
+        at::matmul(at::softmax(scores, -1), v).transpose(1, 2).reshape({B, T, gEmbed});
     at::Tensor h = x + proj->forward(attn);
     return h + out->forward(at::gelu(fc->forward(ln2->forward(h))));
   }
@@ -147,8 +152,8 @@ TORCH_MODULE(Block);
 // Final layer norm and the vocabulary projection: [batch, T, E] -> logits [batch, T, V].
 struct HeadImpl : torch::nn::Module {
   HeadImpl()
-      : ln(register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kEmbed})))),
-        lm(register_module("lm", torch::nn::Linear(kEmbed, kVocab))) {}
+      : ln(register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({gEmbed})))),
+        lm(register_module("lm", torch::nn::Linear(gEmbed, kVocab))) {}
   at::Tensor forward(const at::Tensor& x) { return lm->forward(ln->forward(x)); }
   torch::nn::LayerNorm ln;
   torch::nn::Linear lm;
@@ -188,6 +193,7 @@ std::string paramKey(const std::string& name) { return "train_pp/param/" + name;
 
 int main(int argc, char** argv) {
   Args a = parse(argc, argv);
+  gEmbed = a.width;
   at::set_num_threads(1);  // Several workers share a few cores.
   std::unique_ptr<sinew::Context> ctx;
   try {

@@ -607,9 +607,28 @@ TemplateSet planTemplates(const Profile& profile, const TemplateOptions& options
   const int L = model.numLayers();
   const int G = model.devicesPerNode();
   const int N = options.nodes;
-  const int N_grown = std::max(N, options.max_nodes);  // with every join the job may take
   const int f = options.fault_tolerance;
   const std::vector<int>& widths = model.widths();
+  // The mixed-width search (docs/planner.md, "Mixed widths") runs when the chain has more than
+  // one width and its table for up to n nodes fits kMaxMixedEntries.
+  const std::vector<int> chain = chainWidths(model);
+  auto mixedK = [&](int n) {
+    return static_cast<int>(std::min<int64_t>(L, static_cast<int64_t>(n - f) * G));
+  };
+  auto mixedW = [&](int n) {
+    return static_cast<int>(
+        std::min<int64_t>(static_cast<int64_t>(mixedK(n)) * G, static_cast<int64_t>(n - f) * G));
+  };
+  auto mixedFits = [&](int n) {
+    return chain.size() > 1 &&
+           MixedPlanner::tableEntries(L, mixedK(n), mixedW(n)) <= kMaxMixedEntries;
+  };
+  // The nodes the job may grow to by joins. Growth never turns the mixed search off for the
+  // starting nodes' templates: it stops where that search's table would not fit.
+  int N_grown = std::max(N, options.max_nodes);
+  if (mixedFits(N)) {
+    while (N_grown > N && !mixedFits(N_grown)) --N_grown;
+  }
 
   // Step 1 (docs/planner.md): bounds for every width and every stage count the job could use.
   std::vector<WidthPlanner> planners;
@@ -643,15 +662,9 @@ TemplateSet planTemplates(const Profile& profile, const TemplateOptions& options
     return false;
   };
 
-  // The mixed-width search when the chain has more than one width and its table is small
-  // enough (docs/planner.md, "Mixed widths").
-  const std::vector<int> chain = chainWidths(model);
-  const int mixed_K = static_cast<int>(std::min<int64_t>(L, static_cast<int64_t>(N_grown - f) * G));
-  const int mixed_W = static_cast<int>(
-      std::min<int64_t>(static_cast<int64_t>(mixed_K) * G, static_cast<int64_t>(N_grown - f) * G));
   std::unique_ptr<MixedPlanner> mixed;
-  if (chain.size() > 1 && MixedPlanner::tableEntries(L, mixed_K, mixed_W) <= kMaxMixedEntries) {
-    mixed = std::make_unique<MixedPlanner>(model, chain, mixed_K, mixed_W);
+  if (mixedFits(N_grown)) {
+    mixed = std::make_unique<MixedPlanner>(model, chain, mixedK(N_grown), mixedW(N_grown));
     mixed->run(kInf);
   }
 

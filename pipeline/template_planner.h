@@ -70,7 +70,9 @@ struct TemplateOptions {
   int64_t global_microbatches = 1;
   // The most nodes the job may grow to by joins (0: N). Templates go up to
   // n_max = min(max(N, max_nodes) - f * n_min, L), so that a joined node gets a stage; the
-  // templates of counts up to N - f * n_min, and n_min, do not depend on it.
+  // templates of counts up to N - f * n_min, and n_min, do not depend on it (where the
+  // mixed-width table for max_nodes would exceed its limit but N's fits, the growth is cut to
+  // the most nodes whose table fits).
   int max_nodes = 0;
 };
 

@@ -850,10 +850,6 @@ json Coordinator::Impl::epochBody(const std::vector<int>& joined, bool sync) con
   return body;
 }
 
-// A worker sends the job's pipeline profile once (the first member of the first epoch, after
-// every member profiled): the coordinator plans the templates once, for the nodes of this
-// epoch, and starts an epoch that carries the plan; every later epoch re-instantiates them
-// for its members. Later requests are ignored: the first one fixed the job's templates.
 // A worker of a pipeline job found a layer that no member holds live after this epoch's
 // resume step (every worker that held it is gone): the job resumes after `step`, the newest
 // version still held somewhere (peers' RAM or disk), which every member restores in the
@@ -876,6 +872,11 @@ void Coordinator::Impl::onRollback(int worker, int64_t step) {
            {});
 }
 
+// A worker sends the job's pipeline profile once (the first member of the first epoch, after
+// every member profiled): the coordinator plans the templates once, for the nodes of this
+// epoch up to the workers the job may grow to (max_workers), and starts an epoch that carries
+// the plan; every later epoch re-instantiates them for its members. Later requests are
+// ignored: the first one fixed the job's templates.
 void Coordinator::Impl::onPipeline(int worker, const json& body) {
   if (pipelineJob_) return;
   const std::string who = "worker " + std::to_string(worker) + "'s pipeline request: ";

@@ -188,8 +188,8 @@ FailureInjector FailureInjector::fromEnvironment() {
 
 void FailureInjector::fireSlow(int worker, int64_t step, Phase phase, CoordinatorClient* client) {
   for (Fault& f : faults_) {
-    // The phase first: it is immutable, and a fault of another phase belongs to another thread.
-    if (f.phase != phase || f.fired || (f.worker >= 0 && f.worker != worker)) continue;
+    // The immutable fields first; `fired` under the lock.
+    if (f.phase != phase || (f.worker >= 0 && f.worker != worker)) continue;
     if (f.kind == Fault::Kind::kCorrupt) continue;  // afterFlush runs it.
     bool everyStep = f.kind == Fault::Kind::kSlow && f.step < 0;
     const bool atOrAfter = phase == Phase::kSnapshot || phase == Phase::kReplication ||
@@ -197,7 +197,11 @@ void FailureInjector::fireSlow(int worker, int64_t step, Phase phase, Coordinato
                            phase == Phase::kCopy;
     bool due = everyStep || (atOrAfter ? step >= f.step : step == f.step);
     if (!due) continue;
-    if (!everyStep) f.fired = true;
+    if (!everyStep) {
+      std::lock_guard<std::mutex> lock(*firedMu_);
+      if (f.fired) continue;
+      f.fired = true;
+    }
     switch (f.kind) {
       case Fault::Kind::kKill:
         std::fprintf(stderr, "sinew inject: worker %d SIGKILLs itself at step %lld phase %s\n",

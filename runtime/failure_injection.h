@@ -18,7 +18,7 @@
 // reduce, after-reduce, optimizer, snapshot, replication, recovery, reconfiguration, copy, flush
 // (default forward). forward to optimizer fire at exactly `step`; the others fire at the first
 // occasion at or after `step`, since a writer may skip a version (its previous flush still
-// running) and a failure may come at any step: `snapshot` before a checkpoint writer copies a
+// running) and a failure may come at any step: `snapshot` while a checkpoint writer copies a
 // version to host memory; `replication` on a pipeline worker's replication thread before it
 // sends a peer-RAM version; `recovery` in the first recovery after a failure; `reconfiguration`
 // when an epoch after the first is announced (a failure, a join, a leave), before the worker
@@ -29,11 +29,13 @@
 // With no faults, fire() is one inlined emptiness check: zero cost when unset.
 //
 // Thread safety: fire() for phase flush is called from the flush thread, for phase replication
-// from the checkpoint engine's replication thread, every other phase from the trainer's thread; a
-// fault is touched only by the thread of its phase.
+// from the checkpoint engines' replication threads (one per kept generation), every other phase
+// from the trainer's thread; a fault's `fired` is checked and set under a mutex.
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -97,6 +99,9 @@ class FailureInjector {
   void fireSlow(int worker, int64_t step, Phase phase, CoordinatorClient* client);
   int corruptDue(int worker, int64_t step, const std::string& dir);
   std::vector<Fault> faults_;
+  // Guards Fault::fired: several replication threads (one per kept peer-RAM generation) may
+  // fire phase replication at once. Shared so that the injector stays copyable.
+  std::shared_ptr<std::mutex> firedMu_ = std::make_shared<std::mutex>();
 };
 
 }  // namespace runtime

@@ -1043,6 +1043,8 @@ class Trainer::Impl {
     int copied = 0, fromDisk = 0, fromOwnRam = 0, fromPeerRam = 0, fresh = 0;
     std::vector<int> sources;     // workers copied from (live layers)
     std::vector<int> ramSources;  // workers whose RAM versions were restored
+    int64_t bytesCopied = 0;      // tensor bytes received from live workers
+    double copySeconds = 0;       // the wall time of receiving them (with this worker's sends)
   };
 
   // Per-parameter flags of a layer copy's manifest.
@@ -1051,6 +1053,8 @@ class Trainer::Impl {
   static constexpr int64_t kHasMomentum = 4;  // SGD's momentum_buffer follows
   static constexpr uint32_t kTagLayerManifest = 4;
   static constexpr uint32_t kTagLayerState = 5;
+  // Layer copies go as messages of at most this many bytes (collectives::exchangeInChunks).
+  static constexpr size_t kLayerCopyChunkBytes = size_t{4} << 20;
 
   // crc32c of the tensors' bytes, one after the other (host copies of device tensors).
   static uint32_t checksum(const std::vector<at::Tensor>& tensors) {
@@ -1220,7 +1224,14 @@ class Trainer::Impl {
       r.copied++;
       r.sources.push_back(k.from);
     }
-    if (!ops.empty()) comm_->exchange(ops, recoveryTimeout());
+    if (!ops.empty()) {
+      // Streamed in chunks (no message above kLayerCopyChunkBytes); timed on the receivers
+      // for the copy's throughput (the layers_moved event).
+      auto t0 = Clock::now();
+      collectives::exchangeInChunks(*comm_, ops, kLayerCopyChunkBytes, recoveryTimeout());
+      for (const auto& in : incoming) r.bytesCopied += in.tensor.nbytes();
+      if (!incoming.empty()) r.copySeconds = seconds(Clock::now() - t0);
+    }
     if (keeps) return std::nullopt;
     // Every copy arrived whole, or the reconfiguration fails here (nothing adopted).
     for (const auto& [c, crc] : expected) {
@@ -1368,6 +1379,8 @@ class Trainer::Impl {
            {"ram_sources", r.ramSources},
            {"version", resumeApplied},
            {"fresh", r.fresh},
+           {"copied_bytes", r.bytesCopied},
+           {"copy_s", r.copySeconds},
            {"duration_s", seconds(Clock::now() - t0)}});
     std::ostringstream os;
     os << "sinew: worker " << ctx_.worker() << " now holds ";

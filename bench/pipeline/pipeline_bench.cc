@@ -13,8 +13,17 @@
 //     other) against the same pipeline job with them off (--peer-checkpoint-every 0): the
 //     step time with replication over the step time without (samples/s without / with).
 //
+//  5. Layer copies in a reconfiguration: a wider train_pp (width 256) on 6 workers loses one;
+//     the largest copy of layer state one survivor received from live workers (bytes over the
+//     wall time of receiving them, from its layers_moved event) against raw loopback TCP
+//     moving the same bytes, and exchangeInChunks alone on those bytes between two processes.
+//     Ratios are raw TCP time / Sinew time (the goal: >= 0.8); the "all" ratio is the
+//     bytes every receiver of that reconfiguration got over the longest receive time, as a
+//     throughput against one raw TCP stream's.
+//
 // Last line: RESULT pp_iter_vs_model=<measured/predicted> p2p_ratio_vs_tcp=<r> pp_vs_dp=<x>
-//            peer_ram_step_ratio=<with/without>
+//            peer_ram_step_ratio=<with/without> layer_copy_ratio_vs_tcp=<r>
+//            layer_copy_all_ratio_vs_tcp=<r> chunked_exchange_ratio_vs_tcp=<r>
 
 #include <ftw.h>
 #include <sys/stat.h>
@@ -82,9 +91,9 @@ void readAll(int fd, char* p, size_t n) {
   }
 }
 
-// Median seconds of one transfer (half a round trip) of kBytes between this process and a
+// Median seconds of one transfer (half a round trip) of `bytes` between this process and a
 // forked child over a loopback TCP socket.
-double rawTcpSeconds() {
+double rawTcpSeconds(int64_t bytes = kBytes) {
   int listener = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -95,7 +104,7 @@ double rawTcpSeconds() {
       ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
     throw std::runtime_error("cannot listen on loopback");
   }
-  std::vector<char> buf(kBytes);
+  std::vector<char> buf(static_cast<size_t>(bytes));
   pid_t pid = ::fork();
   if (pid == 0) {
     int fd = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -125,8 +134,10 @@ double rawTcpSeconds() {
   return median(s);
 }
 
-// The same with a Gloo communicator of two members and exchange(), as the stages send.
-double sinewSeconds() {
+// The same with a Gloo communicator of two members and exchange(), as the stages send; with
+// chunkBytes > 0, the bytes go as the eight tensors of a layer's state would, through
+// exchangeInChunks with chunks of that size, as a reconfiguration copies layers.
+double sinewSeconds(int64_t bytes = kBytes, size_t chunkBytes = 0) {
   char tmpl[] = "/tmp/sinew-bench-pipeline-XXXXXX";
   if (::mkdtemp(tmpl) == nullptr) throw std::runtime_error("mkdtemp failed");
   const std::string dir = tmpl;
@@ -138,18 +149,31 @@ double sinewSeconds() {
     o.name = "bench";
     auto comm = sinew::collectives::createGlooCommunicator(store, o);
     using sinew::collectives::P2POp;
-    at::Tensor t = at::ones({kBytes / 8}, at::kDouble);
+    at::Tensor t = at::ones({bytes / 8}, at::kDouble);
     const int peer = 1 - self;
+    // One op, or eight tensors (views of t) cut into chunks.
+    auto ops = [&](bool send, uint32_t tag) {
+      std::vector<P2POp> v;
+      const int parts = chunkBytes > 0 ? 8 : 1;
+      const int64_t n = t.numel();
+      for (int i = 0; i < parts; ++i) {
+        at::Tensor part = t.narrow(0, n * i / parts, n * (i + 1) / parts - n * i / parts);
+        v.push_back(send ? P2POp::send(part, peer, tag) : P2POp::recv(part, peer, tag));
+      }
+      return v;
+    };
+    auto exchange = [&](bool send, uint32_t tag) {
+      if (chunkBytes > 0) {
+        sinew::collectives::exchangeInChunks(*comm, ops(send, tag), chunkBytes);
+      } else {
+        comm->exchange(ops(send, tag));
+      }
+    };
     std::vector<double> s;
     for (int i = 0; i < kRounds + 2; ++i) {
       auto t0 = Clock::now();
-      if (self == 0) {
-        comm->exchange({P2POp::send(t, peer, 2)});
-        comm->exchange({P2POp::recv(t, peer, 3)});
-      } else {
-        comm->exchange({P2POp::recv(t, peer, 2)});
-        comm->exchange({P2POp::send(t, peer, 3)});
-      }
+      exchange(self == 0, 2);
+      exchange(self != 0, 3);
       if (i >= 2) s.push_back(std::chrono::duration<double>(Clock::now() - t0).count() / 2);
     }
     comm->barrier();
@@ -176,14 +200,26 @@ struct JobStats {
   double predictedIterationS = 0;
   double measuredIterationS = 0;  // max over stages of the median schedule_s
   double samplesPerS = 0;         // median over progress reports, first one skipped
+  // The largest layer copy a worker received in a reconfiguration (layers_moved events):
+  // its bytes and the wall time of receiving them.
+  int64_t copiedBytes = 0;
+  double copySeconds = 0;
+  // Every receiver's copy of the first reconfiguration together: all their bytes over the
+  // longest of their receive times (copies run at once, sharing this machine's cores).
+  int64_t allCopiedBytes = 0;
+  double allCopySeconds = 0;
+  int64_t copyEpoch = -1;
 };
 
-JobStats runJob(const std::string& name, const std::vector<std::string>& args, int steps) {
+JobStats runJob(const std::string& name, const std::vector<std::string>& args, int steps,
+                int workers = 2, const std::string& inject = "") {
   std::string dir = std::filesystem::temp_directory_path().string() + "/sinew-bench-pipeline-" +
                     name + "-" + std::to_string(::getpid());
   removeTree(dir);
-  std::string cmd = std::string(SINEW_RUN_PATH) + " -n 2 --log-dir " + dir + " " + TRAIN_PP_PATH +
-                    " --steps " + std::to_string(steps) + " --progress 5 --no-reference";
+  std::string cmd = std::string(SINEW_RUN_PATH) + " -n " + std::to_string(workers) + " --log-dir " +
+                    dir + (inject.empty() ? "" : " --inject '" + inject + "'") + " " +
+                    TRAIN_PP_PATH + " --steps " + std::to_string(steps) +
+                    " --progress 5 --no-reference";
   for (const auto& a : args) cmd += " " + a;
   cmd += " > " + dir + ".out 2>&1";
   if (std::system(cmd.c_str()) != 0) {
@@ -204,6 +240,24 @@ JobStats runJob(const std::string& name, const std::vector<std::string>& args, i
       if (e.is_discarded() || !e.contains("event")) continue;
       if (e["event"] == "plan" && e.contains("predicted_iteration_s")) {
         stats.predictedIterationS = e["predicted_iteration_s"].get<double>();
+      }
+      if (e["event"] == "layers_moved" && e.value("copied_bytes", int64_t{0}) > 0) {
+        const int64_t bytes = e["copied_bytes"].get<int64_t>();
+        const double secs = e["copy_s"].get<double>();
+        const int64_t epoch = e["epoch"].get<int64_t>();
+        if (bytes > stats.copiedBytes) {
+          stats.copiedBytes = bytes;
+          stats.copySeconds = secs;
+        }
+        if (stats.copyEpoch < 0 || epoch < stats.copyEpoch) {
+          stats.copyEpoch = epoch;
+          stats.allCopiedBytes = 0;
+          stats.allCopySeconds = 0;
+        }
+        if (epoch == stats.copyEpoch) {
+          stats.allCopiedBytes += bytes;
+          stats.allCopySeconds = std::max(stats.allCopySeconds, secs);
+        }
       }
       if (e["event"] == "progress" && progress++ > 0) {
         if (e.contains("schedule_s")) schedule[worker].push_back(e["schedule_s"].get<double>());
@@ -253,8 +307,39 @@ int main(int argc, char** argv) {
       pp.predictedIterationS > 0 ? pp.measuredIterationS / pp.predictedIterationS : 0;
   double ppVsDp = dp.samplesPerS > 0 ? pp.samplesPerS / dp.samplesPerS : 0;
   double peerRatio = pp.samplesPerS > 0 ? bare.samplesPerS / pp.samplesPerS : 0;
+
+  // 5. Layer copies: a wider model (width 256, 4 blocks, float32: about 9.5 MB of parameters
+  // and Adam state per block, 25 MB per worker) on 6 workers as pipelines of 2 or 3 stages; worker
+  // 2 is killed at step 4, and the survivors' 3+2 plan makes them copy whole blocks from live
+  // workers. The largest copy one worker received, against raw TCP moving the same bytes (in this
+  // run, between two processes), and the chunked exchange alone on the same bytes.
+  JobStats copy =
+      runJob("copy",
+             {"--width", "256", "--blocks", "4", "--memory-bytes", "25000000", "--global-batch",
+              "8", "--microbatch", "2", "--float32", "--peer-checkpoint-every", "0"},
+             10, 6, "kill:worker=2:step=4");
+  if (copy.copiedBytes <= 0 || copy.copySeconds <= 0) {
+    throw std::runtime_error("the copy job moved no layers between live workers");
+  }
+  const double copyTcp = rawTcpSeconds(copy.copiedBytes);
+  const double copyChunked = sinewSeconds(copy.copiedBytes, size_t{4} << 20);
+  std::printf("layer copy in a reconfiguration (6 workers, width 256, worker 2 killed)\n");
+  std::printf("  largest copy received   %8.3f ms  %6.2f GB/s  (%.1f MiB)\n",
+              copy.copySeconds * 1e3, copy.copiedBytes / copy.copySeconds / 1e9,
+              copy.copiedBytes / 1048576.0);
+  std::printf("  all receivers at once   %8.3f ms  %6.2f GB/s  (%.1f MiB)\n",
+              copy.allCopySeconds * 1e3, copy.allCopiedBytes / copy.allCopySeconds / 1e9,
+              copy.allCopiedBytes / 1048576.0);
+  std::printf("  raw loopback TCP        %8.3f ms  %6.2f GB/s  (the largest copy's bytes)\n",
+              copyTcp * 1e3, copy.copiedBytes / copyTcp / 1e9);
+  std::printf("  exchangeInChunks alone  %8.3f ms  %6.2f GB/s  (4 MiB chunks, 2 processes)\n",
+              copyChunked * 1e3, copy.copiedBytes / copyChunked / 1e9);
   std::printf(
-      "RESULT pp_iter_vs_model=%.3f p2p_ratio_vs_tcp=%.3f pp_vs_dp=%.3f peer_ram_step_ratio=%.3f\n",
-      iterRatio, tcp / sinew, ppVsDp, peerRatio);
+      "RESULT pp_iter_vs_model=%.3f p2p_ratio_vs_tcp=%.3f pp_vs_dp=%.3f peer_ram_step_ratio=%.3f "
+      "layer_copy_ratio_vs_tcp=%.3f layer_copy_all_ratio_vs_tcp=%.3f "
+      "chunked_exchange_ratio_vs_tcp=%.3f\n",
+      iterRatio, tcp / sinew, ppVsDp, peerRatio, copyTcp / copy.copySeconds,
+      (copy.allCopiedBytes / copy.allCopySeconds) / (copy.copiedBytes / copyTcp),
+      copyTcp / copyChunked);
   return 0;
 }

@@ -181,5 +181,16 @@ std::unique_ptr<Communicator> createCommunicator(const std::string& deviceType,
 // "float32", "bfloat16", ...: the dtype names used in error messages.
 std::string dtypeName(const at::Tensor& t);
 
+// comm.exchange(ops, timeout) with every tensor cut into chunks of at most chunkBytes (views of
+// its memory, no copy; the last chunk of a tensor may be smaller), all posted in one exchange,
+// so the chunks of many tensors stream back to back over each connection while no single
+// message is larger than a chunk (what a staging buffer for device memory must hold). Both
+// sides must cut the same way: a receive's tensor has the byte count and the element size of
+// the matching send, and both call this with the same chunkBytes. Layer copies in a pipeline
+// reconfiguration use it (docs/pipeline.md, "Reconfiguration"). Throws InvalidArgument if
+// chunkBytes is smaller than a tensor's element size, or for what exchange() rejects.
+void exchangeInChunks(Communicator& comm, const std::vector<P2POp>& ops, size_t chunkBytes,
+                      std::chrono::milliseconds timeout = kDefaultOpTimeout);
+
 }  // namespace collectives
 }  // namespace sinew

@@ -111,7 +111,8 @@ struct TrainerOptions {
   // copies. When every live copy of some layer is lost (f + 1 failures, or two workers of
   // different pipelines holding the same layers) the job rolls back to the newest committed
   // version, restored from the workers' own RAM, then peers' RAM, then checkpointDir.
-  // 0: off (such a loss then needs a durable version of the very step). SGD or Adam.
+  // 0: off (such a loss then rolls back to the newest durable version in checkpointDir, or
+  // to the start when there is none). SGD or Adam.
   int peerCheckpointEvery = 1;
   int replicas = 2;
   // The most workers the job may grow to by joins: the coordinator plans templates up to

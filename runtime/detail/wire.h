@@ -42,8 +42,9 @@ enum class Type : uint8_t {
                    // ready to train from this step
   kLeave = 12,     // worker -> coordinator: {step} preempted: leave at the next step boundary
   kReleased = 13,  // coordinator -> worker: {step, reason} left the job cleanly after step
-  kPipeline = 14,  // worker -> coordinator: {profile, fault_tolerance, microbatches} plan the
-                   // job as pipelines; every later epoch message carries its plan
+  kPipeline = 14,  // worker -> coordinator: {profile, fault_tolerance, microbatches,
+                   // max_workers} plan the job as pipelines (templates up to max_workers);
+                   // every later epoch message carries its plan
   kDurable = 15,   // worker -> coordinator: {step, bytes, flush_us, path} a version is durable
   kRollback = 16,  // worker -> coordinator: {step} (pipelines) some layer has no live copy
                    // after the epoch's resume step: resume after the older version `step`

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
 #include <iostream>
 #include <thread>
@@ -137,6 +138,30 @@ int checkAllOps(Communicator& comm, ChildChecker& c, bool huge) {
         if (P == 2) {
           c.expect(at::equal(second, pattern(n, 41, left, type)), "exchange in order " + tag);
         }
+
+        // exchangeInChunks: the same kind of transfers, each cut into chunks of about a fifth
+        // of a tensor (at least 24 bytes: several chunks per tensor but the smallest; the last
+        // chunk shorter when the size does not divide), a tensor of 2-D shape included; two
+        // tensors on one (peer, tag) still arrive in order.
+        at::Tensor chunkLeft = at::zeros({n}, type), chunkRight = at::zeros({1, n}, type);
+        at::Tensor chunkSecond = at::zeros({n}, type);
+        std::vector<P2POp> chunked = {
+            P2POp::send(pattern(n, 43, r, type), right, msgTag),
+            P2POp::send(pattern(n, 47, r, type).view({1, n}), left, msgTag + 1),
+            P2POp::recv(chunkLeft, left, msgTag), P2POp::recv(chunkRight, right, msgTag + 1)};
+        if (P == 2) {
+          chunked.push_back(P2POp::send(pattern(n, 53, r, type), right, msgTag));
+          chunked.push_back(P2POp::recv(chunkSecond, left, msgTag));
+        }
+        const size_t elementBytes = static_cast<size_t>(c10::elementSize(type));
+        exchangeInChunks(comm, chunked,
+                         std::max<size_t>(24, static_cast<size_t>(n) * elementBytes / 5));
+        c.expect(at::equal(chunkLeft, pattern(n, 43, left, type)), "chunked from left " + tag);
+        c.expect(at::equal(chunkRight, pattern(n, 47, right, type).view({1, n})),
+                 "chunked from right " + tag);
+        if (P == 2) {
+          c.expect(at::equal(chunkSecond, pattern(n, 53, left, type)), "chunked in order " + tag);
+        }
       }
     }
   }
@@ -237,6 +262,22 @@ TEST(CommunicatorTest, RejectsBadArguments) {
       comm->allreduce(strided);
       return 3;
     } catch (const InvalidArgument&) {
+    }
+    // Chunks too small for one element, and non-contiguous tensors, are refused.
+    at::Tensor doubles = at::ones({4}, at::kDouble);
+    try {
+      exchangeInChunks(*comm, {P2POp::send(doubles, 0, 1)}, 4);
+      return 5;
+    } catch (const InvalidArgument& e) {
+      if (std::string(e.what()).find("cannot hold one float64 element") == std::string::npos) {
+        return 6;
+      }
+    }
+    try {
+      exchangeInChunks(*comm, {P2POp::send(strided, 0, 1)}, 64);
+      return 7;
+    } catch (const InvalidArgument& e) {
+      if (std::string(e.what()).find("not contiguous") == std::string::npos) return 8;
     }
     // Bad arguments do not kill the communicator.
     at::Tensor ok = at::ones({4});

@@ -324,6 +324,32 @@ TEST(TemplatePlannerTest, MaxNodesAddsTemplatesForJoinsAndKeepsTheOthers) {
   EXPECT_THROW(planTemplates(p, bad), InvalidArgument);
 }
 
+// Growth must not cost the starting nodes their mixed-width templates: on 128 layers of the
+// bench profile (a device holds two layers at this L) with 40 nodes, a
+// max_nodes of 200 would need a mixed-width table over 1024 devices, above the planner's limit.
+// The growth is cut to what the table allows, and every starting count keeps its template.
+TEST(TemplatePlannerTest, GrowthBeyondTheMixedTableKeepsTheStartingTemplates) {
+  const Profile p = syntheticProfile(128, 8, 42);
+  const TemplateSet start = planTemplates(p, {40, 1, 128});
+  TemplateOptions grown{40, 1, 128};
+  grown.max_nodes = 200;
+  const TemplateSet more = planTemplates(p, grown);
+  ASSERT_TRUE(start.mixed_widths);
+  EXPECT_TRUE(more.mixed_widths);
+  EXPECT_EQ(more.min_nodes, start.min_nodes);
+  EXPECT_EQ(start.max_nodes, 40 - start.min_nodes);
+  EXPECT_GT(more.max_nodes, start.max_nodes);
+  for (int n = start.min_nodes; n <= start.max_nodes; ++n) {
+    const PipelineTemplate* a = start.find(n);
+    const PipelineTemplate* b = more.find(n);
+    ASSERT_NE(a, nullptr) << "no starting template on " << n << " nodes";
+    ASSERT_NE(b, nullptr) << "growth lost the template on " << n << " nodes";
+    EXPECT_EQ(a->bottleneck_ticks, b->bottleneck_ticks) << n;
+    EXPECT_EQ(a->fill_ticks, b->fill_ticks) << n;
+    EXPECT_EQ(a->stages.size(), b->stages.size()) << n;
+  }
+}
+
 TEST(TemplatePlannerTest, RejectsBadOptionsAndTooMuchFaultTolerance) {
   std::mt19937_64 rng(3);
   Profile p = randomProfile(rng, 4, 1);

@@ -158,9 +158,10 @@ inline std::string slurp(const std::string& path) {
   return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
 }
 
-// Waits (up to 60 s) until worker 0 of the job in `dir` has logged `text`.
-inline bool waitForLog(const std::string& dir, const std::string& text) {
-  auto deadline = Clock::now() + 60s;
+// Waits (up to `timeout`) until worker 0 of the job in `dir` has logged `text`.
+inline bool waitForLog(const std::string& dir, const std::string& text,
+                       std::chrono::seconds timeout = 60s) {
+  auto deadline = Clock::now() + timeout;
   while (Clock::now() < deadline) {
     if (slurp(dir + "/worker-0.log").find(text) != std::string::npos) return true;
     std::this_thread::sleep_for(20ms);

@@ -434,16 +434,19 @@ TEST(PipelineRecoveryTest, SigstopPastTheHeartbeatTimeout) {
 TEST(PipelineRecoveryTest, AJoinedWorkerGetsAStage) {
   const std::string dir = logDir("pp-join");
   // Slowed steps keep the job running while the joiner starts.
-  Child job = start({SINEW_RUN_PATH, "-n", "4", "--log-dir", dir, "--inject", "slow:worker=*:ms=30",
-                     TRAIN_PP_PATH, "--memory-bytes", kBudget, "--steps", "60"},
+  // The joiner trains to the same last step: one that stopped earlier would leave the job.
+  const char* steps = "120";
+  Child job = start({SINEW_RUN_PATH, "-n", "4", "--log-dir", dir, "--inject", "slow:worker=*:ms=50",
+                     TRAIN_PP_PATH, "--memory-bytes", kBudget, "--steps", steps},
                     {});
   // sinew-run's output is read while the joiner runs, so that its pipe never fills.
   auto jobRun = std::async(std::launch::async, [&] { return finish(job, 300s); });
   const auto env = joinerEnv(dir, "joiner");
   ASSERT_FALSE(env.empty()) << "no coordinator.json";
-  ASSERT_TRUE(waitForLog(dir, "sinew: step 10 ")) << "the job did not reach step 10";
+  // (Generous: under ASan the start and the profile take most of a minute.)
+  ASSERT_TRUE(waitForLog(dir, "sinew: step 10 ", 240s)) << "the job did not reach step 10";
   JobRun joined =
-      finish(start({TRAIN_PP_PATH, "--memory-bytes", kBudget, "--steps", "60"}, env), 300s);
+      finish(start({TRAIN_PP_PATH, "--memory-bytes", kBudget, "--steps", steps}, env), 300s);
   JobRun run = jobRun.get();
   SCOPED_TRACE(run.output + joined.output);
   EXPECT_EQ(joined.exitCode, 0);
@@ -484,6 +487,14 @@ std::string fourStageProfile(const std::string& path) {
   return layerProfile(path, 1, 450000, [](int) -> int64_t { return 1000; });
 }
 
+// w0 dies at step 10; w5 dies in the first reconfiguration at or after step 9, i.e. as the
+// epoch after w0's death is announced, before it publishes what it holds or builds that
+// epoch's communicator, so before it could copy embed to anyone, whenever it notices w0's
+// death (a kill of both in forward could miss w5 if it noticed first: it would reconfigure,
+// copy embed to others, and die only in the next epoch).
+const char* kKillBothHoldersOfEmbed =
+    "kill:worker=0:step=10:phase=forward;kill:worker=5:step=9:phase=reconfiguration";
+
 // The version the job said it rolls back to, or -2 if it did not.
 int64_t rollbackVersion(const std::string& out) {
   std::smatch m;
@@ -509,7 +520,7 @@ std::map<int, std::string> restoreLines(const std::string& out) {
 TEST(PipelineRollbackTest, LosingEveryLiveCopyRestoresTheCommittedVersionFromRam) {
   const std::string profile = fourStageProfile(logDir("pp-rollback-ram") + "-profile.json");
   JobRun run = trainPp("pp-rollback-ram", 8, {"--profile", profile, "--steps", "20"},
-                       "kill:worker=0:step=10:phase=forward;kill:worker=5:step=10:phase=forward");
+                       kKillBothHoldersOfEmbed);
   SCOPED_TRACE(run.output);
   expectMatchesReference(run);
   EXPECT_TRUE(run.output.find("workers lost: [0,5]") != std::string::npos ||
@@ -563,7 +574,7 @@ TEST(PipelineRollbackTest, WithNoCommittedPeerVersionTheDurableOneIsRestored) {
       "pp-rollback-disk", 8,
       {"--profile", fourStageProfile(ckpt + "-profile.json"), "--steps", "20", "--checkpoint-dir",
        ckpt, "--checkpoint-every", "1", "--peer-checkpoint-every", "100"},
-      "kill:worker=0:step=10:phase=forward;kill:worker=5:step=10:phase=forward");
+      kKillBothHoldersOfEmbed);
   SCOPED_TRACE(run.output);
   expectMatchesReference(run);
   std::map<int, std::string> restored = restoreLines(run.output);
