@@ -125,11 +125,14 @@ inline std::string logDir(const std::string& name) {
 
 // Runs `program` with `args` under sinew-run with `workers` workers (and --inject `inject`
 // unless empty), logs in logDir(name), until it ends or `timeout` passes.
+// runArgs go to sinew-run itself, before the program.
 inline JobRun runJob(const std::string& name, int workers, const std::string& program,
                      const std::vector<std::string>& args, const std::string& inject = "",
-                     std::chrono::seconds timeout = 300s) {
+                     std::chrono::seconds timeout = 300s,
+                     const std::vector<std::string>& runArgs = {}) {
   std::vector<std::string> argv = {SINEW_RUN_PATH, "-n", std::to_string(workers), "--log-dir",
                                    logDir(name)};
+  argv.insert(argv.end(), runArgs.begin(), runArgs.end());
   if (!inject.empty()) {
     argv.push_back("--inject");
     argv.push_back(inject);
