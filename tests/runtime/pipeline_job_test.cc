@@ -101,8 +101,8 @@ std::vector<int> planStages(const std::string& out) {
 // once in CI: worker 3 expelled after 3.04 s at step 12, the job exact without it).
 JobRun trainPp(const std::string& name, int workers, const std::vector<std::string>& args,
                const std::string& inject = "") {
-  return sinew::testing::runJob(name, workers, TRAIN_PP_PATH, args, inject, std::chrono::seconds(300),
-                                {"--step-deadline-ms", "10000"});
+  return sinew::testing::runJob(name, workers, TRAIN_PP_PATH, args, inject,
+                                std::chrono::seconds(300), {"--step-deadline-ms", "10000"});
 }
 
 void expectMatchesReference(const JobRun& run) {
