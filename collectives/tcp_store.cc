@@ -14,6 +14,7 @@
 #include <random>
 #include <set>
 #include <sstream>
+#include <vector>
 
 #include "sinew/collectives/detail/little_endian.h"
 #include "sinew/collectives/detail/store_wire.h"
@@ -300,16 +301,19 @@ bool TcpStoreServer::deleteKey(const std::string& key) { return impl_->state_.de
 // ---------------------------------------------------------------------------------------
 // Client
 
-// One request at a time over one transport::Connection, each against a deadline; the
-// connection is (re)opened lazily.
+// Each request runs alone on a connection, against a deadline. Threads that request at once
+// get a connection each: a blocking get or wait (a rendezvous, a checkpoint's shards) must not
+// hold up another thread's short requests, which used to queue behind it for the whole
+// timeout (a worker's flush thread waiting for a dead peer's shard kept its own recovery from
+// reaching the store). Connections are opened lazily and kept for reuse, at most
+// kMaxIdleConnections of them; one whose request failed is dropped.
 class TcpStore::Impl {
  public:
   Impl(std::string host, uint16_t port, TcpStoreOptions options)
       : host_(std::move(host)),
         port_(port),
         options_(options),
-        conn_(store_wire::answerRules(options.token),
-              "tcp store at " + host_ + ":" + std::to_string(port)) {
+        name_("tcp store at " + host_ + ":" + std::to_string(port)) {
     if (options_.token == 0) {
       SINEW_THROW(InvalidArgument,
                   "TcpStoreOptions::token is 0: pass the server's job token "
@@ -319,14 +323,15 @@ class TcpStore::Impl {
 
   // Sends one request and returns the answer's payload; throws on any failure.
   Bytes request(const store_wire::Request& q, Clock::time_point deadline) {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_ptr<transport::Connection> conn = acquire();
     // A server closes idle connections; reconnect rather than fail on one.
-    if (conn_.peerClosedWhileIdle()) conn_.close();
-    if (!conn_.isOpen()) conn_.connect(host_, port_, Clock::now() + options_.connectTimeout);
+    if (conn->isOpen() && conn->peerClosedWhileIdle()) conn->close();
+    if (!conn->isOpen()) conn->connect(host_, port_, Clock::now() + options_.connectTimeout);
     const char* what = store_wire::requestName(static_cast<uint8_t>(q.op));
-    conn_.send(static_cast<uint8_t>(q.op), 0, store_wire::encodeRequest(q), deadline);
-    FrameHeader h = conn_.readHeader(deadline);
-    Bytes body = conn_.readPayload(h, deadline);
+    conn->send(static_cast<uint8_t>(q.op), 0, store_wire::encodeRequest(q), deadline);
+    FrameHeader h = conn->readHeader(deadline);
+    Bytes body = conn->readPayload(h, deadline);
+    release(std::move(conn));  // A whole answer was read: the connection is idle again.
     auto answer = static_cast<Answer>(h.type);
     if (answer == Answer::kOk) return body;
     std::string message = store_wire::decodeString(body, "store error answer");
@@ -338,11 +343,31 @@ class TcpStore::Impl {
   const TcpStoreOptions& options() const { return options_; }
 
  private:
+  static constexpr size_t kMaxIdleConnections = 4;
+
+  std::unique_ptr<transport::Connection> acquire() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!idle_.empty()) {
+        auto conn = std::move(idle_.back());
+        idle_.pop_back();
+        return conn;
+      }
+    }
+    return std::make_unique<transport::Connection>(store_wire::answerRules(options_.token), name_);
+  }
+
+  void release(std::unique_ptr<transport::Connection> conn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (idle_.size() < kMaxIdleConnections) idle_.push_back(std::move(conn));
+  }
+
   const std::string host_;
   const uint16_t port_;
   const TcpStoreOptions options_;
+  const std::string name_;
   std::mutex mu_;
-  transport::Connection conn_;  // Guarded by mu_.
+  std::vector<std::unique_ptr<transport::Connection>> idle_;  // Guarded by mu_.
 };
 
 namespace {

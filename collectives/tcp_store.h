@@ -13,9 +13,11 @@
 // client that dies in the middle of a request only loses its own connection. At most
 // maxConnections are open at once. Other clients are unaffected.
 //
-// A client runs one request at a time over one connection, each against a deadline; it
-// connects lazily, retrying until connectTimeout, reconnects after a failed request, and
-// reconnects before a request when the server closed its idle connection.
+// A client runs each request alone on a connection, against a deadline; threads requesting
+// at once use a connection each (so a blocking get or wait never holds up another thread's
+// requests), and up to four idle connections are kept for reuse. It connects lazily,
+// retrying until connectTimeout, drops a connection whose request failed, and reconnects
+// before a request when the server closed an idle connection.
 //
 // Thread safety: every method of both classes may be called from any thread.
 

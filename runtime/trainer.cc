@@ -2308,11 +2308,29 @@ class Trainer::Impl {
     }
     std::vector<std::string> keys;
     for (int w : job.others) keys.push_back(recordKey(shard.step, w));
-    try {
-      store->wait(keys, recoveryTimeout());
-    } catch (const Timeout&) {
-      SINEW_THROW(Timeout, "checkpoint ", shard.step, ": the shards of pipeline 0's other ",
-                  "writers did not all arrive within ", recoveryTimeout().count(), " ms");
+    // Polled, not one blocking wait: a writer that left the job before posting its shard
+    // never will, so the version cannot be completed. The flush then fails at once, reported,
+    // and training goes on (docs/failure_semantics.md, rule 10) instead of this thread
+    // waiting out the recovery deadline with the version's successors queued behind it.
+    const auto deadline = Clock::now() + recoveryTimeout();
+    auto pause = checkpoint::CheckpointEngine::kFirstPoll;
+    while (!store->check(keys)) {
+      const EpochInfo latest = client_.latestEpoch();
+      for (size_t i = 0; i < keys.size(); ++i) {
+        const int w = job.others[i];
+        if (std::find(latest.members.begin(), latest.members.end(), w) == latest.members.end() &&
+            !store->check({keys[i]})) {
+          SINEW_THROW(Aborted, "checkpoint ", shard.step, " is not durable: worker ", w,
+                      ", one of pipeline 0's writers, left the job (epoch ", latest.epoch,
+                      ") before its shard of it arrived");
+        }
+      }
+      if (Clock::now() > deadline) {
+        SINEW_THROW(Timeout, "checkpoint ", shard.step, ": the shards of pipeline 0's other ",
+                    "writers did not all arrive within ", recoveryTimeout().count(), " ms");
+      }
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, checkpoint::CheckpointEngine::kLastPoll);
     }
     std::vector<checkpoint::ShardFileRecord> records = {mine};
     for (const std::string& k : keys) {

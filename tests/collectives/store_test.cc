@@ -459,6 +459,40 @@ TEST(TcpStoreClientTest, ServerShutdownFailsBlockedWaitAndClientReconnects) {
   EXPECT_EQ(toString(client.get("b", 1s)), "2");
 }
 
+// One client shared by threads: while one thread is parked in a long wait, another's
+// requests are answered at once (each runs on a connection of its own), and the wait still
+// wakes when its key is set. Before, the second thread queued behind the wait for its whole
+// timeout (a worker's flush thread waiting for a dead peer's shard blocked its recovery).
+TEST(TcpStoreClientTest, ABlockedWaitDoesNotHoldUpAnotherThreadsRequests) {
+  TcpStoreServer server(sinew::testing::serverOptions());
+  TcpStore client("127.0.0.1", server.port(), sinew::testing::storeOptions());
+  std::atomic<bool> woke{false};
+  std::thread waiter([&] {
+    try {
+      client.wait({"late"}, 5s);
+      woke = true;
+    } catch (const Error& e) {
+      ADD_FAILURE() << "the wait failed: " << e.what();
+    }
+  });
+  ASSERT_TRUE(eventually([&] { return server.openConnections() == 1; }));
+  std::this_thread::sleep_for(50ms);  // Lets the wait park.
+  auto start = Clock::now();
+  client.set("k", toBytes("v"));
+  EXPECT_EQ(toString(client.get("k", 1s)), "v");
+  EXPECT_EQ(client.add("n", 3), 3);
+  EXPECT_TRUE(client.check({"k", "n"}));
+  EXPECT_LT(elapsedMs(start), 2000) << "requests queued behind another thread's wait";
+  EXPECT_FALSE(woke.load());
+  client.set("late", toBytes("1"));
+  waiter.join();
+  EXPECT_TRUE(woke.load());
+  // Both connections stay open for reuse; a third thread's request reuses one of them.
+  EXPECT_EQ(server.openConnections(), 2);
+  std::thread([&] { EXPECT_EQ(client.add("n", 1), 4); }).join();
+  EXPECT_EQ(server.openConnections(), 2);
+}
+
 TEST(FileStoreTest, RejectsKeysTooLongForAFileName) {
   FileStore s(tempDir("long"));
   try {
