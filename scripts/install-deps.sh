@@ -15,6 +15,7 @@ PACKAGES=(
   nlohmann-json3-dev
   libcli11-dev
   curl gnuplot-nox
+  etcd-server
 )
 
 missing=()

@@ -1,0 +1,187 @@
+#pragma once
+
+// An etcd cluster on loopback for tests (docs/ha.md): each member its own process (Debian's
+// etcd-server), its own data directory and its own client and peer ports. Members are killed,
+// stopped and restarted by PID only. Tests skip when etcd is not installed.
+
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fs_support.h"
+#include "sinew/collectives/etcd_client.h"
+
+namespace sinew {
+namespace testing {
+
+// The etcd binary, or "" when it is not installed.
+inline std::string etcdPath() {
+  for (const char* p : {"/usr/bin/etcd", "/usr/local/bin/etcd"}) {
+    if (::access(p, X_OK) == 0) return p;
+  }
+  return "";
+}
+
+// A port nobody listens on now (bound to 0, read, closed): good enough on loopback.
+inline uint16_t freeLoopbackPort() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof(a);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    ::close(fd);
+    throw std::runtime_error("no free loopback port");
+  }
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+class EtcdCluster {
+ public:
+  struct Member {
+    std::string name;
+    uint16_t client = 0;
+    uint16_t peer = 0;
+    pid_t pid = -1;
+    bool stopped = false;
+  };
+
+  // Starts `size` members and waits until the cluster answers (throws after 30 s).
+  explicit EtcdCluster(int size = 3) {
+    char tmpl[] = "/tmp/sinew-etcd-XXXXXX";
+    if (!::mkdtemp(tmpl)) throw std::runtime_error("mkdtemp failed");
+    dir_ = tmpl;
+    for (int i = 0; i < size; ++i) {
+      Member m;
+      m.name = "m" + std::to_string(i);
+      m.client = freeLoopbackPort();
+      m.peer = freeLoopbackPort();
+      members_.push_back(m);
+    }
+    for (int i = 0; i < size; ++i) launch(i, /*fresh=*/true);
+    if (!waitHealthy(std::chrono::seconds(30))) throw std::runtime_error("etcd did not start");
+  }
+
+  ~EtcdCluster() {
+    for (auto& m : members_) {
+      if (m.pid > 0) {
+        ::kill(m.pid, SIGKILL);
+        ::waitpid(m.pid, nullptr, 0);
+      }
+    }
+    removeTree(dir_);
+  }
+
+  int size() const { return static_cast<int>(members_.size()); }
+  const Member& member(int i) const { return members_.at(i); }
+  const std::string& dir() const { return dir_; }
+
+  // "127.0.0.1:p0,127.0.0.1:p1,..." (all members, dead or alive).
+  std::string endpoints() const {
+    std::string out;
+    for (const auto& m : members_) {
+      out += (out.empty() ? "" : ",") + std::string("127.0.0.1:") + std::to_string(m.client);
+    }
+    return out;
+  }
+  collectives::EtcdOptions options() const {
+    collectives::EtcdOptions o;
+    o.endpoints = collectives::parseEtcdEndpoints(endpoints(), "test cluster");
+    return o;
+  }
+
+  void kill(int i) {
+    auto& m = members_.at(i);
+    if (m.pid <= 0) return;
+    ::kill(m.pid, SIGKILL);
+    ::waitpid(m.pid, nullptr, 0);
+    m.pid = -1;
+  }
+  void stop(int i) {
+    ::kill(members_.at(i).pid, SIGSTOP);
+    members_.at(i).stopped = true;
+  }
+  void cont(int i) {
+    ::kill(members_.at(i).pid, SIGCONT);
+    members_.at(i).stopped = false;
+  }
+  // Starts a killed member again on its data directory.
+  void restart(int i) { launch(i, /*fresh=*/false); }
+
+  // Whether a write goes through within the timeout.
+  bool waitHealthy(std::chrono::milliseconds timeout) {
+    auto o = options();
+    o.timeout = std::chrono::milliseconds(1000);
+    collectives::EtcdClient c(o);
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < deadline) {
+      try {
+        c.put("/health", "ok");
+        return true;
+      } catch (const std::exception&) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+    }
+    return false;
+  }
+
+ private:
+  void launch(int i, bool fresh) {
+    auto& m = members_.at(i);
+    std::string cluster;
+    for (const auto& o : members_) {
+      cluster +=
+          (cluster.empty() ? "" : ",") + o.name + "=http://127.0.0.1:" + std::to_string(o.peer);
+    }
+    const std::string clientUrl = "http://127.0.0.1:" + std::to_string(m.client);
+    const std::string peerUrl = "http://127.0.0.1:" + std::to_string(m.peer);
+    std::vector<std::string> argv = {
+        etcdPath(),
+        "--name=" + m.name,
+        "--data-dir=" + dir_ + "/" + m.name,
+        "--listen-client-urls=" + clientUrl,
+        "--advertise-client-urls=" + clientUrl,
+        "--listen-peer-urls=" + peerUrl,
+        "--initial-advertise-peer-urls=" + peerUrl,
+        "--initial-cluster=" + cluster,
+        std::string("--initial-cluster-state=") + (fresh ? "new" : "existing"),
+        "--initial-cluster-token=sinew-test",
+        "--heartbeat-interval=50",
+        "--election-timeout=500",
+        "--logger=zap",
+        "--log-level=error"};
+    const std::string log = dir_ + "/" + m.name + ".log";
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      FILE* f = std::fopen(log.c_str(), "a");
+      if (f) {
+        ::dup2(fileno(f), 1);
+        ::dup2(fileno(f), 2);
+      }
+      std::vector<char*> args;
+      for (auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+      args.push_back(nullptr);
+      ::execv(args[0], args.data());
+      _exit(127);
+    }
+    m.pid = pid;
+  }
+
+  std::string dir_;
+  std::vector<Member> members_;
+};
+
+}  // namespace testing
+}  // namespace sinew
