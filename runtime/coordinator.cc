@@ -158,12 +158,24 @@ class Coordinator::Impl : public control::Backend, public EventFeed {
       controlPort_ = control_->port();
     }
     scheduleCheck();
-    startTimer_.expires_after(options_.startTimeout);
-    startTimer_.async_wait([this](error_code e) {
-      if (e) return;
-      std::lock_guard<std::mutex> lock(mu_);
-      if (epoch_ < 0 && !ready_.empty()) formFirstEpoch("start timeout");
-    });
+    if (!options_.takeoverState.empty()) {
+      restoreState(options_.takeoverState);  // Throws InvalidArgument naming a bad field.
+      startTimer_.expires_after(options_.takeoverWait);
+      startTimer_.async_wait([this](error_code e) {
+        if (e) return;
+        std::lock_guard<std::mutex> lock(mu_);
+        if (takingOver_)
+          formTakeoverEpoch("takeover wait of " + std::to_string(options_.takeoverWait.count()) +
+                            " ms ended");
+      });
+    } else {
+      startTimer_.expires_after(options_.startTimeout);
+      startTimer_.async_wait([this](error_code e) {
+        if (e) return;
+        std::lock_guard<std::mutex> lock(mu_);
+        if (epoch_ < 0 && !ready_.empty()) formFirstEpoch("start timeout");
+      });
+    }
     thread_ = std::thread([this] {
       collectives::transport::runIoThread(io_, [this](const std::string& what) {
         std::lock_guard<std::mutex> lock(mu_);
@@ -204,6 +216,8 @@ class Coordinator::Impl : public control::Backend, public EventFeed {
     s.droppedConnections = dropped_;
     s.ignoredMessages = ignored_;
     s.pids = pids_;
+    s.failed = jobFailed_;
+    s.deposed = deposed_;
     for (const auto& [id, r] : releasedWorkers_) {
       if (!r.exited) s.releasedRunning.push_back(id);
     }
@@ -331,6 +345,20 @@ class Coordinator::Impl : public control::Backend, public EventFeed {
   void onRollback(int worker, int64_t step);
   pipeline::Plan pipelinePlan() const;
   void failJob(const std::string& why);
+  // High availability (docs/ha.md). Whether this coordinator may still send (its term has
+  // not ended); a false answer ends the term.
+  bool mayWrite();
+  // Ends this coordinator's term: nothing more is sent, every connection is closed.
+  void depose(const std::string& why);
+  // Stores the durable state through options_.persist (if set) before a change of it is sent;
+  // returns false, having ended the term, when the write was refused or failed.
+  bool persistState();
+  std::string stateJson() const;
+  void restoreState(const std::string& text);
+  // Takeover: the next epoch, with the members that reconnected.
+  void formTakeoverEpoch(const std::string& why);
+  // Plans the templates of a pipeline request for `nodes` nodes; returns the error, or "".
+  std::string planPipelines(const json& body, int nodes);
   void send(int worker, wire::Type type, const json& body);
   void event(json e);
   void checkFinished();
@@ -368,6 +396,13 @@ class Coordinator::Impl : public control::Backend, public EventFeed {
   // A pipeline job (docs/pipeline.md): the profile and options a worker sent, and the
   // templates planned once from them; every epoch after carries its plan.
   bool pipelineJob_ = false;
+  json pipelineRequest_;  // the request the templates were planned from, and for how many nodes
+  int pipelineNodes_ = 0;
+  // High availability (docs/ha.md).
+  bool deposed_ = false;
+  bool takingOver_ = false;          // waiting for the members of takeoverMembers_
+  std::set<int> takeoverMembers_;    // the previous leader's last epoch's members
+  std::map<int, int64_t> rejoined_;  // reconnected members -> the last commit they had
   pipeline::Profile profile_;
   pipeline::PlanOptions planOptions_;
   pipeline::TemplateSet templates_;
@@ -468,7 +503,7 @@ class Coordinator::Impl::Session : public collectives::transport::ChannelHandler
   }
 
   void write(wire::Type type, int64_t epoch, const json& body, bool closeAfter = false) {
-    if (closed_ || !channel_) return;
+    if (closed_ || !channel_ || !owner_->mayWrite()) return;
     channel_->send(static_cast<uint8_t>(type), epoch, wire::encodeBody(body));
     if (closeAfter) channel_->closeAfterWrites();
   }
@@ -658,6 +693,12 @@ void Coordinator::Impl::onMessage(const std::shared_ptr<Session>& s,
     default:
       break;
   }
+  if (takingOver_) {
+    // Votes, losses and requests of the previous leader's epoch: the takeover starts a new
+    // epoch, which every member enters at the last committed step (docs/ha.md, rule 4).
+    ignored_++;
+    return;
+  }
   if (h.epoch < epoch_) {
     // A message that crossed an epoch change is stale, not hostile: dropping the connection
     // would turn a benign race into a false failure (docs/coordinator_protocol.md).
@@ -692,9 +733,23 @@ void Coordinator::Impl::onMessage(const std::shared_ptr<Session>& s,
 }
 
 void Coordinator::Impl::onHello(const std::shared_ptr<Session>& s, const json& body) {
+  if (deposed_) throw std::runtime_error("this coordinator no longer leads the job");
   int requested = body.at("worker").get<int>();
   std::string node = body.at("node").get<std::string>();
   int64_t pid = body.value("pid", int64_t(0));
+  // A worker of this job reconnecting after a change of leader (docs/ha.md): during a
+  // takeover, a member of the previous leader's epoch is taken back; afterwards it is too late.
+  const bool rejoin = body.contains("rejoin");
+  if (rejoin && (requested < 0 || !takingOver_ || !takeoverMembers_.count(requested))) {
+    throw std::runtime_error(
+        "worker " + std::to_string(requested) + " rejoins, but " +
+        (takingOver_ ? std::string("it was no member of epoch ") + std::to_string(epoch_)
+                     : std::string("the takeover is over (it reconnected too late)")));
+  }
+  if (!rejoin && takingOver_ && requested >= 0) {
+    throw std::runtime_error("worker " + std::to_string(requested) +
+                             " says hello as a launch rank while the job is being taken over");
+  }
   if (requested >= 0 && (workers_.count(requested) ||
                          std::find(dead_.begin(), dead_.end(), requested) != dead_.end())) {
     throw std::runtime_error("worker id " + std::to_string(requested) + " is already taken");
@@ -722,7 +777,16 @@ void Coordinator::Impl::onHello(const std::shared_ptr<Session>& s, const json& b
                   {"dead_after_ms", options_.deadAfter.count()}};
   send(id, wire::Type::kWelcome, welcome);
   event({{"event", "hello"}, {"worker", id}, {"node", node}, {"pid", pid}});
-  if (epoch_ < 0 && requested < 0) {
+  if (rejoin) {
+    workers_[id].hasState = true;
+    rejoined_[id] = sinew::detail::jsonInt(body.at("rejoin").at("committed"), "rejoin.committed",
+                                           -1, int64_t(1) << 53);
+    log("worker " + std::to_string(id) + " rejoined (last commit it had: step " +
+        std::to_string(rejoined_[id]) + ")");
+    bool all = true;
+    for (int m : takeoverMembers_) all = all && (rejoined_.count(m) || done_.count(m));
+    if (all) formTakeoverEpoch("every member rejoined");
+  } else if (epoch_ < 0 && requested < 0) {
     pendingJoin_.push_back(id);  // Joins the first epoch, but does not count as a rank.
   } else if (epoch_ < 0) {
     hellos_.push_back(id);  // Counts towards the first epoch once it is ready.
@@ -822,6 +886,7 @@ void Coordinator::Impl::newEpoch(const std::string& why, std::vector<int> joiner
                      " workers of epoch " + std::to_string(epoch_) + ": " + e.what());
     }
   }
+  if (!persistState()) return;  // Another leader's job now: nothing is sent.
   for (int id : members_) send(id, wire::Type::kEpoch, body);
   for (int id : joined) workers_[id].hasState = true;
   log("epoch " + std::to_string(epoch_) + ": " + std::to_string(members_.size()) +
@@ -880,13 +945,23 @@ void Coordinator::Impl::onRollback(int worker, int64_t step) {
 void Coordinator::Impl::onPipeline(int worker, const json& body) {
   if (pipelineJob_) return;
   const std::string who = "worker " + std::to_string(worker) + "'s pipeline request: ";
+  std::string error = planPipelines(body, -1);
+  if (!error.empty()) return failJob(who + error);
+  newEpoch("pipeline plan", {});
+}
+
+// Plans the job's templates from a pipeline request, for `nodes` nodes (-1: this epoch's
+// members' nodes) up to the workers the job may grow to (max_workers). A coordinator taking
+// over plans them again from the request its predecessor persisted: the planner is
+// deterministic, so every later epoch's plan is the one the predecessor would have made.
+std::string Coordinator::Impl::planPipelines(const json& body, int nodes) {
   try {
     profile_ = pipeline::parseProfileJson(body.at("profile").get<std::string>());
   } catch (const Error& e) {
-    return failJob(who + "bad profile: " + e.what());
+    return std::string("bad profile: ") + e.what();
   }
   const int G = profile_.job.devices_per_node;
-  const int nodes = static_cast<int>(members_.size()) / G;
+  if (nodes < 0) nodes = static_cast<int>(members_.size()) / G;
   planOptions_.fault_tolerance = body.at("fault_tolerance").get<int>();
   planOptions_.global_microbatches = body.at("microbatches").get<int64_t>();
   // The most workers the job may grow to by joins (absent or 0: the workers it starts with).
@@ -896,7 +971,7 @@ void Coordinator::Impl::onPipeline(int worker, const json& body) {
       maxWorkers = sinew::detail::jsonInt(body["max_workers"], "max_workers", 0, 1 << 20);
     }
   } catch (const Error& e) {
-    return failJob(who + e.what());
+    return e.what();
   }
   try {
     if (nodes < 1) {
@@ -910,15 +985,178 @@ void Coordinator::Impl::onPipeline(int worker, const json& body) {
     to.global_microbatches = planOptions_.global_microbatches;
     templates_ = pipeline::planTemplates(profile_, to);
   } catch (const Error& e) {
-    return failJob(who + e.what());
+    return e.what();
   }
   pipelineJob_ = true;
+  pipelineRequest_ = body;
+  pipelineNodes_ = nodes;
   log("planned pipeline templates for " + std::to_string(templates_.min_nodes) + ".." +
       std::to_string(templates_.max_nodes) + " nodes (" + std::to_string(nodes) + " nodes of " +
       std::to_string(G) + " workers, up to " +
       std::to_string(std::max<int64_t>(nodes, maxWorkers / G)) +
       " nodes by joins, fault tolerance " + std::to_string(planOptions_.fault_tolerance) + ")");
-  newEpoch("pipeline plan", {});
+  return "";
+}
+
+// ---- High availability (docs/ha.md) ----------------------------------------------------------
+
+bool Coordinator::Impl::mayWrite() {
+  if (deposed_) return false;
+  if (options_.mayWrite && !options_.mayWrite()) {
+    // Not from inside a write: depose closes the sessions.
+    asio::post(io_, [this] {
+      std::lock_guard<std::mutex> lock(mu_);
+      depose("its leader lease may have ended");
+    });
+    deposed_ = true;  // Nothing more goes out, from this moment.
+    return false;
+  }
+  return true;
+}
+
+void Coordinator::Impl::depose(const std::string& why) {
+  if (stopping_) return;
+  deposed_ = true;
+  stopping_ = true;  // Closing the connections below declares nobody dead.
+  checkTimer_.cancel();
+  startTimer_.cancel();
+  log("this coordinator's term is over (" + why +
+      "): it sends nothing more and closes every connection");
+  event({{"event", "deposed"}, {"epoch", epoch_}, {"reason", why}});
+  for (auto& [id, w] : workers_) {
+    if (w.session) w.session->close();
+  }
+  for (auto& [id, r] : releasedWorkers_) {
+    if (r.session) r.session->close();
+  }
+  cv_.notify_all();
+}
+
+std::string Coordinator::Impl::stateJson() const {
+  json st = {{"version", 1},
+             {"epoch", epoch_},
+             {"members", members_},
+             {"committed", committed_},
+             {"next_id", nextId_},
+             {"expected", options_.expectedWorkers},
+             {"done", std::vector<int>(done_.begin(), done_.end())},
+             {"dead", dead_},
+             {"finished", finished_},
+             {"stopped", stopped_},
+             {"failed", jobFailed_},
+             {"durable_step", durable_.step},
+             {"durable_path", durable_.path},
+             {"shape",
+              {{"global_batch", globalBatch_},
+               {"microbatch", microbatch_},
+               {"steps", totalSteps_},
+               {"checkpoints", checkpointsOn_}}}};
+  if (pipelineJob_) {
+    st["pipeline"] = pipelineRequest_;
+    st["pipeline_nodes"] = pipelineNodes_;
+  }
+  return st.dump();
+}
+
+bool Coordinator::Impl::persistState() {
+  if (deposed_) return false;
+  if (!options_.persist) return true;
+  try {
+    options_.persist(stateJson());
+    return true;
+  } catch (const std::exception& e) {
+    depose(std::string("its state could not be stored: ") + e.what());
+    return false;
+  }
+}
+
+void Coordinator::Impl::restoreState(const std::string& text) {
+  json st = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  const std::string what = "the job state to take over";
+  if (!st.is_object()) SINEW_THROW(InvalidArgument, what, " is not a JSON object");
+  using sinew::detail::jsonField;
+  using sinew::detail::jsonInt;
+  const int64_t kMax = int64_t(1) << 53;
+  epoch_ = jsonInt(jsonField(st, "epoch", what), "epoch", -1, kMax);
+  committed_ = jsonInt(jsonField(st, "committed", what), "committed", -1, kMax);
+  nextId_ = static_cast<int>(jsonInt(jsonField(st, "next_id", what), "next_id", 0, 1 << 24));
+  for (const json& id : jsonField(st, "members", what)) {
+    takeoverMembers_.insert(static_cast<int>(jsonInt(id, "members[]", 0, 1 << 24)));
+  }
+  for (const json& id : st.value("done", json::array())) {
+    done_.insert(static_cast<int>(jsonInt(id, "done[]", 0, 1 << 24)));
+  }
+  for (const json& id : st.value("dead", json::array())) {
+    dead_.push_back(static_cast<int>(jsonInt(id, "dead[]", 0, 1 << 24)));
+  }
+  jobFailed_ = st.value("failed", false);
+  finished_ = st.value("finished", false);
+  stopped_ = st.value("stopped", false);
+  durable_.step = st.value("durable_step", int64_t(-1));
+  durable_.path = st.value("durable_path", std::string());
+  if (st.contains("shape")) {
+    const json& shape = st.at("shape");
+    globalBatch_ = shape.value("global_batch", int64_t(0));
+    microbatch_ = shape.value("microbatch", int64_t(0));
+    totalSteps_ = shape.value("steps", int64_t(0));
+    checkpointsOn_ = shape.value("checkpoints", false);
+  }
+  if (st.contains("pipeline")) {
+    std::string error = planPipelines(
+        st.at("pipeline"), static_cast<int>(jsonInt(jsonField(st, "pipeline_nodes", what),
+                                                    "pipeline_nodes", 1, 1 << 20)));
+    if (!error.empty()) SINEW_THROW(InvalidArgument, what, ": its pipeline request: ", error);
+  }
+  if (epoch_ < 0) {
+    // The predecessor had not formed the first epoch: start the job afresh (its workers
+    // restart with it; nothing was committed).
+    SINEW_THROW(InvalidArgument, what, " has no epoch yet: nothing to take over");
+  }
+  takingOver_ = !finished_ && !jobFailed_;
+  log("taking over the job at epoch " + std::to_string(epoch_) + ", last committed step " +
+      std::to_string(committed_) + "; waiting for " + std::to_string(takeoverMembers_.size()) +
+      " members to reconnect");
+  event({{"event", "takeover"},
+         {"epoch", epoch_},
+         {"committed_step", committed_},
+         {"members", std::vector<int>(takeoverMembers_.begin(), takeoverMembers_.end())}});
+}
+
+void Coordinator::Impl::formTakeoverEpoch(const std::string& why) {
+  if (!takingOver_) return;
+  takingOver_ = false;
+  startTimer_.cancel();
+  for (int id : takeoverMembers_) {
+    if (rejoined_.count(id) || done_.count(id)) continue;
+    log("worker " + std::to_string(id) + " declared dead: it did not reconnect after the " +
+        "change of leader (" + why + ")");
+    event({{"event", "failure"},
+           {"worker", id},
+           {"reason", "did not reconnect after the change of leader"},
+           {"epoch", epoch_},
+           {"committed_step", committed_}});
+    dead_.push_back(id);
+    failures_++;
+  }
+  if (workers_.empty()) {
+    if (!done_.empty()) {
+      finished_ = true;
+      persistState();
+      cv_.notify_all();
+      return;
+    }
+    return failJob("no member of epoch " + std::to_string(epoch_) +
+                   " reconnected to the new leader (" + why + ")");
+  }
+  // A member that voted for the last committed step but never heard the verdict (the previous
+  // leader stored it, then died) applies it now, before it learns of the new epoch.
+  for (const auto& [id, had] : rejoined_) {
+    if (had < committed_ && workers_.count(id)) sendCommit(id, committed_, false);
+  }
+  rejoined_.clear();
+  recovering_ = true;
+  recoveringSince_ = Clock::now();
+  newEpoch("a new leader took over (" + why + ")", {});
 }
 
 // The plan for members_: with G devices per node, node k is members [kG, kG + G) in
@@ -943,6 +1181,7 @@ pipeline::Plan Coordinator::Impl::pipelinePlan() const {
 void Coordinator::Impl::failJob(const std::string& why) {
   log("job failed: " + why);
   jobFailed_ = true;
+  if (!persistState()) return;
   event({{"event", "job_failed"}, {"epoch", epoch_}, {"reason", why}});
   for (auto& [id, w] : workers_) {
     if (w.session && !w.session->closed_) {
@@ -973,6 +1212,8 @@ void Coordinator::Impl::onVote(int worker, int64_t epoch, int64_t step) {
   }
   committed_ = step;
   votes_.erase(step);
+  // Durable before any member may apply it: a new leader knows every commit (docs/ha.md).
+  if (!persistState()) return;
   noteCommit(step);
   if (pendingJoin_.empty() && leaving_.empty()) {
     for (int id : members_) sendCommit(id, step, false);
@@ -1064,6 +1305,7 @@ void Coordinator::Impl::onDone(int worker, int64_t step) {
   done_.insert(worker);
   event({{"event", "done"}, {"worker", worker}, {"step", step}});
   checkFinished();
+  persistState();
 }
 
 void Coordinator::Impl::checkFinished() {
@@ -1073,6 +1315,7 @@ void Coordinator::Impl::checkFinished() {
   }
   if (!finished_) {
     finished_ = true;
+    persistState();
     log("job finished at step " + std::to_string(committed_) + " in epoch " +
         std::to_string(epoch_));
     event({{"event", "finished"}, {"step", committed_}, {"epoch", epoch_}});
@@ -1181,6 +1424,7 @@ void Coordinator::Impl::onDurable(int worker, const json& body) {
     durable_.flushSeconds = flush;
     durable_.at = Clock::now();
   }
+  persistState();
   event({{"event", "checkpoint"},
          {"step", step},
          {"worker", worker},

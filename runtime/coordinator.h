@@ -83,6 +83,22 @@ struct CoordinatorOptions {
   // it starts (each joins with SINEW_COORDINATOR). Called with the coordinator's lock held:
   // it must not block or call the coordinator. Unset: the scheduler starts joiners itself.
   std::function<int(int count)> startWorkers;
+
+  // High availability (docs/ha.md). persist, when set, stores the coordinator's durable state
+  // (a JSON object: epoch, members, committed step, ...) before each message that makes a
+  // change of it visible leaves: an epoch, a commit, a job's end. It is called on the io
+  // thread with the coordinator's lock held, and throws when the write is refused (another
+  // leader) or cannot be made; the coordinator then ends its term: it sends nothing more,
+  // closes every connection and reports status().deposed. mayWrite, when set, is asked
+  // before every message: false ends the term the same way (a lease that may have ended).
+  std::function<void(const std::string& stateJson)> persist;
+  std::function<bool()> mayWrite;
+  // The state a previous leader persisted: this coordinator takes the job over. The members
+  // of its epoch reconnect (hello with rejoin); once all did, or takeoverWait passed, the
+  // next epoch starts with those that did (a member whose commit of the last committed step
+  // was lost gets it first), resuming after the last committed step.
+  std::string takeoverState;
+  std::chrono::milliseconds takeoverWait{5000};
 };
 
 struct CoordinatorStatus {
@@ -98,6 +114,8 @@ struct CoordinatorStatus {
   int64_t ignoredMessages = 0;
   std::map<int, int64_t> pids;       // every worker that said hello -> its process id
   std::vector<int> releasedRunning;  // released, and their process has not ended yet
+  bool failed = false;               // the job failed (e.g. no plan fits its workers)
+  bool deposed = false;              // HA: this coordinator's term ended; it serves no more
 };
 
 class Coordinator {

@@ -1,5 +1,6 @@
 #include "sinew/runtime/coordinator_client.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <boost/asio/connect.hpp>
@@ -14,6 +15,7 @@
 #include <array>
 #include <atomic>
 #include <condition_variable>
+#include <cstdio>
 #include <deque>
 #include <mutex>
 #include <thread>
@@ -47,6 +49,12 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
       heartbeat_.async_wait([this](error_code) { closeNow(); });
     });
     if (thread_.joinable()) thread_.join();
+    {
+      std::lock_guard<std::mutex> lock(haMu_);
+      haStop_ = true;
+    }
+    haCv_.notify_all();
+    if (watcher_.joinable()) watcher_.join();
   }
 
   void closeNow() {
@@ -59,18 +67,39 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
   // destructor closes it and joins the io thread), so the handler it gets is a non-owning
   // alias.
   void start(std::shared_ptr<transport::ChannelHandler> self) {
+    self_ = std::move(self);
+    if (options_.awaitLeader) {
+      // High availability: the leader etcd names (docs/ha.md).
+      std::optional<CoordinatorClientOptions::Leader> leader;
+      const auto deadline = Clock::now() + options_.connectTimeout;
+      while (!leader && Clock::now() < deadline) {
+        try {
+          leader = options_.awaitLeader(
+              0, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+        } catch (const std::exception&) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        }
+      }
+      if (!leader) {
+        SINEW_THROW(Timeout, "no coordinator leads the job within ",
+                    options_.connectTimeout.count(), " ms (etcd names none)");
+      }
+      leader_ = *leader;
+      term_.store(leader->term);
+      options_.host = leader->host;
+      options_.port = leader->port;
+    }
     tcp::socket socket(io_);
     transport::connectSocket(
         io_, socket, options_.host, options_.port, Clock::now() + options_.connectTimeout,
         "the coordinator at " + options_.host + ":" + std::to_string(options_.port));
-    transport::ChannelOptions co;
-    co.rules = wire::clientRules(options_.token);
-    co.frameTimeout = std::chrono::milliseconds(10000);
-    co.name = "sinew coordinator client";
-    channel_ = std::make_shared<transport::Channel>(std::move(socket), co, std::move(self));
-    channel_->start();
+    channel_ = makeChannel(std::move(socket));
     json hello = {{"worker", options_.worker}, {"node", options_.node}, {"pid", ::getpid()}};
     queue(wire::Type::kHello, -1, hello);
+    if (options_.awaitLeader) {
+      connected_.store(true);
+      watcher_ = std::thread([this] { watchLeader(); });
+    }
     scheduleHeartbeat();
     thread_ = std::thread([this] {
       // An exception out of a handler fails the client: the training thread, which waits on
@@ -171,11 +200,26 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
   // transport::ChannelHandler, on the io thread.
   void onFrame(transport::Channel& channel, const transport::FrameHeader& h,
                std::vector<uint8_t> payload) override {
+    if (&channel != channel_.get()) return;         // A previous leader's connection.
     json body = wire::decodeBody(h.type, payload);  // Corruption closes the channel.
     handle(static_cast<wire::Type>(h.type), body);
   }
   void onClose(transport::Channel& channel, transport::CloseReason reason,
                const std::string& why) override {
+    if (&channel != channel_.get()) return;  // A previous leader's connection.
+    if (options_.awaitLeader && reason != transport::CloseReason::kViolation && !stopping_ &&
+        !closed_) {
+      // High availability: the leader is gone (or cut off); the watcher finds the next one.
+      channel_.reset();
+      {
+        std::lock_guard<std::mutex> lock(haMu_);
+        connected_.store(false);
+        lostSince_ = Clock::now();
+        lostWhy_ = why;
+      }
+      haCv_.notify_all();
+      return;
+    }
     if (reason == transport::CloseReason::kViolation) {
       return fail("malformed message from the coordinator: " + why);
     }
@@ -193,8 +237,132 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
     SINEW_THROW(Expelled, "worker ", worker_, " must leave the job: ", gone_);
   }
 
+  std::shared_ptr<transport::Channel> makeChannel(tcp::socket socket) {
+    transport::ChannelOptions co;
+    co.rules = wire::clientRules(options_.token);
+    co.frameTimeout = std::chrono::milliseconds(10000);
+    co.name = "sinew coordinator client";
+    auto channel = std::make_shared<transport::Channel>(std::move(socket), co, self_);
+    channel->start();
+    return channel;
+  }
+
+  // High availability (docs/ha.md): the watcher thread. While connected, it waits for etcd to
+  // name a leader of another term and moves to it; while disconnected, it waits for a leader
+  // (a new one, or the same one again) and connects. It gives up after reconnectTimeout
+  // without a leader.
+  void watchLeader() {
+    while (true) {
+      {
+        std::unique_lock<std::mutex> lock(haMu_);
+        if (haStop_) return;
+      }
+      const int64_t term = term_.load();
+      const bool connected = connected_.load();
+      std::optional<CoordinatorClientOptions::Leader> leader;
+      try {
+        leader = options_.awaitLeader(term, std::chrono::milliseconds(connected ? 1000 : 300));
+      } catch (const std::exception&) {
+        // etcd unreachable (it may have lost its majority): the job waits for it.
+      }
+      {
+        std::lock_guard<std::mutex> lock(haMu_);
+        if (haStop_) return;
+      }
+      if (leader && leader->term != term) {
+        reconnect(*leader);
+        continue;
+      }
+      if (connected_.load()) continue;
+      // Disconnected and no new term: the same leader may still lead (a broken connection).
+      CoordinatorClientOptions::Leader same;
+      {
+        std::lock_guard<std::mutex> lock(haMu_);
+        same = leader_;
+      }
+      if (reconnect(same)) continue;
+      Clock::time_point since;
+      std::string why;
+      {
+        std::unique_lock<std::mutex> lock(haMu_);
+        since = lostSince_;
+        why = lostWhy_;
+        if (Clock::now() - since > options_.reconnectTimeout) {
+          lock.unlock();
+          asio::post(io_, [this, why] {
+            fail("no coordinator led the job for " +
+                 std::to_string(options_.reconnectTimeout.count()) +
+                 " ms after the connection to the last one closed (" + why + ")");
+          });
+          return;
+        }
+        haCv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return haStop_; });
+      }
+    }
+  }
+
+  // Connects to `leader` (on this thread, at most 2 s), then hands the connection to the io
+  // thread, which replaces the old one and says hello again. Returns whether it connected.
+  bool reconnect(const CoordinatorClientOptions::Leader& leader) {
+    if (leader.port == 0) return false;
+    asio::io_context io;
+    tcp::socket socket(io);
+    try {
+      transport::connectSocket(io, socket, leader.host, leader.port,
+                               Clock::now() + std::chrono::seconds(2),
+                               "the leader at " + leader.host + ":" + std::to_string(leader.port));
+    } catch (const std::exception&) {
+      return false;
+    }
+    const auto protocol = socket.local_endpoint().protocol();
+    const int fd = ::fcntl(socket.native_handle(), F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) return false;
+    {
+      std::lock_guard<std::mutex> lock(haMu_);
+      leader_ = leader;
+      term_.store(leader.term);
+      connected_.store(true);
+    }
+    asio::post(io_, [this, fd, protocol, leader] {
+      if (stopping_ || closed_) {
+        ::close(fd);
+        return;
+      }
+      tcp::socket s(io_);
+      error_code ec;
+      s.assign(protocol, fd, ec);
+      if (ec) {
+        ::close(fd);
+        return;
+      }
+      if (channel_) channel_->close();  // Its onClose is ignored: no longer the current one.
+      channel_ = makeChannel(std::move(s));
+      json hello = {{"worker", worker_}, {"node", options_.node}, {"pid", ::getpid()}};
+      int64_t epoch;
+      int64_t committed;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        epoch = epoch_.epoch;
+        committed = committed_;
+      }
+      if (epoch >= 0) {
+        hello["rejoin"] = {{"epoch", epoch}, {"committed", committed}};
+      } else if (options_.worker < 0) {
+        hello["worker"] = -1;  // A joiner not yet in the job asks again.
+      }
+      queue(wire::Type::kHello, -1, hello);
+      // Before the first epoch, the new leader needs this worker's ready again.
+      if (epoch < 0 && !lastReady_.is_null()) queue(wire::Type::kReady, -1, lastReady_);
+      std::fprintf(stderr, "sinew: worker %d connected to the leader at %s:%u (term %lld)\n",
+                   worker_, leader.host.c_str(), static_cast<unsigned>(leader.port),
+                   static_cast<long long>(leader.term));
+    });
+    return true;
+  }
+
   // io thread only.
   void queue(wire::Type type, int64_t epoch, const json& body) {
+    if (type == wire::Type::kReady) lastReady_ = body;
     if (closed_ || !channel_) return;
     {
       // A muted worker (failure injection) says nothing at all, votes included: every message
@@ -303,6 +471,19 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
   asio::io_context io_;
   asio::steady_timer heartbeat_;
   std::thread thread_;
+  std::shared_ptr<transport::ChannelHandler> self_;  // this, non-owning (see start())
+  json lastReady_;  // io thread only: the last ready message, re-sent to a new leader
+  // High availability (docs/ha.md).
+  std::thread watcher_;
+  std::atomic<bool> connected_{false};
+  std::atomic<int64_t> term_{0};
+  std::mutex haMu_;
+  std::condition_variable haCv_;
+  // Guarded by haMu_.
+  bool haStop_ = false;
+  CoordinatorClientOptions::Leader leader_;
+  Clock::time_point lostSince_{};
+  std::string lostWhy_;
   // The step (times 2) and whether the worker waits on the others (the low bit), in one word
   // so that a heartbeat never pairs one step with another step's flag. -2: step -1.
   std::atomic<int64_t> progress_{-2};

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -61,6 +62,25 @@ struct CoordinatorClientOptions {
   // The failure domain (a host name); workers of one node fail together.
   std::string node;
   std::chrono::milliseconds connectTimeout{60000};
+
+  // High availability (docs/ha.md): the job's leader is found in etcd, and may change. When
+  // awaitLeader is set, host and port are ignored: the client connects to the leader it
+  // returns; a closed connection is not the end of the job (the client waits for a leader,
+  // the same or a new one, and says hello again with `rejoin`: its last epoch and commit);
+  // and the client moves to a new leader as soon as one is announced, since a paused leader
+  // may hold its connections open without answering. awaitLeader blocks up to `timeout` for
+  // a leader whose term is not `otherThan` (0: any leader) and returns nullopt when there is
+  // none by then; it may throw (etcd unreachable), which counts as none.
+  struct Leader {
+    std::string host;
+    uint16_t port = 0;
+    int64_t term = 0;
+  };
+  std::function<std::optional<Leader>(int64_t otherThan, std::chrono::milliseconds timeout)>
+      awaitLeader;
+  // With awaitLeader: how long the worker may be without a leader before it gives up (the
+  // job's state is safe in etcd; the worker ends with Expelled naming the wait).
+  std::chrono::milliseconds reconnectTimeout{60000};
 };
 
 class CoordinatorClient {

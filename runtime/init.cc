@@ -13,10 +13,12 @@
 
 #include "sinew/collectives/detail/parse.h"
 #include "sinew/collectives/error.h"
+#include "sinew/collectives/etcd_store.h"
 #include "sinew/collectives/tcp_store.h"
 #include "sinew/config.h"
 #include "sinew/runtime/context_state.h"
 #include "sinew/runtime/coordinator.h"
+#include "sinew/runtime/ha_coordinator.h"
 
 #if SINEW_WITH_MPI
 #include <mpi.h>
@@ -214,7 +216,29 @@ std::unique_ptr<Context> init(int* argc, char*** argv, const InitOptions& option
   CoordinatorClientOptions co;
   co.node = ctx->node;
   co.connectTimeout = options.connectTimeout;
-  if (const char* ep = env("SINEW_COORDINATOR")) {
+  std::shared_ptr<collectives::EtcdClient> etcd;
+  std::string job;
+  if (const char* list = env("SINEW_ETCD")) {
+    // High availability (docs/ha.md): the leader, the job's state and the store are in etcd;
+    // coordinators run elsewhere (sinew-coordinator), so neither mode below starts one.
+    collectives::EtcdOptions eo;
+    eo.endpoints = collectives::parseEtcdEndpoints(list, "SINEW_ETCD");
+    etcd = std::make_shared<collectives::EtcdClient>(eo);
+    const char* token = env("SINEW_TOKEN");
+    if (!token) SINEW_THROW(InvalidArgument, "SINEW_ETCD is set but SINEW_TOKEN is not");
+    co.token = parseToken(token);
+    const char* jobName = env("SINEW_JOB");
+    if (!jobName) SINEW_THROW(InvalidArgument, "SINEW_ETCD is set but SINEW_JOB is not");
+    job = jobName;
+    co.awaitLeader = runtime::etcdLeaderFinder(etcd, job);
+    int rank = mpiRank();
+    if (const char* id = env("SINEW_WORKER_ID")) {
+      rank = static_cast<int>(parseInt("SINEW_WORKER_ID", id, -1));
+    }
+    co.worker = rank;
+    ctx->joined = rank < 0;
+    ctx->mode = "etcd";
+  } else if (const char* ep = env("SINEW_COORDINATOR")) {
     std::tie(co.host, co.port) = parseEndpoint("SINEW_COORDINATOR", ep);
     const char* token = env("SINEW_TOKEN");
     if (!token) SINEW_THROW(InvalidArgument, "SINEW_COORDINATOR is set but SINEW_TOKEN is not");
@@ -267,6 +291,10 @@ std::unique_ptr<Context> init(int* argc, char*** argv, const InitOptions& option
   }
   ctx->client = std::make_unique<runtime::CoordinatorClient>(co);
   ctx->token = co.token;
+  if (etcd) {
+    ctx->store = std::make_shared<collectives::EtcdStore>(etcd, runtime::haPrefix(job) + "store/");
+    return handle;
+  }
   collectives::TcpStoreOptions so;
   so.token = co.token;  // The coordinator serves the store under the job's token.
   so.connectTimeout = options.connectTimeout;

@@ -1,0 +1,197 @@
+#include "sinew/runtime/ha_coordinator.h"
+
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <thread>
+
+#include "sinew/collectives/error.h"
+#include "sinew/runtime/leader_election.h"
+
+namespace sinew {
+namespace runtime {
+
+using Clock = std::chrono::steady_clock;
+using collectives::EtcdClient;
+using collectives::EtcdOp;
+using nlohmann::json;
+
+std::string haPrefix(const std::string& job) {
+  if (job.empty() || job.size() > 128) {
+    SINEW_THROW(InvalidArgument, "job name '", job, "' must have 1 to 128 characters");
+  }
+  for (char c : job) {
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != '-') {
+      SINEW_THROW(InvalidArgument, "job name '", job,
+                  "' may hold only letters, digits, '.', '_' and '-'");
+    }
+  }
+  return "/sinew/" + job + "/";
+}
+
+namespace {
+
+// The job's end as the state in etcd says it: 0 finished, 1 failed, -1 still running.
+int jobEnd(EtcdClient& etcd, const std::string& stateKey) {
+  auto kv = etcd.get(stateKey);
+  if (!kv) return -1;
+  json st = json::parse(kv->value, nullptr, false);
+  if (!st.is_object()) return -1;
+  if (st.value("failed", false)) return 1;
+  if (st.value("finished", false)) return 0;
+  return -1;
+}
+
+}  // namespace
+
+int runHaCoordinator(const HaCoordinatorOptions& options) {
+  const std::string prefix = haPrefix(options.job);
+  const std::string leaderKey = prefix + "leader";
+  const std::string stateKey = prefix + "state";
+  if (options.coordinator.token == 0) {
+    SINEW_THROW(InvalidArgument, "HA coordinator without the job token (every candidate and ",
+                "worker must share it)");
+  }
+  auto log = [&](const std::string& line) {
+    const std::string full = "sinew coordinator " + options.name + ": " + line;
+    if (options.log) {
+      options.log(full);
+    } else {
+      std::fprintf(stderr, "%s\n", full.c_str());
+    }
+  };
+  auto etcd = std::make_shared<EtcdClient>(options.etcd);
+  LeaderElectionOptions eo;
+  eo.etcd = etcd;
+  eo.key = leaderKey;
+  eo.ttlSeconds = options.leaseTtlSeconds;
+  LeaderElection election(eo);
+  const std::string candidate =
+      json{{"candidate", options.name}, {"pid", static_cast<int64_t>(::getpid())}}.dump();
+  int ended = -1;
+  auto jobEnded = [&] {
+    try {
+      ended = jobEnd(*etcd, stateKey);
+    } catch (const Error&) {
+      // etcd unreachable: the job is not known to have ended.
+    }
+    return ended >= 0;
+  };
+  while (true) {
+    if (jobEnded()) {
+      log(std::string("the job ") + (ended == 0 ? "finished" : "failed") + "; exiting");
+      return ended;
+    }
+    if (!election.campaign(candidate, std::chrono::seconds(5), jobEnded)) continue;
+    const auto wonAt = Clock::now();
+    log("leads the job (term " + std::to_string(election.term()) + ")");
+    std::unique_ptr<Coordinator> coordinator;
+    try {
+      // Read after winning: every state a previous leader stored is visible (linearizable).
+      auto state = etcd->get(stateKey);
+      if (state) {
+        json st = json::parse(state->value, nullptr, false);
+        if (st.is_object() && (st.value("finished", false) || st.value("failed", false))) {
+          election.resign();
+          continue;  // The loop's check exits.
+        }
+      }
+      CoordinatorOptions co = options.coordinator;
+      if (state) co.takeoverState = state->value;
+      // Each state says which leader wrote it, in which term (docs/ha.md, rule 3).
+      co.persist = [&election, &options, stateKey](const std::string& stateJson) {
+        json st = json::parse(stateJson);
+        st["leader"] = options.name;
+        st["term"] = election.term();
+        election.fencedWrite({EtcdOp::put(stateKey, st.dump())});
+      };
+      co.mayWrite = [&election] { return election.leads(); };
+      coordinator = std::make_unique<Coordinator>(co);
+      election.setValue(json{{"candidate", options.name},
+                             {"pid", static_cast<int64_t>(::getpid())},
+                             {"host", coordinator->host()},
+                             {"port", coordinator->port()},
+                             {"control_port", coordinator->controlPort()}}
+                            .dump());
+      log("serves at " + coordinator->host() + ":" + std::to_string(coordinator->port()) + " " +
+          std::to_string(
+              std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - wonAt).count()) +
+          " ms after winning" + (state ? " (taking the job over)" : " (a new job)"));
+    } catch (const InvalidArgument& e) {
+      log(std::string("cannot serve the job: ") + e.what());
+      election.resign();
+      return 1;
+    } catch (const Error& e) {
+      log(std::string("lost the term before serving: ") + e.what());
+      coordinator.reset();
+      try {
+        election.resign();
+      } catch (const Error&) {
+      }
+      continue;
+    }
+    while (true) {
+      coordinator->waitFinished(std::chrono::milliseconds(100));
+      auto st = coordinator->status();
+      if (st.deposed || !election.leads()) {
+        log("its term is over; it stops serving");
+        break;
+      }
+      if (st.failed || st.finished) {
+        // Released workers may still report their last checkpoint: serve until they exit.
+        const auto until = Clock::now() + std::chrono::seconds(60);
+        while (!coordinator->status().releasedRunning.empty() && Clock::now() < until &&
+               election.leads()) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));  // The last words out.
+        coordinator.reset();
+        try {
+          election.resign();
+        } catch (const Error&) {
+        }
+        log(std::string("the job ") + (st.failed ? "failed" : "finished"));
+        return st.failed ? 1 : 0;
+      }
+    }
+    coordinator.reset();
+    try {
+      election.resign();
+    } catch (const Error&) {
+    }
+  }
+}
+
+std::function<std::optional<CoordinatorClientOptions::Leader>(int64_t, std::chrono::milliseconds)>
+etcdLeaderFinder(std::shared_ptr<EtcdClient> etcd, const std::string& job) {
+  const std::string key = haPrefix(job) + "leader";
+  return [etcd, key](
+             int64_t otherThan,
+             std::chrono::milliseconds timeout) -> std::optional<CoordinatorClientOptions::Leader> {
+    const auto deadline = Clock::now() + timeout;
+    while (true) {
+      int64_t revision = 0;
+      auto kv = etcd->get(key, &revision);
+      if (kv && kv->createRevision != otherThan) {
+        json v = json::parse(kv->value, nullptr, false);
+        // A leader serves once its value names its port.
+        if (v.is_object() && v.contains("port") && v.at("port").is_number_integer()) {
+          CoordinatorClientOptions::Leader leader;
+          leader.host = v.value("host", std::string("127.0.0.1"));
+          leader.port = static_cast<uint16_t>(v.at("port").get<int>());
+          leader.term = kv->createRevision;
+          return leader;
+        }
+      }
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      if (left.count() <= 0) return std::nullopt;
+      etcd->watch(key, false, revision + 1, left);
+    }
+  };
+}
+
+}  // namespace runtime
+}  // namespace sinew

@@ -1,0 +1,58 @@
+#pragma once
+
+// High-availability mode (docs/ha.md, DESIGN.md section 3): the job's state lives in etcd and
+// several coordinator processes run, one of them the leader by an etcd lease and election.
+//
+// Keys, under /sinew/<job>/:
+//   leader   the election key, bound to the leader's lease: {"candidate", "pid"} when it wins,
+//            then {"host", "port", ...} once it serves (workers connect there)
+//   state    the coordinator's durable state (epoch, members, committed step, ...), written
+//            only by the leader and only fenced by its term
+//   store/   the job's rendezvous store (collectives::EtcdStore)
+//
+// Thread safety: runHaCoordinator runs on the calling thread; the leader finder may be called
+// from any thread.
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "sinew/collectives/etcd_client.h"
+#include "sinew/runtime/coordinator.h"
+#include "sinew/runtime/coordinator_client.h"
+
+namespace sinew {
+namespace runtime {
+
+// The etcd prefix of a job's keys: "/sinew/<job>/". Throws InvalidArgument for a job name
+// that is empty, longer than 128 characters, or not [A-Za-z0-9._-].
+std::string haPrefix(const std::string& job);
+
+struct HaCoordinatorOptions {
+  collectives::EtcdOptions etcd;
+  std::string job;
+  // The coordinator this candidate runs while it leads: host, token (required: every candidate
+  // and worker of the job uses the same), expectedWorkers, deadlines, control API, ...
+  CoordinatorOptions coordinator;
+  // The leader's lease: a dead or paused leader is replaced this long after its last renewal.
+  int64_t leaseTtlSeconds = 2;
+  // This candidate's name in logs and in the leader key.
+  std::string name;
+  std::function<void(const std::string&)> log;
+};
+
+// Runs one coordinator candidate of a job until the job ends: campaigns; while it leads,
+// serves as the job's coordinator, taking over the state its predecessor stored; when its
+// term ends (lease lost, write refused, etcd unreachable past the TTL) it stops serving and
+// campaigns again. Returns 0 when the job finished (every member done, or stopped), 1 when it
+// failed. Throws InvalidArgument for bad options.
+int runHaCoordinator(const HaCoordinatorOptions& options);
+
+// For workers: the CoordinatorClientOptions::awaitLeader that reads and watches the job's
+// leader key.
+std::function<std::optional<CoordinatorClientOptions::Leader>(int64_t, std::chrono::milliseconds)>
+etcdLeaderFinder(std::shared_ptr<collectives::EtcdClient> etcd, const std::string& job);
+
+}  // namespace runtime
+}  // namespace sinew
