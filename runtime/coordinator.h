@@ -98,7 +98,7 @@ struct CoordinatorOptions {
   // next epoch starts with those that did (a member whose commit of the last committed step
   // was lost gets it first), resuming after the last committed step.
   std::string takeoverState;
-  std::chrono::milliseconds takeoverWait{5000};
+  std::chrono::milliseconds takeoverWait{3000};
 };
 
 struct CoordinatorStatus {

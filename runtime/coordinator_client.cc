@@ -126,7 +126,7 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
 
   EpochInfo waitEpochAfter(int64_t epoch, std::chrono::milliseconds timeout) {
     std::unique_lock<std::mutex> lock(mu_);
-    bool ok = cv_.wait_for(lock, timeout, [&] { return epoch_.epoch > epoch || !gone_.empty(); });
+    bool ok = waitFor(lock, timeout, [&] { return epoch_.epoch > epoch || !gone_.empty(); });
     if (!gone_.empty()) throwGone();
     if (!ok) {
       SINEW_THROW(Timeout, "worker ", worker_, ": no epoch after ", epoch, " was announced within ",
@@ -142,9 +142,8 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
               {"compute_us", us(stats.computeSeconds)},
               {"stall_us", us(stats.stallSeconds)}});
     std::unique_lock<std::mutex> lock(mu_);
-    bool ok = cv_.wait_for(lock, timeout, [&] {
-      return committed_ >= step || epoch_.epoch > epoch || !gone_.empty();
-    });
+    bool ok = waitFor(lock, timeout,
+                      [&] { return committed_ >= step || epoch_.epoch > epoch || !gone_.empty(); });
     // A commit precedes any later epoch on the connection, so check it first.
     if (committed_ >= step) {
       return reshapeAfter_ == step ? VoteResult::kCommittedThenReshape : VoteResult::kCommitted;
@@ -155,6 +154,30 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
                   " within ", timeout.count(), " ms");
     }
     return VoteResult::kSuperseded;
+  }
+
+  // cv_.wait_for, except in HA mode when the leader was lost during the wait: then the
+  // silence is the leader's, not the peers', and the wait lasts until reconnectTimeout after
+  // the loss (a new leader's takeover answers it with a commit or a new epoch; docs/ha.md).
+  template <typename Pred>
+  bool waitFor(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds timeout, Pred pred) {
+    const int64_t start = nowNs();
+    auto deadline = Clock::now() + timeout;
+    while (true) {
+      if (cv_.wait_until(lock, deadline, pred)) return true;
+      if (!options_.awaitLeader) return false;
+      const int64_t lost = leaderLostNs_.load();
+      if (lost < start) return false;
+      const auto extended = Clock::time_point(std::chrono::nanoseconds(lost)) +
+                            std::chrono::duration_cast<Clock::duration>(options_.reconnectTimeout);
+      if (extended <= deadline) return false;
+      deadline = extended;
+    }
+  }
+
+  static int64_t nowNs() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+        .count();
   }
 
   void post(wire::Type type, int64_t epoch, json body) {
@@ -215,6 +238,7 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
         std::lock_guard<std::mutex> lock(haMu_);
         connected_.store(false);
         lostSince_ = Clock::now();
+        leaderLostNs_.store(nowNs());
         lostWhy_ = why;
       }
       haCv_.notify_all();
@@ -319,6 +343,7 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
     if (fd < 0) return false;
     {
       std::lock_guard<std::mutex> lock(haMu_);
+      if (leader.term != leader_.term) leaderLostNs_.store(nowNs());  // A change of leader.
       leader_ = leader;
       term_.store(leader.term);
       connected_.store(true);
@@ -477,6 +502,7 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
   std::thread watcher_;
   std::atomic<bool> connected_{false};
   std::atomic<int64_t> term_{0};
+  std::atomic<int64_t> leaderLostNs_{-1};  // when the last leader was lost (steady clock)
   std::mutex haMu_;
   std::condition_variable haCv_;
   // Guarded by haMu_.

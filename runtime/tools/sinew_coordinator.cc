@@ -46,7 +46,7 @@ int64_t number(const std::string& flag, const std::string& v, int64_t min, int64
 int main(int argc, char** argv) {
   CLI::App app("One coordinator candidate of a Sinew job in high-availability mode (etcd).",
                "sinew-coordinator");
-  std::string etcd, job, workers, host = "127.0.0.1", name, ttl = "2", takeover = "5000",
+  std::string etcd, job, workers, host = "127.0.0.1", name, ttl = "2", takeover = "3000",
                                   heartbeat = "100", deadAfter = "1000", stepDeadline = "3000",
                                   logDir;
   app.add_option("--etcd", etcd, "etcd client endpoints, host:port[,host:port...]")
@@ -61,7 +61,7 @@ int main(int argc, char** argv) {
   app.add_option("--lease-ttl-s", ttl, "the leader lease's TTL in seconds (default 2)")
       ->type_name("S");
   app.add_option("--takeover-wait-ms", takeover,
-                 "how long a new leader waits for the members to reconnect (default 5000)")
+                 "how long a new leader waits for the members to reconnect (default 3000)")
       ->type_name("MS");
   app.add_option("--heartbeat-ms", heartbeat, "heartbeat interval in ms (default 100)")
       ->type_name("MS");

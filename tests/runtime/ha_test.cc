@@ -1,0 +1,356 @@
+// High-availability mode (issue 14, docs/ha.md): whole train_dp jobs whose state lives in a
+// three-member etcd cluster on loopback (each member its own process, data directory and
+// ports), with three sinew-coordinator candidates (one leads by an etcd lease) and four
+// workers, each its own node. Faults hit real processes by PID: the leader coordinator killed
+// mid-step, killed together with a worker, stopped past its lease and resumed (it must step
+// down without writing), one etcd member killed, two killed (the job pauses, and continues
+// when one is back). Every job must end with every surviving worker's parameters equal to the
+// single-process reference (max_param_rel_diff <= 1e-5) and no hang. Skipped without etcd.
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../etcd_support.h"
+#include "job_support.h"
+#include "sinew/collectives/error.h"
+#include "sinew/collectives/etcd_client.h"
+
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+using sinew::collectives::EtcdClient;
+using sinew::testing::EtcdCluster;
+using sinew::testing::parseResult;
+using sinew::testing::slurp;
+
+constexpr int kWorkers = 4;
+constexpr int kLeaseTtl = 2;
+
+// A child process whose output goes to a file.
+struct Proc {
+  pid_t pid = -1;
+  std::string log;
+  int status = -1;  // exit code once reaped, 128 + signal if killed
+  bool reaped = false;
+};
+
+Proc spawn(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
+           const std::string& log) {
+  Proc p;
+  p.log = log;
+  p.pid = ::fork();
+  if (p.pid == 0) {
+    FILE* f = std::fopen(log.c_str(), "w");
+    if (f) {
+      ::dup2(fileno(f), 1);
+      ::dup2(fileno(f), 2);
+    }
+    for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    ::execv(args[0], args.data());
+    _exit(127);
+  }
+  return p;
+}
+
+bool reap(Proc& p, bool block) {
+  if (p.reaped) return true;
+  int st = 0;
+  pid_t r = ::waitpid(p.pid, &st, block ? 0 : WNOHANG);
+  if (r != p.pid) return false;
+  p.reaped = true;
+  p.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  return true;
+}
+
+class HaJobTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (sinew::testing::etcdPath().empty()) {
+      GTEST_SKIP() << "etcd is not installed (apt-get install etcd-server; "
+                      "scripts/install-deps.sh)";
+    }
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = sinew::testing::logDir(std::string("ha-") + info->name());
+    std::string mk = "mkdir -p '" + dir_ + "'";
+    ASSERT_EQ(std::system(mk.c_str()), 0);
+    cluster_ = std::make_unique<EtcdCluster>(3);
+    etcd_ = std::make_unique<EtcdClient>(cluster_->options());
+    std::mt19937_64 rng(std::random_device{}());
+    char hex[32];
+    std::snprintf(hex, sizeof(hex), "%llx", static_cast<unsigned long long>(rng() | 1));
+    token_ = hex;
+    job_ = std::string("ha-") + info->name();
+  }
+
+  void TearDown() override {
+    for (auto* group : {&workers_, &coordinators_}) {
+      for (auto& p : *group) {
+        if (!p.reaped) {
+          ::kill(p.pid, SIGCONT);
+          ::kill(p.pid, SIGKILL);
+          reap(p, true);
+        }
+      }
+    }
+    if (HasFailure()) {
+      for (auto* group : {&coordinators_, &workers_}) {
+        for (auto& p : *group) std::cout << "==== " << p.log << "\n" << slurp(p.log) << "\n";
+      }
+    }
+  }
+
+  void startCoordinators() {
+    for (int i = 0; i < 3; ++i) {
+      coordinators_.push_back(
+          spawn({SINEW_COORDINATOR_PATH, "--etcd", cluster_->endpoints(), "--job", job_,
+                 "--workers", std::to_string(kWorkers), "--name", "c" + std::to_string(i),
+                 "--lease-ttl-s", std::to_string(kLeaseTtl), "--step-deadline-ms", "10000"},
+                {{"SINEW_TOKEN", token_}}, dir_ + "/coordinator-" + std::to_string(i) + ".log"));
+    }
+  }
+
+  // train_dp workers, each its own node, every step slowed by `stepMs` so that faults land
+  // mid-job.
+  void startWorkers(int steps, int stepMs = 25) {
+    for (int w = 0; w < kWorkers; ++w) {
+      workers_.push_back(spawn({TRAIN_DP_PATH, "--steps", std::to_string(steps)},
+                               {{"SINEW_ETCD", cluster_->endpoints()},
+                                {"SINEW_JOB", job_},
+                                {"SINEW_TOKEN", token_},
+                                {"SINEW_WORKER_ID", std::to_string(w)},
+                                {"SINEW_NODE", "node" + std::to_string(w)},
+                                {"SINEW_INJECT", "slow:worker=*:ms=" + std::to_string(stepMs)}},
+                               dir_ + "/worker-" + std::to_string(w) + ".log"));
+    }
+  }
+
+  std::optional<json> readJson(const std::string& key, int64_t* revision = nullptr) {
+    try {
+      auto kv = etcd_->get("/sinew/" + job_ + "/" + key, revision);
+      if (!kv) return std::nullopt;
+      json j = json::parse(kv->value, nullptr, false);
+      if (!j.is_object()) return std::nullopt;
+      return j;
+    } catch (const sinew::Error&) {
+      return std::nullopt;  // etcd without a majority (the tests that kill members)
+    }
+  }
+  int64_t committed() {
+    auto st = readJson("state");
+    return st ? st->value("committed", int64_t(-1)) : -1;
+  }
+  // Polls the state in etcd until its committed step reaches `step`.
+  bool waitCommitted(int64_t step, std::chrono::seconds timeout) {
+    const auto deadline = Clock::now() + timeout;
+    while (Clock::now() < deadline) {
+      if (committed() >= step) return true;
+      std::this_thread::sleep_for(10ms);
+    }
+    return false;
+  }
+  // The serving leader: its name and pid.
+  std::pair<std::string, pid_t> leader(std::chrono::seconds timeout = 30s) {
+    const auto deadline = Clock::now() + timeout;
+    while (Clock::now() < deadline) {
+      auto l = readJson("leader");
+      if (l && l->contains("port")) {
+        return {l->value("candidate", std::string()), static_cast<pid_t>(l->value("pid", 0))};
+      }
+      std::this_thread::sleep_for(20ms);
+    }
+    return {"", -1};
+  }
+  Proc* coordinatorByPid(pid_t pid) {
+    for (auto& p : coordinators_) {
+      if (p.pid == pid) return &p;
+    }
+    return nullptr;
+  }
+
+  // Waits for every worker to exit (at most `timeout`, then they are killed: a hang).
+  bool waitWorkers(std::chrono::seconds timeout) {
+    const auto deadline = Clock::now() + timeout;
+    while (Clock::now() < deadline) {
+      bool all = true;
+      for (auto& p : workers_) all = reap(p, false) && all;
+      if (all) return true;
+      std::this_thread::sleep_for(50ms);
+    }
+    return false;
+  }
+
+  // Every worker not in `lost` exited 0 with the reference's parameters (the lowest survivor
+  // prints the RESULT line); the coordinators all exit 0 once the job is finished.
+  void expectExact(const std::vector<int>& lost) {
+    ASSERT_TRUE(waitWorkers(180s)) << "the job hung";
+    int reporter = -1;
+    for (int w = 0; w < kWorkers; ++w) {
+      if (std::find(lost.begin(), lost.end(), w) != lost.end()) continue;
+      EXPECT_EQ(workers_[w].status, 0) << "worker " << w;
+      if (reporter < 0) reporter = w;
+    }
+    ASSERT_GE(reporter, 0);
+    const std::string out = slurp(workers_[reporter].log);
+    auto r = parseResult(out);
+    ASSERT_TRUE(r.found) << "no RESULT line from worker " << reporter;
+    EXPECT_LE(r.maxRel, 1e-5);
+    EXPECT_LT(r.finalLoss, 0.05) << "the model did not learn";
+    auto st = readJson("state");
+    ASSERT_TRUE(st);
+    EXPECT_TRUE(st->value("finished", false)) << st->dump();
+    // Exactly the lost workers were declared dead, in the state the leaders stored.
+    std::vector<int> dead = st->value("dead", std::vector<int>());
+    std::sort(dead.begin(), dead.end());
+    EXPECT_EQ(dead, lost) << st->dump();
+    // Every candidate still running ends by itself once the job finished.
+    const auto deadline = Clock::now() + 30s;
+    for (auto& p : coordinators_) {
+      while (!reap(p, false) && Clock::now() < deadline) std::this_thread::sleep_for(50ms);
+      EXPECT_TRUE(p.reaped) << p.log << " did not exit after the job finished";
+    }
+  }
+
+  // Kills the leader at a step boundary's neighbourhood and returns the seconds from the kill
+  // to the next committed step (the failover time).
+  double killLeaderAndTimeFailover(pid_t extraVictim = -1) {
+    auto [name, pid] = leader();
+    EXPECT_GT(pid, 0) << "no leader";
+    const int64_t before = committed();
+    const auto killed = Clock::now();
+    ::kill(pid, SIGKILL);
+    if (extraVictim > 0) ::kill(extraVictim, SIGKILL);
+    if (Proc* p = coordinatorByPid(pid)) reap(*p, true);
+    while (committed() <= before + 1 && Clock::now() - killed < 60s) {
+      std::this_thread::sleep_for(5ms);
+    }
+    const double s = std::chrono::duration<double>(Clock::now() - killed).count();
+    std::cout << "failover: leader " << name << " killed after step " << before
+              << ", next step committed " << s << " s later (lease TTL " << kLeaseTtl << " s)"
+              << std::endl;
+    auto [next, nextPid] = leader();
+    EXPECT_NE(next, name) << "the killed leader still leads";
+    return s;
+  }
+
+  std::string dir_;
+  std::string token_;
+  std::string job_;
+  std::unique_ptr<EtcdCluster> cluster_;
+  std::unique_ptr<EtcdClient> etcd_;
+  std::vector<Proc> coordinators_;
+  std::vector<Proc> workers_;
+};
+
+TEST_F(HaJobTest, LeaderKilledMidStep) {
+  startCoordinators();
+  startWorkers(160);
+  ASSERT_TRUE(waitCommitted(40, 120s));
+  const double failover = killLeaderAndTimeFailover();
+  EXPECT_LT(failover, 3.0 * kLeaseTtl + 5.0);
+  expectExact({});
+  auto st = readJson("state");
+  EXPECT_GE(st->value("epoch", 0), 1) << "the new leader starts a new epoch";
+}
+
+TEST_F(HaJobTest, LeaderKilledWithAWorker) {
+  startCoordinators();
+  startWorkers(160);
+  ASSERT_TRUE(waitCommitted(40, 120s));
+  killLeaderAndTimeFailover(workers_[3].pid);
+  expectExact({3});
+}
+
+TEST_F(HaJobTest, PausedLeaderStepsDownWithoutWriting) {
+  startCoordinators();
+  startWorkers(200);
+  ASSERT_TRUE(waitCommitted(30, 120s));
+  auto [name, pid] = leader();
+  ASSERT_GT(pid, 0);
+  ::kill(pid, SIGSTOP);
+  // Past its lease: another candidate leads, and the job goes on under it.
+  const int64_t atStop = committed();
+  const auto deadline = Clock::now() + 60s;
+  std::string next;
+  while (Clock::now() < deadline) {
+    next = leader().first;
+    if (!next.empty() && next != name && committed() > atStop + 5) break;
+    std::this_thread::sleep_for(20ms);
+  }
+  ASSERT_NE(next, name) << "no new leader while the old one was stopped";
+  ASSERT_GT(committed(), atStop + 5) << "the job did not go on under the new leader";
+  int64_t revision = 0;
+  etcd_->get("/sinew/" + job_ + "/state", &revision);
+  ::kill(pid, SIGCONT);
+  expectExact({});
+  // No state written after the resume came from the old leader.
+  int writes = 0;
+  while (true) {
+    auto events = etcd_->watch("/sinew/" + job_ + "/state", false, revision + 1, 300ms);
+    if (events.empty()) break;
+    for (const auto& e : events) {
+      revision = std::max(revision, e.kv.modRevision);
+      if (e.deleted) continue;
+      ++writes;
+      json st = json::parse(e.kv.value);
+      EXPECT_NE(st.value("leader", std::string()), name)
+          << "the resumed old leader wrote " << e.kv.value;
+    }
+  }
+  EXPECT_GT(writes, 0);
+  Proc* old = coordinatorByPid(pid);
+  ASSERT_NE(old, nullptr);
+  EXPECT_NE(slurp(old->log).find("term is over"), std::string::npos) << slurp(old->log);
+}
+
+TEST_F(HaJobTest, OneEtcdMemberKilled) {
+  startCoordinators();
+  startWorkers(160);
+  ASSERT_TRUE(waitCommitted(40, 120s));
+  // Member 0 is the one every client talks to first.
+  cluster_->kill(0);
+  const int64_t at = committed();
+  ASSERT_TRUE(waitCommitted(at + 20, 60s)) << "the job stopped with one etcd member lost";
+  expectExact({});
+}
+
+TEST_F(HaJobTest, TwoEtcdMembersKilledPauseTheJobUntilOneIsBack) {
+  startCoordinators();
+  startWorkers(200);
+  ASSERT_TRUE(waitCommitted(40, 120s));
+  const int64_t atKill = committed();
+  cluster_->kill(0);
+  cluster_->kill(1);
+  // No majority: nothing can be committed (a commit is stored before it is sent).
+  std::this_thread::sleep_for(4s);
+  cluster_->restart(1);
+  ASSERT_TRUE(cluster_->waitHealthy(30s));
+  const int64_t atRestart = committed();
+  std::cout << "etcd lost its majority at committed step " << atKill << ", back at step "
+            << atRestart << std::endl;
+  // About 30 steps a second ran before: the job paused instead (a step in flight may commit).
+  EXPECT_LE(atRestart - atKill, 2) << "steps were committed without etcd";
+  ASSERT_TRUE(waitCommitted(atRestart + 10, 60s)) << "the job did not continue";
+  expectExact({});
+}
+
+}  // namespace
