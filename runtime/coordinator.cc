@@ -741,10 +741,14 @@ void Coordinator::Impl::onHello(const std::shared_ptr<Session>& s, const json& b
   // takeover, a member of the previous leader's epoch is taken back; afterwards it is too late.
   const bool rejoin = body.contains("rejoin");
   if (rejoin && (requested < 0 || !takingOver_ || !takeoverMembers_.count(requested))) {
-    throw std::runtime_error(
+    // Answered, not dropped: a dropped worker in HA mode would only try again.
+    const std::string why =
         "worker " + std::to_string(requested) + " rejoins, but " +
-        (takingOver_ ? std::string("it was no member of epoch ") + std::to_string(epoch_)
-                     : std::string("the takeover is over (it reconnected too late)")));
+        (takingOver_ ? "it was no member of epoch " + std::to_string(epoch_)
+                     : std::string("the takeover is over (it reconnected too late)"));
+    log(why);
+    s->write(wire::Type::kExpelled, epoch_, json{{"reason", why}}, /*closeAfter=*/true);
+    return;
   }
   if (!rejoin && takingOver_ && requested >= 0) {
     throw std::runtime_error("worker " + std::to_string(requested) +
