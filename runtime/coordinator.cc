@@ -1143,7 +1143,10 @@ void Coordinator::Impl::formTakeoverEpoch(const std::string& why) {
     failures_++;
   }
   if (workers_.empty()) {
-    if (!done_.empty()) {
+    // Every step committed: the members applied the last one and ended (their done may have
+    // gone to the previous leader after it stored its last state).
+    const bool allSteps = totalSteps_ > 0 && committed_ + 1 >= totalSteps_;
+    if (!done_.empty() || allSteps) {
       finished_ = true;
       persistState();
       cv_.notify_all();
