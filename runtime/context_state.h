@@ -32,6 +32,8 @@ struct ContextState {
   // skips it (under mpirun --enable-recovery).
   bool memberLost = false;
   std::unique_ptr<Coordinator> localCoordinator;
+  // SINEW_HA=1 under mpirun: the helper process this rank forked (docs/ha.md); 0 if none.
+  int haHelper = 0;
   std::unique_ptr<CoordinatorClient> client;
   std::shared_ptr<collectives::Store> store;
   uint64_t token = 0;  // The job token (peer-RAM replica services serve under it).

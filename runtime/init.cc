@@ -1,15 +1,24 @@
 #include "sinew/init.h"
 
+#include <ftw.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <charconv>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <limits>
+#include <random>
 #include <thread>
+
+#include <nlohmann/json.hpp>
 
 #include "sinew/collectives/detail/parse.h"
 #include "sinew/collectives/error.h"
@@ -156,6 +165,209 @@ std::string forkCoordinator(int expected, const InitOptions& o) {
   if (line.empty()) SINEW_THROW(IoError, "the coordinator process (pid ", pid, ") failed to start");
   return line;
 }
+
+// ---- SINEW_HA=1 under mpirun/srun (docs/ha.md, "Under mpirun") ------------------------------
+//
+// 1. Before MPI_Init every rank forks a helper (no MPI, no libtorch threads yet) that waits on
+//    a pipe for what to do.
+// 2. After MPI_Init, rank 0 draws the job token and broadcasts it; every rank picks two free
+//    ports on its host and all ranks exchange (node, host, ports) with one allgather: the last
+//    MPI calls.
+// 3. The lowest rank of each of the first three nodes (fewer if the job has fewer) hosts an
+//    etcd member and a coordinator candidate: its helper starts etcd (data directory on local
+//    disk, under SINEW_ETCD_DIR or /tmp) and then runs the candidate until the job ends; the
+//    other helpers exit at once.
+// 4. Every worker then runs as with SINEW_ETCD (the members' client endpoints) and
+//    SINEW_JOB (derived from the token).
+// A node's loss takes its worker, candidate and etcd member: the job keeps its leader and its
+// state while two of the three nodes live.
+
+struct HaPeer {
+  char node[200];
+  char host[48];
+  uint16_t client;
+  uint16_t peer;
+};
+
+uint16_t freePort(const std::string& host) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  socklen_t len = sizeof(a);
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    if (fd >= 0) ::close(fd);
+    SINEW_THROW(IoError, "no free port on ", host, ": ", std::strerror(errno));
+  }
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+// The helper: reads one JSON line of instructions; {"run": false} ends it, else it starts etcd
+// and runs a coordinator candidate until the job ends, then stops etcd.
+[[noreturn]] void haHelperMain(int fd, const InitOptions& o) {
+  std::string line;
+  char c;
+  while (::read(fd, &c, 1) == 1 && c != '\n') line.push_back(c);
+  ::close(fd);
+  nlohmann::json in = nlohmann::json::parse(line, nullptr, false);
+  if (!in.is_object() || !in.value("run", false)) _exit(0);
+  int rc = 1;
+  pid_t etcdPid = -1;
+  const std::string dataDir = in.at("data_dir").get<std::string>();
+  try {
+    std::vector<std::string> args = in.at("etcd_args").get<std::vector<std::string>>();
+    const char* logDir = env("SINEW_LOG_DIR");
+    const std::string log =
+        logDir ? std::string(logDir) + "/etcd-" + in.at("name").get<std::string>() + ".log"
+               : "/dev/null";
+    etcdPid = ::fork();
+    if (etcdPid == 0) {
+      FILE* f = std::fopen(log.c_str(), "a");
+      if (f) {
+        ::dup2(fileno(f), 1);
+        ::dup2(fileno(f), 2);
+      }
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      ::execvp(argv[0], argv.data());
+      std::fprintf(stderr, "sinew: cannot run %s: %s\n", argv[0], std::strerror(errno));
+      _exit(127);
+    }
+    if (const char* dir = env("SINEW_LOG_DIR")) {
+      std::ofstream f(std::string(dir) + "/ha-" + in.at("name").get<std::string>() + ".json");
+      f << nlohmann::json{{"helper_pid", ::getpid()},
+                          {"etcd_pid", etcdPid},
+                          {"etcd", in.at("endpoints")},
+                          {"job", in.at("job")}}
+               .dump()
+        << "\n";
+    }
+    runtime::HaCoordinatorOptions h;
+    h.etcd.endpoints = collectives::parseEtcdEndpoints(in.at("endpoints").get<std::string>(),
+                                                       "the job's etcd members");
+    h.job = in.at("job").get<std::string>();
+    h.name = in.at("name").get<std::string>();
+    h.coordinator.host = in.at("host").get<std::string>();
+    h.coordinator.token = in.at("token").get<uint64_t>();
+    h.coordinator.expectedWorkers = in.at("workers").get<int>();
+    h.coordinator.heartbeatInterval = o.heartbeatInterval;
+    h.coordinator.deadAfter = o.deadAfter;
+    h.coordinator.progressFloor = o.stepDeadlineFloor;
+    h.coordinator.progressFactor = o.stepDeadlineFactor;
+    if (const char* ttl = env("SINEW_HA_LEASE_TTL_S")) {
+      h.leaseTtlSeconds = parseInt("SINEW_HA_LEASE_TTL_S", ttl, 1, 3600);
+    }
+    rc = runtime::runHaCoordinator(h);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "sinew HA helper: %s\n", e.what());
+  }
+  if (etcdPid > 0) {
+    // Other candidates may still be reading the job's end: give them a moment.
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    ::kill(etcdPid, SIGTERM);
+    for (int i = 0; i < 50 && ::waitpid(etcdPid, nullptr, WNOHANG) != etcdPid; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    ::kill(etcdPid, SIGKILL);
+    ::waitpid(etcdPid, nullptr, 0);
+    ::nftw(
+        dataDir.c_str(),
+        [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
+        FTW_DEPTH | FTW_PHYS);
+  }
+  std::fflush(nullptr);
+  _exit(rc);
+}
+
+// Forks the helper (before MPI_Init); returns its pid and the pipe to instruct it.
+std::pair<pid_t, int> forkHaHelper(const InitOptions& o) {
+  int fds[2];
+  if (::pipe(fds) != 0) SINEW_THROW(IoError, "pipe: ", std::strerror(errno));
+  pid_t pid = ::fork();
+  if (pid < 0) SINEW_THROW(IoError, "fork: ", std::strerror(errno));
+  if (pid == 0) {
+    ::close(fds[1]);
+    ::signal(SIGINT, SIG_IGN);
+    ::signal(SIGTERM, SIG_DFL);
+    haHelperMain(fds[0], o);
+  }
+  ::close(fds[0]);
+  return {pid, fds[1]};
+}
+
+// Steps 2-4 above, after MPI_Init. Returns the etcd endpoints and the job name, and tells the
+// helper what to do.
+std::pair<std::string, std::string> haBootstrap(int rank, int size, const std::string& node,
+                                                const std::string& host, int helperFd,
+                                                uint64_t* token) {
+  unsigned long long t = 0;
+  if (rank == 0) {
+    std::random_device rd;
+    t = ((static_cast<unsigned long long>(rd()) << 32) ^ rd()) | 1;
+  }
+  MPI_Bcast(&t, 1, MPI_UNSIGNED_LONG_LONG, 0, MPI_COMM_WORLD);
+  *token = t;
+  HaPeer mine{};
+  std::snprintf(mine.node, sizeof(mine.node), "%s", node.c_str());
+  std::snprintf(mine.host, sizeof(mine.host), "%s", host.c_str());
+  mine.client = freePort(host);
+  mine.peer = freePort(host);
+  std::vector<HaPeer> all(size);
+  MPI_Allgather(&mine, sizeof(HaPeer), MPI_BYTE, all.data(), sizeof(HaPeer), MPI_BYTE,
+                MPI_COMM_WORLD);  // The last MPI call.
+  std::vector<int> hosts;         // the lowest rank of each of the first three nodes
+  std::vector<std::string> seen;
+  for (int r = 0; r < size && hosts.size() < 3; ++r) {
+    if (std::find(seen.begin(), seen.end(), all[r].node) != seen.end()) continue;
+    seen.push_back(all[r].node);
+    hosts.push_back(r);
+  }
+  char jobHex[32];
+  std::snprintf(
+      jobHex, sizeof(jobHex), "mpi-%llx",
+      static_cast<unsigned long long>(std::hash<unsigned long long>()(t) & 0xffffffffffULL));
+  const std::string job = jobHex;
+  std::string endpoints, cluster;
+  for (int r : hosts) {
+    const std::string h = all[r].host;
+    endpoints += (endpoints.empty() ? "" : ",") + h + ":" + std::to_string(all[r].client);
+    cluster += (cluster.empty() ? "" : ",") + std::string("m") + std::to_string(r) + "=http://" +
+               h + ":" + std::to_string(all[r].peer);
+  }
+  nlohmann::json out = {{"run", false}};
+  if (std::find(hosts.begin(), hosts.end(), rank) != hosts.end()) {
+    const char* base = env("SINEW_ETCD_DIR");
+    const std::string name = "m" + std::to_string(rank);
+    const std::string dataDir =
+        std::string(base ? base : "/tmp") + "/sinew-etcd-" + job + "-" + name;
+    const std::string clientUrl = "http://" + host + ":" + std::to_string(mine.client);
+    const std::string peerUrl = "http://" + host + ":" + std::to_string(mine.peer);
+    out = {{"run", true},
+           {"name", name},
+           {"job", job},
+           {"token", t},
+           {"host", host},
+           {"workers", size},
+           {"endpoints", endpoints},
+           {"data_dir", dataDir},
+           {"etcd_args",
+            {"etcd", "--name=" + name, "--data-dir=" + dataDir, "--listen-client-urls=" + clientUrl,
+             "--advertise-client-urls=" + clientUrl, "--listen-peer-urls=" + peerUrl,
+             "--initial-advertise-peer-urls=" + peerUrl, "--initial-cluster=" + cluster,
+             "--initial-cluster-state=new", "--initial-cluster-token=" + job,
+             "--heartbeat-interval=50", "--election-timeout=500", "--logger=zap",
+             "--log-level=error"}}};
+  }
+  const std::string line = out.dump() + "\n";
+  if (::write(helperFd, line.data(), line.size()) < 0) {
+    SINEW_THROW(IoError, "cannot instruct the HA helper: ", std::strerror(errno));
+  }
+  ::close(helperFd);
+  return {endpoints, job};
+}
 #endif
 
 }  // namespace
@@ -176,6 +388,19 @@ const std::shared_ptr<collectives::Store>& Context::store() const { return state
 Context::~Context() {
   state_->client.reset();
   state_->localCoordinator.reset();
+  if (state_->haHelper > 0) {
+    // SINEW_HA=1: the helper's candidate ends once the job has (it reads so in etcd); the
+    // others' candidates may still need this node's etcd member meanwhile.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (::waitpid(state_->haHelper, nullptr, WNOHANG) != state_->haHelper) {
+      if (std::chrono::steady_clock::now() > until) {
+        ::kill(state_->haHelper, SIGTERM);
+        ::waitpid(state_->haHelper, nullptr, 0);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
 #if SINEW_WITH_MPI
   if (state_->mpi) {
     int finalized = 0;
@@ -247,6 +472,38 @@ std::unique_ptr<Context> init(int* argc, char*** argv, const InitOptions& option
     co.worker = id ? static_cast<int>(parseInt("SINEW_WORKER_ID", id, -1)) : -1;
     ctx->joined = co.worker < 0;
     ctx->mode = ctx->joined ? "join" : "sinew-run";
+  } else if (mpiRank() >= 0 && env("SINEW_HA") && std::string(env("SINEW_HA")) == "1") {
+#if SINEW_WITH_MPI
+    const int rank = mpiRank();
+    auto [helperPid, helperFd] = forkHaHelper(options);
+    ctx->haHelper = helperPid;
+    int provided = 0;
+    MPI_Init_thread(argc, argv, MPI_THREAD_SINGLE, &provided);
+    ctx->mpi = true;
+    uint64_t token = 0;
+    auto [endpoints, jobName] =
+        haBootstrap(rank, mpiSize(), ctx->node, ctx->host, helperFd, &token);
+    collectives::EtcdOptions eo;
+    eo.endpoints = collectives::parseEtcdEndpoints(endpoints, "the job's etcd members");
+    etcd = std::make_shared<collectives::EtcdClient>(eo);
+    job = jobName;
+    co.token = token;
+    co.awaitLeader = runtime::etcdLeaderFinder(etcd, job);
+    co.worker = rank;
+    ctx->mode = "mpi-ha";
+    if (const char* dir = env("SINEW_LOG_DIR")) {
+      // Which processes are this node's, for tests and operators (docs/ha.md).
+      std::ofstream f(std::string(dir) + "/ha-rank-" + std::to_string(rank) + ".json");
+      f << nlohmann::json{{"rank", rank},      {"node", ctx->node},
+                          {"pid", ::getpid()}, {"helper_pid", helperPid},
+                          {"etcd", endpoints}, {"job", job}}
+               .dump()
+        << "\n";
+    }
+#else
+    SINEW_THROW(InvalidArgument,
+                "SINEW_HA=1 under mpirun/srun, but this Sinew was built without MPI");
+#endif
   } else if (mpiRank() >= 0) {
 #if SINEW_WITH_MPI
     int rank = mpiRank();

@@ -354,3 +354,86 @@ TEST_F(HaJobTest, TwoEtcdMembersKilledPauseTheJobUntilOneIsBack) {
 }
 
 }  // namespace
+
+#ifdef MPIEXEC_PATH
+namespace {
+
+// SINEW_HA=1 under mpirun --enable-recovery: the ranks of the first three nodes start the etcd
+// members and the coordinator candidates themselves. Every process of one node (its rank's
+// worker, its candidate and its etcd member) is SIGKILLed mid-job: node 0, or the node of the
+// leader (which candidate wins is a race, so node 0 may or may not host it). The job runs to
+// the end, exact.
+void killNodeUnderMpirun(bool leadersNode) {
+  if (sinew::testing::etcdPath().empty()) GTEST_SKIP() << "etcd is not installed";
+  const std::string dir = sinew::testing::logDir(leadersNode ? "ha-mpirun-leader" : "ha-mpirun-0");
+  ASSERT_EQ(std::system(("mkdir -p '" + dir + "'").c_str()), 0);
+  auto child = sinew::testing::start(
+      {MPIEXEC_PATH, "--allow-run-as-root", "--oversubscribe", "--enable-recovery", "-np", "4",
+       "-x", "SINEW_NODE=node{rank}", "-x", "SINEW_HA=1", "-x", "SINEW_LOG_DIR=" + dir, "-x",
+       "SINEW_INJECT=slow:worker=*:ms=25", TRAIN_DP_PATH, "--steps", "200"},
+      {});
+  std::string killed;
+  int victim = -1;
+  std::thread killer([&] {
+    const auto deadline = Clock::now() + 120s;
+    auto readFile = [&](const std::string& name) -> std::optional<json> {
+      json j = json::parse(slurp(dir + "/" + name), nullptr, false);
+      return j.is_object() ? std::optional<json>(j) : std::nullopt;
+    };
+    std::optional<json> any;
+    while (Clock::now() < deadline && !(any = readFile("ha-rank-0.json"))) {
+      std::this_thread::sleep_for(20ms);
+    }
+    if (!any) return;
+    auto o = sinew::collectives::EtcdOptions();
+    o.endpoints = sinew::collectives::parseEtcdEndpoints(any->at("etcd"), "test");
+    EtcdClient etcd(o);
+    const std::string prefix = "/sinew/" + any->at("job").get<std::string>() + "/";
+    while (Clock::now() < deadline) {
+      try {
+        auto kv = etcd.get(prefix + "state");
+        if (kv && json::parse(kv->value).value("committed", -1) >= 40) break;
+      } catch (const sinew::Error&) {
+      }
+      std::this_thread::sleep_for(20ms);
+    }
+    victim = 0;
+    if (leadersNode) {
+      auto kv = etcd.get(prefix + "leader");
+      if (!kv) return;
+      victim = std::stoi(json::parse(kv->value).value("candidate", std::string("m0")).substr(1));
+    }
+    auto rank = readFile("ha-rank-" + std::to_string(victim) + ".json");
+    auto member = readFile("ha-m" + std::to_string(victim) + ".json");
+    if (!rank || !member) return;
+    for (const char* key : {"pid", "helper_pid"}) ::kill(rank->at(key).get<pid_t>(), SIGKILL);
+    ::kill(member->at("etcd_pid").get<pid_t>(), SIGKILL);
+    killed = rank->dump() + " " + member->dump();
+  });
+  auto run = sinew::testing::finish(child, 300s);
+  killer.join();
+  SCOPED_TRACE(run.output);
+  ASSERT_FALSE(killed.empty()) << "the node's processes were never found";
+  std::cout << "killed node " << victim << ": " << killed << std::endl;
+  std::istringstream lines(run.output);
+  for (std::string line; std::getline(lines, line);) {
+    for (const char* what : {"leads the job", "took over", "declared dead", "RESULT"}) {
+      if (line.find(what) != std::string::npos) std::cout << "  " << line << "\n";
+    }
+  }
+  EXPECT_FALSE(run.timedOut) << "the job hung";
+  auto r = parseResult(run.output);
+  ASSERT_TRUE(r.found) << "no RESULT line";
+  EXPECT_LE(r.maxRel, 1e-5);
+  const int reporter = victim == 0 ? 1 : 0;
+  EXPECT_NE(run.output.find("train_dp: worker " + std::to_string(reporter) + " done: 200 steps"),
+            std::string::npos);
+  EXPECT_NE(run.output.find("worker " + std::to_string(victim) + " declared dead"),
+            std::string::npos);
+}
+
+TEST(HaMpirunTest, EveryProcessOfNodeZeroKilled) { killNodeUnderMpirun(false); }
+TEST(HaMpirunTest, EveryProcessOfTheLeadersNodeKilled) { killNodeUnderMpirun(true); }
+
+}  // namespace
+#endif
