@@ -353,6 +353,8 @@ class Coordinator::Impl : public control::Backend, public EventFeed {
   // Stores the durable state through options_.persist (if set) before a change of it is sent;
   // returns false, having ended the term, when the write was refused or failed.
   bool persistState();
+  // persistState, unless the last store was less than persistCommitsEvery ago.
+  bool persistThrottled();
   std::string stateJson() const;
   void restoreState(const std::string& text);
   // Takeover: the next epoch, with the members that reconnected.
@@ -400,6 +402,8 @@ class Coordinator::Impl : public control::Backend, public EventFeed {
   int pipelineNodes_ = 0;
   // High availability (docs/ha.md).
   bool deposed_ = false;
+  Clock::time_point lastPersist_{};
+  bool persistNextCommit_ = false;
   bool takingOver_ = false;          // waiting for the members of takeoverMembers_
   std::set<int> takeoverMembers_;    // the previous leader's last epoch's members
   std::map<int, int64_t> rejoined_;  // reconnected members -> the last commit they had
@@ -891,6 +895,7 @@ void Coordinator::Impl::newEpoch(const std::string& why, std::vector<int> joiner
     }
   }
   if (!persistState()) return;  // Another leader's job now: nothing is sent.
+  persistNextCommit_ = true;    // The epoch's first commit is stored at once (recovered).
   for (int id : members_) send(id, wire::Type::kEpoch, body);
   for (int id : joined) workers_[id].hasState = true;
   log("epoch " + std::to_string(epoch_) + ": " + std::to_string(members_.size()) +
@@ -1067,11 +1072,22 @@ bool Coordinator::Impl::persistState() {
   if (!options_.persist) return true;
   try {
     options_.persist(stateJson());
+    lastPersist_ = Clock::now();
     return true;
   } catch (const std::exception& e) {
     depose(std::string("its state could not be stored: ") + e.what());
     return false;
   }
+}
+
+bool Coordinator::Impl::persistThrottled() {
+  if (deposed_) return false;
+  if (!options_.persist) return true;
+  if (!persistNextCommit_ && Clock::now() - lastPersist_ < options_.persistCommitsEvery) {
+    return true;
+  }
+  persistNextCommit_ = false;
+  return persistState();
 }
 
 void Coordinator::Impl::restoreState(const std::string& text) {
@@ -1155,8 +1171,11 @@ void Coordinator::Impl::formTakeoverEpoch(const std::string& why) {
     return failJob("no member of epoch " + std::to_string(epoch_) +
                    " reconnected to the new leader (" + why + ")");
   }
-  // A member that voted for the last committed step but never heard the verdict (the previous
-  // leader stored it, then died) applies it now, before it learns of the new epoch.
+  // The newest commit any member that rejoined has applied is committed (the previous leader
+  // sends a commit only once every member voted, and may have stored it later or not at all).
+  // A member that voted for it but never heard the verdict applies it now, before it learns of
+  // the new epoch; a step nobody heard of is voted again.
+  for (const auto& [id, had] : rejoined_) committed_ = std::max(committed_, had);
   for (const auto& [id, had] : rejoined_) {
     if (had < committed_ && workers_.count(id)) sendCommit(id, committed_, false);
   }
@@ -1219,8 +1238,9 @@ void Coordinator::Impl::onVote(int worker, int64_t epoch, int64_t step) {
   }
   committed_ = step;
   votes_.erase(step);
-  // Durable before any member may apply it: a new leader knows every commit (docs/ha.md).
-  if (!persistState()) return;
+  // Stored now and then, not before every commit: a new leader learns the newest commit from
+  // the members that rejoin it (docs/ha.md, rule 5).
+  if (!persistThrottled()) return;
   noteCommit(step);
   if (pendingJoin_.empty() && leaving_.empty()) {
     for (int id : members_) sendCommit(id, step, false);
@@ -1431,7 +1451,7 @@ void Coordinator::Impl::onDurable(int worker, const json& body) {
     durable_.flushSeconds = flush;
     durable_.at = Clock::now();
   }
-  persistState();
+  persistThrottled();
   event({{"event", "checkpoint"},
          {"step", step},
          {"worker", worker},

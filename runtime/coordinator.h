@@ -93,6 +93,11 @@ struct CoordinatorOptions {
   // before every message: false ends the term the same way (a lease that may have ended).
   std::function<void(const std::string& stateJson)> persist;
   std::function<bool()> mayWrite;
+  // Commits and durable reports are stored at most this often (epochs, a job's end and done
+  // at once): a store per step would cost an etcd write (an fsync) per step. A new leader
+  // learns later commits from the members that rejoin (docs/ha.md, rule 5); 0 stores every
+  // one.
+  std::chrono::milliseconds persistCommitsEvery{1000};
   // The state a previous leader persisted: this coordinator takes the job over. The members
   // of its epoch reconnect (hello with rejoin); once all did, or takeoverWait passed, the
   // next epoch starts with those that did (a member whose commit of the last committed step

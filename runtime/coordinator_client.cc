@@ -331,9 +331,14 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
     if (leader.port == 0) return false;
     asio::io_context io;
     tcp::socket socket(io);
+    // A new leader may still be opening its port: retry for 2 s. The same leader again (its
+    // connection closed) is tried once, briefly: it is most likely dead, and the watcher must
+    // go back to waiting for etcd to name the next one.
+    const bool sameTerm = leader.term == term_.load();
     try {
       transport::connectSocket(io, socket, leader.host, leader.port,
-                               Clock::now() + std::chrono::seconds(2),
+                               Clock::now() + (sameTerm ? std::chrono::milliseconds(100)
+                                                        : std::chrono::milliseconds(2000)),
                                "the leader at " + leader.host + ":" + std::to_string(leader.port));
     } catch (const std::exception&) {
       return false;

@@ -83,6 +83,7 @@ CoordinatorOptions options(int expected, FakeEtcd& etcd, LogSink* sink, uint64_t
   o.deadAfter = 500ms;
   o.token = token;
   o.persist = etcd.persist();
+  o.persistCommitsEvery = 0ms;  // Every commit stored: the tests fail chosen ones.
   o.takeoverWait = 3s;
   if (sink) o.log = sink->fn();
   return o;
@@ -186,6 +187,37 @@ TEST(HaCoordinatorTest, AStepNotStoredIsVotedAgain) {
   EXPECT_EQ(e.epoch, 1);
   EXPECT_EQ(e.resumeStep, 1) << "step 1 was never committed: it is voted again";
   EXPECT_EQ(voteBoth(*a, *b, 1, 1).first, CoordinatorClient::VoteResult::kCommitted);
+}
+
+// Commits are stored now and then (persistCommitsEvery), not before each is sent: a new leader
+// learns the newer ones from the members that rejoin it, and none is applied twice.
+TEST(HaCoordinatorTest, CommitsNotYetStoredAreLearnedFromTheMembers) {
+  FakeEtcd etcd;
+  LogSink sinkB;
+  CoordinatorOptions oa = options(2, etcd, nullptr);
+  oa.persistCommitsEvery = std::chrono::hours(1);
+  auto first = std::make_unique<Coordinator>(oa);
+  etcd.setLeader(*first, 1);
+  auto a = client(etcd, 0);
+  auto b = client(etcd, 1);
+  ASSERT_EQ(a->waitEpochAfter(-1, 5s).epoch, 0);
+  b->waitEpochAfter(-1, 5s);
+  for (int64_t step = 0; step < 5; ++step) {
+    ASSERT_EQ(voteBoth(*a, *b, 0, step).first, CoordinatorClient::VoteResult::kCommitted);
+  }
+  // The epoch's first commit was stored at once; the next four were not (within the hour).
+  EXPECT_EQ(json::parse(etcd.stored()).value("committed", -1), 0);
+  first.reset();  // The leader dies.
+  CoordinatorOptions ob = options(2, etcd, &sinkB);
+  ob.takeoverState = etcd.stored();
+  Coordinator second(ob);
+  etcd.setLeader(second, 2);
+  EpochInfo e = a->waitEpochAfter(0, 10s);
+  EXPECT_EQ(e.epoch, 1);
+  EXPECT_EQ(e.resumeStep, 5) << "steps 1..4 were committed: the members had applied them";
+  EXPECT_TRUE(sinkB.contains("worker 1 rejoined (last commit it had: step 4)"));
+  EXPECT_EQ(voteBoth(*a, *b, 1, 5).first, CoordinatorClient::VoteResult::kCommitted);
+  EXPECT_EQ(second.status().committedStep, 5);
 }
 
 TEST(HaCoordinatorTest, ALeaderWhoseLeaseMayHaveEndedSendsNothing) {

@@ -333,23 +333,34 @@ TEST_F(HaJobTest, OneEtcdMemberKilled) {
   expectExact({});
 }
 
+// The newest "sinew: step N" progress line worker 0 printed (every 10 steps), or -1.
+int64_t lastProgress(const std::string& log) {
+  const std::string out = slurp(log);
+  auto at = out.rfind("sinew: step ");
+  if (at == std::string::npos) return -1;
+  return std::atoll(out.c_str() + at + 12);
+}
+
 TEST_F(HaJobTest, TwoEtcdMembersKilledPauseTheJobUntilOneIsBack) {
   startCoordinators();
-  startWorkers(200);
+  startWorkers(300);
   ASSERT_TRUE(waitCommitted(40, 120s));
-  const int64_t atKill = committed();
   cluster_->kill(0);
   cluster_->kill(1);
-  // No majority: nothing can be committed (a commit is stored before it is sent).
-  std::this_thread::sleep_for(4s);
+  // No majority: the leader cannot renew its lease, so within 3/4 of the TTL it stops
+  // sending; no step commits after that (about 30 a second ran before).
+  std::this_thread::sleep_for(std::chrono::milliseconds(kLeaseTtl * 750 + 1000));
+  const int64_t paused = lastProgress(workers_[0].log);
+  std::this_thread::sleep_for(3s);
+  EXPECT_EQ(lastProgress(workers_[0].log), paused) << "steps went on without etcd";
   cluster_->restart(1);
   ASSERT_TRUE(cluster_->waitHealthy(30s));
-  const int64_t atRestart = committed();
-  std::cout << "etcd lost its majority at committed step " << atKill << ", back at step "
-            << atRestart << std::endl;
-  // About 30 steps a second ran before: the job paused instead (a step in flight may commit).
-  EXPECT_LE(atRestart - atKill, 2) << "steps were committed without etcd";
-  ASSERT_TRUE(waitCommitted(atRestart + 10, 60s)) << "the job did not continue";
+  std::cout << "etcd lost its majority; worker 0 paused at step " << paused << std::endl;
+  const auto deadline = Clock::now() + 60s;
+  while (lastProgress(workers_[0].log) < paused + 20 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_GE(lastProgress(workers_[0].log), paused + 20) << "the job did not continue";
   expectExact({});
 }
 
