@@ -11,7 +11,9 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -22,6 +24,27 @@
 
 namespace sinew {
 namespace testing {
+
+// Starts argv[0] (a path) with `env` added, its stdout and stderr appended to `log`; returns
+// its pid. Tests and benchmarks kill what it starts by that pid only.
+inline pid_t spawnLogged(const std::vector<std::string>& argv,
+                         const std::map<std::string, std::string>& env, const std::string& log) {
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    FILE* f = std::fopen(log.c_str(), "a");
+    if (f) {
+      ::dup2(fileno(f), 1);
+      ::dup2(fileno(f), 2);
+    }
+    for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    ::execv(args[0], args.data());
+    _exit(127);
+  }
+  return pid;
+}
 
 // The etcd binary, or "" when it is not installed.
 inline std::string etcdPath() {
@@ -162,21 +185,7 @@ class EtcdCluster {
         "--election-timeout=500",
         "--logger=zap",
         "--log-level=error"};
-    const std::string log = dir_ + "/" + m.name + ".log";
-    pid_t pid = ::fork();
-    if (pid == 0) {
-      FILE* f = std::fopen(log.c_str(), "a");
-      if (f) {
-        ::dup2(fileno(f), 1);
-        ::dup2(fileno(f), 2);
-      }
-      std::vector<char*> args;
-      for (auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-      args.push_back(nullptr);
-      ::execv(args[0], args.data());
-      _exit(127);
-    }
-    m.pid = pid;
+    m.pid = spawnLogged(argv, {}, dir_ + "/" + m.name + ".log");
   }
 
   std::string dir_;

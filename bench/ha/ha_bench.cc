@@ -45,22 +45,7 @@ struct Proc {
 
 Proc spawn(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
            const std::string& log) {
-  Proc p{-1, log};
-  p.pid = ::fork();
-  if (p.pid == 0) {
-    FILE* f = std::fopen(log.c_str(), "w");
-    if (f) {
-      ::dup2(fileno(f), 1);
-      ::dup2(fileno(f), 2);
-    }
-    for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
-    std::vector<char*> args;
-    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    ::execv(args[0], args.data());
-    _exit(127);
-  }
-  return p;
+  return Proc{sinew::testing::spawnLogged(argv, env, log), log};
 }
 
 int waitExit(const Proc& p, std::chrono::seconds timeout) {
