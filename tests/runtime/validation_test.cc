@@ -135,6 +135,13 @@ TEST(InitValidationTest, BadEnvironmentVariablesNameTheVariableAndValue) {
            {{{"SINEW_TOKEN", "0xabc"}}, "SINEW_TOKEN='0xabc'"},
            {{{"SINEW_TOKEN", "abc "}}, "SINEW_TOKEN='abc '"},
            {{{"SINEW_INJECT", "stop:worker=0:step=1:secs=nan"}}, "secs='nan'"},
+           // HA mode (docs/ha.md).
+           {{{"SINEW_ETCD", "nope"}}, "SINEW_ETCD='nope': 'nope' is not host:port"},
+           {{{"SINEW_ETCD", "127.0.0.1:2379,h:0"}}, "'h:0' has no port in 1..65535"},
+           {{{"SINEW_ETCD", "127.0.0.1:1"}}, "SINEW_ETCD is set but SINEW_JOB is not"},
+           {{{"SINEW_ETCD", "127.0.0.1:1"}, {"SINEW_JOB", "a/b"}}, "job name 'a/b' may hold only"},
+           {{{"SINEW_ETCD", "127.0.0.1:1"}, {"SINEW_JOB", "j"}, {"SINEW_TOKEN", "zz"}},
+            "SINEW_TOKEN='zz'"},
        }) {
     std::map<std::string, std::string> env = good;
     for (const auto& kv : b.env) env[kv.first] = kv.second;
