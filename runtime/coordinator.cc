@@ -158,24 +158,21 @@ class Coordinator::Impl : public control::Backend, public EventFeed {
       controlPort_ = control_->port();
     }
     scheduleCheck();
-    if (!options_.takeoverState.empty()) {
-      restoreState(options_.takeoverState);  // Throws InvalidArgument naming a bad field.
-      startTimer_.expires_after(options_.takeoverWait);
-      startTimer_.async_wait([this](error_code e) {
-        if (e) return;
-        std::lock_guard<std::mutex> lock(mu_);
-        if (takingOver_)
-          formTakeoverEpoch("takeover wait of " + std::to_string(options_.takeoverWait.count()) +
-                            " ms ended");
-      });
-    } else {
-      startTimer_.expires_after(options_.startTimeout);
-      startTimer_.async_wait([this](error_code e) {
-        if (e) return;
-        std::lock_guard<std::mutex> lock(mu_);
-        if (epoch_ < 0 && !ready_.empty()) formFirstEpoch("start timeout");
-      });
-    }
+    // A new job waits startTimeout for its ranks; a takeover waits takeoverWait for the
+    // members of the previous leader's epoch.
+    const bool takeover = !options_.takeoverState.empty();
+    if (takeover) restoreState(options_.takeoverState);  // InvalidArgument names a bad field.
+    startTimer_.expires_after(takeover ? options_.takeoverWait : options_.startTimeout);
+    startTimer_.async_wait([this](error_code e) {
+      if (e) return;
+      std::lock_guard<std::mutex> lock(mu_);
+      if (takingOver_) {
+        formTakeoverEpoch("takeover wait of " + std::to_string(options_.takeoverWait.count()) +
+                          " ms ended");
+      } else if (epoch_ < 0 && !ready_.empty()) {
+        formFirstEpoch("start timeout");
+      }
+    });
     thread_ = std::thread([this] {
       collectives::transport::runIoThread(io_, [this](const std::string& what) {
         std::lock_guard<std::mutex> lock(mu_);
@@ -699,7 +696,7 @@ void Coordinator::Impl::onMessage(const std::shared_ptr<Session>& s,
   }
   if (takingOver_) {
     // Votes, losses and requests of the previous leader's epoch: the takeover starts a new
-    // epoch, which every member enters at the last committed step (docs/ha.md, rule 4).
+    // epoch, which every member enters at the last committed step (docs/ha.md, rule 5).
     ignored_++;
     return;
   }
@@ -1081,10 +1078,9 @@ bool Coordinator::Impl::persistState() {
 }
 
 bool Coordinator::Impl::persistThrottled() {
-  if (deposed_) return false;
-  if (!options_.persist) return true;
-  if (!persistNextCommit_ && Clock::now() - lastPersist_ < options_.persistCommitsEvery) {
-    return true;
+  if (options_.persist && !persistNextCommit_ &&
+      Clock::now() - lastPersist_ < options_.persistCommitsEvery) {
+    return !deposed_;
   }
   persistNextCommit_ = false;
   return persistState();
@@ -1331,8 +1327,9 @@ void Coordinator::Impl::release(int worker, const std::string& why) {
 void Coordinator::Impl::onDone(int worker, int64_t step) {
   done_.insert(worker);
   event({{"event", "done"}, {"worker", worker}, {"step", step}});
-  checkFinished();
-  persistState();
+  const bool wasFinished = finished_;
+  checkFinished();                               // Stores the state if this ends the job...
+  if (finished_ == wasFinished) persistState();  // ...else the done is stored here.
 }
 
 void Coordinator::Impl::checkFinished() {

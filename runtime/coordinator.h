@@ -86,7 +86,8 @@ struct CoordinatorOptions {
 
   // High availability (docs/ha.md). persist, when set, stores the coordinator's durable state
   // (a JSON object: epoch, members, committed step, ...) before each message that makes a
-  // change of it visible leaves: an epoch, a commit, a job's end. It is called on the io
+  // change of it visible leaves: an epoch, a job's end (commits: see persistCommitsEvery). It
+  // is called on the io
   // thread with the coordinator's lock held, and throws when the write is refused (another
   // leader) or cannot be made; the coordinator then ends its term: it sends nothing more,
   // closes every connection and reports status().deposed. mayWrite, when set, is asked

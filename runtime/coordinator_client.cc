@@ -237,7 +237,6 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
       {
         std::lock_guard<std::mutex> lock(haMu_);
         connected_.store(false);
-        lostSince_ = Clock::now();
         leaderLostNs_.store(nowNs());
         lostWhy_ = why;
       }
@@ -305,13 +304,11 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
         same = leader_;
       }
       if (reconnect(same)) continue;
-      Clock::time_point since;
-      std::string why;
       {
         std::unique_lock<std::mutex> lock(haMu_);
-        since = lostSince_;
-        why = lostWhy_;
-        if (Clock::now() - since > options_.reconnectTimeout) {
+        const std::string why = lostWhy_;
+        if (nowNs() - leaderLostNs_.load() >
+            std::chrono::nanoseconds(options_.reconnectTimeout).count()) {
           lock.unlock();
           asio::post(io_, [this, why] {
             fail("no coordinator led the job for " +
@@ -513,7 +510,6 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
   // Guarded by haMu_.
   bool haStop_ = false;
   CoordinatorClientOptions::Leader leader_;
-  Clock::time_point lostSince_{};
   std::string lostWhy_;
   // The step (times 2) and whether the worker waits on the others (the low bit), in one word
   // so that a heartbeat never pairs one step with another step's flag. -2: step -1.

@@ -33,11 +33,9 @@ std::string haPrefix(const std::string& job) {
 
 namespace {
 
-// The job's end as the state in etcd says it: 0 finished, 1 failed, -1 still running.
-int jobEnd(EtcdClient& etcd, const std::string& stateKey) {
-  auto kv = etcd.get(stateKey);
-  if (!kv) return -1;
-  json st = json::parse(kv->value, nullptr, false);
+// The job's end as a stored state says it: 0 finished, 1 failed, -1 still running.
+int jobEndOf(const std::string& state) {
+  json st = json::parse(state, nullptr, false);
   if (!st.is_object()) return -1;
   if (st.value("failed", false)) return 1;
   if (st.value("finished", false)) return 0;
@@ -73,7 +71,8 @@ int runHaCoordinator(const HaCoordinatorOptions& options) {
   int ended = -1;
   auto jobEnded = [&] {
     try {
-      ended = jobEnd(*etcd, stateKey);
+      auto state = etcd->get(stateKey);
+      ended = state ? jobEndOf(state->value) : -1;
     } catch (const Error&) {
       // etcd unreachable: the job is not known to have ended.
     }
@@ -91,12 +90,9 @@ int runHaCoordinator(const HaCoordinatorOptions& options) {
     try {
       // Read after winning: every state a previous leader stored is visible (linearizable).
       auto state = etcd->get(stateKey);
-      if (state) {
-        json st = json::parse(state->value, nullptr, false);
-        if (st.is_object() && (st.value("finished", false) || st.value("failed", false))) {
-          election.resign();
-          continue;  // The loop's check exits.
-        }
+      if (state && jobEndOf(state->value) >= 0) {
+        election.resign();
+        continue;  // The loop's check exits.
       }
       CoordinatorOptions co = options.coordinator;
       if (state) co.takeoverState = state->value;
