@@ -456,15 +456,20 @@ int main(int argc, char** argv) {
     const auto now = std::chrono::steady_clock::now();
     if (a.deadline > 0 && !deadlineStop &&
         now - started > std::chrono::duration<double>(a.deadline)) {
-      deadlineStop = true;
+      // A job still starting (no first epoch yet) cannot stop: the stop is asked again at the
+      // next turn, as the drain signal's, until it is taken or the job has ended.
       auto reply = coordinator.stop(60);
-      std::printf(
-          "sinew-run: the job's deadline of %.0f s passed: stopping it at the next step "
-          "boundary (%s)\n",
-          a.deadline, reply.body.dump().c_str());
-      std::fflush(stdout);
+      const auto cs = coordinator.status();
+      if (reply.status == 200 || cs.finished || (cs.epoch >= 0 && cs.members.empty())) {
+        deadlineStop = true;
+        std::printf(
+            "sinew-run: the job's deadline of %g s passed: stopping it at the next step "
+            "boundary (%s)\n",
+            a.deadline, reply.body.dump().c_str());
+        std::fflush(stdout);
+      }
     }
-    if (deadlineStop && !deadlineKilled &&
+    if (a.deadline > 0 && !deadlineKilled &&
         now - started > std::chrono::duration<double>(a.deadline + 60)) {
       deadlineKilled = true;
       std::printf("sinew-run: the job did not stop within 60 s of its deadline; killing it\n");

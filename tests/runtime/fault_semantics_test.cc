@@ -393,6 +393,28 @@ TEST(FaultSemanticsTest, LauncherDeadlinesEndEveryWait) {
   EXPECT_EQ(latestStep(ckpt), std::stoll(m[1]));
   std::filesystem::remove_all(ckpt);
 
+  // A deadline that passes while the job is still starting (no epoch yet: the coordinator
+  // refuses a stop then) is asked again until the job can stop. Before, the launcher asked
+  // once, printed the refusal and let the job train on (seen under the sanitizers, whose
+  // start took longer than the 3 s above).
+  t0 = std::chrono::steady_clock::now();
+  JobRun early =
+      finish(start({SINEW_RUN_PATH, "-n", "3", "--log-dir", logDir("deadline-early"),
+                    "--deadline-s", "0.2", "--inject", "slow:worker=*:ms=5", TRAIN_DP_PATH,
+                    "--steps", "100000", "--checkpoint-dir", ckpt, "--checkpoint-every", "1000",
+                    "--no-reference"},
+                   {}),
+             120s);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 45s);
+  EXPECT_EQ(early.exitCode, 75) << early.output;
+  EXPECT_EQ(early.output.find("nothing to stop"), std::string::npos) << early.output;
+  EXPECT_NE(early.output.find("the job's deadline of 0.2 s passed"), std::string::npos)
+      << early.output;
+  ASSERT_TRUE(std::regex_search(early.output, m, std::regex("job stopped after step (\\d+)")))
+      << early.output;
+  EXPECT_EQ(latestStep(ckpt), std::stoll(m[1]));
+  std::filesystem::remove_all(ckpt);
+
   // Each worker trains, then its process sleeps instead of exiting.
   t0 = std::chrono::steady_clock::now();
   JobRun hung = finish(
