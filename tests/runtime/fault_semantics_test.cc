@@ -398,13 +398,12 @@ TEST(FaultSemanticsTest, LauncherDeadlinesEndEveryWait) {
   // once, printed the refusal and let the job train on (seen under the sanitizers, whose
   // start took longer than the 3 s above).
   t0 = std::chrono::steady_clock::now();
-  JobRun early =
-      finish(start({SINEW_RUN_PATH, "-n", "3", "--log-dir", logDir("deadline-early"),
-                    "--deadline-s", "0.2", "--inject", "slow:worker=*:ms=5", TRAIN_DP_PATH,
-                    "--steps", "100000", "--checkpoint-dir", ckpt, "--checkpoint-every", "1000",
-                    "--no-reference"},
-                   {}),
-             120s);
+  JobRun early = finish(
+      start({SINEW_RUN_PATH, "-n", "3", "--log-dir", logDir("deadline-early"), "--deadline-s",
+             "0.2", "--inject", "slow:worker=*:ms=5", TRAIN_DP_PATH, "--steps", "100000",
+             "--checkpoint-dir", ckpt, "--checkpoint-every", "1000", "--no-reference"},
+            {}),
+      120s);
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 45s);
   EXPECT_EQ(early.exitCode, 75) << early.output;
   EXPECT_EQ(early.output.find("nothing to stop"), std::string::npos) << early.output;

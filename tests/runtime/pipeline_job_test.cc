@@ -472,10 +472,10 @@ TEST(PipelineRecoveryTest, AJoinedWorkerGetsAStage) {
   // Slowed steps keep the job running while the joiner starts.
   // The joiner trains to the same last step: one that stopped earlier would leave the job.
   const char* steps = "120";
-  Child job = start({SINEW_RUN_PATH, "-n", "4", "--log-dir", dir, "--exit-grace-s", kExitGrace,
-                     "--inject", "slow:worker=*:ms=50", TRAIN_PP_PATH, "--memory-bytes", kBudget,
-                     "--steps", steps},
-                    {});
+  Child job =
+      start({SINEW_RUN_PATH, "-n", "4", "--log-dir", dir, "--exit-grace-s", kExitGrace, "--inject",
+             "slow:worker=*:ms=50", TRAIN_PP_PATH, "--memory-bytes", kBudget, "--steps", steps},
+            {});
   // sinew-run's output is read while the joiner runs, so that its pipe never fills.
   auto jobRun = std::async(std::launch::async, [&] { return finish(job, 300s); });
   const auto env = joinerEnv(dir, "joiner");
