@@ -452,15 +452,20 @@ int main(int argc, char** argv) {
   const auto started = std::chrono::steady_clock::now();
   bool deadlineStop = false, deadlineKilled = false, graceKilled = false;
   std::chrono::steady_clock::time_point endedAt{}, quietAt{};
+  // Asks the coordinator to stop the job within `deadline` seconds. False while nothing can
+  // stop yet (before the first epoch): the caller asks again at the next turn, until the stop
+  // is taken or the job has ended.
+  auto askStop = [&](double deadline, sinew::runtime::ControlReply* reply) {
+    *reply = coordinator.stop(deadline);
+    const auto cs = coordinator.status();
+    return reply->status == 200 || cs.finished || (cs.epoch >= 0 && cs.members.empty());
+  };
   while (status.size() < gChildren.size() || joinersWanted.load() > 0) {
     const auto now = std::chrono::steady_clock::now();
     if (a.deadline > 0 && !deadlineStop &&
         now - started > std::chrono::duration<double>(a.deadline)) {
-      // A job still starting (no first epoch yet) cannot stop: the stop is asked again at the
-      // next turn, as the drain signal's, until it is taken or the job has ended.
-      auto reply = coordinator.stop(60);
-      const auto cs = coordinator.status();
-      if (reply.status == 200 || cs.finished || (cs.epoch >= 0 && cs.members.empty())) {
+      sinew::runtime::ControlReply reply;
+      if (askStop(60, &reply)) {
         deadlineStop = true;
         std::printf(
             "sinew-run: the job's deadline of %g s passed: stopping it at the next step "
@@ -479,10 +484,8 @@ int main(int argc, char** argv) {
       }
     }
     if (gDrainSignal && !drainAsked) {
-      // Before the first epoch (or while nothing can stop) it is asked again at the next turn.
-      auto reply = coordinator.stop(a.drainDeadline);
-      const auto cs = coordinator.status();
-      if (reply.status == 200 || cs.finished || (cs.epoch >= 0 && cs.members.empty())) {
+      sinew::runtime::ControlReply reply;
+      if (askStop(a.drainDeadline, &reply)) {
         drainAsked = true;
         std::printf("sinew-run: drain signal: stopping the job within %.0f s: %s\n",
                     a.drainDeadline, reply.body.dump().c_str());
