@@ -230,6 +230,9 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
   void onClose(transport::Channel& channel, transport::CloseReason reason,
                const std::string& why) override {
     if (&channel != channel_.get()) return;  // A previous leader's connection.
+    // Stopping, and the final flush is over: end the timer that bounds it now, or the io
+    // thread (and the process's exit) would wait out its second.
+    if (stopping_) return closeNow();
     if (options_.awaitLeader && reason != transport::CloseReason::kViolation && !stopping_ &&
         !closed_) {
       // High availability: the leader is gone (or cut off); the watcher finds the next one.

@@ -272,6 +272,26 @@ TEST(CoordinatorTest, JobFinishesWhenEveryMemberIsDone) {
   EXPECT_TRUE(coord.status().dead.empty());
 }
 
+// A client's destructor flushes what it queued (here the last worker's done) and returns as
+// soon as the channel has closed. The one-second timer that bounds the flush must not hold the
+// io thread: before, every worker process ended a second after its last message.
+TEST(CoordinatorTest, AClientClosesOnceItsLastMessageIsWrittenNotAfterTheFlushBound) {
+  Coordinator coord(options(2, nullptr));
+  auto a = client(coord, 0);
+  auto b = client(coord, 1);
+  a->waitEpochAfter(-1, 5s);
+  a->done(10);
+  a.reset();
+  b->done(10);
+  const auto t0 = Clock::now();
+  b.reset();  // Queued done, then close.
+  const auto took = Clock::now() - t0;
+  EXPECT_TRUE(coord.waitFinished(5s)) << "the done queued before the destructor was lost";
+  EXPECT_LT(took, 600ms) << "the destructor took "
+                         << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
+                         << " ms: it waited out the flush bound (1 s)";
+}
+
 TEST(CoordinatorTest, StaleEpochMessagesAreIgnoredNotFatal) {
   LogSink sink;
   Coordinator coord(options(3, &sink));
