@@ -68,13 +68,18 @@ CheckpointEngine::CheckpointEngine(const ShardState& like, CheckpointEngineOptio
   arena_ = std::make_unique<SnapshotArena>(like, so);
   service_->setOwnShards([this] { return arena_->all(); });
   if (!options_.persist.dir.empty()) writer_ = std::make_unique<CheckpointWriter>(options_.persist);
-  arena_->setOnComplete([this](std::shared_ptr<const HostShard> s) { onSnapshot(std::move(s)); });
+  arena_->setOnComplete([this](std::shared_ptr<const HostShard> s) {
+    onSnapshot(s);
+    if (options_.onSnapshot) options_.onSnapshot(s);
+  });
+  if (options_.onSnapshotFailed) arena_->setOnFailed(options_.onSnapshotFailed);
   replicationThread_ = std::thread([this] { replicationLoop(); });
   flushThread_ = std::thread([this] { flushLoop(); });
 }
 
 CheckpointEngine::~CheckpointEngine() {
   arena_->setOnComplete(nullptr);
+  arena_->setOnFailed(nullptr);
   service_->setOwnShards(nullptr);
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -79,6 +79,11 @@ struct CheckpointEngineOptions {
   std::chrono::milliseconds timeout = kDefaultCheckpointTimeout;  // Store waits.
   // Test hook: called on the replication thread before a version is sent.
   std::function<void(int64_t step)> beforeReplicate;
+  // Called on the arena's copy thread with each complete snapshot (after it is queued for
+  // replication), and with the step and error of each copy that failed: a trainer that also
+  // writes the same version to its own folder uses the engine's copy instead of a second one.
+  std::function<void(std::shared_ptr<const HostShard>)> onSnapshot;
+  std::function<void(int64_t step, std::exception_ptr)> onSnapshotFailed;
 };
 
 // A commit record (<prefix>/commit/<s>): the workers whose shards version `step` holds, in

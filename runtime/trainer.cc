@@ -700,8 +700,8 @@ class Trainer::Impl {
     opt_->step();
     applied_ = step_;
     // A scheduler's checkpoint, drain or stop asked for this step to be durable.
-    maybeCheckpoint(step_, /*force=*/client_.checkpointRequested(step_));
-    maybePeerSnapshot(step_);
+    maybeCheckpoint(step_, /*force=*/client_.checkpointRequested(step_), /*peerFollows=*/true);
+    settleSharedSnapshot(step_, maybePeerSnapshot(step_));
     lastLoss_ = loss;
     ++step_;
     progress(loss);
@@ -1926,14 +1926,18 @@ class Trainer::Impl {
     std::shared_ptr<const checkpoint::HostShard> shard;
     FlushHow how = FlushHow::kAlone;
     std::vector<int> others;  // kCommit: the other writers whose records it waits for
+    bool shared = false;      // The shard is the peer-RAM engine's copy of the version.
   };
 
   static std::string recordKey(int64_t step, int owner) {
     return "sinew/pipeline/checkpoint/" + std::to_string(step) + "/w" + std::to_string(owner);
   }
 
-  // After the optimizer step of `step`: a writer snapshots a due version.
-  void maybeCheckpoint(int64_t step, bool force = false) {
+  // After the optimizer step of `step`: a writer snapshots a due version. `peerFollows`: the
+  // caller calls maybePeerSnapshot(step) next and then settleSharedSnapshot(step), so when the
+  // peer-RAM version of `step` is due too, the engine's snapshot of it is flushed instead of a
+  // second copy into this worker's own arena.
+  void maybeCheckpoint(int64_t step, bool force = false, bool peerFollows = false) {
     if (o_.checkpointDir.empty() || !checkpointWriter()) return;
     bool due = (o_.checkpointEvery > 0 && (step + 1) % o_.checkpointEvery == 0) ||
                step == o_.steps - 1 || force;
@@ -1965,6 +1969,31 @@ class Trainer::Impl {
         }
       }
     }
+    if (!writer_) {
+      // Once per worker: a reconfiguration that changes its layers makes a new arena (of the
+      // new layout) but keeps the writer and its flush thread.
+      checkpoint::PersistOptions po;
+      po.dir = o_.checkpointDir;
+      po.keep = o_.checkpointKeep;
+      po.env = state_.checkpointEnv;
+      writer_ = std::make_unique<checkpoint::CheckpointWriter>(po);
+      flushThread_ = std::thread([this] { flushLoop(); });
+    }
+    if (peerFollows && peerVersionDue(step)) {
+      // One copy for both: the engine's completion hook queues its shard of `step` for the
+      // flush (settleSharedSnapshot takes this worker's own snapshot if the engine does not).
+      std::lock_guard<std::mutex> lock(ckMu_);
+      ckOutstanding_++;
+      ckFromEngine_ = step;
+      lastSnapshot_ = step;
+      return;
+    }
+    snapshotForDisk(step);
+  }
+
+  // The shard of a due durable version, copied into this worker's own arena (its completion
+  // queues the flush). REQUIRES: the writer exists and ckHow_/ckOthers_ are set for `step`.
+  void snapshotForDisk(int64_t step) {
     checkpoint::ShardState state = shardState();
     if (!arena_) {
       checkpoint::SnapshotOptions so;
@@ -1982,16 +2011,6 @@ class Trainer::Impl {
         ckOutstanding_--;
         ckCv_.notify_all();
       });
-    }
-    if (!writer_) {
-      // Once per worker: a reconfiguration that changes its layers makes a new arena (of the
-      // new layout) but keeps the writer and its flush thread.
-      checkpoint::PersistOptions po;
-      po.dir = o_.checkpointDir;
-      po.keep = o_.checkpointKeep;
-      po.env = state_.checkpointEnv;
-      writer_ = std::make_unique<checkpoint::CheckpointWriter>(po);
-      flushThread_ = std::thread([this] { flushLoop(); });
     }
     {
       // Counted before the copy starts, so the flush of a fast copy never finds it at 0.
@@ -2022,6 +2041,43 @@ class Trainer::Impl {
   // ---- Peer-RAM versions (pipelines; docs/pipeline.md, "Peer-RAM versions") ----
 
   bool peerCheckpoints() const { return pipelineMode_ && o_.peerCheckpointEvery > 0; }
+
+  // Whether maybePeerSnapshot(step) will try to take a version (it may still decline).
+  bool peerVersionDue(int64_t step) const {
+    return peerCheckpoints() && heldEnd_ > heldFirst_ &&
+           ((step + 1) % o_.peerCheckpointEvery == 0 || step == o_.steps - 1);
+  }
+
+  // After maybePeerSnapshot(step) (`taken`: whether the engine took it): a durable version
+  // of `step` left to the engine (maybeCheckpoint) that it did not take is copied into this
+  // worker's own arena after all.
+  void settleSharedSnapshot(int64_t step, bool taken) {
+    {
+      std::lock_guard<std::mutex> lock(ckMu_);
+      if (ckFromEngine_ != step || taken) return;
+      ckFromEngine_ = -1;
+      ckOutstanding_--;
+    }
+    snapshotForDisk(step);
+  }
+
+  // The engine's snapshot hooks (its copy thread): the shard of a durable version left to it
+  // goes to the flush; a failed copy of one no longer counts as outstanding (its error reaches
+  // the training thread through the engine's next wait).
+  void onEngineSnapshot(const std::shared_ptr<const checkpoint::HostShard>& shard) {
+    std::lock_guard<std::mutex> lock(ckMu_);
+    if (shard->step != ckFromEngine_) return;
+    ckFromEngine_ = -1;
+    toFlush_.push_back({shard, ckHow_, ckOthers_, /*shared=*/true});
+    ckCv_.notify_all();
+  }
+  void onEngineSnapshotFailed(int64_t step) {
+    std::lock_guard<std::mutex> lock(ckMu_);
+    if (step != ckFromEngine_) return;
+    ckFromEngine_ = -1;
+    ckOutstanding_--;
+    ckCv_.notify_all();
+  }
 
   // The engine of one epoch that snapshotted (a generation): its workers and placement.
   struct Generation {
@@ -2066,13 +2122,13 @@ class Trainer::Impl {
   // placement and commits it once every shard has `replicas` copies. A version is taken only
   // after the previous one of this epoch committed or was abandoned, so at most one version
   // per worker is in flight.
-  void maybePeerSnapshot(int64_t step) {
-    if (!peerCheckpoints() || heldEnd_ <= heldFirst_) return;
-    if ((step + 1) % o_.peerCheckpointEvery != 0 && step != o_.steps - 1) return;
+  // Returns whether the engine took the version of `step`.
+  bool maybePeerSnapshot(int64_t step) {
+    if (!peerVersionDue(step)) return false;
     const int self = ctx_.worker();
     if (gens_.empty() || gens_.back().epoch != epoch_) {
       std::vector<int> order = placementOrder(plan_);
-      if (std::find(order.begin(), order.end(), self) == order.end()) return;
+      if (std::find(order.begin(), order.end(), self) == order.end()) return false;
       checkpoint::CheckpointEngineOptions eo;
       eo.self = self;
       eo.workers = std::move(order);
@@ -2092,6 +2148,10 @@ class Trainer::Impl {
       eo.beforeReplicate = [this](int64_t s) {
         state_.injector.fire(ctx_.worker(), s, Phase::kReplication, nullptr);
       };
+      eo.onSnapshot = [this](std::shared_ptr<const checkpoint::HostShard> shard) {
+        onEngineSnapshot(shard);
+      };
+      eo.onSnapshotFailed = [this](int64_t s, std::exception_ptr) { onEngineSnapshotFailed(s); };
       Generation g;
       g.epoch = epoch_;
       g.engine = std::make_unique<checkpoint::CheckpointEngine>(shardState(), std::move(eo));
@@ -2102,9 +2162,10 @@ class Trainer::Impl {
       gens_.push_back(std::move(g));
     }
     Generation& g = gens_.back();
-    if (g.lastTaken >= 0 && !waitPeerCommit(g)) return;  // A newer epoch is announced.
+    if (g.lastTaken >= 0 && !waitPeerCommit(g)) return false;  // A newer epoch is announced.
     g.failuresSeen = g.engine->stats().replicationFailures;
-    if (g.engine->snapshot(step, shardState())) g.lastTaken = step;
+    const bool taken = g.engine->snapshot(step, shardState());
+    if (taken) g.lastTaken = step;
     state_.injector.fire(self, step, Phase::kSnapshot, &client_);
     // Generations older than the newest one with a committed version are never restored.
     for (size_t i = gens_.size(); i-- > 1;) {
@@ -2113,6 +2174,7 @@ class Trainer::Impl {
         break;
       }
     }
+    return taken;
   }
 
   // Waits until g's last version committed or was abandoned: this worker's replication of it
@@ -2271,7 +2333,10 @@ class Trainer::Impl {
       if (!error) {
         ckWritten_++;
         if (shard->step >= flushErrorStep_) flushError_ = nullptr;  // A newer one is durable.
-        event({{"event", "checkpoint"}, {"step", shard->step}, {"duration_s", took}});
+        event({{"event", "checkpoint"},
+               {"step", shard->step},
+               {"duration_s", took},
+               {"shared_snapshot", job.shared}});
         state_.injector.afterFlush(ctx_.worker(), shard->step, o_.checkpointDir);
         // The writer that moved LATEST tells the coordinator (its status and /metrics).
         if (job.how != FlushHow::kPost) {
@@ -2358,8 +2423,8 @@ class Trainer::Impl {
 
   // Waits until the last snapshot is copied and every version taken is flushed.
   void finishCheckpoints() {
-    if (!arena_) return;
-    waitForSnapshot(/*complete=*/true);
+    if (!writer_) return;
+    if (arena_) waitForSnapshot(/*complete=*/true);
     std::unique_lock<std::mutex> lock(ckMu_);
     ckCv_.wait(lock, [&] { return ckOutstanding_ == 0; });
   }
@@ -2587,7 +2652,8 @@ class Trainer::Impl {
   std::condition_variable ckCv_;
   // Guarded by ckMu_.
   std::deque<FlushJob> toFlush_;
-  int64_t ckOutstanding_ = 0;          // Snapshots taken and not yet flushed (or failed).
+  int64_t ckOutstanding_ = 0;  // Snapshots taken and not yet flushed (or failed).
+  int64_t ckFromEngine_ = -1;  // The durable version whose shard the engine's copy provides.
   FlushHow ckHow_ = FlushHow::kAlone;  // How the snapshot being copied is to be flushed.
   std::vector<int> ckOthers_;
   bool ckStop_ = false;
