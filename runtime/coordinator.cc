@@ -278,6 +278,10 @@ class Coordinator::Impl : public control::Backend, public EventFeed {
     int64_t step = -1;
     bool waiting = false;
     Clock::time_point waitingSince;
+    // The last time it reported waiting, and on which step (rule 1's exemption of a member
+    // that has just stopped waiting).
+    Clock::time_point lastWaited;
+    int64_t lastWaitedStep = -1;
     // From its votes: its last step's compute time (forward and backward, not the waits).
     double computeSeconds = -1;
     double stallSeconds = 0;  // snapshot stalls, summed
@@ -580,6 +584,10 @@ bool Coordinator::Impl::discountOwnPause(Clock::time_point now) {
 
 void Coordinator::Impl::noteProgress(Worker& w, int64_t step, bool waiting, Clock::time_point now) {
   if (waiting && (!w.waiting || w.step != step)) w.waitingSince = now;
+  if (waiting) {
+    w.lastWaited = now;
+    w.lastWaitedStep = step;
+  }
   w.step = step;
   w.waiting = waiting;
 }
@@ -615,12 +623,20 @@ void Coordinator::Impl::checkProgress(Clock::time_point now) {
   }
   const auto deadline = stepDeadline();
   if (firstWait == Clock::time_point::max() || now - firstWait <= deadline) return;
+  // A member seen waiting on this step within the last half step deadline (three heartbeats
+  // at least) is not stuck: the member it waited on has just answered and it computes again
+  // (the neighbours of a stalled pipeline stage, the moment the stall ends; blaming them
+  // expelled healthy workers: scripts/chaos, seed 1125, run 21). A stuck member that waited
+  // before it stalled is blamed at a later check, once that wait is older.
+  const auto recently = std::max<Clock::duration>(3 * options_.heartbeatInterval, deadline / 2);
   std::vector<int> stuck;
   for (int id : members_) {
     auto it = workers_.find(id);
     if (it == workers_.end() || done_.count(id)) continue;
     const Worker& w = it->second;
-    if (!(w.waiting && w.step >= step)) stuck.push_back(id);
+    if (w.waiting && w.step >= step) continue;
+    if (w.lastWaitedStep >= step && now - w.lastWaited <= recently) continue;
+    stuck.push_back(id);
   }
   if (stuck.empty() || stuck.size() == members_.size()) return;
   const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - firstWait);

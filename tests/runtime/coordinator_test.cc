@@ -128,6 +128,41 @@ TEST(CoordinatorTest, HeartbeatSilenceDeclaresDeadAtTheDeadline) {
   EXPECT_THROW(b->waitEpochAfter(0, 2s), Expelled);
 }
 
+// Rule 1 blames only members still computing when the step deadline passes, and not one
+// that was waiting until a moment ago: C stalls (never waits on step 2); A and B wait on it,
+// and B starts computing again 200 ms before the deadline (in a pipeline: C's neighbour,
+// answered the moment C's stall ends). Only C is declared dead. Before, B was too, and two
+// healthy workers left a pipeline job that could then no longer form its pipelines.
+TEST(CoordinatorTest, AMemberThatJustStoppedWaitingIsNotBlamedForTheStall) {
+  LogSink sink;
+  CoordinatorOptions o = options(3, &sink);
+  o.deadAfter = 5s;  // Only rule 1 here.
+  o.progressFloor = 800ms;
+  o.progressFactor = 1;
+  Coordinator coord(o);
+  auto a = client(coord, 0);
+  auto b = client(coord, 1);
+  auto c = client(coord, 2);
+  a->waitEpochAfter(-1, 5s);
+  // Steps 0 and 1 committed: a step time is measured, so the check runs.
+  for (int64_t step : {0, 1}) {
+    auto fb = std::async(std::launch::async, [&] { return b->vote(0, step, 5s); });
+    auto fc = std::async(std::launch::async, [&] { return c->vote(0, step, 5s); });
+    EXPECT_EQ(a->vote(0, step, 5s), CoordinatorClient::VoteResult::kCommitted);
+    EXPECT_EQ(fb.get(), CoordinatorClient::VoteResult::kCommitted);
+    EXPECT_EQ(fc.get(), CoordinatorClient::VoteResult::kCommitted);
+  }
+  c->setProgress(2, false);  // Computing step 2, and stuck there.
+  a->setProgress(2, true);
+  b->setProgress(2, true);
+  std::this_thread::sleep_for(600ms);
+  b->setProgress(2, false);  // Answered: computing again.
+  EpochInfo e1 = a->waitEpochAfter(0, 5s);
+  EXPECT_EQ(e1.members, (std::vector<int>{0, 1})) << "B was blamed for C's stall";
+  EXPECT_TRUE(sink.contains("worker 2 declared dead: no progress on step 2"));
+  EXPECT_FALSE(sink.contains("worker 1 declared dead"));
+}
+
 TEST(CoordinatorTest, ReportedPeerLossAndNodeFailureExpelTheNode) {
   Coordinator coord(options(3, nullptr));
   auto a = client(coord, 0, "hostA");
