@@ -701,7 +701,17 @@ class Trainer::Impl {
     applied_ = step_;
     // A scheduler's checkpoint, drain or stop asked for this step to be durable.
     maybeCheckpoint(step_, /*force=*/client_.checkpointRequested(step_), /*peerFollows=*/true);
-    settleSharedSnapshot(step_, maybePeerSnapshot(step_));
+    bool peerTook = false;
+    try {
+      peerTook = maybePeerSnapshot(step_);
+    } catch (...) {
+      // A store or engine error before (or after) the engine took the step: the durable
+      // version is still written, from this worker's own copy unless the engine's has already
+      // been handed to the flush.
+      settleSharedSnapshot(step_, /*taken=*/false);
+      throw;
+    }
+    settleSharedSnapshot(step_, peerTook);
     lastLoss_ = loss;
     ++step_;
     progress(loss);
@@ -2050,7 +2060,9 @@ class Trainer::Impl {
 
   // After maybePeerSnapshot(step) (`taken`: whether the engine took it): a durable version
   // of `step` left to the engine (maybeCheckpoint) that it did not take is copied into this
-  // worker's own arena after all.
+  // worker's own arena after all. With taken false while the engine's copy is in fact in
+  // flight (maybePeerSnapshot threw after it), the hook finds the step no longer left to it
+  // and ignores the copy, so the version is flushed exactly once either way.
   void settleSharedSnapshot(int64_t step, bool taken) {
     {
       std::lock_guard<std::mutex> lock(ckMu_);
@@ -2071,11 +2083,23 @@ class Trainer::Impl {
     toFlush_.push_back({shard, ckHow_, ckOthers_, /*shared=*/true});
     ckCv_.notify_all();
   }
-  void onEngineSnapshotFailed(int64_t step) {
+  // As a failed flush (rule 10 of docs/failure_semantics.md): reported, training goes on, and
+  // run() rethrows it if no newer version is written (the engine's own rethrow comes only with
+  // its next wait, which the job's last step never reaches).
+  void onEngineSnapshotFailed(int64_t step, std::exception_ptr error) {
     std::lock_guard<std::mutex> lock(ckMu_);
     if (step != ckFromEngine_) return;
     ckFromEngine_ = -1;
     ckOutstanding_--;
+    flushError_ = error;
+    flushErrorStep_ = step;
+    const std::string what = describe(error);
+    std::fprintf(stderr, "sinew: worker %d could not copy checkpoint %lld to host memory: %s\n",
+                 ctx_.worker(), static_cast<long long>(step), what.c_str());
+    event({{"event", "checkpoint_failed"},
+           {"step", step},
+           {"dir", o_.checkpointDir},
+           {"error", what}});
     ckCv_.notify_all();
   }
 
@@ -2151,7 +2175,9 @@ class Trainer::Impl {
       eo.onSnapshot = [this](std::shared_ptr<const checkpoint::HostShard> shard) {
         onEngineSnapshot(shard);
       };
-      eo.onSnapshotFailed = [this](int64_t s, std::exception_ptr) { onEngineSnapshotFailed(s); };
+      eo.onSnapshotFailed = [this](int64_t s, std::exception_ptr e) {
+        onEngineSnapshotFailed(s, e);
+      };
       Generation g;
       g.epoch = epoch_;
       g.engine = std::make_unique<checkpoint::CheckpointEngine>(shardState(), std::move(eo));
