@@ -544,9 +544,15 @@ TEST(ControlJobTest, ScriptedSchedulerGrowsShrinksDrainsAndStops) {
   ASSERT_EQ(h.status, 200) << h.body;
   r = json::parse(h.body);
   EXPECT_TRUE(r["meets_deadline"].get<bool>()) << h.body;
+  // safe_to_kill is about the drained worker's process; the drain's checkpoint is written by
+  // the job's writer (another worker here), whose durable report may come after the drained
+  // worker has exited.
   s = api.waitFor(
-      [&](const json& s) { return !s["drains"].empty() && s["drains"][0]["safe_to_kill"]; },
-      "the drained node safe to kill");
+      [&](const json& s) {
+        return !s["drains"].empty() && s["drains"][0]["safe_to_kill"] &&
+               s["drains"][0]["checkpoint_durable"];
+      },
+      "the drained node safe to kill and the drain's checkpoint durable");
   EXPECT_LT(Clock::now() - t0, 30s);
   const json& d = s["drains"][0];
   EXPECT_FALSE(d["deadline_missed"].get<bool>());
