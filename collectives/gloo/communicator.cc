@@ -348,13 +348,22 @@ void GlooCommunicator::connect(const std::shared_ptr<Store>& store) {
     SINEW_THROW(IoError, describe(), ": connecting to the members failed: ", e.what());
   }
 
-  // 3. Post the control receives and start their watchers.
+  // 3. Post the control receives and start their watchers. A peer that left right after the
+  //    mesh connected (it crashed, or gave up on this epoch) has a closed pair, on which
+  //    posting throws Gloo's IoException: that is this constructor's error like any other
+  //    broken connection, never a Gloo exception in the caller (which handles Sinew's only).
   controlIn_.assign(size(), Goodbye{});
   controlBufs_.resize(size());
   for (int r = 0; r < size(); ++r) {
     if (r == rank_) continue;
     controlBufs_[r] = buffer(&controlIn_[r], sizeof(Goodbye));
-    controlBufs_[r]->recv(r, kControlSlot, 0, sizeof(Goodbye));
+    try {
+      controlBufs_[r]->recv(r, kControlSlot, 0, sizeof(Goodbye));
+    } catch (const gloo::Exception& e) {
+      controlBufs_.clear();  // No watcher runs yet; the pairs close with context_.
+      SINEW_THROW(IoError, describe(), ": the connection to worker ", workerOf(r), " (rank ", r,
+                  ") broke as it was set up: ", e.what());
+    }
   }
   for (int r = 0; r < size(); ++r) {
     if (r == rank_) continue;
