@@ -2091,16 +2091,25 @@ class Trainer::Impl {
     if (step != ckFromEngine_) return;
     ckFromEngine_ = -1;
     ckOutstanding_--;
+    recordCheckpointFailureLocked(step, error, "copy", "host memory");
+    ckCv_.notify_all();
+  }
+
+  // A version that could not be made durable: kept for run() to rethrow unless a newer version
+  // is written (rule 10 of docs/failure_semantics.md), printed, and reported as a
+  // checkpoint_failed event: "could not <verb> checkpoint <step> to <where>: <error>".
+  // REQUIRES: ckMu_ held.
+  void recordCheckpointFailureLocked(int64_t step, std::exception_ptr error, const char* verb,
+                                     const std::string& where) {
     flushError_ = error;
     flushErrorStep_ = step;
-    const std::string what = describe(error);
-    std::fprintf(stderr, "sinew: worker %d could not copy checkpoint %lld to host memory: %s\n",
-                 ctx_.worker(), static_cast<long long>(step), what.c_str());
+    const std::string why = describe(error);
+    std::fprintf(stderr, "sinew: worker %d could not %s checkpoint %lld to %s: %s\n", ctx_.worker(),
+                 verb, static_cast<long long>(step), where.c_str(), why.c_str());
     event({{"event", "checkpoint_failed"},
            {"step", step},
            {"dir", o_.checkpointDir},
-           {"error", what}});
-    ckCv_.notify_all();
+           {"error", why}});
   }
 
   // The engine of one epoch that snapshotted (a generation): its workers and placement.
@@ -2371,16 +2380,7 @@ class Trainer::Impl {
       } else {
         // Reported, and training goes on: a later version may be written. run() rethrows it
         // only if no newer version was written after it (docs/failure_semantics.md, rule 10).
-        flushError_ = error;
-        flushErrorStep_ = shard->step;
-        const std::string what = describe(error);
-        std::fprintf(stderr, "sinew: worker %d could not write checkpoint %lld to '%s': %s\n",
-                     ctx_.worker(), static_cast<long long>(shard->step), o_.checkpointDir.c_str(),
-                     what.c_str());
-        event({{"event", "checkpoint_failed"},
-               {"step", shard->step},
-               {"dir", o_.checkpointDir},
-               {"error", what}});
+        recordCheckpointFailureLocked(shard->step, error, "write", "'" + o_.checkpointDir + "'");
       }
       ckCv_.notify_all();
     }
