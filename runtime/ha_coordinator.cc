@@ -109,6 +109,7 @@ int runHaCoordinator(const HaCoordinatorOptions& options) {
                              {"pid", static_cast<int64_t>(::getpid())},
                              {"host", coordinator->host()},
                              {"port", coordinator->port()},
+                             {"control_host", coordinator->controlHost()},
                              {"control_port", coordinator->controlPort()}}
                             .dump());
       log("serves at " + coordinator->host() + ":" + std::to_string(coordinator->port()) + " " +

@@ -170,7 +170,8 @@ std::string forkCoordinator(int expected, const InitOptions& o) {
 //
 // 1. Before MPI_Init every rank forks a helper (no MPI, no libtorch threads yet) that waits on
 //    a pipe for what to do.
-// 2. After MPI_Init, rank 0 draws the job token and broadcasts it; every rank picks two free
+// 2. After MPI_Init, rank 0 takes SINEW_TOKEN or draws the job token, and broadcasts it; every rank
+// picks two free
 //    ports on its host and all ranks exchange (node, host, ports) with one allgather: the last
 //    MPI calls.
 // 3. The lowest rank of each of the first three nodes (fewer if the job has fewer) hosts an
@@ -257,6 +258,11 @@ uint16_t freePort(const std::string& host) {
     h.coordinator.deadAfter = o.deadAfter;
     h.coordinator.progressFloor = o.stepDeadlineFloor;
     h.coordinator.progressFactor = o.stepDeadlineFactor;
+    // The control API moves with the leader (docs/ha.md), as SINEW_CONTROL_PORT asks.
+    if (const char* port = env("SINEW_CONTROL_PORT")) {
+      h.coordinator.controlPort = static_cast<int>(parseInt("SINEW_CONTROL_PORT", port, 0, 65535));
+    }
+    if (const char* host = env("SINEW_CONTROL_HOST")) h.coordinator.controlHost = host;
     if (const char* ttl = env("SINEW_HA_LEASE_TTL_S")) {
       h.leaseTtlSeconds = parseInt("SINEW_HA_LEASE_TTL_S", ttl, 1, 3600);
     }
@@ -305,8 +311,14 @@ std::pair<std::string, std::string> haBootstrap(int rank, int size, const std::s
                                                 uint64_t* token) {
   unsigned long long t = 0;
   if (rank == 0) {
-    std::random_device rd;
-    t = ((static_cast<unsigned long long>(rd()) << 32) ^ rd()) | 1;
+    // SINEW_TOKEN, when given, is the job's token (a scheduler that set it can then use the
+    // control API, which takes the token as its bearer token); otherwise rank 0 draws one.
+    if (const char* given = env("SINEW_TOKEN")) {
+      t = parseToken(given);
+    } else {
+      std::random_device rd;
+      t = ((static_cast<unsigned long long>(rd()) << 32) ^ rd()) | 1;
+    }
   }
   MPI_Bcast(&t, 1, MPI_UNSIGNED_LONG_LONG, 0, MPI_COMM_WORLD);
   *token = t;

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "fs_support.h"
+
 namespace sinew {
 namespace testing {
 
@@ -24,10 +26,7 @@ inline std::string tempDir(const std::string& name) {
   return d;
 }
 
-inline void removeTree(const std::string& dir) {
-  std::string cmd = "rm -rf '" + dir + "'";
-  if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "could not remove %s\n", dir.c_str());
-}
+// removeTree() comes from fs_support.h.
 
 struct ToolRun {
   int status = -1;  // Exit status; -1 if it did not exit normally.

@@ -7,6 +7,12 @@
 //   SINEW_TOKEN=<hex> sinew-coordinator --etcd host:port[,...] --job NAME --workers N
 //       [--host ADDR] [--name NAME] [--lease-ttl-s S] [--takeover-wait-ms MS]
 //       [--heartbeat-ms MS] [--dead-after-ms MS] [--step-deadline-ms MS] [--log-dir DIR]
+//       [--control-port P [--control-host ADDR] [--control-timeout-ms MS]]
+//
+// With --control-port, the candidate serves the control API (docs/control_api.md) while it
+// leads, on that port (0: a free one) of --control-host (default 127.0.0.1), with the job
+// token in hex as the bearer token; the leader key in etcd names it (control_host,
+// control_port), so `sinewctl --etcd EPS --job NAME` finds whichever candidate leads.
 //
 // Exit status: 0 when the job finished, 1 when it failed, 2 for bad arguments.
 
@@ -29,7 +35,8 @@ namespace {
                "sinew-coordinator: %s\nusage: SINEW_TOKEN=<hex> sinew-coordinator --etcd "
                "host:port[,...] --job NAME --workers N [--host ADDR] [--name NAME]\n"
                "       [--lease-ttl-s S] [--takeover-wait-ms MS] [--heartbeat-ms MS] "
-               "[--dead-after-ms MS] [--step-deadline-ms MS] [--log-dir DIR]\n",
+               "[--dead-after-ms MS] [--step-deadline-ms MS] [--log-dir DIR]\n"
+               "       [--control-port P [--control-host ADDR] [--control-timeout-ms MS]]\n",
                error.c_str());
   std::exit(2);
 }
@@ -48,7 +55,8 @@ int main(int argc, char** argv) {
                "sinew-coordinator");
   std::string etcd, job, workers, host = "127.0.0.1", name, ttl = "2", takeover = "3000",
                                   heartbeat = "100", deadAfter = "1000", stepDeadline = "3000",
-                                  logDir;
+                                  logDir, controlPort, controlHost = "127.0.0.1",
+                                  controlTimeout = "10000";
   app.add_option("--etcd", etcd, "etcd client endpoints, host:port[,host:port...]")
       ->type_name("EPS");
   app.add_option("--job", job, "the job's name: its keys are under /sinew/<job>/")
@@ -71,6 +79,15 @@ int main(int argc, char** argv) {
       ->type_name("MS");
   app.add_option("--log-dir", logDir, "append coordinator events to DIR/coordinator-<name>.jsonl")
       ->type_name("DIR");
+  app.add_option("--control-port", controlPort,
+                 "serve the control API on this port while leading (0: a free one; default: off)")
+      ->type_name("P");
+  app.add_option("--control-host", controlHost,
+                 "address of the control API (default 127.0.0.1; others need a firewall)")
+      ->type_name("ADDR");
+  app.add_option("--control-timeout-ms", controlTimeout,
+                 "a control request must arrive within this (default 10000)")
+      ->type_name("MS");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -105,6 +122,12 @@ int main(int argc, char** argv) {
     c.deadAfter = std::chrono::milliseconds(number("--dead-after-ms", deadAfter, 2, 1 << 30));
     c.progressFloor =
         std::chrono::milliseconds(number("--step-deadline-ms", stepDeadline, 0, 1 << 30));
+    if (!controlPort.empty()) {
+      c.controlPort = static_cast<int>(number("--control-port", controlPort, 0, 65535));
+      c.controlHost = controlHost;
+      c.controlTimeout =
+          std::chrono::milliseconds(number("--control-timeout-ms", controlTimeout, 100, 1 << 30));
+    }
     if (!logDir.empty()) c.eventLogPath = logDir + "/coordinator-" + o.name + ".jsonl";
     return sinew::runtime::runHaCoordinator(o);
   } catch (const sinew::InvalidArgument& e) {

@@ -1,9 +1,12 @@
 // sinewctl: a scheduler's or a person's client of a running job's control API
 // (docs/control_api.md). It finds the API in the job's coordinator.json (sinew-run writes it
-// in its --log-dir; under mpirun, SINEW_LOG_DIR of rank 0) or takes --url and --token, and
-// prints tables for people or the API's JSON with --json.
+// in its --log-dir; under mpirun, SINEW_LOG_DIR of rank 0), in etcd for a high-availability
+// job (the leader key names the serving candidate's control API, docs/ha.md; the token is
+// SINEW_TOKEN's unless --token), or takes --url and --token, and prints tables for people or
+// the API's JSON with --json.
 //
-//   sinewctl [--log-dir DIR | --url URL --token T] [--json] status|scaling|metrics
+//   sinewctl [--log-dir DIR | --etcd EPS --job NAME | --url URL --token T] [--json]
+//            status|scaling|metrics
 //   sinewctl ... resize NODES
 //   sinewctl ... drain (--workers 1,2 | --nodes a,b) --deadline-s T
 //   sinewctl ... checkpoint
@@ -29,10 +32,13 @@
 #include <iostream>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
+
+#include "sinew/collectives/etcd_client.h"
 
 namespace {
 
@@ -79,6 +85,56 @@ Target findTarget(const std::string& logDir, const std::string& url, const std::
   t.host = j.value("control_host", std::string("127.0.0.1"));
   t.port = std::to_string(j.at("control_port").get<int>());
   t.token = token.empty() ? j.value("control_token", std::string()) : token;
+  return t;
+}
+
+// A high-availability job's control API: the one its serving leader names in etcd (waits up to
+// `timeout` for a leader that serves, as one may be taking over).
+Target findLeader(const std::string& endpoints, const std::string& job, const std::string& token,
+                  std::chrono::seconds timeout) {
+  Target t;
+  if (job.empty()) fail(2, "--etcd needs --job");
+  t.token = token;
+  if (t.token.empty()) {
+    // The control API's default token is the job token in hex, as sinew-coordinator prints it.
+    const char* env = std::getenv("SINEW_TOKEN");
+    unsigned long long v = 0;
+    char* end = nullptr;
+    if (env != nullptr && *env != '\0') v = std::strtoull(env, &end, 16);
+    if (v == 0 || end == nullptr || *end != '\0') {
+      fail(2, "--etcd needs --token, or SINEW_TOKEN set to the job token (hexadecimal)");
+    }
+    char hex[32];
+    std::snprintf(hex, sizeof(hex), "%llx", v);
+    t.token = hex;
+  }
+  const std::string key = "/sinew/" + job + "/leader";
+  json leader;
+  try {
+    sinew::collectives::EtcdOptions o;
+    o.endpoints = sinew::collectives::parseEtcdEndpoints(endpoints, "--etcd");
+    o.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(timeout);
+    sinew::collectives::EtcdClient etcd(o);
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (true) {
+      auto kv = etcd.get(key);
+      if (kv) leader = json::parse(kv->value, nullptr, false);
+      if (leader.is_object() && leader.contains("port")) break;  // It serves.
+      if (std::chrono::steady_clock::now() >= deadline) {
+        fail(1, "job '" + job + "' has no serving leader in etcd (" + key + ")");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  } catch (const std::exception& e) {
+    fail(1, std::string("cannot read the job's leader from etcd: ") + e.what());
+  }
+  const int port = leader.value("control_port", 0);
+  if (port <= 0) {
+    fail(1, "the leader of job '" + job + "' (" + leader.value("candidate", std::string("?")) +
+                ") serves no control API: start sinew-coordinator with --control-port");
+  }
+  t.host = leader.value("control_host", std::string("127.0.0.1"));
+  t.port = std::to_string(port);
   return t;
 }
 
@@ -251,12 +307,17 @@ int streamEvents(const Target& t, bool asJson, int count) {
 
 int main(int argc, char** argv) {
   CLI::App app("Talks to a running Sinew job's control API (docs/control_api.md).", "sinewctl");
-  std::string logDir, url, token;
+  std::string logDir, url, token, etcdEndpoints, job;
   bool asJson = false;
   int timeoutS = 30;
   app.add_option("--log-dir", logDir, "the job's log directory (holds coordinator.json)");
   app.add_option("--url", url, "http://host:port of the control API (instead of --log-dir)");
-  app.add_option("--token", token, "bearer token (default: coordinator.json's)");
+  app.add_option("--etcd", etcdEndpoints,
+                 "etcd endpoints of a high-availability job (with --job): talk to its leader")
+      ->type_name("EPS");
+  app.add_option("--job", job, "the high-availability job's name (with --etcd)")->type_name("NAME");
+  app.add_option("--token", token,
+                 "bearer token (default: coordinator.json's; with --etcd, SINEW_TOKEN's)");
   app.add_flag("--json", asJson, "print the API's JSON instead of tables");
   app.add_option("--timeout-s", timeoutS, "seconds to wait for an answer (default 30)")
       ->check(CLI::Range(1, 3600));
@@ -288,10 +349,15 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
   }
+  if (!etcdEndpoints.empty() && (!logDir.empty() || !url.empty())) {
+    fail(2, "give one of --log-dir, --etcd and --url");
+  }
   if (drain->parsed() && drainWorkers.empty() && drainNodes.empty()) {
     fail(2, "drain needs --workers or --nodes");
   }
-  const Target t = findTarget(logDir, url, token);
+  const Target t = etcdEndpoints.empty()
+                       ? findTarget(logDir, url, token)
+                       : findLeader(etcdEndpoints, job, token, std::chrono::seconds(timeoutS));
   if (events->parsed()) return streamEvents(t, asJson, count);
   http::verb verb = http::verb::get;
   std::string path, body;

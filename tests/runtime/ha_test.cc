@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "../etcd_support.h"
+#include "../tool_support.h"
 #include "job_support.h"
 #include "sinew/collectives/error.h"
 #include "sinew/collectives/etcd_client.h"
@@ -106,14 +107,32 @@ class HaJobTest : public ::testing::Test {
     }
   }
 
-  void startCoordinators() {
+  void startCoordinators(const std::vector<std::string>& extra = {}) {
     for (int i = 0; i < 3; ++i) {
-      coordinators_.push_back(
-          spawn({SINEW_COORDINATOR_PATH, "--etcd", cluster_->endpoints(), "--job", job_,
-                 "--workers", std::to_string(kWorkers), "--name", "c" + std::to_string(i),
-                 "--lease-ttl-s", std::to_string(kLeaseTtl), "--step-deadline-ms", "10000"},
-                {{"SINEW_TOKEN", token_}}, dir_ + "/coordinator-" + std::to_string(i) + ".log"));
+      std::vector<std::string> argv = {SINEW_COORDINATOR_PATH,
+                                       "--etcd",
+                                       cluster_->endpoints(),
+                                       "--job",
+                                       job_,
+                                       "--workers",
+                                       std::to_string(kWorkers),
+                                       "--name",
+                                       "c" + std::to_string(i),
+                                       "--lease-ttl-s",
+                                       std::to_string(kLeaseTtl),
+                                       "--step-deadline-ms",
+                                       "10000"};
+      argv.insert(argv.end(), extra.begin(), extra.end());
+      coordinators_.push_back(spawn(argv, {{"SINEW_TOKEN", token_}},
+                                    dir_ + "/coordinator-" + std::to_string(i) + ".log"));
     }
+  }
+
+  // sinewctl --etcd ... --job ... <args>, with the job token in SINEW_TOKEN.
+  sinew::testing::ToolRun sinewctl(const std::string& args) {
+    return sinew::testing::runTool(
+        "SINEW_TOKEN=" + token_ + " " + SINEWCTL_PATH,
+        "--etcd " + cluster_->endpoints() + " --job " + job_ + " --timeout-s 20 " + args);
   }
 
   // train_dp workers, each its own node, every step slowed by `stepMs` so that faults land
@@ -252,11 +271,43 @@ TEST_F(HaJobTest, LeaderKilledMidStep) {
   startCoordinators();
   startWorkers(160);
   ASSERT_TRUE(waitCommitted(40, 120s));
+  // Candidates started without --control-port serve no control API, and sinewctl says so.
+  auto ctl = sinewctl("status");
+  EXPECT_EQ(ctl.status, 1) << ctl.out;
+  EXPECT_NE(ctl.out.find("serves no control API"), std::string::npos) << ctl.out;
   const double failover = killLeaderAndTimeFailover();
   EXPECT_LT(failover, 3.0 * kLeaseTtl + 5.0);
   expectExact({});
   auto st = readJson("state");
   EXPECT_GE(st->value("epoch", 0), 1) << "the new leader starts a new epoch";
+}
+
+// The control API moves with the leader (docs/ha.md): every candidate serves it on a free port
+// while it leads, the leader key names it, and sinewctl finds it through etcd before and after
+// a failover; the new leader refuses a wrong token as the old one did.
+TEST_F(HaJobTest, ControlApiMovesWithTheLeader) {
+  startCoordinators({"--control-port", "0"});
+  startWorkers(160);
+  ASSERT_TRUE(waitCommitted(20, 120s));
+  auto before = sinewctl("--json status");
+  ASSERT_EQ(before.status, 0) << before.out;
+  json s = json::parse(before.out, nullptr, false);
+  ASSERT_TRUE(s.is_object()) << before.out;
+  EXPECT_GE(s.value("step", int64_t(0)), 20) << before.out;
+  EXPECT_EQ(s.value("nodes", 0), kWorkers) << before.out;
+  const int64_t epochBefore = s.value("epoch", int64_t(-1));
+  killLeaderAndTimeFailover();
+  ASSERT_TRUE(waitCommitted(committed() + 2, 60s));
+  auto after = sinewctl("--json status");
+  ASSERT_EQ(after.status, 0) << after.out;
+  json s2 = json::parse(after.out, nullptr, false);
+  ASSERT_TRUE(s2.is_object()) << after.out;
+  EXPECT_GT(s2.value("epoch", int64_t(-1)), epochBefore) << after.out;
+  EXPECT_GT(s2.value("step", int64_t(0)), s.value("step", int64_t(0))) << after.out;
+  auto wrongToken = sinewctl("--token 1234 status");
+  EXPECT_EQ(wrongToken.status, 1) << wrongToken.out;
+  EXPECT_NE(wrongToken.out.find("answered 401"), std::string::npos) << wrongToken.out;
+  expectExact({});
 }
 
 TEST_F(HaJobTest, LeaderKilledWithAWorker) {
@@ -365,13 +416,32 @@ void killNodeUnderMpirun(bool leadersNode) {
   if (sinew::testing::etcdPath().empty()) GTEST_SKIP() << "etcd is not installed";
   const std::string dir = sinew::testing::logDir(leadersNode ? "ha-mpirun-leader" : "ha-mpirun-0");
   ASSERT_EQ(std::system(("mkdir -p '" + dir + "'").c_str()), 0);
-  auto child = sinew::testing::start(
-      {MPIEXEC_PATH, "--allow-run-as-root", "--oversubscribe", "--enable-recovery", "-np", "4",
-       "-x", "SINEW_NODE=node{rank}", "-x", "SINEW_HA=1", "-x", "SINEW_LOG_DIR=" + dir, "-x",
-       "SINEW_INJECT=slow:worker=*:ms=25", TRAIN_DP_PATH, "--steps", "200"},
-      {});
+  auto child = sinew::testing::start({MPIEXEC_PATH,
+                                      "--allow-run-as-root",
+                                      "--oversubscribe",
+                                      "--enable-recovery",
+                                      "-np",
+                                      "4",
+                                      "-x",
+                                      "SINEW_NODE=node{rank}",
+                                      "-x",
+                                      "SINEW_HA=1",
+                                      "-x",
+                                      "SINEW_LOG_DIR=" + dir,
+                                      "-x",
+                                      "SINEW_CONTROL_PORT=0",
+                                      "-x",
+                                      "SINEW_TOKEN=5eedc0de",
+                                      "-x",
+                                      "SINEW_INJECT=slow:worker=*:ms=25",
+                                      TRAIN_DP_PATH,
+                                      "--steps",
+                                      "200"},
+                                     {});
   std::string killed;
   int victim = -1;
+  int controlPort = 0;
+  sinew::testing::ToolRun status;
   std::thread killer([&] {
     const auto deadline = Clock::now() + 120s;
     auto readFile = [&](const std::string& name) -> std::optional<json> {
@@ -396,6 +466,14 @@ void killNodeUnderMpirun(bool leadersNode) {
       std::this_thread::sleep_for(20ms);
     }
     victim = 0;
+    // The serving leader's control API (SINEW_CONTROL_PORT=0: a free port), found through etcd
+    // and answering with the job token given in SINEW_TOKEN.
+    if (auto kv = etcd.get(prefix + "leader")) {
+      controlPort = json::parse(kv->value).value("control_port", 0);
+    }
+    status = sinew::testing::runTool("SINEW_TOKEN=5eedc0de " SINEWCTL_PATH,
+                                     "--etcd " + any->at("etcd").get<std::string>() + " --job " +
+                                         any->at("job").get<std::string>() + " --json status");
     if (leadersNode) {
       auto kv = etcd.get(prefix + "leader");
       if (!kv) return;
@@ -412,6 +490,9 @@ void killNodeUnderMpirun(bool leadersNode) {
   killer.join();
   SCOPED_TRACE(run.output);
   ASSERT_FALSE(killed.empty()) << "the node's processes were never found";
+  EXPECT_GT(controlPort, 0) << "the leader serves no control API under SINEW_CONTROL_PORT=0";
+  EXPECT_EQ(status.status, 0) << status.out;
+  EXPECT_NE(status.out.find("\"epoch\""), std::string::npos) << status.out;
   std::cout << "killed node " << victim << ": " << killed << std::endl;
   std::istringstream lines(run.output);
   for (std::string line; std::getline(lines, line);) {
