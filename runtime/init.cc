@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <csignal>
 #include <cstdio>
@@ -170,16 +171,15 @@ std::string forkCoordinator(int expected, const InitOptions& o) {
 //
 // 1. Before MPI_Init every rank forks a helper (no MPI, no libtorch threads yet) that waits on
 //    a pipe for what to do.
-// 2. After MPI_Init, rank 0 takes SINEW_TOKEN or draws the job token, and broadcasts it; every rank
-// picks two free
-//    ports on its host and all ranks exchange (node, host, ports) with one allgather: the last
-//    MPI calls.
+// 2. After MPI_Init, rank 0 takes SINEW_TOKEN or draws the job token, draws the job's id, and
+//    broadcasts both; every rank picks two free ports on its host and all ranks exchange
+//    (node, host, ports) with one allgather: the last MPI calls.
 // 3. The lowest rank of each of the first three nodes (fewer if the job has fewer) hosts an
-//    etcd member and a coordinator candidate: its helper starts etcd (data directory on local
-//    disk, under SINEW_ETCD_DIR or /tmp) and then runs the candidate until the job ends; the
+//    etcd member and a coordinator candidate: its helper starts etcd (a new data directory on
+//    local disk, under SINEW_ETCD_DIR or /tmp) and then runs the candidate until the job ends; the
 //    other helpers exit at once.
 // 4. Every worker then runs as with SINEW_ETCD (the members' client endpoints) and
-//    SINEW_JOB (derived from the token).
+//    SINEW_JOB (mpi-<a 40-bit id rank 0 draws with the token>).
 // A node's loss takes its worker, candidate and etcd member: the job keeps its leader and its
 // state while two of the three nodes live.
 
@@ -241,6 +241,7 @@ uint16_t freePort(const std::string& host) {
       std::ofstream f(std::string(dir) + "/ha-" + in.at("name").get<std::string>() + ".json");
       f << nlohmann::json{{"helper_pid", ::getpid()},
                           {"etcd_pid", etcdPid},
+                          {"data_dir", dataDir},
                           {"etcd", in.at("endpoints")},
                           {"job", in.at("job")}}
                .dump()
@@ -309,18 +310,20 @@ std::pair<pid_t, int> forkHaHelper(const InitOptions& o) {
 std::pair<std::string, std::string> haBootstrap(int rank, int size, const std::string& node,
                                                 const std::string& host, int helperFd,
                                                 uint64_t* token) {
-  unsigned long long t = 0;
+  // {token, job id}. SINEW_TOKEN, when given, is the job's token (a scheduler that set it can
+  // then use the control API, which takes the token as its bearer token); otherwise rank 0
+  // draws one. The job id, which names the job in etcd, is drawn apart from the token: the
+  // name is no secret (it is in etcd's keys, logs and files), the token is.
+  unsigned long long drawn[2] = {0, 0};
   if (rank == 0) {
-    // SINEW_TOKEN, when given, is the job's token (a scheduler that set it can then use the
-    // control API, which takes the token as its bearer token); otherwise rank 0 draws one.
-    if (const char* given = env("SINEW_TOKEN")) {
-      t = parseToken(given);
-    } else {
-      std::random_device rd;
-      t = ((static_cast<unsigned long long>(rd()) << 32) ^ rd()) | 1;
-    }
+    std::random_device rd;
+    auto draw = [&rd] { return (static_cast<unsigned long long>(rd()) << 32) ^ rd(); };
+    const char* given = env("SINEW_TOKEN");
+    drawn[0] = given ? parseToken(given) : (draw() | 1);
+    drawn[1] = draw() & 0xffffffffffULL;
   }
-  MPI_Bcast(&t, 1, MPI_UNSIGNED_LONG_LONG, 0, MPI_COMM_WORLD);
+  MPI_Bcast(drawn, 2, MPI_UNSIGNED_LONG_LONG, 0, MPI_COMM_WORLD);
+  const unsigned long long t = drawn[0];
   *token = t;
   HaPeer mine{};
   std::snprintf(mine.node, sizeof(mine.node), "%s", node.c_str());
@@ -338,9 +341,7 @@ std::pair<std::string, std::string> haBootstrap(int rank, int size, const std::s
     hosts.push_back(r);
   }
   char jobHex[32];
-  std::snprintf(
-      jobHex, sizeof(jobHex), "mpi-%llx",
-      static_cast<unsigned long long>(std::hash<unsigned long long>()(t) & 0xffffffffffULL));
+  std::snprintf(jobHex, sizeof(jobHex), "mpi-%llx", drawn[1]);
   const std::string job = jobHex;
   std::string endpoints, cluster;
   for (int r : hosts) {
@@ -353,8 +354,15 @@ std::pair<std::string, std::string> haBootstrap(int rank, int size, const std::s
   if (std::find(hosts.begin(), hosts.end(), rank) != hosts.end()) {
     const char* base = env("SINEW_ETCD_DIR");
     const std::string name = "m" + std::to_string(rank);
-    const std::string dataDir =
-        std::string(base ? base : "/tmp") + "/sinew-etcd-" + job + "-" + name;
+    // A new directory for each launch: a member killed with its node leaves its directory
+    // behind, and a later job with the same token (so the same name) must not start from it.
+    std::string pattern =
+        std::string(base ? base : "/tmp") + "/sinew-etcd-" + job + "-" + name + "-XXXXXX";
+    if (::mkdtemp(pattern.data()) == nullptr) {
+      SINEW_THROW(IoError, "cannot create the etcd member's data directory ", pattern, ": ",
+                  std::strerror(errno));
+    }
+    const std::string dataDir = pattern;
     const std::string clientUrl = "http://" + host + ":" + std::to_string(mine.client);
     const std::string peerUrl = "http://" + host + ":" + std::to_string(mine.peer);
     out = {{"run", true},

@@ -442,6 +442,10 @@ void killNodeUnderMpirun(bool leadersNode) {
   if (sinew::testing::etcdPath().empty()) GTEST_SKIP() << "etcd is not installed";
   const std::string dir = sinew::testing::logDir(leadersNode ? "ha-mpirun-leader" : "ha-mpirun-0");
   ASSERT_EQ(std::system(("mkdir -p '" + dir + "'").c_str()), 0);
+  // Both cases give the same SINEW_TOKEN. Neither the job's name nor its etcd directories may
+  // follow from it: the name is public (and was the token's low 40 bits), and when it followed
+  // from the token, the etcd member killed with its node in the first case left its data
+  // directory for the second to reuse, and that job failed.
   auto child = sinew::testing::start({MPIEXEC_PATH,
                                       "--allow-run-as-root",
                                       "--oversubscribe",
@@ -467,6 +471,7 @@ void killNodeUnderMpirun(bool leadersNode) {
   std::string killed;
   int victim = -1;
   int controlPort = 0;
+  std::string jobName, victimDataDir;
   sinew::testing::ToolRun status;
   std::thread killer([&] {
     const auto deadline = Clock::now() + 120s;
@@ -483,6 +488,7 @@ void killNodeUnderMpirun(bool leadersNode) {
     o.endpoints = sinew::collectives::parseEtcdEndpoints(any->at("etcd"), "test");
     EtcdClient etcd(o);
     const std::string prefix = "/sinew/" + any->at("job").get<std::string>() + "/";
+    jobName = any->at("job").get<std::string>();
     while (Clock::now() < deadline) {
       try {
         auto kv = etcd.get(prefix + "state");
@@ -510,13 +516,17 @@ void killNodeUnderMpirun(bool leadersNode) {
     if (!rank || !member) return;
     for (const char* key : {"pid", "helper_pid"}) ::kill(rank->at(key).get<pid_t>(), SIGKILL);
     ::kill(member->at("etcd_pid").get<pid_t>(), SIGKILL);
+    victimDataDir = member->value("data_dir", std::string());
     killed = rank->dump() + " " + member->dump();
   });
   auto run = sinew::testing::finish(child, 300s);
   killer.join();
+  // The killed member's helper could not remove its etcd data; the others removed theirs.
+  if (!victimDataDir.empty()) sinew::testing::removeTree(victimDataDir);
   SCOPED_TRACE(run.output);
   ASSERT_FALSE(killed.empty()) << "the node's processes were never found";
   EXPECT_GT(controlPort, 0) << "the leader serves no control API under SINEW_CONTROL_PORT=0";
+  EXPECT_EQ(jobName.find("5eedc0de"), std::string::npos) << "the job's name shows its token";
   EXPECT_EQ(status.status, 0) << status.out;
   EXPECT_NE(status.out.find("\"epoch\""), std::string::npos) << status.out;
   std::cout << "killed node " << victim << ": " << killed << std::endl;
