@@ -237,6 +237,38 @@ TEST(ControlApiTest, PrometheusCheckerCatchesBrokenText) {
 }
 
 // ---- Whole jobs, over HTTP -------------------------------------------------------------------
+// sinewctl's way to an HA job's leader (--etcd, --job): bad arguments are refused with exit 2
+// and a message naming them before anything is sent, and an etcd that does not answer is an
+// error within --timeout-s, not a hang.
+TEST(SinewctlTest, EtcdArgumentsAreCheckedAndAnUnreachableEtcdIsAnError) {
+  auto ctl = [](const std::vector<std::string>& env, const std::vector<std::string>& args) {
+    std::vector<std::string> argv = {"/usr/bin/env", "-u", "SINEW_TOKEN"};
+    argv.insert(argv.end(), env.begin(), env.end());
+    argv.push_back(SINEWCTL_PATH);
+    argv.insert(argv.end(), args.begin(), args.end());
+    return finish(start(argv, {}), 60s);
+  };
+  JobRun r = ctl({}, {"--etcd", "127.0.0.1:1", "status"});
+  EXPECT_EQ(r.exitCode, 2) << r.output;
+  EXPECT_NE(r.output.find("--etcd needs --job"), std::string::npos) << r.output;
+  r = ctl({}, {"--etcd", "127.0.0.1:1", "--job", "j", "status"});
+  EXPECT_EQ(r.exitCode, 2) << r.output;
+  EXPECT_NE(r.output.find("SINEW_TOKEN set to the job token"), std::string::npos) << r.output;
+  r = ctl({"SINEW_TOKEN=not-hex"}, {"--etcd", "127.0.0.1:1", "--job", "j", "status"});
+  EXPECT_EQ(r.exitCode, 2) << r.output;
+  r = ctl({}, {"--etcd", "127.0.0.1:1", "--job", "j", "--url", "http://127.0.0.1:1", "--token",
+               "5eed", "status"});
+  EXPECT_EQ(r.exitCode, 2) << r.output;
+  EXPECT_NE(r.output.find("give one of --log-dir, --etcd and --url"), std::string::npos)
+      << r.output;
+  const auto t0 = Clock::now();
+  r = ctl({"SINEW_TOKEN=5eed"},
+          {"--etcd", "127.0.0.1:1", "--job", "j", "--timeout-s", "1", "status"});
+  EXPECT_EQ(r.exitCode, 1) << r.output;
+  EXPECT_NE(r.output.find("cannot read the job's leader from etcd"), std::string::npos) << r.output;
+  EXPECT_LT(Clock::now() - t0, 20s);
+}
+
 #ifdef CURL_PATH
 
 struct Http {
