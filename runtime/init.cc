@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <charconv>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -59,13 +58,20 @@ int64_t parseInt(const char* name, const std::string& v, int64_t min = 0,
 }
 
 uint64_t parseToken(const std::string& v) {
-  uint64_t x = 0;
-  const char* end = v.data() + v.size();
-  auto r = std::from_chars(v.data(), end, x, 16);
-  if (v.empty() || r.ec != std::errc() || r.ptr != end || x == 0) {
+  auto x = ::sinew::detail::tryParseToken(v);
+  if (!x) {
     SINEW_THROW(InvalidArgument, "SINEW_TOKEN='", v, "' is not a non-zero hexadecimal job token");
   }
-  return x;
+  return *x;
+}
+
+// The control API's address from SINEW_CONTROL_PORT (0: a free port) and SINEW_CONTROL_HOST
+// (docs/control_api.md), for the built-in coordinator and for HA mode's candidates alike.
+void controlApiFromEnv(CoordinatorOptions& c) {
+  if (const char* port = env("SINEW_CONTROL_PORT")) {
+    c.controlPort = static_cast<int>(parseInt("SINEW_CONTROL_PORT", port, 0, 65535));
+  }
+  if (const char* host = env("SINEW_CONTROL_HOST")) c.controlHost = host;
 }
 
 // "host:port" -> (host, port).
@@ -125,11 +131,7 @@ std::string forkCoordinator(int expected, const InitOptions& o) {
       if (const char* dir = env("SINEW_LOG_DIR")) {
         c.eventLogPath = std::string(dir) + "/coordinator-events.jsonl";
       }
-      // The control API (docs/control_api.md): SINEW_CONTROL_PORT=0 picks a free port.
-      if (const char* port = env("SINEW_CONTROL_PORT")) {
-        c.controlPort = static_cast<int>(parseInt("SINEW_CONTROL_PORT", port, 0, 65535));
-      }
-      if (const char* h = env("SINEW_CONTROL_HOST")) c.controlHost = h;
+      controlApiFromEnv(c);
       Coordinator coord(c);
       if (const char* dir = env("SINEW_LOG_DIR")) {
         runtime::writeCoordinatorJson(coord, std::string(dir) + "/coordinator.json");
@@ -259,11 +261,7 @@ uint16_t freePort(const std::string& host) {
     h.coordinator.deadAfter = o.deadAfter;
     h.coordinator.progressFloor = o.stepDeadlineFloor;
     h.coordinator.progressFactor = o.stepDeadlineFactor;
-    // The control API moves with the leader (docs/ha.md), as SINEW_CONTROL_PORT asks.
-    if (const char* port = env("SINEW_CONTROL_PORT")) {
-      h.coordinator.controlPort = static_cast<int>(parseInt("SINEW_CONTROL_PORT", port, 0, 65535));
-    }
-    if (const char* host = env("SINEW_CONTROL_HOST")) h.coordinator.controlHost = host;
+    controlApiFromEnv(h.coordinator);  // The control API moves with the leader (docs/ha.md).
     if (const char* ttl = env("SINEW_HA_LEASE_TTL_S")) {
       h.leaseTtlSeconds = parseInt("SINEW_HA_LEASE_TTL_S", ttl, 1, 3600);
     }

@@ -18,7 +18,6 @@
 
 #include <unistd.h>
 
-#include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -99,12 +98,10 @@ int main(int argc, char** argv) {
   if (workers.empty()) usage("--workers is required");
   const char* token = std::getenv("SINEW_TOKEN");
   if (token == nullptr || *token == '\0') usage("SINEW_TOKEN (the job token, hex) is not set");
-  uint64_t t = 0;
   const std::string ts(token);
-  auto r = std::from_chars(ts.data(), ts.data() + ts.size(), t, 16);
-  if (r.ec != std::errc() || r.ptr != ts.data() + ts.size() || t == 0) {
-    usage("SINEW_TOKEN='" + ts + "' is not a non-zero hexadecimal job token");
-  }
+  const auto parsed = sinew::detail::tryParseToken(ts);
+  if (!parsed) usage("SINEW_TOKEN='" + ts + "' is not a non-zero hexadecimal job token");
+  const uint64_t t = *parsed;
   try {
     sinew::runtime::HaCoordinatorOptions o;
     o.etcd.endpoints = sinew::collectives::parseEtcdEndpoints(etcd, "--etcd");

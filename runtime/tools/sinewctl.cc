@@ -38,6 +38,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "sinew/collectives/detail/parse.h"
 #include "sinew/collectives/etcd_client.h"
 
 namespace {
@@ -98,14 +99,10 @@ Target findLeader(const std::string& endpoints, const std::string& job, const st
   if (t.token.empty()) {
     // The control API's default token is the job token in hex, as sinew-coordinator prints it.
     const char* env = std::getenv("SINEW_TOKEN");
-    unsigned long long v = 0;
-    char* end = nullptr;
-    if (env != nullptr && *env != '\0') v = std::strtoull(env, &end, 16);
-    if (v == 0 || end == nullptr || *end != '\0') {
-      fail(2, "--etcd needs --token, or SINEW_TOKEN set to the job token (hexadecimal)");
-    }
+    const auto v = sinew::detail::tryParseToken(env ? env : "");
+    if (!v) fail(2, "--etcd needs --token, or SINEW_TOKEN set to the job token (hexadecimal)");
     char hex[32];
-    std::snprintf(hex, sizeof(hex), "%llx", v);
+    std::snprintf(hex, sizeof(hex), "%llx", static_cast<unsigned long long>(*v));
     t.token = hex;
   }
   const std::string key = "/sinew/" + job + "/leader";

@@ -438,6 +438,9 @@ namespace {
 // worker, its candidate and its etcd member) is SIGKILLed mid-job: node 0, or the node of the
 // leader (which candidate wins is a race, so node 0 may or may not host it). The job runs to
 // the end, exact.
+// The job token the mpirun tests give (SINEW_TOKEN).
+constexpr const char* kMpirunToken = "5eedc0de";
+
 void killNodeUnderMpirun(bool leadersNode) {
   if (sinew::testing::etcdPath().empty()) GTEST_SKIP() << "etcd is not installed";
   const std::string dir = sinew::testing::logDir(leadersNode ? "ha-mpirun-leader" : "ha-mpirun-0");
@@ -461,7 +464,7 @@ void killNodeUnderMpirun(bool leadersNode) {
                                       "-x",
                                       "SINEW_CONTROL_PORT=0",
                                       "-x",
-                                      "SINEW_TOKEN=5eedc0de",
+                                      std::string("SINEW_TOKEN=") + kMpirunToken,
                                       "-x",
                                       "SINEW_INJECT=slow:worker=*:ms=25",
                                       TRAIN_DP_PATH,
@@ -487,8 +490,8 @@ void killNodeUnderMpirun(bool leadersNode) {
     auto o = sinew::collectives::EtcdOptions();
     o.endpoints = sinew::collectives::parseEtcdEndpoints(any->at("etcd"), "test");
     EtcdClient etcd(o);
-    const std::string prefix = "/sinew/" + any->at("job").get<std::string>() + "/";
     jobName = any->at("job").get<std::string>();
+    const std::string prefix = "/sinew/" + jobName + "/";
     while (Clock::now() < deadline) {
       try {
         auto kv = etcd.get(prefix + "state");
@@ -500,16 +503,15 @@ void killNodeUnderMpirun(bool leadersNode) {
     victim = 0;
     // The serving leader's control API (SINEW_CONTROL_PORT=0: a free port), found through etcd
     // and answering with the job token given in SINEW_TOKEN.
-    if (auto kv = etcd.get(prefix + "leader")) {
-      controlPort = json::parse(kv->value).value("control_port", 0);
-    }
-    status = sinew::testing::runTool("SINEW_TOKEN=5eedc0de " SINEWCTL_PATH,
-                                     "--etcd " + any->at("etcd").get<std::string>() + " --job " +
-                                         any->at("job").get<std::string>() + " --json status");
+    auto leaderKv = etcd.get(prefix + "leader");
+    const json leader = leaderKv ? json::parse(leaderKv->value) : json::object();
+    controlPort = leader.value("control_port", 0);
+    status = sinew::testing::runTool(
+        std::string("SINEW_TOKEN=") + kMpirunToken + " " + SINEWCTL_PATH,
+        "--etcd " + any->at("etcd").get<std::string>() + " --job " + jobName + " --json status");
     if (leadersNode) {
-      auto kv = etcd.get(prefix + "leader");
-      if (!kv) return;
-      victim = std::stoi(json::parse(kv->value).value("candidate", std::string("m0")).substr(1));
+      if (!leaderKv) return;
+      victim = std::stoi(leader.value("candidate", std::string("m0")).substr(1));
     }
     auto rank = readFile("ha-rank-" + std::to_string(victim) + ".json");
     auto member = readFile("ha-m" + std::to_string(victim) + ".json");
@@ -526,7 +528,7 @@ void killNodeUnderMpirun(bool leadersNode) {
   SCOPED_TRACE(run.output);
   ASSERT_FALSE(killed.empty()) << "the node's processes were never found";
   EXPECT_GT(controlPort, 0) << "the leader serves no control API under SINEW_CONTROL_PORT=0";
-  EXPECT_EQ(jobName.find("5eedc0de"), std::string::npos) << "the job's name shows its token";
+  EXPECT_EQ(jobName.find(kMpirunToken), std::string::npos) << "the job's name shows its token";
   EXPECT_EQ(status.status, 0) << status.out;
   EXPECT_NE(status.out.find("\"epoch\""), std::string::npos) << status.out;
   std::cout << "killed node " << victim << ": " << killed << std::endl;
