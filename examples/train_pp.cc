@@ -5,7 +5,12 @@
 //   sinew-run -n 6 build/examples/train_pp
 //
 // Each worker may use 2 MB (--memory-bytes) and the model needs 2.5 MB for its parameters and
-// Adam state alone, so no worker can hold it: the job trains as pipelines of 2-3 stages.
+// Adam state alone, so no worker can hold it: the job trains as pipelines. Consecutive workers
+// form nodes of two (--devices-per-node 2), as on a cluster of two-GPU nodes: a node is what
+// the planner places and what fails, and a stage may run on both of a node's workers, each
+// taking half of every microbatch. Under `sinew-run -n 6` the three nodes run two pipelines
+// (fault tolerance 1), one of two nodes and one of one, the global batch split between them
+// by their speed. --devices-per-node 1 makes every worker a node (three 2-stage pipelines).
 //
 // Each sequence counts up from a random token by a stride of 1, 2 or 3 (mod the vocabulary);
 // the model learns to continue it, which needs attention to the previous tokens. Inputs and
@@ -51,6 +56,8 @@ struct Args : sinew_example::CommonArgs {
   // A worker may use 2 MB for its layers: the model's parameters and Adam state alone are
   // 2.5 MB, so no worker can hold it and the job trains as pipelines (0: unlimited).
   int64_t memoryBytes = 2000000;
+  // Workers per node: 2, as on a cluster of two-GPU nodes (see the comment at the top).
+  int devicesPerNode = 2;
 
   Args() {
     steps = 40;
@@ -66,7 +73,7 @@ Args parse(int argc, char** argv) {
     std::fprintf(stderr,
                  "train_pp: %s\nusage: train_pp %s [--blocks N] [--fault-tolerance F] "
                  "[--profile FILE] [--memory-bytes M] [--peer-checkpoint-every K] [--replicas M] "
-                 "[--max-workers W] [--width D] [--data-parallel]\n",
+                 "[--max-workers W] [--width D] [--devices-per-node G] [--data-parallel]\n",
                  error.c_str(), sinew_example::kCommonUsage);
   });
   while (r.next()) {
@@ -90,12 +97,15 @@ Args parse(int argc, char** argv) {
       a.maxWorkers = r.integer(1 << 20);
     } else if (s == "--width") {
       a.width = r.integer(4096);
+    } else if (s == "--devices-per-node") {
+      a.devicesPerNode = static_cast<int>(r.integer(4096));
     } else {
       r.fail("unknown argument '" + s + "'");
     }
   }
   sinew_example::checkCommon(r, a);
   if (a.blocks < 1) r.fail("--blocks must be at least 1");
+  if (a.devicesPerNode < 1) r.fail("--devices-per-node must be at least 1");
   if (a.width < 4 || a.width % 4 != 0) r.fail("--width must be a positive multiple of 4");
   return a;
 }
@@ -210,6 +220,7 @@ int main(int argc, char** argv) {
   o.maxWorkers = a.maxWorkers;
   o.profilePath = a.profile;
   o.deviceMemoryBytes = a.memoryBytes;
+  o.devicesPerNode = a.devicesPerNode;
   sinew::ModelSpec spec = model(a);
   sinew::TrainResult r;
   std::unique_ptr<sinew::Trainer> trainer;

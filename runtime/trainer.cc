@@ -321,6 +321,10 @@ class Trainer::Impl {
         SINEW_THROW(InvalidArgument, "TrainerOptions::deviceMemoryBytes = ", o_.deviceMemoryBytes,
                     " must be >= 0 (0: unlimited)");
       }
+      if (o_.devicesPerNode < 1 || o_.devicesPerNode > 4096) {
+        SINEW_THROW(InvalidArgument, "TrainerOptions::devicesPerNode = ", o_.devicesPerNode,
+                    " must be in [1, 4096]");
+      }
       if (o_.maxWorkers < 0 || o_.maxWorkers > (1 << 20)) {
         SINEW_THROW(InvalidArgument, "TrainerOptions::maxWorkers = ", o_.maxWorkers,
                     " must be in [0, 2^20] (0: SINEW_MAX_WORKERS, else twice the start)");
@@ -333,6 +337,10 @@ class Trainer::Impl {
       if (!o_.profilePath.empty()) {
         profile_ = pipeline::loadProfile(o_.profilePath);
         checkProfile("TrainerOptions::profilePath = '" + o_.profilePath + "'");
+      } else if (o_.devicesPerNode > o_.microbatch) {
+        SINEW_THROW(InvalidArgument, "TrainerOptions::devicesPerNode = ", o_.devicesPerNode,
+                    " is more than microbatch = ", o_.microbatch,
+                    ": a stage as wide as a node could not give every worker a sample");
       }
     } else {
       model_->to(device_);
@@ -1002,9 +1010,13 @@ class Trainer::Impl {
     }
     auto indices = globalBatchIndices(o_.seed, 0, o_.globalBatch, spec_.datasetSize);
     pipeline::ProfilerOptions po;
-    po.job.devices_per_node = 1;
+    po.job.devices_per_node = o_.devicesPerNode;
     po.job.device_memory_bytes = o_.deviceMemoryBytes > 0 ? o_.deviceMemoryBytes : int64_t{1} << 50;
     po.job.inter_stage_gbps = 10;  // Loopback TCP between workers of one host.
+    // A stage's in-node allreduce runs over the same loopback TCP (Gloo), with a ring step's
+    // latency of a few tens of microseconds.
+    po.job.allreduce.bandwidth_gbps = 10;
+    po.job.allreduce.latency_us = 50;
     po.microbatch_size = o_.microbatch;
     // Medians over many whole-microbatch runs: a short profile on a busy machine can be off
     // by half, and the plan and its predicted iteration time rest on it.
@@ -1588,9 +1600,13 @@ class Trainer::Impl {
         ps << " w" << w.worker << "[" << spec_.layers[w.firstLayer].name << ".."
            << spec_.layers[w.endLayer - 1].name << "]";
       }
-      pipes.push_back({{"stages", stages}, {"microbatches", plan_.pipelines[p].microbatches}});
-      os << "\n  pipeline " << p << ": " << nstages << " stages, "
-         << plan_.pipelines[p].microbatches << " microbatches:" << ps.str();
+      pipes.push_back({{"nodes", plan_.pipelines[p].nodes},
+                       {"stages", stages},
+                       {"microbatches", plan_.pipelines[p].microbatches}});
+      const int nodes = plan_.pipelines[p].nodes;
+      os << "\n  pipeline " << p << ": " << nodes << (nodes == 1 ? " node, " : " nodes, ")
+         << nstages << " stages, " << plan_.pipelines[p].microbatches
+         << " microbatches:" << ps.str();
     }
     // The cost model's 1F1B time of the slowest pipeline (ticks are 1/G ns, G = 1 here).
     const double predicted =

@@ -219,7 +219,7 @@ JobStats runJob(const std::string& name, const std::vector<std::string>& args, i
   std::string cmd = std::string(SINEW_RUN_PATH) + " -n " + std::to_string(workers) + " --log-dir " +
                     dir + (inject.empty() ? "" : " --inject '" + inject + "'") + " " +
                     TRAIN_PP_PATH + " --steps " + std::to_string(steps) +
-                    " --progress 5 --no-reference";
+                    " --progress 5 --no-reference --devices-per-node 1";
   for (const auto& a : args) cmd += " " + a;
   cmd += " > " + dir + ".out 2>&1";
   if (std::system(cmd.c_str()) != 0) {

@@ -74,9 +74,9 @@ struct Job {
 
   Job(const std::string& dir_, int workers, const std::vector<std::string>& args) : dir(dir_) {
     std::filesystem::create_directories(dir);
-    std::vector<std::string> argv = {SINEW_RUN_PATH, "-n", std::to_string(workers),
-                                     "--log-dir",    dir,  TRAIN_PP_PATH,
-                                     "--progress",   "1",  "--no-reference"};
+    std::vector<std::string> argv = {
+        SINEW_RUN_PATH, "-n", std::to_string(workers), "--log-dir",          dir, TRAIN_PP_PATH,
+        "--progress",   "1",  "--no-reference",        "--devices-per-node", "1"};
     argv.insert(argv.end(), args.begin(), args.end());
     const std::string out = dir + ".out";
     pid = ::fork();

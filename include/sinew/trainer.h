@@ -129,6 +129,11 @@ struct TrainerOptions {
   // For a measured profile: the memory one worker may use for its layers' parameters,
   // optimizer state and activations (0: unlimited). A profile file sets its own.
   int64_t deviceMemoryBytes = 0;
+  // For a measured profile: G, the workers (devices) of one node (a profile file sets its own
+  // devices_per_node). The planner's node k is the members [kG, kG + G) in ascending id order,
+  // a stage may be up to G workers wide, and the planner treats a node as the unit that fails.
+  // In [1, 4096] and at most `microbatch`. 1: every worker is a node of one device.
+  int devicesPerNode = 1;
 };
 
 struct TrainResult {

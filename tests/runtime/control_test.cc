@@ -739,7 +739,7 @@ TEST(ControlJobTest, UnderMpirunTheCoordinatorServesTheApi) {
 TEST(ControlJobTest, PipelineScalingFromTemplates) {
   const std::string dir = logDir("control-pp");
   Child job = start({SINEW_RUN_PATH, "-n", "5", "--log-dir", dir, "--quiet", TRAIN_PP_PATH,
-                     "--steps", "100000", "--no-reference"},
+                     "--devices-per-node", "1", "--steps", "100000", "--no-reference"},
                     {});
   Api api = waitForApi(dir);
   json s =

@@ -70,7 +70,8 @@ TEST(GpuJobTest, PipelinesOnTheGpu) {
   SINEW_REQUIRE_GPU();
   const std::string ckpt = logDir("gpu-pp-ckpt");
   JobRun r = run("gpu-pp", 4, TRAIN_PP_PATH,
-                 {"--device", "cuda", "--checkpoint-dir", ckpt, "--checkpoint-every", "10"});
+                 {"--device", "cuda", "--devices-per-node", "1", "--checkpoint-dir", ckpt,
+                  "--checkpoint-every", "10"});
   SCOPED_TRACE(r.output);
   EXPECT_FALSE(r.timedOut) << "the job hung";
   EXPECT_EQ(r.exitCode, 0);

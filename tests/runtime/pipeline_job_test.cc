@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <future>
@@ -84,16 +85,23 @@ std::vector<WorkerLine> workerLines(const std::string& out) {
   return lines;
 }
 
-// Stage counts of the pipelines of the first plan the job printed.
-std::vector<int> planStages(const std::string& out) {
-  std::regex re("  pipeline (\\d+): (\\d+) stages, (\\d+) microbatches:");
-  std::vector<int> stages;
+// Column `column` (2: nodes, 3: stages, 4: microbatches) of every pipeline of the first plan
+// the job printed ("  pipeline P: N nodes, S stages, M microbatches: ...").
+std::vector<int> planColumn(const std::string& out, int column) {
+  std::regex re("  pipeline (\\d+): (\\d+) nodes?, (\\d+) stages, (\\d+) microbatches:");
+  std::vector<int> values;
   for (std::sregex_iterator it(out.begin(), out.end(), re), end; it != end; ++it) {
-    if (std::stoi((*it)[1]) == 0 && !stages.empty()) break;  // A later epoch's plan.
-    stages.push_back(std::stoi((*it)[2]));
+    if (std::stoi((*it)[1]) == 0 && !values.empty()) break;  // A later epoch's plan.
+    values.push_back(std::stoi((*it)[column]));
   }
-  return stages;
+  return values;
 }
+
+std::vector<int> planStages(const std::string& out) { return planColumn(out, 3); }
+std::vector<int> planNodes(const std::string& out) { return planColumn(out, 2); }
+
+std::map<std::pair<int, int>, std::vector<WorkerLine>> workersByStage(const std::string& out,
+                                                                      size_t workers);
 
 // These jobs test plans, layer movement and rollbacks, not rule 1 of
 // docs/failure_semantics.md (fault_semantics_test and scripts/chaos do): a 10 s step-deadline
@@ -105,11 +113,22 @@ std::vector<int> planStages(const std::string& out) {
 // the launcher killed worker 0 after it printed RESULT and failed the job (seen in the
 // sanitizer CI run). kExitGrace gives the reference room; rule 11 has its own test.
 const char* kExitGrace = "240";
-JobRun trainPp(const std::string& name, int workers, const std::vector<std::string>& args,
-               const std::string& inject = "") {
+JobRun trainPpWith(const std::string& name, int workers, const std::vector<std::string>& args,
+                   const std::string& inject = "") {
   return sinew::testing::runJob(name, workers, TRAIN_PP_PATH, args, inject,
                                 std::chrono::seconds(300),
                                 {"--step-deadline-ms", "10000", "--exit-grace-s", kExitGrace});
+}
+
+// These jobs are written for one worker per node (the trainer's default; train_pp's own is
+// two, see SixWorkersWithNoArgumentsRunPipelinesOfDifferentLengths): unless a test names
+// --devices-per-node, every worker is a node. A profile file sets its own and overrides it.
+JobRun trainPp(const std::string& name, int workers, std::vector<std::string> args,
+               const std::string& inject = "") {
+  if (std::find(args.begin(), args.end(), "--devices-per-node") == args.end()) {
+    args.insert(args.begin(), {"--devices-per-node", "1"});
+  }
+  return trainPpWith(name, workers, args, inject);
 }
 
 void expectMatchesReference(const JobRun& run) {
@@ -151,6 +170,41 @@ TEST(PipelineJobTest, SixWorkersTrainPipelinesOfAModelNoWorkerCanHold) {
   expectMatchesReference(run);
   expectStagesHoldOnlyTheirLayers(workerLines(run.output), 6);
   for (int stages : planStages(run.output)) EXPECT_GE(stages, 2);
+}
+
+// The example as the README runs it: `sinew-run -n 6 train_pp`, no arguments. train_pp's
+// workers form nodes of two (--devices-per-node 2), so the six are three nodes; fault
+// tolerance 1 needs two pipelines and every node is used, so they are a one-node and a
+// two-node pipeline, each cut where no worker exceeds the 2 MB default budget.
+TEST(PipelineJobTest, SixWorkersWithNoArgumentsRunPipelinesOfDifferentLengths) {
+  JobRun run = trainPpWith("pp-defaults", 6, {});
+  SCOPED_TRACE(run.output);
+  expectMatchesReference(run);
+  EXPECT_NE(run.output.find("(3 nodes of 2 workers"), std::string::npos);
+  std::vector<int> nodes = planNodes(run.output);
+  ASSERT_EQ(nodes.size(), 2u);
+  EXPECT_EQ(std::multiset<int>(nodes.begin(), nodes.end()), (std::multiset<int>{1, 2}))
+      << "three nodes, two pipelines: one of two nodes and one of one";
+  for (int stages : planStages(run.output)) EXPECT_GE(stages, 2) << "no worker can hold it";
+  // Every worker holds a stage, and every pipeline's stages cover the model once; a stage
+  // two workers wide gives both the same layers.
+  auto byStage = workersByStage(run.output, 6);
+  std::map<int, int> nextLayer;
+  std::set<int> pipelines;
+  for (const auto& [ps, ws] : byStage) {
+    ASSERT_FALSE(ws.empty());
+    ASSERT_LE(ws.size(), 2u) << "a stage wider than a node";
+    for (const auto& w : ws) {
+      EXPECT_EQ(w.first, ws.front().first) << "worker " << w.worker;
+      EXPECT_EQ(w.last, ws.front().last) << "worker " << w.worker;
+      EXPECT_LT(w.params, kModelParams) << "worker " << w.worker << " holds the whole model";
+    }
+    EXPECT_EQ(ws.front().first, nextLayer[ps.first]) << "pipeline " << ps.first;
+    nextLayer[ps.first] = ws.front().last + 1;
+    pipelines.insert(ps.first);
+  }
+  EXPECT_EQ(pipelines.size(), 2u);
+  for (const auto& [p, next] : nextLayer) EXPECT_EQ(next, 10) << "pipeline " << p;
 }
 
 TEST(PipelineJobTest, FiveWorkersRunPipelinesOfDifferentLengths) {
@@ -519,26 +573,27 @@ TEST(PipelineRecoveryTest, AJoinedWorkerGetsAStage) {
   // Slowed steps keep the job running while the joiner starts.
   // The joiner trains to the same last step: one that stopped earlier would leave the job.
   const char* steps = "120";
-  Child job =
-      start({SINEW_RUN_PATH, "-n", "4", "--log-dir", dir, "--exit-grace-s", kExitGrace, "--inject",
-             "slow:worker=*:ms=50", TRAIN_PP_PATH, "--memory-bytes", kBudget, "--steps", steps},
-            {});
+  Child job = start({SINEW_RUN_PATH, "-n", "4", "--log-dir", dir, "--exit-grace-s", kExitGrace,
+                     "--inject", "slow:worker=*:ms=50", TRAIN_PP_PATH, "--devices-per-node", "1",
+                     "--memory-bytes", kBudget, "--steps", steps},
+                    {});
   // sinew-run's output is read while the joiner runs, so that its pipe never fills.
   auto jobRun = std::async(std::launch::async, [&] { return finish(job, 300s); });
   const auto env = joinerEnv(dir, "joiner");
   ASSERT_FALSE(env.empty()) << "no coordinator.json";
   // (Generous: under ASan the start and the profile take most of a minute.)
   ASSERT_TRUE(waitForLog(dir, "sinew: step 10 ", 240s)) << "the job did not reach step 10";
-  JobRun joined =
-      finish(start({TRAIN_PP_PATH, "--memory-bytes", kBudget, "--steps", steps}, env), 300s);
+  JobRun joined = finish(
+      start({TRAIN_PP_PATH, "--devices-per-node", "1", "--memory-bytes", kBudget, "--steps", steps},
+            env),
+      300s);
   JobRun run = jobRun.get();
   SCOPED_TRACE(run.output + joined.output);
   EXPECT_EQ(joined.exitCode, 0);
   EXPECT_NE(run.output.find("worker 4 (node joiner) asks to join"), std::string::npos);
   expectMatchesReference(run);
   EXPECT_EQ(planStages(run.output), (std::vector<int>{2, 2})) << "the first plan";
-  EXPECT_TRUE(run.output.find("pipeline 0: 3 stages") != std::string::npos ||
-              run.output.find("pipeline 1: 3 stages") != std::string::npos)
+  EXPECT_TRUE(std::regex_search(run.output, std::regex("pipeline [01]: 3 nodes, 3 stages")))
       << "no plan of 3 + 2 stages after the join";
   // Who holds what at the end: the four launched workers and the joiner, every one a stage.
   std::vector<WorkerLine> lines = workerLines(run.output + joined.output);
