@@ -7,8 +7,8 @@
 // Each worker may use 2 MB (--memory-bytes) and the model needs 2.5 MB for its parameters and
 // Adam state alone, so no worker can hold it: the job trains as pipelines. Consecutive workers
 // form nodes of two (--devices-per-node 2), as on a cluster of two-GPU nodes: a node is what
-// the planner places and what fails, and a stage may run on both of a node's workers, each
-// taking half of every microbatch. Under `sinew-run -n 6` the three nodes run two pipelines
+// the planner places, and a stage may run on both of a node's workers, each taking half of
+// every microbatch. Under `sinew-run -n 6` the three nodes run two pipelines
 // (fault tolerance 1), one of two nodes and one of one, the global batch split between them
 // by their speed. --devices-per-node 1 makes every worker a node (three 2-stage pipelines).
 //

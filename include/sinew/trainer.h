@@ -130,8 +130,10 @@ struct TrainerOptions {
   // optimizer state and activations (0: unlimited). A profile file sets its own.
   int64_t deviceMemoryBytes = 0;
   // For a measured profile: G, the workers (devices) of one node (a profile file sets its own
-  // devices_per_node). The planner's node k is the members [kG, kG + G) in ascending id order,
-  // a stage may be up to G workers wide, and the planner treats a node as the unit that fails.
+  // devices_per_node). In every epoch the planner's node k is the epoch's members [kG, kG + G)
+  // in ascending id order (members beyond the last full node stay idle), and a stage may be up
+  // to G workers wide. After a loss the survivors are grouped again in the same way, so a node
+  // may then pair workers that were in different nodes before (docs/pipeline.md, section 1).
   // In [1, 4096] and at most `microbatch`. 1: every worker is a node of one device.
   int devicesPerNode = 1;
 };
