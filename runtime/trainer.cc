@@ -385,6 +385,7 @@ class Trainer::Impl {
   ~Impl() {
     client_.setEpochListener(nullptr);
     gens_.clear();   // Joins their threads (the replication hook uses the injector).
+    stopRetiring();  // Likewise for the engines being destroyed in the background.
     arena_.reset();  // Joins the copy thread, whose completion callback uses ckMu_.
     stopFlushThread();
   }
@@ -2221,11 +2222,54 @@ class Trainer::Impl {
     // Generations older than the newest one with a committed version are never restored.
     for (size_t i = gens_.size(); i-- > 1;) {
       if (gens_[i].engine->committedStep() >= 0) {
+        for (size_t k = 0; k < i; ++k) retire(std::move(gens_[k].engine));
         gens_.erase(gens_.begin(), gens_.begin() + static_cast<std::ptrdiff_t>(i));
         break;
       }
     }
     return taken;
+  }
+
+  // Destroys an engine no longer needed off the training thread. Its destructor joins its
+  // replication thread, which may be waiting up to opTimeout for the acknowledgement of a peer
+  // that was stopped (SIGSTOP) rather than killed and has since been declared dead; on the
+  // training thread that wait held up the step past the step deadline, and the coordinator
+  // expelled this healthy worker too (PipelineRecoveryTest.StoppedReplicaPeerCostsOnlyItself).
+  // The engine's snapshots completed before its generation was dropped.
+  void retire(std::unique_ptr<checkpoint::CheckpointEngine> engine) {
+    if (!engine) return;
+    try {
+      engine->arena().waitComplete();
+    } catch (const std::exception&) {
+      // Its failure was reported when it happened; the engine goes either way.
+    }
+    std::lock_guard<std::mutex> lock(retireMu_);
+    retiring_.push_back(std::move(engine));
+    if (!retireThread_.joinable()) retireThread_ = std::thread([this] { retireLoop(); });
+    retireCv_.notify_all();
+  }
+
+  void retireLoop() {
+    std::unique_lock<std::mutex> lock(retireMu_);
+    for (;;) {
+      retireCv_.wait(lock, [&] { return retireStop_ || !retiring_.empty(); });
+      if (retiring_.empty()) return;  // Stopping, and nothing left.
+      std::unique_ptr<checkpoint::CheckpointEngine> engine = std::move(retiring_.front());
+      retiring_.pop_front();
+      lock.unlock();
+      engine.reset();  // Joins its threads.
+      lock.lock();
+    }
+  }
+
+  // Destroys every retired engine and joins the thread. Idempotent.
+  void stopRetiring() {
+    {
+      std::lock_guard<std::mutex> lock(retireMu_);
+      retireStop_ = true;
+    }
+    retireCv_.notify_all();
+    if (retireThread_.joinable()) retireThread_.join();
   }
 
   // Waits until g's last version committed or was abandoned: this worker's replication of it
@@ -2680,6 +2724,12 @@ class Trainer::Impl {
   int64_t lastSnapshot_ = -1;
   // Peer-RAM versions (pipelines): one engine per epoch that snapshotted, oldest first.
   std::deque<Generation> gens_;
+  // Engines of dropped generations, destroyed on retireThread_ (retire()).
+  std::mutex retireMu_;
+  std::condition_variable retireCv_;
+  std::deque<std::unique_ptr<checkpoint::CheckpointEngine>> retiring_;  // Guarded by retireMu_.
+  bool retireStop_ = false;                                             // Guarded by retireMu_.
+  std::thread retireThread_;
   // Durable checkpoints (the writers only: checkpointWriter()).
   std::unique_ptr<checkpoint::SnapshotArena> arena_;
   std::unique_ptr<checkpoint::CheckpointWriter> writer_;

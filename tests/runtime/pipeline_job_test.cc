@@ -562,6 +562,22 @@ TEST(PipelineRecoveryTest, SigstopPastTheHeartbeatTimeout) {
   EXPECT_NE(run.output.find("worker 3 declared dead"), std::string::npos);
 }
 
+// Worker 3 stops (SIGSTOP) right after its snapshot of step 9, so the peer that replicates
+// its version 9 to worker 3 (its Gemini group partner) waits for an acknowledgement that
+// cannot come until the operation deadline (20 s here). Worker 3 is declared dead, the job
+// reconfigures, and the survivors' next peer-RAM version commits, which drops the old epoch's
+// engine. Dropping it joined that stuck replication thread on the training thread, so the
+// partner made no progress for the rest of the deadline and was expelled as well (seen as
+// "workers lost: [3,2]"). Only the stopped worker may be lost.
+TEST(PipelineRecoveryTest, StoppedReplicaPeerCostsOnlyItself) {
+  JobRun run = trainPp("pp-stop-replica", 6, {"--memory-bytes", kBudget, "--steps", "30"},
+                       "stop:worker=3:step=9:phase=snapshot:secs=30");
+  SCOPED_TRACE(run.output);
+  expectReconfiguredExact(run, "3", 5);
+  EXPECT_EQ(run.output.find("no progress on step"), std::string::npos)
+      << "a survivor was expelled for the stopped worker's stall";
+}
+
 // A worker started with SINEW_COORDINATOR joins a running pipeline job of 4 workers (2 + 2
 // stages). The coordinator planned templates for up to twice the starting workers
 // (TrainerOptions::maxWorkers), so at the next step boundary the 5 workers run as pipelines
