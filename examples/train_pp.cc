@@ -52,6 +52,7 @@ struct Args : sinew_example::CommonArgs {
   int replicas = 2;
   int64_t maxWorkers = 0;
   int64_t width = 32;  // features per token; a multiple of the 4 attention heads
+  bool ragged = false;
   std::string profile;
   // A worker may use 2 MB for its layers: the model's parameters and Adam state alone are
   // 2.5 MB, so no worker can hold it and the job trains as pipelines (0: unlimited).
@@ -73,7 +74,8 @@ Args parse(int argc, char** argv) {
     std::fprintf(stderr,
                  "train_pp: %s\nusage: train_pp %s [--blocks N] [--fault-tolerance F] "
                  "[--profile FILE] [--memory-bytes M] [--peer-checkpoint-every K] [--replicas M] "
-                 "[--max-workers W] [--width D] [--devices-per-node G] [--data-parallel]\n",
+                 "[--max-workers W] [--width D] [--devices-per-node G] [--ragged] "
+                 "[--data-parallel]\n",
                  error.c_str(), sinew_example::kCommonUsage);
   });
   while (r.next()) {
@@ -97,6 +99,8 @@ Args parse(int argc, char** argv) {
       a.maxWorkers = r.integer(1 << 20);
     } else if (s == "--width") {
       a.width = r.integer(4096);
+    } else if (s == "--ragged") {
+      a.ragged = true;
     } else if (s == "--devices-per-node") {
       a.devicesPerNode = static_cast<int>(r.integer(4096));
     } else {
@@ -114,6 +118,9 @@ constexpr int64_t kVocab = 32;
 constexpr int64_t kContext = 16;
 // The model's width (--width; 32 by default). Set once, before any module is built.
 int64_t gEmbed = 32;
+// --ragged: each microbatch keeps only its first kContext - (first token mod 4) positions, so
+// the activations between stages change shape from one microbatch to the next. Set once.
+bool gRagged = false;
 constexpr int64_t kHeads = 4;
 
 // Token and position embeddings: int64 [batch, T] -> [batch, T, E].
@@ -121,7 +128,8 @@ struct EmbedImpl : torch::nn::Module {
   EmbedImpl()
       : tok(register_module("tok", torch::nn::Embedding(kVocab, gEmbed))),
         pos(register_module("pos", torch::nn::Embedding(kContext, gEmbed))) {}
-  at::Tensor forward(const at::Tensor& ids) {
+  at::Tensor forward(at::Tensor ids) {
+    if (gRagged) ids = ids.narrow(1, 0, kContext - ids[0][0].item<int64_t>() % 4);
     at::Tensor positions = at::arange(ids.size(1), ids.options());
     return tok->forward(ids) + pos->forward(positions).unsqueeze(0);
   }
@@ -189,7 +197,9 @@ sinew::ModelSpec model(const Args& a) {
   }
   spec.layers.push_back({"head", [] { return torch::nn::AnyModule(Head()); }});
   spec.loss = [](const at::Tensor& logits, const at::Tensor& target) {
-    return at::cross_entropy_loss(logits.reshape({-1, kVocab}), target.reshape({-1}));
+    // The positions the model kept (all of them unless --ragged).
+    at::Tensor kept = target.narrow(1, 0, logits.size(1));
+    return at::cross_entropy_loss(logits.reshape({-1, kVocab}), kept.reshape({-1}));
   };
   spec.optimizer = sinew_example::optimizer(a);
   spec.dataset = sample;
@@ -204,6 +214,7 @@ std::string paramKey(const std::string& name) { return "train_pp/param/" + name;
 int main(int argc, char** argv) {
   Args a = parse(argc, argv);
   gEmbed = a.width;
+  gRagged = a.ragged;
   at::set_num_threads(1);  // Several workers share a few cores.
   std::unique_ptr<sinew::Context> ctx;
   try {

@@ -1781,6 +1781,26 @@ class Trainer::Impl {
       }
       return sizes;  // dtype code, then the dimensions
     };
+    // Activation shapes (dtype code, then the dimensions) of this step's last microbatch, per
+    // piece: what this stage sent to each worker of the next stage, and what it received from
+    // each worker of the previous one. From the second microbatch of a step on, a receiver
+    // posts the activation's receive with the header's, sized as the last one, and the sender
+    // sends one of exactly that size: the activation itself when its shape is unchanged (the
+    // usual case), else zeros, followed by the activation in an exchange of its own that the
+    // receiver, seeing the new header, matches. Waiting for the header before posting the
+    // activation's receive cost every microbatch a second rendezvous between the stages
+    // (docs/pipeline.md, "A step").
+    std::vector<std::vector<int64_t>> sentShapes, receivedShapes;
+    std::vector<collectives::P2POp> resend;  // activations whose shape changed, sent next
+    auto shapeOf = [](const at::Tensor& t) {
+      std::vector<int64_t> v{static_cast<int64_t>(t.scalar_type())};
+      for (int64_t d = 0; d < t.dim(); ++d) v.push_back(t.size(d));
+      return v;
+    };
+    auto zerosOf = [&](const std::vector<int64_t>& shape) {
+      return at::zeros(std::vector<int64_t>(shape.begin() + 1, shape.end()),
+                       onDevice(static_cast<at::ScalarType>(shape[0])));
+    };
     auto sendForward = [&](const at::Tensor& y, std::vector<collectives::P2POp>& ops) {
       if (lastStage) return;
       at::Tensor data = y.detach().contiguous();
@@ -1789,11 +1809,29 @@ class Trainer::Impl {
                     "' (the last of stage ", s, ") outputs a tensor whose first dimension is not ",
                     "the ", sliceEnd - sliceBegin, " samples it was given");
       }
-      for (const Piece& p : nextPieces) {
+      const bool guessed = !sentShapes.empty();
+      sentShapes.resize(nextPieces.size());
+      for (size_t i = 0; i < nextPieces.size(); ++i) {
+        const Piece& p = nextPieces[i];
         at::Tensor part = rows(data, p);
+        std::vector<int64_t> shape = shapeOf(part);
         ops.push_back(collectives::P2POp::send(header(part), p.rank, kTagHeader));
-        ops.push_back(collectives::P2POp::send(part, p.rank, kTagActivation));
+        if (!guessed || shape == sentShapes[i]) {
+          ops.push_back(collectives::P2POp::send(part, p.rank, kTagActivation));
+        } else {
+          ops.push_back(collectives::P2POp::send(zerosOf(sentShapes[i]), p.rank, kTagActivation));
+          resend.push_back(collectives::P2POp::send(part, p.rank, kTagActivation));
+        }
+        sentShapes[i] = std::move(shape);
       }
+    };
+    // After an exchange with sendForward's operations: the activations that did not have the
+    // shape their receivers expected.
+    auto sendChanged = [&] {
+      if (resend.empty()) return;
+      std::vector<collectives::P2POp> ops;
+      ops.swap(resend);
+      exchange(std::move(ops));
     };
     // After `pre` (sends of the same exchange) completes with the headers' receives.
     auto inputFor = [&](int64_t k, std::vector<collectives::P2POp> pre) -> at::Tensor {
@@ -1802,12 +1840,21 @@ class Trainer::Impl {
         return microbatchData(indices, mine.microbatches[k], sliceBegin, sliceEnd).first;
       }
       std::vector<at::Tensor> headers;
-      for (const Piece& p : prevPieces) {
+      // The pieces' receives sized as the last microbatch's (see sentShapes).
+      std::vector<at::Tensor> guesses;
+      const bool guessed = !receivedShapes.empty();
+      for (size_t i = 0; i < prevPieces.size(); ++i) {
+        const Piece& p = prevPieces[i];
         headers.push_back(at::zeros({2 + kMaxDims}, onDevice(at::kLong)));
         pre.push_back(collectives::P2POp::recv(headers.back(), p.rank, kTagHeader));
+        if (guessed) {
+          guesses.push_back(zerosOf(receivedShapes[i]));
+          pre.push_back(collectives::P2POp::recv(guesses.back(), p.rank, kTagActivation));
+        }
       }
       exchange(std::move(pre));
       std::vector<int64_t> shape;
+      std::vector<std::vector<int64_t>> received;
       for (size_t i = 0; i < prevPieces.size(); ++i) {
         std::vector<int64_t> sizes = fromHeader(headers[i], prevPieces[i]);
         if (i == 0) {
@@ -1818,13 +1865,28 @@ class Trainer::Impl {
           SINEW_THROW(Corruption, "stage ", s, " received activation parts of different types ",
                       "or shapes from the workers of stage ", s - 1);
         }
+        received.push_back(std::move(sizes));
+      }
+      const bool allGuessed =
+          guessed && std::equal(received.begin(), received.end(), receivedShapes.begin());
+      if (allGuessed && prevPieces.size() == 1) {
+        receivedShapes = std::move(received);
+        at::Tensor x = guesses[0];  // One piece: the whole slice, already here.
+        if (at::isFloatingType(x.scalar_type())) x.requires_grad_(true);
+        return x;
       }
       at::Tensor x = at::empty(std::vector<int64_t>(shape.begin() + 1, shape.end()),
                                onDevice(static_cast<at::ScalarType>(shape[0])));
       std::vector<collectives::P2POp> ops;
-      for (const Piece& p : prevPieces) {
-        ops.push_back(collectives::P2POp::recv(rows(x, p), p.rank, kTagActivation));
+      for (size_t i = 0; i < prevPieces.size(); ++i) {
+        const Piece& p = prevPieces[i];
+        if (guessed && received[i] == receivedShapes[i]) {
+          rows(x, p).copy_(guesses[i]);  // It came with the header.
+        } else {
+          ops.push_back(collectives::P2POp::recv(rows(x, p), p.rank, kTagActivation));
+        }
       }
+      receivedShapes = std::move(received);
       exchange(std::move(ops));
       if (at::isFloatingType(x.scalar_type())) x.requires_grad_(true);
       return x;
@@ -1876,6 +1938,7 @@ class Trainer::Impl {
       std::vector<collectives::P2POp> ops;
       sendForward(inFlight.back().y, ops);
       exchange(std::move(ops));
+      sendChanged();
     }
     // Steady state: one forward, one backward.
     at::Tensor x;
@@ -1886,6 +1949,7 @@ class Trainer::Impl {
       sendForward(inFlight.back().y, ops);
       at::Tensor g = gradientFor(inFlight.front(), ops);
       exchange(std::move(ops));
+      sendChanged();
       std::vector<collectives::P2POp> back;
       backward(g, back);
       if (k + 1 < M) {

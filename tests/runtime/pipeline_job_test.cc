@@ -207,6 +207,19 @@ TEST(PipelineJobTest, SixWorkersWithNoArgumentsRunPipelinesOfDifferentLengths) {
   for (const auto& [p, next] : nextLayer) EXPECT_EQ(next, 10) << "pipeline " << p;
 }
 
+// --ragged: every microbatch keeps kContext - (its first token mod 4) positions, so the
+// activation between the stages changes shape from one microbatch to the next. From a step's
+// second microbatch on, a receiver posts the activation's receive with its header, sized as
+// the last one; when the shape changed the sender fills that receive with zeros and sends the
+// activation again in an exchange the receiver matches once it has read the new header. A
+// mismatch there would hang the job, fail it or train on zeros; it ends exact.
+TEST(PipelineJobTest, ActivationsThatChangeShapeBetweenMicrobatches) {
+  JobRun run = trainPp("pp-ragged", 4, {"--memory-bytes", kBudget, "--steps", "30", "--ragged"});
+  SCOPED_TRACE(run.output);
+  expectMatchesReference(run);
+  EXPECT_EQ(planStages(run.output), (std::vector<int>{2, 2}));
+}
+
 TEST(PipelineJobTest, FiveWorkersRunPipelinesOfDifferentLengths) {
   JobRun run = trainPp("pp-five", 5, {"--memory-bytes", kBudget, "--steps", "30"});
   SCOPED_TRACE(run.output);
