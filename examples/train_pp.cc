@@ -110,6 +110,11 @@ Args parse(int argc, char** argv) {
   sinew_example::checkCommon(r, a);
   if (a.blocks < 1) r.fail("--blocks must be at least 1");
   if (a.devicesPerNode < 1) r.fail("--devices-per-node must be at least 1");
+  // A stage wider than one worker splits each microbatch's samples, and each worker would cut
+  // its part to the length of its own first sample, not the microbatch's.
+  if (a.ragged && a.devicesPerNode != 1) {
+    r.fail("--ragged needs stages one worker wide: pass --devices-per-node 1");
+  }
   if (a.width < 4 || a.width % 4 != 0) r.fail("--width must be a positive multiple of 4");
   return a;
 }
@@ -119,7 +124,9 @@ constexpr int64_t kContext = 16;
 // The model's width (--width; 32 by default). Set once, before any module is built.
 int64_t gEmbed = 32;
 // --ragged: each microbatch keeps only its first kContext - (first token mod 4) positions, so
-// the activations between stages change shape from one microbatch to the next. Set once.
+// the activations between stages change shape from one microbatch to the next. Needs stages
+// one worker wide (--devices-per-node 1, and a --profile file with devices_per_node 1): the
+// length follows the microbatch's first sample. Set once.
 bool gRagged = false;
 constexpr int64_t kHeads = 4;
 

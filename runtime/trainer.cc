@@ -1609,7 +1609,7 @@ class Trainer::Impl {
          << nstages << " stages, " << plan_.pipelines[p].microbatches
          << " microbatches:" << ps.str();
     }
-    // The cost model's 1F1B time of the slowest pipeline (ticks are 1/G ns, G = 1 here).
+    // The cost model's 1F1B time of the slowest pipeline (ticks are 1/G ns).
     const double predicted =
         static_cast<double>(plan_.iterationTicks) /
         (1e9 * static_cast<double>(std::max(1, profile_.job.devices_per_node)));
@@ -1848,7 +1848,9 @@ class Trainer::Impl {
         headers.push_back(at::zeros({2 + kMaxDims}, onDevice(at::kLong)));
         pre.push_back(collectives::P2POp::recv(headers.back(), p.rank, kTagHeader));
         if (guessed) {
-          guesses.push_back(zerosOf(receivedShapes[i]));
+          const std::vector<int64_t>& g = receivedShapes[i];
+          guesses.push_back(at::empty(std::vector<int64_t>(g.begin() + 1, g.end()),
+                                      onDevice(static_cast<at::ScalarType>(g[0]))));
           pre.push_back(collectives::P2POp::recv(guesses.back(), p.rank, kTagActivation));
         }
       }
@@ -2286,8 +2288,10 @@ class Trainer::Impl {
     // Generations older than the newest one with a committed version are never restored.
     for (size_t i = gens_.size(); i-- > 1;) {
       if (gens_[i].engine->committedStep() >= 0) {
-        for (size_t k = 0; k < i; ++k) retire(std::move(gens_[k].engine));
+        std::vector<std::unique_ptr<checkpoint::CheckpointEngine>> old;
+        for (size_t k = 0; k < i; ++k) old.push_back(std::move(gens_[k].engine));
         gens_.erase(gens_.begin(), gens_.begin() + static_cast<std::ptrdiff_t>(i));
+        for (auto& e : old) retire(std::move(e));
         break;
       }
     }

@@ -218,6 +218,13 @@ TEST(PipelineJobTest, ActivationsThatChangeShapeBetweenMicrobatches) {
   SCOPED_TRACE(run.output);
   expectMatchesReference(run);
   EXPECT_EQ(planStages(run.output), (std::vector<int>{2, 2}));
+  // With stages two workers wide each worker would cut its half of a microbatch to the length
+  // of its own first sample: refused before the job starts, naming the flag to pass.
+  JobRun wide = finish(start({TRAIN_PP_PATH, "--ragged"}, {}), 60s);
+  EXPECT_EQ(wide.exitCode, 2);
+  EXPECT_NE(wide.output.find("--ragged needs stages one worker wide: pass --devices-per-node 1"),
+            std::string::npos)
+      << wide.output;
 }
 
 TEST(PipelineJobTest, FiveWorkersRunPipelinesOfDifferentLengths) {
