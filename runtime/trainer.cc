@@ -1797,8 +1797,9 @@ class Trainer::Impl {
       for (int64_t d = 0; d < t.dim(); ++d) v.push_back(t.size(d));
       return v;
     };
-    auto zerosOf = [&](const std::vector<int64_t>& shape) {
-      return at::zeros(std::vector<int64_t>(shape.begin() + 1, shape.end()),
+    // An uninitialised tensor of a shape as above.
+    auto emptyOf = [&](const std::vector<int64_t>& shape) {
+      return at::empty(std::vector<int64_t>(shape.begin() + 1, shape.end()),
                        onDevice(static_cast<at::ScalarType>(shape[0])));
     };
     auto sendForward = [&](const at::Tensor& y, std::vector<collectives::P2POp>& ops) {
@@ -1819,7 +1820,8 @@ class Trainer::Impl {
         if (!guessed || shape == sentShapes[i]) {
           ops.push_back(collectives::P2POp::send(part, p.rank, kTagActivation));
         } else {
-          ops.push_back(collectives::P2POp::send(zerosOf(sentShapes[i]), p.rank, kTagActivation));
+          ops.push_back(
+              collectives::P2POp::send(emptyOf(sentShapes[i]).zero_(), p.rank, kTagActivation));
           resend.push_back(collectives::P2POp::send(part, p.rank, kTagActivation));
         }
         sentShapes[i] = std::move(shape);
@@ -1848,9 +1850,7 @@ class Trainer::Impl {
         headers.push_back(at::zeros({2 + kMaxDims}, onDevice(at::kLong)));
         pre.push_back(collectives::P2POp::recv(headers.back(), p.rank, kTagHeader));
         if (guessed) {
-          const std::vector<int64_t>& g = receivedShapes[i];
-          guesses.push_back(at::empty(std::vector<int64_t>(g.begin() + 1, g.end()),
-                                      onDevice(static_cast<at::ScalarType>(g[0]))));
+          guesses.push_back(emptyOf(receivedShapes[i]));
           pre.push_back(collectives::P2POp::recv(guesses.back(), p.rank, kTagActivation));
         }
       }
@@ -1877,8 +1877,7 @@ class Trainer::Impl {
         if (at::isFloatingType(x.scalar_type())) x.requires_grad_(true);
         return x;
       }
-      at::Tensor x = at::empty(std::vector<int64_t>(shape.begin() + 1, shape.end()),
-                               onDevice(static_cast<at::ScalarType>(shape[0])));
+      at::Tensor x = emptyOf(shape);
       std::vector<collectives::P2POp> ops;
       for (size_t i = 0; i < prevPieces.size(); ++i) {
         const Piece& p = prevPieces[i];
