@@ -56,6 +56,9 @@ Profile profileLayers(const std::vector<ProfiledLayer>& layers, const at::Tensor
   if (!input.defined()) {
     SINEW_THROW(InvalidArgument, "profileLayers: input tensor is undefined");
   }
+  if (options.loss && !options.target.defined()) {
+    SINEW_THROW(InvalidArgument, "profileLayers: a loss is given without a target tensor");
+  }
   for (size_t l = 0; l < layers.size(); ++l) {
     if (!layers[l].forward) {
       SINEW_THROW(InvalidArgument, "profileLayers: layers[", l, "] ('", layers[l].name,
@@ -72,36 +75,68 @@ Profile profileLayers(const std::vector<ProfiledLayer>& layers, const at::Tensor
   // and underestimated training by a third (docs/pipeline.md, "Cost model check").
   std::vector<std::vector<int64_t>> fwd(L), bwd(L);
   std::vector<at::Tensor> ins(L), outs(L);
+  auto resetGradients = [&] {
+    for (const ProfiledLayer& layer : layers) {
+      for (const at::Tensor& p : layer.parameters) {
+        if (p.grad().defined()) p.mutable_grad().reset();
+      }
+    }
+  };
   auto failed = [&](size_t l, const std::exception& e) {
+    resetGradients();
     SINEW_THROW(InvalidArgument, "profileLayers: layers[", l, "] ('", layers[l].name,
                 "') failed: ", e.what());
   };
   for (int run = 0; run < options.warmup + options.repeats; ++run) {
     at::Tensor x = input.detach();
+    at::Tensor loss;  // The last layer's, if the options give a loss.
     for (size_t l = 0; l < L; ++l) {
       at::Tensor in = x.detach();
       if (at::isFloatingType(in.scalar_type())) in.requires_grad_(true);
+      auto t0 = Clock::now();
+      at::Tensor y;
       try {
-        auto t0 = Clock::now();
-        at::Tensor y = layers[l].forward(in);
-        synchronize(y);
-        if (run >= options.warmup) fwd[l].push_back(nsSince(t0));
-        ins[l] = in;
-        outs[l] = y;
-        x = y;
+        y = layers[l].forward(in);
       } catch (const std::exception& e) {
         failed(l, e);
       }
+      if (l + 1 == L && options.loss) {
+        try {
+          loss = options.loss(y, options.target);
+        } catch (const std::exception& e) {
+          resetGradients();
+          SINEW_THROW(InvalidArgument, "profileLayers: the loss failed on the output of layers[", l,
+                      "] ('", layers[l].name, "'): ", e.what());
+        }
+        if (!loss.defined() || loss.numel() != 1) {
+          resetGradients();
+          SINEW_THROW(InvalidArgument, "profileLayers: the loss returned ",
+                      loss.defined() ? std::to_string(loss.numel()) + " elements" : "no tensor",
+                      ", not one");
+        }
+        synchronize(loss);
+      } else {
+        synchronize(y);
+      }
+      if (run >= options.warmup) fwd[l].push_back(nsSince(t0));
+      ins[l] = in;
+      outs[l] = y;
+      x = y;
     }
     at::Tensor g;
     for (size_t i = L; i-- > 0;) {
       const at::Tensor& y = outs[i];
+      const bool fromLoss = i + 1 == L && loss.defined() && loss.requires_grad();
       int64_t b_ns = 0;
-      if (y.requires_grad()) {
-        if (!g.defined() || g.sizes() != y.sizes()) g = at::ones_like(y);
+      if (fromLoss || y.requires_grad()) {
+        if (!fromLoss && (!g.defined() || g.sizes() != y.sizes())) g = at::ones_like(y);
         try {
           auto t1 = Clock::now();
-          y.backward(g);
+          if (fromLoss) {
+            loss.backward();
+          } else {
+            y.backward(g);
+          }
           synchronize(ins[i].requires_grad() ? ins[i].grad() : y);
           b_ns = nsSince(t1);
         } catch (const std::exception& e) {
@@ -111,12 +146,8 @@ Profile profileLayers(const std::vector<ProfiledLayer>& layers, const at::Tensor
       if (run >= options.warmup) bwd[i].push_back(b_ns);
       g = ins[i].requires_grad() && ins[i].grad().defined() ? ins[i].grad() : at::Tensor();
     }
-    for (const ProfiledLayer& layer : layers) {
-      for (const at::Tensor& p : layer.parameters) {
-        if (p.grad().defined()) p.mutable_grad().reset();
-      }
-    }
   }
+  resetGradients();
   for (size_t l = 0; l < L; ++l) {
     const ProfiledLayer& layer = layers[l];
     LayerCost c;

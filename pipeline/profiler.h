@@ -12,8 +12,13 @@
 // real step, not cache-hot on its own). Per layer, over `repeats` timed runs after `warmup`
 // untimed ones, the median of:
 //   forward_ns:  y = forward(x), with x requiring grad (if floating point) as in training;
-//   backward_ns: y.backward(g), g the gradient of the next layer's input (ones for the last
-//                layer), i.e. the gradients of x and of every parameter.
+//                for the last layer, with `loss(y, target)` if the options give a loss (the
+//                last stage computes it after its layers);
+//   backward_ns: y.backward(g), g the gradient of the next layer's input (for the last layer
+//                the loss's backward, or ones without a loss), i.e. the gradients of x and of
+//                every parameter.
+// Parameter gradients accumulate over the runs, as over a step's microbatches (every
+// microbatch after a step's first adds to them), and are reset when profiling ends.
 // On a CUDA tensor each timed section ends by reading one element back (a synchronisation).
 // Bytes: param_bytes = sum of the parameters' bytes, optimizer_bytes = optimizer_state_factor
 // x param_bytes, output_bytes = bytes of y, activation_bytes = the layer's own estimate if it
@@ -40,7 +45,7 @@ struct ProfiledLayer {
   // The layer's forward for one microbatch. Must be differentiable in its input and in
   // `parameters`.
   std::function<at::Tensor(const at::Tensor&)> forward;
-  // The tensors the layer trains (requires_grad). Their gradients are reset after each run.
+  // The tensors the layer trains (requires_grad). Their gradients are reset at the end.
   std::vector<at::Tensor> parameters;
   // Bytes kept for backward per microbatch, if the layer knows better than the profiler's
   // estimate (input + output bytes); -1: use the estimate.
@@ -59,11 +64,17 @@ struct ProfilerOptions {
   JobSpec job;
   // Samples per microbatch of `input`, recorded in the profile (0: unknown).
   int64_t microbatch_size = 0;
+  // The training loss of the last layer's output and `target`, a scalar; timed as part of the
+  // last layer. Unset: the last layer's backward starts from ones.
+  std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)> loss;
+  // The microbatch's targets, for `loss`.
+  at::Tensor target;
 };
 
 // Profiles `layers` on the microbatch `input`. Throws sinew::InvalidArgument for no layers, a
 // layer without forward, bad options, or a layer whose forward or backward throws (the message
-// names the layer and its index), and as validateProfile() for the result.
+// names the layer and its index; a loss that throws or does not return a one-element tensor
+// names the loss), and as validateProfile() for the result.
 Profile profileLayers(const std::vector<ProfiledLayer>& layers, const at::Tensor& input,
                       const ProfilerOptions& options);
 

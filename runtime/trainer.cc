@@ -744,7 +744,11 @@ class Trainer::Impl {
       // This stage's mean 1F1B time per step since the last report (forward, backward and
       // the transfers, without the gradient sums and the vote).
       e["schedule_s"] = scheduleSeconds_ / static_cast<double>(stepsSinceReport_);
+      // Of which this stage waited in its sends and receives (the neighbours' compute, the
+      // transfers and their rendezvous).
+      e["schedule_wait_s"] = scheduleWaitSeconds_ / static_cast<double>(stepsSinceReport_);
       scheduleSeconds_ = 0;
+      scheduleWaitSeconds_ = 0;
     }
     lastReport_ = now;
     stepsSinceReport_ = 0;
@@ -1023,7 +1027,11 @@ class Trainer::Impl {
     // by half, and the plan and its predicted iteration time rest on it.
     po.warmup = 3;
     po.repeats = 21;
-    return pipeline::profileLayers(layers, microbatchData(indices, 0).first, po);
+    // The last stage computes the loss after its layers: its time is the last layer's.
+    auto [input, target] = microbatchData(indices, 0);
+    po.loss = [this](const at::Tensor& y, const at::Tensor& t) { return spec_.loss(y, t); };
+    po.target = target;
+    return pipeline::profileLayers(layers, input, po);
   }
 
   // The assignment of this worker in plan_, or null if the plan leaves it idle.
@@ -1579,6 +1587,7 @@ class Trainer::Impl {
     lastReport_ = Clock::now();
     stepsSinceReport_ = 0;
     scheduleSeconds_ = 0;
+    scheduleWaitSeconds_ = 0;
     describePlan();
   }
 
@@ -1738,7 +1747,9 @@ class Trainer::Impl {
       if (ops.empty()) return;
       WaitingOnOthers waiting(client_, step_, &stepWaited_);
       TrainingTraffic traffic(trafficGate());
+      auto t0 = Clock::now();
       comm_->exchange(ops, opTimeout());
+      scheduleWaitSeconds_ += seconds(Clock::now() - t0);
     };
     // The header of an activation: dtype, number of dimensions, dimensions.
     auto header = [&](const at::Tensor& y) {
@@ -2774,7 +2785,8 @@ class Trainer::Impl {
   int64_t validatedStep_ = -1;
   int heldFirst_ = -1;  // The layers this worker holds in pipeline mode, [heldFirst_, heldEnd_).
   int heldEnd_ = -1;
-  double scheduleSeconds_ = 0;  // runSchedule() time since the last progress report.
+  double scheduleSeconds_ = 0;      // runSchedule() time since the last progress report.
+  double scheduleWaitSeconds_ = 0;  // Of which in its exchanges.
   int64_t epoch_ = -1;
   std::vector<int> members_;
   Plan plan_;

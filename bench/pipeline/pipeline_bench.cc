@@ -4,9 +4,13 @@
 //     Communicator::exchange (what the stages use), against the same bytes over a raw
 //     loopback TCP socket. The ratio is raw time / Sinew time, so > 1 means Sinew is faster.
 //  2. The cost model: examples/train_pp as one 2-stage pipeline on 2 workers (memory budget 2 MB,
-//     f = 0) under sinew-run. The measured 1F1B time per step (the slowest stage's mean
+//     f = 0) under sinew-run. The measured 1F1B time per step (the slowest stage's median
 //     `schedule_s`, from the progress events) is compared with the plan's
 //     `predicted_iteration_s`, which the cost model computes from the profile measured at start.
+//     The model describes the pipeline's schedule, so the comparison is on the job without
+//     peer-RAM versions (their replication shares these two cores with the stages; item 4
+//     measures what it costs); the same ratio with them is printed too. The job without them
+//     runs three times, each with its own profile, and the run of the median ratio counts.
 //  3. Pipeline against data parallelism: the same model, the same 2 workers, samples/s of the
 //     pipeline job against a data-parallel job (the model fits one worker there).
 //  4. Peer-RAM versions (Gemini, every step by default; each worker replicates its stage to the
@@ -19,10 +23,12 @@
 //     moving the same bytes, and exchangeInChunks alone on those bytes between two processes.
 //     Ratios are raw TCP time / Sinew time (the goal: >= 0.8); the "all" ratio is the
 //     bytes every receiver of that reconfiguration got over the longest receive time, as a
-//     throughput against one raw TCP stream's.
+//     throughput against one raw TCP stream's. The job runs three times: the largest-copy
+//     ratio is the median run's, the "all" ratio the median of the three.
 //
 // Last line: RESULT pp_iter_vs_model=<measured/predicted> p2p_ratio_vs_tcp=<r> pp_vs_dp=<x>
-//            peer_ram_step_ratio=<with/without> layer_copy_ratio_vs_tcp=<r>
+//            peer_ram_step_ratio=<with/without> pp_iter_vs_model_with_peer_ram=<r>
+//            layer_copy_ratio_vs_tcp=<r>
 //            layer_copy_all_ratio_vs_tcp=<r> chunked_exchange_ratio_vs_tcp=<r>
 
 #include <ftw.h>
@@ -199,6 +205,7 @@ double sinewSeconds(int64_t bytes = kBytes, size_t chunkBytes = 0) {
 struct JobStats {
   double predictedIterationS = 0;
   double measuredIterationS = 0;  // max over stages of the median schedule_s
+  double waitS = 0;               // that stage's median schedule_wait_s
   double samplesPerS = 0;         // median over progress reports, first one skipped
   // The largest layer copy a worker received in a reconfiguration (layers_moved events):
   // its bytes and the wall time of receiving them.
@@ -227,7 +234,7 @@ JobStats runJob(const std::string& name, const std::vector<std::string>& args, i
   }
   JobStats stats;
   std::vector<double> rates;
-  std::map<int, std::vector<double>> schedule;
+  std::map<int, std::vector<double>> schedule, wait;
   for (const auto& entry : std::filesystem::directory_iterator(dir)) {
     const std::string file = entry.path().filename().string();
     if (file.rfind("worker-", 0) != 0 || file.find("-events.jsonl") == std::string::npos) continue;
@@ -261,12 +268,18 @@ JobStats runJob(const std::string& name, const std::vector<std::string>& args, i
       }
       if (e["event"] == "progress" && progress++ > 0) {
         if (e.contains("schedule_s")) schedule[worker].push_back(e["schedule_s"].get<double>());
+        if (e.contains("schedule_wait_s")) {
+          wait[worker].push_back(e["schedule_wait_s"].get<double>());
+        }
         if (worker == 0) rates.push_back(e["samples_per_s"].get<double>());
       }
     }
   }
   for (auto& [w, v] : schedule) {
-    stats.measuredIterationS = std::max(stats.measuredIterationS, median(v));
+    if (median(v) > stats.measuredIterationS) {
+      stats.measuredIterationS = median(v);
+      stats.waitS = median(wait[w]);
+    }
   }
   stats.samplesPerS = median(rates);
   removeTree(dir);
@@ -290,21 +303,38 @@ int main(int argc, char** argv) {
 
   JobStats pp = runJob("pp", {"--fault-tolerance", "0", "--memory-bytes", "2000000"}, steps);
   JobStats dp = runJob("dp", {"--data-parallel"}, steps);
-  JobStats bare = runJob(
-      "pp-bare",
-      {"--fault-tolerance", "0", "--memory-bytes", "2000000", "--peer-checkpoint-every", "0"},
-      steps);
+  auto ratio = [](const JobStats& j) {
+    return j.predictedIterationS > 0 ? j.measuredIterationS / j.predictedIterationS : 0;
+  };
+  // The cost model's comparison: three runs, each with its own profile and prediction (this
+  // machine's speed varies by a quarter from run to run), and the run of the median ratio.
+  std::vector<JobStats> bares;
+  for (int i = 0; i < 3; ++i) {
+    bares.push_back(runJob(
+        "pp-bare",
+        {"--fault-tolerance", "0", "--memory-bytes", "2000000", "--peer-checkpoint-every", "0"},
+        steps));
+  }
+  std::sort(bares.begin(), bares.end(),
+            [&](const JobStats& a, const JobStats& b) { return ratio(a) < ratio(b); });
+  const JobStats bare = bares[1];
   std::printf("train_pp on 2 workers, %d steps\n", steps);
   std::printf(
-      "  pipeline (2 stages): 1F1B %8.3f ms/step measured, %8.3f ms predicted; %8.1f "
-      "samples/s\n",
-      pp.measuredIterationS * 1e3, pp.predictedIterationS * 1e3, pp.samplesPerS);
-  std::printf("  data parallel:                                                 %8.1f samples/s\n",
+      "  cost model, 3 runs without peer-RAM versions: measured / predicted %.3f %.3f %.3f\n",
+      ratio(bares[0]), ratio(bares[1]), ratio(bares[2]));
+  std::printf(
+      "  pipeline (2 stages), without peer-RAM versions: 1F1B %8.3f ms/step measured (%.3f ms "
+      "of it in sends and receives), %8.3f ms predicted (x%.3f); %8.1f samples/s\n",
+      bare.measuredIterationS * 1e3, bare.waitS * 1e3, bare.predictedIterationS * 1e3, ratio(bare),
+      bare.samplesPerS);
+  std::printf(
+      "  pipeline (2 stages), with peer-RAM versions:    1F1B %8.3f ms/step measured (%.3f ms "
+      "of it in sends and receives), %8.3f ms predicted (x%.3f); %8.1f samples/s\n",
+      pp.measuredIterationS * 1e3, pp.waitS * 1e3, pp.predictedIterationS * 1e3, ratio(pp),
+      pp.samplesPerS);
+  std::printf("  data parallel:                                  %8.1f samples/s\n",
               dp.samplesPerS);
-  std::printf("  pipeline without peer-RAM versions:                            %8.1f samples/s\n",
-              bare.samplesPerS);
-  double iterRatio =
-      pp.predictedIterationS > 0 ? pp.measuredIterationS / pp.predictedIterationS : 0;
+  const double iterRatio = ratio(bare);
   double ppVsDp = dp.samplesPerS > 0 ? pp.samplesPerS / dp.samplesPerS : 0;
   double peerRatio = pp.samplesPerS > 0 ? bare.samplesPerS / pp.samplesPerS : 0;
 
@@ -313,17 +343,45 @@ int main(int argc, char** argv) {
   // 2 is killed at step 4, and the survivors' 3+2 plan makes them copy whole blocks from live
   // workers. The largest copy one worker received, against raw TCP moving the same bytes (in this
   // run, between two processes), and the chunked exchange alone on the same bytes.
-  JobStats copy =
-      runJob("copy",
-             {"--width", "256", "--blocks", "4", "--memory-bytes", "25000000", "--global-batch",
-              "8", "--microbatch", "2", "--float32", "--peer-checkpoint-every", "0"},
-             10, 6, "kill:worker=2:step=4");
-  if (copy.copiedBytes <= 0 || copy.copySeconds <= 0) {
-    throw std::runtime_error("the copy job moved no layers between live workers");
+  // Three runs (the copies share two cores with the other survivors, and one run's ratio
+  // varied from 0.3 to 0.9): each against raw TCP on its bytes measured right after it, and
+  // the run of the median largest-copy ratio is printed.
+  struct CopyRun {
+    JobStats job;
+    double tcpS = 0;
+    double ratio = 0;     // raw TCP time / the largest copy's time
+    double allRatio = 0;  // all receivers' throughput / one raw TCP stream's
+  };
+  std::vector<CopyRun> copies;
+  for (int i = 0; i < 3; ++i) {
+    CopyRun r;
+    r.job =
+        runJob("copy",
+               {"--width", "256", "--blocks", "4", "--memory-bytes", "25000000", "--global-batch",
+                "8", "--microbatch", "2", "--float32", "--peer-checkpoint-every", "0"},
+               10, 6, "kill:worker=2:step=4");
+    if (r.job.copiedBytes <= 0 || r.job.copySeconds <= 0) {
+      throw std::runtime_error("the copy job moved no layers between live workers");
+    }
+    r.tcpS = rawTcpSeconds(r.job.copiedBytes);
+    r.ratio = r.tcpS / r.job.copySeconds;
+    r.allRatio = (r.job.allCopiedBytes / r.job.allCopySeconds) / (r.job.copiedBytes / r.tcpS);
+    copies.push_back(r);
   }
-  const double copyTcp = rawTcpSeconds(copy.copiedBytes);
+  std::vector<double> allRatios;
+  for (const auto& r : copies) allRatios.push_back(r.allRatio);
+  const double allRatio = median(allRatios);
+  std::sort(copies.begin(), copies.end(),
+            [](const CopyRun& a, const CopyRun& b) { return a.ratio < b.ratio; });
+  const JobStats& copy = copies[1].job;
+  const double copyTcp = copies[1].tcpS;
   const double copyChunked = sinewSeconds(copy.copiedBytes, size_t{4} << 20);
-  std::printf("layer copy in a reconfiguration (6 workers, width 256, worker 2 killed)\n");
+  std::printf("layer copy in a reconfiguration (6 workers, width 256, worker 2 killed), 3 runs\n");
+  std::printf("  largest copy / raw TCP   %.3f %.3f %.3f\n", copies[0].ratio, copies[1].ratio,
+              copies[2].ratio);
+  std::printf("  all receivers / raw TCP  %.3f %.3f %.3f (in run order)\n", allRatios[0],
+              allRatios[1], allRatios[2]);
+  std::printf("the run of the median largest-copy ratio:\n");
   std::printf("  largest copy received   %8.3f ms  %6.2f GB/s  (%.1f MiB)\n",
               copy.copySeconds * 1e3, copy.copiedBytes / copy.copySeconds / 1e9,
               copy.copiedBytes / 1048576.0);
@@ -336,10 +394,9 @@ int main(int argc, char** argv) {
               copyChunked * 1e3, copy.copiedBytes / copyChunked / 1e9);
   std::printf(
       "RESULT pp_iter_vs_model=%.3f p2p_ratio_vs_tcp=%.3f pp_vs_dp=%.3f peer_ram_step_ratio=%.3f "
-      "layer_copy_ratio_vs_tcp=%.3f layer_copy_all_ratio_vs_tcp=%.3f "
-      "chunked_exchange_ratio_vs_tcp=%.3f\n",
-      iterRatio, tcp / sinew, ppVsDp, peerRatio, copyTcp / copy.copySeconds,
-      (copy.allCopiedBytes / copy.allCopySeconds) / (copy.copiedBytes / copyTcp),
+      "pp_iter_vs_model_with_peer_ram=%.3f layer_copy_ratio_vs_tcp=%.3f "
+      "layer_copy_all_ratio_vs_tcp=%.3f chunked_exchange_ratio_vs_tcp=%.3f\n",
+      iterRatio, tcp / sinew, ppVsDp, peerRatio, ratio(pp), copies[1].ratio, allRatio,
       copyTcp / copyChunked);
   return 0;
 }

@@ -4,7 +4,9 @@
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <stdexcept>
+#include <thread>
 
 #include "sinew/collectives/error.h"
 #include "sinew/pipeline/template_planner.h"
@@ -80,6 +82,84 @@ TEST(ProfilerTest, ReportsTheFailingLayerAndBadOptions) {
                InvalidArgument);
   o.repeats = 1;
   EXPECT_THROW(profileLayers({}, at::randn({1, 2}), o), InvalidArgument);
+}
+
+// The last stage computes the loss after its layers, so the loss's forward and backward are
+// the last layer's: a loss that takes 20 ms makes the last layer's forward at least that, and
+// the backward starts from it (its gradient reaches the parameters).
+TEST(ProfilerTest, TimesTheLossAsPartOfTheLastLayer) {
+  at::set_num_threads(1);
+  at::manual_seed(0);
+  std::vector<ProfiledLayer> layers = {linearLayer("fc1", 16, 16, true),
+                                       linearLayer("fc2", 16, 4, false)};
+  ProfilerOptions o;
+  o.warmup = 0;
+  o.repeats = 3;
+  o.job.device_memory_bytes = 1 << 20;
+  const Profile without = profileLayers(layers, at::randn({8, 16}), o);
+  EXPECT_LT(without.layers[1].forward_ns, 20'000'000);
+  int calls = 0;
+  at::Tensor seen;
+  o.target = at::randint(0, 4, {8}, at::kLong);
+  o.loss = [&](const at::Tensor& y, const at::Tensor& t) {
+    ++calls;
+    seen = t;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    return at::cross_entropy_loss(y, t);
+  };
+  // The loss's gradient, not ones, flows back: record what reaches fc2's output.
+  at::Tensor fromLoss;
+  ProfiledLayer& fc2 = layers[1];
+  auto inner = fc2.forward;
+  fc2.forward = [inner, &fromLoss](const at::Tensor& x) {
+    at::Tensor y = inner(x);
+    y.register_hook([&fromLoss](const at::Tensor& g) { fromLoss = g.clone(); });
+    return y;
+  };
+  const Profile with = profileLayers(layers, at::randn({8, 16}), o);
+  EXPECT_EQ(calls, 3);
+  EXPECT_TRUE(seen.equal(o.target));
+  EXPECT_GE(with.layers[1].forward_ns, 20'000'000);
+  EXPECT_LT(with.layers[0].forward_ns, 20'000'000);
+  EXPECT_GT(with.layers[1].backward_ns, 0);
+  ASSERT_TRUE(fromLoss.defined());
+  // Cross-entropy's gradient of a mean over 8 samples: each row sums to 0, entries within 1/8.
+  EXPECT_LT(fromLoss.sum(1).abs().max().item<float>(), 1e-6);
+  EXPECT_LE(fromLoss.abs().max().item<float>(), 1.0f / 8 + 1e-6);
+  // Gradients accumulated over the runs and were reset at the end.
+  EXPECT_FALSE(layers[0].parameters[0].grad().defined());
+  EXPECT_FALSE(layers[1].parameters[0].grad().defined());
+}
+
+TEST(ProfilerTest, ReportsABadLoss) {
+  at::set_num_threads(1);
+  std::vector<ProfiledLayer> layers = {linearLayer("fc1", 4, 4, false)};
+  ProfilerOptions o;
+  o.job.device_memory_bytes = 1 << 20;
+  o.loss = [](const at::Tensor& y, const at::Tensor&) { return y; };           // Not a scalar.
+  EXPECT_THROW(profileLayers(layers, at::randn({2, 4}), o), InvalidArgument);  // No target.
+  o.target = at::zeros({2});
+  try {
+    profileLayers(layers, at::randn({2, 4}), o);
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("the loss returned 8 elements, not one"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(layers[0].parameters[0].grad().defined());
+  o.loss = [](const at::Tensor&, const at::Tensor&) -> at::Tensor {
+    throw std::runtime_error("bad target");
+  };
+  try {
+    profileLayers(layers, at::randn({2, 4}), o);
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("the loss failed on the output of layers[0] ('fc1'): "
+                                         "bad target"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace
