@@ -192,20 +192,36 @@ struct HaPeer {
   uint16_t peer;
 };
 
-uint16_t freePort(const std::string& host) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_ANY);
-  socklen_t len = sizeof(a);
-  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    if (fd >= 0) ::close(fd);
-    SINEW_THROW(IoError, "no free port on ", host, ": ", std::strerror(errno));
+// A port no other socket of this machine has: bound here and held until the destructor.
+// Every rank holds its two ports until the address exchange has completed everywhere, so no
+// two of them (nor two ranks on one host) can be handed the same one; closing and re-binding
+// each at once let two nodes' etcd members be given the same client port, and the third
+// member then had no majority when one node died (HaMpirunTest.EveryProcessOfNodeZeroKilled,
+// seen once under ASan).
+class HeldPort {
+ public:
+  explicit HeldPort(const std::string& host) : fd_(::socket(AF_INET, SOCK_STREAM, 0)) {
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_ANY);
+    socklen_t len = sizeof(a);
+    if (fd_ < 0 || ::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+        ::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+      const int err = errno;
+      if (fd_ >= 0) ::close(fd_);
+      SINEW_THROW(IoError, "no free port on ", host, ": ", std::strerror(err));
+    }
+    port_ = ntohs(a.sin_port);
   }
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
+  ~HeldPort() { ::close(fd_); }
+  HeldPort(const HeldPort&) = delete;
+  HeldPort& operator=(const HeldPort&) = delete;
+  uint16_t port() const { return port_; }
+
+ private:
+  int fd_;
+  uint16_t port_ = 0;
+};
 
 // The helper: reads one JSON line of instructions; {"run": false} ends it, else it starts etcd
 // and runs a coordinator candidate until the job ends, then stops etcd.
@@ -326,12 +342,16 @@ std::pair<std::string, std::string> haBootstrap(int rank, int size, const std::s
   HaPeer mine{};
   std::snprintf(mine.node, sizeof(mine.node), "%s", node.c_str());
   std::snprintf(mine.host, sizeof(mine.host), "%s", host.c_str());
-  mine.client = freePort(host);
-  mine.peer = freePort(host);
   std::vector<HaPeer> all(size);
-  MPI_Allgather(&mine, sizeof(HaPeer), MPI_BYTE, all.data(), sizeof(HaPeer), MPI_BYTE,
-                MPI_COMM_WORLD);  // The last MPI call.
-  std::vector<int> hosts;         // the lowest rank of each of the first three nodes
+  {
+    // Held by every rank at once: bound before its Allgather, released after it.
+    HeldPort client(host), peer(host);
+    mine.client = client.port();
+    mine.peer = peer.port();
+    MPI_Allgather(&mine, sizeof(HaPeer), MPI_BYTE, all.data(), sizeof(HaPeer), MPI_BYTE,
+                  MPI_COMM_WORLD);  // The last MPI call.
+  }
+  std::vector<int> hosts;  // the lowest rank of each of the first three nodes
   std::vector<std::string> seen;
   for (int r = 0; r < size && hosts.size() < 3; ++r) {
     if (std::find(seen.begin(), seen.end(), all[r].node) != seen.end()) continue;

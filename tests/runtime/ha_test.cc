@@ -20,6 +20,7 @@
 #include <map>
 #include <optional>
 #include <random>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -532,6 +533,16 @@ void killNodeUnderMpirun(bool leadersNode) {
   EXPECT_EQ(status.status, 0) << status.out;
   EXPECT_NE(status.out.find("\"epoch\""), std::string::npos) << status.out;
   std::cout << "killed node " << victim << ": " << killed << std::endl;
+  {
+    // Three etcd members on three distinct client addresses (two nodes once drew the same
+    // port: one member never started, and the loss of a node left no majority).
+    auto rank = json::parse(killed.substr(0, killed.find("} {") + 1));
+    auto endpoints = sinew::collectives::parseEtcdEndpoints(rank.at("etcd"), "test");
+    std::set<std::pair<std::string, uint16_t>> distinct;
+    for (const auto& e : endpoints) distinct.insert({e.host, e.port});
+    EXPECT_EQ(endpoints.size(), 3u) << rank.at("etcd");
+    EXPECT_EQ(distinct.size(), endpoints.size()) << rank.at("etcd");
+  }
   std::istringstream lines(run.output);
   for (std::string line; std::getline(lines, line);) {
     for (const char* what : {"leads the job", "took over", "declared dead", "RESULT"}) {
