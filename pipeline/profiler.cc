@@ -94,29 +94,35 @@ Profile profileLayers(const std::vector<ProfiledLayer>& layers, const at::Tensor
       at::Tensor in = x.detach();
       if (at::isFloatingType(in.scalar_type())) in.requires_grad_(true);
       auto t0 = Clock::now();
+      const bool withLoss = l + 1 == L && static_cast<bool>(options.loss);
       at::Tensor y;
       try {
         y = layers[l].forward(in);
+        // A device error can surface only at the synchronisation.
+        if (!withLoss) synchronize(y);
       } catch (const std::exception& e) {
         failed(l, e);
       }
-      if (l + 1 == L && options.loss) {
+      if (withLoss) {
+        auto lossFailed = [&](const std::string& why) {
+          resetGradients();
+          SINEW_THROW(InvalidArgument, "profileLayers: the loss on the output of layers[", l,
+                      "] ('", layers[l].name, "') ", why);
+        };
         try {
           loss = options.loss(y, options.target);
+          if (loss.defined() && loss.numel() == 1) synchronize(loss);
         } catch (const std::exception& e) {
-          resetGradients();
-          SINEW_THROW(InvalidArgument, "profileLayers: the loss failed on the output of layers[", l,
-                      "] ('", layers[l].name, "'): ", e.what());
+          lossFailed(std::string("failed: ") + e.what());
         }
         if (!loss.defined() || loss.numel() != 1) {
-          resetGradients();
-          SINEW_THROW(InvalidArgument, "profileLayers: the loss returned ",
-                      loss.defined() ? std::to_string(loss.numel()) + " elements" : "no tensor",
-                      ", not one");
+          lossFailed("returned " +
+                     (loss.defined() ? std::to_string(loss.numel()) + " elements" : "no tensor") +
+                     ", not one");
         }
-        synchronize(loss);
-      } else {
-        synchronize(y);
+        if (y.requires_grad() && !loss.requires_grad()) {
+          lossFailed("does not require grad, so no gradient reaches the model");
+        }
       }
       if (run >= options.warmup) fwd[l].push_back(nsSince(t0));
       ins[l] = in;

@@ -18,7 +18,8 @@
 //                the loss's backward, or ones without a loss), i.e. the gradients of x and of
 //                every parameter.
 // Parameter gradients accumulate over the runs, as over a step's microbatches (every
-// microbatch after a step's first adds to them), and are reset when profiling ends.
+// microbatch after a step's first adds to them), and are reset (made undefined) when profiling
+// ends or fails: gradients the parameters had before the call are discarded.
 // On a CUDA tensor each timed section ends by reading one element back (a synchronisation).
 // Bytes: param_bytes = sum of the parameters' bytes, optimizer_bytes = optimizer_state_factor
 // x param_bytes, output_bytes = bytes of y, activation_bytes = the layer's own estimate if it
@@ -45,7 +46,8 @@ struct ProfiledLayer {
   // The layer's forward for one microbatch. Must be differentiable in its input and in
   // `parameters`.
   std::function<at::Tensor(const at::Tensor&)> forward;
-  // The tensors the layer trains (requires_grad). Their gradients are reset at the end.
+  // The tensors the layer trains (requires_grad). Their gradients are made undefined when
+  // profiling ends or fails.
   std::vector<at::Tensor> parameters;
   // Bytes kept for backward per microbatch, if the layer knows better than the profiler's
   // estimate (input + output bytes); -1: use the estimate.
@@ -73,8 +75,9 @@ struct ProfilerOptions {
 
 // Profiles `layers` on the microbatch `input`. Throws sinew::InvalidArgument for no layers, a
 // layer without forward, bad options, or a layer whose forward or backward throws (the message
-// names the layer and its index; a loss that throws or does not return a one-element tensor
-// names the loss), and as validateProfile() for the result.
+// names the layer and its index; a loss given without a target, or one that throws, does not
+// return a one-element tensor or does not require grad while the model's output does, is
+// named as the loss), and as validateProfile() for the result.
 Profile profileLayers(const std::vector<ProfiledLayer>& layers, const at::Tensor& input,
                       const ProfilerOptions& options);
 

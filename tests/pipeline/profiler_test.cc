@@ -100,10 +100,12 @@ TEST(ProfilerTest, TimesTheLossAsPartOfTheLastLayer) {
   EXPECT_LT(without.layers[1].forward_ns, 20'000'000);
   int calls = 0;
   at::Tensor seen;
+  std::vector<bool> hadGradient;  // fc1's weight, at each run's loss
   o.target = at::randint(0, 4, {8}, at::kLong);
   o.loss = [&](const at::Tensor& y, const at::Tensor& t) {
     ++calls;
     seen = t;
+    hadGradient.push_back(layers[0].parameters[0].grad().defined());
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
     return at::cross_entropy_loss(y, t);
   };
@@ -126,7 +128,9 @@ TEST(ProfilerTest, TimesTheLossAsPartOfTheLastLayer) {
   // Cross-entropy's gradient of a mean over 8 samples: each row sums to 0, entries within 1/8.
   EXPECT_LT(fromLoss.sum(1).abs().max().item<float>(), 1e-6);
   EXPECT_LE(fromLoss.abs().max().item<float>(), 1.0f / 8 + 1e-6);
-  // Gradients accumulated over the runs and were reset at the end.
+  // Gradients accumulated over the runs (kept from one run to the next, as over a step's
+  // microbatches) and were reset at the end.
+  EXPECT_EQ(hadGradient, (std::vector<bool>{false, true, true}));
   EXPECT_FALSE(layers[0].parameters[0].grad().defined());
   EXPECT_FALSE(layers[1].parameters[0].grad().defined());
 }
@@ -143,22 +147,37 @@ TEST(ProfilerTest, ReportsABadLoss) {
     profileLayers(layers, at::randn({2, 4}), o);
     FAIL() << "expected InvalidArgument";
   } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("the loss returned 8 elements, not one"),
-              std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("('fc1') returned 8 elements, not one"), std::string::npos)
         << e.what();
   }
-  EXPECT_FALSE(layers[0].parameters[0].grad().defined());
-  o.loss = [](const at::Tensor&, const at::Tensor&) -> at::Tensor {
-    throw std::runtime_error("bad target");
+  // A loss that fails on its third call, after two runs built gradients: the error names the
+  // loss, and the gradients are gone.
+  o.warmup = 1;
+  o.repeats = 3;
+  int calls = 0;
+  o.loss = [&calls](const at::Tensor& y, const at::Tensor&) -> at::Tensor {
+    if (++calls == 3) throw std::runtime_error("bad target");
+    return y.sum();
   };
   try {
     profileLayers(layers, at::randn({2, 4}), o);
     FAIL() << "expected InvalidArgument";
   } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("the loss failed on the output of layers[0] ('fc1'): "
+    EXPECT_NE(std::string(e.what()).find("the loss on the output of layers[0] ('fc1') failed: "
                                          "bad target"),
               std::string::npos)
         << e.what();
+  }
+  EXPECT_EQ(calls, 3);
+  EXPECT_FALSE(layers[0].parameters[0].grad().defined());
+  EXPECT_FALSE(layers[0].parameters[1].grad().defined());
+  // A loss cut off from the graph would time no backward of the model's.
+  o.loss = [](const at::Tensor& y, const at::Tensor&) { return y.detach().sum(); };
+  try {
+    profileLayers(layers, at::randn({2, 4}), o);
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("does not require grad"), std::string::npos) << e.what();
   }
 }
 
