@@ -23,13 +23,18 @@
 //     moving the same bytes, and exchangeInChunks alone on those bytes between two processes.
 //     Ratios are raw TCP time / Sinew time (the goal: >= 0.8); the "all" ratio is the
 //     bytes every receiver of that reconfiguration got over the longest receive time, as a
-//     throughput against one raw TCP stream's. The job runs three times: the largest-copy
-//     ratio is the median run's, the "all" ratio the median of the three.
+//     throughput against one raw TCP stream's. The "concurrent" ratio compares the same
+//     bytes moved over raw TCP at once (a pair of processes per receiver, each moving what that
+//     receiver got, all released together):
+//     the slowest raw stream's time over the longest receive: the same transfers sharing the
+//     cores the same way (nothing else runs beside the raw streams, while the job's other
+//     survivors do, so this favours raw TCP). The job runs three times: the largest-copy ratio is
+//     the median run's, the other two the medians of the three.
 //
 // Last line: RESULT pp_iter_vs_model=<measured/predicted> p2p_ratio_vs_tcp=<r> pp_vs_dp=<x>
 //            peer_ram_step_ratio=<with/without> pp_iter_vs_model_with_peer_ram=<r>
-//            layer_copy_ratio_vs_tcp=<r>
-//            layer_copy_all_ratio_vs_tcp=<r> chunked_exchange_ratio_vs_tcp=<r>
+//            layer_copy_ratio_vs_tcp=<r> layer_copy_all_ratio_vs_tcp=<r>
+//            layer_copy_concurrent_ratio_vs_tcp=<r> chunked_exchange_ratio_vs_tcp=<r>
 
 #include <ftw.h>
 #include <sys/stat.h>
@@ -50,6 +55,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
@@ -98,8 +104,9 @@ void readAll(int fd, char* p, size_t n) {
 }
 
 // Median seconds of one transfer (half a round trip) of `bytes` between this process and a
-// forked child over a loopback TCP socket.
-double rawTcpSeconds(int64_t bytes = kBytes) {
+// forked child over a loopback TCP socket. `beforeRounds`, if given, runs once the two are
+// connected, before the first timed round.
+double rawTcpSeconds(int64_t bytes = kBytes, const std::function<void()>& beforeRounds = {}) {
   int listener = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -126,6 +133,7 @@ double rawTcpSeconds(int64_t bytes = kBytes) {
   int fd = ::accept(listener, nullptr, nullptr);
   int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  if (beforeRounds) beforeRounds();
   std::vector<double> s;
   for (int i = 0; i < kRounds + 2; ++i) {
     auto t0 = Clock::now();
@@ -138,6 +146,78 @@ double rawTcpSeconds(int64_t bytes = kBytes) {
   int st = 0;
   ::waitpid(pid, &st, 0);
   return median(s);
+}
+
+// Raw loopback TCP moving `streams` at once, as a reconfiguration's receivers get their
+// copies: per stream its own pair of processes doing rawTcpSeconds(bytes), connected first
+// and then released together (a pipe every stream waits on), so that their rounds overlap;
+// the slowest stream's median seconds.
+double rawTcpConcurrentSeconds(const std::vector<int64_t>& streams) {
+  int ready[2], go[2];
+  if (::pipe(ready) != 0 || ::pipe(go) != 0) throw std::runtime_error("pipe failed");
+  std::vector<std::pair<pid_t, int>> kids;
+  bool failed = false;
+  for (int64_t bytes : streams) {
+    int fds[2];
+    if (::pipe(fds) != 0) {
+      failed = true;
+      break;
+    }
+    pid_t pid = ::fork();
+    if (pid < 0) {
+      ::close(fds[0]);
+      ::close(fds[1]);
+      failed = true;
+      break;
+    }
+    if (pid == 0) {
+      ::close(fds[0]);
+      ::close(ready[0]);
+      ::close(go[1]);
+      double s = -1;
+      bool arrived = false;
+      try {
+        s = rawTcpSeconds(bytes, [&] {
+          char c = 1;
+          arrived = true;
+          if (::write(ready[1], &c, 1) != 1 || ::read(go[0], &c, 1) != 1) {
+            throw std::runtime_error("start barrier failed");
+          }
+        });
+      } catch (const std::exception&) {
+        char c = 0;
+        if (!arrived && ::write(ready[1], &c, 1) != 1) _exit(1);  // Do not hold the others.
+      }
+      _exit(::write(fds[1], &s, sizeof s) == sizeof s ? 0 : 1);
+    }
+    ::close(fds[1]);
+    kids.emplace_back(pid, fds[0]);
+  }
+  ::close(ready[1]);
+  ::close(go[0]);
+  // Every stream connected (or gone: its end of `ready` closed), then all go at once. A child
+  // that failed before the barrier reports -1 below.
+  for (size_t i = 0; i < kids.size(); ++i) {
+    char c;
+    if (::read(ready[0], &c, 1) != 1) break;
+  }
+  const std::string all(kids.size(), '1');
+  if (!all.empty() && ::write(go[1], all.data(), all.size()) != static_cast<ssize_t>(all.size())) {
+    failed = true;
+  }
+  ::close(ready[0]);
+  ::close(go[1]);
+  double slowest = 0;
+  for (auto [pid, fd] : kids) {
+    double s = -1;
+    if (::read(fd, &s, sizeof s) != sizeof s || s < 0) failed = true;
+    ::close(fd);
+    int st = 0;
+    ::waitpid(pid, &st, 0);
+    slowest = std::max(slowest, s);
+  }
+  if (failed) throw std::runtime_error("a concurrent raw TCP stream failed");
+  return slowest;
 }
 
 // The same with a Gloo communicator of two members and exchange(), as the stages send; with
@@ -216,6 +296,7 @@ struct JobStats {
   int64_t allCopiedBytes = 0;
   double allCopySeconds = 0;
   int64_t copyEpoch = -1;
+  std::vector<int64_t> epochCopies;  // the bytes each of those receivers got
 };
 
 JobStats runJob(const std::string& name, const std::vector<std::string>& args, int steps,
@@ -260,8 +341,10 @@ JobStats runJob(const std::string& name, const std::vector<std::string>& args, i
           stats.copyEpoch = epoch;
           stats.allCopiedBytes = 0;
           stats.allCopySeconds = 0;
+          stats.epochCopies.clear();
         }
         if (epoch == stats.copyEpoch) {
+          stats.epochCopies.push_back(bytes);
           stats.allCopiedBytes += bytes;
           stats.allCopySeconds = std::max(stats.allCopySeconds, secs);
         }
@@ -351,6 +434,10 @@ int main(int argc, char** argv) {
     double tcpS = 0;
     double ratio = 0;     // raw TCP time / the largest copy's time
     double allRatio = 0;  // all receivers' throughput / one raw TCP stream's
+    // Raw TCP moving that reconfiguration's copies at once (one stream per receiver) / Sinew:
+    // the slowest raw stream's time over the longest receive time.
+    double concurrentTcpS = 0;
+    double concurrentRatio = 0;
   };
   std::vector<CopyRun> copies;
   for (int i = 0; i < 3; ++i) {
@@ -366,11 +453,17 @@ int main(int argc, char** argv) {
     r.tcpS = rawTcpSeconds(r.job.copiedBytes);
     r.ratio = r.tcpS / r.job.copySeconds;
     r.allRatio = (r.job.allCopiedBytes / r.job.allCopySeconds) / (r.job.copiedBytes / r.tcpS);
+    r.concurrentTcpS = rawTcpConcurrentSeconds(r.job.epochCopies);
+    r.concurrentRatio = r.concurrentTcpS / r.job.allCopySeconds;
     copies.push_back(r);
   }
-  std::vector<double> allRatios;
-  for (const auto& r : copies) allRatios.push_back(r.allRatio);
+  std::vector<double> allRatios, concurrentRatios;
+  for (const auto& r : copies) {
+    allRatios.push_back(r.allRatio);
+    concurrentRatios.push_back(r.concurrentRatio);
+  }
   const double allRatio = median(allRatios);
+  const double concurrentRatio = median(concurrentRatios);
   std::sort(copies.begin(), copies.end(),
             [](const CopyRun& a, const CopyRun& b) { return a.ratio < b.ratio; });
   const JobStats& copy = copies[1].job;
@@ -381,6 +474,8 @@ int main(int argc, char** argv) {
               copies[2].ratio);
   std::printf("  all receivers / raw TCP  %.3f %.3f %.3f (in run order)\n", allRatios[0],
               allRatios[1], allRatios[2]);
+  std::printf("  the same copies at once, raw TCP / Sinew  %.3f %.3f %.3f (in run order)\n",
+              concurrentRatios[0], concurrentRatios[1], concurrentRatios[2]);
   std::printf("the run of the median largest-copy ratio:\n");
   std::printf("  largest copy received   %8.3f ms  %6.2f GB/s  (%.1f MiB)\n",
               copy.copySeconds * 1e3, copy.copiedBytes / copy.copySeconds / 1e9,
@@ -390,13 +485,17 @@ int main(int argc, char** argv) {
               copy.allCopiedBytes / 1048576.0);
   std::printf("  raw loopback TCP        %8.3f ms  %6.2f GB/s  (the largest copy's bytes)\n",
               copyTcp * 1e3, copy.copiedBytes / copyTcp / 1e9);
+  std::printf("  raw TCP, %zu streams     %8.3f ms  %6.2f GB/s  (each receiver's bytes, at once)\n",
+              copy.epochCopies.size(), copies[1].concurrentTcpS * 1e3,
+              copy.allCopiedBytes / copies[1].concurrentTcpS / 1e9);
   std::printf("  exchangeInChunks alone  %8.3f ms  %6.2f GB/s  (4 MiB chunks, 2 processes)\n",
               copyChunked * 1e3, copy.copiedBytes / copyChunked / 1e9);
   std::printf(
       "RESULT pp_iter_vs_model=%.3f p2p_ratio_vs_tcp=%.3f pp_vs_dp=%.3f peer_ram_step_ratio=%.3f "
       "pp_iter_vs_model_with_peer_ram=%.3f layer_copy_ratio_vs_tcp=%.3f "
-      "layer_copy_all_ratio_vs_tcp=%.3f chunked_exchange_ratio_vs_tcp=%.3f\n",
+      "layer_copy_all_ratio_vs_tcp=%.3f layer_copy_concurrent_ratio_vs_tcp=%.3f "
+      "chunked_exchange_ratio_vs_tcp=%.3f\n",
       iterRatio, tcp / sinew, ppVsDp, peerRatio, ratio(pp), copies[1].ratio, allRatio,
-      copyTcp / copyChunked);
+      concurrentRatio, copyTcp / copyChunked);
   return 0;
 }
