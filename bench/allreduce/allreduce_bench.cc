@@ -3,10 +3,12 @@
 // with --mca btl tcp,self, and with Open MPI's defaults), every variant launched the same
 // way: mpirun -np <ranks> on this machine.
 //
-// Run with no arguments it is the driver: it launches each variant under mpirun, prints a
-// table of median times and bandwidths, and a last line
+// Run with no arguments it is the driver: it launches each variant under mpirun, --rounds
+// times in turn, prints a table of median times and bandwidths, and a last line
 //   RESULT allreduce_ratio_vs_mpi_tcp=<x> allreduce_ratio_vs_gloo=<y>
-// (16 MiB, median time of the other / median time of Sinew: > 1 means Sinew is faster).
+//          allreduce_ratio_vs_mpi_tcp_min=<z>
+// (x, y: 16 MiB, median time of the other / median time of Sinew: > 1 means Sinew is faster;
+// z: the smallest ratio to MPI over TCP across the sizes, all >= 1 MiB).
 // With --worker <sinew|gloo|mpi> it is one rank of a variant (started by mpirun).
 
 #include <mpi.h>
@@ -220,6 +222,12 @@ int main(int argc, char** argv) {
   app.add_option("--ranks", ranks, "processes per variant (mpirun -np)")
       ->check(CLI::Range(2, 256))
       ->capture_default_str();
+  int rounds = 3;
+  app.add_option("--rounds", rounds,
+                 "launches of every variant, in turn (each time is the median over the rounds, "
+                 "so a slow minute of a shared machine does not decide a comparison)")
+      ->check(CLI::Range(1, 100))
+      ->capture_default_str();
   app.add_option("--worker", "one rank of a variant (sinew, gloo or mpi; started by mpirun)")
       ->group("");  // Internal; handled above, before MPI_Init.
   CLI11_PARSE(app, argc, argv);
@@ -237,11 +245,24 @@ int main(int argc, char** argv) {
       {"MPI_Allreduce tcp", "mpi", "--mca btl tcp,self"},
       {"MPI_Allreduce default", "mpi", ""},
   };
-  std::vector<std::map<size_t, double>> results;
-  for (const auto& v : variants) results.push_back(launch(self, ranks, v.worker, v.mca));
+  // rounds[i][bytes]: variant i's median per round; the variants take turns.
+  std::vector<std::map<size_t, std::vector<double>>> perRound(variants.size());
+  for (int r = 0; r < rounds; ++r) {
+    for (size_t i = 0; i < variants.size(); ++i) {
+      for (const auto& [bytes, ms] : launch(self, ranks, variants[i].worker, variants[i].mca)) {
+        perRound[i][bytes].push_back(ms);
+      }
+    }
+  }
+  std::vector<std::map<size_t, double>> results(variants.size());
+  for (size_t i = 0; i < variants.size(); ++i) {
+    for (auto& [bytes, ms] : perRound[i]) results[i][bytes] = median(ms);
+  }
 
-  std::printf("allreduce of float32, %d ranks on this machine (median ms, GB/s = bytes/time)\n",
-              ranks);
+  std::printf(
+      "allreduce of float32, %d ranks on this machine (median ms over %d rounds of each variant, "
+      "GB/s = bytes/time)\n",
+      ranks, rounds);
   std::printf("%-24s", "variant");
   for (const auto& s : kSizes) std::printf(" | %6zu MiB ms   GB/s", s.bytes >> 20);
   std::printf("\n");
@@ -255,7 +276,12 @@ int main(int argc, char** argv) {
   }
   const size_t k16 = 16 << 20;
   double sinew = results[0][k16];
-  std::printf("RESULT allreduce_ratio_vs_mpi_tcp=%.3f allreduce_ratio_vs_gloo=%.3f\n",
-              results[2][k16] / sinew, results[1][k16] / sinew);
+  // The smallest ratio over the sizes (all >= 1 MiB): the goal holds at every one.
+  double worst = 1e9;
+  for (const auto& s : kSizes) worst = std::min(worst, results[2][s.bytes] / results[0][s.bytes]);
+  std::printf(
+      "RESULT allreduce_ratio_vs_mpi_tcp=%.3f allreduce_ratio_vs_gloo=%.3f "
+      "allreduce_ratio_vs_mpi_tcp_min=%.3f\n",
+      results[2][k16] / sinew, results[1][k16] / sinew, worst);
   return 0;
 }

@@ -28,7 +28,10 @@
 #include <c10/util/Half.h>
 
 #include <dlfcn.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
 
 #include <algorithm>
 #include <atomic>
@@ -40,6 +43,7 @@
 #include <thread>
 
 #include "sinew/collectives/error.h"
+#include "sinew/collectives/gloo/lanes.h"
 #include "sinew/collectives/prefix_store.h"
 #include "sinew/communicator.h"
 
@@ -64,6 +68,16 @@ constexpr size_t kSegmentBytes = 512 * 1024;
 constexpr uint64_t kControlSlot = uint64_t(1) << 62;
 constexpr uint64_t kP2PSlotBase = uint64_t(1) << 61;
 constexpr uint64_t kCollectiveSlotBase = uint64_t(1) << 40;
+// allreduceTwo's lane (docs/collectives.md, "Lanes"): the header's magic ("SNWL"); the receive
+// ring, small enough to stay in the L2 cache between the recv and the add; the most one send or
+// recv call moves (Open MPI's TCP fragments are 128 KiB too: the bytes a call copies into the
+// kernel are still in cache when the peer copies them out); the most one add covers; how long
+// an operation with nothing to do spins before it sleeps in poll().
+constexpr uint32_t kLaneMagic = 0x4C574E53;
+constexpr size_t kLaneScratchBytes = 512 << 10;
+constexpr size_t kLaneChunkBytes = 128 << 10;
+constexpr size_t kLaneReduceBytes = 128 << 10;
+constexpr std::chrono::microseconds kLaneSpin{200};
 
 constexpr uint32_t kGoodbyeMagic = 0x53475942;  // "BYGS"
 
@@ -136,6 +150,13 @@ size_t segmentsFor(size_t maxBlockBytes) {
 // Blocks of a fixed 64 bytes' worth of elements, which the compiler turns into vector adds even
 // at -O2 (its cheap cost model vectorises only loops with a known trip count and no aliasing),
 // then the tail. Twice as fast as the plain loop on the allreduce bench's 16 MiB.
+// A spin-wait hint to the CPU (x86 PAUSE): lets a hyperthread sibling run.
+inline void cpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
 template <typename T>
 void addInto(T* __restrict dst, const T* __restrict src, size_t n) {
   constexpr size_t kBlock = 64 / sizeof(T);
@@ -226,6 +247,14 @@ class GlooCommunicator final : public Communicator {
     return context_->createUnboundBuffer(ptr, bytes);
   }
   void allreduceTwo(at::Tensor& t, std::chrono::milliseconds timeout);
+  // What each member sends ahead of an allreduce's bytes on the lane.
+  struct LaneHeader {
+    uint32_t magic;
+    uint32_t dtype;  // at::ScalarType
+    uint64_t seq;    // lane operations so far
+    uint64_t bytes;
+  };
+  void checkLaneHeader(const LaneHeader& in, const LaneHeader& out, int peer);
   void waitRecv(UnboundBuffer* buf, int peer);
   void waitSend(UnboundBuffer* buf, int peer);
   [[noreturn]] void onPairError(int peer, const std::string& what);
@@ -266,9 +295,12 @@ class GlooCommunicator final : public Communicator {
   uint64_t collectiveSeq_ = 0;      // Operation thread only.
   std::atomic<int> waitingOn_{-1};  // Rank the operation thread waits for, or -1.
 
-  // Receive slots of allreduceTwo (4 segments of at most 2 MiB), kept between operations (one
-  // operation runs at a time).
+  // Two members' direct connections (allreduceTwo); null for other sizes.
+  std::unique_ptr<Lanes> lanes_;
+  uint64_t laneSeq_ = 0;  // Operation thread only.
+  // The receive ring of allreduceTwo, kept between operations (one runs at a time).
   std::vector<char> scratch_;
+  std::atomic<bool> failed_{false};  // failure_ is set; read without mu_ by the lane loop.
   mutable std::mutex mu_;
   std::condition_variable cv_;
   // Guarded by mu_.
@@ -346,6 +378,11 @@ void GlooCommunicator::connect(const std::shared_ptr<Store>& store) {
     context_->connectFullMesh(adapter, device_);
   } catch (const gloo::Exception& e) {
     SINEW_THROW(IoError, describe(), ": connecting to the members failed: ", e.what());
+  }
+  // Two members reduce over a direct connection of their own (allreduceTwo).
+  if (size() == 2) {
+    lanes_ = std::make_unique<Lanes>(*prefixed, rank_, size(), options_.hostname, epoch(), deadline,
+                                     describe(), [this](int r) { return workerOf(r); });
   }
 
   // 3. Post the control receives and start their watchers. A peer that left right after the
@@ -461,6 +498,8 @@ void GlooCommunicator::failLocked(std::exception_ptr error, GoodbyeKind kind, in
   failure_ = std::move(error);
   failureKind_ = kind;
   failureWorker_ = worker;
+  failed_.store(true, std::memory_order_release);
+  if (lanes_) lanes_->wake();
   for (auto* b : active_) {
     b->abortWaitRecv();
     b->abortWaitSend();
@@ -645,6 +684,7 @@ void GlooCommunicator::shutdown() {
   if (timer_.joinable()) timer_.join();
   controlBufs_.clear();
   context_.reset();
+  lanes_.reset();  // After the goodbyes, so a peer in a lane operation learns why we left.
   device_.reset();
 }
 
@@ -783,56 +823,141 @@ void GlooCommunicator::allreduce(at::Tensor& t, ReduceOp op, std::chrono::millis
   }
 }
 
-// Two members: one exchange instead of the ring's two phases. Each sends its whole tensor,
-// segment by segment, and receives the other's segments into kTwoSlots scratch slots, reused
-// in turn (receives from one peer complete in order); a segment is added into the tensor once
-// it has arrived and its own send has completed (sends to one peer complete in order too), so
-// the reduction overlaps the rest of the transfer and scratch stays at kTwoSlots segments
-// (8 MiB) whatever the tensor. a + b and b + a are the same float, so both members end with
-// identical bytes. Same bytes on the wire as the ring (N each way), half the round trips: Open
-// MPI's recursive doubling does the same for two ranks.
+// Two members: one exchange over the lane (docs/collectives.md, "Lanes") instead of the
+// ring's two phases. Each member sends a 24-byte header (magic, dtype, operation number,
+// bytes) and its whole tensor, and receives the other's into a ring of scratch bytes, all from
+// this thread with non-blocking socket calls and poll(); every received byte is added into the
+// tensor once the same byte of the tensor has been sent, so the reduction overlaps the rest of
+// the transfer and scratch stays at kLaneScratchBytes whatever the tensor. a + b and b + a are
+// the same float, so both members end with identical bytes. A member blocks only while it can
+// neither send (the peer's receive buffer is full) nor receive (its scratch is full of bytes it
+// has not sent yet); both cannot hold at once on both members, so the exchange never
+// deadlocks. Failures: a deadline or abort() wakes the poll through the lanes' eventfd; a
+// broken connection goes to onPairError like a Gloo pair's, which waits for the watcher's
+// verdict to name the cause.
 void GlooCommunicator::allreduceTwo(at::Tensor& t, std::chrono::milliseconds timeout) {
-  constexpr size_t kTwoSlots = 4;
   const size_t esize = t.element_size();
-  const size_t numel = t.numel();
-  // Segments of 2 MiB, not the ring's 512 KiB: each costs the waiting thread a wake-up, and
-  // with four busy threads on two cores fewer, larger ones were 10-30% faster at 16-64 MiB
-  // (docs/collectives.md); scratch is then at most 8 MiB per communicator.
-  constexpr size_t kTwoSegmentBytes = 2 * 1024 * 1024;
-  const Segmenter seg{
-      numel, 1, std::max<size_t>(1, (numel * esize + kTwoSegmentBytes - 1) / kTwoSegmentBytes)};
-  const size_t slotBytes = seg.maxSegment() * esize;
-  if (scratch_.size() < kTwoSlots * slotBytes) scratch_.resize(kTwoSlots * slotBytes);
+  const size_t bytes = t.numel() * esize;
   char* data = static_cast<char*>(t.data_ptr());
   const int peer = 1 - rank_;
-  auto sendBuf = buffer(data, numel * esize);
-  auto recvBuf = buffer(scratch_.data(), kTwoSlots * slotBytes);
-  const uint64_t slot = nextCollectiveSlot();
-  std::vector<size_t> order;  // non-empty segments, in order
-  for (size_t s = 0; s < seg.segments; ++s) {
-    auto [b, e] = seg.segment(0, s);
-    if (e > b) order.push_back(s);
-  }
-  runOp("allreduce", timeout, {sendBuf.get(), recvBuf.get()}, [&] {
-    auto postRecv = [&](size_t k) {
-      if (k >= order.size()) return;
-      auto [b, e] = seg.segment(0, order[k]);
-      recvBuf->recv(peer, slot, (k % kTwoSlots) * slotBytes, (e - b) * esize);
-    };
-    for (size_t k = 0; k < kTwoSlots; ++k) postRecv(k);
-    for (size_t s : order) {
-      auto [b, e] = seg.segment(0, s);
-      sendBuf->send(peer, slot, b * esize, (e - b) * esize);
+  const int sfd = lanes_->sendFd(peer);
+  const int rfd = lanes_->recvFd(peer);
+  if (scratch_.size() < kLaneScratchBytes) scratch_.resize(kLaneScratchBytes);
+  char* scratch = scratch_.data();
+  const size_t cap = kLaneScratchBytes;  // a multiple of every element size
+  LaneHeader out{kLaneMagic, static_cast<uint32_t>(t.scalar_type()), laneSeq_++, bytes};
+  LaneHeader in{};
+  runOp("allreduce", timeout, {}, [&] {
+    size_t headerSent = 0, sent = 0, headerRecv = 0, recvd = 0, reduced = 0;
+    Clock::time_point idleSince{};  // since when nothing moved, or zero
+    waitingOn_.store(peer);
+    while (reduced < bytes) {
+      if (failed_.load(std::memory_order_acquire)) throwFailure();
+      bool progress = false;
+      short sendEvents = 0, recvEvents = 0;
+      // Send: what is left of the header and of the tensor, in one call.
+      if (sent < bytes) {
+        iovec iov[2];
+        int n = 0;
+        if (headerSent < sizeof(out)) {
+          iov[n++] = {reinterpret_cast<char*>(&out) + headerSent, sizeof(out) - headerSent};
+        }
+        iov[n++] = {data + sent, std::min(bytes - sent, kLaneChunkBytes)};
+        msghdr msg{};
+        msg.msg_iov = iov;
+        msg.msg_iovlen = n;
+        ssize_t rv = ::sendmsg(sfd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (rv > 0) {
+          size_t k = static_cast<size_t>(rv);
+          size_t h = std::min(k, sizeof(out) - headerSent);
+          headerSent += h;
+          sent += k - h;
+          progress = true;
+        } else if (rv < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+          onPairError(peer, std::string("lane send: ") + std::strerror(errno));
+        } else {
+          sendEvents = POLLOUT;
+        }
+      }
+      // Receive: the header first, then as much of the payload as scratch has room for.
+      if (headerRecv < sizeof(in)) {
+        ssize_t rv = ::recv(rfd, reinterpret_cast<char*>(&in) + headerRecv, sizeof(in) - headerRecv,
+                            MSG_DONTWAIT);
+        if (rv > 0) {
+          headerRecv += static_cast<size_t>(rv);
+          progress = true;
+          if (headerRecv == sizeof(in)) checkLaneHeader(in, out, peer);
+        } else if (rv == 0) {
+          onPairError(peer, "lane: connection closed");
+        } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+          onPairError(peer, std::string("lane recv: ") + std::strerror(errno));
+        } else {
+          recvEvents = POLLIN;
+        }
+      } else if (recvd < bytes && recvd - reduced < cap) {
+        const size_t pos = recvd % cap;
+        const size_t n =
+            std::min({cap - (recvd - reduced), cap - pos, bytes - recvd, kLaneChunkBytes});
+        ssize_t rv = ::recv(rfd, scratch + pos, n, MSG_DONTWAIT);
+        if (rv > 0) {
+          recvd += static_cast<size_t>(rv);
+          progress = true;
+        } else if (rv == 0) {
+          onPairError(peer, "lane: connection closed");
+        } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+          onPairError(peer, std::string("lane recv: ") + std::strerror(errno));
+        } else {
+          recvEvents = POLLIN;
+        }
+      }
+      // Reduce: whole elements that have arrived and whose own bytes have gone.
+      const size_t ready = std::min(recvd, sent) / esize * esize;
+      while (reduced < ready) {
+        const size_t pos = reduced % cap;
+        const size_t n = std::min({ready - reduced, cap - pos, kLaneReduceBytes});
+        reduceSum(t.scalar_type(), data + reduced, scratch + pos, n / esize);
+        reduced += n;
+        progress = true;
+      }
+      if (progress || (sendEvents | recvEvents) == 0) {
+        idleSince = Clock::time_point{};
+        continue;
+      }
+      if (idleSince == Clock::time_point{}) idleSince = Clock::now();
+      // Nothing moved: wait until a socket (or the wake fd) is ready. Spin on a zero-timeout
+      // poll() for a while first: the peer's bytes are usually microseconds away, and a sleep
+      // costs a wake-up. poll() checks readiness without taking the socket's lock, which a
+      // spinning recv() would take over and over while the peer's segments arrive.
+      pollfd fds[3] = {{sendEvents ? sfd : -1, sendEvents, 0},
+                       {recvEvents ? rfd : -1, recvEvents, 0},
+                       {lanes_->wakeFd(), POLLIN, 0}};
+      for (;;) {
+        const bool spin = Clock::now() - idleSince < kLaneSpin;
+        int rv = ::poll(fds, 3, spin ? 0 : -1);
+        if (rv > 0) break;
+        if (rv < 0 && errno != EINTR) {
+          SINEW_THROW(IoError, describe(), ": allreduce: poll: ", std::strerror(errno));
+        }
+        if (!spin) break;
+        cpuRelax();
+      }
     }
-    for (size_t k = 0; k < order.size(); ++k) {
-      auto [b, e] = seg.segment(0, order[k]);
-      waitRecv(recvBuf.get(), peer);
-      waitSend(sendBuf.get(), peer);
-      reduceSum(t.scalar_type(), data + b * esize, scratch_.data() + (k % kTwoSlots) * slotBytes,
-                e - b);
-      postRecv(k + kTwoSlots);
-    }
+    waitingOn_.store(-1);
   });
+}
+
+void GlooCommunicator::checkLaneHeader(const LaneHeader& in, const LaneHeader& out, int peer) {
+  if (in.magic != kLaneMagic) {
+    SINEW_THROW(Corruption, describe(), ": allreduce: worker ", workerOf(peer),
+                " sent a lane header with magic ", in.magic, " (expected ", kLaneMagic, ")");
+  }
+  if (in.seq != out.seq || in.bytes != out.bytes || in.dtype != out.dtype) {
+    SINEW_THROW(InvalidArgument, describe(), ": allreduce: worker ", workerOf(peer), " reduces ",
+                in.bytes, " bytes of dtype ", c10::toString(static_cast<at::ScalarType>(in.dtype)),
+                " as lane operation ", in.seq, "; this member ", out.bytes, " bytes of dtype ",
+                c10::toString(static_cast<at::ScalarType>(out.dtype)), " as operation ", out.seq,
+                " (the members' calls do not match)");
+  }
 }
 
 void GlooCommunicator::broadcast(at::Tensor& t, int root, std::chrono::milliseconds timeout) {

@@ -32,6 +32,8 @@ const char* serviceName(uint8_t service) {
       return "replica";
     case Service::kLayerCopy:
       return "layer copy";
+    case Service::kLane:
+      return "collective lane";
   }
   return nullptr;
 }

@@ -37,6 +37,7 @@ enum class Service : uint8_t {
   kCoordinator = 2,
   kReplica = 3,
   kLayerCopy = 4,
+  kLane = 5,  // a Gloo communicator's direct data connections (collectives/gloo/lanes.h)
 };
 
 // "store", "coordinator", ... or null for an unknown service.

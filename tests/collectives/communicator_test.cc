@@ -7,14 +7,24 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <iostream>
+#include <sstream>
 #include <thread>
 
 #include "../support.h"
 #include "multiproc.h"
+#include "sinew/collectives/gloo/lanes.h"
+#include "sinew/collectives/hash_store.h"
 #include "sinew/collectives/tcp_store.h"
+#include "sinew/collectives/transport/frame.h"
 #include "sinew/communicator.h"
 
 namespace sinew {
@@ -356,9 +366,7 @@ TEST(CommunicatorFailureTest, SigkillDuringAllreduce) { sigkillDuringAllreduce(4
 TEST(CommunicatorFailureTest, SigkillDuringTwoMemberAllreduce) { sigkillDuringAllreduce(2, 1); }
 
 // SIGSTOP one member: survivors get Timeout at their deadline (+-200 ms), then rebuild.
-TEST(CommunicatorFailureTest, SigstopGivesTimeoutAtDeadline) {
-  constexpr int kWorld = 4;
-  constexpr int kVictim = 1;
+void sigstopGivesTimeoutAtDeadline(const int kWorld, const int kVictim) {
   constexpr auto kOpTimeout = 1500ms;
   TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
@@ -416,6 +424,198 @@ TEST(CommunicatorFailureTest, SigstopGivesTimeoutAtDeadline) {
     EXPECT_GE(ms, 1500 - 200) << "rank " << r;
     EXPECT_LE(ms, 1500 + 200) << "rank " << r;
   }
+}
+
+TEST(CommunicatorFailureTest, SigstopGivesTimeoutAtDeadline) {
+  sigstopGivesTimeoutAtDeadline(4, 1);
+}
+
+// Two members reduce over their lanes (a poll() loop of their own, not Gloo's waits): the
+// deadline must cut that loop short too.
+TEST(CommunicatorFailureTest, SigstopDuringTwoMemberAllreduceGivesTimeoutAtDeadline) {
+  sigstopGivesTimeoutAtDeadline(2, 1);
+}
+
+// abort() from another thread ends an allreduce blocked on the lanes (its bytes fill the
+// sockets, the peer never reads them) with Aborted within 100 ms; the peer learns that this
+// worker aborted.
+TEST(CommunicatorFailureTest, AbortUnblocksATwoMemberAllreduce) {
+  TcpStoreServer server{sinew::testing::serverOptions()};
+  ProcessGroup group;
+  for (int r = 0; r < 2; ++r) {
+    group.spawn([&, r] {
+      at::set_num_threads(1);
+      auto store = connect(server.port());
+      auto comm = createGlooCommunicator(store, options(workerIds(2), kWorkerBase + r, 0));
+      if (r == 0) {
+        std::atomic<int64_t> abortedAt{0};
+        std::thread aborter([&] {
+          std::this_thread::sleep_for(300ms);  // Let the allreduce block first.
+          abortedAt = monotonicMicros();
+          comm->abort();
+        });
+        at::Tensor t = at::ones({16 * 1024 * 1024}, at::kFloat);  // 64 MiB: more than sockets hold
+        int rc = 1;
+        try {
+          comm->allreduce(t);  // Rank 1 never joins.
+        } catch (const Aborted&) {
+          int64_t latency = monotonicMicros() - abortedAt.load();
+          std::cerr << "abort latency " << latency << " us" << std::endl;
+          rc = latency < 100000 ? 0 : 5;
+        }
+        aborter.join();
+        return rc;
+      }
+      auto deadline = std::chrono::steady_clock::now() + 10s;
+      while (!comm->error() && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(1ms);
+      }
+      try {
+        if (comm->error()) std::rethrow_exception(comm->error());
+        return 6;
+      } catch (const Aborted& e) {
+        return std::string(e.what()).find("worker 10 aborted") != std::string::npos ? 0 : 7;
+      } catch (...) {
+        return 8;
+      }
+    });
+  }
+  auto exits = group.waitAll(30s);
+  for (auto& e : exits) EXPECT_TRUE(e.exited && e.code == 0) << e.str();
+}
+
+// Two members whose allreduce calls do not match (1000 and 2000 floats) both fail promptly:
+// each lane operation starts with a header (dtype, operation number, bytes), so neither reads
+// the other's bytes as its own data or waits for bytes that never come. At least one of them
+// names the mismatch; the other may instead get its Aborted goodbye first.
+TEST(CommunicatorTest, MismatchedTwoMemberAllreduceFailsOnBoth) {
+  TcpStoreServer server{sinew::testing::serverOptions()};
+  ProcessGroup group;
+  for (int r = 0; r < 2; ++r) {
+    group.spawn([&, r] {
+      at::set_num_threads(1);
+      auto store = connect(server.port());
+      auto comm = createGlooCommunicator(store, options(workerIds(2), kWorkerBase + r, 0, 20s));
+      at::Tensor t = at::ones({1000 * (r + 1)}, at::kFloat);
+      auto start = std::chrono::steady_clock::now();
+      std::string outcome;
+      try {
+        comm->allreduce(t);
+        outcome = "completed";
+      } catch (const InvalidArgument& e) {
+        std::cerr << "rank " << r << ": " << e.what() << std::endl;
+        const std::string what = e.what();
+        outcome = what.find("do not match") != std::string::npos &&
+                          what.find(std::to_string(4000 * (1 - r) + 4000)) != std::string::npos
+                      ? "mismatch"
+                      : "other invalid argument";
+      } catch (const Aborted& e) {
+        std::cerr << "rank " << r << ": " << e.what() << std::endl;
+        outcome = "aborted";
+      } catch (const Error& e) {
+        outcome = std::string("unexpected: ") + e.what();
+      }
+      auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                    std::chrono::steady_clock::now() - start)
+                    .count();
+      store->set("outcome/" + std::to_string(r), toBytes(outcome));
+      return ms < 5000 ? 0 : 9;
+    });
+  }
+  auto exits = group.waitAll(60s);
+  for (auto& e : exits) EXPECT_TRUE(e.exited && e.code == 0) << e.str();
+  auto store = connect(server.port());
+  int mismatches = 0;
+  for (int r = 0; r < 2; ++r) {
+    std::string outcome = toString(store->get("outcome/" + std::to_string(r), 1s));
+    EXPECT_TRUE(outcome == "mismatch" || outcome == "aborted") << "rank " << r << ": " << outcome;
+    mismatches += outcome == "mismatch";
+  }
+  EXPECT_GE(mismatches, 1);
+}
+
+// A stranger on a lane port (a wrong token, then the right token with another epoch) is
+// refused, named in the set-up's timeout, and does not stop the members from connecting; the
+// lanes then carry bytes both ways.
+TEST(LanesTest, RefusesStrangersAndConnectsTheMembers) {
+  auto store = std::make_shared<HashStore>();
+  auto workerOf = [](int r) { return kWorkerBase + r; };
+  auto stranger = [&](uint64_t tokenXor, int64_t epoch) {
+    Bytes raw = store->get("lane/0", 10s);
+    std::istringstream is(toString(raw));
+    std::string host;
+    unsigned port = 0;
+    uint64_t nonce = 0;
+    is >> host >> port >> nonce;
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    ::inet_pton(AF_INET, host.c_str(), &a.sin_addr);
+    EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    uint8_t hello[32 + 16] = {};
+    transport::FrameHeader h;
+    h.service = transport::Service::kLane;
+    h.type = 1;
+    h.length = 16;
+    h.token = nonce ^ tokenXor;
+    h.epoch = epoch;
+    transport::encodeFrameHeader(h, hello);
+    hello[32] = 1;  // "rank 1"
+    EXPECT_EQ(::send(fd, hello, sizeof(hello), MSG_NOSIGNAL), ssize_t(sizeof(hello)));
+    // Refused: the listener closes the connection without a word.
+    pollfd p{fd, POLLIN, 0};
+    EXPECT_EQ(::poll(&p, 1, 5000), 1);
+    char c;
+    EXPECT_LE(::recv(fd, &c, 1, 0), 0);
+    ::close(fd);
+  };
+
+  // Alone, with a stranger: the deadline passes, and the error names the missing worker and
+  // why the stranger was refused.
+  {
+    std::string error;
+    std::thread alone([&] {
+      try {
+        Lanes lanes(*store, 0, 2, "127.0.0.1", 5, std::chrono::steady_clock::now() + 1500ms, "test",
+                    workerOf);
+      } catch (const Timeout& e) {
+        error = e.what();
+      }
+    });
+    stranger(1, 5);
+    alone.join();
+    EXPECT_NE(error.find("workers 11 did not connect in time"), std::string::npos) << error;
+    EXPECT_NE(error.find("wrong job token"), std::string::npos) << error;
+    store->deleteKey("lane/0");
+  }
+
+  std::unique_ptr<Lanes> a, b;
+  std::thread ta([&] {
+    a = std::make_unique<Lanes>(*store, 0, 2, "127.0.0.1", 5,
+                                std::chrono::steady_clock::now() + 20s, "test", workerOf);
+  });
+  stranger(1, 5);
+  stranger(0, 6);
+  std::thread tb([&] {
+    b = std::make_unique<Lanes>(*store, 1, 2, "127.0.0.1", 5,
+                                std::chrono::steady_clock::now() + 20s, "test", workerOf);
+  });
+  ta.join();
+  tb.join();
+  ASSERT_TRUE(a && b);
+  const char ping = 'p', pong = 'q';
+  char got = 0;
+  ASSERT_EQ(::send(a->sendFd(1), &ping, 1, MSG_NOSIGNAL), 1);
+  pollfd p{b->recvFd(0), POLLIN, 0};
+  ASSERT_EQ(::poll(&p, 1, 5000), 1);
+  ASSERT_EQ(::recv(b->recvFd(0), &got, 1, 0), 1);
+  EXPECT_EQ(got, ping);
+  ASSERT_EQ(::send(b->sendFd(0), &pong, 1, MSG_NOSIGNAL), 1);
+  p = {a->recvFd(1), POLLIN, 0};
+  ASSERT_EQ(::poll(&p, 1, 5000), 1);
+  ASSERT_EQ(::recv(a->recvFd(1), &got, 1, 0), 1);
+  EXPECT_EQ(got, pong);
 }
 
 // abort() from another thread ends a blocked recv with Aborted within 100 ms, and the
