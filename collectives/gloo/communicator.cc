@@ -372,7 +372,15 @@ void GlooCommunicator::connect(const std::shared_ptr<Store>& store) {
   try {
     device_ = gloo::transport::tcp::CreateDevice(attr);
     context_ = std::make_shared<gloo::rendezvous::Context>(rank_, size());
-    context_->setTimeout(options_.initTimeout);
+    // Gloo waits up to five times the context's timeout for a pair to connect (the
+    // "initial connect" case of tcp/pair.h's waitUntil): a member whose peer gave up before
+    // connecting to it was held for 5x the init timeout, far past the deadline (a flaky hang
+    // of MemberThatLeavesAsTheMeshConnectsGivesIoError, 1 to 2 plays in 6 runs). A fifth of
+    // what is left keeps every such wait within the deadline; the rendezvous' own waits use
+    // the deadline (GlooStoreAdapter), and no later wait uses this timeout (they pass their own).
+    context_->setTimeout(std::max(
+        std::chrono::milliseconds(1),
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()) / 5));
     auto gstore = std::make_shared<PrefixStore>("gloo", prefixed);
     GlooStoreAdapter adapter(gstore, deadline);
     context_->connectFullMesh(adapter, device_);
