@@ -375,9 +375,10 @@ void GlooCommunicator::connect(const std::shared_ptr<Store>& store) {
     // Gloo waits up to five times the context's timeout for a pair to connect (the
     // "initial connect" case of tcp/pair.h's waitUntil): a member whose peer gave up before
     // connecting to it was held for 5x the init timeout, far past the deadline (a flaky hang
-    // of MemberThatLeavesAsTheMeshConnectsGivesIoError, 1 to 2 plays in 6 runs). A fifth of
-    // what is left keeps every such wait within the deadline; the rendezvous' own waits use
-    // the deadline (GlooStoreAdapter), and no later wait uses this timeout (they pass their own).
+    // of MemberThatLeavesAsTheMeshConnectsGivesIoError, 1 to 2 plays in 6 runs). With a fifth
+    // of what is left, one such wait ends by the deadline (a second absent peer could add as
+    // much again); the rendezvous' own waits use the deadline (GlooStoreAdapter), and no later
+    // wait uses this timeout (they pass their own).
     context_->setTimeout(std::max(
         std::chrono::milliseconds(1),
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()) / 5));
@@ -387,12 +388,6 @@ void GlooCommunicator::connect(const std::shared_ptr<Store>& store) {
   } catch (const gloo::Exception& e) {
     SINEW_THROW(IoError, describe(), ": connecting to the members failed: ", e.what());
   }
-  // Two members reduce over a direct connection of their own (allreduceTwo).
-  if (size() == 2) {
-    lanes_ = std::make_unique<Lanes>(*prefixed, rank_, size(), options_.hostname, epoch(), deadline,
-                                     describe(), [this](int r) { return workerOf(r); });
-  }
-
   // 3. Post the control receives and start their watchers. A peer that left right after the
   //    mesh connected (it crashed, or gave up on this epoch) has a closed pair, on which
   //    posting throws Gloo's IoException: that is this constructor's error like any other
@@ -413,6 +408,30 @@ void GlooCommunicator::connect(const std::shared_ptr<Store>& store) {
   for (int r = 0; r < size(); ++r) {
     if (r == rank_) continue;
     watchers_.emplace_back([this, r] { watch(r); });
+  }
+
+  // 4. Two members reduce over connections of their own (allreduceTwo). Set up once the
+  //    watchers run, so that a peer that dies meanwhile ends the set-up within a slice (its
+  //    watcher fails this communicator) instead of at the deadline.
+  if (size() == 2) {
+    try {
+      auto lanes = std::make_unique<Lanes>(
+          *prefixed, rank_, size(), options_.hostname, epoch(), deadline, describe(),
+          [this](int r) { return workerOf(r); },
+          [this] { return failed_.load(std::memory_order_acquire); });
+      std::lock_guard<std::mutex> lock(mu_);
+      lanes_ = std::move(lanes);
+    } catch (...) {
+      {
+        // A lane that broke because the peer died or left: its watcher's verdict names the
+        // cause (PeerLost, or the peer's reason), as onPairError does.
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait_for(lock, kVerdictWait, [&] { return failure_ != nullptr; });
+        failLocked(std::current_exception(), GoodbyeKind::kAborted, self());
+      }
+      shutdown();
+      throwFailure();
+    }
   }
 }
 
@@ -692,7 +711,15 @@ void GlooCommunicator::shutdown() {
   if (timer_.joinable()) timer_.join();
   controlBufs_.clear();
   context_.reset();
-  lanes_.reset();  // After the goodbyes, so a peer in a lane operation learns why we left.
+  // After the goodbyes, so a peer in a lane operation learns why we left. Under mu_, as
+  // failLocked reads lanes_ (it cannot run here anyway: a failure is recorded before any
+  // shutdown, and failLocked returns early then).
+  std::unique_ptr<Lanes> lanes;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    lanes.swap(lanes_);
+  }
+  lanes.reset();
   device_.reset();
 }
 

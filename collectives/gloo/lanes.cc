@@ -32,7 +32,7 @@ using transport::Service;
 constexpr uint8_t kHello = 1;
 constexpr uint8_t kWelcome = 2;
 constexpr uint32_t kHelloBytes = 16;  // the connector's rank, which direction (i64 each)
-// A connection must complete its hello within this (bounded by the overall deadline), so a
+// A connection must complete its hello within this (bounded by the overall deadline), so each
 // stranger that connects and stays silent delays the set-up by at most this much.
 constexpr std::chrono::milliseconds kHandshakeBound{2000};
 
@@ -77,21 +77,27 @@ class Fd {
 
 std::string errnoText(const char* call) { return std::string(call) + ": " + std::strerror(errno); }
 
-// Waits until fd has one of `events`; false at the deadline.
-bool waitFor(int fd, short events, Clock::time_point deadline) {
+// Called between the slices of every wait; throws to give up (the owner failed, or its epoch
+// is over).
+using Tick = std::function<void()>;
+constexpr std::chrono::milliseconds kSlice{50};
+
+// Waits until fd has one of `events`; false at the deadline. Calls tick every slice.
+bool waitFor(int fd, short events, Clock::time_point deadline, const Tick& tick) {
   for (;;) {
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     if (left.count() <= 0) return false;
     pollfd p{fd, events, 0};
-    int rv = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count() + 1, 1000)));
+    int rv = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count() + 1, kSlice.count())));
     if (rv > 0) return true;
     if (rv < 0 && errno != EINTR) SINEW_THROW(IoError, errnoText("poll"));
+    tick();
   }
 }
 
 // Reads or writes exactly n bytes of a non-blocking socket before the deadline. Returns an
 // empty string on success, else why not ("timed out", "connection closed", an errno text).
-std::string readAll(int fd, void* data, size_t n, Clock::time_point deadline) {
+std::string readAll(int fd, void* data, size_t n, Clock::time_point deadline, const Tick& tick) {
   auto* p = static_cast<uint8_t*>(data);
   while (n > 0) {
     ssize_t rv = ::recv(fd, p, n, MSG_DONTWAIT);
@@ -101,7 +107,7 @@ std::string readAll(int fd, void* data, size_t n, Clock::time_point deadline) {
     } else if (rv == 0) {
       return "connection closed";
     } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      if (!waitFor(fd, POLLIN, deadline)) return "timed out";
+      if (!waitFor(fd, POLLIN, deadline, tick)) return "timed out";
     } else if (errno != EINTR) {
       return errnoText("recv");
     }
@@ -109,7 +115,8 @@ std::string readAll(int fd, void* data, size_t n, Clock::time_point deadline) {
   return {};
 }
 
-std::string writeAll(int fd, const void* data, size_t n, Clock::time_point deadline) {
+std::string writeAll(int fd, const void* data, size_t n, Clock::time_point deadline,
+                     const Tick& tick) {
   auto* p = static_cast<const uint8_t*>(data);
   while (n > 0) {
     ssize_t rv = ::send(fd, p, n, MSG_DONTWAIT | MSG_NOSIGNAL);
@@ -117,7 +124,7 @@ std::string writeAll(int fd, const void* data, size_t n, Clock::time_point deadl
       p += rv;
       n -= static_cast<size_t>(rv);
     } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      if (!waitFor(fd, POLLOUT, deadline)) return "timed out";
+      if (!waitFor(fd, POLLOUT, deadline, tick)) return "timed out";
     } else if (errno != EINTR) {
       return errnoText("send");
     }
@@ -184,7 +191,7 @@ Entry parseEntry(const Bytes& b, const std::string& what) {
 }
 
 void sendFrame(int fd, uint8_t type, uint64_t token, int64_t epoch, const void* payload, uint32_t n,
-               Clock::time_point deadline, const std::string& what) {
+               Clock::time_point deadline, const std::string& what, const Tick& tick) {
   uint8_t buf[kFrameHeaderBytes + kHelloBytes];
   FrameHeader h;
   h.service = Service::kLane;
@@ -194,7 +201,7 @@ void sendFrame(int fd, uint8_t type, uint64_t token, int64_t epoch, const void* 
   h.epoch = epoch;
   transport::encodeFrameHeader(h, buf);
   if (n > 0) std::memcpy(buf + kFrameHeaderBytes, payload, n);
-  std::string err = writeAll(fd, buf, kFrameHeaderBytes + n, deadline);
+  std::string err = writeAll(fd, buf, kFrameHeaderBytes + n, deadline, tick);
   if (!err.empty()) SINEW_THROW(IoError, what, ": ", err);
 }
 
@@ -212,7 +219,7 @@ const char* laneFrameTypeName(uint8_t type) {
 
 Lanes::Lanes(Store& store, int rank, int size, const std::string& host, int64_t epoch,
              Clock::time_point deadline, const std::string& describe,
-             const std::function<int(int)>& workerOf)
+             const std::function<int(int)>& workerOf, const std::function<bool()>& cancelled)
     : send_(size, -1), recv_(size, -1) {
   auto peerName = [&](int r) {
     std::ostringstream os;
@@ -232,27 +239,51 @@ Lanes::Lanes(Store& store, int rank, int size, const std::string& host, int64_t 
     Fd listener(::socket(self.family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
     if (listener.get() < 0) SINEW_THROW(IoError, describe, ": lanes: ", errnoText("socket"));
     if (::bind(listener.get(), reinterpret_cast<sockaddr*>(&self.addr), self.len) != 0 ||
-        ::listen(listener.get(), size) != 0) {
+        ::listen(listener.get(), SOMAXCONN) != 0) {
       SINEW_THROW(IoError, describe, ": lanes: cannot listen on ", host, ": ",
                   errnoText("bind/listen"));
     }
     sockaddr_storage bound{};
     socklen_t boundLen = sizeof(bound);
-    ::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&bound), &boundLen);
+    char numeric[NI_MAXHOST];
+    if (::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&bound), &boundLen) != 0 ||
+        ::getnameinfo(reinterpret_cast<sockaddr*>(&bound), boundLen, numeric, sizeof(numeric),
+                      nullptr, 0, NI_NUMERICHOST) != 0) {
+      SINEW_THROW(IoError, describe, ": lanes: cannot read the address bound on ", host);
+    }
+    // The bound address, not the name: a peer resolving the name on its own host could get
+    // another address.
     const uint64_t nonce = drawNonce();
-    std::string entry = host + " " + std::to_string(portOf(bound)) + " " + std::to_string(nonce);
-    store.set("lane/" + std::to_string(rank), Bytes(entry.begin(), entry.end()));
+    const std::string ownKey = "lane/" + std::to_string(rank);
+    std::string entry =
+        std::string(numeric) + " " + std::to_string(portOf(bound)) + " " + std::to_string(nonce);
+    store.set(ownKey, Bytes(entry.begin(), entry.end()));
+    // Between the slices of every wait: give up when the owner has failed (a watcher saw the
+    // peer die), and let a store that gives up when its epoch is over do so (its wait checks).
+    const Tick tick = [&] {
+      if (cancelled && cancelled()) {
+        SINEW_THROW(Aborted, describe, ": lane set-up given up: the communicator failed");
+      }
+      store.wait({ownKey}, std::chrono::milliseconds(1));
+    };
 
     // 2. Connect to every lower rank (they accept in step 3 of their own set-up; the kernel
     //    completes the connection before that, and the welcome waits for it).
     for (int q = 0; q < rank; ++q) {
       const std::string what = peerName(q);
-      Bytes raw;
-      try {
-        raw = store.get("lane/" + std::to_string(q), left());
-      } catch (const Timeout&) {
-        SINEW_THROW(Timeout, what, ": the member did not publish its lane in time");
+      const std::string key = "lane/" + std::to_string(q);
+      for (;;) {
+        try {
+          store.wait({key}, std::min<std::chrono::milliseconds>(left(), kSlice));
+          break;
+        } catch (const Timeout&) {
+          if (Clock::now() >= deadline) {
+            SINEW_THROW(Timeout, what, ": the member did not publish its lane in time");
+          }
+        }
+        tick();
       }
+      Bytes raw = store.get(key, left());
       Entry e = parseEntry(raw, what);
       Resolved addr = resolve(e.host, e.port, what);
       for (int dir = 0; dir < 2; ++dir) {  // 0: this rank sends on it, 1: it receives
@@ -263,7 +294,7 @@ Lanes::Lanes(Store& store, int rank, int size, const std::string& host, int64_t 
           SINEW_THROW(IoError, what, ": connecting to ", e.host, ":", e.port, ": ",
                       errnoText("connect"));
         }
-        if (!waitFor(s.get(), POLLOUT, deadline)) {
+        if (!waitFor(s.get(), POLLOUT, deadline, tick)) {
           SINEW_THROW(Timeout, what, ": connecting to ", e.host, ":", e.port, " timed out");
         }
         int soerr = 0;
@@ -277,9 +308,9 @@ Lanes::Lanes(Store& store, int rank, int size, const std::string& host, int64_t 
         uint8_t payload[kHelloBytes];
         ::sinew::detail::storeLe(payload, static_cast<uint64_t>(rank), 8);
         ::sinew::detail::storeLe(payload + 8, static_cast<uint64_t>(dir), 8);
-        sendFrame(s.get(), kHello, e.nonce, epoch, payload, kHelloBytes, deadline, what);
+        sendFrame(s.get(), kHello, e.nonce, epoch, payload, kHelloBytes, deadline, what, tick);
         uint8_t answer[kFrameHeaderBytes];
-        std::string err = readAll(s.get(), answer, sizeof(answer), deadline);
+        std::string err = readAll(s.get(), answer, sizeof(answer), deadline, tick);
         if (!err.empty()) SINEW_THROW(IoError, what, ": waiting for its welcome: ", err);
         FrameHeader h = transport::parseFrameHeader(answer, laneRules(nonce));
         if (h.type != kWelcome || h.epoch != epoch) {
@@ -294,7 +325,7 @@ Lanes::Lanes(Store& store, int rank, int size, const std::string& host, int64_t 
     int missing = 2 * (size - 1 - rank);
     std::string lastRefusal;
     while (missing > 0) {
-      if (!waitFor(listener.get(), POLLIN, deadline)) {
+      if (!waitFor(listener.get(), POLLIN, deadline, tick)) {
         std::ostringstream os;
         os << describe << ": lanes: workers";
         for (int r = rank + 1; r < size; ++r) {
@@ -305,10 +336,18 @@ Lanes::Lanes(Store& store, int rank, int size, const std::string& host, int64_t 
         SINEW_THROW(Timeout, os.str());
       }
       Fd s(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-      if (s.get() < 0) continue;  // EAGAIN, or a connection reset before we took it.
+      if (s.get() < 0) {
+        // Nothing to take after all, or a connection reset before we took it; anything else
+        // (out of descriptors) would come back at once and spin until the deadline.
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED ||
+            errno == EPROTO) {
+          continue;
+        }
+        SINEW_THROW(IoError, describe, ": lanes: ", errnoText("accept"));
+      }
       auto bound = std::min(deadline, Clock::now() + kHandshakeBound);
       uint8_t hello[kFrameHeaderBytes + kHelloBytes];
-      std::string err = readAll(s.get(), hello, kFrameHeaderBytes, bound);
+      std::string err = readAll(s.get(), hello, kFrameHeaderBytes, bound, tick);
       if (!err.empty()) {
         lastRefusal = "no hello: " + err;
         continue;
@@ -322,7 +361,7 @@ Lanes::Lanes(Store& store, int rank, int size, const std::string& host, int64_t 
                       " payload bytes, got ", laneFrameTypeName(h.type), " of epoch ", h.epoch,
                       " with ", h.length);
         }
-        err = readAll(s.get(), hello + kFrameHeaderBytes, kHelloBytes, bound);
+        err = readAll(s.get(), hello + kFrameHeaderBytes, kHelloBytes, bound, tick);
         if (!err.empty()) SINEW_THROW(Corruption, "hello payload: ", err);
         const uint64_t r = ::sinew::detail::loadLe(hello + kFrameHeaderBytes, 8);
         const uint64_t d = ::sinew::detail::loadLe(hello + kFrameHeaderBytes + 8, 8);
@@ -342,7 +381,7 @@ Lanes::Lanes(Store& store, int rank, int size, const std::string& host, int64_t 
       }
       const std::string what = peerName(from);
       Entry e = parseEntry(store.get("lane/" + std::to_string(from), left()), what);
-      sendFrame(s.get(), kWelcome, e.nonce, epoch, nullptr, 0, deadline, what);
+      sendFrame(s.get(), kWelcome, e.nonce, epoch, nullptr, 0, deadline, what, tick);
       setNoDelay(s.get());
       (dir == 0 ? recv_ : send_)[from] = s.release();
       missing--;

@@ -7,13 +7,15 @@
 // point); a lane carries only the bulk bytes of the operations that use it.
 //
 // Set-up: every member listens on an ephemeral port of its host and publishes
-// "lane/<rank>" = "<host> <port> <nonce>" in the communicator's store namespace; the nonce is
+// "lane/<rank>" = "<address> <port> <nonce>" (the numeric address it bound) in the
+// communicator's store namespace; the nonce is
 // 64 random bits, so only a process that can read the store (which takes the job token) can
 // open a lane. The higher rank of each pair connects and sends a hello frame (Sinew's frame
-// header, service "collective lane", the listener's nonce as token, the epoch, and its rank
-// as payload); the listener checks the header before it allocates anything, answers with a
-// welcome frame carrying the connector's nonce, and the connector checks that. A connection
-// that fails the check is closed and the listener keeps accepting until its deadline.
+// header, service "collective lane", the listener's nonce as token, the epoch, its rank and
+// the direction as payload), once for each direction; the listener checks the header before it
+// allocates anything, answers with a welcome frame carrying the connector's nonce, and the
+// connector checks that. A connection that fails the check is closed and the listener keeps
+// accepting until its deadline.
 //
 // Thread safety: fd() and the set-up are for the owner; wake() may be called from any thread.
 
@@ -34,11 +36,14 @@ class Lanes {
 
   // Connects rank `rank` of `size` to every other rank; `store` is the communicator's own
   // namespace (keys "lane/<rank>"). `describe` prefixes error messages; `workerOf` names a
-  // rank's worker in them. Throws Timeout (a member did not appear or connect in time),
-  // IoError (a socket call failed) naming the peer.
+  // rank's worker in them. Every wait goes in slices of 50 ms; between them `cancelled` (may be
+  // empty) is asked whether to give up (Aborted), and `store` gets a 1 ms wait on this rank's
+  // own key, so a store that gives up when its epoch is over can do so. Throws Timeout (a
+  // member did not appear or connect in time), IoError (a socket call failed) naming the peer,
+  // Aborted (cancelled), or what the store throws.
   Lanes(Store& store, int rank, int size, const std::string& host, int64_t epoch,
         Clock::time_point deadline, const std::string& describe,
-        const std::function<int(int)>& workerOf);
+        const std::function<int(int)>& workerOf, const std::function<bool()>& cancelled = {});
   ~Lanes();
   Lanes(const Lanes&) = delete;
   Lanes& operator=(const Lanes&) = delete;
@@ -61,7 +66,7 @@ class Lanes {
   int wake_ = -1;
 };
 
-// The lane frames' rules (service "collective lane"); exposed for the fuzzer and tests.
+// The names of the lane frames' types (service "collective lane").
 // Types: 1 hello (16-byte payload: the connector's rank, and 0 if the connector sends on the
 // connection or 1 if it receives), 2 welcome (no payload).
 const char* laneFrameTypeName(uint8_t type);

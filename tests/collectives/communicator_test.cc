@@ -449,14 +449,17 @@ TEST(CommunicatorFailureTest, AbortUnblocksATwoMemberAllreduce) {
       auto comm = createGlooCommunicator(store, options(workerIds(2), kWorkerBase + r, 0));
       if (r == 0) {
         std::atomic<int64_t> abortedAt{0};
+        std::atomic<bool> entering{false};
+        at::Tensor t = at::ones({16 * 1024 * 1024}, at::kFloat);  // 64 MiB: more than sockets hold
         std::thread aborter([&] {
-          std::this_thread::sleep_for(300ms);  // Let the allreduce block first.
+          while (!entering) std::this_thread::sleep_for(1ms);
+          std::this_thread::sleep_for(300ms);  // Let the allreduce block in its loop first.
           abortedAt = monotonicMicros();
           comm->abort();
         });
-        at::Tensor t = at::ones({16 * 1024 * 1024}, at::kFloat);  // 64 MiB: more than sockets hold
         int rc = 1;
         try {
+          entering = true;
           comm->allreduce(t);  // Rank 1 never joins.
         } catch (const Aborted&) {
           int64_t latency = monotonicMicros() - abortedAt.load();
@@ -597,12 +600,26 @@ TEST(LanesTest, RefusesStrangersAndConnectsTheMembers) {
   });
   stranger(1, 5);
   stranger(0, 6);
+  // A stranger that connects and says nothing holds the listener for at most 2 s.
+  int silent = ::socket(AF_INET, SOCK_STREAM, 0);
+  {
+    std::istringstream is(toString(store->get("lane/0", 10s)));
+    std::string host;
+    unsigned port = 0;
+    is >> host >> port;
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    ::inet_pton(AF_INET, host.c_str(), &addr.sin_addr);
+    EXPECT_EQ(::connect(silent, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  }
   std::thread tb([&] {
     b = std::make_unique<Lanes>(*store, 1, 2, "127.0.0.1", 5,
                                 std::chrono::steady_clock::now() + 20s, "test", workerOf);
   });
   ta.join();
   tb.join();
+  ::close(silent);
   ASSERT_TRUE(a && b);
   const char ping = 'p', pong = 'q';
   char got = 0;
@@ -770,6 +787,77 @@ TEST(CommunicatorFailureTest, MemberThatLeavesAsTheMeshConnectsGivesIoError) {
           << "play " << play << ", rank " << r << " " << exits[r].str();
     }
   }
+}
+
+// Exits the process (no goodbye: its sockets just close) when asked for a key that ends with
+// `suffix`.
+class DyingStore : public Store {
+ public:
+  DyingStore(std::shared_ptr<Store> inner, std::string suffix)
+      : inner_(std::move(inner)), suffix_(std::move(suffix)) {}
+  void set(const std::string& key, const Bytes& value) override { inner_->set(key, value); }
+  Bytes get(const std::string& key, std::chrono::milliseconds timeout) override {
+    dieOn(key);
+    return inner_->get(key, timeout);
+  }
+  int64_t add(const std::string& key, int64_t delta) override { return inner_->add(key, delta); }
+  Bytes compareSet(const std::string& key, const Bytes& expected, const Bytes& desired) override {
+    return inner_->compareSet(key, expected, desired);
+  }
+  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
+    for (const auto& k : keys) dieOn(k);
+    inner_->wait(keys, timeout);
+  }
+  bool check(const std::vector<std::string>& keys) override { return inner_->check(keys); }
+  bool deleteKey(const std::string& key) override { return inner_->deleteKey(key); }
+
+ private:
+  void dieOn(const std::string& key) {
+    if (key.size() >= suffix_.size() &&
+        key.compare(key.size() - suffix_.size(), suffix_.size(), suffix_) == 0) {
+      _exit(0);
+    }
+  }
+  const std::shared_ptr<Store> inner_;
+  const std::string suffix_;
+};
+
+// Two members: the higher rank dies after Gloo's mesh connected, as it is about to connect its
+// lanes. The other, waiting for its lanes, must learn of the death from its watcher within a
+// slice (PeerLost naming the worker), not wait out the init timeout (20 s here).
+TEST(CommunicatorFailureTest, TwoMemberPeerThatDiesDuringLaneSetUpIsLostPromptly) {
+  TcpStoreServer server{sinew::testing::serverOptions()};
+  ProcessGroup group;
+  for (int r = 0; r < 2; ++r) {
+    group.spawn([&, r] {
+      at::set_num_threads(1);
+      auto store = connect(server.port());
+      auto o = options(workerIds(2), kWorkerBase + r, 0);
+      o.initTimeout = 20s;
+      if (r == 1) {
+        auto dying = std::make_shared<DyingStore>(store, "/lane/0");
+        auto comm = createGlooCommunicator(dying, o);
+        return 3;  // Never: it exits on reading rank 0's lane.
+      }
+      auto start = std::chrono::steady_clock::now();
+      try {
+        auto comm = createGlooCommunicator(store, o);
+        std::cerr << "rank 0: built a communicator with a dead member" << std::endl;
+        return 4;
+      } catch (const PeerLost& e) {
+        auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                      std::chrono::steady_clock::now() - start)
+                      .count();
+        std::cerr << "rank 0: " << e.what() << " after " << ms << " ms" << std::endl;
+        return e.worker() == kWorkerBase + 1 && ms < 5000 ? 0 : 5;
+      } catch (const Error& e) {
+        std::cerr << "rank 0: " << e.what() << std::endl;
+        return 6;
+      }
+    });
+  }
+  auto exits = group.waitAll(60s);
+  for (auto& e : exits) EXPECT_TRUE(e.exited && e.code == 0) << e.str();
 }
 
 // Ten failures and rebuilds in a row: each epoch one member aborts mid-job; everyone
