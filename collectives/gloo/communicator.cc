@@ -915,28 +915,26 @@ void GlooCommunicator::allreduceTwo(at::Tensor& t, std::chrono::milliseconds tim
         }
       }
       // Receive: the header first, then as much of the payload as scratch has room for.
+      char* dst = nullptr;
+      size_t want = 0;
       if (headerRecv < sizeof(in)) {
-        ssize_t rv = ::recv(rfd, reinterpret_cast<char*>(&in) + headerRecv, sizeof(in) - headerRecv,
-                            MSG_DONTWAIT);
-        if (rv > 0) {
-          headerRecv += static_cast<size_t>(rv);
-          progress = true;
-          if (headerRecv == sizeof(in)) checkLaneHeader(in, out, peer);
-        } else if (rv == 0) {
-          onPairError(peer, "lane: connection closed");
-        } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-          onPairError(peer, std::string("lane recv: ") + std::strerror(errno));
-        } else {
-          recvEvents = POLLIN;
-        }
+        dst = reinterpret_cast<char*>(&in) + headerRecv;
+        want = sizeof(in) - headerRecv;
       } else if (recvd < bytes && recvd - reduced < cap) {
         const size_t pos = recvd % cap;
-        const size_t n =
-            std::min({cap - (recvd - reduced), cap - pos, bytes - recvd, kLaneChunkBytes});
-        ssize_t rv = ::recv(rfd, scratch + pos, n, MSG_DONTWAIT);
+        dst = scratch + pos;
+        want = std::min({cap - (recvd - reduced), cap - pos, bytes - recvd, kLaneChunkBytes});
+      }
+      if (want > 0) {
+        ssize_t rv = ::recv(rfd, dst, want, MSG_DONTWAIT);
         if (rv > 0) {
-          recvd += static_cast<size_t>(rv);
           progress = true;
+          if (headerRecv < sizeof(in)) {
+            headerRecv += static_cast<size_t>(rv);
+            if (headerRecv == sizeof(in)) checkLaneHeader(in, out, peer);
+          } else {
+            recvd += static_cast<size_t>(rv);
+          }
         } else if (rv == 0) {
           onPairError(peer, "lane: connection closed");
         } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {

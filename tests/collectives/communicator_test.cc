@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
 #include <iostream>
 #include <sstream>
 #include <thread>
@@ -366,6 +367,48 @@ TEST(CommunicatorFailureTest, SigkillDuringAllreduce) { sigkillDuringAllreduce(4
 TEST(CommunicatorFailureTest, SigkillDuringTwoMemberAllreduce) { sigkillDuringAllreduce(2, 1); }
 
 // SIGSTOP one member: survivors get Timeout at their deadline (+-200 ms), then rebuild.
+// Runs `blockingOp` (which blocks: the peer never takes part) and calls abort() from another
+// thread 300 ms after entering it: the op must throw Aborted within 100 ms of the abort. A
+// child's exit code: 0 when it does.
+int abortDuring(Communicator& comm, const std::function<void()>& blockingOp) {
+  std::atomic<int64_t> abortedAt{0};
+  std::atomic<bool> entering{false};
+  std::thread aborter([&] {
+    while (!entering) std::this_thread::sleep_for(1ms);
+    std::this_thread::sleep_for(300ms);  // Let the op block first.
+    abortedAt = monotonicMicros();
+    comm.abort();
+  });
+  int rc = 1;
+  try {
+    entering = true;
+    blockingOp();
+  } catch (const Aborted&) {
+    int64_t latency = monotonicMicros() - abortedAt.load();
+    std::cerr << "abort latency " << latency << " us" << std::endl;
+    rc = latency < 100000 ? 0 : 5;
+  }
+  aborter.join();
+  return rc;
+}
+
+// The idle member of an abort test: its communicator must fail on its own, with Aborted
+// naming worker 10 (the one that aborted). A child's exit code: 0 when it does.
+int idleMemberSeesWorker10Abort(Communicator& comm) {
+  auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (!comm.error() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(1ms);
+  }
+  try {
+    if (comm.error()) std::rethrow_exception(comm.error());
+    return 6;
+  } catch (const Aborted& e) {
+    return std::string(e.what()).find("worker 10 aborted") != std::string::npos ? 0 : 7;
+  } catch (...) {
+    return 8;
+  }
+}
+
 void sigstopGivesTimeoutAtDeadline(const int kWorld, const int kVictim) {
   constexpr auto kOpTimeout = 1500ms;
   TcpStoreServer server{sinew::testing::serverOptions()};
@@ -448,39 +491,10 @@ TEST(CommunicatorFailureTest, AbortUnblocksATwoMemberAllreduce) {
       auto store = connect(server.port());
       auto comm = createGlooCommunicator(store, options(workerIds(2), kWorkerBase + r, 0));
       if (r == 0) {
-        std::atomic<int64_t> abortedAt{0};
-        std::atomic<bool> entering{false};
         at::Tensor t = at::ones({16 * 1024 * 1024}, at::kFloat);  // 64 MiB: more than sockets hold
-        std::thread aborter([&] {
-          while (!entering) std::this_thread::sleep_for(1ms);
-          std::this_thread::sleep_for(300ms);  // Let the allreduce block in its loop first.
-          abortedAt = monotonicMicros();
-          comm->abort();
-        });
-        int rc = 1;
-        try {
-          entering = true;
-          comm->allreduce(t);  // Rank 1 never joins.
-        } catch (const Aborted&) {
-          int64_t latency = monotonicMicros() - abortedAt.load();
-          std::cerr << "abort latency " << latency << " us" << std::endl;
-          rc = latency < 100000 ? 0 : 5;
-        }
-        aborter.join();
-        return rc;
+        return abortDuring(*comm, [&] { comm->allreduce(t); });   // Rank 1 never joins.
       }
-      auto deadline = std::chrono::steady_clock::now() + 10s;
-      while (!comm->error() && std::chrono::steady_clock::now() < deadline) {
-        std::this_thread::sleep_for(1ms);
-      }
-      try {
-        if (comm->error()) std::rethrow_exception(comm->error());
-        return 6;
-      } catch (const Aborted& e) {
-        return std::string(e.what()).find("worker 10 aborted") != std::string::npos ? 0 : 7;
-      } catch (...) {
-        return 8;
-      }
+      return idleMemberSeesWorker10Abort(*comm);
     });
   }
   auto exits = group.waitAll(30s);
@@ -646,56 +660,26 @@ TEST(CommunicatorFailureTest, AbortFromAnotherThreadUnblocks) {
       auto store = connect(server.port());
       auto comm = createGlooCommunicator(store, options(workerIds(2), kWorkerBase + r, 0));
       if (r == 0) {
-        std::atomic<int64_t> abortedAt{0};
-        std::thread aborter([&] {
-          std::this_thread::sleep_for(300ms);  // Let recv block first.
-          abortedAt = monotonicMicros();
-          comm->abort();
-        });
         at::Tensor t = at::zeros({16});
-        int rc = 1;
-        try {
-          comm->recv(t, 1, 3);  // Rank 1 never sends.
-        } catch (const Aborted&) {
-          int64_t latency = monotonicMicros() - abortedAt.load();
-          std::cerr << "abort latency " << latency << " us" << std::endl;
-          rc = latency < 100000 ? 0 : 5;
-        }
-        aborter.join();
-        return rc;
+        return abortDuring(*comm, [&] { comm->recv(t, 1, 3); });  // Rank 1 never sends.
       }
       // Rank 1 is idle; its communicator notices the abort as an error.
-      auto deadline = std::chrono::steady_clock::now() + 10s;
-      while (!comm->error() && std::chrono::steady_clock::now() < deadline) {
-        std::this_thread::sleep_for(1ms);
-      }
-      try {
-        if (comm->error()) std::rethrow_exception(comm->error());
-        return 6;
-      } catch (const Aborted& e) {
-        return std::string(e.what()).find("worker 10 aborted") != std::string::npos ? 0 : 7;
-      } catch (...) {
-        return 8;
-      }
+      return idleMemberSeesWorker10Abort(*comm);
     });
   }
   auto exits = group.waitAll(30s);
   for (auto& e : exits) EXPECT_TRUE(e.exited && e.code == 0) << e.str();
 }
 
-// Forwards to another store, but holds back the first read of a key that ends with `suffix`
-// until `gate` is set, and then for `grace` more: a member's rendezvous stalls there.
-class StallingStore : public Store {
+// Forwards to another store, and calls `onRead` with every key a get or a wait asks for,
+// before forwarding: a test hooks a member's rendezvous there.
+class HookedStore : public Store {
  public:
-  StallingStore(std::shared_ptr<Store> inner, std::string suffix, std::string gate,
-                std::chrono::milliseconds grace)
-      : inner_(std::move(inner)),
-        suffix_(std::move(suffix)),
-        gate_(std::move(gate)),
-        grace_(grace) {}
+  HookedStore(std::shared_ptr<Store> inner, std::function<void(const std::string&)> onRead)
+      : inner_(std::move(inner)), onRead_(std::move(onRead)) {}
   void set(const std::string& key, const Bytes& value) override { inner_->set(key, value); }
   Bytes get(const std::string& key, std::chrono::milliseconds timeout) override {
-    stall(key);
+    onRead_(key);
     return inner_->get(key, timeout);
   }
   int64_t add(const std::string& key, int64_t delta) override { return inner_->add(key, delta); }
@@ -703,28 +687,34 @@ class StallingStore : public Store {
     return inner_->compareSet(key, expected, desired);
   }
   void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
-    for (const auto& k : keys) stall(k);
+    for (const auto& k : keys) onRead_(k);
     inner_->wait(keys, timeout);
   }
   bool check(const std::vector<std::string>& keys) override { return inner_->check(keys); }
   bool deleteKey(const std::string& key) override { return inner_->deleteKey(key); }
 
  private:
-  void stall(const std::string& key) {
-    if (stalled_ || key.size() < suffix_.size() ||
-        key.compare(key.size() - suffix_.size(), suffix_.size(), suffix_) != 0) {
-      return;
-    }
-    stalled_ = true;
-    inner_->wait({gate_}, 30s);
-    std::this_thread::sleep_for(grace_);
-  }
-
   const std::shared_ptr<Store> inner_;
-  const std::string suffix_, gate_;
-  const std::chrono::milliseconds grace_;
-  bool stalled_ = false;
+  const std::function<void(const std::string&)> onRead_;
 };
+
+bool endsWith(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// Holds back the first read of a key that ends with `suffix` until `gate` is set in `inner`,
+// and then for `grace` more: a member's rendezvous stalls there.
+std::shared_ptr<Store> stallingStore(std::shared_ptr<Store> inner, std::string suffix,
+                                     std::string gate, std::chrono::milliseconds grace) {
+  auto stalled = std::make_shared<bool>(false);
+  return std::make_shared<HookedStore>(inner, [=](const std::string& key) {
+    if (*stalled || !endsWith(key, suffix)) return;
+    *stalled = true;
+    inner->wait({gate}, 30s);
+    std::this_thread::sleep_for(grace);
+  });
+}
 
 // A member that leaves (its process exits) right after its side of the mesh connected, while
 // another member is still connecting to a third. Whoever finds a connection to it closed must
@@ -755,7 +745,7 @@ TEST(CommunicatorFailureTest, MemberThatLeavesAsTheMeshConnectsGivesIoError) {
           _exit(0);  // Its sockets close with the process, without a goodbye.
         }
         if (r == 1) {
-          auto stalling = std::make_shared<StallingStore>(store, "/gloo/2", gone, 500ms);
+          auto stalling = stallingStore(store, "/gloo/2", gone, 500ms);
           int rc = 0;
           try {
             auto comm = createGlooCommunicator(stalling, o);
@@ -789,39 +779,6 @@ TEST(CommunicatorFailureTest, MemberThatLeavesAsTheMeshConnectsGivesIoError) {
   }
 }
 
-// Exits the process (no goodbye: its sockets just close) when asked for a key that ends with
-// `suffix`.
-class DyingStore : public Store {
- public:
-  DyingStore(std::shared_ptr<Store> inner, std::string suffix)
-      : inner_(std::move(inner)), suffix_(std::move(suffix)) {}
-  void set(const std::string& key, const Bytes& value) override { inner_->set(key, value); }
-  Bytes get(const std::string& key, std::chrono::milliseconds timeout) override {
-    dieOn(key);
-    return inner_->get(key, timeout);
-  }
-  int64_t add(const std::string& key, int64_t delta) override { return inner_->add(key, delta); }
-  Bytes compareSet(const std::string& key, const Bytes& expected, const Bytes& desired) override {
-    return inner_->compareSet(key, expected, desired);
-  }
-  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
-    for (const auto& k : keys) dieOn(k);
-    inner_->wait(keys, timeout);
-  }
-  bool check(const std::vector<std::string>& keys) override { return inner_->check(keys); }
-  bool deleteKey(const std::string& key) override { return inner_->deleteKey(key); }
-
- private:
-  void dieOn(const std::string& key) {
-    if (key.size() >= suffix_.size() &&
-        key.compare(key.size() - suffix_.size(), suffix_.size(), suffix_) == 0) {
-      _exit(0);
-    }
-  }
-  const std::shared_ptr<Store> inner_;
-  const std::string suffix_;
-};
-
 // Two members: the higher rank dies after Gloo's mesh connected, as it is about to connect its
 // lanes. The other, waiting for its lanes, must learn of the death from its watcher within a
 // slice (PeerLost naming the worker), not wait out the init timeout (20 s here).
@@ -835,7 +792,9 @@ TEST(CommunicatorFailureTest, TwoMemberPeerThatDiesDuringLaneSetUpIsLostPromptly
       auto o = options(workerIds(2), kWorkerBase + r, 0);
       o.initTimeout = 20s;
       if (r == 1) {
-        auto dying = std::make_shared<DyingStore>(store, "/lane/0");
+        auto dying = std::make_shared<HookedStore>(store, [](const std::string& key) {
+          if (endsWith(key, "/lane/0")) _exit(0);  // No goodbye: its sockets just close.
+        });
         auto comm = createGlooCommunicator(dying, o);
         return 3;  // Never: it exits on reading rank 0's lane.
       }
