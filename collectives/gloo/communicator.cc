@@ -147,9 +147,6 @@ size_t segmentsFor(size_t maxBlockBytes) {
   return std::max<size_t>(1, (maxBlockBytes + kSegmentBytes - 1) / kSegmentBytes);
 }
 
-// Blocks of a fixed 64 bytes' worth of elements, which the compiler turns into vector adds even
-// at -O2 (its cheap cost model vectorises only loops with a known trip count and no aliasing),
-// then the tail. Twice as fast as the plain loop on the allreduce bench's 16 MiB.
 // A spin-wait hint to the CPU (x86 PAUSE): lets a hyperthread sibling run.
 inline void cpuRelax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -157,6 +154,9 @@ inline void cpuRelax() {
 #endif
 }
 
+// Blocks of a fixed 64 bytes' worth of elements, which the compiler turns into vector adds even
+// at -O2 (its cheap cost model vectorises only loops with a known trip count and no aliasing),
+// then the tail. Twice as fast as the plain loop on the allreduce bench's 16 MiB.
 template <typename T>
 void addInto(T* __restrict dst, const T* __restrict src, size_t n) {
   constexpr size_t kBlock = 64 / sizeof(T);
@@ -388,6 +388,7 @@ void GlooCommunicator::connect(const std::shared_ptr<Store>& store) {
   } catch (const gloo::Exception& e) {
     SINEW_THROW(IoError, describe(), ": connecting to the members failed: ", e.what());
   }
+
   // 3. Post the control receives and start their watchers. A peer that left right after the
   //    mesh connected (it crashed, or gave up on this epoch) has a closed pair, on which
   //    posting throws Gloo's IoException: that is this constructor's error like any other

@@ -409,6 +409,23 @@ int idleMemberSeesWorker10Abort(Communicator& comm) {
   }
 }
 
+// Two members: rank 0 runs `rank0` (an abortDuring of some blocking op), rank 1 stays idle
+// and must see its communicator fail with worker 10's abort. Both children must exit 0.
+void abortUnblocksTwoMemberOp(const std::function<int(Communicator&)>& rank0) {
+  TcpStoreServer server{sinew::testing::serverOptions()};
+  ProcessGroup group;
+  for (int r = 0; r < 2; ++r) {
+    group.spawn([&, r] {
+      at::set_num_threads(1);
+      auto store = connect(server.port());
+      auto comm = createGlooCommunicator(store, options(workerIds(2), kWorkerBase + r, 0));
+      return r == 0 ? rank0(*comm) : idleMemberSeesWorker10Abort(*comm);
+    });
+  }
+  auto exits = group.waitAll(30s);
+  for (auto& e : exits) EXPECT_TRUE(e.exited && e.code == 0) << e.str();
+}
+
 void sigstopGivesTimeoutAtDeadline(const int kWorld, const int kVictim) {
   constexpr auto kOpTimeout = 1500ms;
   TcpStoreServer server{sinew::testing::serverOptions()};
@@ -483,22 +500,10 @@ TEST(CommunicatorFailureTest, SigstopDuringTwoMemberAllreduceGivesTimeoutAtDeadl
 // sockets, the peer never reads them) with Aborted within 100 ms; the peer learns that this
 // worker aborted.
 TEST(CommunicatorFailureTest, AbortUnblocksATwoMemberAllreduce) {
-  TcpStoreServer server{sinew::testing::serverOptions()};
-  ProcessGroup group;
-  for (int r = 0; r < 2; ++r) {
-    group.spawn([&, r] {
-      at::set_num_threads(1);
-      auto store = connect(server.port());
-      auto comm = createGlooCommunicator(store, options(workerIds(2), kWorkerBase + r, 0));
-      if (r == 0) {
-        at::Tensor t = at::ones({16 * 1024 * 1024}, at::kFloat);  // 64 MiB: more than sockets hold
-        return abortDuring(*comm, [&] { comm->allreduce(t); });   // Rank 1 never joins.
-      }
-      return idleMemberSeesWorker10Abort(*comm);
-    });
-  }
-  auto exits = group.waitAll(30s);
-  for (auto& e : exits) EXPECT_TRUE(e.exited && e.code == 0) << e.str();
+  abortUnblocksTwoMemberOp([](Communicator& comm) {
+    at::Tensor t = at::ones({16 * 1024 * 1024}, at::kFloat);  // 64 MiB: more than sockets hold
+    return abortDuring(comm, [&] { comm.allreduce(t); });     // Rank 1 never joins.
+  });
 }
 
 // Two members whose allreduce calls do not match (1000 and 2000 floats) both fail promptly:
@@ -652,23 +657,10 @@ TEST(LanesTest, RefusesStrangersAndConnectsTheMembers) {
 // abort() from another thread ends a blocked recv with Aborted within 100 ms, and the
 // peer learns that this worker aborted.
 TEST(CommunicatorFailureTest, AbortFromAnotherThreadUnblocks) {
-  TcpStoreServer server{sinew::testing::serverOptions()};
-  ProcessGroup group;
-  for (int r = 0; r < 2; ++r) {
-    group.spawn([&, r] {
-      at::set_num_threads(1);
-      auto store = connect(server.port());
-      auto comm = createGlooCommunicator(store, options(workerIds(2), kWorkerBase + r, 0));
-      if (r == 0) {
-        at::Tensor t = at::zeros({16});
-        return abortDuring(*comm, [&] { comm->recv(t, 1, 3); });  // Rank 1 never sends.
-      }
-      // Rank 1 is idle; its communicator notices the abort as an error.
-      return idleMemberSeesWorker10Abort(*comm);
-    });
-  }
-  auto exits = group.waitAll(30s);
-  for (auto& e : exits) EXPECT_TRUE(e.exited && e.code == 0) << e.str();
+  abortUnblocksTwoMemberOp([](Communicator& comm) {
+    at::Tensor t = at::zeros({16});
+    return abortDuring(comm, [&] { comm.recv(t, 1, 3); });  // Rank 1 never sends.
+  });
 }
 
 // Forwards to another store, and calls `onRead` with every key a get or a wait asks for,
