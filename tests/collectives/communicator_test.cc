@@ -496,6 +496,59 @@ TEST(CommunicatorFailureTest, SigstopDuringTwoMemberAllreduceGivesTimeoutAtDeadl
   sigstopGivesTimeoutAtDeadline(2, 1);
 }
 
+// Operations do not wake the deadline timer; it sleeps until the deadline it last saw. An
+// operation whose deadline is earlier than that (a 300 ms allreduce after 60 s ones) must
+// still time out at its own deadline, not the earlier operation's, on the lanes and on the
+// ring alike. Rank 0 is the one left alone; the others wait for its verdict, not joining.
+void shortDeadlineAfterLongOnes(const int kWorld) {
+  TcpStoreServer server{sinew::testing::serverOptions()};
+  ProcessGroup group;
+  for (int r = 0; r < kWorld; ++r) {
+    group.spawn([&, r] {
+      at::set_num_threads(1);
+      auto store = connect(server.port());
+      auto comm = createGlooCommunicator(store, options(workerIds(kWorld), kWorkerBase + r, 0));
+      at::Tensor t = at::ones({1000}, at::kFloat);
+      for (int i = 0; i < 3; ++i) comm->allreduce(t, ReduceOp::kSum, 60s);
+      if (r != 0) {
+        store->wait({"verdict"}, 30s);
+        return 0;
+      }
+      auto start = std::chrono::steady_clock::now();
+      std::string verdict = "no failure";
+      try {
+        comm->allreduce(t, ReduceOp::kSum, 300ms);
+      } catch (const Timeout&) {
+        verdict = "Timeout";
+      } catch (const std::exception& e) {
+        verdict = e.what();
+      }
+      auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                    std::chrono::steady_clock::now() - start)
+                    .count();
+      store->set("verdict", toBytes(verdict + " after " + std::to_string(ms) + " ms"));
+      return 0;
+    });
+  }
+  auto store = connect(server.port());
+  store->wait({"verdict"}, 60s);
+  const std::string verdict = toString(store->get("verdict", 1s));
+  auto exits = group.waitAll(30s);
+  for (auto& e : exits) EXPECT_TRUE(e.exited && e.code == 0) << e.str();
+  ASSERT_EQ(verdict.rfind("Timeout after ", 0), 0u) << verdict;
+  const int ms = std::stoi(verdict.substr(std::string("Timeout after ").size()));
+  EXPECT_GE(ms, 300) << verdict;
+  EXPECT_LE(ms, 300 + 500) << verdict;
+}
+
+TEST(CommunicatorFailureTest, ShortDeadlineAfterLongOnesFiresOnTimeOnTheLanes) {
+  shortDeadlineAfterLongOnes(2);
+}
+
+TEST(CommunicatorFailureTest, ShortDeadlineAfterLongOnesFiresOnTimeOnTheRing) {
+  shortDeadlineAfterLongOnes(3);
+}
+
 // abort() from another thread ends an allreduce blocked on the lanes (its bytes fill the
 // sockets, the peer never reads them) with Aborted within 100 ms; the peer learns that this
 // worker aborted.
