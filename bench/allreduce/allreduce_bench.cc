@@ -6,10 +6,15 @@
 // Run with no arguments it is the driver: it launches each variant under mpirun, --rounds
 // times in turn, prints a table of median times and bandwidths, and a last line
 //   RESULT allreduce_ratio_vs_mpi_tcp=<x> allreduce_ratio_vs_gloo=<y>
-//          allreduce_ratio_vs_mpi_tcp_min=<z>
+//          allreduce_ratio_vs_mpi_tcp_min=<z> allreduce_ratio_vs_mpi_tcp_same_launch=<u>
+//          allreduce_ratio_vs_mpi_tcp_same_launch_min=<v>
 // (x, y: 16 MiB, median time of the other / median time of Sinew: > 1 means Sinew is faster;
-// z: the smallest ratio to MPI over TCP across the sizes, all >= 1 MiB).
-// With --worker <sinew|gloo|mpi> it is one rank of a variant (started by mpirun).
+// z: the smallest ratio to MPI over TCP across the sizes, all >= 1 MiB). Launches of one
+// variant differ by up to 40% on a shared 2-core VM (where the processes land, what else
+// runs), so each round also runs a "same launch" variant: Sinew's allreduce and
+// MPI_Allreduce over TCP in the same processes, taking turns operation by operation on the
+// same tensor; u and v are its ratios (16 MiB, and the smallest over the sizes).
+// With --worker <sinew|gloo|mpi|both> it is one rank of a variant (started by mpirun).
 
 #include <mpi.h>
 #include <CLI/CLI.hpp>
@@ -46,7 +51,8 @@ struct Size {
   size_t bytes;
   int iterations;
 };
-const std::vector<Size> kSizes = {{1 << 20, 40}, {16 << 20, 12}, {64 << 20, 5}};
+const std::vector<Size> kSizes = {
+    {1 << 20, 40}, {2 << 20, 30}, {4 << 20, 20}, {16 << 20, 12}, {64 << 20, 5}};
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -79,7 +85,7 @@ int runWorker(const std::string& variant, int argc, char** argv) {
   std::unique_ptr<sinew::collectives::Communicator> comm;
   std::shared_ptr<gloo::rendezvous::Context> glooContext;
   std::string glooDir;
-  if (variant == "sinew") {
+  if (variant == "sinew" || variant == "both") {
     // MPI only bootstraps: rank 0 serves the store and broadcasts its port.
     int port = 0;
     unsigned long long token = 0;
@@ -115,11 +121,39 @@ int runWorker(const std::string& variant, int argc, char** argv) {
     glooContext->connectFullMesh(store, device);
   }
 
+  auto mpiAllreduce = [](at::Tensor& t) {
+    MPI_Allreduce(MPI_IN_PLACE, t.data_ptr<float>(), t.numel(), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+  };
   for (const Size& s : kSizes) {
     const int64_t n = s.bytes / sizeof(float);
     at::Tensor t = at::ones({n}, at::kFloat);
     double ms = 0;
-    if (variant == "sinew") {
+    if (variant == "both") {
+      // Turn by turn on the same tensor, each operation after a barrier.
+      for (int i = 0; i < 2; ++i) {
+        comm->allreduce(t);
+        mpiAllreduce(t);
+      }
+      std::vector<double> mine, theirs;
+      for (int i = 0; i < s.iterations; ++i) {
+        for (auto* out : {&mine, &theirs}) {
+          mpiBarrier();
+          auto start = Clock::now();
+          if (out == &mine) {
+            comm->allreduce(t);
+          } else {
+            mpiAllreduce(t);
+          }
+          out->push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+        }
+      }
+      double local[2] = {median(mine), median(theirs)}, worst[2] = {0, 0};
+      MPI_Reduce(local, worst, 2, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
+      if (rank == 0) {
+        std::printf("TIME.sinew %zu %.4f\nTIME.mpi %zu %.4f\n", s.bytes, worst[0], s.bytes,
+                    worst[1]);
+      }
+    } else if (variant == "sinew") {
       ms = timeMedianMs(
           s.iterations, [&] { comm->allreduce(t); }, [&] { comm->barrier(); });
     } else if (variant == "gloo") {
@@ -135,16 +169,12 @@ int runWorker(const std::string& variant, int argc, char** argv) {
           mpiBarrier);
     } else {
       ms = timeMedianMs(
-          s.iterations,
-          [&] {
-            MPI_Allreduce(MPI_IN_PLACE, t.data_ptr<float>(), n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
-          },
-          mpiBarrier);
+          s.iterations, [&] { mpiAllreduce(t); }, mpiBarrier);
     }
     // Every variant must compute the same thing: after 2 warm-ups and the timed runs
     // the value is size^(runs).. so check a fresh reduction instead.
     at::Tensor check = at::full({1024}, rank + 1.0f, at::kFloat);
-    if (variant == "sinew") {
+    if (variant == "sinew" || variant == "both") {
       comm->allreduce(check);
     } else if (variant == "gloo") {
       gloo::AllreduceOptions opts(glooContext);
@@ -162,9 +192,11 @@ int runWorker(const std::string& variant, int argc, char** argv) {
       MPI_Abort(MPI_COMM_WORLD, 3);
     }
     // Report the slowest rank's median.
-    double worst = 0;
-    MPI_Reduce(&ms, &worst, 1, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
-    if (rank == 0) std::printf("TIME %zu %.4f\n", s.bytes, worst);
+    if (variant != "both") {
+      double worst = 0;
+      MPI_Reduce(&ms, &worst, 1, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
+      if (rank == 0) std::printf("TIME %zu %.4f\n", s.bytes, worst);
+    }
     std::fflush(stdout);
   }
   comm.reset();
@@ -180,9 +212,11 @@ int runWorker(const std::string& variant, int argc, char** argv) {
   return 0;
 }
 
-// Runs one variant under mpirun; returns bytes -> median ms.
-std::map<size_t, double> launch(const std::string& self, int ranks, const std::string& variant,
-                                const std::string& mca) {
+// Runs one variant under mpirun; returns bytes -> median ms for each kind of TIME line it
+// printed ("TIME" or, from the same-launch variant, "TIME.sinew" and "TIME.mpi").
+std::map<std::string, std::map<size_t, double>> launch(const std::string& self, int ranks,
+                                                       const std::string& variant,
+                                                       const std::string& mca) {
   std::ostringstream cmd;
   cmd << "mpirun --allow-run-as-root --oversubscribe --bind-to none -np " << ranks << " " << mca
       << " " << self << " --worker " << variant << " 2>&1";
@@ -191,20 +225,24 @@ std::map<size_t, double> launch(const std::string& self, int ranks, const std::s
     std::fprintf(stderr, "cannot run %s\n", cmd.str().c_str());
     std::exit(1);
   }
-  std::map<size_t, double> out;
+  std::map<std::string, std::map<size_t, double>> out;
   char line[4096];
   std::string log;
   while (std::fgets(line, sizeof line, p)) {
+    char tag[32];
     size_t bytes;
     double ms;
-    if (std::sscanf(line, "TIME %zu %lf", &bytes, &ms) == 2) {
-      out[bytes] = ms;
+    if (std::sscanf(line, "%31s %zu %lf", tag, &bytes, &ms) == 3 &&
+        std::string(tag).rfind("TIME", 0) == 0) {
+      out[tag][bytes] = ms;
     } else {
       log += line;
     }
   }
   int rc = pclose(p);
-  if (rc != 0 || out.size() != kSizes.size()) {
+  bool complete = !out.empty();
+  for (const auto& [tag, times] : out) complete = complete && times.size() == kSizes.size();
+  if (rc != 0 || !complete) {
     std::fprintf(stderr, "variant %s failed (%s):\n%s\n", variant.c_str(), cmd.str().c_str(),
                  log.c_str());
     std::exit(1);
@@ -228,7 +266,8 @@ int main(int argc, char** argv) {
                  "so a slow minute of a shared machine does not decide a comparison)")
       ->check(CLI::Range(1, 100))
       ->capture_default_str();
-  app.add_option("--worker", "one rank of a variant (sinew, gloo or mpi; started by mpirun)")
+  app.add_option("--worker",
+                 "one rank of a variant (sinew, gloo, mpi or both; started by mpirun)")
       ->group("");  // Internal; handled above, before MPI_Init.
   CLI11_PARSE(app, argc, argv);
   std::string self = "/proc/self/exe";
@@ -237,21 +276,26 @@ int main(int argc, char** argv) {
   if (len > 0) self.assign(buf, len);
 
   struct Variant {
-    std::string name, worker, mca;
+    std::string name, worker, mca, tag;  // tag: which TIME lines of the launch are its
   };
+  // The two "same launch" rows come from one launch (the last variant of each round).
   std::vector<Variant> variants = {
-      {"sinew (gloo transport)", "sinew", ""},
-      {"raw gloo allreduce", "gloo", ""},
-      {"MPI_Allreduce tcp", "mpi", "--mca btl tcp,self"},
-      {"MPI_Allreduce default", "mpi", ""},
+      {"sinew (gloo transport)", "sinew", "", "TIME"},
+      {"raw gloo allreduce", "gloo", "", "TIME"},
+      {"MPI_Allreduce tcp", "mpi", "--mca btl tcp,self", "TIME"},
+      {"MPI_Allreduce default", "mpi", "", "TIME"},
+      {"same launch: sinew", "both", "--mca btl tcp,self", "TIME.sinew"},
+      {"same launch: MPI tcp", "both", "--mca btl tcp,self", "TIME.mpi"},
   };
   // rounds[i][bytes]: variant i's median per round; the variants take turns.
   std::vector<std::map<size_t, std::vector<double>>> perRound(variants.size());
   for (int r = 0; r < rounds; ++r) {
+    std::map<std::string, std::map<std::string, std::map<size_t, double>>> launched;
     for (size_t i = 0; i < variants.size(); ++i) {
-      for (const auto& [bytes, ms] : launch(self, ranks, variants[i].worker, variants[i].mca)) {
-        perRound[i][bytes].push_back(ms);
-      }
+      const Variant& v = variants[i];
+      const std::string key = v.worker + " " + v.mca;
+      if (!launched.count(key)) launched[key] = launch(self, ranks, v.worker, v.mca);
+      for (const auto& [bytes, ms] : launched[key][v.tag]) perRound[i][bytes].push_back(ms);
     }
   }
   std::vector<std::map<size_t, double>> results(variants.size());
@@ -277,11 +321,20 @@ int main(int argc, char** argv) {
   const size_t k16 = 16 << 20;
   double sinew = results[0][k16];
   // The smallest ratio over the sizes (all >= 1 MiB): the goal holds at every one.
-  double worst = 1e9;
-  for (const auto& s : kSizes) worst = std::min(worst, results[2][s.bytes] / results[0][s.bytes]);
+  double worst = 1e9, worstSame = 1e9;
+  std::printf("same launch, MPI tcp / sinew:");
+  for (const auto& s : kSizes) {
+    worst = std::min(worst, results[2][s.bytes] / results[0][s.bytes]);
+    const double same = results[5][s.bytes] / results[4][s.bytes];
+    worstSame = std::min(worstSame, same);
+    std::printf(" %zu MiB %.3f", s.bytes >> 20, same);
+  }
+  std::printf("\n");
   std::printf(
       "RESULT allreduce_ratio_vs_mpi_tcp=%.3f allreduce_ratio_vs_gloo=%.3f "
-      "allreduce_ratio_vs_mpi_tcp_min=%.3f\n",
-      results[2][k16] / sinew, results[1][k16] / sinew, worst);
+      "allreduce_ratio_vs_mpi_tcp_min=%.3f allreduce_ratio_vs_mpi_tcp_same_launch=%.3f "
+      "allreduce_ratio_vs_mpi_tcp_same_launch_min=%.3f\n",
+      results[2][k16] / sinew, results[1][k16] / sinew, worst, results[5][k16] / results[4][k16],
+      worstSame);
   return 0;
 }

@@ -70,12 +70,13 @@ constexpr uint64_t kP2PSlotBase = uint64_t(1) << 61;
 constexpr uint64_t kCollectiveSlotBase = uint64_t(1) << 40;
 // allreduceTwo's lane (docs/collectives.md, "Lanes"): the header's magic ("SNWL"); the receive
 // ring, small enough to stay in the L2 cache between the recv and the add; the most one send or
-// recv call moves (Open MPI's TCP fragments are 128 KiB too: the bytes a call copies into the
-// kernel are still in cache when the peer copies them out); the most one add covers; how long
-// an operation with nothing to do spins before it sleeps in poll().
+// recv call moves: 32 KiB, one TCP segment on loopback (its MSS here), so each call's bytes are
+// still in cache when the peer copies them out and the add reads them (128 KiB calls made
+// 16 MiB 1.5 times and 64 MiB twice as slow, bench "same launch" rows); the most one add
+// covers; how long an operation with nothing to do spins before it sleeps in poll().
 constexpr uint32_t kLaneMagic = 0x4C574E53;
-constexpr size_t kLaneScratchBytes = 512 << 10;
-constexpr size_t kLaneChunkBytes = 128 << 10;
+constexpr size_t kLaneScratchBytes = 128 << 10;
+constexpr size_t kLaneChunkBytes = 32 << 10;
 constexpr size_t kLaneReduceBytes = 128 << 10;
 constexpr std::chrono::microseconds kLaneSpin{200};
 
