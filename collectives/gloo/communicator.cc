@@ -42,6 +42,7 @@
 #include <sstream>
 #include <thread>
 
+#include "sinew/collectives/detail/little_endian.h"
 #include "sinew/collectives/error.h"
 #include "sinew/collectives/gloo/lanes.h"
 #include "sinew/collectives/prefix_store.h"
@@ -79,6 +80,28 @@ constexpr size_t kLaneScratchBytes = 128 << 10;
 constexpr size_t kLaneChunkBytes = 32 << 10;
 constexpr size_t kLaneReduceBytes = 128 << 10;
 constexpr std::chrono::microseconds kLaneSpin{200};
+
+// What each member sends ahead of an allreduce's bytes on the lane: 24 bytes, little-endian
+// like every Sinew wire format (magic 4, dtype 4, seq 8, bytes 8).
+struct LaneHeader {
+  uint32_t magic;
+  uint32_t dtype;  // at::ScalarType
+  uint64_t seq;    // lane operations so far
+  uint64_t bytes;
+
+  static constexpr size_t kWireBytes = 24;
+  void encode(uint8_t* p) const {
+    ::sinew::detail::storeLe(p, magic, 4);
+    ::sinew::detail::storeLe(p + 4, dtype, 4);
+    ::sinew::detail::storeLe(p + 8, seq, 8);
+    ::sinew::detail::storeLe(p + 16, bytes, 8);
+  }
+  static LaneHeader decode(const uint8_t* p) {
+    return {static_cast<uint32_t>(::sinew::detail::loadLe(p, 4)),
+            static_cast<uint32_t>(::sinew::detail::loadLe(p + 4, 4)),
+            ::sinew::detail::loadLe(p + 8, 8), ::sinew::detail::loadLe(p + 16, 8)};
+  }
+};
 
 constexpr uint32_t kGoodbyeMagic = 0x53475942;  // "BYGS"
 
@@ -248,13 +271,6 @@ class GlooCommunicator final : public Communicator {
     return context_->createUnboundBuffer(ptr, bytes);
   }
   void allreduceTwo(at::Tensor& t, std::chrono::milliseconds timeout);
-  // What each member sends ahead of an allreduce's bytes on the lane.
-  struct LaneHeader {
-    uint32_t magic;
-    uint32_t dtype;  // at::ScalarType
-    uint64_t seq;    // lane operations so far
-    uint64_t bytes;
-  };
   void checkLaneHeader(const LaneHeader& in, const LaneHeader& out, int peer);
   void waitRecv(UnboundBuffer* buf, int peer);
   void waitSend(UnboundBuffer* buf, int peer);
@@ -891,8 +907,9 @@ void GlooCommunicator::allreduceTwo(at::Tensor& t, std::chrono::milliseconds tim
   if (scratch_.size() < kLaneScratchBytes) scratch_.resize(kLaneScratchBytes);
   char* scratch = scratch_.data();
   const size_t cap = kLaneScratchBytes;  // a multiple of every element size
-  LaneHeader out{kLaneMagic, static_cast<uint32_t>(t.scalar_type()), laneSeq_++, bytes};
-  LaneHeader in{};
+  const LaneHeader out{kLaneMagic, static_cast<uint32_t>(t.scalar_type()), laneSeq_++, bytes};
+  uint8_t outWire[LaneHeader::kWireBytes], inWire[LaneHeader::kWireBytes];
+  out.encode(outWire);
   runOp("allreduce", timeout, {}, [&] {
     size_t headerSent = 0, sent = 0, headerRecv = 0, recvd = 0, reduced = 0;
     Clock::time_point idleSince{};  // since when nothing moved, or zero
@@ -905,8 +922,8 @@ void GlooCommunicator::allreduceTwo(at::Tensor& t, std::chrono::milliseconds tim
       if (sent < bytes) {
         iovec iov[2];
         int n = 0;
-        if (headerSent < sizeof(out)) {
-          iov[n++] = {reinterpret_cast<char*>(&out) + headerSent, sizeof(out) - headerSent};
+        if (headerSent < sizeof(outWire)) {
+          iov[n++] = {outWire + headerSent, sizeof(outWire) - headerSent};
         }
         iov[n++] = {data + sent, std::min(bytes - sent, kLaneChunkBytes)};
         msghdr msg{};
@@ -915,7 +932,7 @@ void GlooCommunicator::allreduceTwo(at::Tensor& t, std::chrono::milliseconds tim
         ssize_t rv = ::sendmsg(sfd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
         if (rv > 0) {
           size_t k = static_cast<size_t>(rv);
-          size_t h = std::min(k, sizeof(out) - headerSent);
+          size_t h = std::min(k, sizeof(outWire) - headerSent);
           headerSent += h;
           sent += k - h;
           progress = true;
@@ -928,9 +945,9 @@ void GlooCommunicator::allreduceTwo(at::Tensor& t, std::chrono::milliseconds tim
       // Receive: the header first, then as much of the payload as scratch has room for.
       char* dst = nullptr;
       size_t want = 0;
-      if (headerRecv < sizeof(in)) {
-        dst = reinterpret_cast<char*>(&in) + headerRecv;
-        want = sizeof(in) - headerRecv;
+      if (headerRecv < sizeof(inWire)) {
+        dst = reinterpret_cast<char*>(inWire) + headerRecv;
+        want = sizeof(inWire) - headerRecv;
       } else if (recvd < bytes && recvd - reduced < cap) {
         const size_t pos = recvd % cap;
         dst = scratch + pos;
@@ -940,9 +957,10 @@ void GlooCommunicator::allreduceTwo(at::Tensor& t, std::chrono::milliseconds tim
         ssize_t rv = ::recv(rfd, dst, want, MSG_DONTWAIT);
         if (rv > 0) {
           progress = true;
-          if (headerRecv < sizeof(in)) {
+          if (headerRecv < sizeof(inWire)) {
             headerRecv += static_cast<size_t>(rv);
-            if (headerRecv == sizeof(in)) checkLaneHeader(in, out, peer);
+            if (headerRecv == sizeof(inWire))
+              checkLaneHeader(LaneHeader::decode(inWire), out, peer);
           } else {
             recvd += static_cast<size_t>(rv);
           }
