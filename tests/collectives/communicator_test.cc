@@ -45,6 +45,13 @@ std::vector<int> workerIds(int world) {
   return ids;
 }
 
+// Worker ids of a `world`-member communicator without rank `victim`'s worker.
+std::vector<int> survivorsOf(int world, int victim) {
+  std::vector<int> ids = workerIds(world);
+  ids.erase(ids.begin() + victim);
+  return ids;
+}
+
 CommunicatorOptions options(std::vector<int> members, int self, int64_t epoch,
                             std::chrono::milliseconds timeout = 60s) {
   CommunicatorOptions o;
@@ -58,6 +65,23 @@ CommunicatorOptions options(std::vector<int> members, int self, int64_t epoch,
 
 std::shared_ptr<Store> connect(uint16_t port) {
   return std::make_shared<TcpStore>("127.0.0.1", port, sinew::testing::storeOptions());
+}
+
+// Forks one child per member of a `world`-member communicator of workers 10, 11, ...: each
+// connects to `server`, builds its communicator (operation timeout `timeout`) and exits with
+// body(rank, store, communicator).
+void spawnMembers(ProcessGroup& group, TcpStoreServer& server, int world,
+                  const std::function<int(int, const std::shared_ptr<Store>&, Communicator*)>& body,
+                  std::chrono::milliseconds timeout = 60s) {
+  for (int r = 0; r < world; ++r) {
+    group.spawn([&, r] {
+      at::set_num_threads(1);
+      auto store = connect(server.port());
+      auto comm =
+          createGlooCommunicator(store, options(workerIds(world), kWorkerBase + r, 0, timeout));
+      return body(r, store, comm.get());
+    });
+  }
 }
 
 // Counts and prints mismatches inside a child process.
@@ -204,18 +228,14 @@ TEST_P(CommunicatorWorldTest, EveryOpDtypeAndSize) {
   const int world = GetParam();
   TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
-  for (int r = 0; r < world; ++r) {
-    group.spawn([&, r] {
-      at::set_num_threads(1);
-      auto store = connect(server.port());
-      auto comm = createGlooCommunicator(store, options(workerIds(world), kWorkerBase + r, 0));
-      ChildChecker c{r};
-      if (comm->rank() != r || comm->size() != world || comm->workerOf(r) != kWorkerBase + r) {
-        return 3;
-      }
-      return checkAllOps(*comm, c, /*huge=*/true) == 0 ? 0 : 1;
-    });
-  }
+  spawnMembers(
+      group, server, world, [&](int r, const std::shared_ptr<Store>& store, Communicator* comm) {
+        ChildChecker c{r};
+        if (comm->rank() != r || comm->size() != world || comm->workerOf(r) != kWorkerBase + r) {
+          return 3;
+        }
+        return checkAllOps(*comm, c, /*huge=*/true) == 0 ? 0 : 1;
+      });
   auto exits = group.waitAll(240s);
   for (int r = 0; r < world; ++r) {
     EXPECT_TRUE(exits[r].exited && exits[r].code == 0) << "rank " << r << " " << exits[r].str();
@@ -306,41 +326,35 @@ TEST(CommunicatorTest, RejectsBadArguments) {
 void sigkillDuringAllreduce(const int kWorld, const int kVictim) {
   TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
-  for (int r = 0; r < kWorld; ++r) {
-    group.spawn([&, r] {
-      at::set_num_threads(1);
-      auto store = connect(server.port());
-      auto comm = createGlooCommunicator(store, options(workerIds(kWorld), kWorkerBase + r, 0));
-      at::Tensor t = at::empty({4 * 1024 * 1024}, at::kFloat);  // 16 MiB
-      for (int iter = 0;; ++iter) {
-        t.fill_(r + 1);
-        try {
-          comm->allreduce(t);
-        } catch (const PeerLost& e) {
-          int64_t now = monotonicMicros();
-          store->set("caught/" + std::to_string(r),
-                     toBytes(std::to_string(now) + " " + std::to_string(e.worker())));
-          break;
-        } catch (const Error& e) {
-          std::cerr << "rank " << r << ": unexpected " << e.what() << std::endl;
-          return 2;
-        }
-        if (t[0].item<float>() != static_cast<float>(kWorld * (kWorld + 1) / 2)) return 3;
-        if (iter == 1) store->set("ready/" + std::to_string(r), toBytes("1"));
-      }
-      // Survivors rebuild without the victim under epoch 1.
-      std::vector<int> survivors;
-      for (int q = 0; q < kWorld; ++q) {
-        if (q != kVictim) survivors.push_back(kWorkerBase + q);
-      }
-      auto next = createGlooCommunicator(store, options(survivors, kWorkerBase + r, 1));
-      at::Tensor u = at::full({1 << 20}, r + 1, at::kFloat);
-      next->allreduce(u);
-      float want = static_cast<float>(kWorld * (kWorld + 1) / 2 - (kVictim + 1));
-      if (!at::equal(u, at::full({1 << 20}, want, at::kFloat))) return 4;
-      return 0;
-    });
-  }
+  spawnMembers(group, server, kWorld,
+               [&](int r, const std::shared_ptr<Store>& store, Communicator* comm) {
+                 at::Tensor t = at::empty({4 * 1024 * 1024}, at::kFloat);  // 16 MiB
+                 for (int iter = 0;; ++iter) {
+                   t.fill_(r + 1);
+                   try {
+                     comm->allreduce(t);
+                   } catch (const PeerLost& e) {
+                     int64_t now = monotonicMicros();
+                     store->set("caught/" + std::to_string(r),
+                                toBytes(std::to_string(now) + " " + std::to_string(e.worker())));
+                     break;
+                   } catch (const Error& e) {
+                     std::cerr << "rank " << r << ": unexpected " << e.what() << std::endl;
+                     return 2;
+                   }
+                   if (t[0].item<float>() != static_cast<float>(kWorld * (kWorld + 1) / 2))
+                     return 3;
+                   if (iter == 1) store->set("ready/" + std::to_string(r), toBytes("1"));
+                 }
+                 // The survivors rebuild without the victim under epoch 1.
+                 auto next = createGlooCommunicator(
+                     store, options(survivorsOf(kWorld, kVictim), kWorkerBase + r, 1));
+                 at::Tensor u = at::full({1 << 20}, r + 1, at::kFloat);
+                 next->allreduce(u);
+                 float want = static_cast<float>(kWorld * (kWorld + 1) / 2 - (kVictim + 1));
+                 if (!at::equal(u, at::full({1 << 20}, want, at::kFloat))) return 4;
+                 return 0;
+               });
   auto store = connect(server.port());
   std::vector<std::string> ready;
   for (int r = 0; r < kWorld; ++r) ready.push_back("ready/" + std::to_string(r));
@@ -414,14 +428,10 @@ int idleMemberSeesWorker10Abort(Communicator& comm) {
 void abortUnblocksTwoMemberOp(const std::function<int(Communicator&)>& rank0) {
   TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
-  for (int r = 0; r < 2; ++r) {
-    group.spawn([&, r] {
-      at::set_num_threads(1);
-      auto store = connect(server.port());
-      auto comm = createGlooCommunicator(store, options(workerIds(2), kWorkerBase + r, 0));
-      return r == 0 ? rank0(*comm) : idleMemberSeesWorker10Abort(*comm);
-    });
-  }
+  spawnMembers(group, server, 2,
+               [&](int r, const std::shared_ptr<Store>& store, Communicator* comm) {
+                 return r == 0 ? rank0(*comm) : idleMemberSeesWorker10Abort(*comm);
+               });
   auto exits = group.waitAll(30s);
   for (auto& e : exits) EXPECT_TRUE(e.exited && e.code == 0) << e.str();
 }
@@ -430,41 +440,36 @@ void sigstopGivesTimeoutAtDeadline(const int kWorld, const int kVictim) {
   constexpr auto kOpTimeout = 1500ms;
   TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
-  for (int r = 0; r < kWorld; ++r) {
-    group.spawn([&, r] {
-      at::set_num_threads(1);
-      auto store = connect(server.port());
-      auto comm =
-          createGlooCommunicator(store, options(workerIds(kWorld), kWorkerBase + r, 0, kOpTimeout));
-      at::Tensor t = at::empty({1024 * 1024}, at::kFloat);
-      for (int iter = 0;; ++iter) {
-        t.fill_(1);
-        auto start = std::chrono::steady_clock::now();
-        try {
-          comm->allreduce(t);
-        } catch (const Timeout& e) {
-          auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-                        std::chrono::steady_clock::now() - start)
-                        .count();
-          store->set("elapsed/" + std::to_string(r), toBytes(std::to_string(ms)));
-          break;
-        } catch (const Error& e) {
-          std::cerr << "rank " << r << ": unexpected " << e.what() << std::endl;
-          return 2;
+  spawnMembers(
+      group, server, kWorld,
+      [&](int r, const std::shared_ptr<Store>& store, Communicator* comm) {
+        at::Tensor t = at::empty({1024 * 1024}, at::kFloat);
+        for (int iter = 0;; ++iter) {
+          t.fill_(1);
+          auto start = std::chrono::steady_clock::now();
+          try {
+            comm->allreduce(t);
+          } catch (const Timeout& e) {
+            auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                          std::chrono::steady_clock::now() - start)
+                          .count();
+            store->set("elapsed/" + std::to_string(r), toBytes(std::to_string(ms)));
+            break;
+          } catch (const Error& e) {
+            std::cerr << "rank " << r << ": unexpected " << e.what() << std::endl;
+            return 2;
+          }
+          if (iter == 1) store->set("ready/" + std::to_string(r), toBytes("1"));
         }
-        if (iter == 1) store->set("ready/" + std::to_string(r), toBytes("1"));
-      }
-      std::vector<int> survivors;
-      for (int q = 0; q < kWorld; ++q) {
-        if (q != kVictim) survivors.push_back(kWorkerBase + q);
-      }
-      auto next = createGlooCommunicator(store, options(survivors, kWorkerBase + r, 1));
-      at::Tensor u = at::full({1000}, 2.0, at::kFloat);
-      next->allreduce(u, ReduceOp::kAvg);
-      store->set("done/" + std::to_string(r), toBytes("1"));
-      return at::equal(u, at::full({1000}, 2.0, at::kFloat)) ? 0 : 4;
-    });
-  }
+        // The survivors rebuild without the victim under epoch 1.
+        auto next = createGlooCommunicator(
+            store, options(survivorsOf(kWorld, kVictim), kWorkerBase + r, 1));
+        at::Tensor u = at::full({1000}, 2.0, at::kFloat);
+        next->allreduce(u, ReduceOp::kAvg);
+        store->set("done/" + std::to_string(r), toBytes("1"));
+        return at::equal(u, at::full({1000}, 2.0, at::kFloat)) ? 0 : 4;
+      },
+      kOpTimeout);
   auto store = connect(server.port());
   std::vector<std::string> ready, done;
   for (int r = 0; r < kWorld; ++r) {
@@ -503,33 +508,29 @@ TEST(CommunicatorFailureTest, SigstopDuringTwoMemberAllreduceGivesTimeoutAtDeadl
 void shortDeadlineAfterLongOnes(const int kWorld) {
   TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
-  for (int r = 0; r < kWorld; ++r) {
-    group.spawn([&, r] {
-      at::set_num_threads(1);
-      auto store = connect(server.port());
-      auto comm = createGlooCommunicator(store, options(workerIds(kWorld), kWorkerBase + r, 0));
-      at::Tensor t = at::ones({1000}, at::kFloat);
-      for (int i = 0; i < 3; ++i) comm->allreduce(t, ReduceOp::kSum, 60s);
-      if (r != 0) {
-        store->wait({"verdict"}, 30s);
-        return 0;
-      }
-      auto start = std::chrono::steady_clock::now();
-      std::string verdict = "no failure";
-      try {
-        comm->allreduce(t, ReduceOp::kSum, 300ms);
-      } catch (const Timeout&) {
-        verdict = "Timeout";
-      } catch (const std::exception& e) {
-        verdict = e.what();
-      }
-      auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-                    std::chrono::steady_clock::now() - start)
-                    .count();
-      store->set("verdict", toBytes(verdict + " after " + std::to_string(ms) + " ms"));
-      return 0;
-    });
-  }
+  spawnMembers(group, server, kWorld,
+               [&](int r, const std::shared_ptr<Store>& store, Communicator* comm) {
+                 at::Tensor t = at::ones({1000}, at::kFloat);
+                 for (int i = 0; i < 3; ++i) comm->allreduce(t, ReduceOp::kSum, 60s);
+                 if (r != 0) {
+                   store->wait({"verdict"}, 30s);
+                   return 0;
+                 }
+                 auto start = std::chrono::steady_clock::now();
+                 std::string verdict = "no failure";
+                 try {
+                   comm->allreduce(t, ReduceOp::kSum, 300ms);
+                 } catch (const Timeout&) {
+                   verdict = "Timeout";
+                 } catch (const std::exception& e) {
+                   verdict = e.what();
+                 }
+                 auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                               std::chrono::steady_clock::now() - start)
+                               .count();
+                 store->set("verdict", toBytes(verdict + " after " + std::to_string(ms) + " ms"));
+                 return 0;
+               });
   auto store = connect(server.port());
   store->wait({"verdict"}, 60s);
   const std::string verdict = toString(store->get("verdict", 1s));
@@ -566,37 +567,35 @@ TEST(CommunicatorFailureTest, AbortUnblocksATwoMemberAllreduce) {
 TEST(CommunicatorTest, MismatchedTwoMemberAllreduceFailsOnBoth) {
   TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
-  for (int r = 0; r < 2; ++r) {
-    group.spawn([&, r] {
-      at::set_num_threads(1);
-      auto store = connect(server.port());
-      auto comm = createGlooCommunicator(store, options(workerIds(2), kWorkerBase + r, 0, 20s));
-      at::Tensor t = at::ones({1000 * (r + 1)}, at::kFloat);
-      auto start = std::chrono::steady_clock::now();
-      std::string outcome;
-      try {
-        comm->allreduce(t);
-        outcome = "completed";
-      } catch (const InvalidArgument& e) {
-        std::cerr << "rank " << r << ": " << e.what() << std::endl;
-        const std::string what = e.what();
-        outcome = what.find("do not match") != std::string::npos &&
-                          what.find(std::to_string(4000 * (1 - r) + 4000)) != std::string::npos
-                      ? "mismatch"
-                      : "other invalid argument";
-      } catch (const Aborted& e) {
-        std::cerr << "rank " << r << ": " << e.what() << std::endl;
-        outcome = "aborted";
-      } catch (const Error& e) {
-        outcome = std::string("unexpected: ") + e.what();
-      }
-      auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-                    std::chrono::steady_clock::now() - start)
-                    .count();
-      store->set("outcome/" + std::to_string(r), toBytes(outcome));
-      return ms < 5000 ? 0 : 9;
-    });
-  }
+  spawnMembers(
+      group, server, 2,
+      [&](int r, const std::shared_ptr<Store>& store, Communicator* comm) {
+        at::Tensor t = at::ones({1000 * (r + 1)}, at::kFloat);
+        auto start = std::chrono::steady_clock::now();
+        std::string outcome;
+        try {
+          comm->allreduce(t);
+          outcome = "completed";
+        } catch (const InvalidArgument& e) {
+          std::cerr << "rank " << r << ": " << e.what() << std::endl;
+          const std::string what = e.what();
+          outcome = what.find("do not match") != std::string::npos &&
+                            what.find(std::to_string(4000 * (1 - r) + 4000)) != std::string::npos
+                        ? "mismatch"
+                        : "other invalid argument";
+        } catch (const Aborted& e) {
+          std::cerr << "rank " << r << ": " << e.what() << std::endl;
+          outcome = "aborted";
+        } catch (const Error& e) {
+          outcome = std::string("unexpected: ") + e.what();
+        }
+        auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                      std::chrono::steady_clock::now() - start)
+                      .count();
+        store->set("outcome/" + std::to_string(r), toBytes(outcome));
+        return ms < 5000 ? 0 : 9;
+      },
+      20s);
   auto exits = group.waitAll(60s);
   for (auto& e : exits) EXPECT_TRUE(e.exited && e.code == 0) << e.str();
   auto store = connect(server.port());
