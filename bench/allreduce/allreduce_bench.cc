@@ -9,7 +9,8 @@
 //          allreduce_ratio_vs_mpi_tcp_min=<z> allreduce_ratio_vs_mpi_tcp_same_launch=<u>
 //          allreduce_ratio_vs_mpi_tcp_same_launch_min=<v>
 // (x, y: 16 MiB, median time of the other / median time of Sinew: > 1 means Sinew is faster;
-// z: the smallest ratio to MPI over TCP across the sizes, all >= 1 MiB). Launches of one
+// z: the smallest ratio to MPI over TCP across the sizes, all >= 1 MiB: 1, 2, 4, 16 and 64
+// MiB since 2026-11-26, when 2 and 4 MiB were added; before, 1, 16 and 64). Launches of one
 // variant differ by up to 40% on a shared 2-core VM (where the processes land, what else
 // runs), so each round also runs a "same launch" variant: Sinew's allreduce and
 // MPI_Allreduce over TCP in the same processes, taking turns operation by operation on the
@@ -129,14 +130,17 @@ int runWorker(const std::string& variant, int argc, char** argv) {
     at::Tensor t = at::ones({n}, at::kFloat);
     double ms = 0;
     if (variant == "both") {
-      // Turn by turn on the same tensor, each operation after a barrier.
+      // Turn by turn on the same tensor, each operation after a barrier and on ones (so
+      // that no run of sums overflows to inf), who goes first alternating.
       for (int i = 0; i < 2; ++i) {
         comm->allreduce(t);
         mpiAllreduce(t);
       }
       std::vector<double> mine, theirs;
       for (int i = 0; i < s.iterations; ++i) {
-        for (auto* out : {&mine, &theirs}) {
+        for (auto* out : i % 2 == 0 ? std::vector<std::vector<double>*>{&mine, &theirs}
+                                    : std::vector<std::vector<double>*>{&theirs, &mine}) {
+          t.fill_(1);
           mpiBarrier();
           auto start = Clock::now();
           if (out == &mine) {
@@ -295,6 +299,10 @@ int main(int argc, char** argv) {
       const Variant& v = variants[i];
       const std::string key = v.worker + " " + v.mca;
       if (!launched.count(key)) launched[key] = launch(self, ranks, v.worker, v.mca);
+      if (!launched[key].count(v.tag)) {
+        std::fprintf(stderr, "variant %s printed no %s lines\n", v.name.c_str(), v.tag.c_str());
+        return 1;
+      }
       for (const auto& [bytes, ms] : launched[key][v.tag]) perRound[i][bytes].push_back(ms);
     }
   }

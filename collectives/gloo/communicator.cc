@@ -82,7 +82,8 @@ constexpr size_t kLaneReduceBytes = 128 << 10;
 constexpr std::chrono::microseconds kLaneSpin{200};
 
 // What each member sends ahead of an allreduce's bytes on the lane: 24 bytes, little-endian
-// like every Sinew wire format (magic 4, dtype 4, seq 8, bytes 8).
+// like the store's, the frames' and the lane handshake's fields (magic 4, dtype 4, seq 8,
+// bytes 8).
 struct LaneHeader {
   uint32_t magic;
   uint32_t dtype;  // at::ScalarType
