@@ -125,6 +125,12 @@ int runWorker(const std::string& variant, int argc, char** argv) {
   auto mpiAllreduce = [](at::Tensor& t) {
     MPI_Allreduce(MPI_IN_PLACE, t.data_ptr<float>(), t.numel(), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
   };
+  // Prints the slowest rank's median as "<tag> <bytes> <ms>".
+  auto report = [&](const char* tag, size_t bytes, double ms) {
+    double worst = 0;
+    MPI_Reduce(&ms, &worst, 1, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
+    if (rank == 0) std::printf("%s %zu %.4f\n", tag, bytes, worst);
+  };
   for (const Size& s : kSizes) {
     const int64_t n = s.bytes / sizeof(float);
     at::Tensor t = at::ones({n}, at::kFloat);
@@ -138,25 +144,22 @@ int runWorker(const std::string& variant, int argc, char** argv) {
       }
       std::vector<double> mine, theirs;
       for (int i = 0; i < s.iterations; ++i) {
-        for (auto* out : i % 2 == 0 ? std::vector<std::vector<double>*>{&mine, &theirs}
-                                    : std::vector<std::vector<double>*>{&theirs, &mine}) {
+        for (int k = 0; k < 2; ++k) {
+          const bool sinewsTurn = (i + k) % 2 == 0;
           t.fill_(1);
           mpiBarrier();
           auto start = Clock::now();
-          if (out == &mine) {
+          if (sinewsTurn) {
             comm->allreduce(t);
           } else {
             mpiAllreduce(t);
           }
-          out->push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+          (sinewsTurn ? mine : theirs)
+              .push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
         }
       }
-      double local[2] = {median(mine), median(theirs)}, worst[2] = {0, 0};
-      MPI_Reduce(local, worst, 2, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
-      if (rank == 0) {
-        std::printf("TIME.sinew %zu %.4f\nTIME.mpi %zu %.4f\n", s.bytes, worst[0], s.bytes,
-                    worst[1]);
-      }
+      report("TIME.sinew", s.bytes, median(mine));
+      report("TIME.mpi", s.bytes, median(theirs));
     } else if (variant == "sinew") {
       ms = timeMedianMs(
           s.iterations, [&] { comm->allreduce(t); }, [&] { comm->barrier(); });
@@ -195,12 +198,7 @@ int runWorker(const std::string& variant, int argc, char** argv) {
       std::fprintf(stderr, "%s: wrong allreduce result\n", variant.c_str());
       MPI_Abort(MPI_COMM_WORLD, 3);
     }
-    // Report the slowest rank's median.
-    if (variant != "both") {
-      double worst = 0;
-      MPI_Reduce(&ms, &worst, 1, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
-      if (rank == 0) std::printf("TIME %zu %.4f\n", s.bytes, worst);
-    }
+    if (variant != "both") report("TIME", s.bytes, ms);
     std::fflush(stdout);
   }
   comm.reset();

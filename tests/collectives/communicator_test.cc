@@ -32,6 +32,7 @@ namespace sinew {
 namespace collectives {
 namespace {
 
+using testing::elapsedMs;
 using testing::monotonicMicros;
 using testing::ProcessGroup;
 using namespace std::chrono_literals;
@@ -258,9 +259,7 @@ TEST(CommunicatorTest, InitTimeoutNamesMissingMember) {
       try {
         createGlooCommunicator(store, o);
       } catch (const Timeout& e) {
-        auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-                      std::chrono::steady_clock::now() - start)
-                      .count();
+        auto ms = elapsedMs(start);
         std::string what = e.what();
         bool named = what.find("workers 12") != std::string::npos;
         if (!named) std::cerr << "message does not name worker 12: " << what << std::endl;
@@ -450,9 +449,7 @@ void sigstopGivesTimeoutAtDeadline(const int kWorld, const int kVictim) {
           try {
             comm->allreduce(t);
           } catch (const Timeout& e) {
-            auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-                          std::chrono::steady_clock::now() - start)
-                          .count();
+            auto ms = elapsedMs(start);
             store->set("elapsed/" + std::to_string(r), toBytes(std::to_string(ms)));
             break;
           } catch (const Error& e) {
@@ -525,9 +522,7 @@ void shortDeadlineAfterLongOnes(const int kWorld) {
                  } catch (const std::exception& e) {
                    verdict = e.what();
                  }
-                 auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-                               std::chrono::steady_clock::now() - start)
-                               .count();
+                 auto ms = elapsedMs(start);
                  store->set("verdict", toBytes(verdict + " after " + std::to_string(ms) + " ms"));
                  return 0;
                });
@@ -589,9 +584,7 @@ TEST(CommunicatorTest, MismatchedTwoMemberAllreduceFailsOnBoth) {
         } catch (const Error& e) {
           outcome = std::string("unexpected: ") + e.what();
         }
-        auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-                      std::chrono::steady_clock::now() - start)
-                      .count();
+        auto ms = elapsedMs(start);
         store->set("outcome/" + std::to_string(r), toBytes(outcome));
         return ms < 5000 ? 0 : 9;
       },
@@ -848,9 +841,7 @@ TEST(CommunicatorFailureTest, TwoMemberPeerThatDiesDuringLaneSetUpIsLostPromptly
         std::cerr << "rank 0: built a communicator with a dead member" << std::endl;
         return 4;
       } catch (const PeerLost& e) {
-        auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-                      std::chrono::steady_clock::now() - start)
-                      .count();
+        auto ms = elapsedMs(start);
         std::cerr << "rank 0: " << e.what() << " after " << ms << " ms" << std::endl;
         return e.worker() == kWorkerBase + 1 && ms < 5000 ? 0 : 5;
       } catch (const Error& e) {

@@ -26,6 +26,13 @@ inline int64_t monotonicMicros() {
       .count();
 }
 
+// Milliseconds since `start` on the steady clock.
+inline int64_t elapsedMs(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
+                                                               start)
+      .count();
+}
+
 struct ChildExit {
   bool exited = false;  // Exited normally; code holds the status.
   int code = -1;

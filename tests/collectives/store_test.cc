@@ -30,6 +30,7 @@ using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 using testing::closedByPeer;
 using testing::connectLoopback;
+using testing::elapsedMs;
 using testing::eventually;
 using testing::LogSink;
 using testing::ProcessGroup;
@@ -41,10 +42,6 @@ std::string tempDir(const std::string& tag) {
   char* dir = mkdtemp(buf.data());
   if (dir == nullptr) throw std::runtime_error("mkdtemp failed");
   return dir;
-}
-
-int64_t elapsedMs(Clock::time_point start) {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
 }
 
 // A store under test, and a way to open a second handle on the same data (another client,
