@@ -28,13 +28,17 @@
 //     receiver got, all released together):
 //     the slowest raw stream's time over the longest receive: the same transfers sharing the
 //     cores the same way (nothing else runs beside the raw streams, while the job's other
-//     survivors do, so this favours raw TCP). The job runs three times: the largest-copy ratio is
-//     the median run's, the other two the medians of the three.
+//     survivors do, so this favours raw TCP). The "chunked exchange concurrent" ratio moves the
+//     same copies at once with exchangeInChunks (a pair of processes per receiver, nothing else
+//     running) against those raw streams: Sinew's transport under the job's concurrency, without
+//     the job's other work. The job runs three times: the largest-copy ratio is the median run's,
+//     the others the medians of the three.
 //
 // Last line: RESULT pp_iter_vs_model=<measured/predicted> p2p_ratio_vs_tcp=<r> pp_vs_dp=<x>
 //            peer_ram_step_ratio=<with/without> pp_iter_vs_model_with_peer_ram=<r>
 //            layer_copy_ratio_vs_tcp=<r> layer_copy_all_ratio_vs_tcp=<r>
 //            layer_copy_concurrent_ratio_vs_tcp=<r> chunked_exchange_ratio_vs_tcp=<r>
+//            chunked_exchange_concurrent_ratio_vs_tcp=<r>
 
 #include <ftw.h>
 #include <sys/stat.h>
@@ -148,11 +152,12 @@ double rawTcpSeconds(int64_t bytes = kBytes, const std::function<void()>& before
   return median(s);
 }
 
-// Raw loopback TCP moving `streams` at once, as a reconfiguration's receivers get their
-// copies: per stream its own pair of processes doing rawTcpSeconds(bytes), connected first
-// and then released together (a pipe every stream waits on), so that their rounds overlap;
-// the slowest stream's median seconds.
-double rawTcpConcurrentSeconds(const std::vector<int64_t>& streams) {
+// `streams` transfers at once, as a reconfiguration's receivers get their copies: per stream
+// its own pair of processes running `transfer(bytes, beforeRounds)` (rawTcpSeconds or
+// sinewSeconds), connected first and then released together (a pipe every stream waits on in
+// beforeRounds), so that their rounds overlap; the slowest stream's median seconds.
+using Transfer = std::function<double(int64_t, const std::function<void()>&)>;
+double concurrentSeconds(const std::vector<int64_t>& streams, const Transfer& transfer) {
   int ready[2], go[2];
   if (::pipe(ready) != 0 || ::pipe(go) != 0) throw std::runtime_error("pipe failed");
   std::vector<std::pair<pid_t, int>> kids;
@@ -177,7 +182,7 @@ double rawTcpConcurrentSeconds(const std::vector<int64_t>& streams) {
       double s = -1;
       bool arrived = false;
       try {
-        s = rawTcpSeconds(bytes, [&] {
+        s = transfer(bytes, [&] {
           char c = 1;
           arrived = true;
           if (::write(ready[1], &c, 1) != 1 || ::read(go[0], &c, 1) != 1) {
@@ -216,14 +221,17 @@ double rawTcpConcurrentSeconds(const std::vector<int64_t>& streams) {
     ::waitpid(pid, &st, 0);
     slowest = std::max(slowest, s);
   }
-  if (failed) throw std::runtime_error("a concurrent raw TCP stream failed");
+  if (failed) throw std::runtime_error("a concurrent stream failed");
   return slowest;
 }
 
 // The same with a Gloo communicator of two members and exchange(), as the stages send; with
 // chunkBytes > 0, the bytes go as the eight tensors of a layer's state would, through
 // exchangeInChunks with chunks of that size, as a reconfiguration copies layers.
-double sinewSeconds(int64_t bytes = kBytes, size_t chunkBytes = 0) {
+// `beforeRounds`, if given, runs in this process once the communicator is up (its peer waits
+// in the first exchange).
+double sinewSeconds(int64_t bytes = kBytes, size_t chunkBytes = 0,
+                    const std::function<void()>& beforeRounds = {}) {
   char tmpl[] = "/tmp/sinew-bench-pipeline-XXXXXX";
   if (::mkdtemp(tmpl) == nullptr) throw std::runtime_error("mkdtemp failed");
   const std::string dir = tmpl;
@@ -255,6 +263,7 @@ double sinewSeconds(int64_t bytes = kBytes, size_t chunkBytes = 0) {
         comm->exchange(ops(send, tag));
       }
     };
+    if (self == 0 && beforeRounds) beforeRounds();
     std::vector<double> s;
     for (int i = 0; i < kRounds + 2; ++i) {
       auto t0 = Clock::now();
@@ -438,6 +447,9 @@ int main(int argc, char** argv) {
     // the slowest raw stream's time over the longest receive time.
     double concurrentTcpS = 0;
     double concurrentRatio = 0;
+    // exchangeInChunks moving the same copies at once, one pair of processes per receiver:
+    // the transport under the job's concurrency without the job's other work.
+    double concurrentChunkedS = 0;
   };
   std::vector<CopyRun> copies;
   for (int i = 0; i < 3; ++i) {
@@ -453,17 +465,25 @@ int main(int argc, char** argv) {
     r.tcpS = rawTcpSeconds(r.job.copiedBytes);
     r.ratio = r.tcpS / r.job.copySeconds;
     r.allRatio = (r.job.allCopiedBytes / r.job.allCopySeconds) / (r.job.copiedBytes / r.tcpS);
-    r.concurrentTcpS = rawTcpConcurrentSeconds(r.job.epochCopies);
+    r.concurrentTcpS = concurrentSeconds(
+        r.job.epochCopies,
+        [](int64_t b, const std::function<void()>& f) { return rawTcpSeconds(b, f); });
+    r.concurrentChunkedS =
+        concurrentSeconds(r.job.epochCopies, [](int64_t b, const std::function<void()>& f) {
+          return sinewSeconds(b, size_t{4} << 20, f);
+        });
     r.concurrentRatio = r.concurrentTcpS / r.job.allCopySeconds;
     copies.push_back(r);
   }
-  std::vector<double> allRatios, concurrentRatios;
+  std::vector<double> allRatios, concurrentRatios, concurrentChunkedRatios;
   for (const auto& r : copies) {
     allRatios.push_back(r.allRatio);
     concurrentRatios.push_back(r.concurrentRatio);
+    concurrentChunkedRatios.push_back(r.concurrentTcpS / r.concurrentChunkedS);
   }
   const double allRatio = median(allRatios);
   const double concurrentRatio = median(concurrentRatios);
+  const double concurrentChunkedRatio = median(concurrentChunkedRatios);
   std::sort(copies.begin(), copies.end(),
             [](const CopyRun& a, const CopyRun& b) { return a.ratio < b.ratio; });
   const JobStats& copy = copies[1].job;
@@ -476,6 +496,8 @@ int main(int argc, char** argv) {
               allRatios[1], allRatios[2]);
   std::printf("  the same copies at once, raw TCP / Sinew  %.3f %.3f %.3f (in run order)\n",
               concurrentRatios[0], concurrentRatios[1], concurrentRatios[2]);
+  std::printf("  the same copies at once, raw TCP / exchangeInChunks alone  %.3f %.3f %.3f\n",
+              concurrentChunkedRatios[0], concurrentChunkedRatios[1], concurrentChunkedRatios[2]);
   std::printf("the run of the median largest-copy ratio:\n");
   std::printf("  largest copy received   %8.3f ms  %6.2f GB/s  (%.1f MiB)\n",
               copy.copySeconds * 1e3, copy.copiedBytes / copy.copySeconds / 1e9,
@@ -491,11 +513,15 @@ int main(int argc, char** argv) {
   std::printf("  exchangeInChunks alone  %8.3f ms  %6.2f GB/s  (4 MiB chunks, 2 processes)\n",
               copyChunked * 1e3, copy.copiedBytes / copyChunked / 1e9);
   std::printf(
+      "  exchangeInChunks, %zu pairs %6.3f ms  %6.2f GB/s  (each receiver's bytes, at once)\n",
+      copy.epochCopies.size(), copies[1].concurrentChunkedS * 1e3,
+      copy.allCopiedBytes / copies[1].concurrentChunkedS / 1e9);
+  std::printf(
       "RESULT pp_iter_vs_model=%.3f p2p_ratio_vs_tcp=%.3f pp_vs_dp=%.3f peer_ram_step_ratio=%.3f "
       "pp_iter_vs_model_with_peer_ram=%.3f layer_copy_ratio_vs_tcp=%.3f "
       "layer_copy_all_ratio_vs_tcp=%.3f layer_copy_concurrent_ratio_vs_tcp=%.3f "
-      "chunked_exchange_ratio_vs_tcp=%.3f\n",
+      "chunked_exchange_ratio_vs_tcp=%.3f chunked_exchange_concurrent_ratio_vs_tcp=%.3f\n",
       iterRatio, tcp / sinew, ppVsDp, peerRatio, ratio(pp), copies[1].ratio, allRatio,
-      concurrentRatio, copyTcp / copyChunked);
+      concurrentRatio, copyTcp / copyChunked, concurrentChunkedRatio);
   return 0;
 }
