@@ -108,12 +108,25 @@ constexpr uint32_t kGoodbyeMagic = 0x53475942;  // "BYGS"
 
 enum class GoodbyeKind : uint32_t { kClosed = 1, kPeerLost = 2, kTimeout = 3, kAborted = 4 };
 
+// A control record on the wire: 16 bytes, little-endian like the lane header (magic 4, kind 4,
+// worker 8).
 struct Goodbye {
   uint32_t magic;
   uint32_t kind;
   int64_t worker;
+
+  static constexpr size_t kWireBytes = 16;
+  void encode(uint8_t* p) const {
+    ::sinew::detail::storeLe(p, magic, 4);
+    ::sinew::detail::storeLe(p + 4, kind, 4);
+    ::sinew::detail::storeLe(p + 8, static_cast<uint64_t>(worker), 8);
+  }
+  static Goodbye decode(const uint8_t* p) {
+    return {static_cast<uint32_t>(::sinew::detail::loadLe(p, 4)),
+            static_cast<uint32_t>(::sinew::detail::loadLe(p + 4, 4)),
+            static_cast<int64_t>(::sinew::detail::loadLe(p + 8, 8))};
+  }
 };
-static_assert(sizeof(Goodbye) == 16, "Goodbye is a fixed 16-byte wire record");
 
 // Adapts a sinew Store to Gloo's rendezvous Store interface.
 class GlooStoreAdapter : public gloo::rendezvous::Store {
@@ -306,7 +319,7 @@ class GlooCommunicator final : public Communicator {
 
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::rendezvous::Context> context_;
-  std::vector<Goodbye> controlIn_;  // One record per peer, written by Gloo.
+  std::vector<uint8_t> controlIn_;  // One wire record per peer, written by Gloo.
   std::vector<std::unique_ptr<UnboundBuffer>> controlBufs_;
   std::vector<std::thread> watchers_;
   std::thread timer_;
@@ -414,13 +427,13 @@ void GlooCommunicator::connect(const std::shared_ptr<Store>& store) {
   //    mesh connected (it crashed, or gave up on this epoch) has a closed pair, on which
   //    posting throws Gloo's IoException: that is this constructor's error like any other
   //    broken connection, never a Gloo exception in the caller (which handles Sinew's only).
-  controlIn_.assign(size(), Goodbye{});
+  controlIn_.assign(size() * Goodbye::kWireBytes, 0);
   controlBufs_.resize(size());
   for (int r = 0; r < size(); ++r) {
     if (r == rank_) continue;
-    controlBufs_[r] = buffer(&controlIn_[r], sizeof(Goodbye));
+    controlBufs_[r] = buffer(controlIn_.data() + r * Goodbye::kWireBytes, Goodbye::kWireBytes);
     try {
-      controlBufs_[r]->recv(r, kControlSlot, 0, sizeof(Goodbye));
+      controlBufs_[r]->recv(r, kControlSlot, 0, Goodbye::kWireBytes);
     } catch (const gloo::Exception& e) {
       controlBufs_.clear();  // No watcher runs yet; the pairs close with context_.
       SINEW_THROW(IoError, describe(), ": the connection to worker ", workerOf(r), " (rank ", r,
@@ -473,7 +486,7 @@ void GlooCommunicator::watch(int peer) {
   Verdict v;
   try {
     if (!controlBufs_[peer]->waitRecv(nullptr, kForever)) return;  // Shutting down.
-    const Goodbye& g = controlIn_[peer];
+    const Goodbye g = Goodbye::decode(controlIn_.data() + peer * Goodbye::kWireBytes);
     if (g.magic != kGoodbyeMagic || g.kind < 1 || g.kind > 4) {
       v.kind = VerdictKind::kLost;
       v.detail = "malformed control message";
@@ -699,9 +712,10 @@ void GlooCommunicator::shutdown() {
   }
   if (context_) {
     // Tell every peer whose connection still works why we leave (protocol step 2).
-    std::vector<Goodbye> out(
-        size(), Goodbye{kGoodbyeMagic, static_cast<uint32_t>(kind), static_cast<int64_t>(worker)});
-    auto buf = buffer(out.data(), out.size() * sizeof(Goodbye));
+    std::vector<uint8_t> out(size() * Goodbye::kWireBytes);
+    const Goodbye g{kGoodbyeMagic, static_cast<uint32_t>(kind), static_cast<int64_t>(worker)};
+    for (int r = 0; r < size(); ++r) g.encode(out.data() + r * Goodbye::kWireBytes);
+    auto buf = buffer(out.data(), out.size());
     int posted = 0;
     for (int r = 0; r < size(); ++r) {
       if (r == rank_) continue;
@@ -710,7 +724,7 @@ void GlooCommunicator::shutdown() {
         if (verdicts_[r].kind == VerdictKind::kLost) continue;
       }
       try {
-        buf->send(r, kControlSlot, r * sizeof(Goodbye), sizeof(Goodbye));
+        buf->send(r, kControlSlot, r * Goodbye::kWireBytes, Goodbye::kWireBytes);
         posted++;
       } catch (const std::exception&) {
         // That peer's connection is already broken; it needs no goodbye.
