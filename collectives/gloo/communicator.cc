@@ -34,11 +34,13 @@
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <sstream>
@@ -455,6 +457,30 @@ void ignoreSigpipe() {
   });
 }
 
+// This process's Gloo TCP device for `hostname`, shared by all its communicators. A device
+// owns an epoll loop thread, which its destructor joins, and an idle loop notices only at its
+// next 10 ms timeout: with a device per communicator, every communicator destroyed cost about
+// 10 ms (measured: 9.6-14 ms in its shutdown), and a reconfiguration drops several. The devices
+// live as long as the process (never destroyed: no join at exit). A forked child starts a map of
+// its own: the parent's devices have no loop thread in it (they are left alone, not destroyed).
+std::shared_ptr<gloo::transport::Device> sharedDevice(const std::string& hostname) {
+  struct Devices {
+    pid_t pid;
+    std::map<std::string, std::shared_ptr<gloo::transport::Device>> byHost;
+  };
+  static std::mutex mu;
+  static Devices* devices = nullptr;
+  std::lock_guard<std::mutex> lock(mu);
+  if (devices == nullptr || devices->pid != ::getpid()) devices = new Devices{::getpid(), {}};
+  auto& device = devices->byHost[hostname];
+  if (!device) {
+    gloo::transport::tcp::attr attr;
+    attr.hostname = hostname;
+    device = gloo::transport::tcp::CreateDevice(attr);
+  }
+  return device;
+}
+
 GlooCommunicator::GlooCommunicator(const std::shared_ptr<Store>& store,
                                    const CommunicatorOptions& options)
     : Communicator(options), verdicts_(options.members.size()) {
@@ -492,10 +518,8 @@ void GlooCommunicator::connect(const std::shared_ptr<Store>& store) {
   }
 
   // 2. Full mesh of TCP pairs through Gloo's rendezvous.
-  gloo::transport::tcp::attr attr;
-  attr.hostname = options_.hostname;
   try {
-    device_ = gloo::transport::tcp::CreateDevice(attr);
+    device_ = sharedDevice(options_.hostname);
     context_ = std::make_shared<gloo::rendezvous::Context>(rank_, size());
     // Gloo waits up to five times the context's timeout for a pair to connect (the
     // "initial connect" case of tcp/pair.h's waitUntil): a member whose peer gave up before
