@@ -306,6 +306,7 @@ struct JobStats {
   double allCopySeconds = 0;
   int64_t copyEpoch = -1;
   std::vector<int64_t> epochCopies;  // the bytes each of those receivers got
+  std::string plans;                 // worker 0's plan events, for error messages
 };
 
 JobStats runJob(const std::string& name, const std::vector<std::string>& args, int steps,
@@ -337,6 +338,7 @@ JobStats runJob(const std::string& name, const std::vector<std::string>& args, i
       if (e.is_discarded() || !e.contains("event")) continue;
       if (e["event"] == "plan" && e.contains("predicted_iteration_s")) {
         stats.predictedIterationS = e["predicted_iteration_s"].get<double>();
+        if (worker == 0) stats.plans += " " + e["pipelines"].dump();
       }
       if (e["event"] == "layers_moved" && e.value("copied_bytes", int64_t{0}) > 0) {
         const int64_t bytes = e["copied_bytes"].get<int64_t>();
@@ -460,7 +462,8 @@ int main(int argc, char** argv) {
                 "8", "--microbatch", "2", "--float32", "--peer-checkpoint-every", "0"},
                10, 6, "kill:worker=2:step=4");
     if (r.job.copiedBytes <= 0 || r.job.copySeconds <= 0) {
-      throw std::runtime_error("the copy job moved no layers between live workers");
+      throw std::runtime_error("the copy job moved no layers between live workers; its plans:" +
+                               r.job.plans);
     }
     r.tcpS = rawTcpSeconds(r.job.copiedBytes);
     r.ratio = r.tcpS / r.job.copySeconds;
