@@ -148,48 +148,70 @@ class LoopKicker {
   static constexpr std::chrono::seconds kUnregisterWait{1};
 
   // Does nothing (the loop then keeps its own pace) if `device` is not Gloo's TCP device or
-  // the eventfd cannot be made.
-  explicit LoopKicker(const std::shared_ptr<gloo::transport::Device>& device)
-      : device_(std::dynamic_pointer_cast<gloo::transport::tcp::Device>(device)) {
-    if (!device_) return;
-    drain_.device = device_.get();
-    drain_.fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (drain_.fd < 0) {
-      device_.reset();
+  // the eventfd, its registration or the kick thread cannot be made. Never throws.
+  explicit LoopKicker(const std::shared_ptr<gloo::transport::Device>& device) noexcept {
+    auto tcp = std::dynamic_pointer_cast<gloo::transport::tcp::Device>(device);
+    if (!tcp) return;
+    auto drain = std::make_unique<Drain>();
+    drain->device = tcp.get();
+    drain->fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (drain->fd < 0) return;
+    try {
+      kicker_ = std::thread([d = drain.get()] {
+        std::unique_lock<std::mutex> lock(d->mu);
+        while (!d->stop) {
+          lock.unlock();  // The loop thread's handler takes mu: never make it wait on a write.
+          kick(d->fd);
+          lock.lock();
+          if (d->stop) break;
+          d->cv.wait_for(lock, kKickInterval);
+        }
+      });
+    } catch (const std::exception&) {
+      ::close(drain->fd);
       return;
     }
-    device_->registerDescriptor(drain_.fd, EPOLLIN, &drain_);
-    kicker_ = std::thread([this] {
-      std::unique_lock<std::mutex> lock(drain_.mu);
-      while (!drain_.stop) {
-        kick();
-        drain_.cv.wait_for(lock, kKickInterval);
-      }
-    });
+    try {
+      tcp->registerDescriptor(drain->fd, EPOLLIN, drain.get());
+    } catch (const std::exception&) {
+      stopKicking(*drain);
+      ::close(drain->fd);
+      return;
+    }
+    device_ = std::move(tcp);
+    drain_ = std::move(drain);
   }
   ~LoopKicker() {
-    if (!device_) return;
+    if (!drain_) {
+      if (kicker_.joinable()) kicker_.join();
+      return;
+    }
+    bool unregistered;
     {
-      std::unique_lock<std::mutex> lock(drain_.mu);
-      drain_.stop = true;  // The kick thread ends; the loop thread unregisters the eventfd.
-      drain_.cv.notify_all();
-      kick();
-      if (!drain_.cv.wait_for(lock, kUnregisterWait, [&] { return drain_.unregistered; })) {
-        drain_.unregistered = true;  // The loop is stuck: unregister it from here.
-        lock.unlock();
-        device_->unregisterDescriptor(drain_.fd, &drain_);
-      }
+      std::unique_lock<std::mutex> lock(drain_->mu);
+      drain_->stop = true;  // The kick thread ends; the loop thread unregisters the eventfd.
+      drain_->cv.notify_all();
+      kick(drain_->fd);
+      unregistered =
+          drain_->cv.wait_for(lock, kUnregisterWait, [&] { return drain_->unregistered; });
+      // A loop this slow may still call the handler: it and the eventfd are left registered
+      // and never freed (Gloo's own wait for a tick has no deadline either).
+      if (!unregistered) drain_->abandoned = true;
     }
     kicker_.join();
-    ::close(drain_.fd);
+    if (unregistered) {
+      ::close(drain_->fd);
+    } else {
+      drain_.release();
+    }
   }
   LoopKicker(const LoopKicker&) = delete;
   LoopKicker& operator=(const LoopKicker&) = delete;
 
  private:
-  void kick() {
+  static void kick(int fd) {
     const uint64_t one = 1;
-    if (::write(drain_.fd, &one, sizeof(one)) < 0) {
+    if (::write(fd, &one, sizeof(one)) < 0) {
       // The counter is full: the loop has a wake-up pending anyway.
     }
   }
@@ -203,12 +225,13 @@ class LoopKicker {
     std::condition_variable cv;
     bool stop = false;          // Guarded by mu.
     bool unregistered = false;  // Guarded by mu.
+    bool abandoned = false;     // Guarded by mu: the kicker gave up waiting.
     void handleEvents(int) override {
       uint64_t v;
       while (::read(fd, &v, sizeof(v)) == static_cast<ssize_t>(sizeof(v))) {
       }
       std::lock_guard<std::mutex> lock(mu);
-      if (stop && !unregistered) {
+      if (stop && !unregistered && !abandoned) {
         device->unregisterDescriptor(fd, this);  // On the loop thread: no wait.
         unregistered = true;
         cv.notify_all();
@@ -216,8 +239,17 @@ class LoopKicker {
     }
   };
 
+  void stopKicking(Drain& d) {
+    {
+      std::lock_guard<std::mutex> lock(d.mu);
+      d.stop = true;
+    }
+    d.cv.notify_all();
+    if (kicker_.joinable()) kicker_.join();
+  }
+
   std::shared_ptr<gloo::transport::tcp::Device> device_;
-  Drain drain_;
+  std::unique_ptr<Drain> drain_;
   std::thread kicker_;
 };
 
@@ -366,6 +398,8 @@ class GlooCommunicator final : public Communicator {
   };
 
   void connect(const std::shared_ptr<Store>& store);
+  // Closes the pairs (each close waits for a tick of Gloo's loop, kept ticking meanwhile).
+  void closeContext();
   void watch(int peer);
   void timerLoop();
 
@@ -536,6 +570,7 @@ void GlooCommunicator::connect(const std::shared_ptr<Store>& store) {
     LoopKicker kicker(device_);
     context_->connectFullMesh(adapter, device_);
   } catch (const gloo::Exception& e) {
+    closeContext();
     SINEW_THROW(IoError, describe(), ": connecting to the members failed: ", e.what());
   }
 
@@ -551,7 +586,8 @@ void GlooCommunicator::connect(const std::shared_ptr<Store>& store) {
     try {
       controlBufs_[r]->recv(r, kControlSlot, 0, Goodbye::kWireBytes);
     } catch (const gloo::Exception& e) {
-      controlBufs_.clear();  // No watcher runs yet; the pairs close with context_.
+      controlBufs_.clear();  // No watcher runs yet.
+      closeContext();
       SINEW_THROW(IoError, describe(), ": the connection to worker ", workerOf(r), " (rank ", r,
                   ") broke as it was set up: ", e.what());
     }
@@ -868,10 +904,7 @@ void GlooCommunicator::shutdown() {
   watchers_.clear();
   if (timer_.joinable()) timer_.join();
   controlBufs_.clear();
-  if (context_) {
-    LoopKicker kicker(device_);  // Closing each pair waits for a loop tick.
-    context_.reset();
-  }
+  closeContext();
   // After the goodbyes, so a peer in a lane operation learns why we left. Under mu_, as
   // failLocked reads lanes_ (it cannot run here anyway: a failure is recorded before any
   // shutdown, and failLocked returns early then).
@@ -882,6 +915,12 @@ void GlooCommunicator::shutdown() {
   }
   lanes.reset();
   device_.reset();
+}
+
+void GlooCommunicator::closeContext() {
+  if (!context_) return;
+  LoopKicker kicker(device_);
+  context_.reset();
 }
 
 void GlooCommunicator::validate(const at::Tensor& t, const char* op, bool needReduce) const {
