@@ -10,6 +10,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -852,6 +853,50 @@ TEST(CommunicatorFailureTest, TwoMemberPeerThatDiesDuringLaneSetUpIsLostPromptly
   }
   auto exits = group.waitAll(60s);
   for (auto& e : exits) EXPECT_TRUE(e.exited && e.code == 0) << e.str();
+}
+
+// The communicators of a process share one Gloo device, whose loop thread does not exist in a
+// process forked from it: a child forked while its parent's communicator is alive builds and
+// uses a communicator of its own, and the parent's still works afterwards. (With the parent's
+// device the child never connected, and its sockets went into the parent's epoll set, which
+// broke the parent's communicator within milliseconds.)
+TEST(CommunicatorTest, ChildForkedWhileACommunicatorLivesBuildsItsOwn) {
+  TcpStoreServer server{sinew::testing::serverOptions()};
+  ProcessGroup group;
+  spawnMembers(group, server, 3, [&](int r, const std::shared_ptr<Store>&, Communicator* comm) {
+    at::Tensor t = at::full({1000}, double(r + 1), at::kDouble);
+    comm->allreduce(t);
+    if (!at::equal(t, at::full({1000}, 6.0, at::kDouble))) return 10;
+    ProcessGroup child;
+    child.spawn([&, r] {
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // Not left running if its parent dies.
+      auto store = connect(server.port());
+      CommunicatorOptions o = options({20, 21, 22}, 20 + r, 0, 30s);
+      o.name = "forked";
+      o.initTimeout = 30s;
+      auto own = createGlooCommunicator(store, o);
+      at::Tensor u = at::full({1000}, double(10 * (r + 1)), at::kDouble);
+      own->allreduce(u);
+      // Point to point too: the Gloo pairs, not only the ring.
+      at::Tensor in = at::zeros({10}, at::kLong);
+      own->exchange({P2POp::send(at::full({10}, int64_t{r}, at::kLong), (r + 1) % 3, 7),
+                     P2POp::recv(in, (r + 2) % 3, 7)});
+      const bool ok = at::equal(u, at::full({1000}, 60.0, at::kDouble)) &&
+                      at::equal(in, at::full({10}, int64_t{(r + 2) % 3}, at::kLong));
+      return ok ? 0 : 11;
+    });
+    auto exits = child.waitAll(60s);
+    if (!(exits[0].exited && exits[0].code == 0)) {
+      std::cerr << "rank " << r << "'s child " << exits[0].str() << std::endl;
+      return 12;
+    }
+    comm->allreduce(t);
+    return at::equal(t, at::full({1000}, 18.0, at::kDouble)) ? 0 : 13;
+  });
+  auto exits = group.waitAll(120s);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(exits[r].exited && exits[r].code == 0) << "rank " << r << " " << exits[r].str();
+  }
 }
 
 // Ten failures and rebuilds in a row: each epoch one member aborts mid-job; everyone
