@@ -863,7 +863,9 @@ void GlooCommunicator::shutdown() {
     worker = failureWorker_;
   }
   if (context_) {
-    // Tell every peer whose connection still works why we leave (protocol step 2).
+    // Tell every peer whose connection still works, and that has not left, why we leave
+    // (protocol step 2). A peer whose goodbye arrived reads no more: a send to it could only
+    // wait out the budget on its closed connection.
     std::vector<uint8_t> out(size() * Goodbye::kWireBytes);
     const Goodbye g{kGoodbyeMagic, static_cast<uint32_t>(kind), static_cast<int64_t>(worker)};
     for (int r = 0; r < size(); ++r) g.encode(out.data() + r * Goodbye::kWireBytes);
@@ -873,7 +875,7 @@ void GlooCommunicator::shutdown() {
       if (r == rank_) continue;
       {
         std::lock_guard<std::mutex> lock(mu_);
-        if (verdicts_[r].kind == VerdictKind::kLost) continue;
+        if (verdicts_[r].kind != VerdictKind::kNone) continue;
       }
       try {
         buf->send(r, kControlSlot, r * Goodbye::kWireBytes, Goodbye::kWireBytes);
