@@ -136,8 +136,8 @@ struct Goodbye {
 // (gloo/transport/tcp/loop.cc) makes a thread that unregisters a descriptor wait for its next
 // tick, and an idle loop ticks once every 10 ms (its epoll_wait timeout). Pair::connect
 // unregisters its listening socket on the connecting side of every pair, and closing a pair
-// unregisters its socket, so connecting a mesh took about 10 ms per peer (measured: 34-54 ms
-// for a 5-member mesh, against 14-26 ms with a kicker). While a kicker lives, an eventfd
+// unregisters its socket, so connecting a mesh took about 10 ms per peer (docs/collectives.md,
+// "Gloo's loop tick", has the measurements). While a kicker lives, an eventfd
 // registered with the loop is written every kKickInterval, so every such wait ends within
 // that. The eventfd itself is unregistered by the loop thread (from its handler, which does not
 // wait for a tick): unregistered from this thread, the wait would be the idle 10 ms again,
