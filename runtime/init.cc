@@ -65,15 +65,6 @@ uint64_t parseToken(const std::string& v) {
   return *x;
 }
 
-// The control API's address from SINEW_CONTROL_PORT (0: a free port) and SINEW_CONTROL_HOST
-// (docs/control_api.md), for the built-in coordinator and for HA mode's candidates alike.
-void controlApiFromEnv(CoordinatorOptions& c) {
-  if (const char* port = env("SINEW_CONTROL_PORT")) {
-    c.controlPort = static_cast<int>(parseInt("SINEW_CONTROL_PORT", port, 0, 65535));
-  }
-  if (const char* host = env("SINEW_CONTROL_HOST")) c.controlHost = host;
-}
-
 // "host:port" -> (host, port).
 std::pair<std::string, uint16_t> parseEndpoint(const char* name, const std::string& v) {
   auto colon = v.rfind(':');
@@ -99,6 +90,15 @@ int mpiRank() {
 }
 
 #if SINEW_WITH_MPI
+// The control API's address from SINEW_CONTROL_PORT (0: a free port) and SINEW_CONTROL_HOST
+// (docs/control_api.md), for the built-in coordinator and for HA mode's candidates alike.
+void controlApiFromEnv(CoordinatorOptions& c) {
+  if (const char* port = env("SINEW_CONTROL_PORT")) {
+    c.controlPort = static_cast<int>(parseInt("SINEW_CONTROL_PORT", port, 0, 65535));
+  }
+  if (const char* host = env("SINEW_CONTROL_HOST")) c.controlHost = host;
+}
+
 int mpiSize() {
   for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"}) {
     if (const char* v = env(name)) return static_cast<int>(parseInt(name, v, 1));
