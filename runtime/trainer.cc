@@ -1259,6 +1259,14 @@ class Trainer::Impl {
       r.copied++;
       r.sources.push_back(k.from);
     }
+    // The copies run while nothing else of the job does (docs/pipeline.md, "Quiet copies"):
+    // every member enters them once every receiver has built and zero-filled its buffers and
+    // every sender has its manifests' checksums, and leaves them only once every copy has
+    // arrived, so that no member's layer building or next forward shares the machine with
+    // them. Every member derives the same copy list, so all of them take both barriers or
+    // none; a member lost meanwhile fails them as it fails the copies (PeerLost).
+    const bool anyCopies = !copies.empty();
+    if (anyCopies) comm_->barrier(recoveryTimeout());
     if (!ops.empty()) {
       // Streamed in chunks (no message above kLayerCopyChunkBytes); timed on the receivers
       // for the copy's throughput (the layers_moved event).
@@ -1267,6 +1275,7 @@ class Trainer::Impl {
       for (const auto& in : incoming) r.bytesCopied += in.tensor.nbytes();
       if (!incoming.empty()) r.copySeconds = seconds(Clock::now() - t0);
     }
+    if (anyCopies) comm_->barrier(recoveryTimeout());
     if (keeps) return std::nullopt;
     // Every copy arrived whole, or the reconfiguration fails here (nothing adopted).
     for (const auto& [c, crc] : expected) {
