@@ -32,13 +32,16 @@
 //     same copies at once with exchangeInChunks (a pair of processes per receiver, nothing else
 //     running) against those raw streams: Sinew's transport under the job's concurrency, without
 //     the job's other work. The job runs three times: the largest-copy ratio is the median run's,
-//     the others the medians of the three.
+//     the others the medians of the three. A reconfiguration's copies are the first bulk
+//     transfer on the new epoch's connections, so the largest copy is also compared with raw
+//     TCP's first transfer of its bytes on a new connection (the "fresh" ratio, the median of
+//     the three runs'; rawTcpFreshSeconds).
 //
 // Last line: RESULT pp_iter_vs_model=<measured/predicted> p2p_ratio_vs_tcp=<r> pp_vs_dp=<x>
 //            peer_ram_step_ratio=<with/without> pp_iter_vs_model_with_peer_ram=<r>
 //            layer_copy_ratio_vs_tcp=<r> layer_copy_all_ratio_vs_tcp=<r>
 //            layer_copy_concurrent_ratio_vs_tcp=<r> chunked_exchange_ratio_vs_tcp=<r>
-//            chunked_exchange_concurrent_ratio_vs_tcp=<r>
+//            chunked_exchange_concurrent_ratio_vs_tcp=<r> layer_copy_ratio_vs_fresh_tcp=<r>
 
 #include <ftw.h>
 #include <sys/stat.h>
@@ -149,6 +152,61 @@ double rawTcpSeconds(int64_t bytes = kBytes, const std::function<void()>& before
   ::close(listener);
   int st = 0;
   ::waitpid(pid, &st, 0);
+  return median(s);
+}
+
+// Median seconds, over kFreshConnections connections, of the first transfer of `bytes` on a
+// freshly made loopback TCP connection: this process writes them, a forked child reads them
+// into a buffer it has already written (as a layer copy's receiver zero-fills its tensors) and
+// answers one byte, which ends the time. A reconfiguration's copies are the first bulk transfer
+// on the new epoch's connections, whose kernel buffers have not grown yet: on this machine such
+// a first transfer of 28 MB took about twice as long as the same bytes on a connection that
+// has carried them before (what rawTcpSeconds measures).
+constexpr int kFreshConnections = 5;
+double rawTcpFreshSeconds(int64_t bytes) {
+  std::vector<char> buf(static_cast<size_t>(bytes), 1);
+  std::vector<double> s;
+  for (int i = 0; i < kFreshConnections; ++i) {
+    int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof addr;
+    if (::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+        ::listen(listener, 1) != 0 ||
+        ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      throw std::runtime_error("cannot listen on loopback");
+    }
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      // Its own buffer, written before it connects: reading into the parent's would copy each
+      // page on write inside the timed transfer.
+      std::vector<char> in(static_cast<size_t>(bytes), 0);
+      int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+      if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) _exit(1);
+      int one = 1;
+      ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+      try {
+        readAll(fd, in.data(), in.size());
+        writeAll(fd, in.data(), 1);
+      } catch (const std::exception&) {
+        _exit(1);
+      }
+      _exit(0);
+    }
+    int fd = ::accept(listener, nullptr, nullptr);
+    int one = 1;
+    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    char ack = 0;
+    auto t0 = Clock::now();
+    writeAll(fd, buf.data(), buf.size());
+    readAll(fd, &ack, 1);
+    s.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    ::close(fd);
+    ::close(listener);
+    int st = 0;
+    ::waitpid(pid, &st, 0);
+  }
   return median(s);
 }
 
@@ -443,8 +501,10 @@ int main(int argc, char** argv) {
   struct CopyRun {
     JobStats job;
     double tcpS = 0;
-    double ratio = 0;     // raw TCP time / the largest copy's time
-    double allRatio = 0;  // all receivers' throughput / one raw TCP stream's
+    double ratio = 0;       // raw TCP time / the largest copy's time
+    double freshTcpS = 0;   // the same bytes as the first transfer on a new connection
+    double freshRatio = 0;  // that time / the largest copy's time
+    double allRatio = 0;    // all receivers' throughput / one raw TCP stream's
     // Raw TCP moving that reconfiguration's copies at once (one stream per receiver) / Sinew:
     // the slowest raw stream's time over the longest receive time.
     double concurrentTcpS = 0;
@@ -467,6 +527,8 @@ int main(int argc, char** argv) {
     }
     r.tcpS = rawTcpSeconds(r.job.copiedBytes);
     r.ratio = r.tcpS / r.job.copySeconds;
+    r.freshTcpS = rawTcpFreshSeconds(r.job.copiedBytes);
+    r.freshRatio = r.freshTcpS / r.job.copySeconds;
     r.allRatio = (r.job.allCopiedBytes / r.job.allCopySeconds) / (r.job.copiedBytes / r.tcpS);
     r.concurrentTcpS = concurrentSeconds(
         r.job.epochCopies,
@@ -478,12 +540,14 @@ int main(int argc, char** argv) {
     r.concurrentRatio = r.concurrentTcpS / r.job.allCopySeconds;
     copies.push_back(r);
   }
-  std::vector<double> allRatios, concurrentRatios, concurrentChunkedRatios;
+  std::vector<double> allRatios, concurrentRatios, concurrentChunkedRatios, freshRatios;
   for (const auto& r : copies) {
+    freshRatios.push_back(r.freshRatio);
     allRatios.push_back(r.allRatio);
     concurrentRatios.push_back(r.concurrentRatio);
     concurrentChunkedRatios.push_back(r.concurrentTcpS / r.concurrentChunkedS);
   }
+  const double freshRatio = median(freshRatios);
   const double allRatio = median(allRatios);
   const double concurrentRatio = median(concurrentRatios);
   const double concurrentChunkedRatio = median(concurrentChunkedRatios);
@@ -495,6 +559,10 @@ int main(int argc, char** argv) {
   std::printf("layer copy in a reconfiguration (6 workers, width 256, worker 2 killed), 3 runs\n");
   std::printf("  largest copy / raw TCP   %.3f %.3f %.3f\n", copies[0].ratio, copies[1].ratio,
               copies[2].ratio);
+  std::printf(
+      "  largest copy / raw TCP's first transfer on a new connection  %.3f %.3f %.3f (in run "
+      "order)\n",
+      freshRatios[0], freshRatios[1], freshRatios[2]);
   std::printf("  all receivers / raw TCP  %.3f %.3f %.3f (in run order)\n", allRatios[0],
               allRatios[1], allRatios[2]);
   std::printf("  the same copies at once, raw TCP / Sinew  %.3f %.3f %.3f (in run order)\n",
@@ -510,6 +578,10 @@ int main(int argc, char** argv) {
               copy.allCopiedBytes / 1048576.0);
   std::printf("  raw loopback TCP        %8.3f ms  %6.2f GB/s  (the largest copy's bytes)\n",
               copyTcp * 1e3, copy.copiedBytes / copyTcp / 1e9);
+  std::printf(
+      "  raw TCP, new connection %8.3f ms  %6.2f GB/s  (the largest copy's bytes, first "
+      "transfer, median of %d connections)\n",
+      copies[1].freshTcpS * 1e3, copy.copiedBytes / copies[1].freshTcpS / 1e9, kFreshConnections);
   std::printf("  raw TCP, %zu streams     %8.3f ms  %6.2f GB/s  (each receiver's bytes, at once)\n",
               copy.epochCopies.size(), copies[1].concurrentTcpS * 1e3,
               copy.allCopiedBytes / copies[1].concurrentTcpS / 1e9);
@@ -523,8 +595,9 @@ int main(int argc, char** argv) {
       "RESULT pp_iter_vs_model=%.3f p2p_ratio_vs_tcp=%.3f pp_vs_dp=%.3f peer_ram_step_ratio=%.3f "
       "pp_iter_vs_model_with_peer_ram=%.3f layer_copy_ratio_vs_tcp=%.3f "
       "layer_copy_all_ratio_vs_tcp=%.3f layer_copy_concurrent_ratio_vs_tcp=%.3f "
-      "chunked_exchange_ratio_vs_tcp=%.3f chunked_exchange_concurrent_ratio_vs_tcp=%.3f\n",
+      "chunked_exchange_ratio_vs_tcp=%.3f chunked_exchange_concurrent_ratio_vs_tcp=%.3f "
+      "layer_copy_ratio_vs_fresh_tcp=%.3f\n",
       iterRatio, tcp / sinew, ppVsDp, peerRatio, ratio(pp), copies[1].ratio, allRatio,
-      concurrentRatio, copyTcp / copyChunked, concurrentChunkedRatio);
+      concurrentRatio, copyTcp / copyChunked, concurrentChunkedRatio, freshRatio);
   return 0;
 }
