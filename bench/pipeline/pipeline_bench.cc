@@ -110,20 +110,27 @@ void readAll(int fd, char* p, size_t n) {
   }
 }
 
+// A listening socket on an ephemeral loopback port, whose address goes to `addr`.
+int listenOnLoopback(sockaddr_in* addr) {
+  int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  addr->sin_family = AF_INET;
+  addr->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr->sin_port = 0;
+  socklen_t len = sizeof *addr;
+  if (listener < 0 || ::bind(listener, reinterpret_cast<sockaddr*>(addr), sizeof *addr) != 0 ||
+      ::listen(listener, 1) != 0 ||
+      ::getsockname(listener, reinterpret_cast<sockaddr*>(addr), &len) != 0) {
+    throw std::runtime_error("cannot listen on loopback");
+  }
+  return listener;
+}
+
 // Median seconds of one transfer (half a round trip) of `bytes` between this process and a
 // forked child over a loopback TCP socket. `beforeRounds`, if given, runs once the two are
 // connected, before the first timed round.
 double rawTcpSeconds(int64_t bytes = kBytes, const std::function<void()>& beforeRounds = {}) {
-  int listener = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  if (::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-      ::listen(listener, 1) != 0 ||
-      ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    throw std::runtime_error("cannot listen on loopback");
-  }
+  int listener = listenOnLoopback(&addr);
   std::vector<char> buf(static_cast<size_t>(bytes));
   pid_t pid = ::fork();
   if (pid == 0) {
@@ -159,24 +166,16 @@ double rawTcpSeconds(int64_t bytes = kBytes, const std::function<void()>& before
 // freshly made loopback TCP connection: this process writes them, a forked child reads them
 // into a buffer it has already written (as a layer copy's receiver zero-fills its tensors) and
 // answers one byte, which ends the time. A reconfiguration's copies are the first bulk transfer
-// on the new epoch's connections, whose kernel buffers have not grown yet: on this machine such
-// a first transfer of 28 MB took about twice as long as the same bytes on a connection that
-// has carried them before (what rawTcpSeconds measures).
+// on the new epoch's connections, whose kernel buffers have not grown yet (on this machine such
+// a first transfer took 18-42% longer than the same bytes on a connection that has carried
+// them before, which is what rawTcpSeconds measures).
 constexpr int kFreshConnections = 5;
 double rawTcpFreshSeconds(int64_t bytes) {
   std::vector<char> buf(static_cast<size_t>(bytes), 1);
   std::vector<double> s;
   for (int i = 0; i < kFreshConnections; ++i) {
-    int listener = ::socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof addr;
-    if (::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-        ::listen(listener, 1) != 0 ||
-        ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-      throw std::runtime_error("cannot listen on loopback");
-    }
+    int listener = listenOnLoopback(&addr);
     pid_t pid = ::fork();
     if (pid == 0) {
       // Its own buffer, written before it connects: reading into the parent's would copy each
