@@ -291,5 +291,43 @@ std::vector<LayerCopy> layerCopies(const TemplateSet& templates, const Plan& pre
   return copies;
 }
 
+std::vector<LiveLayerCopy> liveLayerCopies(const Plan& next,
+                                           const std::vector<std::vector<int>>& live,
+                                           const std::vector<int64_t>& layer_bytes) {
+  const int L = next.numLayers;
+  if (static_cast<int>(live.size()) != L || static_cast<int>(layer_bytes.size()) != L) {
+    SINEW_THROW(InvalidArgument, "liveLayerCopies: the plan has ", L, " layers, but live has ",
+                live.size(), " entries and layer_bytes ", layer_bytes.size());
+  }
+  std::vector<WorkerAssignment> ws = next.workers;
+  std::sort(ws.begin(), ws.end(), [](const auto& a, const auto& b) { return a.worker < b.worker; });
+  auto holdsLive = [&](int w, int l) {
+    return std::find(live[l].begin(), live[l].end(), w) != live[l].end();
+  };
+  // What each worker receives here, known before any source is chosen.
+  std::map<int, int64_t> traffic;
+  std::vector<LiveLayerCopy> copies;
+  for (int l = 0; l < L; ++l) {
+    if (live[l].empty()) continue;
+    for (const auto& w : ws) {
+      if (l >= w.firstLayer && l < w.endLayer && !holdsLive(w.worker, l)) {
+        copies.push_back({l, -1, w.worker});
+        traffic[w.worker] += layer_bytes[l];
+      }
+    }
+  }
+  for (auto& c : copies) {
+    int best = -1;
+    for (int w : live[c.layer]) {
+      if (best < 0 || traffic[w] < traffic[best] || (traffic[w] == traffic[best] && w < best)) {
+        best = w;
+      }
+    }
+    c.from = best;
+    traffic[best] += layer_bytes[c.layer];
+  }
+  return copies;
+}
+
 }  // namespace pipeline
 }  // namespace sinew

@@ -68,5 +68,28 @@ Reconfiguration reconfigure(const TemplateSet& templates, const Plan& current,
 std::vector<LayerCopy> layerCopies(const TemplateSet& templates, const Plan& previous,
                                    const Plan& next, const std::vector<int>& lost_node_ids);
 
+// One layer copy of a running job's reconfiguration (docs/pipeline.md, "Reconfiguration, step
+// by step"): worker `to` receives layer `layer`, parameters and optimizer state, from worker
+// `from`, which holds it live (its state is after the step the job resumes from).
+struct LiveLayerCopy {
+  int layer = 0;
+  int from = -1;
+  int to = -1;
+};
+
+// The copies that give every worker of `next` each layer of its range that it does not hold
+// live. live[l] lists the workers that hold layer l live, in increasing id order;
+// layer_bytes[l] is its size (any unit, the same for every layer). A layer nobody holds live
+// gets no copy. The copies are ordered by layer, then receiving worker id: the order in which
+// every member posts their messages. Each copy's source is the live holder with the least
+// traffic in this list so far, counting the bytes it already sends and every byte it receives
+// here, the lowest id on ties. So no holder sends every copy while others that hold the same
+// layers stay idle, and a worker that is itself receiving is asked to send last. Every member
+// computes the same list from the same arguments.
+// Throws sinew::InvalidArgument if live or layer_bytes do not have next.numLayers entries.
+std::vector<LiveLayerCopy> liveLayerCopies(const Plan& next,
+                                           const std::vector<std::vector<int>>& live,
+                                           const std::vector<int64_t>& layer_bytes);
+
 }  // namespace pipeline
 }  // namespace sinew

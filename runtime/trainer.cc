@@ -39,6 +39,7 @@
 #include "sinew/pipeline/plan.h"
 #include "sinew/pipeline/profile.h"
 #include "sinew/pipeline/profiler.h"
+#include "sinew/pipeline/reconfiguration.h"
 #include "sinew/runtime/context_state.h"
 #include "sinew/runtime/event_log.h"
 
@@ -1137,11 +1138,12 @@ class Trainer::Impl {
   }
 
   // Runs this epoch's layer copies (docs/pipeline.md, "Reconfiguration"): every member
-  // derives the same list from the published holdings (for each layer, the live holder of
-  // lowest id sends it to every worker of the new plan that does not hold it live), sends
-  // what it must from its current layers, and receives into new ones. Returns this worker's
-  // new layers and their state, or nothing when it keeps exactly what it holds. Nothing of
-  // this worker changes here: a failure leaves it holding what it held.
+  // derives the same list from the published holdings (each layer goes to every worker of the
+  // new plan that does not hold it live, from the live holder with the least traffic so far:
+  // pipeline::liveLayerCopies), sends what it must from its current layers, and receives into
+  // new ones. Returns this worker's new layers and their state, or nothing when it keeps
+  // exactly what it holds. Nothing of this worker changes here: a failure leaves it holding
+  // what it held.
   std::optional<Relayout> relayoutLayers(const Plan& plan, const std::map<int, Holding>& held,
                                          int first, int end, int64_t resumeApplied) {
     const int self = ctx_.worker();
@@ -1149,28 +1151,20 @@ class Trainer::Impl {
       const Holding& h = held.at(w);
       return h.holds(l) && h.applied == resumeApplied;
     };
-    std::vector<pipeline::WorkerAssignment> ws = plan.workers;
-    std::sort(ws.begin(), ws.end(),
-              [](const auto& a, const auto& b) { return a.worker < b.worker; });
-    struct Copy {
-      int layer, from, to;
-    };
-    std::vector<Copy> copies;  // By layer, then receiver: the same order on every member.
-    std::vector<int> source(plan.numLayers, -1);
+    // Who copies which layer to whom (pipeline::liveLayerCopies: by layer, then receiver; each
+    // from the live holder with the least traffic so far). Traffic is counted in layers, which
+    // every member knows alike: the measured profile is not on every member (a joiner has
+    // none, and in that test neither had worker 1), and members that weighed
+    // the copies differently would post unmatched messages and wait for them until the epoch's
+    // deadline (seen in PipelineRecoveryTest.AJoinedWorkerGetsAStage).
+    std::vector<std::vector<int>> holders(plan.numLayers);
     for (int l = 0; l < plan.numLayers; ++l) {
       for (const auto& [w, h] : held) {
-        if (live(w, l)) {
-          source[l] = w;
-          break;
-        }
-      }
-      if (source[l] < 0) continue;
-      for (const auto& w : ws) {
-        if (l >= w.firstLayer && l < w.endLayer && !live(w.worker, l)) {
-          copies.push_back({l, source[l], w.worker});
-        }
+        if (live(w, l)) holders[l].push_back(w);
       }
     }
+    const std::vector<pipeline::LiveLayerCopy> copies = pipeline::liveLayerCopies(
+        plan, holders, std::vector<int64_t>(static_cast<size_t>(plan.numLayers), 1));
     // Ranks in this epoch's communicator (members_ is still the last epoch's).
     const std::vector<int>& members = comm_->members();
     auto rankIn = [&](int w) {
@@ -1192,7 +1186,7 @@ class Trainer::Impl {
     std::map<size_t, std::vector<at::Tensor>> outgoing;  // by copy index, where it sends
     std::map<size_t, at::Tensor> manifests;              // by copy index, where it receives
     for (size_t c = 0; c < copies.size(); ++c) {
-      const Copy& k = copies[c];
+      const pipeline::LiveLayerCopy& k = copies[c];
       if (k.from == self && heldParams(k.layer).size() > 0) {
         at::Tensor m = layerManifest(k.layer, &outgoing[c]);
         ops.push_back(collectives::P2POp::send(m, rankIn(k.to), kTagLayerManifest));
@@ -1223,7 +1217,7 @@ class Trainer::Impl {
     std::vector<Incoming> incoming;
     std::map<size_t, uint32_t> expected;  // crc32c by copy index
     for (const auto& [c, received] : manifests) {
-      const Copy& k = copies[c];
+      const pipeline::LiveLayerCopy& k = copies[c];
       const std::string& layerName = spec_.layers[k.layer].name;
       at::Tensor m = received.cpu();
       auto a = m.accessor<int64_t, 1>();
@@ -1304,7 +1298,7 @@ class Trainer::Impl {
       if (freshParams(l).size() == 0 || r.state.count(name)) continue;
       if (live(self, l)) {
         r.state[name] = own.at(name);
-      } else if (source[l] < 0 && resumeApplied >= 0) {
+      } else if (holders[l].empty() && resumeApplied >= 0) {
         fromDisk.push_back(name);
       } else {
         for (const auto& np : freshParams(l)) r.state[name][np.key()] = np.value().detach();

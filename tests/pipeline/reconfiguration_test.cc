@@ -7,6 +7,7 @@
 #include <numeric>
 #include <random>
 #include <set>
+#include <tuple>
 
 #include "brute_force.h"
 #include "sinew/collectives/error.h"
@@ -239,6 +240,88 @@ TEST(ReconfigurationTest, RandomLossSequencesKeepInvariantsAndAreDeterministic) 
     }
   }
   EXPECT_GT(steps, 300);
+}
+
+// A plan of workers with the given layer ranges [first, end) over `layers` layers.
+Plan planOf(int layers, const std::vector<std::tuple<int, int, int>>& ranges) {
+  Plan p;
+  p.numLayers = layers;
+  for (const auto& [w, first, end] : ranges) {
+    WorkerAssignment a;
+    a.worker = w;
+    a.firstLayer = first;
+    a.endLayer = end;
+    p.workers.push_back(a);
+  }
+  return p;
+}
+
+std::map<int, int64_t> sentBytes(const std::vector<LiveLayerCopy>& copies,
+                                 const std::vector<int64_t>& bytes) {
+  std::map<int, int64_t> sent;
+  for (const auto& c : copies) sent[c.from] += bytes[c.layer];
+  return sent;
+}
+
+TEST(LiveLayerCopiesTest, EveryLayerAWorkerLacksComesOnceInLayerThenReceiverOrder) {
+  // Workers 3 and 1 (listed out of order) need layers the live workers 0 and 2 hold; worker 1
+  // already holds layer 1 live.
+  const Plan next = planOf(4, {{3, 0, 2}, {1, 1, 4}, {0, 0, 2}, {2, 2, 4}});
+  const std::vector<std::vector<int>> live = {{0}, {0, 1}, {2}, {2}};
+  const std::vector<int64_t> bytes = {10, 10, 10, 10};
+  const auto copies = liveLayerCopies(next, live, bytes);
+  std::vector<std::tuple<int, int, int>> got;
+  for (const auto& c : copies) got.emplace_back(c.layer, c.to, c.from);
+  // Layer 1 has two live holders, workers 0 and 1; worker 1 receives 20 bytes here and worker 0
+  // has sent 10 by then, so worker 0 sends it. The rest come from their only live holders.
+  const std::vector<std::tuple<int, int, int>> want = {{0, 3, 0}, {1, 3, 0}, {2, 1, 2}, {3, 1, 2}};
+  EXPECT_EQ(got, want);
+}
+
+TEST(LiveLayerCopiesTest, SpreadsTheSendsOverTheLiveHolders) {
+  // Workers 0 and 1 both hold all 4 layers live; workers 2 and 3 need all of them. With the
+  // lowest live id as every copy's source, worker 0 sent all 8 copies and worker 1 none.
+  const Plan next = planOf(4, {{0, 0, 4}, {1, 0, 4}, {2, 0, 4}, {3, 0, 4}});
+  const std::vector<std::vector<int>> live(4, std::vector<int>{0, 1});
+  const std::vector<int64_t> bytes = {100, 300, 300, 100};
+  const auto copies = liveLayerCopies(next, live, bytes);
+  ASSERT_EQ(copies.size(), 8u);
+  auto sent = sentBytes(copies, bytes);
+  EXPECT_EQ(sent[0], 800);
+  EXPECT_EQ(sent[1], 800);
+  for (const auto& c : copies) {
+    EXPECT_TRUE(c.to == 2 || c.to == 3);
+    EXPECT_TRUE(c.from == 0 || c.from == 1);
+  }
+}
+
+TEST(LiveLayerCopiesTest, AHolderThatAlsoReceivesSendsLast) {
+  // Worker 0 holds layers 0-1 live but now receives layers 2-3; worker 1 holds 0-1 live and
+  // receives nothing: worker 4's layers 0-1 come from worker 1.
+  const Plan next = planOf(4, {{0, 0, 4}, {1, 0, 2}, {4, 0, 2}, {5, 2, 4}});
+  const std::vector<std::vector<int>> live = {{0, 1}, {0, 1}, {5}, {5}};
+  const std::vector<int64_t> bytes = {10, 10, 10, 10};
+  const auto copies = liveLayerCopies(next, live, bytes);
+  ASSERT_EQ(copies.size(), 4u);
+  for (const auto& c : copies) {
+    if (c.to == 4) {
+      EXPECT_EQ(c.from, 1) << "layer " << c.layer;
+    } else {
+      EXPECT_EQ(c.to, 0);
+      EXPECT_EQ(c.from, 5) << "layer " << c.layer;
+    }
+  }
+}
+
+TEST(LiveLayerCopiesTest, LayersWithoutALiveHolderGetNoCopyAndSizesMustMatch) {
+  const Plan next = planOf(3, {{0, 0, 3}});
+  const auto copies = liveLayerCopies(next, {{}, {1}, {}}, {1, 1, 1});
+  ASSERT_EQ(copies.size(), 1u);
+  EXPECT_EQ(copies[0].layer, 1);
+  EXPECT_EQ(copies[0].from, 1);
+  EXPECT_EQ(copies[0].to, 0);
+  EXPECT_THROW(liveLayerCopies(next, {{}, {1}}, {1, 1, 1}), InvalidArgument);
+  EXPECT_THROW(liveLayerCopies(next, {{}, {1}, {}}, {1}), InvalidArgument);
 }
 
 }  // namespace
