@@ -830,8 +830,14 @@ TEST(CommunicatorFailureTest, TwoMemberPeerThatDiesDuringLaneSetUpIsLostPromptly
       auto o = options(workerIds(2), kWorkerBase + r, 0);
       o.initTimeout = 20s;
       if (r == 1) {
-        auto dying = std::make_shared<HookedStore>(store, [](const std::string& key) {
-          if (endsWith(key, "/lane/0")) _exit(0);  // No goodbye: its sockets just close.
+        // It dies once rank 0 has published its lane, so rank 0 is in the lanes' set-up then.
+        // (Dying as soon as it asked for the key raced with rank 0's own mesh connection, which
+        // then failed with IoError, "connecting to the members failed", as a member that leaves
+        // as the mesh connects does: MemberThatLeavesAsTheMeshConnectsGivesIoError.)
+        auto dying = std::make_shared<HookedStore>(store, [store](const std::string& key) {
+          if (!endsWith(key, "/lane/0")) return;
+          store->get(key, 20s);
+          _exit(0);  // No goodbye: its sockets just close.
         });
         auto comm = createGlooCommunicator(dying, o);
         return 3;  // Never: it exits on reading rank 0's lane.
