@@ -310,12 +310,16 @@ TEST(FaultSemanticsTest, SecondSigtermEndsTheJobAtOnce) {
 // A flush that fails is reported with the worker, the version and the folder, and training
 // goes on; the next version is written, so the job ends well (exit 0, the last step durable).
 // A failed flush of the last step fails the job: its last step is not durable.
+// Every step takes at least 25 ms (injected), so the 10 steps between two versions outlast a
+// flush (about 0.1 s in CI) and no version is skipped: a writer skips a due version while the
+// previous one is still being written, and without the pause a clean-clone CI run skipped 19
+// and 29 (LATEST named 9).
 TEST(FaultSemanticsTest, FailedFlushIsReportedAndTrainingGoesOn) {
   const std::string ckpt = logDir("failwrite-ckpt");
   std::filesystem::remove_all(ckpt);
   JobRun run = trainDp("failwrite", 3,
                        {"--steps", "40", "--checkpoint-dir", ckpt, "--checkpoint-every", "10"},
-                       "failwrite:worker=0:step=19");
+                       "slow:worker=*:ms=25;failwrite:worker=0:step=19");
   {
     SCOPED_TRACE(run.output);
     expectExact(run, "");
@@ -327,7 +331,7 @@ TEST(FaultSemanticsTest, FailedFlushIsReportedAndTrainingGoesOn) {
   std::filesystem::remove_all(ckpt);
   JobRun last = trainDp("failwrite-last", 3,
                         {"--steps", "40", "--checkpoint-dir", ckpt, "--checkpoint-every", "10"},
-                        "failwrite:worker=0:step=39");
+                        "slow:worker=*:ms=25;failwrite:worker=0:step=39");
   SCOPED_TRACE(last.output);
   EXPECT_FALSE(last.timedOut);
   EXPECT_NE(last.exitCode, 0) << "the last step is not durable, yet the job passed";
