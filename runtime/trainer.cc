@@ -1527,7 +1527,11 @@ class Trainer::Impl {
       co.hostname = ctx_.host();
       return co;
     };
-    auto comm = makeCommunicator(store, options(info.members, "pp"));
+    // Activations, gradients and layer copies go on lanes: each transfer is moved by the
+    // thread that waits for it, not handed over by Gloo's loop thread (docs/collectives.md).
+    collectives::CommunicatorOptions worldOptions = options(info.members, "pp");
+    worldOptions.p2pLanes = true;
+    auto comm = makeCommunicator(store, std::move(worldOptions));
     {
       std::lock_guard<std::mutex> lock(commMu_);
       comm_ = std::move(comm);

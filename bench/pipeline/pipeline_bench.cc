@@ -282,7 +282,8 @@ double concurrentSeconds(const std::vector<int64_t>& streams, const Transfer& tr
   return slowest;
 }
 
-// The same with a Gloo communicator of two members and exchange(), as the stages send; with
+// The same with a Gloo communicator of two members (on lanes) and exchange(), as the stages
+// send; with
 // chunkBytes > 0, the bytes go as the eight tensors of a layer's state would, through
 // exchangeInChunks with chunks of that size, as a reconfiguration copies layers.
 // `beforeRounds`, if given, runs in this process once the communicator is up (its peer waits
@@ -298,6 +299,7 @@ double sinewSeconds(int64_t bytes = kBytes, size_t chunkBytes = 0,
     o.members = {0, 1};
     o.self = self;
     o.name = "bench";
+    o.p2pLanes = true;  // As the job's world communicator, which the stages and copies use.
     auto comm = sinew::collectives::createGlooCommunicator(store, o);
     using sinew::collectives::P2POp;
     at::Tensor t = at::ones({bytes / 8}, at::kDouble);

@@ -84,6 +84,13 @@ constexpr size_t kLaneScratchBytes = 128 << 10;
 constexpr size_t kLaneChunkBytes = 32 << 10;
 constexpr size_t kLaneReduceBytes = 128 << 10;
 constexpr std::chrono::microseconds kLaneSpin{200};
+// Point-to-point messages on the lanes (CommunicatorOptions::p2pLanes): each message's 16-byte
+// header (magic "SNWP" 4, tag 4, bytes 8, little-endian), and the most one send or recv call
+// moves (no add reads the bytes after them, so larger calls than allreduceTwo's only save
+// system calls).
+constexpr uint32_t kLaneP2PMagic = 0x50574E53;
+constexpr size_t kLaneP2PHeaderBytes = 16;
+constexpr size_t kLaneP2PCallBytes = 256 << 10;
 
 // What each member sends ahead of an allreduce's bytes on the lane: 24 bytes, little-endian
 // like the store's, the frames' and the lane handshake's fields (magic 4, dtype 4, seq 8,
@@ -412,6 +419,10 @@ class GlooCommunicator final : public Communicator {
     return context_->createUnboundBuffer(ptr, bytes);
   }
   void allreduceTwo(at::Tensor& t, std::chrono::milliseconds timeout);
+  // send, recv and exchange with CommunicatorOptions::p2pLanes. REQUIRES: validated ops.
+  void exchangeOnLanes(const std::vector<P2POp>& ops, const char* name,
+                       std::chrono::milliseconds timeout);
+  bool p2pOnLanes() const { return options_.p2pLanes && lanes_ != nullptr; }
   void checkLaneHeader(const LaneHeader& in, const LaneHeader& out, int peer);
   void waitRecv(UnboundBuffer* buf, int peer);
   void waitSend(UnboundBuffer* buf, int peer);
@@ -453,7 +464,8 @@ class GlooCommunicator final : public Communicator {
   uint64_t collectiveSeq_ = 0;      // Operation thread only.
   std::atomic<int> waitingOn_{-1};  // Rank the operation thread waits for, or -1.
 
-  // Two members' direct connections (allreduceTwo); null for other sizes.
+  // Direct connections to every member: two members' (allreduceTwo), or any size's with
+  // p2pLanes (exchangeOnLanes); null otherwise.
   std::unique_ptr<Lanes> lanes_;
   uint64_t laneSeq_ = 0;  // Operation thread only.
   // The receive ring of allreduceTwo, kept between operations (one runs at a time).
@@ -600,7 +612,7 @@ void GlooCommunicator::connect(const std::shared_ptr<Store>& store) {
   // 4. Two members reduce over connections of their own (allreduceTwo). Set up once the
   //    watchers run, so that a peer that dies meanwhile ends the set-up within a slice (its
   //    watcher fails this communicator) instead of at the deadline.
-  if (size() == 2) {
+  if (size() == 2 || (options_.p2pLanes && size() > 2)) {
     try {
       auto lanes = std::make_unique<Lanes>(
           *prefixed, rank_, size(), options_.hostname, epoch(), deadline, describe(),
@@ -1183,6 +1195,185 @@ void GlooCommunicator::allreduceTwo(at::Tensor& t, std::chrono::milliseconds tim
   });
 }
 
+// Point-to-point on the lanes (CommunicatorOptions::p2pLanes; docs/collectives.md, "Lanes").
+// Every message is a 16-byte header (magic, tag, bytes) and its bytes, written on the lane to
+// its receiver in the order of `ops`; the receiver reads straight into the tensor of the first
+// of its receives from that member with the header's tag. It reads from a member only while
+// it still expects a message from it, so a message for a later call stays in the socket. All
+// from this thread with non-blocking calls and poll(): sends to different members and
+// receives from every member move together, and a member waits only while no socket can move.
+// Failures as in allreduceTwo (a deadline or abort() wakes the poll; a broken lane goes to
+// onPairError).
+void GlooCommunicator::exchangeOnLanes(const std::vector<P2POp>& ops, const char* name,
+                                       std::chrono::milliseconds timeout) {
+  struct Send {
+    const char* data;
+    size_t bytes;
+    size_t done = 0;  // header and payload bytes written
+    uint8_t header[kLaneP2PHeaderBytes];
+  };
+  struct Recv {
+    char* data;
+    size_t bytes;
+    uint32_t tag;
+    bool matched = false;
+  };
+  struct Incoming {
+    uint8_t header[kLaneP2PHeaderBytes];
+    size_t headerDone = 0;
+    int recv = -1;  // the receive the current message fills, or -1 before its header
+    size_t done = 0;
+  };
+  const int P = size();
+  std::vector<std::vector<Send>> sends(P);
+  std::vector<std::vector<Recv>> recvs(P);
+  std::vector<size_t> nextSend(P, 0);
+  std::vector<int> expected(P, 0);  // receives from each member not complete yet
+  size_t left = 0;
+  for (const P2POp& op : ops) {
+    const size_t bytes = op.tensor.numel() * op.tensor.element_size();
+    if (bytes == 0) continue;  // Skipped on both sides, as on Gloo's pairs.
+    if (op.kind == P2POp::Kind::kSend) {
+      Send snd{static_cast<const char*>(op.tensor.data_ptr()), bytes, 0, {}};
+      ::sinew::detail::storeLe(snd.header, kLaneP2PMagic, 4);
+      ::sinew::detail::storeLe(snd.header + 4, op.tag, 4);
+      ::sinew::detail::storeLe(snd.header + 8, bytes, 8);
+      sends[op.peer].push_back(snd);
+    } else {
+      recvs[op.peer].push_back({static_cast<char*>(op.tensor.data_ptr()), bytes, op.tag});
+      expected[op.peer]++;
+    }
+    left++;
+  }
+  if (left == 0) return;
+  std::vector<Incoming> in(P);
+  std::vector<pollfd> fds;
+  std::vector<int> fdPeer;
+  runOp(name, timeout, {}, [&] {
+    while (left > 0) {
+      if (failed_.load(std::memory_order_acquire)) throwFailure();
+      bool progress = false;
+      fds.clear();
+      fdPeer.clear();
+      int blockedOn = -1;
+      for (int peer = 0; peer < P; ++peer) {
+        // Send: the rest of the current message's header and a call's worth of its bytes.
+        while (nextSend[peer] < sends[peer].size()) {
+          Send& m = sends[peer][nextSend[peer]];
+          iovec iov[2];
+          int n = 0;
+          if (m.done < kLaneP2PHeaderBytes) {
+            iov[n++] = {m.header + m.done, kLaneP2PHeaderBytes - m.done};
+          }
+          const size_t sent = m.done > kLaneP2PHeaderBytes ? m.done - kLaneP2PHeaderBytes : 0;
+          iov[n++] = {const_cast<char*>(m.data) + sent,
+                      std::min(m.bytes - sent, kLaneP2PCallBytes)};
+          msghdr msg{};
+          msg.msg_iov = iov;
+          msg.msg_iovlen = n;
+          ssize_t rv = ::sendmsg(lanes_->sendFd(peer), &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+          if (rv > 0) {
+            m.done += static_cast<size_t>(rv);
+            progress = true;
+            if (m.done == kLaneP2PHeaderBytes + m.bytes) {
+              nextSend[peer]++;
+              left--;
+            }
+            continue;
+          }
+          if (rv < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+            onPairError(peer, std::string("lane send: ") + std::strerror(errno));
+          }
+          if (rv < 0 && errno == EINTR) continue;
+          fds.push_back({lanes_->sendFd(peer), POLLOUT, 0});
+          fdPeer.push_back(peer);
+          if (blockedOn < 0) blockedOn = peer;
+          break;
+        }
+        // Receive: a header, then its bytes straight into the matching receive's tensor.
+        while (expected[peer] > 0) {
+          Incoming& c = in[peer];
+          char* dst;
+          size_t want;
+          if (c.recv < 0) {
+            dst = reinterpret_cast<char*>(c.header) + c.headerDone;
+            want = kLaneP2PHeaderBytes - c.headerDone;
+          } else {
+            Recv& r = recvs[peer][c.recv];
+            dst = r.data + c.done;
+            want = std::min(r.bytes - c.done, kLaneP2PCallBytes);
+          }
+          ssize_t rv = ::recv(lanes_->recvFd(peer), dst, want, MSG_DONTWAIT);
+          if (rv == 0) onPairError(peer, "lane: connection closed");
+          if (rv < 0) {
+            if (errno == EINTR) continue;
+            if (errno != EAGAIN && errno != EWOULDBLOCK) {
+              onPairError(peer, std::string("lane recv: ") + std::strerror(errno));
+            }
+            fds.push_back({lanes_->recvFd(peer), POLLIN, 0});
+            fdPeer.push_back(peer);
+            if (blockedOn < 0) blockedOn = peer;
+            break;
+          }
+          progress = true;
+          if (c.recv < 0) {
+            c.headerDone += static_cast<size_t>(rv);
+            if (c.headerDone < kLaneP2PHeaderBytes) continue;
+            const auto magic = static_cast<uint32_t>(::sinew::detail::loadLe(c.header, 4));
+            const auto tag = static_cast<uint32_t>(::sinew::detail::loadLe(c.header + 4, 4));
+            const uint64_t bytes = ::sinew::detail::loadLe(c.header + 8, 8);
+            if (magic != kLaneP2PMagic) {
+              SINEW_THROW(Corruption, describe(), ": ", name, ": worker ", workerOf(peer),
+                          " sent a lane message with magic ", magic, " (expected ", kLaneP2PMagic,
+                          ")");
+            }
+            int match = -1;
+            for (size_t i = 0; i < recvs[peer].size(); ++i) {
+              if (!recvs[peer][i].matched && recvs[peer][i].tag == tag) {
+                match = static_cast<int>(i);
+                break;
+              }
+            }
+            if (match < 0) {
+              SINEW_THROW(InvalidArgument, describe(), ": ", name, ": worker ", workerOf(peer),
+                          " sent a message with tag ", tag, " (", bytes,
+                          " bytes) ahead of those this call receives from it, and this call "
+                          "receives none with that tag (on lanes, a member's messages are "
+                          "received in the order it sent them)");
+            }
+            if (bytes != recvs[peer][match].bytes) {
+              SINEW_THROW(InvalidArgument, describe(), ": ", name, ": worker ", workerOf(peer),
+                          " sent ", bytes, " bytes with tag ", tag, "; this member receives ",
+                          recvs[peer][match].bytes, " (the members' calls do not match)");
+            }
+            recvs[peer][match].matched = true;
+            c.recv = match;
+            c.headerDone = 0;
+            c.done = 0;
+          } else {
+            c.done += static_cast<size_t>(rv);
+          }
+          if (c.recv >= 0 && c.done == recvs[peer][c.recv].bytes) {
+            c.recv = -1;
+            c.done = 0;
+            expected[peer]--;
+            left--;
+          }
+        }
+      }
+      if (left == 0 || progress) continue;
+      // Nothing moved: sleep until a socket (or the wake fd) is ready.
+      waitingOn_.store(blockedOn);
+      fds.push_back({lanes_->wakeFd(), POLLIN, 0});
+      int rv = ::poll(fds.data(), fds.size(), -1);
+      if (rv < 0 && errno != EINTR) {
+        SINEW_THROW(IoError, describe(), ": ", name, ": poll: ", std::strerror(errno));
+      }
+    }
+    waitingOn_.store(-1);
+  });
+}
+
 void GlooCommunicator::checkLaneHeader(const LaneHeader& in, const LaneHeader& out, int peer) {
   if (in.magic != kLaneMagic) {
     SINEW_THROW(Corruption, describe(), ": allreduce: worker ", workerOf(peer),
@@ -1278,6 +1469,7 @@ void GlooCommunicator::send(const at::Tensor& t, int dst, uint32_t tag,
   timeout = resolveTimeout(timeout);
   const size_t bytes = t.numel() * t.element_size();
   if (bytes == 0) return;  // Nothing travels; the receiver skips it too.
+  if (p2pOnLanes()) return exchangeOnLanes({P2POp::send(t, dst, tag)}, "send", timeout);
   auto buf = buffer(t.data_ptr(), bytes);
   runOp("send", timeout, {buf.get()}, [&] {
     buf->send(dst, kP2PSlotBase + tag, 0, bytes);
@@ -1296,6 +1488,7 @@ void GlooCommunicator::recv(at::Tensor& t, int src, uint32_t tag,
   timeout = resolveTimeout(timeout);
   const size_t bytes = t.numel() * t.element_size();
   if (bytes == 0) return;
+  if (p2pOnLanes()) return exchangeOnLanes({P2POp::recv(t, src, tag)}, "recv", timeout);
   auto buf = buffer(t.data_ptr(), bytes);
   runOp("recv", timeout, {buf.get()}, [&] {
     buf->recv(src, kP2PSlotBase + tag, 0, bytes);
@@ -1314,6 +1507,7 @@ void GlooCommunicator::exchange(const std::vector<P2POp>& ops, std::chrono::mill
   }
   checkAlive();
   timeout = resolveTimeout(timeout);
+  if (p2pOnLanes()) return exchangeOnLanes(ops, "exchange", timeout);
   // Empty transfers are skipped on both sides, as in send() and recv().
   std::vector<std::unique_ptr<UnboundBuffer>> bufs(ops.size());
   std::vector<UnboundBuffer*> raw;

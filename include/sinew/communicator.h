@@ -56,6 +56,13 @@ struct CommunicatorOptions {
   std::string hostname = "127.0.0.1";
   // CUDA device index for the NCCL backend; -1 means the current device.
   int device = -1;
+  // Gloo backend: carry send, recv and exchange on lanes (docs/collectives.md, "Lanes"), plain
+  // TCP connections to every member read and written by the calling thread, instead of Gloo's
+  // pairs, whose loop thread hands every message over. Costs two connections per pair at
+  // set-up. On lanes, the messages one member sends another are received in the order they
+  // were sent: a receive that would have to skip an earlier message of the same peer fails
+  // with InvalidArgument. Two-member communicators open lanes for allreduce either way.
+  bool p2pLanes = false;
 };
 
 // One transfer of Communicator::exchange().

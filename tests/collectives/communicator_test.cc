@@ -55,13 +55,14 @@ std::vector<int> survivorsOf(int world, int victim) {
 }
 
 CommunicatorOptions options(std::vector<int> members, int self, int64_t epoch,
-                            std::chrono::milliseconds timeout = 60s) {
+                            std::chrono::milliseconds timeout = 60s, bool p2pLanes = false) {
   CommunicatorOptions o;
   o.members = std::move(members);
   o.self = self;
   o.epoch = epoch;
   o.timeout = timeout;
   o.initTimeout = 60s;
+  o.p2pLanes = p2pLanes;
   return o;
 }
 
@@ -70,17 +71,17 @@ std::shared_ptr<Store> connect(uint16_t port) {
 }
 
 // Forks one child per member of a `world`-member communicator of workers 10, 11, ...: each
-// connects to `server`, builds its communicator (operation timeout `timeout`) and exits with
-// body(rank, store, communicator).
+// connects to `server`, builds its communicator (operation timeout `timeout`; point to point
+// on lanes with `p2pLanes`) and exits with body(rank, store, communicator).
 void spawnMembers(ProcessGroup& group, TcpStoreServer& server, int world,
                   const std::function<int(int, const std::shared_ptr<Store>&, Communicator*)>& body,
-                  std::chrono::milliseconds timeout = 60s) {
+                  std::chrono::milliseconds timeout = 60s, bool p2pLanes = false) {
   for (int r = 0; r < world; ++r) {
     group.spawn([&, r] {
       at::set_num_threads(1);
       auto store = connect(server.port());
-      auto comm =
-          createGlooCommunicator(store, options(workerIds(world), kWorkerBase + r, 0, timeout));
+      auto comm = createGlooCommunicator(
+          store, options(workerIds(world), kWorkerBase + r, 0, timeout, p2pLanes));
       return body(r, store, comm.get());
     });
   }
@@ -247,6 +248,31 @@ TEST_P(CommunicatorWorldTest, EveryOpDtypeAndSize) {
 INSTANTIATE_TEST_SUITE_P(WorldSizes, CommunicatorWorldTest, ::testing::Range(1, 9),
                          [](const auto& info) { return "world" + std::to_string(info.param); });
 
+// The same with point to point on lanes (CommunicatorOptions::p2pLanes): send/recv, exchange
+// and exchangeInChunks go on the lanes, the collectives as before (two members' allreduce on
+// the same lanes as their point to point).
+class CommunicatorLanesWorldTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(CommunicatorLanesWorldTest, EveryOpDtypeAndSize) {
+  const int world = GetParam();
+  TcpStoreServer server{sinew::testing::serverOptions()};
+  ProcessGroup group;
+  spawnMembers(
+      group, server, world,
+      [&](int r, const std::shared_ptr<Store>& store, Communicator* comm) {
+        ChildChecker c{r};
+        return checkAllOps(*comm, c, /*huge=*/false) == 0 ? 0 : 1;
+      },
+      60s, /*p2pLanes=*/true);
+  auto exits = group.waitAll(240s);
+  for (int r = 0; r < world; ++r) {
+    EXPECT_TRUE(exits[r].exited && exits[r].code == 0) << "rank " << r << " " << exits[r].str();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, CommunicatorLanesWorldTest, ::testing::Values(2, 3, 6),
+                         [](const auto& info) { return "world" + std::to_string(info.param); });
+
 // Members that never show up are named in the Timeout.
 TEST(CommunicatorTest, InitTimeoutNamesMissingMember) {
   TcpStoreServer server{sinew::testing::serverOptions()};
@@ -319,42 +345,59 @@ TEST(CommunicatorTest, RejectsBadArguments) {
   EXPECT_TRUE(exits[0].exited && exits[0].code == 0) << exits[0].str();
 }
 
+// The operation the failure tests repeat: a 16 MiB allreduce, or with `ring` an exchange
+// that sends t to the right neighbour and receives the left one's into `got` (on lanes when
+// the communicator has p2pLanes). True when the result is right.
+bool repeatedOp(Communicator& comm, at::Tensor& t, at::Tensor& got, bool ring) {
+  const int P = comm.size(), r = comm.rank();
+  if (!ring) {
+    comm.allreduce(t);
+    return t[0].item<float>() == static_cast<float>(P * (P + 1) / 2);
+  }
+  comm.exchange({P2POp::send(t, (r + 1) % P, 4), P2POp::recv(got, (r + P - 1) % P, 4)});
+  return got[0].item<float>() == static_cast<float>((r + P - 1) % P + 1);
+}
+
 // SIGKILL one member of four during 16 MiB allreduces: every survivor gets PeerLost naming
 // it within 1 s, then the survivors build epoch 1 without it and allreduce correctly.
-// SIGKILL one member in a loop of 16 MiB allreduces: every survivor gets PeerLost naming it
-// within a second, then the survivors rebuild and reduce correctly.
-void sigkillDuringAllreduce(const int kWorld, const int kVictim) {
+// SIGKILL one member in a loop of 16 MiB allreduces (or, with `ring`, exchanges on lanes):
+// every survivor gets PeerLost naming it within a second, then the survivors rebuild and
+// reduce correctly.
+void sigkillDuringAllreduce(const int kWorld, const int kVictim, bool ring = false) {
   TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
-  spawnMembers(group, server, kWorld,
-               [&](int r, const std::shared_ptr<Store>& store, Communicator* comm) {
-                 at::Tensor t = at::empty({4 * 1024 * 1024}, at::kFloat);  // 16 MiB
-                 for (int iter = 0;; ++iter) {
-                   t.fill_(r + 1);
-                   try {
-                     comm->allreduce(t);
-                   } catch (const PeerLost& e) {
-                     int64_t now = monotonicMicros();
-                     store->set("caught/" + std::to_string(r),
-                                toBytes(std::to_string(now) + " " + std::to_string(e.worker())));
-                     break;
-                   } catch (const Error& e) {
-                     std::cerr << "rank " << r << ": unexpected " << e.what() << std::endl;
-                     return 2;
-                   }
-                   if (t[0].item<float>() != static_cast<float>(kWorld * (kWorld + 1) / 2))
-                     return 3;
-                   if (iter == 1) store->set("ready/" + std::to_string(r), toBytes("1"));
-                 }
-                 // The survivors rebuild without the victim under epoch 1.
-                 auto next = createGlooCommunicator(
-                     store, options(survivorsOf(kWorld, kVictim), kWorkerBase + r, 1));
-                 at::Tensor u = at::full({1 << 20}, r + 1, at::kFloat);
-                 next->allreduce(u);
-                 float want = static_cast<float>(kWorld * (kWorld + 1) / 2 - (kVictim + 1));
-                 if (!at::equal(u, at::full({1 << 20}, want, at::kFloat))) return 4;
-                 return 0;
-               });
+  spawnMembers(
+      group, server, kWorld,
+      [&](int r, const std::shared_ptr<Store>& store, Communicator* comm) {
+        at::Tensor t = at::empty({4 * 1024 * 1024}, at::kFloat);  // 16 MiB
+        at::Tensor got = at::empty_like(t);
+        for (int iter = 0;; ++iter) {
+          t.fill_(r + 1);
+          bool right = false;
+          try {
+            right = repeatedOp(*comm, t, got, ring);
+          } catch (const PeerLost& e) {
+            int64_t now = monotonicMicros();
+            store->set("caught/" + std::to_string(r),
+                       toBytes(std::to_string(now) + " " + std::to_string(e.worker())));
+            break;
+          } catch (const Error& e) {
+            std::cerr << "rank " << r << ": unexpected " << e.what() << std::endl;
+            return 2;
+          }
+          if (!right) return 3;
+          if (iter == 1) store->set("ready/" + std::to_string(r), toBytes("1"));
+        }
+        // The survivors rebuild without the victim under epoch 1.
+        auto next = createGlooCommunicator(
+            store, options(survivorsOf(kWorld, kVictim), kWorkerBase + r, 1));
+        at::Tensor u = at::full({1 << 20}, r + 1, at::kFloat);
+        next->allreduce(u);
+        float want = static_cast<float>(kWorld * (kWorld + 1) / 2 - (kVictim + 1));
+        if (!at::equal(u, at::full({1 << 20}, want, at::kFloat))) return 4;
+        return 0;
+      },
+      60s, /*p2pLanes=*/ring);
   auto store = connect(server.port());
   std::vector<std::string> ready;
   for (int r = 0; r < kWorld; ++r) ready.push_back("ready/" + std::to_string(r));
@@ -379,6 +422,10 @@ TEST(CommunicatorFailureTest, SigkillDuringAllreduce) { sigkillDuringAllreduce(4
 
 // Two members take the one-exchange path (allreduceTwo); a kill there is named the same way.
 TEST(CommunicatorFailureTest, SigkillDuringTwoMemberAllreduce) { sigkillDuringAllreduce(2, 1); }
+
+// Exchanges on lanes (a poll() loop of the calling thread): the kill is named the same way,
+// by the victim's neighbours (their lanes close) and by the others (the watchers' verdict).
+TEST(CommunicatorFailureTest, SigkillDuringExchangesOnLanes) { sigkillDuringAllreduce(4, 2, true); }
 
 // SIGSTOP one member: survivors get Timeout at their deadline (+-200 ms), then rebuild.
 // Runs `blockingOp` (which blocks: the peer never takes part) and calls abort() from another
@@ -425,38 +472,45 @@ int idleMemberSeesWorker10Abort(Communicator& comm) {
 
 // Two members: rank 0 runs `rank0` (an abortDuring of some blocking op), rank 1 stays idle
 // and must see its communicator fail with worker 10's abort. Both children must exit 0.
-void abortUnblocksTwoMemberOp(const std::function<int(Communicator&)>& rank0) {
+void abortUnblocksTwoMemberOp(const std::function<int(Communicator&)>& rank0,
+                              bool p2pLanes = false) {
   TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
-  spawnMembers(group, server, 2,
-               [&](int r, const std::shared_ptr<Store>& store, Communicator* comm) {
-                 return r == 0 ? rank0(*comm) : idleMemberSeesWorker10Abort(*comm);
-               });
+  spawnMembers(
+      group, server, 2,
+      [&](int r, const std::shared_ptr<Store>& store, Communicator* comm) {
+        return r == 0 ? rank0(*comm) : idleMemberSeesWorker10Abort(*comm);
+      },
+      60s, p2pLanes);
   auto exits = group.waitAll(30s);
   for (auto& e : exits) EXPECT_TRUE(e.exited && e.code == 0) << e.str();
 }
 
-void sigstopGivesTimeoutAtDeadline(const int kWorld, const int kVictim) {
+void sigstopGivesTimeoutAtDeadline(const int kWorld, const int kVictim, bool ring = false) {
   constexpr auto kOpTimeout = 1500ms;
   TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
   spawnMembers(
       group, server, kWorld,
       [&](int r, const std::shared_ptr<Store>& store, Communicator* comm) {
-        at::Tensor t = at::empty({1024 * 1024}, at::kFloat);
+        at::Tensor t = at::empty({4 * 1024 * 1024}, at::kFloat);
+        at::Tensor got = at::empty_like(t);
         for (int iter = 0;; ++iter) {
-          t.fill_(1);
+          t.fill_(r + 1);
           auto start = std::chrono::steady_clock::now();
+          bool right = false;
           try {
-            comm->allreduce(t);
+            right = repeatedOp(*comm, t, got, ring);
           } catch (const Timeout& e) {
             auto ms = elapsedMs(start);
-            store->set("elapsed/" + std::to_string(r), toBytes(std::to_string(ms)));
+            store->set("elapsed/" + std::to_string(r),
+                       toBytes(std::to_string(ms) + " " + std::to_string(monotonicMicros())));
             break;
           } catch (const Error& e) {
             std::cerr << "rank " << r << ": unexpected " << e.what() << std::endl;
             return 2;
           }
+          if (!right) return 3;
           if (iter == 1) store->set("ready/" + std::to_string(r), toBytes("1"));
         }
         // The survivors rebuild without the victim under epoch 1.
@@ -467,7 +521,7 @@ void sigstopGivesTimeoutAtDeadline(const int kWorld, const int kVictim) {
         store->set("done/" + std::to_string(r), toBytes("1"));
         return at::equal(u, at::full({1000}, 2.0, at::kFloat)) ? 0 : 4;
       },
-      kOpTimeout);
+      kOpTimeout, /*p2pLanes=*/ring);
   auto store = connect(server.port());
   std::vector<std::string> ready, done;
   for (int r = 0; r < kWorld; ++r) {
@@ -480,12 +534,32 @@ void sigstopGivesTimeoutAtDeadline(const int kWorld, const int kVictim) {
   group.signal(kVictim, SIGKILL);
   group.signal(kVictim, SIGCONT);
   auto exits = group.waitAll(30s);
+  // Each survivor's operation time when it threw, and when (monotonic us).
+  std::vector<std::pair<int, int64_t>> caught(kWorld, {-1, 0});
+  int longest = -1;
+  int64_t firstAt = INT64_MAX;
   for (int r = 0; r < kWorld; ++r) {
     if (r == kVictim) continue;
     EXPECT_TRUE(exits[r].exited && exits[r].code == 0) << "rank " << r << " " << exits[r].str();
-    int ms = std::stoi(toString(store->get("elapsed/" + std::to_string(r), 1s)));
-    EXPECT_GE(ms, 1500 - 200) << "rank " << r;
-    EXPECT_LE(ms, 1500 + 200) << "rank " << r;
+    const std::string v = toString(store->get("elapsed/" + std::to_string(r), 1s));
+    caught[r] = {std::stoi(v), std::stoll(v.substr(v.find(' ') + 1))};
+    if (longest < 0 || caught[r].first > caught[longest].first) longest = r;
+    firstAt = std::min(firstAt, caught[r].second);
+  }
+  // The longest wait ended at the deadline, and every survivor gave up within 200 ms of the
+  // others. In a collective every survivor waits in the same operation, so each one's own
+  // time is the deadline too; a ring of exchanges lets members run an operation or two ahead
+  // of the ones stuck on the stopped member (their sends to it fit in its socket buffers), and
+  // those learn the Timeout from the others' goodbyes before their own deadline.
+  EXPECT_GE(caught[longest].first, 1500 - 200) << "rank " << longest;
+  EXPECT_LE(caught[longest].first, 1500 + 200) << "rank " << longest;
+  for (int r = 0; r < kWorld; ++r) {
+    if (r == kVictim) continue;
+    EXPECT_LE(caught[r].second - firstAt, 200000) << "rank " << r;
+    if (!ring) {
+      EXPECT_GE(caught[r].first, 1500 - 200) << "rank " << r << ": " << caught[r].first << " ms";
+      EXPECT_LE(caught[r].first, 1500 + 200) << "rank " << r << ": " << caught[r].first << " ms";
+    }
   }
 }
 
@@ -497,6 +571,12 @@ TEST(CommunicatorFailureTest, SigstopGivesTimeoutAtDeadline) {
 // deadline must cut that loop short too.
 TEST(CommunicatorFailureTest, SigstopDuringTwoMemberAllreduceGivesTimeoutAtDeadline) {
   sigstopGivesTimeoutAtDeadline(2, 1);
+}
+
+// Exchanges on lanes: the deadline cuts their poll() loop short; members that do not exchange
+// with the stopped one learn the Timeout from their neighbours' goodbyes.
+TEST(CommunicatorFailureTest, SigstopDuringExchangesOnLanesGivesTimeoutAtDeadline) {
+  sigstopGivesTimeoutAtDeadline(4, 1, true);
 }
 
 // Operations do not wake the deadline timer; it sleeps until the deadline it last saw. An
@@ -556,6 +636,19 @@ TEST(CommunicatorFailureTest, AbortUnblocksATwoMemberAllreduce) {
   });
 }
 
+// The same for an exchange on lanes: its sends fill the sockets and its receive never gets a
+// byte; abort() ends it within 100 ms.
+TEST(CommunicatorFailureTest, AbortUnblocksAnExchangeOnLanes) {
+  abortUnblocksTwoMemberOp(
+      [](Communicator& comm) {
+        at::Tensor out = at::ones({16 * 1024 * 1024}, at::kFloat), in = at::empty_like(out);
+        return abortDuring(comm, [&] {
+          comm.exchange({P2POp::send(out, 1, 1), P2POp::recv(in, 1, 1)});
+        });
+      },
+      /*p2pLanes=*/true);
+}
+
 // Two members whose allreduce calls do not match (1000 and 2000 floats) both fail promptly:
 // each lane operation starts with a header (dtype, operation number, bytes), so neither reads
 // the other's bytes as its own data or waits for bytes that never come. At least one of them
@@ -600,6 +693,88 @@ TEST(CommunicatorTest, MismatchedTwoMemberAllreduceFailsOnBoth) {
     mismatches += outcome == "mismatch";
   }
   EXPECT_GE(mismatches, 1);
+}
+
+// Point to point on lanes matches a member's messages by tag in the order it sent them: two
+// sends of separate calls arrive in one exchange that lists them the other way round. A
+// receive that would have to skip the sender's earlier message fails with InvalidArgument
+// naming the message's tag, and one whose size differs names both sizes; each fails the
+// communicator on both members (the sender's next operation gets the receiver's goodbye),
+// so each case has an epoch of its own.
+TEST(CommunicatorTest, LanesMatchMessagesByTagInSendOrderAndNameMismatches) {
+  TcpStoreServer server{sinew::testing::serverOptions()};
+  ProcessGroup group;
+  auto outcome = [](const std::function<void()>& op) -> std::string {
+    try {
+      op();
+      return "completed";
+    } catch (const InvalidArgument& e) {
+      return std::string("InvalidArgument: ") + e.what();
+    } catch (const Error& e) {
+      return std::string("other: ") + e.what();
+    }
+  };
+  for (int r = 0; r < 2; ++r) {
+    group.spawn([&, r] {
+      at::set_num_threads(1);
+      auto store = connect(server.port());
+      auto make = [&](int64_t epoch) {
+        return createGlooCommunicator(store, options(workerIds(2), kWorkerBase + r, epoch, 20s,
+                                                     /*p2pLanes=*/true));
+      };
+      const int peer = 1 - r;
+      auto comm = make(0);
+      at::Tensor a = at::arange(1000, at::kFloat), b = at::arange(3000, at::kDouble);
+      if (r == 0) {
+        comm->send(a, peer, 5);
+        comm->send(b, peer, 6);
+      } else {
+        at::Tensor x = at::zeros({1000}, at::kFloat), y = at::zeros({3000}, at::kDouble);
+        comm->exchange({P2POp::recv(y, peer, 6), P2POp::recv(x, peer, 5)});
+        if (!at::equal(x, a) || !at::equal(y, b)) return 3;
+      }
+      comm->barrier();
+      // Rank 0 sends tag 7; rank 1 receives tag 8.
+      comm = make(1);
+      std::string got;
+      if (r == 0) {
+        comm->send(a, peer, 7);
+        got = outcome([&] { comm->barrier(); });
+      } else {
+        at::Tensor x = at::zeros({1000}, at::kFloat);
+        got = outcome([&] { comm->recv(x, peer, 8); });
+      }
+      store->set("skip/" + std::to_string(r), toBytes(got));
+      // Rank 0 sends 1000 floats with tag 9; rank 1 receives 2000.
+      comm = make(2);
+      if (r == 0) {
+        comm->send(a, peer, 9);
+        got = outcome([&] { comm->barrier(); });
+      } else {
+        at::Tensor x = at::zeros({2000}, at::kFloat);
+        got = outcome([&] { comm->recv(x, peer, 9); });
+      }
+      store->set("size/" + std::to_string(r), toBytes(got));
+      return 0;
+    });
+  }
+  auto exits = group.waitAll(60s);
+  for (auto& e : exits) EXPECT_TRUE(e.exited && e.code == 0) << e.str();
+  auto store = connect(server.port());
+  const std::string skip = toString(store->get("skip/1", 1s));
+  EXPECT_NE(skip.find("InvalidArgument: "), std::string::npos) << skip;
+  EXPECT_NE(skip.find("worker 10 sent a message with tag 7 (4000 bytes) ahead of"),
+            std::string::npos)
+      << skip;
+  const std::string size = toString(store->get("size/1", 1s));
+  EXPECT_NE(size.find("worker 10 sent 4000 bytes with tag 9; this member receives 8000"),
+            std::string::npos)
+      << size;
+  for (const char* key : {"skip/0", "size/0"}) {
+    const std::string sender = toString(store->get(key, 1s));
+    EXPECT_EQ(sender.rfind("other: ", 0), 0u) << key << ": " << sender;
+    EXPECT_NE(sender.find("worker 11"), std::string::npos) << key << ": " << sender;
+  }
 }
 
 // A stranger on a lane port (a wrong token, then the right token with another epoch) is
