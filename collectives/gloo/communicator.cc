@@ -86,11 +86,16 @@ constexpr size_t kLaneReduceBytes = 128 << 10;
 constexpr std::chrono::microseconds kLaneSpin{200};
 // Point-to-point messages on the lanes (CommunicatorOptions::p2pLanes): each message's 16-byte
 // header (magic "SNWP" 4, tag 4, bytes 8, little-endian), and the most one send or recv call
-// moves (no add reads the bytes after them, so larger calls than allreduceTwo's only save
-// system calls).
+// moves: one loopback segment, as allreduceTwo's. 16 MiB between two processes
+// (sinew-bench-pipeline's activation transfer, three launches each) took 3.7-4.4 ms with
+// 32 KiB calls, 5.4-6.1 with 16 KiB, 12-15 with 64 KiB, 5.3-9.1 with 128 KiB and 5.5-7.8 with
+// 256 KiB; raw TCP 7.0-8.3.
 constexpr uint32_t kLaneP2PMagic = 0x50574E53;
+// A barrier on the lanes is a message of 8 bytes to every other member, with this magic
+// ("SNWB") and the barrier's number as its tag.
+constexpr uint32_t kLaneBarrierMagic = 0x42574E53;
 constexpr size_t kLaneP2PHeaderBytes = 16;
-constexpr size_t kLaneP2PCallBytes = 256 << 10;
+constexpr size_t kLaneP2PCallBytes = kLaneChunkBytes;
 
 // What each member sends ahead of an allreduce's bytes on the lane: 24 bytes, little-endian
 // like the store's, the frames' and the lane handshake's fields (magic 4, dtype 4, seq 8,
@@ -420,8 +425,9 @@ class GlooCommunicator final : public Communicator {
   }
   void allreduceTwo(at::Tensor& t, std::chrono::milliseconds timeout);
   // send, recv and exchange with CommunicatorOptions::p2pLanes. REQUIRES: validated ops.
+  // `kind`: kLaneP2PMagic, or kLaneBarrierMagic for barrier()'s messages.
   void exchangeOnLanes(const std::vector<P2POp>& ops, const char* name,
-                       std::chrono::milliseconds timeout);
+                       std::chrono::milliseconds timeout, uint32_t kind = kLaneP2PMagic);
   bool p2pOnLanes() const { return options_.p2pLanes && lanes_ != nullptr; }
   void checkLaneHeader(const LaneHeader& in, const LaneHeader& out, int peer);
   void waitRecv(UnboundBuffer* buf, int peer);
@@ -467,7 +473,8 @@ class GlooCommunicator final : public Communicator {
   // Direct connections to every member: two members' (allreduceTwo), or any size's with
   // p2pLanes (exchangeOnLanes); null otherwise.
   std::unique_ptr<Lanes> lanes_;
-  uint64_t laneSeq_ = 0;  // Operation thread only.
+  uint64_t laneSeq_ = 0;     // Operation thread only.
+  uint64_t barrierSeq_ = 0;  // Operation thread only: barriers on the lanes so far.
   // The receive ring of allreduceTwo, kept between operations (one runs at a time).
   std::vector<char> scratch_;
   std::atomic<bool> failed_{false};  // failure_ is set; read without mu_ by the lane loop.
@@ -1205,7 +1212,7 @@ void GlooCommunicator::allreduceTwo(at::Tensor& t, std::chrono::milliseconds tim
 // Failures as in allreduceTwo (a deadline or abort() wakes the poll; a broken lane goes to
 // onPairError).
 void GlooCommunicator::exchangeOnLanes(const std::vector<P2POp>& ops, const char* name,
-                                       std::chrono::milliseconds timeout) {
+                                       std::chrono::milliseconds timeout, uint32_t kind) {
   struct Send {
     const char* data;
     size_t bytes;
@@ -1235,7 +1242,7 @@ void GlooCommunicator::exchangeOnLanes(const std::vector<P2POp>& ops, const char
     if (bytes == 0) continue;  // Skipped on both sides, as on Gloo's pairs.
     if (op.kind == P2POp::Kind::kSend) {
       Send snd{static_cast<const char*>(op.tensor.data_ptr()), bytes, 0, {}};
-      ::sinew::detail::storeLe(snd.header, kLaneP2PMagic, 4);
+      ::sinew::detail::storeLe(snd.header, kind, 4);
       ::sinew::detail::storeLe(snd.header + 4, op.tag, 4);
       ::sinew::detail::storeLe(snd.header + 8, bytes, 8);
       sends[op.peer].push_back(snd);
@@ -1322,10 +1329,16 @@ void GlooCommunicator::exchangeOnLanes(const std::vector<P2POp>& ops, const char
             const auto magic = static_cast<uint32_t>(::sinew::detail::loadLe(c.header, 4));
             const auto tag = static_cast<uint32_t>(::sinew::detail::loadLe(c.header + 4, 4));
             const uint64_t bytes = ::sinew::detail::loadLe(c.header + 8, 8);
-            if (magic != kLaneP2PMagic) {
+            if (magic != kind && (magic == kLaneP2PMagic || magic == kLaneBarrierMagic)) {
+              SINEW_THROW(InvalidArgument, describe(), ": ", name, ": worker ", workerOf(peer),
+                          " sent a ", magic == kLaneBarrierMagic ? "barrier" : "point-to-point",
+                          " message where this member expects ",
+                          kind == kLaneBarrierMagic ? "a barrier's" : "point-to-point ones",
+                          " (the members' calls do not match)");
+            }
+            if (magic != kind) {
               SINEW_THROW(Corruption, describe(), ": ", name, ": worker ", workerOf(peer),
-                          " sent a lane message with magic ", magic, " (expected ", kLaneP2PMagic,
-                          ")");
+                          " sent a lane message with magic ", magic, " (expected ", kind, ")");
             }
             int match = -1;
             for (size_t i = 0; i < recvs[peer].size(); ++i) {
@@ -1540,6 +1553,25 @@ void GlooCommunicator::exchange(const std::vector<P2POp>& ops, std::chrono::mill
 }
 
 void GlooCommunicator::barrier(std::chrono::milliseconds timeout) {
+  if (p2pOnLanes()) {
+    // One round: 8 bytes to every other member and from every other member, so the last
+    // member to arrive releases all the others at once (a ring allreduce on Gloo's pairs
+    // takes 2(P - 1) hand-overs in turn, and released five members up to 8 ms apart in a
+    // reconfiguration's copies).
+    checkAlive();
+    timeout = resolveTimeout(timeout);
+    const auto seq = static_cast<uint32_t>(barrierSeq_++);
+    at::Tensor out = at::full({1}, static_cast<int64_t>(seq), at::kLong);
+    at::Tensor in = at::empty({size()}, at::kLong);
+    std::vector<P2POp> ops;
+    for (int r = 0; r < size(); ++r) {
+      if (r == rank_) continue;
+      ops.push_back(P2POp::send(out, r, seq));
+      ops.push_back(P2POp::recv(in.narrow(0, r, 1), r, seq));
+    }
+    exchangeOnLanes(ops, "barrier", timeout, kLaneBarrierMagic);
+    return;
+  }
   at::Tensor one = at::ones({1}, at::kLong);
   allreduce(one, ReduceOp::kSum, timeout);
   SINEW_ENFORCE(one.item<int64_t>() == size(), describe(), ": barrier counted ",

@@ -755,6 +755,15 @@ TEST(CommunicatorTest, LanesMatchMessagesByTagInSendOrderAndNameMismatches) {
         got = outcome([&] { comm->recv(x, peer, 9); });
       }
       store->set("size/" + std::to_string(r), toBytes(got));
+      // Rank 0 enters a barrier; rank 1 receives a message.
+      comm = make(3);
+      if (r == 0) {
+        got = outcome([&] { comm->barrier(); });
+      } else {
+        at::Tensor x = at::zeros({1}, at::kLong);
+        got = outcome([&] { comm->recv(x, peer, 0); });
+      }
+      store->set("barrier/" + std::to_string(r), toBytes(got));
       return 0;
     });
   }
@@ -770,11 +779,52 @@ TEST(CommunicatorTest, LanesMatchMessagesByTagInSendOrderAndNameMismatches) {
   EXPECT_NE(size.find("worker 10 sent 4000 bytes with tag 9; this member receives 8000"),
             std::string::npos)
       << size;
-  for (const char* key : {"skip/0", "size/0"}) {
+  const std::string barrier = toString(store->get("barrier/1", 1s));
+  EXPECT_NE(barrier.find("InvalidArgument: "), std::string::npos) << barrier;
+  EXPECT_NE(barrier.find("worker 10 sent a barrier message where this member expects "
+                         "point-to-point ones"),
+            std::string::npos)
+      << barrier;
+  for (const char* key : {"skip/0", "size/0", "barrier/0"}) {
     const std::string sender = toString(store->get(key, 1s));
     EXPECT_EQ(sender.rfind("other: ", 0), 0u) << key << ": " << sender;
     EXPECT_NE(sender.find("worker 11"), std::string::npos) << key << ": " << sender;
   }
+}
+
+// A barrier on lanes is one round of messages: four members arriving 0, 100, 200 and 300 ms
+// late all leave after the last one arrived, and within 50 ms of each other.
+TEST(CommunicatorTest, BarrierOnLanesReleasesEveryMemberOnceTheLastArrived) {
+  constexpr int kWorld = 4;
+  TcpStoreServer server{sinew::testing::serverOptions()};
+  ProcessGroup group;
+  spawnMembers(
+      group, server, kWorld,
+      [&](int r, const std::shared_ptr<Store>& store, Communicator* comm) {
+        comm->barrier();
+        std::this_thread::sleep_for(std::chrono::milliseconds(100 * r));
+        const int64_t arrived = monotonicMicros();
+        comm->barrier();
+        const int64_t left = monotonicMicros();
+        store->set("times/" + std::to_string(r),
+                   toBytes(std::to_string(arrived) + " " + std::to_string(left)));
+        return 0;
+      },
+      60s, /*p2pLanes=*/true);
+  auto exits = group.waitAll(60s);
+  for (auto& e : exits) EXPECT_TRUE(e.exited && e.code == 0) << e.str();
+  auto store = connect(server.port());
+  int64_t lastArrival = 0, firstLeft = INT64_MAX, lastLeft = 0;
+  std::vector<int64_t> left(kWorld);
+  for (int r = 0; r < kWorld; ++r) {
+    const std::string v = toString(store->get("times/" + std::to_string(r), 1s));
+    lastArrival = std::max<int64_t>(lastArrival, std::stoll(v));
+    left[r] = std::stoll(v.substr(v.find(' ') + 1));
+    firstLeft = std::min(firstLeft, left[r]);
+    lastLeft = std::max(lastLeft, left[r]);
+  }
+  for (int r = 0; r < kWorld; ++r) EXPECT_GE(left[r], lastArrival) << "rank " << r;
+  EXPECT_LE(lastLeft - firstLeft, 50000);
 }
 
 // A stranger on a lane port (a wrong token, then the right token with another epoch) is
