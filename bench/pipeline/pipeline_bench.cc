@@ -451,7 +451,7 @@ int main(int argc, char** argv) {
   std::printf("activation transfer of %lld MiB (median of %d, half a round trip)\n",
               static_cast<long long>(kBytes >> 20), kRounds);
   std::printf("  raw loopback TCP        %8.3f ms  %6.2f GB/s\n", tcp * 1e3, kBytes / tcp / 1e9);
-  std::printf("  Sinew exchange (Gloo)   %8.3f ms  %6.2f GB/s\n", sinew * 1e3,
+  std::printf("  Sinew exchange (lanes)  %8.3f ms  %6.2f GB/s\n", sinew * 1e3,
               kBytes / sinew / 1e9);
 
   JobStats pp = runJob("pp", {"--fault-tolerance", "0", "--memory-bytes", "2000000"}, steps);
