@@ -358,6 +358,35 @@ bool repeatedOp(Communicator& comm, at::Tensor& t, at::Tensor& got, bool ring) {
   return got[0].item<float>() == static_cast<float>((r + P - 1) % P + 1);
 }
 
+using TimePoint = std::chrono::steady_clock::time_point;
+
+// Repeats repeatedOp on 16 MiB until it throws an `E`, which `caught` records (with when the
+// operation started); after its second operation a member sets "ready/<rank>". Returns 0, 2
+// (another error) or 3 (a wrong result), the child's exit code.
+template <typename E>
+int repeatUntil(Communicator& comm, Store& store, bool ring,
+                const std::function<void(const E&, TimePoint)>& caught) {
+  const int r = comm.rank();
+  at::Tensor t = at::empty({4 * 1024 * 1024}, at::kFloat);
+  at::Tensor got = at::empty_like(t);
+  for (int iter = 0;; ++iter) {
+    t.fill_(r + 1);
+    const TimePoint start = std::chrono::steady_clock::now();
+    bool right = false;
+    try {
+      right = repeatedOp(comm, t, got, ring);
+    } catch (const E& e) {
+      caught(e, start);
+      return 0;
+    } catch (const Error& e) {
+      std::cerr << "rank " << r << ": unexpected " << e.what() << std::endl;
+      return 2;
+    }
+    if (!right) return 3;
+    if (iter == 1) store.set("ready/" + std::to_string(r), toBytes("1"));
+  }
+}
+
 // SIGKILL one member of four during 16 MiB allreduces: every survivor gets PeerLost naming
 // it within 1 s, then the survivors build epoch 1 without it and allreduce correctly.
 // SIGKILL one member in a loop of 16 MiB allreduces (or, with `ring`, exchanges on lanes):
@@ -369,25 +398,11 @@ void sigkillDuringAllreduce(const int kWorld, const int kVictim, bool ring = fal
   spawnMembers(
       group, server, kWorld,
       [&](int r, const std::shared_ptr<Store>& store, Communicator* comm) {
-        at::Tensor t = at::empty({4 * 1024 * 1024}, at::kFloat);  // 16 MiB
-        at::Tensor got = at::empty_like(t);
-        for (int iter = 0;; ++iter) {
-          t.fill_(r + 1);
-          bool right = false;
-          try {
-            right = repeatedOp(*comm, t, got, ring);
-          } catch (const PeerLost& e) {
-            int64_t now = monotonicMicros();
-            store->set("caught/" + std::to_string(r),
-                       toBytes(std::to_string(now) + " " + std::to_string(e.worker())));
-            break;
-          } catch (const Error& e) {
-            std::cerr << "rank " << r << ": unexpected " << e.what() << std::endl;
-            return 2;
-          }
-          if (!right) return 3;
-          if (iter == 1) store->set("ready/" + std::to_string(r), toBytes("1"));
-        }
+        int rc = repeatUntil<PeerLost>(*comm, *store, ring, [&](const PeerLost& e, TimePoint) {
+          store->set("caught/" + std::to_string(r),
+                     toBytes(std::to_string(monotonicMicros()) + " " + std::to_string(e.worker())));
+        });
+        if (rc != 0) return rc;
         // The survivors rebuild without the victim under epoch 1.
         auto next = createGlooCommunicator(
             store, options(survivorsOf(kWorld, kVictim), kWorkerBase + r, 1));
@@ -493,26 +508,12 @@ void sigstopGivesTimeoutAtDeadline(const int kWorld, const int kVictim, bool rin
   spawnMembers(
       group, server, kWorld,
       [&](int r, const std::shared_ptr<Store>& store, Communicator* comm) {
-        at::Tensor t = at::empty({4 * 1024 * 1024}, at::kFloat);
-        at::Tensor got = at::empty_like(t);
-        for (int iter = 0;; ++iter) {
-          t.fill_(r + 1);
-          auto start = std::chrono::steady_clock::now();
-          bool right = false;
-          try {
-            right = repeatedOp(*comm, t, got, ring);
-          } catch (const Timeout& e) {
-            auto ms = elapsedMs(start);
-            store->set("elapsed/" + std::to_string(r),
-                       toBytes(std::to_string(ms) + " " + std::to_string(monotonicMicros())));
-            break;
-          } catch (const Error& e) {
-            std::cerr << "rank " << r << ": unexpected " << e.what() << std::endl;
-            return 2;
-          }
-          if (!right) return 3;
-          if (iter == 1) store->set("ready/" + std::to_string(r), toBytes("1"));
-        }
+        int rc = repeatUntil<Timeout>(*comm, *store, ring, [&](const Timeout&, TimePoint start) {
+          store->set(
+              "elapsed/" + std::to_string(r),
+              toBytes(std::to_string(elapsedMs(start)) + " " + std::to_string(monotonicMicros())));
+        });
+        if (rc != 0) return rc;
         // The survivors rebuild without the victim under epoch 1.
         auto next = createGlooCommunicator(
             store, options(survivorsOf(kWorld, kVictim), kWorkerBase + r, 1));
@@ -734,36 +735,25 @@ TEST(CommunicatorTest, LanesMatchMessagesByTagInSendOrderAndNameMismatches) {
         if (!at::equal(x, a) || !at::equal(y, b)) return 3;
       }
       comm->barrier();
-      // Rank 0 sends tag 7; rank 1 receives tag 8.
-      comm = make(1);
-      std::string got;
-      if (r == 0) {
-        comm->send(a, peer, 7);
-        got = outcome([&] { comm->barrier(); });
-      } else {
-        at::Tensor x = at::zeros({1000}, at::kFloat);
-        got = outcome([&] { comm->recv(x, peer, 8); });
-      }
-      store->set("skip/" + std::to_string(r), toBytes(got));
-      // Rank 0 sends 1000 floats with tag 9; rank 1 receives 2000.
-      comm = make(2);
-      if (r == 0) {
-        comm->send(a, peer, 9);
-        got = outcome([&] { comm->barrier(); });
-      } else {
-        at::Tensor x = at::zeros({2000}, at::kFloat);
-        got = outcome([&] { comm->recv(x, peer, 9); });
-      }
-      store->set("size/" + std::to_string(r), toBytes(got));
-      // Rank 0 enters a barrier; rank 1 receives a message.
-      comm = make(3);
-      if (r == 0) {
-        got = outcome([&] { comm->barrier(); });
-      } else {
-        at::Tensor x = at::zeros({1}, at::kLong);
-        got = outcome([&] { comm->recv(x, peer, 0); });
-      }
-      store->set("barrier/" + std::to_string(r), toBytes(got));
+      // Epoch `epoch`: rank 0 sends `a` with tag `sendTag` (none if negative) and enters a
+      // barrier; rank 1 receives `numel` elements of `type` with tag `recvTag`. Each one's
+      // outcome goes to "<key>/<rank>".
+      auto mismatch = [&](int64_t epoch, int sendTag, int64_t numel, at::ScalarType type,
+                          uint32_t recvTag, const std::string& key) {
+        comm = make(epoch);
+        std::string got;
+        if (r == 0) {
+          if (sendTag >= 0) comm->send(a, peer, static_cast<uint32_t>(sendTag));
+          got = outcome([&] { comm->barrier(); });
+        } else {
+          at::Tensor x = at::zeros({numel}, type);
+          got = outcome([&] { comm->recv(x, peer, recvTag); });
+        }
+        store->set(key + "/" + std::to_string(r), toBytes(got));
+      };
+      mismatch(1, 7, 1000, at::kFloat, 8, "skip");  // tag 7 sent, tag 8 received
+      mismatch(2, 9, 2000, at::kFloat, 9, "size");  // 1000 floats sent, 2000 received
+      mismatch(3, -1, 1, at::kLong, 0, "barrier");  // a barrier against a receive
       return 0;
     });
   }
