@@ -94,6 +94,19 @@ constexpr uint32_t kLaneP2PMagic = 0x50574E53;
 // A barrier on the lanes is a message of 8 bytes to every other member, with this magic
 // ("SNWB") and the barrier's number as its tag.
 constexpr uint32_t kLaneBarrierMagic = 0x42574E53;
+
+// What a lane message with this magic is, for errors; null for an unknown magic.
+const char* laneMessageKind(uint32_t magic) {
+  switch (magic) {
+    case kLaneMagic:
+      return "an allreduce's header";
+    case kLaneP2PMagic:
+      return "a point-to-point message";
+    case kLaneBarrierMagic:
+      return "a barrier message";
+  }
+  return nullptr;
+}
 constexpr size_t kLaneP2PHeaderBytes = 16;
 constexpr size_t kLaneP2PCallBytes = kLaneChunkBytes;
 
@@ -1255,17 +1268,21 @@ void GlooCommunicator::exchangeOnLanes(const std::vector<P2POp>& ops, const char
   if (left == 0) return;
   std::vector<Incoming> in(P);
   std::vector<pollfd> fds;
-  std::vector<int> fdPeer;
+  const auto checkFailed = [&] {
+    if (failed_.load(std::memory_order_acquire)) throwFailure();
+  };
   runOp(name, timeout, {}, [&] {
     while (left > 0) {
-      if (failed_.load(std::memory_order_acquire)) throwFailure();
+      checkFailed();
       bool progress = false;
       fds.clear();
-      fdPeer.clear();
-      int blockedOn = -1;
+      // Whom a timeout names: a member this one waits to receive from, else one it waits to
+      // send to.
+      int blockedRecv = -1, blockedSend = -1;
       for (int peer = 0; peer < P; ++peer) {
         // Send: the rest of the current message's header and a call's worth of its bytes.
         while (nextSend[peer] < sends[peer].size()) {
+          checkFailed();
           Send& m = sends[peer][nextSend[peer]];
           iovec iov[2];
           int n = 0;
@@ -1293,12 +1310,12 @@ void GlooCommunicator::exchangeOnLanes(const std::vector<P2POp>& ops, const char
           }
           if (rv < 0 && errno == EINTR) continue;
           fds.push_back({lanes_->sendFd(peer), POLLOUT, 0});
-          fdPeer.push_back(peer);
-          if (blockedOn < 0) blockedOn = peer;
+          if (blockedSend < 0) blockedSend = peer;
           break;
         }
         // Receive: a header, then its bytes straight into the matching receive's tensor.
         while (expected[peer] > 0) {
+          checkFailed();
           Incoming& c = in[peer];
           char* dst;
           size_t want;
@@ -1308,7 +1325,7 @@ void GlooCommunicator::exchangeOnLanes(const std::vector<P2POp>& ops, const char
           } else {
             Recv& r = recvs[peer][c.recv];
             dst = r.data + c.done;
-            want = std::min(r.bytes - c.done, kLaneP2PCallBytes);
+            want = r.bytes - c.done;  // The kernel returns what has arrived.
           }
           ssize_t rv = ::recv(lanes_->recvFd(peer), dst, want, MSG_DONTWAIT);
           if (rv == 0) onPairError(peer, "lane: connection closed");
@@ -1318,8 +1335,7 @@ void GlooCommunicator::exchangeOnLanes(const std::vector<P2POp>& ops, const char
               onPairError(peer, std::string("lane recv: ") + std::strerror(errno));
             }
             fds.push_back({lanes_->recvFd(peer), POLLIN, 0});
-            fdPeer.push_back(peer);
-            if (blockedOn < 0) blockedOn = peer;
+            if (blockedRecv < 0) blockedRecv = peer;
             break;
           }
           progress = true;
@@ -1329,12 +1345,10 @@ void GlooCommunicator::exchangeOnLanes(const std::vector<P2POp>& ops, const char
             const auto magic = static_cast<uint32_t>(::sinew::detail::loadLe(c.header, 4));
             const auto tag = static_cast<uint32_t>(::sinew::detail::loadLe(c.header + 4, 4));
             const uint64_t bytes = ::sinew::detail::loadLe(c.header + 8, 8);
-            if (magic != kind && (magic == kLaneP2PMagic || magic == kLaneBarrierMagic)) {
+            if (magic != kind && laneMessageKind(magic) != nullptr) {
               SINEW_THROW(InvalidArgument, describe(), ": ", name, ": worker ", workerOf(peer),
-                          " sent a ", magic == kLaneBarrierMagic ? "barrier" : "point-to-point",
-                          " message where this member expects ",
-                          kind == kLaneBarrierMagic ? "a barrier's" : "point-to-point ones",
-                          " (the members' calls do not match)");
+                          " sent ", laneMessageKind(magic), " where this member expects ",
+                          laneMessageKind(kind), " (the members' calls do not match)");
             }
             if (magic != kind) {
               SINEW_THROW(Corruption, describe(), ": ", name, ": worker ", workerOf(peer),
@@ -1376,18 +1390,23 @@ void GlooCommunicator::exchangeOnLanes(const std::vector<P2POp>& ops, const char
       }
       if (left == 0 || progress) continue;
       // Nothing moved: sleep until a socket (or the wake fd) is ready.
-      waitingOn_.store(blockedOn);
+      waitingOn_.store(blockedRecv >= 0 ? blockedRecv : blockedSend);
       fds.push_back({lanes_->wakeFd(), POLLIN, 0});
       int rv = ::poll(fds.data(), fds.size(), -1);
       if (rv < 0 && errno != EINTR) {
         SINEW_THROW(IoError, describe(), ": ", name, ": poll: ", std::strerror(errno));
       }
+      waitingOn_.store(-1);
     }
-    waitingOn_.store(-1);
   });
 }
 
 void GlooCommunicator::checkLaneHeader(const LaneHeader& in, const LaneHeader& out, int peer) {
+  if (in.magic != kLaneMagic && laneMessageKind(in.magic) != nullptr) {
+    SINEW_THROW(InvalidArgument, describe(), ": allreduce: worker ", workerOf(peer), " sent ",
+                laneMessageKind(in.magic), " where this member expects ",
+                laneMessageKind(kLaneMagic), " (the members' calls do not match)");
+  }
   if (in.magic != kLaneMagic) {
     SINEW_THROW(Corruption, describe(), ": allreduce: worker ", workerOf(peer),
                 " sent a lane header with magic ", in.magic, " (expected ", kLaneMagic, ")");

@@ -700,54 +700,57 @@ TEST(CommunicatorTest, MismatchedTwoMemberAllreduceFailsOnBoth) {
 // sends of separate calls arrive in one exchange that lists them the other way round. A
 // receive that would have to skip the sender's earlier message fails with InvalidArgument
 // naming the message's tag, and one whose size differs names both sizes; each fails the
-// communicator on both members (the sender's next operation gets the receiver's goodbye),
-// so each case has an epoch of its own.
+// communicator on every member (the others' next operation gets the receiver's goodbye),
+// so each case has an epoch of its own. Three members, so that only lanes opened for
+// p2pLanes (not a two-member communicator's) carry it: on Gloo's pairs the first mismatch
+// would be matched by slot and wait for its deadline instead.
+std::string outcomeOf(const std::function<void()>& op) {
+  try {
+    op();
+    return "completed";
+  } catch (const InvalidArgument& e) {
+    return std::string("InvalidArgument: ") + e.what();
+  } catch (const Error& e) {
+    return std::string("other: ") + e.what();
+  }
+}
+
 TEST(CommunicatorTest, LanesMatchMessagesByTagInSendOrderAndNameMismatches) {
+  constexpr int kWorld = 3;
   TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
-  auto outcome = [](const std::function<void()>& op) -> std::string {
-    try {
-      op();
-      return "completed";
-    } catch (const InvalidArgument& e) {
-      return std::string("InvalidArgument: ") + e.what();
-    } catch (const Error& e) {
-      return std::string("other: ") + e.what();
-    }
-  };
-  for (int r = 0; r < 2; ++r) {
+  for (int r = 0; r < kWorld; ++r) {
     group.spawn([&, r] {
       at::set_num_threads(1);
       auto store = connect(server.port());
       auto make = [&](int64_t epoch) {
-        return createGlooCommunicator(store, options(workerIds(2), kWorkerBase + r, epoch, 20s,
-                                                     /*p2pLanes=*/true));
+        return createGlooCommunicator(
+            store, options(workerIds(kWorld), kWorkerBase + r, epoch, 20s, /*p2pLanes=*/true));
       };
-      const int peer = 1 - r;
       auto comm = make(0);
       at::Tensor a = at::arange(1000, at::kFloat), b = at::arange(3000, at::kDouble);
       if (r == 0) {
-        comm->send(a, peer, 5);
-        comm->send(b, peer, 6);
-      } else {
+        comm->send(a, 1, 5);
+        comm->send(b, 1, 6);
+      } else if (r == 1) {
         at::Tensor x = at::zeros({1000}, at::kFloat), y = at::zeros({3000}, at::kDouble);
-        comm->exchange({P2POp::recv(y, peer, 6), P2POp::recv(x, peer, 5)});
+        comm->exchange({P2POp::recv(y, 0, 6), P2POp::recv(x, 0, 5)});
         if (!at::equal(x, a) || !at::equal(y, b)) return 3;
       }
       comm->barrier();
-      // Epoch `epoch`: rank 0 sends `a` with tag `sendTag` (none if negative) and enters a
-      // barrier; rank 1 receives `numel` elements of `type` with tag `recvTag`. Each one's
-      // outcome goes to "<key>/<rank>".
+      // Epoch `epoch`: rank 0 sends `a` to rank 1 with tag `sendTag` (none if negative) and
+      // enters a barrier, as rank 2 does; rank 1 receives `numel` elements of `type` from
+      // rank 0 with tag `recvTag`. Each one's outcome goes to "<key>/<rank>".
       auto mismatch = [&](int64_t epoch, int sendTag, int64_t numel, at::ScalarType type,
                           uint32_t recvTag, const std::string& key) {
         comm = make(epoch);
         std::string got;
-        if (r == 0) {
-          if (sendTag >= 0) comm->send(a, peer, static_cast<uint32_t>(sendTag));
-          got = outcome([&] { comm->barrier(); });
+        if (r != 1) {
+          if (r == 0 && sendTag >= 0) comm->send(a, 1, static_cast<uint32_t>(sendTag));
+          got = outcomeOf([&] { comm->barrier(); });
         } else {
           at::Tensor x = at::zeros({numel}, type);
-          got = outcome([&] { comm->recv(x, peer, recvTag); });
+          got = outcomeOf([&] { comm->recv(x, 0, recvTag); });
         }
         store->set(key + "/" + std::to_string(r), toBytes(got));
       };
@@ -771,15 +774,51 @@ TEST(CommunicatorTest, LanesMatchMessagesByTagInSendOrderAndNameMismatches) {
       << size;
   const std::string barrier = toString(store->get("barrier/1", 1s));
   EXPECT_NE(barrier.find("InvalidArgument: "), std::string::npos) << barrier;
-  EXPECT_NE(barrier.find("worker 10 sent a barrier message where this member expects "
-                         "point-to-point ones"),
+  EXPECT_NE(barrier.find("worker 10 sent a barrier message where this member expects a "
+                         "point-to-point message"),
             std::string::npos)
       << barrier;
-  for (const char* key : {"skip/0", "size/0", "barrier/0"}) {
+  for (const char* key : {"skip/0", "size/0", "barrier/0", "skip/2", "size/2", "barrier/2"}) {
     const std::string sender = toString(store->get(key, 1s));
     EXPECT_EQ(sender.rfind("other: ", 0), 0u) << key << ": " << sender;
     EXPECT_NE(sender.find("worker 11"), std::string::npos) << key << ": " << sender;
   }
+}
+
+// On two members with p2pLanes, an allreduce against a barrier: both lanes operations start
+// with a header, so the member that reads the other's names the mismatch (not Corruption, and
+// not a wait for bytes that never come); the other may get its Aborted goodbye first.
+TEST(CommunicatorTest, AllreduceAgainstABarrierOnLanesIsNamed) {
+  TcpStoreServer server{sinew::testing::serverOptions()};
+  ProcessGroup group;
+  spawnMembers(
+      group, server, 2,
+      [&](int r, const std::shared_ptr<Store>& store, Communicator* comm) {
+        at::Tensor t = at::ones({1000}, at::kFloat);
+        std::string got = outcomeOf([&] {
+          if (r == 0) {
+            comm->allreduce(t);
+          } else {
+            comm->barrier();
+          }
+        });
+        store->set("outcome/" + std::to_string(r), toBytes(got));
+        return 0;
+      },
+      20s, /*p2pLanes=*/true);
+  auto exits = group.waitAll(60s);
+  for (auto& e : exits) EXPECT_TRUE(e.exited && e.code == 0) << e.str();
+  auto store = connect(server.port());
+  int named = 0;
+  for (int r = 0; r < 2; ++r) {
+    const std::string got = toString(store->get("outcome/" + std::to_string(r), 1s));
+    const bool mismatch = got.rfind("InvalidArgument: ", 0) == 0 &&
+                          got.find("(the members' calls do not match)") != std::string::npos;
+    EXPECT_TRUE(mismatch || got.rfind("other: ", 0) == 0) << "rank " << r << ": " << got;
+    EXPECT_EQ(got.find("Corruption"), std::string::npos) << "rank " << r << ": " << got;
+    named += mismatch;
+  }
+  EXPECT_GE(named, 1);
 }
 
 // A barrier on lanes is one round of messages: four members arriving 0, 100, 200 and 300 ms
