@@ -85,8 +85,9 @@ constexpr size_t kLaneChunkBytes = 32 << 10;
 constexpr size_t kLaneReduceBytes = 128 << 10;
 constexpr std::chrono::microseconds kLaneSpin{200};
 // Point-to-point messages on the lanes (CommunicatorOptions::p2pLanes): each message's 16-byte
-// header (magic "SNWP" 4, tag 4, bytes 8, little-endian), and the most one send or recv call
-// moves: one loopback segment, as allreduceTwo's. 16 MiB between two processes
+// header (magic "SNWP" 4, tag 4, bytes 8, little-endian; LaneMessageHeader), and the most one
+// send call moves (receive calls ask for the rest of the message): one loopback segment, as
+// allreduceTwo's. 16 MiB between two processes
 // (sinew-bench-pipeline's activation transfer, three launches each) took 3.7-4.4 ms with
 // 32 KiB calls, 5.4-6.1 with 16 KiB, 12-15 with 64 KiB, 5.3-9.1 with 128 KiB and 5.5-7.8 with
 // 256 KiB; raw TCP 7.0-8.3.
@@ -94,6 +95,7 @@ constexpr uint32_t kLaneP2PMagic = 0x50574E53;
 // A barrier on the lanes is a message of 8 bytes to every other member, with this magic
 // ("SNWB") and the barrier's number as its tag.
 constexpr uint32_t kLaneBarrierMagic = 0x42574E53;
+constexpr size_t kLaneP2PCallBytes = kLaneChunkBytes;
 
 // What a lane message with this magic is, for errors; null for an unknown magic.
 const char* laneMessageKind(uint32_t magic) {
@@ -107,8 +109,26 @@ const char* laneMessageKind(uint32_t magic) {
   }
   return nullptr;
 }
-constexpr size_t kLaneP2PHeaderBytes = 16;
-constexpr size_t kLaneP2PCallBytes = kLaneChunkBytes;
+
+// The header of a point-to-point or barrier message on the lanes: 16 bytes, little-endian like
+// LaneHeader (magic 4, tag 4, bytes 8).
+struct LaneMessageHeader {
+  uint32_t magic;  // kLaneP2PMagic or kLaneBarrierMagic
+  uint32_t tag;
+  uint64_t bytes;
+
+  static constexpr size_t kWireBytes = 16;
+  void encode(uint8_t* p) const {
+    ::sinew::detail::storeLe(p, magic, 4);
+    ::sinew::detail::storeLe(p + 4, tag, 4);
+    ::sinew::detail::storeLe(p + 8, bytes, 8);
+  }
+  static LaneMessageHeader decode(const uint8_t* p) {
+    return {static_cast<uint32_t>(::sinew::detail::loadLe(p, 4)),
+            static_cast<uint32_t>(::sinew::detail::loadLe(p + 4, 4)),
+            ::sinew::detail::loadLe(p + 8, 8)};
+  }
+};
 
 // What each member sends ahead of an allreduce's bytes on the lane: 24 bytes, little-endian
 // like the store's, the frames' and the lane handshake's fields (magic 4, dtype 4, seq 8,
@@ -629,10 +649,11 @@ void GlooCommunicator::connect(const std::shared_ptr<Store>& store) {
     watchers_.emplace_back([this, r] { watch(r); });
   }
 
-  // 4. Two members reduce over connections of their own (allreduceTwo). Set up once the
+  // 4. Two members reduce over connections of their own (allreduceTwo), and with p2pLanes
+  //    every member carries point to point on them (exchangeOnLanes). Set up once the
   //    watchers run, so that a peer that dies meanwhile ends the set-up within a slice (its
   //    watcher fails this communicator) instead of at the deadline.
-  if (size() == 2 || (options_.p2pLanes && size() > 2)) {
+  if (size() == 2 || (options_.p2pLanes && size() > 1)) {
     try {
       auto lanes = std::make_unique<Lanes>(
           *prefixed, rank_, size(), options_.hostname, epoch(), deadline, describe(),
@@ -1226,11 +1247,12 @@ void GlooCommunicator::allreduceTwo(at::Tensor& t, std::chrono::milliseconds tim
 // onPairError).
 void GlooCommunicator::exchangeOnLanes(const std::vector<P2POp>& ops, const char* name,
                                        std::chrono::milliseconds timeout, uint32_t kind) {
+  constexpr size_t kHeader = LaneMessageHeader::kWireBytes;
   struct Send {
     const char* data;
     size_t bytes;
     size_t done = 0;  // header and payload bytes written
-    uint8_t header[kLaneP2PHeaderBytes];
+    uint8_t header[kHeader];
   };
   struct Recv {
     char* data;
@@ -1239,7 +1261,7 @@ void GlooCommunicator::exchangeOnLanes(const std::vector<P2POp>& ops, const char
     bool matched = false;
   };
   struct Incoming {
-    uint8_t header[kLaneP2PHeaderBytes];
+    uint8_t header[kHeader];
     size_t headerDone = 0;
     int recv = -1;  // the receive the current message fills, or -1 before its header
     size_t done = 0;
@@ -1255,9 +1277,7 @@ void GlooCommunicator::exchangeOnLanes(const std::vector<P2POp>& ops, const char
     if (bytes == 0) continue;  // Skipped on both sides, as on Gloo's pairs.
     if (op.kind == P2POp::Kind::kSend) {
       Send snd{static_cast<const char*>(op.tensor.data_ptr()), bytes, 0, {}};
-      ::sinew::detail::storeLe(snd.header, kind, 4);
-      ::sinew::detail::storeLe(snd.header + 4, op.tag, 4);
-      ::sinew::detail::storeLe(snd.header + 8, bytes, 8);
+      LaneMessageHeader{kind, op.tag, bytes}.encode(snd.header);
       sends[op.peer].push_back(snd);
     } else {
       recvs[op.peer].push_back({static_cast<char*>(op.tensor.data_ptr()), bytes, op.tag});
@@ -1286,10 +1306,10 @@ void GlooCommunicator::exchangeOnLanes(const std::vector<P2POp>& ops, const char
           Send& m = sends[peer][nextSend[peer]];
           iovec iov[2];
           int n = 0;
-          if (m.done < kLaneP2PHeaderBytes) {
-            iov[n++] = {m.header + m.done, kLaneP2PHeaderBytes - m.done};
+          if (m.done < kHeader) {
+            iov[n++] = {m.header + m.done, kHeader - m.done};
           }
-          const size_t sent = m.done > kLaneP2PHeaderBytes ? m.done - kLaneP2PHeaderBytes : 0;
+          const size_t sent = m.done > kHeader ? m.done - kHeader : 0;
           iov[n++] = {const_cast<char*>(m.data) + sent,
                       std::min(m.bytes - sent, kLaneP2PCallBytes)};
           msghdr msg{};
@@ -1299,7 +1319,7 @@ void GlooCommunicator::exchangeOnLanes(const std::vector<P2POp>& ops, const char
           if (rv > 0) {
             m.done += static_cast<size_t>(rv);
             progress = true;
-            if (m.done == kLaneP2PHeaderBytes + m.bytes) {
+            if (m.done == kHeader + m.bytes) {
               nextSend[peer]++;
               left--;
             }
@@ -1321,7 +1341,7 @@ void GlooCommunicator::exchangeOnLanes(const std::vector<P2POp>& ops, const char
           size_t want;
           if (c.recv < 0) {
             dst = reinterpret_cast<char*>(c.header) + c.headerDone;
-            want = kLaneP2PHeaderBytes - c.headerDone;
+            want = kHeader - c.headerDone;
           } else {
             Recv& r = recvs[peer][c.recv];
             dst = r.data + c.done;
@@ -1341,10 +1361,8 @@ void GlooCommunicator::exchangeOnLanes(const std::vector<P2POp>& ops, const char
           progress = true;
           if (c.recv < 0) {
             c.headerDone += static_cast<size_t>(rv);
-            if (c.headerDone < kLaneP2PHeaderBytes) continue;
-            const auto magic = static_cast<uint32_t>(::sinew::detail::loadLe(c.header, 4));
-            const auto tag = static_cast<uint32_t>(::sinew::detail::loadLe(c.header + 4, 4));
-            const uint64_t bytes = ::sinew::detail::loadLe(c.header + 8, 8);
+            if (c.headerDone < kHeader) continue;
+            const auto [magic, tag, bytes] = LaneMessageHeader::decode(c.header);
             if (magic != kind && laneMessageKind(magic) != nullptr) {
               SINEW_THROW(InvalidArgument, describe(), ": ", name, ": worker ", workerOf(peer),
                           " sent ", laneMessageKind(magic), " where this member expects ",
