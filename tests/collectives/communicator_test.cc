@@ -73,18 +73,26 @@ std::shared_ptr<Store> connect(uint16_t port) {
 // Forks one child per member of a `world`-member communicator of workers 10, 11, ...: each
 // connects to `server`, builds its communicator (operation timeout `timeout`; point to point
 // on lanes with `p2pLanes`) and exits with body(rank, store, communicator).
-void spawnMembers(ProcessGroup& group, TcpStoreServer& server, int world,
-                  const std::function<int(int, const std::shared_ptr<Store>&, Communicator*)>& body,
-                  std::chrono::milliseconds timeout = 60s, bool p2pLanes = false) {
+// Forks one child per rank of `world`: each (one ATen thread) connects to `server` and exits
+// with body(rank, store).
+void spawnClients(ProcessGroup& group, TcpStoreServer& server, int world,
+                  const std::function<int(int, const std::shared_ptr<Store>&)>& body) {
   for (int r = 0; r < world; ++r) {
     group.spawn([&, r] {
       at::set_num_threads(1);
-      auto store = connect(server.port());
-      auto comm = createGlooCommunicator(
-          store, options(workerIds(world), kWorkerBase + r, 0, timeout, p2pLanes));
-      return body(r, store, comm.get());
+      return body(r, connect(server.port()));
     });
   }
+}
+
+void spawnMembers(ProcessGroup& group, TcpStoreServer& server, int world,
+                  const std::function<int(int, const std::shared_ptr<Store>&, Communicator*)>& body,
+                  std::chrono::milliseconds timeout = 60s, bool p2pLanes = false) {
+  spawnClients(group, server, world, [&](int r, const std::shared_ptr<Store>& store) {
+    auto comm = createGlooCommunicator(
+        store, options(workerIds(world), kWorkerBase + r, 0, timeout, p2pLanes));
+    return body(r, store, comm.get());
+  });
 }
 
 // Counts and prints mismatches inside a child process.
@@ -719,47 +727,43 @@ TEST(CommunicatorTest, LanesMatchMessagesByTagInSendOrderAndNameMismatches) {
   constexpr int kWorld = 3;
   TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
-  for (int r = 0; r < kWorld; ++r) {
-    group.spawn([&, r] {
-      at::set_num_threads(1);
-      auto store = connect(server.port());
-      auto make = [&](int64_t epoch) {
-        return createGlooCommunicator(
-            store, options(workerIds(kWorld), kWorkerBase + r, epoch, 20s, /*p2pLanes=*/true));
-      };
-      auto comm = make(0);
-      at::Tensor a = at::arange(1000, at::kFloat), b = at::arange(3000, at::kDouble);
-      if (r == 0) {
-        comm->send(a, 1, 5);
-        comm->send(b, 1, 6);
-      } else if (r == 1) {
-        at::Tensor x = at::zeros({1000}, at::kFloat), y = at::zeros({3000}, at::kDouble);
-        comm->exchange({P2POp::recv(y, 0, 6), P2POp::recv(x, 0, 5)});
-        if (!at::equal(x, a) || !at::equal(y, b)) return 3;
+  spawnClients(group, server, kWorld, [&](int r, const std::shared_ptr<Store>& store) {
+    auto make = [&](int64_t epoch) {
+      return createGlooCommunicator(
+          store, options(workerIds(kWorld), kWorkerBase + r, epoch, 20s, /*p2pLanes=*/true));
+    };
+    auto comm = make(0);
+    at::Tensor a = at::arange(1000, at::kFloat), b = at::arange(3000, at::kDouble);
+    if (r == 0) {
+      comm->send(a, 1, 5);
+      comm->send(b, 1, 6);
+    } else if (r == 1) {
+      at::Tensor x = at::zeros({1000}, at::kFloat), y = at::zeros({3000}, at::kDouble);
+      comm->exchange({P2POp::recv(y, 0, 6), P2POp::recv(x, 0, 5)});
+      if (!at::equal(x, a) || !at::equal(y, b)) return 3;
+    }
+    comm->barrier();
+    // Epoch `epoch`: rank 0 sends `a` to rank 1 with tag `sendTag` (none if negative) and
+    // enters a barrier, as rank 2 does; rank 1 receives `numel` elements of `type` from
+    // rank 0 with tag `recvTag`. Each one's outcome goes to "<key>/<rank>".
+    auto mismatch = [&](int64_t epoch, int sendTag, int64_t numel, at::ScalarType type,
+                        uint32_t recvTag, const std::string& key) {
+      comm = make(epoch);
+      std::string got;
+      if (r != 1) {
+        if (r == 0 && sendTag >= 0) comm->send(a, 1, static_cast<uint32_t>(sendTag));
+        got = outcomeOf([&] { comm->barrier(); });
+      } else {
+        at::Tensor x = at::zeros({numel}, type);
+        got = outcomeOf([&] { comm->recv(x, 0, recvTag); });
       }
-      comm->barrier();
-      // Epoch `epoch`: rank 0 sends `a` to rank 1 with tag `sendTag` (none if negative) and
-      // enters a barrier, as rank 2 does; rank 1 receives `numel` elements of `type` from
-      // rank 0 with tag `recvTag`. Each one's outcome goes to "<key>/<rank>".
-      auto mismatch = [&](int64_t epoch, int sendTag, int64_t numel, at::ScalarType type,
-                          uint32_t recvTag, const std::string& key) {
-        comm = make(epoch);
-        std::string got;
-        if (r != 1) {
-          if (r == 0 && sendTag >= 0) comm->send(a, 1, static_cast<uint32_t>(sendTag));
-          got = outcomeOf([&] { comm->barrier(); });
-        } else {
-          at::Tensor x = at::zeros({numel}, type);
-          got = outcomeOf([&] { comm->recv(x, 0, recvTag); });
-        }
-        store->set(key + "/" + std::to_string(r), toBytes(got));
-      };
-      mismatch(1, 7, 1000, at::kFloat, 8, "skip");  // tag 7 sent, tag 8 received
-      mismatch(2, 9, 2000, at::kFloat, 9, "size");  // 1000 floats sent, 2000 received
-      mismatch(3, -1, 1, at::kLong, 0, "barrier");  // a barrier against a receive
-      return 0;
-    });
-  }
+      store->set(key + "/" + std::to_string(r), toBytes(got));
+    };
+    mismatch(1, 7, 1000, at::kFloat, 8, "skip");  // tag 7 sent, tag 8 received
+    mismatch(2, 9, 2000, at::kFloat, 9, "size");  // 1000 floats sent, 2000 received
+    mismatch(3, -1, 1, at::kLong, 0, "barrier");  // a barrier against a receive
+    return 0;
+  });
   auto exits = group.waitAll(60s);
   for (auto& e : exits) EXPECT_TRUE(e.exited && e.code == 0) << e.str();
   auto store = connect(server.port());
@@ -1025,44 +1029,40 @@ TEST(CommunicatorFailureTest, MemberThatLeavesAsTheMeshConnectsGivesIoError) {
     ProcessGroup group;
     // Rank 0 (worker 10) leaves; rank 1 (worker 11) connects to rank 0 first and, held back in
     // the rendezvous, to rank 2 only once rank 0 has gone (Gloo connects in rank order).
-    for (int r = 0; r < 3; ++r) {
-      group.spawn([&, r] {
-        at::set_num_threads(1);
-        auto store = connect(server.port());
-        auto o = options(workerIds(3), kWorkerBase + r, play);
-        o.initTimeout = 20s;
-        if (r == 0) {
-          auto comm = createGlooCommunicator(store, o);
-          store->set(gone, toBytes("1"));
-          _exit(0);  // Its sockets close with the process, without a goodbye.
-        }
-        if (r == 1) {
-          auto stalling = stallingStore(store, "/gloo/2", gone, 500ms);
-          int rc = 0;
-          try {
-            auto comm = createGlooCommunicator(stalling, o);
-            std::cerr << "rank 1: the communicator was built over a closed connection" << std::endl;
-            rc = 3;
-          } catch (const IoError& e) {
-            const std::string what = e.what();
-            if (what.find("broke as it was set up") != std::string::npos &&
-                what.find("worker 10 (rank 0)") == std::string::npos) {
-              std::cerr << "rank 1: the error does not name worker 10: " << what << std::endl;
-              rc = 4;
-            }
-          }
-          store->set(done, toBytes("1"));
-          return rc;
-        }
-        // The third member: built or not, only Sinew's errors may reach it.
+    spawnClients(group, server, 3, [&](int r, const std::shared_ptr<Store>& store) {
+      auto o = options(workerIds(3), kWorkerBase + r, play);
+      o.initTimeout = 20s;
+      if (r == 0) {
+        auto comm = createGlooCommunicator(store, o);
+        store->set(gone, toBytes("1"));
+        _exit(0);  // Its sockets close with the process, without a goodbye.
+      }
+      if (r == 1) {
+        auto stalling = stallingStore(store, "/gloo/2", gone, 500ms);
+        int rc = 0;
         try {
-          auto comm = createGlooCommunicator(store, o);
-        } catch (const Error&) {
+          auto comm = createGlooCommunicator(stalling, o);
+          std::cerr << "rank 1: the communicator was built over a closed connection" << std::endl;
+          rc = 3;
+        } catch (const IoError& e) {
+          const std::string what = e.what();
+          if (what.find("broke as it was set up") != std::string::npos &&
+              what.find("worker 10 (rank 0)") == std::string::npos) {
+            std::cerr << "rank 1: the error does not name worker 10: " << what << std::endl;
+            rc = 4;
+          }
         }
-        store->wait({done}, 30s);
-        return 0;
-      });
-    }
+        store->set(done, toBytes("1"));
+        return rc;
+      }
+      // The third member: built or not, only Sinew's errors may reach it.
+      try {
+        auto comm = createGlooCommunicator(store, o);
+      } catch (const Error&) {
+      }
+      store->wait({done}, 30s);
+      return 0;
+    });
     auto exits = group.waitAll(60s);
     for (int r = 0; r < 3; ++r) {
       ASSERT_TRUE(exits[r].exited && exits[r].code == 0)
@@ -1077,40 +1077,36 @@ TEST(CommunicatorFailureTest, MemberThatLeavesAsTheMeshConnectsGivesIoError) {
 TEST(CommunicatorFailureTest, TwoMemberPeerThatDiesDuringLaneSetUpIsLostPromptly) {
   TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
-  for (int r = 0; r < 2; ++r) {
-    group.spawn([&, r] {
-      at::set_num_threads(1);
-      auto store = connect(server.port());
-      auto o = options(workerIds(2), kWorkerBase + r, 0);
-      o.initTimeout = 20s;
-      if (r == 1) {
-        // It dies once rank 0 has published its lane, so rank 0 is in the lanes' set-up then.
-        // (Dying as soon as it asked for the key raced with rank 0's own mesh connection, which
-        // then failed with IoError, "connecting to the members failed", as a member that leaves
-        // as the mesh connects does: MemberThatLeavesAsTheMeshConnectsGivesIoError.)
-        auto dying = std::make_shared<HookedStore>(store, [store](const std::string& key) {
-          if (!endsWith(key, "/lane/0")) return;
-          store->get(key, 20s);
-          _exit(0);  // No goodbye: its sockets just close.
-        });
-        auto comm = createGlooCommunicator(dying, o);
-        return 3;  // Never: it exits on reading rank 0's lane.
-      }
-      auto start = std::chrono::steady_clock::now();
-      try {
-        auto comm = createGlooCommunicator(store, o);
-        std::cerr << "rank 0: built a communicator with a dead member" << std::endl;
-        return 4;
-      } catch (const PeerLost& e) {
-        auto ms = elapsedMs(start);
-        std::cerr << "rank 0: " << e.what() << " after " << ms << " ms" << std::endl;
-        return e.worker() == kWorkerBase + 1 && ms < 5000 ? 0 : 5;
-      } catch (const Error& e) {
-        std::cerr << "rank 0: " << e.what() << std::endl;
-        return 6;
-      }
-    });
-  }
+  spawnClients(group, server, 2, [&](int r, const std::shared_ptr<Store>& store) {
+    auto o = options(workerIds(2), kWorkerBase + r, 0);
+    o.initTimeout = 20s;
+    if (r == 1) {
+      // It dies once rank 0 has published its lane, so rank 0 is in the lanes' set-up then.
+      // (Dying as soon as it asked for the key raced with rank 0's own mesh connection, which
+      // then failed with IoError, "connecting to the members failed", as a member that leaves
+      // as the mesh connects does: MemberThatLeavesAsTheMeshConnectsGivesIoError.)
+      auto dying = std::make_shared<HookedStore>(store, [store](const std::string& key) {
+        if (!endsWith(key, "/lane/0")) return;
+        store->get(key, 20s);
+        _exit(0);  // No goodbye: its sockets just close.
+      });
+      auto comm = createGlooCommunicator(dying, o);
+      return 3;  // Never: it exits on reading rank 0's lane.
+    }
+    auto start = std::chrono::steady_clock::now();
+    try {
+      auto comm = createGlooCommunicator(store, o);
+      std::cerr << "rank 0: built a communicator with a dead member" << std::endl;
+      return 4;
+    } catch (const PeerLost& e) {
+      auto ms = elapsedMs(start);
+      std::cerr << "rank 0: " << e.what() << " after " << ms << " ms" << std::endl;
+      return e.worker() == kWorkerBase + 1 && ms < 5000 ? 0 : 5;
+    } catch (const Error& e) {
+      std::cerr << "rank 0: " << e.what() << std::endl;
+      return 6;
+    }
+  });
   auto exits = group.waitAll(60s);
   for (auto& e : exits) EXPECT_TRUE(e.exited && e.code == 0) << e.str();
 }
@@ -1165,43 +1161,38 @@ TEST(CommunicatorFailureTest, TenRebuildsInARow) {
   constexpr int kWorld = 4;
   TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
-  for (int r = 0; r < kWorld; ++r) {
-    group.spawn([&, r] {
-      at::set_num_threads(1);
-      auto store = connect(server.port());
-      for (int epoch = 0; epoch <= 10; ++epoch) {
-        auto comm =
-            createGlooCommunicator(store, options(workerIds(kWorld), kWorkerBase + r, epoch));
-        at::Tensor t = at::full({100000}, double(r + epoch), at::kDouble);
-        comm->allreduce(t);
-        double want = 0 + 1 + 2 + 3 + kWorld * epoch;
-        if (!at::equal(t, at::full({100000}, want, at::kDouble))) return 10 + epoch;
-        if (epoch == 10) break;
-        // Everyone has finished the good allreduce before the culprit aborts: an abort()
-        // racing with a peer's last receive of an operation may fail that operation on the
-        // peer (documented in docs/collectives.md), which is not what this test is about.
-        auto finished = "finished/" + std::to_string(epoch);
-        if (store->add(finished, 1) == kWorld) store->set(finished + "/all", toBytes("1"));
-        int culprit = epoch % kWorld;
-        if (r == culprit) {
-          store->wait({finished + "/all"}, 30s);
-          comm->abort();
-        }
-        try {
-          at::Tensor big = at::ones({1 << 20});
-          comm->allreduce(big, ReduceOp::kSum, 10s);
-          return 30 + epoch;  // The epoch had to fail.
-        } catch (const Aborted& e) {
-          std::string want = "worker " + std::to_string(kWorkerBase + culprit) + " abort";
-          if (r != culprit && std::string(e.what()).find(want) == std::string::npos) {
-            std::cerr << "rank " << r << ": " << e.what() << std::endl;
-            return 50 + epoch;
-          }
+  spawnClients(group, server, kWorld, [&](int r, const std::shared_ptr<Store>& store) {
+    for (int epoch = 0; epoch <= 10; ++epoch) {
+      auto comm = createGlooCommunicator(store, options(workerIds(kWorld), kWorkerBase + r, epoch));
+      at::Tensor t = at::full({100000}, double(r + epoch), at::kDouble);
+      comm->allreduce(t);
+      double want = 0 + 1 + 2 + 3 + kWorld * epoch;
+      if (!at::equal(t, at::full({100000}, want, at::kDouble))) return 10 + epoch;
+      if (epoch == 10) break;
+      // Everyone has finished the good allreduce before the culprit aborts: an abort()
+      // racing with a peer's last receive of an operation may fail that operation on the
+      // peer (documented in docs/collectives.md), which is not what this test is about.
+      auto finished = "finished/" + std::to_string(epoch);
+      if (store->add(finished, 1) == kWorld) store->set(finished + "/all", toBytes("1"));
+      int culprit = epoch % kWorld;
+      if (r == culprit) {
+        store->wait({finished + "/all"}, 30s);
+        comm->abort();
+      }
+      try {
+        at::Tensor big = at::ones({1 << 20});
+        comm->allreduce(big, ReduceOp::kSum, 10s);
+        return 30 + epoch;  // The epoch had to fail.
+      } catch (const Aborted& e) {
+        std::string want = "worker " + std::to_string(kWorkerBase + culprit) + " abort";
+        if (r != culprit && std::string(e.what()).find(want) == std::string::npos) {
+          std::cerr << "rank " << r << ": " << e.what() << std::endl;
+          return 50 + epoch;
         }
       }
-      return 0;
-    });
-  }
+    }
+    return 0;
+  });
   auto exits = group.waitAll(120s);
   for (int r = 0; r < kWorld; ++r) {
     EXPECT_TRUE(exits[r].exited && exits[r].code == 0) << "rank " << r << " " << exits[r].str();
