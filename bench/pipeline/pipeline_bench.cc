@@ -283,9 +283,8 @@ double concurrentSeconds(const std::vector<int64_t>& streams, const Transfer& tr
 }
 
 // The same with a Gloo communicator of two members (on lanes) and exchange(), as the stages
-// send; with
-// chunkBytes > 0, the bytes go as the eight tensors of a layer's state would, through
-// exchangeInChunks with chunks of that size, as a reconfiguration copies layers.
+// send; with chunkBytes > 0, the bytes go as the eight tensors of a layer's state would,
+// through exchangeInChunks with chunks of that size, as a reconfiguration copies layers.
 // `beforeRounds`, if given, runs in this process once the communicator is up (its peer waits
 // in the first exchange).
 double sinewSeconds(int64_t bytes = kBytes, size_t chunkBytes = 0,
