@@ -74,20 +74,23 @@ constexpr uint64_t kControlSlot = uint64_t(1) << 62;
 constexpr uint64_t kP2PSlotBase = uint64_t(1) << 61;
 constexpr uint64_t kCollectiveSlotBase = uint64_t(1) << 40;
 // allreduceTwo's lane (docs/collectives.md, "Lanes"): the header's magic ("SNWL"); the receive
-// ring, small enough to stay in the L2 cache between the recv and the add; the most one send or
-// recv call moves: 32 KiB, one TCP segment on loopback (its MSS here), so each call's bytes are
-// still in cache when the peer copies them out and the add reads them (128 KiB calls made
-// 16 MiB 1.5 times and 64 MiB twice as slow, bench "same launch" rows); the most one add
-// covers; how long an operation with nothing to do spins before it sleeps in poll().
+// ring, small enough to stay in the L2 cache between the recv and the add (a 2 MiB ring made
+// every size about half as fast); the most one send call moves (each receive call asks for the
+// ring's free space); the most one add covers; how long an operation with nothing to do spins
+// before it sleeps in poll(). Send calls of 512 KiB against 32 KiB, taking turns in the same
+// hour with receive calls for the ring's free space (sinew-bench-allreduce --ranks 2, same
+// launch, MPI over TCP / Sinew): 0.95-1.84 at every size from 1 to 64 MiB over eight runs (one
+// below 1.0), against 0.69-1.17 at 1-4 MiB over eight runs of 32 KiB calls (docs/collectives.md,
+// "Call sizes, again").
 constexpr uint32_t kLaneMagic = 0x4C574E53;
 constexpr size_t kLaneScratchBytes = 128 << 10;
-constexpr size_t kLaneChunkBytes = 32 << 10;
+constexpr size_t kLaneSendCallBytes = 512 << 10;
 constexpr size_t kLaneReduceBytes = 128 << 10;
 constexpr std::chrono::microseconds kLaneSpin{200};
 // Point-to-point messages on the lanes (CommunicatorOptions::p2pLanes): each message's 16-byte
 // header (magic "SNWP" 4, tag 4, bytes 8, little-endian; LaneMessageHeader), and the most one
-// send call moves (receive calls ask for the rest of the message): one loopback segment, as
-// allreduceTwo's. 16 MiB between two processes
+// send call moves (receive calls ask for the rest of the message): one loopback segment
+// (TCP_MAXSEG reads 32768 on a lane). 16 MiB between two processes
 // (sinew-bench-pipeline's activation transfer, three launches each) took 3.7-4.4 ms with
 // 32 KiB calls, 5.4-6.1 with 16 KiB, 12-15 with 64 KiB, 5.3-9.1 with 128 KiB and 5.5-7.8 with
 // 256 KiB; raw TCP 7.0-8.3.
@@ -95,7 +98,7 @@ constexpr uint32_t kLaneP2PMagic = 0x50574E53;
 // A barrier on the lanes is a message of 8 bytes to every other member, with this magic
 // ("SNWB") and the barrier's number as its tag.
 constexpr uint32_t kLaneBarrierMagic = 0x42574E53;
-constexpr size_t kLaneP2PCallBytes = kLaneChunkBytes;
+constexpr size_t kLaneP2PCallBytes = 32 << 10;
 
 // What a lane message with this magic is, for errors; null for an unknown magic.
 const char* laneMessageKind(uint32_t magic) {
@@ -1146,14 +1149,14 @@ void GlooCommunicator::allreduceTwo(at::Tensor& t, std::chrono::milliseconds tim
       if (failed_.load(std::memory_order_acquire)) throwFailure();
       bool progress = false;
       short sendEvents = 0, recvEvents = 0;
-      // Send: what is left of the header and of the tensor, in one call.
+      // Send: what is left of the header and up to kLaneSendCallBytes of the tensor, in one call.
       if (sent < bytes) {
         iovec iov[2];
         int n = 0;
         if (headerSent < sizeof(outWire)) {
           iov[n++] = {outWire + headerSent, sizeof(outWire) - headerSent};
         }
-        iov[n++] = {data + sent, std::min(bytes - sent, kLaneChunkBytes)};
+        iov[n++] = {data + sent, std::min(bytes - sent, kLaneSendCallBytes)};
         msghdr msg{};
         msg.msg_iov = iov;
         msg.msg_iovlen = n;
@@ -1179,7 +1182,7 @@ void GlooCommunicator::allreduceTwo(at::Tensor& t, std::chrono::milliseconds tim
       } else if (recvd < bytes && recvd - reduced < cap) {
         const size_t pos = recvd % cap;
         dst = scratch + pos;
-        want = std::min({cap - (recvd - reduced), cap - pos, bytes - recvd, kLaneChunkBytes});
+        want = std::min({cap - (recvd - reduced), cap - pos, bytes - recvd});
       }
       if (want > 0) {
         ssize_t rv = ::recv(rfd, dst, want, MSG_DONTWAIT);
