@@ -262,7 +262,10 @@ int main(int argc, char** argv) {
   app.add_option("--ranks", ranks, "processes per variant (mpirun -np)")
       ->check(CLI::Range(2, 256))
       ->capture_default_str();
-  int rounds = 3;
+  // 7 since 2026-11-27: with 3, the smallest separate-launch ratio over the sizes moved from
+  // 0.66 to 1.15 over three runs of one build (Open MPI's own 1 MiB time from 0.41 to 0.77 ms
+  // between launches); two runs with 7 gave 0.90 and 1.02.
+  int rounds = 7;
   app.add_option("--rounds", rounds,
                  "launches of every variant, in turn (each time is the median over the rounds, "
                  "so a slow minute of a shared machine does not decide a comparison)")
