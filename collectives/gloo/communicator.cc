@@ -74,14 +74,14 @@ constexpr uint64_t kControlSlot = uint64_t(1) << 62;
 constexpr uint64_t kP2PSlotBase = uint64_t(1) << 61;
 constexpr uint64_t kCollectiveSlotBase = uint64_t(1) << 40;
 // allreduceTwo's lane (docs/collectives.md, "Lanes"): the header's magic ("SNWL"); the receive
-// ring, small enough to stay in the L2 cache between the recv and the add (a 2 MiB ring made
-// every size about half as fast); the most one send call moves (each receive call asks for the
-// ring's free space); the most one add covers; how long an operation with nothing to do spins
-// before it sleeps in poll(). Send calls of 512 KiB against 32 KiB, taking turns in the same
-// hour with receive calls for the ring's free space (sinew-bench-allreduce --ranks 2, same
-// launch, MPI over TCP / Sinew): at or above 1.0 at every size from 1 to 64 MiB in eight of ten
-// runs (0.95 and 0.77 at 2 MiB in the others), against none of eight with 32 KiB calls both ways
-// (0.69-1.17 at 1-4 MiB; docs/collectives.md, "Call sizes, again").
+// ring, small enough to stay in the L2 cache between the recv and the add (a 2 MiB ring made every
+// size about half as fast); the most one send call moves (each receive call asks for the ring's
+// free space, up to its end and the message's); the most one add covers; how long an operation with
+// nothing to do spins before it sleeps in poll(). Send calls of 512 KiB against 32 KiB, taking
+// turns in the same hour with receive calls for the ring's free space (sinew-bench-allreduce
+// --ranks 2, same launch, MPI over TCP / Sinew): at or above 1.0 at every size from 1 to 64 MiB in
+// eight of ten runs (0.95 and 0.77 at 2 MiB in the others), against none of eight with 32 KiB calls
+// both ways (0.69-1.17 at 1-4 MiB; docs/collectives.md, "Call sizes, again").
 constexpr uint32_t kLaneMagic = 0x4C574E53;
 constexpr size_t kLaneScratchBytes = 128 << 10;
 constexpr size_t kLaneSendCallBytes = 512 << 10;
