@@ -88,17 +88,16 @@ constexpr size_t kLaneSendCallBytes = 512 << 10;
 constexpr size_t kLaneReduceBytes = 128 << 10;
 constexpr std::chrono::microseconds kLaneSpin{200};
 // Point-to-point messages on the lanes (CommunicatorOptions::p2pLanes): each message's 16-byte
-// header (magic "SNWP" 4, tag 4, bytes 8, little-endian; LaneMessageHeader), and the most one
-// send call moves (receive calls ask for the rest of the message). 32 KiB until 2026-11-27;
-// 512 KiB since, as allreduceTwo's: the same hour, sinew-bench-pipeline's 16 MiB activation
-// transfer took 4.4-6.0 ms with 512 KiB calls against 5.8-7.2 with 32 KiB and 6.3-11.4 with
-// 128 KiB (four launches each), and the largest layer copy of the width-256 copy job moved at
+// header (magic "SNWP" 4, tag 4, bytes 8, little-endian; LaneMessageHeader), and the most one send
+// call moves is kLaneSendCallBytes (receive calls ask for the rest of the message): 32 KiB until
+// 2026-11-27; 512 KiB since, as allreduceTwo's: the same hour, sinew-bench-pipeline's 16 MiB
+// activation transfer took 4.4-6.0 ms with 512 KiB calls against 5.8-7.2 with 32 KiB and 6.3-11.4
+// with 128 KiB (four launches each), and the largest layer copy of the width-256 copy job moved at
 // 1.45-3.39 GB/s (median 1.64, 13 jobs) against 0.83-1.50 (median 1.30, 13 jobs) with 32 KiB.
 constexpr uint32_t kLaneP2PMagic = 0x50574E53;
 // A barrier on the lanes is a message of 8 bytes to every other member, with this magic
 // ("SNWB") and the barrier's number as its tag.
 constexpr uint32_t kLaneBarrierMagic = 0x42574E53;
-constexpr size_t kLaneP2PCallBytes = kLaneSendCallBytes;
 
 // What a lane message with this magic is, for errors; null for an unknown magic.
 const char* laneMessageKind(uint32_t magic) {
@@ -1314,7 +1313,7 @@ void GlooCommunicator::exchangeOnLanes(const std::vector<P2POp>& ops, const char
           }
           const size_t sent = m.done > kHeader ? m.done - kHeader : 0;
           iov[n++] = {const_cast<char*>(m.data) + sent,
-                      std::min(m.bytes - sent, kLaneP2PCallBytes)};
+                      std::min(m.bytes - sent, kLaneSendCallBytes)};
           msghdr msg{};
           msg.msg_iov = iov;
           msg.msg_iovlen = n;
