@@ -24,6 +24,7 @@
 #include <list>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <set>
 #include <thread>
@@ -35,6 +36,7 @@
 #include "sinew/pipeline/instantiation.h"
 #include "sinew/pipeline/plan.h"
 #include "sinew/pipeline/profile.h"
+#include "sinew/pipeline/reconfiguration.h"
 #include "sinew/pipeline/template_planner.h"
 #include "sinew/runtime/control_server.h"
 #include "sinew/runtime/detail/wire.h"
@@ -344,7 +346,13 @@ class Coordinator::Impl : public control::Backend, public EventFeed {
   json epochBody(const std::vector<int>& joined, bool sync) const;
   void onPipeline(int worker, const json& body);
   void onRollback(int worker, int64_t step);
-  pipeline::Plan pipelinePlan() const;
+  // A plan for members_ and how it was made (pipelinePlan).
+  struct EpochPlan {
+    pipeline::Plan plan;
+    std::string how;                 // "instantiated" or a pipeline::reconfigurationKindName
+    std::vector<std::string> steps;  // a reconfiguration's steps, for the log
+  };
+  EpochPlan pipelinePlan() const;
   void failJob(const std::string& why);
   // High availability (docs/ha.md). Whether this coordinator may still send (its term has
   // not ended); a false answer ends the term.
@@ -411,6 +419,9 @@ class Coordinator::Impl : public control::Backend, public EventFeed {
   pipeline::Profile profile_;
   pipeline::PlanOptions planOptions_;
   pipeline::TemplateSet templates_;
+  // The plan of the current epoch (pipeline jobs; none before the first, nor on a new leader
+  // until its first epoch): the next epoch's plan starts from it (pipelinePlan).
+  std::optional<pipeline::Plan> plan_;
   EventLog events_;
 
   // The control API (docs/control_api.md). Guarded by mu_.
@@ -896,12 +907,26 @@ void Coordinator::Impl::newEpoch(const std::string& why, std::vector<int> joiner
   json body = epochBody(joined, first || !joined.empty());
   if (pipelineJob_) {
     try {
-      pipeline::Plan plan = pipelinePlan();
+      EpochPlan made = pipelinePlan();
+      const pipeline::Plan& plan = made.plan;
       body["plan"] = pipeline::planToJson(plan);
+      std::vector<std::vector<int>> pipelines;
+      for (const auto& p : plan.pipelines) pipelines.push_back(p.nodeIds);
+      std::vector<std::array<int, 3>> holds;  // [worker, first layer, end layer]
+      for (const auto& w : plan.workers) holds.push_back({w.worker, w.firstLayer, w.endLayer});
+      for (const auto& step : made.steps) {
+        log("epoch " + std::to_string(epoch_) + " plan: " + step);
+      }
       event({{"event", "plan"},
              {"epoch", epoch_},
+             {"how", made.how},
+             {"steps", made.steps},
+             {"pipeline_nodes", pipelines},
+             {"idle_nodes", plan.idleNodeIds},
+             {"workers", holds},
              {"pipelines", plan.pipelines.size()},
              {"iteration_ticks", plan.iterationTicks}});
+      plan_ = plan;
     } catch (const Error& e) {
       return failJob("no pipeline plan for the " + std::to_string(members_.size()) +
                      " workers of epoch " + std::to_string(epoch_) + ": " + e.what());
@@ -1200,19 +1225,58 @@ void Coordinator::Impl::formTakeoverEpoch(const std::string& why) {
 // The plan for members_: with G devices per node, node k is members [kG, kG + G) in
 // ascending id order (its id the first of them, device i the i-th); members beyond the last
 // full node stay idle. Throws InvalidArgument if the templates cannot cover them.
-pipeline::Plan Coordinator::Impl::pipelinePlan() const {
+// When the members are the nodes of the last epoch's plan less some lost ones (one device per
+// node: with more, a loss renumbers the nodes after it), the plan is that plan reconfigured
+// from the templates (pipeline::reconfigure, docs/pipeline.md section 5): pipelines that lost
+// no node keep their nodes and layers; one that lost some shrinks to a smaller template,
+// takes idle nodes, borrows from the largest pipeline or merges with another. Otherwise (the
+// first epoch, joins, a new leader, a reconfiguration that must re-plan every survivor) the
+// templates are instantiated for all of them (pipeline::makePlan). The same nodes as the last
+// epoch's keep its plan.
+Coordinator::Impl::EpochPlan Coordinator::Impl::pipelinePlan() const {
   const int G = profile_.job.devices_per_node;
   const int nodes = static_cast<int>(members_.size()) / G;
   std::vector<int> nodeIds;
   for (int k = 0; k < nodes; ++k) nodeIds.push_back(members_[k * G]);
-  pipeline::Plan plan = pipeline::makePlan(templates_, nodeIds, planOptions_);
-  plan.epoch = epoch_;
-  for (auto& w : plan.workers) {
+  EpochPlan out;
+  if (G == 1 && plan_) {
+    std::set<int> before(plan_->idleNodeIds.begin(), plan_->idleNodeIds.end());
+    for (const auto& p : plan_->pipelines) before.insert(p.nodeIds.begin(), p.nodeIds.end());
+    bool onlyLosses = true;
+    for (int id : nodeIds) onlyLosses = onlyLosses && before.count(id) > 0;
+    std::vector<int> lost;
+    for (int id : before) {
+      if (std::find(nodeIds.begin(), nodeIds.end(), id) == nodeIds.end()) lost.push_back(id);
+    }
+    if (onlyLosses && lost.empty()) {
+      // The same nodes (a rollback, or a reconfiguration tried again): the same plan, so that
+      // no layer moves for nothing.
+      out.plan = *plan_;
+      out.how = "unchanged";
+    } else if (onlyLosses) {
+      try {
+        pipeline::Reconfiguration r = pipeline::reconfigure(templates_, *plan_, lost);
+        if (r.kind != pipeline::ReconfigurationKind::kReplan) {
+          out.plan = std::move(r.plan);
+          out.how = pipeline::reconfigurationKindName(r.kind);
+          out.steps = std::move(r.steps);
+        }
+      } catch (const Error&) {
+        // Too few survivors for the templates: makePlan says so below, in its own words.
+      }
+    }
+  }
+  if (out.how.empty()) {
+    out.plan = pipeline::makePlan(templates_, nodeIds, planOptions_);
+    out.how = "instantiated";
+  }
+  out.plan.epoch = epoch_;
+  for (auto& w : out.plan.workers) {
     const int k =
         static_cast<int>(std::find(nodeIds.begin(), nodeIds.end(), w.node) - nodeIds.begin());
     w.worker = members_[k * G + w.device];
   }
-  return plan;
+  return out;
 }
 
 // Ends the job: every worker is expelled with the reason (e.g. a plan no template fits).
@@ -1650,7 +1714,7 @@ ControlReply Coordinator::Impl::status() {
   b["nodes"] = currentNodes();
   if (pipelineJob_ && !members_.empty()) {
     try {
-      b["plan"] = json::parse(pipeline::planToJson(pipelinePlan()));
+      b["plan"] = json::parse(pipeline::planToJson(plan_ ? *plan_ : pipelinePlan().plan));
     } catch (const std::exception& e) {
       b["plan"] = json{{"error", e.what()}};
     }
@@ -1704,7 +1768,9 @@ ControlReply Coordinator::Impl::scaling() {
     double secondsPerTick = 0;
     auto mine = measured.find(workersNow);
     try {
-      if (mine != measured.end()) secondsPerTick = mine->second / pipelinePlan().iterationTicks;
+      if (mine != measured.end()) {
+        secondsPerTick = mine->second / (plan_ ? *plan_ : pipelinePlan().plan).iterationTicks;
+      }
     } catch (const std::exception&) {
       secondsPerTick = 0;
     }

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <future>
 #include <map>
+#include <numeric>
 #include <regex>
 #include <set>
 #include <string>
@@ -449,6 +450,91 @@ TEST(PipelineJobTest, MixedWidthStagesSplitAndJoinActivations) {
 // they did not copy them from live workers that hold them, and the job ends equal to the
 // reference with every survivor holding layers.
 
+// Who holds which layer after each reconfiguration. The coordinator logs each epoch's plan
+// (its "plan" event: how it was made, and every worker's layers), and a worker logs a
+// layers_moved event whenever its layers change and an epoch_entered or recovered event once
+// it has entered an epoch (its layers copied and adopted). Every worker that entered an epoch
+// held exactly that epoch's plan's layers: the range of its last layers_moved event of that
+// epoch or before, else its range in the first plan. (An epoch whose reconfiguration failed, a
+// member lost or a rollback needed, is entered by nobody.) No plan left a node idle (the
+// templates here fit every survivor count), and some worker entered a plan after the first.
+// Returns how each plan was made ("instantiated", "shrink", "merge", ...).
+std::vector<std::string> expectEachPlanHeld(const std::string& dir) {
+  struct PlanEvent {
+    int64_t epoch = 0;
+    std::string how;
+    std::map<int, std::pair<int, int>> holds;  // worker -> [first, end)
+    std::vector<int> idle;
+  };
+  auto readEvents = [](const std::filesystem::path& file, const std::string& kind) {
+    std::vector<nlohmann::json> out;
+    std::ifstream in(file);
+    std::string line;
+    while (std::getline(in, line)) {
+      auto e = nlohmann::json::parse(line, nullptr, false);
+      if (!e.is_discarded() && e.value("event", "") == kind) out.push_back(std::move(e));
+    }
+    return out;
+  };
+  std::vector<PlanEvent> plans;
+  for (const auto& e : readEvents(dir + "/coordinator-events.jsonl", "plan")) {
+    PlanEvent p;
+    p.epoch = e.at("epoch").get<int64_t>();
+    p.how = e.at("how").get<std::string>();
+    for (const auto& w : e.at("workers")) {
+      p.holds[w.at(0).get<int>()] = {w.at(1).get<int>(), w.at(2).get<int>()};
+    }
+    p.idle = e.at("idle_nodes").get<std::vector<int>>();
+    plans.push_back(std::move(p));
+  }
+  std::vector<std::string> hows;
+  if (plans.size() < 2) {
+    ADD_FAILURE() << "fewer than two plans in " << dir;
+    return hows;
+  }
+  std::map<int, std::vector<std::tuple<int64_t, int, int>>> moved;  // worker -> (epoch, range)
+  std::map<int, std::set<int64_t>> entered;                         // worker -> epochs
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    const std::string file = entry.path().filename().string();
+    if (file.rfind("worker-", 0) != 0 || file.find("-events.jsonl") == std::string::npos) continue;
+    const int w = std::stoi(file.substr(7));
+    for (const auto& e : readEvents(entry.path(), "layers_moved")) {
+      moved[w].emplace_back(e.at("epoch").get<int64_t>(), e.at("holds").at(0).get<int>(),
+                            e.at("holds").at(1).get<int>());
+    }
+    for (const char* kind : {"epoch_entered", "recovered"}) {
+      for (const auto& e : readEvents(entry.path(), kind)) {
+        entered[w].insert(e.at("epoch").get<int64_t>());
+      }
+    }
+  }
+  int checked = 0;
+  for (const PlanEvent& p : plans) {
+    hows.push_back(p.how);
+    EXPECT_TRUE(p.idle.empty()) << "the plan of epoch " << p.epoch << " left nodes idle";
+    for (const auto& [w, range] : p.holds) {
+      if (!entered[w].count(p.epoch)) continue;
+      std::pair<int, int> held{-1, -1};
+      auto first = plans.front().holds.find(w);
+      if (first != plans.front().holds.end()) held = first->second;
+      for (const auto& [epoch, f, e] : moved[w]) {
+        if (epoch <= p.epoch) held = {f, e};
+      }
+      EXPECT_EQ(held, range) << "worker " << w << " in epoch " << p.epoch << " (plan " << p.how
+                             << ")";
+      if (p.epoch > plans.front().epoch) ++checked;
+    }
+  }
+  EXPECT_GT(checked, 0) << "no worker entered a plan after the first";
+  return hows;
+}
+
+// True if any plan of `hows` borrowed a node or merged two pipelines.
+bool borrowedOrMerged(const std::vector<std::string>& hows) {
+  return std::find(hows.begin(), hows.end(), "borrow") != hows.end() ||
+         std::find(hows.begin(), hows.end(), "merge") != hows.end();
+}
+
 // A job that lost exactly `lost` (sinew-run's "workers lost: [...]") and ended exact, with
 // `survivors` workers that each hold layers, every pipeline covering the model once.
 void expectReconfiguredExact(const JobRun& run, const std::string& lost, int survivors) {
@@ -469,6 +555,7 @@ TEST(PipelineRecoveryTest, KillInForwardMovesLayersFromLiveWorkers) {
                        "kill:worker=2:step=10:phase=forward");
   SCOPED_TRACE(run.output);
   expectReconfiguredExact(run, "2", 5);
+  expectEachPlanHeld(logDir("pp-kill-forward"));
   // Who holds what after the reconfiguration is what each worker reports at the end; the
   // epoch-2 plan printed by the first worker names the same ranges.
   EXPECT_NE(run.output.find("epoch 2 plan: 2 pipelines"), std::string::npos);
@@ -484,6 +571,7 @@ TEST(PipelineRecoveryTest, KillWithCheckpointsEveryStep) {
                        "kill:worker=4:step=18:phase=backward");
   SCOPED_TRACE(run.output);
   expectReconfiguredExact(run, "4", 4);
+  expectEachPlanHeld(logDir("pp-kill-ckpt"));
   std::smatch m;
   const std::string latest = slurp(ckpt + "/LATEST");
   ASSERT_TRUE(std::regex_search(latest, m, std::regex("\"step\":(\\d+)"))) << latest;
@@ -519,6 +607,7 @@ TEST(PipelineRecoveryTest, KillInBackwardMidSchedule) {
                        "kill:worker=5:step=7:phase=backward");
   SCOPED_TRACE(run.output);
   expectReconfiguredExact(run, "5", 5);
+  expectEachPlanHeld(logDir("pp-kill-backward"));
 }
 
 TEST(PipelineRecoveryTest, TwoKillsInTheSamePipeline) {
@@ -528,6 +617,9 @@ TEST(PipelineRecoveryTest, TwoKillsInTheSamePipeline) {
                        "kill:worker=0:step=5:phase=forward;kill:worker=1:step=12:phase=reduce");
   SCOPED_TRACE(run.output);
   expectReconfiguredExact(run, "0,1", 4);
+  // Pipeline 0 falls below the smallest template at one of the kills: it borrows a node from
+  // the largest pipeline or merges with another (2+2+2 merges, 3+3 borrows).
+  EXPECT_TRUE(borrowedOrMerged(expectEachPlanHeld(logDir("pp-kill-same"))));
 }
 
 TEST(PipelineRecoveryTest, TwoKillsInDifferentPipelinesAtOnce) {
@@ -539,6 +631,7 @@ TEST(PipelineRecoveryTest, TwoKillsInDifferentPipelinesAtOnce) {
               run.output.find("workers lost: [4,1]") != std::string::npos);
   expectMatchesReference(run);
   expectStagesHoldOnlyTheirLayers(workerLines(run.output), 4);
+  expectEachPlanHeld(logDir("pp-kill-two"));
 }
 
 TEST(PipelineRecoveryTest, KillDuringTheReconfiguration) {
@@ -552,6 +645,7 @@ TEST(PipelineRecoveryTest, KillDuringTheReconfiguration) {
               run.output.find("workers lost: [3,2]") != std::string::npos);
   expectMatchesReference(run);
   expectStagesHoldOnlyTheirLayers(workerLines(run.output), 4);
+  expectEachPlanHeld(logDir("pp-kill-reconf"));
 }
 
 TEST(PipelineRecoveryTest, KillDuringALayerCopy) {
@@ -568,6 +662,26 @@ TEST(PipelineRecoveryTest, KillDuringALayerCopy) {
   std::vector<WorkerLine> lines = workerLines(run.output);
   expectStagesHoldOnlyTheirLayers(lines, 4);
   for (const auto& w : lines) EXPECT_GT(w.params, 0) << "worker " << w.worker << " is idle";
+  expectEachPlanHeld(logDir("pp-kill-copy"));
+}
+
+// A layer copy that arrives damaged (failure injection: every worker that sends layers in
+// the reconfiguration after worker 2's loss overwrites the first 8 bytes of its first tensor,
+// in a copy of it) is caught by the receiver's crc32c check: nothing of it is adopted, the same
+// members try the epoch again with the same plan and copy anew, no other worker is lost, and
+// the job ends equal to the reference. Before, the receiver's Corruption ended it, and the
+// job lost it too.
+TEST(PipelineRecoveryTest, ADamagedLayerCopyIsCopiedAgain) {
+  JobRun run = trainPp("pp-copy-damaged", 6, {"--memory-bytes", kBudget, "--steps", "30"},
+                       "kill:worker=2:step=10:phase=forward;corrupt:worker=*:step=10:phase=copy");
+  SCOPED_TRACE(run.output);
+  EXPECT_NE(run.output.find("damages the layer copy it sends at step 10"), std::string::npos);
+  EXPECT_NE(run.output.find("arrived damaged: crc32c"), std::string::npos);
+  EXPECT_NE(run.output.find("trying the epoch again"), std::string::npos);
+  expectReconfiguredExact(run, "2", 5);
+  const std::vector<std::string> hows = expectEachPlanHeld(logDir("pp-copy-damaged"));
+  EXPECT_NE(std::find(hows.begin(), hows.end(), "unchanged"), hows.end())
+      << "no epoch tried the same plan again";
 }
 
 TEST(PipelineRecoveryTest, SigstopPastTheHeartbeatTimeout) {
@@ -576,6 +690,7 @@ TEST(PipelineRecoveryTest, SigstopPastTheHeartbeatTimeout) {
   SCOPED_TRACE(run.output);
   expectReconfiguredExact(run, "3", 5);
   EXPECT_NE(run.output.find("worker 3 declared dead"), std::string::npos);
+  expectEachPlanHeld(logDir("pp-sigstop"));
 }
 
 // Worker 3 stops (SIGSTOP) right after its snapshot of step 9, so the peer that replicates
@@ -594,18 +709,18 @@ TEST(PipelineRecoveryTest, StoppedReplicaPeerCostsOnlyItself) {
       << "a survivor was expelled for the stopped worker's stall";
 }
 
-// A worker started with SINEW_COORDINATOR joins a running pipeline job of 4 workers (2 + 2
-// stages). The coordinator planned templates for up to twice the starting workers
-// (TrainerOptions::maxWorkers), so at the next step boundary the 5 workers run as pipelines
-// of 3 and 2 stages: the joiner gets its layers, with their optimizer state, copied from live
-// workers, and every worker ends equal to the reference.
+// A worker started with SINEW_COORDINATOR joins a running pipeline job of 6 workers (two or
+// three pipelines). The coordinator planned templates for up to twice the starting workers
+// (TrainerOptions::maxWorkers), so at the next step boundary the 7 workers are instantiated
+// from the templates anew: the joiner gets its layers, with their optimizer state, copied from
+// live workers, no node is idle, and every worker ends equal to the reference.
 TEST(PipelineRecoveryTest, AJoinedWorkerGetsAStage) {
   const std::string dir = logDir("pp-join");
   std::filesystem::remove_all(dir);  // A repeated run must not read the last coordinator.json.
   // Slowed steps keep the job running while the joiner starts.
   // The joiner trains to the same last step: one that stopped earlier would leave the job.
   const char* steps = "120";
-  Child job = start({SINEW_RUN_PATH, "-n", "4", "--log-dir", dir, "--exit-grace-s", kExitGrace,
+  Child job = start({SINEW_RUN_PATH, "-n", "6", "--log-dir", dir, "--exit-grace-s", kExitGrace,
                      "--inject", "slow:worker=*:ms=50", TRAIN_PP_PATH, "--devices-per-node", "1",
                      "--memory-bytes", kBudget, "--steps", steps},
                     {});
@@ -622,22 +737,25 @@ TEST(PipelineRecoveryTest, AJoinedWorkerGetsAStage) {
   JobRun run = jobRun.get();
   SCOPED_TRACE(run.output + joined.output);
   EXPECT_EQ(joined.exitCode, 0);
-  EXPECT_NE(run.output.find("worker 4 (node joiner) asks to join"), std::string::npos);
+  EXPECT_NE(run.output.find("worker 6 (node joiner) asks to join"), std::string::npos);
   expectMatchesReference(run);
-  EXPECT_EQ(planStages(run.output), (std::vector<int>{2, 2})) << "the first plan";
-  EXPECT_TRUE(std::regex_search(run.output, std::regex("pipeline [01]: 3 nodes, 3 stages")))
-      << "no plan of 3 + 2 stages after the join";
-  // Who holds what at the end: the four launched workers and the joiner, every one a stage.
+  const std::vector<int> first = planNodes(run.output);
+  EXPECT_GE(first.size(), 2u) << "the first plan";
+  EXPECT_EQ(std::accumulate(first.begin(), first.end(), 0), 6) << "the first plan";
+  // Who holds what after each plan (the join's among them: seven nodes, none idle), and at the
+  // end: the six launched workers and the joiner, every one a stage.
+  const std::vector<std::string> hows = expectEachPlanHeld(dir);
+  EXPECT_EQ(hows, (std::vector<std::string>{"instantiated", "instantiated"}));
   std::vector<WorkerLine> lines = workerLines(run.output + joined.output);
-  expectStagesHoldOnlyTheirLayers(lines, 5);
+  expectStagesHoldOnlyTheirLayers(lines, 7);
   bool joinerHolds = false;
   for (const auto& w : lines) {
     EXPECT_GT(w.params, 0) << "worker " << w.worker << " is idle";
-    joinerHolds = joinerHolds || (w.worker == 4 && w.params > 0);
+    joinerHolds = joinerHolds || (w.worker == 6 && w.params > 0);
   }
   EXPECT_TRUE(joinerHolds) << "the joiner holds no layers";
   EXPECT_TRUE(std::regex_search(
-      joined.output, std::regex("sinew: worker 4 now holds layers \\S+ \\(epoch \\d+; \\d+ "
+      joined.output, std::regex("sinew: worker 6 now holds layers \\S+ \\(epoch \\d+; \\d+ "
                                 "copied from worker")))
       << "the joiner's layers were not copied from live workers";
   EXPECT_EQ(run.output.find("read from the durable checkpoint"), std::string::npos);
@@ -699,6 +817,7 @@ TEST(PipelineRollbackTest, LosingEveryLiveCopyRestoresTheCommittedVersionFromRam
   std::vector<WorkerLine> lines = workerLines(run.output);
   expectStagesHoldOnlyTheirLayers(lines, 6);
   for (const auto& w : lines) EXPECT_GT(w.params, 0) << "worker " << w.worker << " is idle";
+  expectEachPlanHeld(logDir("pp-rollback-ram"));
   std::map<int, std::string> restored = restoreLines(run.output);
   const int64_t version = rollbackVersion(run.output);
   if (version == -2) {
