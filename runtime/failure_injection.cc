@@ -165,8 +165,8 @@ FailureInjector FailureInjector::parse(const std::string& spec) {
     if (f.kind == Fault::Kind::kFailWrite && f.phase != Phase::kFlush) {
       SINEW_THROW(InvalidArgument, "fault '", text, "': failwrite fires only in phase flush");
     }
-    if (f.kind == Fault::Kind::kCorrupt && f.phase != Phase::kFlush) {
-      SINEW_THROW(InvalidArgument, "fault '", text, "': corrupt fires only in phase flush");
+    if (f.kind == Fault::Kind::kCorrupt && f.phase != Phase::kFlush && f.phase != Phase::kCopy) {
+      SINEW_THROW(InvalidArgument, "fault '", text, "': corrupt fires only in phase flush or copy");
     }
     if ((f.phase == Phase::kFlush || f.phase == Phase::kReplication) &&
         f.kind == Fault::Kind::kMute) {
@@ -254,7 +254,7 @@ void FailureInjector::fireSlow(int worker, int64_t step, Phase phase, Coordinato
 int FailureInjector::corruptDue(int worker, int64_t step, const std::string& dir) {
   int damaged = 0;
   for (Fault& f : faults_) {
-    if (f.kind != Fault::Kind::kCorrupt || f.fired || f.step != step ||
+    if (f.kind != Fault::Kind::kCorrupt || f.phase != Phase::kFlush || f.fired || f.step != step ||
         (f.worker >= 0 && f.worker != worker)) {
       continue;
     }
@@ -275,6 +275,22 @@ int FailureInjector::corruptDue(int worker, int64_t step, const std::string& dir
                  worker, damaged, static_cast<long long>(step), dir.c_str());
   }
   return damaged;
+}
+
+bool FailureInjector::copyCorruptionDue(int worker, int64_t step) {
+  for (Fault& f : faults_) {
+    if (f.kind != Fault::Kind::kCorrupt || f.phase != Phase::kCopy || step < f.step ||
+        (f.worker >= 0 && f.worker != worker)) {
+      continue;
+    }
+    std::lock_guard<std::mutex> lock(*firedMu_);
+    if (f.fired) continue;
+    f.fired = true;
+    std::fprintf(stderr, "sinew inject: worker %d damages the layer copy it sends at step %lld\n",
+                 worker, static_cast<long long>(step));
+    return true;
+  }
+  return false;
 }
 
 }  // namespace runtime

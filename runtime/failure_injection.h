@@ -12,8 +12,12 @@
 //                                           flush, the only one it takes)
 //   corrupt:worker=0:step=19                once version 19 is written, 8 bytes near the end
 //                                           of each of its shard files are overwritten, as
-//                                           bit rot would (phase flush, the only one it takes):
-//                                           a restore must notice and fall back
+//                                           bit rot would (phase flush, the default for
+//                                           corrupt): a restore must notice and fall back
+//   corrupt:worker=0:step=10:phase=copy     in the first layer copy this worker sends at or
+//                                           after step 10, the first tensor goes with its first
+//                                           8 bytes overwritten (its own state stays intact):
+//                                           the receiver must notice and the copy be tried again
 // worker is the launch rank (or `*` for every worker); phase is one of forward, backward,
 // reduce, after-reduce, optimizer, snapshot, replication, recovery, reconfiguration, copy, flush
 // (default forward). forward to optimizer fire at exactly `step`; the others fire at the first
@@ -94,10 +98,17 @@ class FailureInjector {
     if (faults_.empty()) return 0;
     return corruptDue(worker, step, dir);
   }
+  // In a layer copy this worker sends while the job resumes at `step`: whether a corrupt
+  // fault of phase copy is due (once).
+  bool damageCopy(int worker, int64_t step) {
+    if (faults_.empty()) return false;
+    return copyCorruptionDue(worker, step);
+  }
 
  private:
   void fireSlow(int worker, int64_t step, Phase phase, CoordinatorClient* client);
   int corruptDue(int worker, int64_t step, const std::string& dir);
+  bool copyCorruptionDue(int worker, int64_t step);
   std::vector<Fault> faults_;
   // Guards Fault::fired: several replication threads (one per kept peer-RAM generation) may
   // fire phase replication at once. Shared so that the injector stays copyable.

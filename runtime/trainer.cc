@@ -827,6 +827,17 @@ class Trainer::Impl {
         // Superseded while building: the next epoch is already on its way.
       } catch (const IoError&) {
         client_.requestRebuild(info.epoch);
+      } catch (const Corruption& e) {
+        // A layer copy arrived damaged (its crc32c disagreed with the sender's, or its
+        // manifest was malformed): nothing of it was adopted; the same members try the epoch
+        // again and copy it anew. Other corruption (every restore source damaged) ends the
+        // worker as before.
+        if (!copyDamaged_) throw;
+        copyDamaged_ = false;
+        event({{"event", "copy_damaged"}, {"epoch", info.epoch}, {"reason", e.what()}});
+        std::fprintf(stderr, "sinew: worker %d: %s; trying the epoch again\n", ctx_.worker(),
+                     e.what());
+        client_.requestRebuild(info.epoch);
       }
       dropCommunicator();
       waitFrom = info.epoch;
@@ -1204,6 +1215,15 @@ class Trainer::Impl {
     }
     // Phase 2: the tensors, in manifest order.
     ops.clear();
+    if (!outgoing.empty() && state_.injector.damageCopy(self, resumeApplied + 1)) {
+      // Failure injection (corrupt, phase copy): the first tensor goes out with its first
+      // bytes overwritten, from a copy (its own state stays intact).
+      at::Tensor& t = outgoing.begin()->second.front();
+      at::Tensor damaged = t.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true).contiguous();
+      const char bad[8] = {'\xde', '\xad', '\xbe', '\xef', '\xde', '\xad', '\xbe', '\xef'};
+      std::memcpy(damaged.data_ptr(), bad, std::min<size_t>(sizeof bad, damaged.nbytes()));
+      t = damaged.to(t.device());
+    }
     for (const auto& [c, tensors] : outgoing) {
       for (const auto& t : tensors) {
         ops.push_back(collectives::P2POp::send(t, rankIn(copies[c].to), kTagLayerState));
@@ -1228,6 +1248,7 @@ class Trainer::Impl {
       for (const auto& np : params) {
         const int64_t flags = a[i];
         if (flags < 0 || flags > (kHasAdam | kHasMaxSq | kHasMomentum)) {
+          copyDamaged_ = true;
           SINEW_THROW(Corruption, "worker ", self, " received a malformed manifest of layer '",
                       layerName, "' from worker ", k.from);
         }
@@ -1279,6 +1300,7 @@ class Trainer::Impl {
       }
       const uint32_t actual = checksum(got);
       if (actual != crc) {
+        copyDamaged_ = true;
         SINEW_THROW(Corruption, "layer '", spec_.layers[copies[c].layer].name,
                     "' copied from worker ", copies[c].from, " to worker ", self, " in epoch ",
                     comm_->epoch(), " arrived damaged: crc32c ", actual, ", the sender's ", crc);
@@ -2782,6 +2804,9 @@ class Trainer::Impl {
   std::unique_ptr<collectives::Communicator> comm_;
   std::vector<GradGroup> groups_;  // Pipeline mode; guarded by commMu_ like comm_.
   bool pipelineMode_ = false;
+  // Set by relayoutLayers just before it throws Corruption for a damaged copy (recoverInto
+  // tries the epoch again for those, and no other corruption).
+  bool copyDamaged_ = false;
   at::Device device_{at::kCPU};  // Where this worker's layers live (TrainerOptions::device).
   std::string backend_;          // The current epoch's transfers: "gloo" or "nccl".
   std::string backendWhy_;       // Why, as last reported.

@@ -526,7 +526,19 @@ TEST(FailureInjectionTest, CorruptDamagesTheShardFilesOfItsVersionOnce) {
   EXPECT_EQ(read("step-00000029/shard-w0.safetensors"), std::string(256, 'a'));
   EXPECT_EQ(read("step-00000019/manifest.json"), "{}");
   EXPECT_EQ(inj.afterFlush(0, 19, root), 0);  // once
+  EXPECT_FALSE(inj.damageCopy(0, 19));        // a flush fault damages no copy
   sinew::testing::removeTree(root);
+}
+
+// corrupt in phase copy: the first copy a worker sends at or after the step, once; never a
+// file.
+TEST(FailureInjectionTest, CorruptInPhaseCopyDamagesOneCopyOnce) {
+  auto inj = FailureInjector::parse("corrupt:worker=2:step=10:phase=copy");
+  EXPECT_FALSE(inj.damageCopy(1, 12));  // another worker
+  EXPECT_FALSE(inj.damageCopy(2, 9));   // before its step
+  EXPECT_EQ(inj.afterFlush(2, 10, "/nonexistent"), 0);
+  EXPECT_TRUE(inj.damageCopy(2, 11));   // the first at or after it
+  EXPECT_FALSE(inj.damageCopy(2, 11));  // once
 }
 
 TEST(FailureInjectionTest, MalformedSpecsNameWhatIsWrong) {
