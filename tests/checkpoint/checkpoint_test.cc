@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <fstream>
 #include <future>
+#include <mutex>
 #include <set>
 #include <thread>
 
@@ -49,6 +50,7 @@ namespace {
 using sinew::testing::removeTree;
 using sinew::testing::tempDir;
 using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
 
 // Values that use every bit pattern a dtype allows, so a copy that converts or truncates
 // anything shows up.
@@ -317,6 +319,67 @@ TEST(SnapshotTest, MemoryStaysFlatOverAThousandCheckpointsWithReplication) {
   EXPECT_EQ(last->workers, (std::vector<int>{0, 1}));
   EXPECT_TRUE(CheckpointEngine::commitRecordIn(*store, "sinew/ckpt", 998).has_value());
   EXPECT_EQ(CheckpointEngine::committedIn(*store, "sinew/ckpt"), 999);
+}
+
+// Replication yields to training traffic (DESIGN.md section 5; the trainer brackets its
+// stages' transfers and collectives with the engine's TrafficGate): while worker 0 has a
+// transfer in flight, no chunk of its replica goes out; the first goes once the transfer ends.
+// And a gate that never opens delays each chunk by at most maxYield, so the version still
+// commits.
+TEST(EngineTest, ReplicationYieldsToTrainingTraffic) {
+  ShardState state = makeState(4, 256, 1);  // about 2 MiB: 9 chunks of 256 KiB
+  for (auto maxYield : {std::chrono::milliseconds(5000), std::chrono::milliseconds(60)}) {
+    SCOPED_TRACE("maxYield " + std::to_string(maxYield.count()) + " ms");
+    const bool opens = maxYield.count() > 1000;
+    auto store = std::make_shared<collectives::HashStore>();
+    std::mutex mu;
+    std::vector<Clock::time_point> sent;  // worker 0's chunks, as each went out
+    CheckpointEngineOptions a, b;
+    a.self = 0;
+    b.self = 1;
+    a.workers = b.workers = {0, 1};
+    a.store = b.store = store;
+    a.token = b.token = sinew::testing::kTestToken;
+    a.client.chunkBytes = b.client.chunkBytes = 256 << 10;
+    a.maxYield = b.maxYield = maxYield;
+    a.client.afterChunk = [&](int64_t) {
+      std::lock_guard<std::mutex> lock(mu);
+      sent.push_back(Clock::now());
+    };
+    CheckpointEngine e0(state, a);
+    CheckpointEngine e1(state, b);
+    e0.trafficGate().enter();  // a stage's send, say
+    const auto entered = Clock::now();
+    e0.waitBeforeUpdate();
+    e1.waitBeforeUpdate();
+    e0.snapshot(0, state);
+    e1.snapshot(0, state);
+    Clock::time_point opened = Clock::time_point::max();
+    if (opens) {
+      std::this_thread::sleep_for(400ms);
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        EXPECT_TRUE(sent.empty()) << sent.size() << " chunks went out during the transfer";
+      }
+      opened = Clock::now();
+      e0.trafficGate().exit();
+    }
+    EXPECT_EQ(e0.waitCommitted(0, 20s), 0);
+    std::lock_guard<std::mutex> lock(mu);
+    const size_t total = e0.arena().layout().totalBytes;
+    const size_t chunks = (total + (256 << 10) - 1) / (256 << 10);
+    ASSERT_EQ(sent.size(), chunks);
+    if (opens) {
+      EXPECT_GE(sent.front(), opened);
+    } else {
+      // Each chunk waited out maxYield first (the gate never opened), and no longer.
+      EXPECT_GE(sent.back() - entered, static_cast<int>(chunks) * maxYield);
+      EXPECT_LT(sent.back() - entered, static_cast<int>(chunks) * maxYield + 5s);
+      e0.trafficGate().exit();
+    }
+    e0.waitBeforeUpdate();
+    e1.waitBeforeUpdate();
+  }
 }
 
 TEST(EngineTest, AFailedFlushReachesTheWaiterAsIoError) {
