@@ -17,7 +17,8 @@
 //      job is stopped (SIGKILL of its sinew-run process group) and started again on the same
 //      checkpoint folder: the time from the kill to the restarted job's first completed step.
 //  Throughput: samples/s of job (a) after the recovery (median of its progress reports)
-//  against before the kill.
+//  against before the kill; and of (d), the job of (a) losing two workers at once, one in each
+//  of two pipelines (workers 1 and 3), after its reconfiguration against before.
 //
 // Last line: RESULT recovery_s=<a> ram_restore_s=<b> restart_s=<c> recovery_speedup=<c/a>
 //            throughput_after_1_loss=<after/before>
@@ -289,14 +290,24 @@ int main(int argc, char** argv) {
     Measured a = killAndRecover("reconfigure", 6, {}, {2}, steps, killStep, " copied from worker");
     Measured b = killAndRecover("rollback", 8, {"--profile", fourStageProfile()}, {0, 5}, steps,
                                 killStep, " restored from ");
+    Measured d =
+        killAndRecover("reconfigure-2", 6, {}, {1, 3}, steps, killStep, " copied from worker");
     const double c = restartFromDisk(steps, killStep);
     std::printf("time from SIGKILL to the next completed step (train_pp, %d steps, kill at %d)\n",
                 steps, killStep);
     std::printf("  (a) reconfiguration, 6 workers, 1 killed:          %8.3f s\n", a.seconds);
     std::printf("  (b) rollback from peer RAM, 8 workers, 2 killed:   %8.3f s\n", b.seconds);
     std::printf("  (c) stop and restart from disk, 6 workers:         %8.3f s\n", c);
+    std::printf("  (d) reconfiguration, 6 workers, 2 killed (two pipelines): %8.3f s\n", d.seconds);
     std::printf("throughput of (a): %.1f samples/s before, %.1f after (5 of 6 workers)\n", a.before,
                 a.after);
+    std::printf("throughput of (d): %.1f samples/s before, %.1f after (4 of 6 workers)\n", d.before,
+                d.after);
+    std::printf(
+        "throughput after losing k of 6 workers, relative to before: k=1 %.3f (goal >= %.3f), k=2 "
+        "%.3f (goal >= %.3f)\n",
+        a.before > 0 ? a.after / a.before : 0, 5.0 / 6, d.before > 0 ? d.after / d.before : 0,
+        4.0 / 6);
     std::printf(
         "RESULT recovery_s=%.3f ram_restore_s=%.3f restart_s=%.3f recovery_speedup=%.1f "
         "throughput_after_1_loss=%.3f\n",
