@@ -999,8 +999,9 @@ void Coordinator::Impl::onPipeline(int worker, const json& body) {
 
 // Plans the job's templates from a pipeline request, for `nodes` nodes (-1: this epoch's
 // members' nodes) up to the workers the job may grow to (max_workers). A coordinator taking
-// over plans them again from the request its predecessor persisted: the planner is
-// deterministic, so every later epoch's plan is the one the predecessor would have made.
+// over plans them again from the request its predecessor persisted (the planner is
+// deterministic, so they are the predecessor's templates) and reconfigures the predecessor's
+// last plan, which it persisted too (pipelinePlan).
 std::string Coordinator::Impl::planPipelines(const json& body, int nodes) {
   try {
     profile_ = pipeline::parseProfileJson(body.at("profile").get<std::string>());
@@ -1101,6 +1102,9 @@ std::string Coordinator::Impl::stateJson() const {
   if (pipelineJob_) {
     st["pipeline"] = pipelineRequest_;
     st["pipeline_nodes"] = pipelineNodes_;
+    // The epoch's plan, which the next one starts from (pipelinePlan): a new leader
+    // reconfigures it for the members that rejoin it.
+    if (plan_) st["plan"] = json::parse(pipeline::planToJson(*plan_));
   }
   return st.dump();
 }
@@ -1163,6 +1167,13 @@ void Coordinator::Impl::restoreState(const std::string& text) {
         st.at("pipeline"), static_cast<int>(jsonInt(jsonField(st, "pipeline_nodes", what),
                                                     "pipeline_nodes", 1, 1 << 20)));
     if (!error.empty()) SINEW_THROW(InvalidArgument, what, ": its pipeline request: ", error);
+    if (st.contains("plan")) {
+      try {
+        plan_ = pipeline::planFromJson(st.at("plan").dump());
+      } catch (const Error& e) {
+        SINEW_THROW(InvalidArgument, what, ": its plan: ", e.what());
+      }
+    }
   }
   if (epoch_ < 0) {
     // The predecessor had not formed the first epoch: start the job afresh (its workers
@@ -1229,10 +1240,12 @@ void Coordinator::Impl::formTakeoverEpoch(const std::string& why) {
 // node: with more, a loss renumbers the nodes after it), the plan is that plan reconfigured
 // from the templates (pipeline::reconfigure, docs/pipeline.md section 5): pipelines that lost
 // no node keep their nodes and layers; one that lost some shrinks to a smaller template,
-// takes idle nodes, borrows from the largest pipeline or merges with another. Otherwise (the
-// first epoch, joins, a new leader, a reconfiguration that must re-plan every survivor) the
-// templates are instantiated for all of them (pipeline::makePlan). The same nodes as the last
-// epoch's keep its plan.
+// takes idle nodes, borrows from the largest pipeline or merges with another, and if none of
+// that applies all survivors are re-planned ("replan"). Otherwise (the first epoch, joins,
+// several devices per node) the templates are instantiated for all of them
+// (pipeline::makePlan; after the first epoch with fewer than f + 1 pipelines if the nodes
+// cannot hold them). The same nodes as the last epoch's keep its plan. A new leader starts
+// from its predecessor's last plan (persisted with the job's state).
 Coordinator::Impl::EpochPlan Coordinator::Impl::pipelinePlan() const {
   const int G = profile_.job.devices_per_node;
   const int nodes = static_cast<int>(members_.size()) / G;
@@ -1256,18 +1269,33 @@ Coordinator::Impl::EpochPlan Coordinator::Impl::pipelinePlan() const {
     } else if (onlyLosses) {
       try {
         pipeline::Reconfiguration r = pipeline::reconfigure(templates_, *plan_, lost);
-        if (r.kind != pipeline::ReconfigurationKind::kReplan) {
-          out.plan = std::move(r.plan);
-          out.how = pipeline::reconfigurationKindName(r.kind);
-          out.steps = std::move(r.steps);
-        }
-      } catch (const Error&) {
+        out.plan = std::move(r.plan);
+        out.how = pipeline::reconfigurationKindName(r.kind);
+        out.steps = std::move(r.steps);
+      } catch (const InvalidArgument&) {
         // Too few survivors for the templates: makePlan says so below, in its own words.
       }
     }
   }
   if (out.how.empty()) {
-    out.plan = pipeline::makePlan(templates_, nodeIds, planOptions_);
+    // After the first epoch, with fewer pipelines than f + 1 if the nodes cannot hold that
+    // many (as pipeline::reconfigure's re-plan and its borrows and merges may leave the job):
+    // training goes on with every node it has.
+    pipeline::PlanOptions options = planOptions_;
+    while (true) {
+      try {
+        out.plan = pipeline::makePlan(templates_, nodeIds, options);
+        break;
+      } catch (const InvalidArgument& e) {
+        if (!plan_ || options.fault_tolerance == 0) throw;
+        options.fault_tolerance--;
+        out.steps.push_back(std::string("no plan of ") +
+                            std::to_string(options.fault_tolerance + 2) +
+                            " pipelines for these nodes (" + e.what() + "): trying " +
+                            std::to_string(options.fault_tolerance + 1));
+      }
+    }
+    out.plan.faultTolerance = planOptions_.fault_tolerance;  // keep aiming for f + 1
     out.how = "instantiated";
   }
   out.plan.epoch = epoch_;

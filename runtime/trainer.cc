@@ -1167,7 +1167,7 @@ class Trainer::Impl {
     // every member knows alike: the measured profile is not on every member (a joiner has
     // none, and in that test neither had worker 1), and members that weighed
     // the copies differently would post unmatched messages and wait for them until the epoch's
-    // deadline (seen in PipelineRecoveryTest.AJoinedWorkerGetsAStage).
+    // deadline (seen in PipelineJoinTest.AJoinedWorkerGetsAStage).
     std::vector<std::vector<int>> holders(plan.numLayers);
     for (int l = 0; l < plan.numLayers; ++l) {
       for (const auto& [w, h] : held) {

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "../support.h"
+#include "sinew/pipeline/plan.h"
 #include "sinew/runtime/coordinator.h"
 #include "sinew/runtime/coordinator_client.h"
 
@@ -295,6 +296,81 @@ TEST(HaCoordinatorTest, AMemberThatRejoinsTooLateIsExpelledWithTheReason) {
     EXPECT_NE(std::string(x.what()).find("reconnected too late"), std::string::npos) << x.what();
   }
   EXPECT_EQ(second.status().dead, std::vector<int>{1});
+}
+
+// A pipeline job's new leader starts from its predecessor's last plan (persisted with the
+// job's state): when a member does not rejoin, the pipelines that did not hold it keep their
+// nodes and layers, and the one that did is reconfigured (docs/pipeline.md section 5). Before,
+// the new leader instantiated the templates anew for the members that rejoined.
+TEST(HaCoordinatorTest, ANewLeaderReconfiguresThePipelinePlanItTookOver) {
+  FakeEtcd etcd;
+  LogSink sinkB;
+  auto first = std::make_unique<Coordinator>(options(3, etcd, nullptr));
+  etcd.setLeader(*first, 1);
+  std::atomic<bool> cBlind{false};
+  auto a = client(etcd, 0);
+  auto b = client(etcd, 1);
+  auto c = client(etcd, 2, &cBlind);
+  for (auto* w : {a.get(), b.get(), c.get()}) ASSERT_EQ(w->waitEpochAfter(-1, 5s).epoch, 0);
+  // Six equal layers, any of which fits one node: templates for 1 to 3 nodes, and f = 1
+  // needs two pipelines.
+  std::string profile = R"({"version": 1, "microbatch_size": 1, "job": {"devices_per_node": 1,
+    "device_memory_bytes": 100000000, "inter_stage_gbps": 10.0,
+    "allreduce": {"algorithm": "ring", "bandwidth_gbps": 100.0, "latency_us": 1.0}},
+    "layers": [)";
+  for (int l = 0; l < 6; ++l) {
+    profile += (l ? ", " : "") + std::string(R"({"name": "layer)") + std::to_string(l) +
+               R"(", "forward_ms": 1.0, "backward_ms": 2.0, "param_bytes": 1000,
+      "optimizer_bytes": 0, "activation_bytes": 100, "output_bytes": 100})";
+  }
+  profile += "]}";
+  a->requestPipelines(0, profile, 1, 6);
+  EpochInfo e1 = a->waitEpochAfter(0, 5s);
+  ASSERT_EQ(e1.epoch, 1);
+  ASSERT_FALSE(e1.plan.empty());
+  const pipeline::Plan before = pipeline::planFromJson(e1.plan);
+  ASSERT_GE(before.pipelines.size(), 2u);
+  b->waitEpochAfter(0, 5s);
+  c->waitEpochAfter(0, 5s);
+  ASSERT_NE(json::parse(etcd.stored()).value("plan", json()), json()) << "no plan stored";
+
+  // The leader goes, and worker 2 never comes back.
+  cBlind = true;
+  first.reset();
+  CoordinatorOptions ob = options(3, etcd, &sinkB);
+  ob.takeoverState = etcd.stored();
+  ob.takeoverWait = 500ms;
+  Coordinator second(ob);
+  etcd.setLeader(second, 2);
+  EpochInfo e2 = a->waitEpochAfter(1, 10s);
+  EXPECT_EQ(e2.members, (std::vector<int>{0, 1}));
+  ASSERT_FALSE(e2.plan.empty());
+  const pipeline::Plan after = pipeline::planFromJson(e2.plan);
+  EXPECT_TRUE(sinkB.contains("lost node 2")) << "the new leader did not reconfigure the plan";
+  // Every pipeline without node 2 is the same pipeline, on the same workers, with the same
+  // layers.
+  int kept = 0;
+  for (const auto& p : before.pipelines) {
+    if (std::find(p.nodeIds.begin(), p.nodeIds.end(), 2) != p.nodeIds.end()) continue;
+    bool found = false;
+    for (const auto& q : after.pipelines) found = found || q.nodeIds == p.nodeIds;
+    EXPECT_TRUE(found) << "a pipeline that did not hold node 2 changed";
+    ++kept;
+  }
+  EXPECT_GT(kept, 0);
+  auto layersOf = [](const pipeline::Plan& plan, int worker) {
+    for (const auto& w : plan.workers) {
+      if (w.worker == worker) return std::make_pair(w.firstLayer, w.endLayer);
+    }
+    return std::make_pair(-1, -1);
+  };
+  for (const auto& p : before.pipelines) {
+    if (std::find(p.nodeIds.begin(), p.nodeIds.end(), 2) != p.nodeIds.end()) continue;
+    for (int node : p.nodeIds) {
+      EXPECT_EQ(layersOf(after, node), layersOf(before, node)) << "worker " << node;
+    }
+  }
+  cBlind = false;
 }
 
 }  // namespace

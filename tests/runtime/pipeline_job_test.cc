@@ -671,7 +671,7 @@ TEST(PipelineRecoveryTest, KillDuringALayerCopy) {
 // members try the epoch again with the same plan and copy anew, no other worker is lost, and
 // the job ends equal to the reference. Before, the receiver's Corruption ended it, and the
 // job lost it too.
-TEST(PipelineRecoveryTest, ADamagedLayerCopyIsCopiedAgain) {
+TEST(PipelineCopyTest, ADamagedLayerCopyIsCopiedAgain) {
   JobRun run = trainPp("pp-copy-damaged", 6, {"--memory-bytes", kBudget, "--steps", "30"},
                        "kill:worker=2:step=10:phase=forward;corrupt:worker=*:step=10:phase=copy");
   SCOPED_TRACE(run.output);
@@ -714,7 +714,7 @@ TEST(PipelineRecoveryTest, StoppedReplicaPeerCostsOnlyItself) {
 // (TrainerOptions::maxWorkers), so at the next step boundary the 7 workers are instantiated
 // from the templates anew: the joiner gets its layers, with their optimizer state, copied from
 // live workers, no node is idle, and every worker ends equal to the reference.
-TEST(PipelineRecoveryTest, AJoinedWorkerGetsAStage) {
+TEST(PipelineJoinTest, AJoinedWorkerGetsAStage) {
   const std::string dir = logDir("pp-join");
   std::filesystem::remove_all(dir);  // A repeated run must not read the last coordinator.json.
   // Slowed steps keep the job running while the joiner starts.
@@ -744,8 +744,15 @@ TEST(PipelineRecoveryTest, AJoinedWorkerGetsAStage) {
   EXPECT_EQ(std::accumulate(first.begin(), first.end(), 0), 6) << "the first plan";
   // Who holds what after each plan (the join's among them: seven nodes, none idle), and at the
   // end: the six launched workers and the joiner, every one a stage.
+  // The first plan and the join's are instantiated from the templates; an epoch built again
+  // with the same members (a connection that timed out) keeps its plan.
   const std::vector<std::string> hows = expectEachPlanHeld(dir);
-  EXPECT_EQ(hows, (std::vector<std::string>{"instantiated", "instantiated"}));
+  EXPECT_EQ(std::count(hows.begin(), hows.end(), "instantiated"), 2);
+  EXPECT_EQ(std::count(hows.begin(), hows.end(), "instantiated") +
+                std::count(hows.begin(), hows.end(), "unchanged"),
+            static_cast<std::ptrdiff_t>(hows.size()));
+  ASSERT_FALSE(hows.empty());
+  EXPECT_EQ(hows.front(), "instantiated");
   std::vector<WorkerLine> lines = workerLines(run.output + joined.output);
   expectStagesHoldOnlyTheirLayers(lines, 7);
   bool joinerHolds = false;
