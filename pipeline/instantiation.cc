@@ -237,6 +237,18 @@ Plan makePlan(const TemplateSet& templates, const std::vector<int>& node_ids,
   return plan;
 }
 
+Plan makePlanLoweringFaultTolerance(const TemplateSet& templates, const std::vector<int>& node_ids,
+                                    PlanOptions options) {
+  while (true) {
+    try {
+      return makePlan(templates, node_ids, options);
+    } catch (const InvalidArgument&) {
+      if (options.fault_tolerance <= 0) throw;
+      options.fault_tolerance--;
+    }
+  }
+}
+
 std::vector<WorkerAssignment> workerAssignments(const TemplateSet& templates, const Plan& plan) {
   std::vector<WorkerAssignment> workers;
   int64_t firstMicrobatch = 0;

@@ -72,6 +72,12 @@ Instantiation instantiate(const TemplateSet& templates, int nodes, const PlanOpt
 Plan makePlan(const TemplateSet& templates, const std::vector<int>& node_ids,
               const PlanOptions& options);
 
+// makePlan with as many of options.fault_tolerance + 1 pipelines as the nodes can hold: while
+// makePlan finds no plan (too few nodes, or gaps in the template sizes), f is lowered by one.
+// The plan's faultTolerance is the f it was made with. Throws as makePlan does at f = 0.
+Plan makePlanLoweringFaultTolerance(const TemplateSet& templates, const std::vector<int>& node_ids,
+                                    PlanOptions options);
+
 // Every worker of the plan, by pipeline, then stage, then device (Plan::workers): pipeline p
 // runs the global batch's microbatches after those of pipelines 0..p-1, every stage of it the
 // same ones; worker ids stay -1. Throws

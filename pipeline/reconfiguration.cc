@@ -33,16 +33,9 @@ Plan replan(const TemplateSet& templates, const std::vector<int>& survivors, con
                 " surviving nodes cannot hold the model (n_min = ", templates.min_nodes,
                 "); restore from a checkpoint on more nodes");
   }
-  int f = std::min(current.faultTolerance, n / templates.min_nodes - 1);
-  for (; f >= 0; --f) {
-    try {
-      return makePlan(templates, survivors, {f, current.microbatchesPerStep});
-    } catch (const InvalidArgument&) {
-      // Gaps in the template sizes can leave no combination with f + 1 pipelines; try fewer.
-      if (f == 0) throw;
-    }
-  }
-  SINEW_THROW(InvalidArgument, "reconfigure: no plan for ", n, " nodes");
+  // Gaps in the template sizes can leave no combination with f + 1 pipelines: fewer then.
+  const int f = std::min(current.faultTolerance, n / templates.min_nodes - 1);
+  return makePlanLoweringFaultTolerance(templates, survivors, {f, current.microbatchesPerStep});
 }
 
 }  // namespace

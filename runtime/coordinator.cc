@@ -1281,19 +1281,12 @@ Coordinator::Impl::EpochPlan Coordinator::Impl::pipelinePlan() const {
     // After the first epoch, with fewer pipelines than f + 1 if the nodes cannot hold that
     // many (as pipeline::reconfigure's re-plan and its borrows and merges may leave the job):
     // training goes on with every node it has.
-    pipeline::PlanOptions options = planOptions_;
-    while (true) {
-      try {
-        out.plan = pipeline::makePlan(templates_, nodeIds, options);
-        break;
-      } catch (const InvalidArgument& e) {
-        if (!plan_ || options.fault_tolerance == 0) throw;
-        options.fault_tolerance--;
-        out.steps.push_back(std::string("no plan of ") +
-                            std::to_string(options.fault_tolerance + 2) +
-                            " pipelines for these nodes (" + e.what() + "): trying " +
-                            std::to_string(options.fault_tolerance + 1));
-      }
+    out.plan = plan_ ? pipeline::makePlanLoweringFaultTolerance(templates_, nodeIds, planOptions_)
+                     : pipeline::makePlan(templates_, nodeIds, planOptions_);
+    if (out.plan.faultTolerance < planOptions_.fault_tolerance) {
+      out.steps.push_back("no plan of " + std::to_string(planOptions_.fault_tolerance + 1) +
+                          " pipelines for these nodes: " +
+                          std::to_string(out.plan.faultTolerance + 1) + " instead");
     }
     out.plan.faultTolerance = planOptions_.fault_tolerance;  // keep aiming for f + 1
     out.how = "instantiated";

@@ -268,7 +268,7 @@ int FailureInjector::corruptDue(int worker, int64_t step, const std::string& dir
       if (ec || size < 8) continue;
       std::fstream file(e.path(), std::ios::in | std::ios::out | std::ios::binary);
       file.seekp(static_cast<std::streamoff>(size - std::min<uintmax_t>(size, 64)));
-      file.write("\xde\xad\xbe\xef\xde\xad\xbe\xef", 8);
+      file.write(kDamageBytes, sizeof kDamageBytes);
       damaged += file.good() ? 1 : 0;
     }
     std::fprintf(stderr, "sinew inject: worker %d corrupted %d file(s) of checkpoint %lld in %s\n",

@@ -48,6 +48,10 @@ namespace runtime {
 
 class CoordinatorClient;
 
+// What a corrupt fault writes over the bytes it damages (a shard file's, a layer copy's).
+inline constexpr char kDamageBytes[8] = {'\xde', '\xad', '\xbe', '\xef',
+                                         '\xde', '\xad', '\xbe', '\xef'};
+
 enum class Phase {
   kForward,
   kBackward,

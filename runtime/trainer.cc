@@ -1220,8 +1220,8 @@ class Trainer::Impl {
       // bytes overwritten, from a copy (its own state stays intact).
       at::Tensor& t = outgoing.begin()->second.front();
       at::Tensor damaged = t.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true).contiguous();
-      const char bad[8] = {'\xde', '\xad', '\xbe', '\xef', '\xde', '\xad', '\xbe', '\xef'};
-      std::memcpy(damaged.data_ptr(), bad, std::min<size_t>(sizeof bad, damaged.nbytes()));
+      std::memcpy(damaged.data_ptr(), runtime::kDamageBytes,
+                  std::min<size_t>(sizeof runtime::kDamageBytes, damaged.nbytes()));
       t = damaged.to(t.device());
     }
     for (const auto& [c, tensors] : outgoing) {
