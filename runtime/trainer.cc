@@ -1553,6 +1553,7 @@ class Trainer::Impl {
     // thread that waits for it, not handed over by Gloo's loop thread (docs/collectives.md).
     collectives::CommunicatorOptions worldOptions = options(info.members, "pp");
     worldOptions.p2pLanes = true;
+    worldOptions.laneSocketBufferBytes = o_.laneSocketBufferBytes;
     auto comm = makeCommunicator(store, std::move(worldOptions));
     {
       std::lock_guard<std::mutex> lock(commMu_);

@@ -35,13 +35,17 @@
 //     median run's, the others the medians of the five. A reconfiguration's copies are the first
 //     bulk transfer on the new epoch's connections, so the largest copy is also compared with raw
 //     TCP's first transfer of its bytes on a new connection (the "fresh" ratio, the median of
-//     the runs'; rawTcpFreshSeconds).
+//     the runs'; rawTcpFreshSeconds). The job's lanes have 4 MiB socket buffers
+//     (TrainerOptions::laneSocketBufferBytes); before each of its runs the same job runs with
+//     the kernel's autotuned buffers (--lane-socket-buffer 0), whose largest-copy ratio, the
+//     median of the five, is the "autotuned lanes" baseline.
 //
 // Last line: RESULT pp_iter_vs_model=<measured/predicted> p2p_ratio_vs_tcp=<r> pp_vs_dp=<x>
 //            peer_ram_step_ratio=<with/without> pp_iter_vs_model_with_peer_ram=<r>
 //            layer_copy_ratio_vs_tcp=<r> layer_copy_all_ratio_vs_tcp=<r>
 //            layer_copy_concurrent_ratio_vs_tcp=<r> chunked_exchange_ratio_vs_tcp=<r>
 //            chunked_exchange_concurrent_ratio_vs_tcp=<r> layer_copy_ratio_vs_fresh_tcp=<r>
+//            layer_copy_ratio_vs_tcp_autotuned_lanes=<r>
 
 #include <ftw.h>
 #include <sys/stat.h>
@@ -89,6 +93,9 @@ constexpr int kRounds = 20;
 // three runs of one build, so one run's ratio decided the median of three; five since
 // 2026-11-27.
 constexpr int kCopyRuns = 5;
+// The lane buffers of the job's world communicator (TrainerOptions::laneSocketBufferBytes's
+// default), given to the bench's own communicators too.
+constexpr int kLaneSocketBufferBytes = 4 << 20;
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -314,6 +321,7 @@ double sinewSeconds(int64_t bytes = kBytes, size_t chunkBytes = 0,
     o.self = self;
     o.name = "bench";
     o.p2pLanes = true;  // As the job's world communicator, which the stages and copies use.
+    o.laneSocketBufferBytes = kLaneSocketBufferBytes;  // And its buffers.
     auto comm = sinew::collectives::createGlooCommunicator(store, o);
     using sinew::collectives::P2POp;
     at::Tensor t = at::ones({bytes / 8}, at::kDouble);
@@ -530,17 +538,29 @@ int main(int argc, char** argv) {
     double concurrentChunkedS = 0;
   };
   std::vector<CopyRun> copies;
-  for (int i = 0; i < kCopyRuns; ++i) {
-    CopyRun r;
-    r.job =
-        runJob("copy",
-               {"--width", "256", "--blocks", "4", "--memory-bytes", "25000000", "--global-batch",
-                "8", "--microbatch", "2", "--float32", "--peer-checkpoint-every", "0"},
-               10, 6, "kill:worker=2:step=4");
-    if (r.job.copiedBytes <= 0 || r.job.copySeconds <= 0) {
+  // The baseline, in turn with them: the same job with the kernel's autotuned buffers on the
+  // lanes (--lane-socket-buffer 0), the largest copy against raw TCP measured right after it.
+  std::vector<double> autotunedRatios;
+  auto copyJob = [](const std::string& laneBuffer) {
+    JobStats job = runJob(
+        "copy",
+        {"--width", "256", "--blocks", "4", "--memory-bytes", "25000000", "--global-batch", "8",
+         "--microbatch", "2", "--float32", "--peer-checkpoint-every", "0", "--lane-socket-buffer",
+         laneBuffer},
+        10, 6, "kill:worker=2:step=4");
+    if (job.copiedBytes <= 0 || job.copySeconds <= 0) {
       throw std::runtime_error("the copy job moved no layers between live workers; its plans:" +
-                               r.job.plans);
+                               job.plans);
     }
+    return job;
+  };
+  for (int i = 0; i < kCopyRuns; ++i) {
+    {
+      JobStats base = copyJob("0");
+      autotunedRatios.push_back(rawTcpSeconds(base.copiedBytes) / base.copySeconds);
+    }
+    CopyRun r;
+    r.job = copyJob(std::to_string(kLaneSocketBufferBytes));
     r.tcpS = rawTcpSeconds(r.job.copiedBytes);
     r.ratio = r.tcpS / r.job.copySeconds;
     r.freshTcpS = rawTcpFreshSeconds(r.job.copiedBytes);
@@ -563,6 +583,23 @@ int main(int argc, char** argv) {
     concurrentRatios.push_back(r.concurrentRatio);
     concurrentChunkedRatios.push_back(r.concurrentTcpS / r.concurrentChunkedS);
   }
+  // Each run in order: how many workers received copies, their bytes, and the times behind
+  // the largest copy's ratios (the spread between runs is this machine's, which the lines let
+  // one see).
+  for (size_t i = 0; i < copies.size(); ++i) {
+    const CopyRun& r = copies[i];
+    std::string each;
+    for (int64_t b : r.job.epochCopies) {
+      char buf[32];
+      std::snprintf(buf, sizeof buf, "%s%.1f", each.empty() ? "" : "+", b / 1048576.0);
+      each += buf;
+    }
+    std::printf(
+        "  copy run %zu: %zu receivers (%s MiB), largest copy %.3f ms, raw TCP %.3f ms, new "
+        "connection %.3f ms: ratio %.3f\n",
+        i + 1, r.job.epochCopies.size(), each.c_str(), r.job.copySeconds * 1e3, r.tcpS * 1e3,
+        r.freshTcpS * 1e3, r.ratio);
+  }
   const double freshRatio = median(freshRatios);
   const double allRatio = median(allRatios);
   const double concurrentRatio = median(concurrentRatios);
@@ -578,6 +615,8 @@ int main(int argc, char** argv) {
   std::printf("layer copy in a reconfiguration (6 workers, width 256, worker 2 killed), %d runs\n",
               kCopyRuns);
   std::printf("  largest copy / raw TCP  %s\n", listed(largestRatios).c_str());
+  std::printf("  the same with autotuned lane buffers (--lane-socket-buffer 0)  %s (in run order)\n",
+              listed(autotunedRatios).c_str());
   std::printf("  largest copy / raw TCP's first transfer on a new connection  %s (in run order)\n",
               listed(freshRatios).c_str());
   std::printf("  all receivers / raw TCP  %s (in run order)\n", listed(allRatios).c_str());
@@ -612,8 +651,8 @@ int main(int argc, char** argv) {
       "pp_iter_vs_model_with_peer_ram=%.3f layer_copy_ratio_vs_tcp=%.3f "
       "layer_copy_all_ratio_vs_tcp=%.3f layer_copy_concurrent_ratio_vs_tcp=%.3f "
       "chunked_exchange_ratio_vs_tcp=%.3f chunked_exchange_concurrent_ratio_vs_tcp=%.3f "
-      "layer_copy_ratio_vs_fresh_tcp=%.3f\n",
+      "layer_copy_ratio_vs_fresh_tcp=%.3f layer_copy_ratio_vs_tcp_autotuned_lanes=%.3f\n",
       iterRatio, tcp / sinew, ppVsDp, peerRatio, ratio(pp), mid.ratio, allRatio, concurrentRatio,
-      copyTcp / copyChunked, concurrentChunkedRatio, freshRatio);
+      copyTcp / copyChunked, concurrentChunkedRatio, freshRatio, median(autotunedRatios));
   return 0;
 }

@@ -660,7 +660,8 @@ void GlooCommunicator::connect(const std::shared_ptr<Store>& store) {
       auto lanes = std::make_unique<Lanes>(
           *prefixed, rank_, size(), options_.hostname, epoch(), deadline, describe(),
           [this](int r) { return workerOf(r); },
-          [this] { return failed_.load(std::memory_order_acquire); });
+          [this] { return failed_.load(std::memory_order_acquire); },
+          options_.laneSocketBufferBytes);
       std::lock_guard<std::mutex> lock(mu_);
       lanes_ = std::move(lanes);
     } catch (...) {

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <sstream>
@@ -137,6 +138,29 @@ void setNoDelay(int fd) {
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &on, sizeof(on));
 }
 
+// A number read from a /proc/sys file; 0 if it cannot be read.
+int64_t sysctlValue(const char* path) {
+  int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  char buf[32] = {};
+  ssize_t n = ::read(fd, buf, sizeof(buf) - 1);
+  ::close(fd);
+  if (n <= 0) return 0;
+  return std::strtoll(buf, nullptr, 10);
+}
+
+// Gives a socket kernel buffers of `bytes` each way (Lanes::usableSocketBufferBytes), before
+// it listens or connects: the window scale is agreed in the handshake, and accepted sockets
+// take the listener's sizes.
+void sizeBuffers(int fd, int bytes, const std::string& what) {
+  if (bytes <= 0) return;
+  if (::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes)) != 0 ||
+      ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof(bytes)) != 0) {
+    SINEW_THROW(IoError, what, ": sizing a lane's socket buffers to ", bytes, " bytes: ",
+                errnoText("setsockopt"));
+  }
+}
+
 struct Resolved {
   sockaddr_storage addr{};
   socklen_t len = 0;
@@ -217,10 +241,19 @@ const char* laneFrameTypeName(uint8_t type) {
   return nullptr;
 }
 
+int Lanes::usableSocketBufferBytes(int requested) {
+  if (requested <= 0) return 0;
+  static const int64_t rmemMax = sysctlValue("/proc/sys/net/core/rmem_max");
+  static const int64_t wmemMax = sysctlValue("/proc/sys/net/core/wmem_max");
+  return rmemMax >= requested && wmemMax >= requested ? requested : 0;
+}
+
 Lanes::Lanes(Store& store, int rank, int size, const std::string& host, int64_t epoch,
              Clock::time_point deadline, const std::string& describe,
-             const std::function<int(int)>& workerOf, const std::function<bool()>& cancelled)
+             const std::function<int(int)>& workerOf, const std::function<bool()>& cancelled,
+             int socketBufferBytes)
     : send_(size, -1), recv_(size, -1) {
+  const int buffers = usableSocketBufferBytes(socketBufferBytes);
   auto peerName = [&](int r) {
     std::ostringstream os;
     os << describe << ": lane to worker " << workerOf(r) << " (rank " << r << ")";
@@ -238,6 +271,7 @@ Lanes::Lanes(Store& store, int rank, int size, const std::string& host, int64_t 
     Resolved self = resolve(host, 0, describe + ": lanes");
     Fd listener(::socket(self.family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
     if (listener.get() < 0) SINEW_THROW(IoError, describe, ": lanes: ", errnoText("socket"));
+    sizeBuffers(listener.get(), buffers, describe);
     if (::bind(listener.get(), reinterpret_cast<sockaddr*>(&self.addr), self.len) != 0 ||
         ::listen(listener.get(), SOMAXCONN) != 0) {
       SINEW_THROW(IoError, describe, ": lanes: cannot listen on ", host, ": ",
@@ -289,6 +323,7 @@ Lanes::Lanes(Store& store, int rank, int size, const std::string& host, int64_t 
       for (int dir = 0; dir < 2; ++dir) {  // 0: this rank sends on it, 1: it receives
         Fd s(::socket(addr.family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
         if (s.get() < 0) SINEW_THROW(IoError, what, ": ", errnoText("socket"));
+        sizeBuffers(s.get(), buffers, what);
         if (::connect(s.get(), reinterpret_cast<sockaddr*>(&addr.addr), addr.len) != 0 &&
             errno != EINPROGRESS) {
           SINEW_THROW(IoError, what, ": connecting to ", e.host, ":", e.port, ": ",

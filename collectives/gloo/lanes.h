@@ -41,9 +41,15 @@ class Lanes {
   // own key, so a store that gives up when its epoch is over can do so. Throws Timeout (a
   // member did not appear or connect in time), IoError (a socket call failed) naming the peer,
   // Aborted (cancelled), or what the store throws.
+  //
+  // `socketBufferBytes` > 0 gives every lane socket kernel buffers of that size each way
+  // (SO_SNDBUF, SO_RCVBUF) where the system allows it (usableSocketBufferBytes), so that a new
+  // connection carries bulk bytes at full speed at once instead of after the kernel's
+  // autotuning has grown its buffers; 0 leaves the autotuning.
   Lanes(Store& store, int rank, int size, const std::string& host, int64_t epoch,
         Clock::time_point deadline, const std::string& describe,
-        const std::function<int(int)>& workerOf, const std::function<bool()>& cancelled = {});
+        const std::function<int(int)>& workerOf, const std::function<bool()>& cancelled = {},
+        int socketBufferBytes = 0);
   ~Lanes();
   Lanes(const Lanes&) = delete;
   Lanes& operator=(const Lanes&) = delete;
@@ -52,6 +58,12 @@ class Lanes {
   // `peer` on and receives from it on. One connection per direction: a socket that both ends
   // write at once makes each end's writes wait for the socket's lock while the other's
   // segments are processed (measured: 1 MiB exchanges took 1.5-2x longer on one connection).
+  // The buffer size the lanes set for a request of `requested` bytes: the request where
+  // net.core.rmem_max and net.core.wmem_max are at least that much, else 0 (the kernel's
+  // autotuning stays: below those limits an explicit size would cap the window lower than
+  // autotuning grows it, and a size above them is cut down to them).
+  static int usableSocketBufferBytes(int requested);
+
   int sendFd(int peer) const { return send_.at(peer); }
   int recvFd(int peer) const { return recv_.at(peer); }
   // Readable once wake() was called; never drained (a woken communicator is dead).

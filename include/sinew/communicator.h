@@ -63,6 +63,13 @@ struct CommunicatorOptions {
   // were sent: a receive that would have to skip an earlier message of the same peer fails
   // with InvalidArgument. Two-member communicators open lanes for allreduce either way.
   bool p2pLanes = false;
+  // Gloo backend: the kernel buffers of every lane socket, each way (docs/collectives.md,
+  // "Socket buffers"), set where net.core.rmem_max and wmem_max allow that size; 0 (the
+  // default), or a system that does not allow it, leaves the kernel's autotuning. Sized
+  // buffers let a new connection carry bulk bytes at full speed from its first byte, as the
+  // runtime's layer copies on each epoch's new lanes need (TrainerOptions); the two-member
+  // allreduce is measured faster with autotuned ones.
+  int laneSocketBufferBytes = 0;
 };
 
 // One transfer of Communicator::exchange().

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <sstream>
@@ -956,6 +957,72 @@ TEST(LanesTest, RefusesStrangersAndConnectsTheMembers) {
   ASSERT_EQ(::poll(&p, 1, 5000), 1);
   ASSERT_EQ(::recv(a->recvFd(1), &got, 1, 0), 1);
   EXPECT_EQ(got, pong);
+}
+
+// A /proc/sys number, read here independently of the library; 0 if unreadable.
+int64_t sysctlNumber(const char* path) {
+  std::ifstream in(path);
+  int64_t v = 0;
+  return in >> v ? v : 0;
+}
+
+// Lane sockets get kernel buffers of the size asked for where net.core.rmem_max and wmem_max
+// allow it (Linux reports twice the size set), and keep the kernel's own sizes otherwise: a
+// request above those limits leaves them exactly as a request of 0 does.
+TEST(LanesTest, SocketBuffersAreSizedWhereTheSystemAllows) {
+  const int64_t rmemMax = sysctlNumber("/proc/sys/net/core/rmem_max");
+  const int64_t wmemMax = sysctlNumber("/proc/sys/net/core/wmem_max");
+  auto workerOf = [](int r) { return kWorkerBase + r; };
+  struct Sizes {
+    int rcv[2], snd[2];  // by rank: SO_RCVBUF of its receiving lane, SO_SNDBUF of its sending one
+  };
+  auto connect = [&](int bytes) {
+    HashStore store;
+    std::unique_ptr<Lanes> lanes[2];
+    std::thread t[2];
+    for (int r = 0; r < 2; ++r) {
+      t[r] = std::thread([&, r] {
+        lanes[r] = std::make_unique<Lanes>(store, r, 2, "127.0.0.1", 1,
+                                           std::chrono::steady_clock::now() + 20s, "test", workerOf,
+                                           std::function<bool()>(), bytes);
+      });
+    }
+    for (auto& th : t) th.join();
+    Sizes s{};
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_TRUE(lanes[r]) << "rank " << r << " did not connect";
+      if (!lanes[r]) continue;
+      socklen_t len = sizeof(int);
+      ::getsockopt(lanes[r]->recvFd(1 - r), SOL_SOCKET, SO_RCVBUF, &s.rcv[r], &len);
+      len = sizeof(int);
+      ::getsockopt(lanes[r]->sendFd(1 - r), SOL_SOCKET, SO_SNDBUF, &s.snd[r], &len);
+    }
+    return s;
+  };
+  const Sizes kernel = connect(0);
+  const int want = 1 << 20;
+  const Sizes sized = connect(want);
+  for (int r = 0; r < 2; ++r) {
+    if (rmemMax >= want && wmemMax >= want) {
+      EXPECT_EQ(Lanes::usableSocketBufferBytes(want), want);
+      EXPECT_EQ(sized.rcv[r], 2 * want) << "rank " << r;
+      EXPECT_EQ(sized.snd[r], 2 * want) << "rank " << r;
+    } else {
+      EXPECT_EQ(Lanes::usableSocketBufferBytes(want), 0);
+      EXPECT_EQ(sized.rcv[r], kernel.rcv[r]) << "rank " << r;
+      EXPECT_EQ(sized.snd[r], kernel.snd[r]) << "rank " << r;
+    }
+  }
+  // Above the limits (which Linux would cut the request down to): left to the kernel.
+  const int64_t above = std::max(rmemMax, wmemMax) + 1;
+  ASSERT_LT(above, int64_t{1} << 30);
+  EXPECT_EQ(Lanes::usableSocketBufferBytes(static_cast<int>(above)), 0);
+  const Sizes tooBig = connect(static_cast<int>(above));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(tooBig.rcv[r], kernel.rcv[r]) << "rank " << r;
+    EXPECT_EQ(tooBig.snd[r], kernel.snd[r]) << "rank " << r;
+    EXPECT_NE(kernel.rcv[r], 2 * want) << "rank " << r;
+  }
 }
 
 // abort() from another thread ends a blocked recv with Aborted within 100 ms, and the
