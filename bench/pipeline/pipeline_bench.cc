@@ -542,12 +542,11 @@ int main(int argc, char** argv) {
   // lanes (--lane-socket-buffer 0), the largest copy against raw TCP measured right after it.
   std::vector<double> autotunedRatios;
   auto copyJob = [](const std::string& laneBuffer) {
-    JobStats job = runJob(
-        "copy",
-        {"--width", "256", "--blocks", "4", "--memory-bytes", "25000000", "--global-batch", "8",
-         "--microbatch", "2", "--float32", "--peer-checkpoint-every", "0", "--lane-socket-buffer",
-         laneBuffer},
-        10, 6, "kill:worker=2:step=4");
+    JobStats job = runJob("copy",
+                          {"--width", "256", "--blocks", "4", "--memory-bytes", "25000000",
+                           "--global-batch", "8", "--microbatch", "2", "--float32",
+                           "--peer-checkpoint-every", "0", "--lane-socket-buffer", laneBuffer},
+                          10, 6, "kill:worker=2:step=4");
     if (job.copiedBytes <= 0 || job.copySeconds <= 0) {
       throw std::runtime_error("the copy job moved no layers between live workers; its plans:" +
                                job.plans);
@@ -615,8 +614,9 @@ int main(int argc, char** argv) {
   std::printf("layer copy in a reconfiguration (6 workers, width 256, worker 2 killed), %d runs\n",
               kCopyRuns);
   std::printf("  largest copy / raw TCP  %s\n", listed(largestRatios).c_str());
-  std::printf("  the same with autotuned lane buffers (--lane-socket-buffer 0)  %s (in run order)\n",
-              listed(autotunedRatios).c_str());
+  std::printf(
+      "  the same with autotuned lane buffers (--lane-socket-buffer 0)  %s (in run order)\n",
+      listed(autotunedRatios).c_str());
   std::printf("  largest copy / raw TCP's first transfer on a new connection  %s (in run order)\n",
               listed(freshRatios).c_str());
   std::printf("  all receivers / raw TCP  %s (in run order)\n", listed(allRatios).c_str());

@@ -156,8 +156,8 @@ void sizeBuffers(int fd, int bytes, const std::string& what) {
   if (bytes <= 0) return;
   if (::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes)) != 0 ||
       ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof(bytes)) != 0) {
-    SINEW_THROW(IoError, what, ": sizing a lane's socket buffers to ", bytes, " bytes: ",
-                errnoText("setsockopt"));
+    SINEW_THROW(IoError, what, ": sizing a lane's socket buffers to ", bytes,
+                " bytes: ", errnoText("setsockopt"));
   }
 }
 
