@@ -330,6 +330,12 @@ class Trainer::Impl {
         SINEW_THROW(InvalidArgument, "TrainerOptions::maxWorkers = ", o_.maxWorkers,
                     " must be in [0, 2^20] (0: SINEW_MAX_WORKERS, else twice the start)");
       }
+      if (o_.laneSocketBufferBytes < 0 ||
+          o_.laneSocketBufferBytes > collectives::kMaxLaneSocketBufferBytes) {
+        SINEW_THROW(InvalidArgument,
+                    "TrainerOptions::laneSocketBufferBytes = ", o_.laneSocketBufferBytes,
+                    " must be in [0, 2^30] (0: the kernel's autotuning)");
+      }
       if (o_.peerCheckpointEvery < 0 || o_.replicas < 1) {
         SINEW_THROW(InvalidArgument,
                     "TrainerOptions::peerCheckpointEvery = ", o_.peerCheckpointEvery,

@@ -11,7 +11,6 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <sstream>
@@ -19,6 +18,7 @@
 #include "sinew/collectives/detail/little_endian.h"
 #include "sinew/collectives/error.h"
 #include "sinew/collectives/transport/frame.h"
+#include "sinew/communicator.h"
 
 namespace sinew {
 namespace collectives {
@@ -138,26 +138,17 @@ void setNoDelay(int fd) {
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &on, sizeof(on));
 }
 
-// A number read from a /proc/sys file; 0 if it cannot be read.
-int64_t sysctlValue(const char* path) {
-  int fd = ::open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return 0;
-  char buf[32] = {};
-  ssize_t n = ::read(fd, buf, sizeof(buf) - 1);
-  ::close(fd);
-  if (n <= 0) return 0;
-  return std::strtoll(buf, nullptr, 10);
-}
-
 // Gives a socket kernel buffers of `bytes` each way (Lanes::usableSocketBufferBytes), before
 // it listens or connects: the window scale is agreed in the handshake, and accepted sockets
 // take the listener's sizes.
 void sizeBuffers(int fd, int bytes, const std::string& what) {
   if (bytes <= 0) return;
-  if (::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes)) != 0 ||
-      ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof(bytes)) != 0) {
-    SINEW_THROW(IoError, what, ": sizing a lane's socket buffers to ", bytes,
-                " bytes: ", errnoText("setsockopt"));
+  for (int option : {SO_SNDBUF, SO_RCVBUF}) {
+    if (::setsockopt(fd, SOL_SOCKET, option, &bytes, sizeof(bytes)) != 0) {
+      SINEW_THROW(IoError, what, ": sizing a lane socket's ",
+                  option == SO_SNDBUF ? "send" : "receive", " buffer to ", bytes,
+                  " bytes: ", errnoText("setsockopt"));
+    }
   }
 }
 
@@ -242,10 +233,22 @@ const char* laneFrameTypeName(uint8_t type) {
 }
 
 int Lanes::usableSocketBufferBytes(int requested) {
-  if (requested <= 0) return 0;
-  static const int64_t rmemMax = sysctlValue("/proc/sys/net/core/rmem_max");
-  static const int64_t wmemMax = sysctlValue("/proc/sys/net/core/wmem_max");
-  return rmemMax >= requested && wmemMax >= requested ? requested : 0;
+  if (requested <= 0 || requested > kMaxLaneSocketBufferBytes) return 0;
+  // Asks the kernel itself on a scratch socket, not /proc/sys/net/core/{r,w}mem_max: a
+  // container's network namespace may not show those files (before Linux 6.11), while the
+  // limits still apply. Linux reports twice the size set, or twice the limit it was cut to.
+  Fd probe(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (probe.get() < 0) return 0;
+  for (int option : {SO_SNDBUF, SO_RCVBUF}) {
+    int got = 0;
+    socklen_t len = sizeof(got);
+    if (::setsockopt(probe.get(), SOL_SOCKET, option, &requested, sizeof(requested)) != 0 ||
+        ::getsockopt(probe.get(), SOL_SOCKET, option, &got, &len) != 0 ||
+        int64_t{got} < 2 * int64_t{requested}) {
+      return 0;
+    }
+  }
+  return requested;
 }
 
 Lanes::Lanes(Store& store, int rank, int size, const std::string& host, int64_t epoch,
@@ -271,7 +274,7 @@ Lanes::Lanes(Store& store, int rank, int size, const std::string& host, int64_t 
     Resolved self = resolve(host, 0, describe + ": lanes");
     Fd listener(::socket(self.family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
     if (listener.get() < 0) SINEW_THROW(IoError, describe, ": lanes: ", errnoText("socket"));
-    sizeBuffers(listener.get(), buffers, describe);
+    sizeBuffers(listener.get(), buffers, describe + ": lanes");
     if (::bind(listener.get(), reinterpret_cast<sockaddr*>(&self.addr), self.len) != 0 ||
         ::listen(listener.get(), SOMAXCONN) != 0) {
       SINEW_THROW(IoError, describe, ": lanes: cannot listen on ", host, ": ",

@@ -54,16 +54,18 @@ class Lanes {
   Lanes(const Lanes&) = delete;
   Lanes& operator=(const Lanes&) = delete;
 
+  // The buffer size the lanes set for a request of `requested` bytes: the request where the
+  // kernel grants it whole each way (net.core.rmem_max and wmem_max are at least that much;
+  // asked of the kernel on a scratch socket), else 0, and the kernel's autotuning stays:
+  // where those limits are below the request, it would be cut down to them, capping the
+  // window below what autotuning reaches. 0 also for a request above
+  // kMaxLaneSocketBufferBytes.
+  static int usableSocketBufferBytes(int requested);
+
   // The connected, non-blocking sockets (close-on-exec, TCP_NODELAY) this rank sends to
   // `peer` on and receives from it on. One connection per direction: a socket that both ends
   // write at once makes each end's writes wait for the socket's lock while the other's
   // segments are processed (measured: 1 MiB exchanges took 1.5-2x longer on one connection).
-  // The buffer size the lanes set for a request of `requested` bytes: the request where
-  // net.core.rmem_max and net.core.wmem_max are at least that much, else 0 (the kernel's
-  // autotuning stays: below those limits an explicit size would cap the window lower than
-  // autotuning grows it, and a size above them is cut down to them).
-  static int usableSocketBufferBytes(int requested);
-
   int sendFd(int peer) const { return send_.at(peer); }
   int recvFd(int peer) const { return recv_.at(peer); }
   // Readable once wake() was called; never drained (a woken communicator is dead).

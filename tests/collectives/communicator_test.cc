@@ -968,7 +968,8 @@ int64_t sysctlNumber(const char* path) {
 
 // Lane sockets get kernel buffers of the size asked for where net.core.rmem_max and wmem_max
 // allow it (Linux reports twice the size set), and keep the kernel's own sizes otherwise: a
-// request above those limits leaves them exactly as a request of 0 does.
+// request above those limits leaves them exactly as a request of 0 does. 96 KiB is below a
+// stock kernel's limits (208 KiB), so the sized case runs there too.
 TEST(LanesTest, SocketBuffersAreSizedWhereTheSystemAllows) {
   const int64_t rmemMax = sysctlNumber("/proc/sys/net/core/rmem_max");
   const int64_t wmemMax = sysctlNumber("/proc/sys/net/core/wmem_max");
@@ -976,7 +977,7 @@ TEST(LanesTest, SocketBuffersAreSizedWhereTheSystemAllows) {
   struct Sizes {
     int rcv[2], snd[2];  // by rank: SO_RCVBUF of its receiving lane, SO_SNDBUF of its sending one
   };
-  auto connect = [&](int bytes) {
+  auto connectPair = [&](int bytes) {
     HashStore store;
     std::unique_ptr<Lanes> lanes[2];
     std::thread t[2];
@@ -999,29 +1000,38 @@ TEST(LanesTest, SocketBuffersAreSizedWhereTheSystemAllows) {
     }
     return s;
   };
-  const Sizes kernel = connect(0);
-  const int want = 1 << 20;
-  const Sizes sized = connect(want);
+  const Sizes kernel = connectPair(0);
+  const int want = 96 << 10;
+  const Sizes sized = connectPair(want);
+  // Where /proc does not show the limits (a container's network namespace), the probe of the
+  // kernel decides, and the sizes must agree with it.
+  const bool allowed = rmemMax > 0 && wmemMax > 0 ? rmemMax >= want && wmemMax >= want
+                                                  : Lanes::usableSocketBufferBytes(want) == want;
+  EXPECT_EQ(Lanes::usableSocketBufferBytes(want), allowed ? want : 0);
   for (int r = 0; r < 2; ++r) {
-    if (rmemMax >= want && wmemMax >= want) {
-      EXPECT_EQ(Lanes::usableSocketBufferBytes(want), want);
+    if (allowed) {
       EXPECT_EQ(sized.rcv[r], 2 * want) << "rank " << r;
       EXPECT_EQ(sized.snd[r], 2 * want) << "rank " << r;
+      EXPECT_NE(kernel.rcv[r], 2 * want) << "rank " << r << ": the kernel's own size is the "
+                                         << "one asked for; the test cannot tell them apart";
     } else {
-      EXPECT_EQ(Lanes::usableSocketBufferBytes(want), 0);
       EXPECT_EQ(sized.rcv[r], kernel.rcv[r]) << "rank " << r;
       EXPECT_EQ(sized.snd[r], kernel.snd[r]) << "rank " << r;
     }
   }
+  EXPECT_EQ(Lanes::usableSocketBufferBytes(-1), 0);
+  EXPECT_EQ(Lanes::usableSocketBufferBytes(kMaxLaneSocketBufferBytes + 1), 0);
   // Above the limits (which Linux would cut the request down to): left to the kernel.
   const int64_t above = std::max(rmemMax, wmemMax) + 1;
-  ASSERT_LT(above, int64_t{1} << 30);
+  if (rmemMax <= 0 || wmemMax <= 0 || above > kMaxLaneSocketBufferBytes) {
+    GTEST_SKIP() << "the limits are not readable in /proc or are above "
+                 << kMaxLaneSocketBufferBytes << " bytes: no request above them to try";
+  }
   EXPECT_EQ(Lanes::usableSocketBufferBytes(static_cast<int>(above)), 0);
-  const Sizes tooBig = connect(static_cast<int>(above));
+  const Sizes tooBig = connectPair(static_cast<int>(above));
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(tooBig.rcv[r], kernel.rcv[r]) << "rank " << r;
     EXPECT_EQ(tooBig.snd[r], kernel.snd[r]) << "rank " << r;
-    EXPECT_NE(kernel.rcv[r], 2 * want) << "rank " << r;
   }
 }
 

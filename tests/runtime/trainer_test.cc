@@ -111,5 +111,24 @@ TEST(TrainerTest, DevicesPerNodeIsCheckedBeforeAnyProfiling) {
   EXPECT_NO_THROW(Trainer(*ctx, tinyModel(), o));
 }
 
+// The lanes' socket buffers: in [0, 2^30], checked when the trainer is made.
+TEST(TrainerTest, LaneSocketBufferBytesOutOfRangeIsRefused) {
+  auto ctx = init(nullptr, nullptr);
+  for (int bytes : {-1, (1 << 30) + 1}) {
+    TrainerOptions o = tinyOptions();
+    o.parallelism = Parallelism::kPipeline;
+    o.laneSocketBufferBytes = bytes;
+    try {
+      Trainer trainer(*ctx, tinyModel(), o);
+      ADD_FAILURE() << "accepted laneSocketBufferBytes = " << bytes;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("TrainerOptions::laneSocketBufferBytes = " +
+                                           std::to_string(bytes) + " must be in [0, 2^30]"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace sinew
