@@ -40,6 +40,7 @@
 #include <string>
 
 #include "example_support.h"
+#include "sinew/communicator.h"
 #include "sinew/trainer.h"
 
 namespace {
@@ -95,7 +96,8 @@ Args parse(int argc, char** argv) {
     } else if (s == "--peer-checkpoint-every") {
       a.peerCheckpointEvery = static_cast<int>(r.integer(sinew_example::kMaxInt));
     } else if (s == "--lane-socket-buffer") {
-      a.laneSocketBuffer = static_cast<int>(r.integer(1 << 30));
+      a.laneSocketBuffer =
+          static_cast<int>(r.integer(sinew::collectives::kMaxLaneSocketBufferBytes));
     } else if (s == "--replicas") {
       a.replicas = static_cast<int>(r.integer(64));
     } else if (s == "--max-workers") {

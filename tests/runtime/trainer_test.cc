@@ -87,24 +87,29 @@ TEST(TrainerTest, BadOptionsAreInvalidArgumentsNamingTheOption) {
   EXPECT_THROW(Trainer(*ctx, noLayers, tinyOptions()), InvalidArgument);
 }
 
+// Making a trainer with `o` throws InvalidArgument whose message contains `says`.
+void expectRefused(Context& ctx, const TrainerOptions& o, const std::string& says) {
+  try {
+    Trainer trainer(ctx, tinyModel(), o);
+    ADD_FAILURE() << "accepted options that should fail with: " << says;
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+  }
+}
+
 // A measured profile's node size: in [1, 4096], and no wider than a microbatch (a stage as
 // wide as a node gives each of its workers a share of every microbatch).
 TEST(TrainerTest, DevicesPerNodeIsCheckedBeforeAnyProfiling) {
   auto ctx = init(nullptr, nullptr);
-  auto expectRefused = [&](int g, const std::string& says) {
+  auto refused = [&](int g, const std::string& says) {
     TrainerOptions o = tinyOptions();
     o.parallelism = Parallelism::kPipeline;
     o.devicesPerNode = g;
-    try {
-      Trainer trainer(*ctx, tinyModel(), o);
-      ADD_FAILURE() << "accepted devicesPerNode = " << g;
-    } catch (const InvalidArgument& e) {
-      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
-    }
+    expectRefused(*ctx, o, says);
   };
-  expectRefused(0, "TrainerOptions::devicesPerNode = 0 must be in [1, 4096]");
-  expectRefused(5000, "TrainerOptions::devicesPerNode = 5000 must be in [1, 4096]");
-  expectRefused(3, "TrainerOptions::devicesPerNode = 3 is more than microbatch = 2");
+  refused(0, "TrainerOptions::devicesPerNode = 0 must be in [1, 4096]");
+  refused(5000, "TrainerOptions::devicesPerNode = 5000 must be in [1, 4096]");
+  refused(3, "TrainerOptions::devicesPerNode = 3 is more than microbatch = 2");
   TrainerOptions o = tinyOptions();
   o.parallelism = Parallelism::kPipeline;
   o.devicesPerNode = 2;
@@ -118,15 +123,9 @@ TEST(TrainerTest, LaneSocketBufferBytesOutOfRangeIsRefused) {
     TrainerOptions o = tinyOptions();
     o.parallelism = Parallelism::kPipeline;
     o.laneSocketBufferBytes = bytes;
-    try {
-      Trainer trainer(*ctx, tinyModel(), o);
-      ADD_FAILURE() << "accepted laneSocketBufferBytes = " << bytes;
-    } catch (const InvalidArgument& e) {
-      EXPECT_NE(std::string(e.what()).find("TrainerOptions::laneSocketBufferBytes = " +
-                                           std::to_string(bytes) + " must be in [0, 2^30]"),
-                std::string::npos)
-          << e.what();
-    }
+    expectRefused(*ctx, o,
+                  "TrainerOptions::laneSocketBufferBytes = " + std::to_string(bytes) +
+                      " must be in [0, 2^30]");
   }
 }
 
