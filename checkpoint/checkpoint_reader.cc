@@ -5,8 +5,8 @@
 
 #include <algorithm>
 
+#include "sinew/base/error.h"
 #include "sinew/checkpoint/persist.h"
-#include "sinew/collectives/error.h"
 
 namespace sinew {
 

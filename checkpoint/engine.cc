@@ -8,8 +8,8 @@
 
 #include <cstdio>
 
-#include "sinew/collectives/detail/parse.h"
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
+#include "sinew/base/parse.h"
 
 namespace sinew {
 namespace checkpoint {

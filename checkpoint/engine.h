@@ -1,6 +1,6 @@
 #pragma once
 
-// CheckpointEngine: one worker's part of DESIGN.md section 5, assembled from the pieces.
+// CheckpointEngine: one worker's part of docs/architecture.md section 5, assembled from the pieces.
 //
 //   snapshot(s) ─copy thread─> SnapshotArena slot ─replication thread─> peers' ReplicaService
 //        │                                              │ all m-1 peers acknowledged

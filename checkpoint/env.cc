@@ -9,7 +9,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 
 namespace sinew {
 namespace checkpoint {

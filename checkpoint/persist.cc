@@ -10,10 +10,10 @@
 #include <limits>
 #include <set>
 
-#include "sinew/checkpoint/detail/crc32c.h"
-#include "sinew/collectives/detail/little_endian.h"
-#include "sinew/collectives/detail/parse.h"
-#include "sinew/collectives/error.h"
+#include "sinew/base/crc32c.h"
+#include "sinew/base/error.h"
+#include "sinew/base/little_endian.h"
+#include "sinew/base/parse.h"
 
 namespace sinew {
 namespace checkpoint {
@@ -424,13 +424,13 @@ ShardFileRecord CheckpointWriter::writeShard(const HostShard& shard) {
   uint8_t len[8];
   uint64_t hl = header.size();
   ::sinew::detail::storeLe(len, hl, 8);
-  uint32_t crc = detail::crc32c(len, 8);
-  crc = detail::crc32cExtend(crc, header.data(), header.size());
+  uint32_t crc = ::sinew::detail::crc32c(len, 8);
+  crc = ::sinew::detail::crc32cExtend(crc, header.data(), header.size());
   file->append(len, 8);
   file->append(header.data(), header.size());
   uint64_t bytes = 8 + header.size();
   for (const auto& r : ranges) {
-    crc = detail::crc32cExtend(crc, shard.data() + r.first, r.second);
+    crc = ::sinew::detail::crc32cExtend(crc, shard.data() + r.first, r.second);
     file->append(shard.data() + r.first, r.second);
     bytes += r.second;
   }
@@ -454,10 +454,10 @@ namespace {
 void writeLatest(Env* env, const std::string& dir, int64_t step) {
   const std::string manifestText =
       env->readFile(joinPath(joinPath(dir, versionDirName(step)), kManifest));
-  json latest = {
-      {"step", step},
-      {"manifest", versionDirName(step) + "/" + kManifest},
-      {"manifest_crc32c", hex32(detail::crc32c(manifestText.data(), manifestText.size()))}};
+  json latest = {{"step", step},
+                 {"manifest", versionDirName(step) + "/" + kManifest},
+                 {"manifest_crc32c",
+                  hex32(::sinew::detail::crc32c(manifestText.data(), manifestText.size()))}};
   env->writeFileDurably(joinPath(dir, kLatest), latest.dump() + "\n");
 }
 
@@ -594,7 +594,7 @@ int64_t CheckpointReader::latestStep() const {
   const uint32_t expected =
       parseHex32(jsonField<Corruption>(j, "manifest_crc32c", what), what + " manifest_crc32c");
   const std::string manifestText = env_->readFile(manifestPath);
-  uint32_t actual = detail::crc32c(manifestText.data(), manifestText.size());
+  uint32_t actual = ::sinew::detail::crc32c(manifestText.data(), manifestText.size());
   if (actual != expected) {
     SINEW_THROW(Corruption, "checkpoint manifest ", manifestPath, ": crc32c ", hex32(actual),
                 " expected ", hex32(expected), " (from ", path, ")");
@@ -696,7 +696,7 @@ std::map<std::string, RestoredLayer> CheckpointReader::load(
                     " needs ", x.nbytes());
       }
       if (t.nbytes > 0) of.file->read(of.dataStart + t.offset, t.nbytes, x.data_ptr());
-      uint32_t actual = detail::crc32c(x.data_ptr(), t.nbytes);
+      uint32_t actual = ::sinew::detail::crc32c(x.data_ptr(), t.nbytes);
       if (actual != t.crc32c) {
         SINEW_THROW(Corruption, "checkpoint file ", path, ": layer ", layer, " tensor ", t.name,
                     " of version ", step, ": crc32c ", hex32(actual), " expected ",

@@ -1,8 +1,8 @@
 #pragma once
 
-// Durable checkpoints on disk (DESIGN.md section 5; the format is docs/checkpoint_format.md):
-// one safetensors file per shard and a JSON manifest per version in <dir>/step-<s>/, and a
-// LATEST file naming the newest durable version.
+// Durable checkpoints on disk (docs/architecture.md section 5; the format is
+// docs/checkpoint_format.md): one safetensors file per shard and a JSON manifest per version in
+// <dir>/step-<s>/, and a LATEST file naming the newest durable version.
 //
 // Writing follows LevelDB's rules: every file is written to a temp name, fsynced, renamed
 // and its folder fsynced; LATEST moves only after the version's shard files and manifest

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 
 namespace sinew {
 namespace checkpoint {

@@ -1,6 +1,7 @@
 #pragma once
 
-// ReplicaPlacement: Gemini's group placement of checkpoint replicas (DESIGN.md section 5).
+// ReplicaPlacement: Gemini's group placement of checkpoint replicas (docs/architecture.md section
+// 5).
 //
 // The nodes, in the given order, form floor(N/m) groups of m consecutive nodes; every
 // member of a group holds all of the group's shards. When m does not divide N, the last

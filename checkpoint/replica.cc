@@ -9,10 +9,10 @@
 #include <cstdlib>
 #include <future>
 
-#include "sinew/checkpoint/detail/crc32c.h"
+#include "sinew/base/crc32c.h"
+#include "sinew/base/error.h"
+#include "sinew/base/little_endian.h"
 #include "sinew/checkpoint/detail/replica_wire.h"
-#include "sinew/collectives/detail/little_endian.h"
-#include "sinew/collectives/error.h"
 #include "sinew/collectives/transport/channel.h"
 #include "sinew/collectives/transport/connection.h"
 

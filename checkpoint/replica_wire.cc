@@ -6,8 +6,8 @@
 
 #include <algorithm>
 
-#include "sinew/collectives/detail/little_endian.h"
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
+#include "sinew/base/little_endian.h"
 
 namespace sinew {
 namespace checkpoint {

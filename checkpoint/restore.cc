@@ -2,8 +2,8 @@
 
 #include <set>
 
+#include "sinew/base/error.h"
 #include "sinew/checkpoint/persist.h"
-#include "sinew/collectives/error.h"
 
 namespace sinew {
 namespace checkpoint {

@@ -1,8 +1,8 @@
 #pragma once
 
 // Restore of layers at one version from the cheapest place that has them intact
-// (DESIGN.md section 5): this process's RAM (its own snapshot and the replicas it holds),
-// then peers' RAM, then disk. Every tensor's crc32c is checked; a mismatch (or an
+// (docs/architecture.md section 5): this process's RAM (its own snapshot and the replicas it
+// holds), then peers' RAM, then disk. Every tensor's crc32c is checked; a mismatch (or an
 // unreachable peer) moves on to the next source and is reported in `fellThrough`. Layers
 // are found by name, so any number of workers can restore any plan.
 //

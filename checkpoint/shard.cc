@@ -10,9 +10,9 @@
 #include <optional>
 #include <set>
 
-#include "sinew/checkpoint/detail/crc32c.h"
-#include "sinew/collectives/detail/parse.h"
-#include "sinew/collectives/error.h"
+#include "sinew/base/crc32c.h"
+#include "sinew/base/error.h"
+#include "sinew/base/parse.h"
 
 namespace sinew {
 namespace checkpoint {
@@ -223,8 +223,8 @@ uint32_t ShardLayout::layerDigest(const std::string& layer) const {
     if (t.layer != layer) continue;
     std::string key = t.name + "|" + t.dtype + "|";
     for (auto d : t.shape) key += std::to_string(d) + ",";
-    crc = detail::crc32cExtend(crc, key.data(), key.size());
-    crc = detail::crc32cExtend(crc, &t.crc32c, sizeof(t.crc32c));
+    crc = ::sinew::detail::crc32cExtend(crc, key.data(), key.size());
+    crc = ::sinew::detail::crc32cExtend(crc, &t.crc32c, sizeof(t.crc32c));
   }
   return crc;
 }
@@ -338,7 +338,7 @@ void IncrementalVerify::advance(uint64_t receivedUpTo) {
     const uint64_t end = std::min(t.offset + t.nbytes, received_);
     const uint64_t from = t.offset + done_[i];
     if (end > from) {
-      crc_[i] = detail::crc32cExtend(crc_[i], shard_.data() + from, end - from);
+      crc_[i] = ::sinew::detail::crc32cExtend(crc_[i], shard_.data() + from, end - from);
       done_[i] = end - t.offset;
     }
     if (k == first_ && done_[i] == t.nbytes) first_++;
@@ -367,7 +367,7 @@ std::string HostShard::verify(const std::vector<std::string>& layers) const {
     if (!layers.empty() && std::find(layers.begin(), layers.end(), t.layer) == layers.end()) {
       continue;
     }
-    uint32_t actual = detail::crc32c(data_ + t.offset, t.nbytes);
+    uint32_t actual = ::sinew::detail::crc32c(data_ + t.offset, t.nbytes);
     if (actual != t.crc32c) return mismatch(*this, t, actual);
   }
   return "";

@@ -2,7 +2,7 @@
 
 // What a checkpoint holds. A worker's shard is the layers it holds (parameters and
 // optimizer state), keyed by layer name, never by rank, so any plan can restore it
-// (DESIGN.md section 5). In host memory a shard is one contiguous byte range laid out
+// (docs/architecture.md section 5). In host memory a shard is one contiguous byte range laid out
 // exactly like the data section of its safetensors file (docs/checkpoint_format.md):
 // tensors back to back in the order given, with no padding.
 //

@@ -6,8 +6,8 @@
 #include <cstring>
 #include <system_error>
 
-#include "sinew/checkpoint/detail/crc32c.h"
-#include "sinew/collectives/error.h"
+#include "sinew/base/crc32c.h"
+#include "sinew/base/error.h"
 #include "sinew/config.h"
 
 #if SINEW_WITH_NCCL
@@ -374,7 +374,7 @@ void SnapshotArena::copyHost(Job& job, size_t i) {
   for (uint64_t done = 0; done < rec.nbytes;) {
     size_t n = static_cast<size_t>(std::min<uint64_t>(options_.copyChunkBytes, rec.nbytes - done));
     std::memcpy(dst + done, src + done, n);
-    crc = detail::crc32cExtend(crc, dst + done, n);
+    crc = ::sinew::detail::crc32cExtend(crc, dst + done, n);
     done += n;
   }
   rec.crc32c = crc;
@@ -420,7 +420,7 @@ void SnapshotArena::copyOne(Job& job) {
         if (options_.beforeCopyTensor) options_.beforeCopyTensor(rec);
         checkCuda(cudaEventSynchronize(static_cast<cudaEvent_t>(tensorEvents_[i])),
                   "cudaEventSynchronize (the copy of a CUDA tensor)");
-        rec.crc32c = detail::crc32c(job.slot->data() + rec.offset, rec.nbytes);
+        rec.crc32c = ::sinew::detail::crc32c(job.slot->data() + rec.offset, rec.nbytes);
       }
     } catch (...) {
       std::lock_guard<std::mutex> lock(errorMu);

@@ -1,6 +1,7 @@
 #pragma once
 
-// SnapshotArena: the lazy snapshot of DataStates-LLM, made correct (DESIGN.md section 5).
+// SnapshotArena: the lazy snapshot of DataStates-LLM, made correct (docs/architecture.md section
+// 5).
 //
 // After the optimizer step of s the trainer calls snapshot(s, state); a background copy
 // thread copies every tensor into a preallocated host slot (and computes each tensor's

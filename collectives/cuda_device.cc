@@ -2,7 +2,7 @@
 
 #include <cstdio>
 
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 #include "sinew/config.h"
 
 #if SINEW_WITH_NCCL

@@ -11,8 +11,8 @@
 #include <mutex>
 #include <thread>
 
-#include "sinew/collectives/detail/parse.h"
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
+#include "sinew/base/parse.h"
 
 namespace sinew {
 namespace collectives {

@@ -13,7 +13,7 @@
 //
 // Thread safety: all methods are thread-safe, across threads and processes.
 
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 #include "sinew/store.h"
 
 namespace sinew {

@@ -7,7 +7,7 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 #include "sinew/store.h"
 
 namespace sinew {

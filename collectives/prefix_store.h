@@ -6,7 +6,7 @@
 
 #include <memory>
 
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 #include "sinew/store.h"
 
 namespace sinew {

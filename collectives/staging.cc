@@ -10,7 +10,7 @@
 
 #include <ATen/ATen.h>
 
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 #include "sinew/communicator.h"
 
 namespace sinew {

@@ -1,7 +1,7 @@
 // The public store factories (sinew/store.h) over the implementation classes.
 #include "sinew/store.h"
 
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 #include "sinew/collectives/file_store.h"
 #include "sinew/collectives/hash_store.h"
 #include "sinew/collectives/prefix_store.h"

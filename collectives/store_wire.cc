@@ -1,8 +1,8 @@
 // The TCP store's message payloads (collectives/detail/store_wire.h, docs/store_protocol.md).
 #include "sinew/collectives/detail/store_wire.h"
 
-#include "sinew/collectives/detail/little_endian.h"
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
+#include "sinew/base/little_endian.h"
 #include "sinew/store.h"
 
 namespace sinew {

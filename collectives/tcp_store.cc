@@ -16,7 +16,7 @@
 #include <sstream>
 #include <vector>
 
-#include "sinew/collectives/detail/little_endian.h"
+#include "sinew/base/little_endian.h"
 #include "sinew/collectives/detail/store_wire.h"
 #include "sinew/collectives/hash_store.h"
 #include "sinew/collectives/transport/channel.h"

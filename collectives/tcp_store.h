@@ -32,7 +32,7 @@
 #include <string>
 #include <thread>
 
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 #include "sinew/store.h"
 
 namespace sinew {

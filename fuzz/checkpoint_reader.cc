@@ -21,9 +21,9 @@
 
 #include "fuzz_check.h"
 #include "memory_env.h"
+#include "sinew/base/error.h"
 #include "sinew/checkpoint/persist.h"
 #include "sinew/checkpoint/restore.h"
-#include "sinew/collectives/error.h"
 
 namespace {
 

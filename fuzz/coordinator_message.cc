@@ -14,7 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "fuzz_check.h"
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 #include "sinew/runtime/detail/wire.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

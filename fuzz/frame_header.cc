@@ -15,9 +15,9 @@
 #include <string>
 
 #include "fuzz_check.h"
+#include "sinew/base/error.h"
 #include "sinew/checkpoint/detail/replica_wire.h"
 #include "sinew/collectives/detail/store_wire.h"
-#include "sinew/collectives/error.h"
 #include "sinew/collectives/transport/frame.h"
 #include "sinew/runtime/detail/wire.h"
 

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "fuzz_check.h"
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 #include "sinew/runtime/coordinator_client.h"
 #include "sinew/runtime/failure_injection.h"
 

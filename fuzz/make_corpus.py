@@ -421,3 +421,26 @@ write_corpus("control_request", {
     "stop": post("/v1/stop", '{"deadline_s": 60}'),
     "no_token": "GET /v1/status HTTP/1.1\r\n\r\n",
 })
+
+
+# --- layer_copy_manifest: a layer copy's manifest (runtime/layer_copy_manifest.h). One byte,
+# the parameter count n, then 2n + 1 little-endian int64 words: flags, step counts, crc32c.
+def layer_manifest(flags, steps, crc, n=None):
+    n = len(flags) if n is None else n
+    return bytes([n]) + struct.pack("<%dq" % (len(flags) + len(steps) + 1), *flags, *steps, crc)
+
+
+write_corpus("layer_copy_manifest", {
+    "adam_two_params": layer_manifest([1, 1], [12, 12], 0x1234ABCD),
+    "amsgrad": layer_manifest([3], [4], 0xFFFFFFFF),
+    "sgd_momentum": layer_manifest([4, 4, 0], [0, 0, 0], 7),
+    "no_state": layer_manifest([0], [0], 0),
+    "no_parameters": layer_manifest([], [], 0),
+    "bad_flags": layer_manifest([8], [0], 0),
+    "bad_adam_and_momentum": layer_manifest([5], [1], 0),
+    "bad_max_without_adam": layer_manifest([2], [0], 0),
+    "bad_negative_step": layer_manifest([1], [-1], 0),
+    "bad_step_without_adam": layer_manifest([4], [3], 0),
+    "bad_crc": layer_manifest([0], [0], 1 << 32),
+    "bad_count": layer_manifest([0, 0], [0, 0], 0, n=3),
+})

@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "sinew/base/error.h"
 #include "sinew/checkpoint/env.h"
-#include "sinew/collectives/error.h"
 
 namespace sinew {
 namespace checkpoint {

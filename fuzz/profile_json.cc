@@ -8,7 +8,7 @@
 #include <string>
 
 #include "fuzz_check.h"
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 #include "sinew/pipeline/profile.h"
 
 namespace {

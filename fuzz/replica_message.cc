@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "fuzz_check.h"
+#include "sinew/base/error.h"
 #include "sinew/checkpoint/detail/replica_wire.h"
-#include "sinew/collectives/error.h"
 
 namespace {
 constexpr uint64_t kMaxShardBytes = uint64_t{1} << 30;

@@ -21,9 +21,9 @@
 #include <vector>
 
 #include "fuzz_check.h"
-#include "sinew/checkpoint/detail/crc32c.h"
+#include "sinew/base/crc32c.h"
+#include "sinew/base/error.h"
 #include "sinew/checkpoint/shard.h"
-#include "sinew/collectives/error.h"
 
 namespace {
 // The replica service's options_.maxShardBytes in this harness; larger shards are refused
@@ -39,8 +39,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::vector<uint8_t> big(size == 0 ? 0 : (size * 37) % 40000);
     for (size_t i = 0; i < big.size(); ++i) big[i] = data[i % size] ^ static_cast<uint8_t>(i >> 12);
     const size_t off = big.empty() ? 0 : data[0] % 8 % (big.size() + 1);
-    const uint32_t fast = detail::crc32c(big.data() + off, big.size() - off);
-    const uint32_t slow = detail::crc32cPortable(0, big.data() + off, big.size() - off);
+    const uint32_t fast = ::sinew::detail::crc32c(big.data() + off, big.size() - off);
+    const uint32_t slow = ::sinew::detail::crc32cPortable(0, big.data() + off, big.size() - off);
     SINEW_FUZZ_CHECK(fast == slow, "crc32c %08x, portable %08x over %zu bytes", fast, slow,
                      big.size() - off);
   }

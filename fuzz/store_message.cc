@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "fuzz_check.h"
+#include "sinew/base/error.h"
 #include "sinew/collectives/detail/store_wire.h"
-#include "sinew/collectives/error.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   namespace sw = sinew::collectives::store_wire;

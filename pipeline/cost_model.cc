@@ -4,7 +4,7 @@
 #include <cmath>
 #include <limits>
 
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 
 namespace sinew {
 namespace pipeline {

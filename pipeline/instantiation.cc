@@ -4,7 +4,7 @@
 #include <limits>
 #include <set>
 
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 
 namespace sinew {
 namespace pipeline {

@@ -1,8 +1,8 @@
 #pragma once
 
-// Instantiation and batch split (DESIGN.md section 4): how many pipelines of each template
-// to run on the live nodes, and how many of the global batch's B microbatches each pipeline
-// runs. Both are exact (docs/planner.md, "Instantiation" and "Batch split").
+// Instantiation and batch split (docs/architecture.md section 4): how many pipelines of each
+// template to run on the live nodes, and how many of the global batch's B microbatches each
+// pipeline runs. Both are exact (docs/planner.md, "Instantiation" and "Batch split").
 //
 // The iteration time of a set of pipelines is the slowest pipeline's 1F1B time for its
 // microbatches, PipelineTemplate::iterationTicks(b); the throughput is B / iteration time. The

@@ -5,7 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 
 namespace sinew {
 namespace pipeline {

@@ -1,6 +1,6 @@
 #pragma once
 
-// The plan (DESIGN.md sections 1 and 4): which worker holds which layers and runs which
+// The plan (docs/architecture.md sections 1 and 4): which worker holds which layers and runs which
 // microbatches of each step. One type, two views of it:
 //   - pipelines on nodes, as makePlan() and reconfigure() build them from the templates
 //     (which nodes run each pipeline, its share of the global batch, idle nodes);

@@ -1,8 +1,8 @@
 #pragma once
 
 // Layer profiles: what the planner knows about a model and the machines it runs on
-// (DESIGN.md section 4). A profile is measured by pipeline/profiler.h or loaded from the JSON
-// format of docs/profile_format.md.
+// (docs/architecture.md section 4). A profile is measured by pipeline/profiler.h or loaded from the
+// JSON format of docs/profile_format.md.
 //
 // Times are kept as integer nanoseconds and sizes as integer bytes, so that the planner's cost
 // model is exact integer arithmetic and its output is the same, byte for byte, for the same

@@ -7,7 +7,7 @@
 #include <cmath>
 #include <exception>
 
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 
 namespace sinew {
 namespace pipeline {

@@ -1,7 +1,7 @@
 #pragma once
 
-// The layer profiler (DESIGN.md section 4, "Profiles"): runs each layer's forward and backward
-// on one microbatch and measures what the planner needs (sinew/pipeline/profile.h).
+// The layer profiler (docs/architecture.md section 4, "Profiles"): runs each layer's forward and
+// backward on one microbatch and measures what the planner needs (sinew/pipeline/profile.h).
 //
 // Layers are given generically, as a forward callable over at::Tensor plus the parameters it
 // trains, so the profiler does not depend on how the runtime builds models (LayerSpec). The

@@ -6,7 +6,7 @@
 #include <sstream>
 #include <utility>
 
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 
 namespace sinew {
 namespace pipeline {
@@ -231,57 +231,7 @@ Reconfiguration reconfigure(const TemplateSet& templates, const Plan& current,
     plan.workers = workerAssignments(templates, plan);
   }
   r.plan.epoch = current.epoch;
-  // 6. What each worker must fetch.
-  r.copies = layerCopies(templates, current, r.plan, lost_node_ids);
   return r;
-}
-
-std::vector<LayerCopy> layerCopies(const TemplateSet& templates, const Plan& previous,
-                                   const Plan& next, const std::vector<int>& lost_node_ids) {
-  const std::set<int> lost(lost_node_ids.begin(), lost_node_ids.end());
-  const int L = templates.num_layers;
-  std::vector<WorkerAssignment> before = workerAssignments(templates, previous);
-  std::vector<WorkerAssignment> after = workerAssignments(templates, next);
-  // Old holdings of surviving workers: by (node, device), by node, and the first holder of each
-  // layer in plan order.
-  std::map<std::pair<int, int>, std::pair<int, int>> held;
-  std::map<int, std::vector<const WorkerAssignment*>> by_node;
-  std::vector<std::pair<int, int>> first_holder(L, {-1, -1});
-  for (const WorkerAssignment& w : before) {
-    if (lost.count(w.node)) continue;
-    held[{w.node, w.device}] = {w.firstLayer, w.endLayer};
-    by_node[w.node].push_back(&w);
-    for (int l = w.firstLayer; l < w.endLayer; ++l) {
-      if (first_holder[l].first < 0) first_holder[l] = {w.node, w.device};
-    }
-  }
-  std::vector<LayerCopy> copies;
-  for (const WorkerAssignment& w : after) {
-    std::pair<int, int> had{0, 0};
-    auto it = held.find({w.node, w.device});
-    if (it != held.end()) had = it->second;
-    for (int l = w.firstLayer; l < w.endLayer; ++l) {
-      if (l >= had.first && l < had.second) continue;
-      std::pair<int, int> source = first_holder[l];
-      auto node_it = by_node.find(w.node);
-      if (node_it != by_node.end()) {
-        for (const WorkerAssignment* o : node_it->second) {
-          if (l >= o->firstLayer && l < o->endLayer) {
-            source = {o->node, o->device};
-            break;
-          }
-        }
-      }
-      if (!copies.empty() && copies.back().node_id == w.node && copies.back().device == w.device &&
-          copies.back().end_layer == l && copies.back().source_node_id == source.first &&
-          copies.back().source_device == source.second) {
-        copies.back().end_layer = l + 1;
-      } else {
-        copies.push_back({w.node, w.device, l, l + 1, source.first, source.second});
-      }
-    }
-  }
-  return copies;
 }
 
 std::vector<LiveLayerCopy> liveLayerCopies(const Plan& next,

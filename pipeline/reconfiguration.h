@@ -1,6 +1,6 @@
 #pragma once
 
-// The next plan after node losses (DESIGN.md section 4, "Reconfiguration"), as a pure
+// The next plan after node losses (docs/architecture.md section 4, "Reconfiguration"), as a pure
 // function the runtime calls with the templates computed at start. Pipelines that lost no node
 // keep their nodes and layers; an affected pipeline, in order of preference:
 //   1. shrinks: runs the template for its surviving node count on its survivors;
@@ -23,19 +23,6 @@
 namespace sinew {
 namespace pipeline {
 
-// Layers [first_layer, end_layer) that worker (node_id, device) needs and did not hold, to be
-// copied from worker (source_node_id, source_device), a survivor that held them in the old
-// plan: one on the same node if there is one, else the first in plan order. source_node_id is
-// -1 when no replica survived: the layers come from a checkpoint.
-struct LayerCopy {
-  int node_id = 0;
-  int device = 0;
-  int first_layer = 0;
-  int end_layer = 0;
-  int source_node_id = -1;
-  int source_device = -1;
-};
-
 enum class ReconfigurationKind {
   kUnchanged,  // no node of the plan was lost (or only idle ones)
   kShrink,
@@ -53,7 +40,6 @@ struct Reconfiguration {
   ReconfigurationKind kind = ReconfigurationKind::kUnchanged;
   // One line per step, for logs: e.g. "pipeline 1 lost node 7: shrinks to the 3-node template".
   std::vector<std::string> steps;
-  std::vector<LayerCopy> copies;
 };
 
 // REQUIRES: `current` was made from `templates` (makePlan or an earlier reconfigure).
@@ -62,11 +48,6 @@ struct Reconfiguration {
 // nodes).
 Reconfiguration reconfigure(const TemplateSet& templates, const Plan& current,
                             const std::vector<int>& lost_node_ids);
-
-// Layers each worker of `next` holds that it did not hold in `previous`, with sources among
-// the workers of `previous` that are not in `lost_node_ids` (see LayerCopy).
-std::vector<LayerCopy> layerCopies(const TemplateSet& templates, const Plan& previous,
-                                   const Plan& next, const std::vector<int>& lost_node_ids);
 
 // One layer copy of a running job's reconfiguration (docs/pipeline.md, "Reconfiguration, step
 // by step"): worker `to` receives layer `layer`, parameters and optimizer state, from worker

@@ -7,7 +7,7 @@
 #include <string>
 #include <utility>
 
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 
 // The algorithm and its proof of exactness are in docs/planner.md; the comments here refer to
 // its sections. Notation: L layers, G devices per node, d a stage width, S stages (uniform

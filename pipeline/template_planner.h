@@ -1,8 +1,8 @@
 #pragma once
 
-// Pipeline templates (DESIGN.md section 4, after Oobleck): for every node count n the job may
-// give one pipeline, the best way to run the model on n nodes, exact under the cost model of
-// sinew/pipeline/cost_model.h. docs/planner.md states the model, the algorithm and the proof
+// Pipeline templates (docs/architecture.md section 4, after Oobleck): for every node count n the
+// job may give one pipeline, the best way to run the model on n nodes, exact under the cost model
+// of sinew/pipeline/cost_model.h. docs/planner.md states the model, the algorithm and the proof
 // that it is exact.
 //
 // A template on n nodes is S contiguous, non-empty layer ranges (stages), each on d_s devices

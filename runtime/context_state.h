@@ -6,6 +6,7 @@
 //
 // Thread safety: as Context (sinew/init.h).
 
+#include <atomic>
 #include <memory>
 #include <string>
 
@@ -37,6 +38,8 @@ struct ContextState {
   std::unique_ptr<CoordinatorClient> client;
   std::shared_ptr<collectives::Store> store;
   uint64_t token = 0;  // The job token (peer-RAM replica services serve under it).
+  // Context::requestPreemption() was called (SIGTERM sets a process-wide flag instead).
+  std::atomic<bool> preemptionRequested{false};
   FailureInjector injector;
   // The file system the trainer's durable checkpoints go through; null: checkpoint::posixEnv().
   // A test seam (a FaultEnv that fails writes); must outlive the trainers.

@@ -7,7 +7,7 @@
 #include <cmath>
 #include <set>
 
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 
 namespace sinew {
 namespace runtime {

@@ -1,8 +1,8 @@
 #pragma once
 
-// The coordinator's HTTP control API (DESIGN.md section 7, docs/control_api.md): the routing
-// and the checking of requests, apart from the sockets (control_server.h) so that a fuzzer can
-// drive it byte by byte. Paths are versioned (/v1/...), bodies are JSON objects, answers are
+// The coordinator's HTTP control API (docs/architecture.md section 7, docs/control_api.md): the
+// routing and the checking of requests, apart from the sockets (control_server.h) so that a fuzzer
+// can drive it byte by byte. Paths are versioned (/v1/...), bodies are JSON objects, answers are
 // JSON (Prometheus text for /metrics). Every request carries the bearer token, checked from
 // the headers before the body is read.
 //

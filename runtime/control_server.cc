@@ -11,7 +11,7 @@
 #include <deque>
 #include <optional>
 
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 #include "sinew/collectives/transport/channel.h"
 
 namespace sinew {

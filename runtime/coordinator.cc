@@ -29,8 +29,8 @@
 #include <set>
 #include <thread>
 
-#include "sinew/collectives/detail/parse.h"
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
+#include "sinew/base/parse.h"
 #include "sinew/collectives/tcp_store.h"
 #include "sinew/collectives/transport/channel.h"
 #include "sinew/pipeline/instantiation.h"
@@ -50,6 +50,20 @@ using asio::ip::tcp;
 using boost::system::error_code;
 using Clock = std::chrono::steady_clock;
 using nlohmann::json;
+
+namespace {
+
+// A worker's message that breaks the protocol where it arrives (a second hello, a message
+// before hello, a type a worker may not send, ...): the session drops that connection with
+// the reason logged; the coordinator goes on.
+class ProtocolViolation : public Corruption {
+ public:
+  using Corruption::Corruption;
+};
+
+[[noreturn]] void throwViolation(const std::string& why) { throw ProtocolViolation(why); }
+
+}  // namespace
 
 namespace {
 
@@ -148,7 +162,8 @@ class Coordinator::Impl : public control::Backend, public EventFeed {
         options_.controlToken = hex;
       }
       ControlServerOptions cs;
-      // Loopback unless configured (DESIGN.md section 7), whatever the coordinator binds to.
+      // Loopback unless configured (docs/architecture.md section 7), whatever the coordinator binds
+      // to.
       if (options_.controlHost.empty()) options_.controlHost = "127.0.0.1";
       cs.host = options_.controlHost;
       cs.port = static_cast<uint16_t>(options_.controlPort);
@@ -446,6 +461,7 @@ class Coordinator::Impl : public control::Backend, public EventFeed {
   Clock::time_point recoveringSince_{};
   std::vector<double> recoverySeconds_;
   double stallSeconds_ = 0;
+  int64_t replicatedBytes_ = 0;  // Peer-RAM replica bytes the workers reported with their votes.
   // Checkpoints: a request waits for the next commit; the durable version reported last.
   bool checkpointNext_ = false;
   int64_t checkpointStep_ = -1;  // the newest step whose commit asked for a checkpoint
@@ -494,11 +510,19 @@ class Coordinator::Impl::Session : public collectives::transport::ChannelHandler
     if (closed_) return;
     try {
       owner_->onMessage(shared_from_this(), h, body);
-    } catch (const std::exception& e) {
+    } catch (const Error& e) {
+      // ProtocolViolation, or a field a handler checks itself (InvalidArgument, Corruption).
       owner_->dropped_++;
       owner_->log("dropping connection from " + describe() + ": bad " + wire::typeName(h.type) +
                   " message: " + e.what());
       owner_->onSessionClosed(shared_from_this(), std::string("protocol violation: ") + e.what());
+    } catch (const std::exception& e) {
+      // A bug in a handler: reported as such; the connection goes, the coordinator stays.
+      owner_->dropped_++;
+      owner_->log("internal error handling a " + std::string(wire::typeName(h.type)) +
+                  " message from " + describe() + ": " + e.what() + "; dropping the connection");
+      owner_->event({{"event", "internal_error"}, {"error", e.what()}});
+      owner_->onSessionClosed(shared_from_this(), std::string("internal error: ") + e.what());
     }
   }
 
@@ -683,11 +707,11 @@ void Coordinator::Impl::onMessage(const std::shared_ptr<Session>& s,
                                   const collectives::transport::FrameHeader& h, const json& body) {
   auto type = static_cast<wire::Type>(h.type);
   if (type == wire::Type::kHello) {
-    if (s->worker_ >= 0) throw std::runtime_error("second hello on one connection");
+    if (s->worker_ >= 0) throwViolation("second hello on one connection");
     return onHello(s, body);
   }
   if (s->worker_ < 0) {
-    throw std::runtime_error(std::string(wire::typeName(h.type)) + " before hello");
+    throwViolation(std::string(wire::typeName(h.type)) + " before hello");
   }
   int worker = s->worker_;
   auto it = workers_.find(worker);
@@ -699,8 +723,8 @@ void Coordinator::Impl::onMessage(const std::shared_ptr<Session>& s,
   }
   it->second.lastHeard = Clock::now();
   if (h.epoch > epoch_) {
-    throw std::runtime_error("message of epoch " + std::to_string(h.epoch) +
-                             " from the future (current epoch " + std::to_string(epoch_) + ")");
+    throwViolation("message of epoch " + std::to_string(h.epoch) +
+                   " from the future (current epoch " + std::to_string(epoch_) + ")");
   }
   switch (type) {
     case wire::Type::kHeartbeat:
@@ -756,12 +780,12 @@ void Coordinator::Impl::onMessage(const std::shared_ptr<Session>& s,
           "'s communicator; rebuilding");
       return newEpoch("rebuild requested by worker " + std::to_string(worker), {});
     default:
-      throw std::runtime_error(std::string("a worker may not send ") + wire::typeName(h.type));
+      throwViolation(std::string("a worker may not send ") + wire::typeName(h.type));
   }
 }
 
 void Coordinator::Impl::onHello(const std::shared_ptr<Session>& s, const json& body) {
-  if (deposed_) throw std::runtime_error("this coordinator no longer leads the job");
+  if (deposed_) throwViolation("this coordinator no longer leads the job");
   int requested = body.at("worker").get<int>();
   std::string node = body.at("node").get<std::string>();
   int64_t pid = body.value("pid", int64_t(0));
@@ -779,18 +803,18 @@ void Coordinator::Impl::onHello(const std::shared_ptr<Session>& s, const json& b
     return;
   }
   if (!rejoin && takingOver_ && requested >= 0) {
-    throw std::runtime_error("worker " + std::to_string(requested) +
-                             " says hello as a launch rank while the job is being taken over");
+    throwViolation("worker " + std::to_string(requested) +
+                   " says hello as a launch rank while the job is being taken over");
   }
   if (requested >= 0 && (workers_.count(requested) ||
                          std::find(dead_.begin(), dead_.end(), requested) != dead_.end())) {
-    throw std::runtime_error("worker id " + std::to_string(requested) + " is already taken");
+    throwViolation("worker id " + std::to_string(requested) + " is already taken");
   }
   // Joiners get ids after every launch rank, so an early joiner never takes a rank's id.
   int id = requested >= 0 ? requested : std::max(nextId_, options_.expectedWorkers);
   if (id >= wire::kMaxWorkerId) {
-    throw std::runtime_error("no worker id left for a join (ids are never reused; the last is " +
-                             std::to_string(wire::kMaxWorkerId - 1) + ")");
+    throwViolation("no worker id left for a join (ids are never reused; the last is " +
+                   std::to_string(wire::kMaxWorkerId - 1) + ")");
   }
   nextId_ = std::max(nextId_, id + 1);
   s->worker_ = id;
@@ -849,7 +873,7 @@ void Coordinator::Impl::onReady(int worker, int64_t resumeStep, const json& body
   if (epoch_ >= 0 || std::find(hellos_.begin(), hellos_.end(), worker) == hellos_.end()) {
     return;  // A joiner, or late: it takes the state of the epoch's source anyway.
   }
-  if (resumeStep < 0) throw std::runtime_error("negative resume_step");
+  if (resumeStep < 0) throwViolation("negative resume_step");
   ready_[worker] = resumeStep;
   if (static_cast<int>(ready_.size()) >= options_.expectedWorkers) formFirstEpoch("all ready");
 }
@@ -1452,7 +1476,7 @@ void Coordinator::Impl::checkFinished() {
 void Coordinator::Impl::declareDead(int worker, const std::string& why) {
   auto it = workers_.find(worker);
   if (it == workers_.end()) return;
-  // Workers of a node fail together (DESIGN.md section 1).
+  // Workers of a node fail together (docs/architecture.md section 1).
   std::string node = it->second.node;
   std::vector<int> victims;
   for (const auto& [id, w] : workers_) {
@@ -1534,6 +1558,8 @@ void Coordinator::Impl::onVoteStats(Worker& w, const json& body) {
     w.stallSeconds += stall;
     stallSeconds_ += stall;
   }
+  if (body.contains("replicated_bytes"))
+    replicatedBytes_ += body.at("replicated_bytes").get<int64_t>();
 }
 
 void Coordinator::Impl::onDurable(int worker, const json& body) {
@@ -2183,9 +2209,8 @@ std::string Coordinator::Impl::metrics() {
          durableBytes_);
   metric(out, "sinew_checkpoint_durable_step", "gauge",
          "Step of the newest durable checkpoint (-1: none).", durable_.step);
-  // Data-parallel and pipeline jobs keep no peer-RAM replicas yet (issue 12): 0 bytes.
   metric(out, "sinew_replicated_bytes_total", "counter",
-         "Bytes of checkpoint replicas sent to peers' host memory.", 0);
+         "Bytes of checkpoint replicas sent to peers' host memory.", replicatedBytes_);
   out += "# HELP sinew_worker_heartbeat_age_seconds Seconds since each member was last heard.\n";
   out += "# TYPE sinew_worker_heartbeat_age_seconds gauge\n";
   for (int id : members_) {

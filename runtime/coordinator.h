@@ -1,7 +1,7 @@
 #pragma once
 
-// The coordinator (DESIGN.md section 3): a Boost.Asio server, in a process of its own so that
-// it outlives any worker. It holds membership, the epoch, the last committed step and the
+// The coordinator (docs/architecture.md section 3): a Boost.Asio server, in a process of its own so
+// that it outlives any worker. It holds membership, the epoch, the last committed step and the
 // rendezvous store (a TcpStoreServer on a second port), detects failures from heartbeats,
 // closed connections and workers' PeerLost reports, and runs the step agreement. The
 // protocol is in docs/coordinator_protocol.md.
@@ -70,7 +70,8 @@ struct CoordinatorOptions {
   // If set, membership events are appended here as JSON lines.
   std::string eventLogPath;
 
-  // The HTTP control API (DESIGN.md section 7, docs/control_api.md): served when controlPort
+  // The HTTP control API (docs/architecture.md section 7, docs/control_api.md): served when
+  // controlPort
   // >= 0 (0 picks a free port), on controlHost (default: host), to requests that carry
   // controlToken as a bearer token (default: the job token in hex, as coordinator.json has it).
   int controlPort = -1;

@@ -137,10 +137,11 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
 
   VoteResult vote(int64_t epoch, int64_t step, std::chrono::milliseconds timeout, StepStats stats) {
     auto us = [](double s) { return static_cast<int64_t>(std::max(0.0, s) * 1e6); };
-    post(wire::Type::kVote, epoch,
-         json{{"step", step},
+    json body{{"step", step},
               {"compute_us", us(stats.computeSeconds)},
-              {"stall_us", us(stats.stallSeconds)}});
+              {"stall_us", us(stats.stallSeconds)}};
+    if (stats.replicatedBytes > 0) body["replicated_bytes"] = stats.replicatedBytes;
+    post(wire::Type::kVote, epoch, body);
     std::unique_lock<std::mutex> lock(mu_);
     bool ok = waitFor(lock, timeout,
                       [&] { return committed_ >= step || epoch_.epoch > epoch || !gone_.empty(); });

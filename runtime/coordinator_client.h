@@ -1,7 +1,7 @@
 #pragma once
 
-// A worker's connection to the coordinator (DESIGN.md section 3): hello, heartbeats, epoch
-// announcements, failure reports and the step vote. It owns one io thread, which reads the
+// A worker's connection to the coordinator (docs/architecture.md section 3): hello, heartbeats,
+// epoch announcements, failure reports and the step vote. It owns one io thread, which reads the
 // coordinator's messages and sends heartbeats; the worker's threads call the methods below.
 //
 // Thread safety: every method may be called from any thread.
@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 
 namespace sinew {
 namespace runtime {
@@ -43,6 +43,8 @@ struct EpochInfo {
 struct StepStats {
   double computeSeconds = 0;
   double stallSeconds = 0;
+  // Bytes of peer-RAM replicas this worker sent since its previous vote.
+  int64_t replicatedBytes = 0;
 };
 
 // The job's shape, for the coordinator's throughput figures and scaling curve.

@@ -4,7 +4,7 @@
 #include <chrono>
 #include <cstring>
 
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 
 namespace sinew {
 namespace runtime {

@@ -13,8 +13,8 @@
 #include <sstream>
 #include <thread>
 
-#include "sinew/collectives/detail/parse.h"
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
+#include "sinew/base/parse.h"
 #include "sinew/runtime/coordinator_client.h"
 
 namespace sinew {

@@ -1,7 +1,7 @@
 #pragma once
 
-// Failure injection (DESIGN.md section 8). A spec is a ';'-separated list of faults, each
-// `kind:key=value:key=value...`:
+// Failure injection (docs/architecture.md section 8). A spec is a ';'-separated list of faults,
+// each `kind:key=value:key=value...`:
 //   kill:worker=2:step=30:phase=backward    SIGKILL this process
 //   stop:worker=1:step=50:secs=3            SIGSTOP this process for secs (a helper
 //                                           process sends SIGCONT)

@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <thread>
 
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 #include "sinew/runtime/leader_election.h"
 
 namespace sinew {

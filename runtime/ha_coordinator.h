@@ -1,7 +1,7 @@
 #pragma once
 
-// High-availability mode (docs/ha.md, DESIGN.md section 3): the job's state lives in etcd and
-// several coordinator processes run, one of them the leader by an etcd lease and election.
+// High-availability mode (docs/ha.md, docs/architecture.md section 3): the job's state lives in
+// etcd and several coordinator processes run, one of them the leader by an etcd lease and election.
 //
 // Keys, under /sinew/<job>/:
 //   leader   the election key, bound to the leader's lease: {"candidate", "pid"} when it wins,

@@ -20,8 +20,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "sinew/collectives/detail/parse.h"
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
+#include "sinew/base/parse.h"
 #include "sinew/collectives/etcd_store.h"
 #include "sinew/collectives/tcp_store.h"
 #include "sinew/config.h"
@@ -37,7 +37,8 @@ namespace sinew {
 namespace {
 
 // Set by the SIGTERM handler. A signal handler can reach no object, so this one flag is
-// process-wide; Context::preemptionRequested() reads it.
+// process-wide (SIGTERM asks the process to leave); Context::preemptionRequested() reads it
+// and the Context's own flag, which requestPreemption() sets.
 volatile std::sig_atomic_t gSigtermReceived = 0;
 
 void onSigterm(int) { gSigtermReceived = 1; }
@@ -410,9 +411,11 @@ std::pair<std::string, std::string> haBootstrap(int rank, int size, const std::s
 
 }  // namespace
 
-void Context::requestPreemption() { gSigtermReceived = 1; }
+void Context::requestPreemption() { state_->preemptionRequested = true; }
 
-bool Context::preemptionRequested() const { return gSigtermReceived != 0; }
+bool Context::preemptionRequested() const {
+  return state_->preemptionRequested || gSigtermReceived != 0;
+}
 
 Context::Context() : state_(std::make_unique<runtime::ContextState>()) {}
 

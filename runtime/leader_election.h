@@ -22,7 +22,7 @@
 #include <thread>
 #include <vector>
 
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 #include "sinew/collectives/etcd_client.h"
 
 namespace sinew {

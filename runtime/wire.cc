@@ -1,6 +1,6 @@
 #include "sinew/runtime/detail/wire.h"
 
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 
 namespace sinew {
 namespace runtime {
@@ -9,83 +9,169 @@ namespace {
 
 using nlohmann::json;
 
-enum class Kind { kInt, kString, kBool, kIntArray };
+enum class Kind { kInt, kString, kBool, kIntArray, kObject };
 
 struct Field {
   const char* name;
   Kind kind;
   bool required;
-  int64_t min;  // kInt, kIntArray elements; kString: minimum length
-  int64_t max;  // kInt, kIntArray elements; kString and kIntArray: maximum length
+  int64_t min = 0;  // kInt, kIntArray elements; kString: minimum length
+  int64_t max = 0;  // kInt, kIntArray elements; kString and kIntArray: maximum length
+  std::vector<Field> fields = {};  // kObject: its fields
+};
+
+enum class From { kWorker, kCoordinator };
+
+// One message type: who sends it, its fields as decodeBody checks them, and what it means.
+struct Message {
+  Type type;
+  const char* name;
+  From from;
+  std::vector<Field> fields;
+  const char* meaning;
 };
 
 constexpr int64_t kMaxText = 4096;
 constexpr int64_t kMaxMembers = 1 << 20;
+constexpr int64_t kMaxWorkers = 1 << 20;
 
-std::vector<Field> fieldsOf(Type type) {
-  switch (type) {
-    case Type::kHello:
-      return {{"worker", Kind::kInt, true, -1, kMaxWorkerId - 1},
-              {"node", Kind::kString, true, 1, 255},
-              {"pid", Kind::kInt, false, 0, INT32_MAX}};
-    case Type::kWelcome:
-      return {{"worker", Kind::kInt, true, 0, kMaxWorkerId - 1},
-              {"store_host", Kind::kString, true, 1, 255},
-              {"store_port", Kind::kInt, true, 1, 65535},
-              {"heartbeat_ms", Kind::kInt, true, 1, 3600 * 1000},
-              {"dead_after_ms", Kind::kInt, false, 1, 24 * 3600 * 1000}};
-    case Type::kHeartbeat:
-      return {{"step", Kind::kInt, true, -1, kMaxStep}, {"waiting", Kind::kBool, false, 0, 0}};
-    case Type::kLost:
-      return {{"worker", Kind::kInt, true, 0, kMaxWorkerId - 1}};
-    case Type::kVote:
-      return {{"step", Kind::kInt, true, 0, kMaxStep},
-              {"compute_us", Kind::kInt, false, 0, kMaxStep},
-              {"stall_us", Kind::kInt, false, 0, kMaxStep}};
-    case Type::kCommit:
-      return {{"step", Kind::kInt, true, 0, kMaxStep},
-              {"next_epoch", Kind::kBool, false, 0, 0},
-              {"checkpoint", Kind::kBool, false, 0, 0},
-              {"step_deadline_ms", Kind::kInt, false, 0, kMaxStep}};
-    case Type::kEpoch:
-      return {{"epoch", Kind::kInt, true, 0, kMaxStep},
-              {"members", Kind::kIntArray, true, 0, kMaxMembers},
-              {"resume_step", Kind::kInt, true, 0, kMaxStep},
-              {"source", Kind::kInt, true, -1, kMaxWorkerId - 1},
-              {"joined", Kind::kIntArray, true, 0, kMaxMembers},
-              {"sync", Kind::kBool, true, 0, 0},
-              {"plan", Kind::kString, false, 2, kMaxPlanBytes},
-              {"step_deadline_ms", Kind::kInt, false, 0, kMaxStep}};
-    case Type::kPipeline:
-      return {{"profile", Kind::kString, true, 2, kMaxProfileBytes},
-              {"fault_tolerance", Kind::kInt, true, 0, kMaxWorkerId - 1},
-              {"microbatches", Kind::kInt, true, 1, INT32_MAX}};
-    case Type::kDone:
-      return {{"step", Kind::kInt, true, -1, kMaxStep}};
-    case Type::kExpelled:
-      return {{"reason", Kind::kString, false, 0, kMaxText}};
-    case Type::kRebuild:
-      return {};
-    case Type::kReady:
-      return {{"resume_step", Kind::kInt, true, 0, kMaxStep},
-              {"global_batch", Kind::kInt, false, 1, kMaxStep},
-              {"microbatch", Kind::kInt, false, 1, kMaxStep},
-              {"steps", Kind::kInt, false, 0, kMaxStep},
-              {"checkpoints", Kind::kBool, false, 0, 0}};
-    case Type::kDurable:
-      return {{"step", Kind::kInt, true, 0, kMaxStep},
-              {"bytes", Kind::kInt, true, 0, kMaxStep},
-              {"flush_us", Kind::kInt, true, 0, kMaxStep},
-              {"path", Kind::kString, true, 1, kMaxText}};
-    case Type::kLeave:
-      return {{"step", Kind::kInt, true, -1, kMaxStep}};
-    case Type::kRollback:
-      return {{"step", Kind::kInt, true, -1, kMaxStep}};
-    case Type::kReleased:
-      return {{"step", Kind::kInt, true, -1, kMaxStep},
-              {"reason", Kind::kString, false, 0, kMaxText}};
+// The coordinator protocol: the only list of its messages. docs/coordinator_protocol.md holds
+// messageTable()'s rendering of it (a test compares the two).
+const std::vector<Message>& messages() {
+  static const std::vector<Message> table = {
+      {Type::kHello,
+       "hello",
+       From::kWorker,
+       {{"worker", Kind::kInt, true, -1, kMaxWorkerId - 1},
+        {"node", Kind::kString, true, 1, 255},
+        {"pid", Kind::kInt, false, 0, INT32_MAX},
+        {"rejoin",
+         Kind::kObject,
+         false,
+         0,
+         0,
+         {{"epoch", Kind::kInt, true, -1, kMaxStep},
+          {"committed", Kind::kInt, true, -1, kMaxStep}}}},
+       "worker -1 asks to join; `rejoin` (HA mode, docs/ha.md): a member reconnecting to a new "
+       "leader, with the last epoch and commit it had"},
+      {Type::kWelcome,
+       "welcome",
+       From::kCoordinator,
+       {{"worker", Kind::kInt, true, 0, kMaxWorkerId - 1},
+        {"store_host", Kind::kString, true, 1, 255},
+        {"store_port", Kind::kInt, true, 1, 65535},
+        {"heartbeat_ms", Kind::kInt, true, 1, 3600 * 1000},
+        {"dead_after_ms", Kind::kInt, false, 1, 24 * 3600 * 1000}},
+       "the worker's id and the rendezvous store's address"},
+      {Type::kHeartbeat,
+       "heartbeat",
+       From::kWorker,
+       {{"step", Kind::kInt, true, -1, kMaxStep}, {"waiting", Kind::kBool, false}},
+       "its step, and whether it waits on the others (rule 1 of docs/failure_semantics.md)"},
+      {Type::kLost,
+       "lost",
+       From::kWorker,
+       {{"worker", Kind::kInt, true, 0, kMaxWorkerId - 1}},
+       "a peer the data plane lost (PeerLost)"},
+      {Type::kVote,
+       "vote",
+       From::kWorker,
+       {{"step", Kind::kInt, true, 0, kMaxStep},
+        {"compute_us", Kind::kInt, false, 0, kMaxStep},
+        {"stall_us", Kind::kInt, false, 0, kMaxStep},
+        {"replicated_bytes", Kind::kInt, false, 0, kMaxStep}},
+       "this worker reduced `step` in this epoch; its compute time and snapshot stall (for the "
+       "control API's status and scaling) and the peer-RAM replica bytes it sent since its last "
+       "vote (for /metrics)"},
+      {Type::kCommit,
+       "commit",
+       From::kCoordinator,
+       {{"step", Kind::kInt, true, 0, kMaxStep},
+        {"next_epoch", Kind::kBool, false},
+        {"checkpoint", Kind::kBool, false},
+        {"step_deadline_ms", Kind::kInt, false, 0, kMaxStep}},
+       "every member voted for `step`; `next_epoch`: a new epoch follows; `checkpoint`: make "
+       "this step durable (a control API checkpoint, drain or stop)"},
+      {Type::kEpoch,
+       "epoch",
+       From::kCoordinator,
+       {{"epoch", Kind::kInt, true, 0, kMaxStep},
+        {"members", Kind::kIntArray, true, 0, kMaxMembers},
+        {"resume_step", Kind::kInt, true, 0, kMaxStep},
+        {"source", Kind::kInt, true, -1, kMaxWorkerId - 1},
+        {"joined", Kind::kIntArray, true, 0, kMaxMembers},
+        {"sync", Kind::kBool, true},
+        {"plan", Kind::kString, false, 2, kMaxPlanBytes},
+        {"step_deadline_ms", Kind::kInt, false, 0, kMaxStep}},
+       "the next configuration; `plan`: a pipeline job's plan for it (pipeline::planToJson)"},
+      {Type::kDone,
+       "done",
+       From::kWorker,
+       {{"step", Kind::kInt, true, -1, kMaxStep}},
+       "finished every step"},
+      {Type::kExpelled,
+       "expelled",
+       From::kCoordinator,
+       {{"reason", Kind::kString, false, 0, kMaxText}},
+       "declared dead; the coordinator closes the connection after it"},
+      {Type::kRebuild,
+       "rebuild",
+       From::kWorker,
+       {},
+       "this epoch's communicator could not be built"},
+      {Type::kReady,
+       "ready",
+       From::kWorker,
+       {{"resume_step", Kind::kInt, true, 0, kMaxStep},
+        {"global_batch", Kind::kInt, false, 1, kMaxStep},
+        {"microbatch", Kind::kInt, false, 1, kMaxStep},
+        {"steps", Kind::kInt, false, 0, kMaxStep},
+        {"checkpoints", Kind::kBool, false}},
+       "ready to train from `resume_step` (after its durable checkpoint; 0: none); the job's "
+       "shape, for the control API"},
+      {Type::kLeave,
+       "leave",
+       From::kWorker,
+       {{"step", Kind::kInt, true, -1, kMaxStep}},
+       "preempted (SIGTERM): leave at the next step boundary"},
+      {Type::kReleased,
+       "released",
+       From::kCoordinator,
+       {{"step", Kind::kInt, true, -1, kMaxStep}, {"reason", Kind::kString, false, 0, kMaxText}},
+       "left cleanly after `step`; the coordinator closes the connection after it"},
+      {Type::kPipeline,
+       "pipeline",
+       From::kWorker,
+       {{"profile", Kind::kString, true, 2, kMaxProfileBytes},
+        {"fault_tolerance", Kind::kInt, true, 0, kMaxWorkerId - 1},
+        {"microbatches", Kind::kInt, true, 1, INT32_MAX},
+        {"max_workers", Kind::kInt, false, 0, kMaxWorkers}},
+       "plan this job as pipelines (`profile`: docs/profile_format.md), with templates for up to "
+       "`max_workers` workers (0 or absent: the starting workers); only a job's first request "
+       "counts"},
+      {Type::kDurable,
+       "durable",
+       From::kWorker,
+       {{"step", Kind::kInt, true, 0, kMaxStep},
+        {"bytes", Kind::kInt, true, 0, kMaxStep},
+        {"flush_us", Kind::kInt, true, 0, kMaxStep},
+        {"path", Kind::kString, true, 1, kMaxText}},
+       "the version of `step` is durable (from the writer that moved LATEST)"},
+      {Type::kRollback,
+       "rollback",
+       From::kWorker,
+       {{"step", Kind::kInt, true, -1, kMaxStep}},
+       "(pipelines) some layer has no live copy after the epoch's resume step: resume after the "
+       "older version `step` (docs/pipeline.md, \"Rollback\")"},
+  };
+  return table;
+}
+
+const Message* find(uint8_t type) {
+  for (const Message& m : messages()) {
+    if (static_cast<uint8_t>(m.type) == type) return &m;
   }
-  return {};
+  return nullptr;
 }
 
 bool isInt(const json& v) { return v.is_number_integer(); }
@@ -96,68 +182,121 @@ int64_t intValue(const json& v) {
   return v.get<int64_t>();
 }
 
+// Checks `body`'s fields against `fields`; `name` is the message's, `prefix` the path of an
+// enclosing object field ("rejoin.").
+void checkFields(const char* name, const json& body, const std::vector<Field>& fields,
+                 const std::string& prefix) {
+  for (const Field& f : fields) {
+    const std::string field = prefix + f.name;
+    auto it = body.find(f.name);
+    if (it == body.end()) {
+      if (f.required) SINEW_THROW(Corruption, name, " message: field '", field, "' is missing");
+      continue;
+    }
+    const json& v = *it;
+    switch (f.kind) {
+      case Kind::kInt: {
+        if (!isInt(v)) {
+          SINEW_THROW(Corruption, name, " message: field '", field, "' = ", v.dump(),
+                      " is not an integer");
+        }
+        int64_t x = intValue(v);
+        if (x < f.min || x > f.max) {
+          SINEW_THROW(Corruption, name, " message: field '", field, "' = ", v.dump(),
+                      " is outside [", f.min, ", ", f.max, "]");
+        }
+        break;
+      }
+      case Kind::kString:
+        if (!v.is_string()) {
+          SINEW_THROW(Corruption, name, " message: field '", field, "' is not a string");
+        }
+        if (int64_t(v.get_ref<const std::string&>().size()) < f.min ||
+            int64_t(v.get_ref<const std::string&>().size()) > f.max) {
+          SINEW_THROW(Corruption, name, " message: field '", field, "' has ",
+                      v.get_ref<const std::string&>().size(), " characters, outside [", f.min, ", ",
+                      f.max, "]");
+        }
+        break;
+      case Kind::kBool:
+        if (!v.is_boolean()) {
+          SINEW_THROW(Corruption, name, " message: field '", field, "' = ", v.dump(),
+                      " is not a boolean");
+        }
+        break;
+      case Kind::kIntArray:
+        if (!v.is_array() || int64_t(v.size()) > f.max) {
+          SINEW_THROW(Corruption, name, " message: field '", field, "' is not an array of at most ",
+                      f.max, " worker ids");
+        }
+        for (const json& e : v) {
+          if (!isInt(e) || intValue(e) < 0 || intValue(e) >= kMaxWorkerId) {
+            SINEW_THROW(Corruption, name, " message: field '", field, "' holds ", e.dump(),
+                        ", not a worker id in [0, ", kMaxWorkerId, ")");
+          }
+        }
+        break;
+      case Kind::kObject:
+        if (!v.is_object()) {
+          SINEW_THROW(Corruption, name, " message: field '", field, "' is not an object");
+        }
+        checkFields(name, v, f.fields, field + ".");
+        break;
+    }
+  }
+}
+
+// A field as the protocol doc shows it: "`name` int in [a, b]", "`name`? string of a-b
+// characters", ... (? marks an optional field).
+std::string describeField(const Field& f) {
+  std::string s = "`" + std::string(f.name) + "`" + (f.required ? "" : "?") + " ";
+  switch (f.kind) {
+    case Kind::kInt:
+      return s + "int in [" + std::to_string(f.min) + ", " + std::to_string(f.max) + "]";
+    case Kind::kString:
+      return s + "string of " + std::to_string(f.min) + "-" + std::to_string(f.max) + " bytes";
+    case Kind::kBool:
+      return s + "bool";
+    case Kind::kIntArray:
+      return s + "worker ids (at most " + std::to_string(f.max) + ")";
+    case Kind::kObject: {
+      s += "{";
+      for (size_t i = 0; i < f.fields.size(); ++i) {
+        s += (i ? ", " : "") + describeField(f.fields[i]);
+      }
+      return s + "}";
+    }
+  }
+  return s;
+}
+
 }  // namespace
 
 const char* typeName(uint8_t type) {
-  switch (static_cast<Type>(type)) {
-    case Type::kHello:
-      return "hello";
-    case Type::kWelcome:
-      return "welcome";
-    case Type::kHeartbeat:
-      return "heartbeat";
-    case Type::kLost:
-      return "lost";
-    case Type::kVote:
-      return "vote";
-    case Type::kCommit:
-      return "commit";
-    case Type::kEpoch:
-      return "epoch";
-    case Type::kDone:
-      return "done";
-    case Type::kExpelled:
-      return "expelled";
-    case Type::kRebuild:
-      return "rebuild";
-    case Type::kReady:
-      return "ready";
-    case Type::kLeave:
-      return "leave";
-    case Type::kReleased:
-      return "released";
-    case Type::kPipeline:
-      return "pipeline";
-    case Type::kDurable:
-      return "durable";
-    case Type::kRollback:
-      return "rollback";
-  }
-  return nullptr;
+  const Message* m = find(type);
+  return m ? m->name : nullptr;
 }
 
 const char* workerTypeName(uint8_t type) {
-  switch (static_cast<Type>(type)) {
-    case Type::kHello:
-    case Type::kHeartbeat:
-    case Type::kLost:
-    case Type::kVote:
-    case Type::kDone:
-    case Type::kRebuild:
-    case Type::kReady:
-    case Type::kLeave:
-    case Type::kPipeline:
-    case Type::kDurable:
-    case Type::kRollback:
-      return typeName(type);
-    default:
-      return nullptr;
-  }
+  const Message* m = find(type);
+  return m && m->from == From::kWorker ? m->name : nullptr;
 }
 
 const char* coordinatorTypeName(uint8_t type) {
-  if (typeName(type) == nullptr || workerTypeName(type) != nullptr) return nullptr;
-  return typeName(type);
+  const Message* m = find(type);
+  return m && m->from == From::kCoordinator ? m->name : nullptr;
+}
+
+std::string messageTable() {
+  std::string out = "| type | name | from | fields | meaning |\n|---|---|---|---|---|\n";
+  for (const Message& m : messages()) {
+    std::string fields;
+    for (const Field& f : m.fields) fields += (fields.empty() ? "" : "; ") + describeField(f);
+    out += "| " + std::to_string(static_cast<int>(m.type)) + " | " + m.name + " | " +
+           (m.from == From::kWorker ? "worker" : "coordinator") + " | " +
+           (fields.empty() ? "none" : fields) + " | " + m.meaning + " |\n";
+  }
+  return out;
 }
 
 collectives::transport::FrameRules coordinatorRules(uint64_t token, uint32_t maxBytes) {
@@ -184,63 +323,13 @@ std::vector<uint8_t> encodeBody(const json& body) {
 }
 
 json decodeBody(uint8_t type, const std::vector<uint8_t>& payload) {
-  const char* name = typeName(type);
-  if (name == nullptr) SINEW_THROW(Corruption, "coordinator message of unknown type ", int(type));
+  const Message* m = find(type);
+  if (m == nullptr) SINEW_THROW(Corruption, "coordinator message of unknown type ", int(type));
   json body = json::parse(payload.begin(), payload.end(), nullptr, /*allow_exceptions=*/false);
   if (body.is_discarded() || !body.is_object()) {
-    SINEW_THROW(Corruption, name, " message: payload is not a JSON object");
+    SINEW_THROW(Corruption, m->name, " message: payload is not a JSON object");
   }
-  for (const Field& f : fieldsOf(static_cast<Type>(type))) {
-    auto it = body.find(f.name);
-    if (it == body.end()) {
-      if (f.required) SINEW_THROW(Corruption, name, " message: field '", f.name, "' is missing");
-      continue;
-    }
-    const json& v = *it;
-    switch (f.kind) {
-      case Kind::kInt: {
-        if (!isInt(v)) {
-          SINEW_THROW(Corruption, name, " message: field '", f.name, "' = ", v.dump(),
-                      " is not an integer");
-        }
-        int64_t x = intValue(v);
-        if (x < f.min || x > f.max) {
-          SINEW_THROW(Corruption, name, " message: field '", f.name, "' = ", v.dump(),
-                      " is outside [", f.min, ", ", f.max, "]");
-        }
-        break;
-      }
-      case Kind::kString:
-        if (!v.is_string()) {
-          SINEW_THROW(Corruption, name, " message: field '", f.name, "' is not a string");
-        }
-        if (int64_t(v.get_ref<const std::string&>().size()) < f.min ||
-            int64_t(v.get_ref<const std::string&>().size()) > f.max) {
-          SINEW_THROW(Corruption, name, " message: field '", f.name, "' has ",
-                      v.get_ref<const std::string&>().size(), " characters, outside [", f.min, ", ",
-                      f.max, "]");
-        }
-        break;
-      case Kind::kBool:
-        if (!v.is_boolean()) {
-          SINEW_THROW(Corruption, name, " message: field '", f.name, "' = ", v.dump(),
-                      " is not a boolean");
-        }
-        break;
-      case Kind::kIntArray:
-        if (!v.is_array() || int64_t(v.size()) > f.max) {
-          SINEW_THROW(Corruption, name, " message: field '", f.name,
-                      "' is not an array of at most ", f.max, " worker ids");
-        }
-        for (const json& e : v) {
-          if (!isInt(e) || intValue(e) < 0 || intValue(e) >= kMaxWorkerId) {
-            SINEW_THROW(Corruption, name, " message: field '", f.name, "' holds ", e.dump(),
-                        ", not a worker id in [0, ", kMaxWorkerId, ")");
-          }
-        }
-        break;
-    }
-  }
+  checkFields(m->name, body, m->fields, "");
   return body;
 }
 

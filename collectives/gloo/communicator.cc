@@ -46,8 +46,8 @@
 #include <sstream>
 #include <thread>
 
-#include "sinew/collectives/detail/little_endian.h"
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
+#include "sinew/base/little_endian.h"
 #include "sinew/collectives/gloo/lanes.h"
 #include "sinew/collectives/prefix_store.h"
 #include "sinew/communicator.h"
@@ -81,7 +81,7 @@ constexpr uint64_t kCollectiveSlotBase = uint64_t(1) << 40;
 // turns in the same hour with receive calls for the ring's free space (sinew-bench-allreduce
 // --ranks 2, same launch, MPI over TCP / Sinew): at or above 1.0 at every size from 1 to 64 MiB in
 // eight of ten runs (0.95 and 0.77 at 2 MiB in the others), against none of eight with 32 KiB calls
-// both ways (0.69-1.17 at 1-4 MiB; docs/collectives.md, "Call sizes, again").
+// both ways (0.69-1.17 at 1-4 MiB; bench/RESULTS.md, "Call sizes, again").
 constexpr uint32_t kLaneMagic = 0x4C574E53;
 constexpr size_t kLaneScratchBytes = 128 << 10;
 constexpr size_t kLaneSendCallBytes = 512 << 10;

@@ -15,8 +15,8 @@
 #include <random>
 #include <sstream>
 
-#include "sinew/collectives/detail/little_endian.h"
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
+#include "sinew/base/little_endian.h"
 #include "sinew/collectives/transport/frame.h"
 #include "sinew/communicator.h"
 

@@ -24,7 +24,7 @@
 #include <sstream>
 #include <thread>
 
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 #include "sinew/collectives/prefix_store.h"
 #include "sinew/communicator.h"
 

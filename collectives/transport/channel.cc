@@ -8,7 +8,7 @@
 
 #include <cstdio>
 
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 
 namespace sinew {
 namespace collectives {

@@ -9,7 +9,7 @@
 #include <array>
 #include <thread>
 
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 #include "sinew/collectives/transport/channel.h"
 
 namespace sinew {

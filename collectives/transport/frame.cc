@@ -3,8 +3,8 @@
 #include <iomanip>
 #include <sstream>
 
-#include "sinew/collectives/detail/little_endian.h"
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
+#include "sinew/base/little_endian.h"
 
 namespace sinew {
 namespace collectives {
@@ -30,8 +30,6 @@ const char* serviceName(uint8_t service) {
       return "coordinator";
     case Service::kReplica:
       return "replica";
-    case Service::kLayerCopy:
-      return "layer copy";
     case Service::kLane:
       return "collective lane";
   }

@@ -36,7 +36,7 @@ enum class Service : uint8_t {
   kStore = 1,
   kCoordinator = 2,
   kReplica = 3,
-  kLayerCopy = 4,
+  // 4 is unused: layer copies travel on a pipeline communicator's lanes.
   kLane = 5,  // a Gloo communicator's direct data connections (collectives/gloo/lanes.h)
 };
 

@@ -1,7 +1,7 @@
 #pragma once
 
 // Communicators: collectives and point-to-point transfers of at::Tensor among a fixed
-// member list for one epoch (DESIGN.md section 2).
+// member list for one epoch (docs/architecture.md section 2).
 //
 // A communicator is never repaired. Every operation has a deadline; any failure
 // (PeerLost, Timeout, Aborted) leaves the communicator dead: it tells the other members

@@ -1,7 +1,7 @@
 #pragma once
 
-// Bootstrap (DESIGN.md section 3). sinew::init() makes this process a worker of a job and
-// returns the handle everything else hangs off. It finds the job in this order:
+// Bootstrap (docs/architecture.md section 3). sinew::init() makes this process a worker of a job
+// and returns the handle everything else hangs off. It finds the job in this order:
 //   1. SINEW_COORDINATOR=host:port (set by sinew-run, or by hand to join a running job;
 //      SINEW_TOKEN carries the job token, SINEW_WORKER_ID the launch rank, absent to join).
 //   2. Under mpirun or srun (OMPI_COMM_WORLD_RANK, PMI_RANK or SLURM_PROCID is set): rank 0

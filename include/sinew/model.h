@@ -1,8 +1,8 @@
 #pragma once
 
-// The model types (DESIGN.md section 1): a model is an ordered list of layers, each with a
-// name and a factory, so any worker can build any layer; plus the loss, the optimizer factory
-// and the dataset the trainer drives. The runtime and the pipeline executor both see them.
+// The model types (docs/architecture.md section 1): a model is an ordered list of layers, each with
+// a name and a factory, so any worker can build any layer; plus the loss, the optimizer factory and
+// the dataset the trainer drives. The runtime and the pipeline executor both see them.
 //
 // Thread safety: plain values; the functions they hold are called by the training thread.
 

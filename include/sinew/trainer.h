@@ -1,7 +1,7 @@
 #pragma once
 
-// The trainer (DESIGN.md sections 1 and 6): wraps a user's libtorch model, loss, optimizer
-// and data, and drives training through failures and joins.
+// The trainer (docs/architecture.md sections 1 and 6): wraps a user's libtorch model, loss,
+// optimizer and data, and drives training through failures and joins.
 //
 // The model is an ordered list of LayerSpecs (sinew/model.h; any worker can build any layer);
 // a plan says which worker holds which layers and runs which microbatches. Two modes
@@ -118,7 +118,7 @@ struct TrainerOptions {
   // Gloo backend: the kernel buffers of the pipeline communicator's lanes, each way
   // (CommunicatorOptions::laneSocketBufferBytes): a reconfiguration's layer copies are the
   // first bulk bytes on each epoch's new connections, which autotuned buffers carry at about
-  // 0.8 of a warm connection's speed (docs/pipeline.md, section 6, "Sized lane buffers").
+  // 0.8 of a warm connection's speed (bench/RESULTS.md, "Sized lane buffers").
   // Used where net.core.rmem_max and wmem_max allow it; 0: the kernel's autotuning. At most
   // 2^30, else InvalidArgument.
   int laneSocketBufferBytes = 4 << 20;

@@ -19,8 +19,8 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
-#include "sinew/collectives/detail/parse.h"
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
+#include "sinew/base/parse.h"
 #include "sinew/pipeline/instantiation.h"
 #include "sinew/pipeline/profile.h"
 #include "sinew/pipeline/template_planner.h"

@@ -25,29 +25,24 @@ constexpr int64_t kMaxWorkerId = 1 << 24;
 // Steps and epochs are below this.
 constexpr int64_t kMaxStep = int64_t{1} << 53;
 
+// Message types; their senders, fields and meaning are the table in wire.cc (messageTable()).
 enum class Type : uint8_t {
-  kHello = 1,      // worker -> coordinator: {worker, node, pid}; worker -1 asks to join
-  kWelcome = 2,    // coordinator -> worker: {worker, store_host, store_port, ...}
-  kHeartbeat = 3,  // worker -> coordinator: {step}
-  kLost = 4,       // worker -> coordinator: {worker} a peer the data plane lost
-  kVote = 5,       // worker -> coordinator: {step[, compute_us, stall_us]} reduction of step
-                   // done in this epoch (and how long its compute and snapshot stall took)
-  kCommit = 6,     // coordinator -> worker: {step[, next_epoch, checkpoint]} every member voted
-                   // for step (checkpoint: make this step durable)
-  kEpoch = 7,      // coordinator -> worker: {epoch, members, resume_step, source, joined, sync}
-  kDone = 8,       // worker -> coordinator: {step} finished every step
-  kExpelled = 9,   // coordinator -> worker: {reason} declared dead; must leave
-  kRebuild = 10,   // worker -> coordinator: {} this epoch's communicator could not be built
-  kReady = 11,     // worker -> coordinator: {resume_step[, global_batch, microbatch, steps]}
-                   // ready to train from this step
-  kLeave = 12,     // worker -> coordinator: {step} preempted: leave at the next step boundary
-  kReleased = 13,  // coordinator -> worker: {step, reason} left the job cleanly after step
-  kPipeline = 14,  // worker -> coordinator: {profile, fault_tolerance, microbatches,
-                   // max_workers} plan the job as pipelines (templates up to max_workers);
-                   // every later epoch message carries its plan
-  kDurable = 15,   // worker -> coordinator: {step, bytes, flush_us, path} a version is durable
-  kRollback = 16,  // worker -> coordinator: {step} (pipelines) some layer has no live copy
-                   // after the epoch's resume step: resume after the older version `step`
+  kHello = 1,
+  kWelcome = 2,
+  kHeartbeat = 3,
+  kLost = 4,
+  kVote = 5,
+  kCommit = 6,
+  kEpoch = 7,
+  kDone = 8,
+  kExpelled = 9,
+  kRebuild = 10,
+  kReady = 11,
+  kLeave = 12,
+  kReleased = 13,
+  kPipeline = 14,
+  kDurable = 15,
+  kRollback = 16,
 };
 
 // Largest profile (JSON) a worker may send, and largest plan (JSON) an epoch may carry.
@@ -70,6 +65,10 @@ std::vector<uint8_t> encodeBody(const nlohmann::json& body);
 // Parses a payload as the JSON object of a message of `type` and checks its fields (see the
 // table in wire.cc). Throws Corruption naming the message, the field and the value.
 nlohmann::json decodeBody(uint8_t type, const std::vector<uint8_t>& payload);
+
+// The message table as Markdown (type, name, sender, fields with their checked ranges,
+// meaning): what docs/coordinator_protocol.md shows, between its "generated" markers.
+std::string messageTable();
 
 }  // namespace wire
 }  // namespace runtime

@@ -24,7 +24,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "sinew/collectives/detail/parse.h"
+#include "sinew/base/parse.h"
 #include "sinew/runtime/ha_coordinator.h"
 
 namespace {

@@ -41,7 +41,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
-#include "sinew/collectives/detail/parse.h"
+#include "sinew/base/parse.h"
 #include "sinew/runtime/coordinator.h"
 #include "sinew/runtime/failure_injection.h"
 

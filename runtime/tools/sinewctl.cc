@@ -38,7 +38,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
-#include "sinew/collectives/detail/parse.h"
+#include "sinew/base/parse.h"
 #include "sinew/collectives/etcd_client.h"
 
 namespace {

@@ -18,7 +18,7 @@
 #include "../support.h"
 #include "../tool_support.h"
 #include "fault_env.h"
-#include "sinew/checkpoint/detail/crc32c.h"
+#include "sinew/base/crc32c.h"
 #include "sinew/checkpoint/engine.h"
 #include "sinew/checkpoint/persist.h"
 #include "sinew/checkpoint/placement.h"
@@ -136,20 +136,20 @@ std::map<std::string, RestoredLayer> extractAll(const HostShard& s) {
 
 TEST(Crc32cTest, StandardVectorsAndImplementationsAgree) {
   const std::string check = "123456789";
-  EXPECT_EQ(detail::crc32c(check.data(), check.size()), 0xE3069283u);
-  EXPECT_EQ(detail::crc32cPortable(0, check.data(), check.size()), 0xE3069283u);
+  EXPECT_EQ(::sinew::detail::crc32c(check.data(), check.size()), 0xE3069283u);
+  EXPECT_EQ(::sinew::detail::crc32cPortable(0, check.data(), check.size()), 0xE3069283u);
   std::vector<uint8_t> zeros(32, 0);
-  EXPECT_EQ(detail::crc32c(zeros.data(), zeros.size()), 0x8A9136AAu);  // RFC 3720 B.4
+  EXPECT_EQ(::sinew::detail::crc32c(zeros.data(), zeros.size()), 0x8A9136AAu);  // RFC 3720 B.4
   std::vector<uint8_t> buf(100003);
   for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<uint8_t>(i * 131 + (i >> 7));
   for (size_t off : {0, 1, 3, 7}) {
     // 12287..12289 and 24581 straddle the three 4096-byte streams of the SSE4.2 path.
     for (size_t n : {0, 1, 5, 8, 9, 64, 1000, 12287, 12288, 12289, 24581, 99990}) {
-      uint32_t a = detail::crc32c(buf.data() + off, n);
-      EXPECT_EQ(a, detail::crc32cPortable(0, buf.data() + off, n)) << off << " " << n;
+      uint32_t a = ::sinew::detail::crc32c(buf.data() + off, n);
+      EXPECT_EQ(a, ::sinew::detail::crc32cPortable(0, buf.data() + off, n)) << off << " " << n;
       // Extending in two pieces equals one pass.
-      uint32_t b = detail::crc32cExtend(detail::crc32c(buf.data() + off, n / 3),
-                                        buf.data() + off + n / 3, n - n / 3);
+      uint32_t b = ::sinew::detail::crc32cExtend(::sinew::detail::crc32c(buf.data() + off, n / 3),
+                                                 buf.data() + off + n / 3, n - n / 3);
       EXPECT_EQ(a, b);
     }
   }
@@ -321,7 +321,7 @@ TEST(SnapshotTest, MemoryStaysFlatOverAThousandCheckpointsWithReplication) {
   EXPECT_EQ(CheckpointEngine::committedIn(*store, "sinew/ckpt"), 999);
 }
 
-// Replication yields to training traffic (DESIGN.md section 5; the trainer brackets its
+// Replication yields to training traffic (docs/architecture.md section 5; the trainer brackets its
 // stages' transfers and collectives with the engine's TrafficGate): while worker 0 has a
 // transfer in flight, no chunk of its replica goes out; the first goes once the transfer ends.
 // And a gate that never opens delays each chunk by at most maxYield, so the version still
@@ -474,7 +474,7 @@ TEST(PlacementTest, RecoveryForEveryKilledPairOfSixteenMatchesGeminisAnalysis) {
   EXPECT_EQ(pairs, 120);
   EXPECT_EQ(recovered, 112);
   EXPECT_NEAR(1.0 - groupPlacementFailureProbability(n, m, 2), recovered / 120.0, 1e-12);
-  EXPECT_NEAR(recovered / 120.0, 0.9333, 1e-4);  // DESIGN.md's worked example.
+  EXPECT_NEAR(recovered / 120.0, 0.9333, 1e-4);  // docs/architecture.md's worked example.
   // The union bound is tight for k = 2 and a lower bound for every k.
   for (int k = 2; k <= 6; ++k) {
     std::vector<int> pick(k);
@@ -577,7 +577,7 @@ TEST(PersistTest, FlippedByteAndTruncationAreCorruptionNamingFileLayerAndChecksu
     EXPECT_NE(what.find(file), std::string::npos) << what;
     EXPECT_NE(what.find("layer layers.1 tensor bias"), std::string::npos) << what;
     EXPECT_NE(what.find("expected " + hex32(bias.crc32c)), std::string::npos) << what;
-    uint32_t actual = detail::crc32c(bytes.data() + dataStart + bias.offset, bias.nbytes);
+    uint32_t actual = ::sinew::detail::crc32c(bytes.data() + dataStart + bias.offset, bias.nbytes);
     EXPECT_NE(what.find("crc32c " + hex32(actual)), std::string::npos) << what;
   }
   // Truncated.

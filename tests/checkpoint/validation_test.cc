@@ -17,7 +17,7 @@
 #include <functional>
 
 #include "../tool_support.h"
-#include "sinew/checkpoint/detail/crc32c.h"
+#include "sinew/base/crc32c.h"
 #include "sinew/checkpoint/engine.h"
 #include "sinew/checkpoint/persist.h"
 #include "sinew/checkpoint/snapshot.h"

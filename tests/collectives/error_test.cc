@@ -6,7 +6,7 @@
 #include <string>
 #include <type_traits>
 
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 #include "sinew/error.h"
 
 namespace sinew {

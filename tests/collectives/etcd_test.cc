@@ -10,7 +10,7 @@
 #include <thread>
 
 #include "../etcd_support.h"
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 #include "sinew/collectives/etcd_client.h"
 #include "sinew/collectives/etcd_store.h"
 

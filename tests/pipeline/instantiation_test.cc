@@ -11,7 +11,7 @@
 #include <tuple>
 
 #include "brute_force.h"
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 
 namespace sinew {
 namespace pipeline {

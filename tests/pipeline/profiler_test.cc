@@ -8,7 +8,7 @@
 #include <stdexcept>
 #include <thread>
 
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 #include "sinew/pipeline/template_planner.h"
 
 namespace sinew {

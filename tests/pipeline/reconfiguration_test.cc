@@ -10,7 +10,7 @@
 #include <tuple>
 
 #include "brute_force.h"
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 
 namespace sinew {
 namespace pipeline {
@@ -98,33 +98,26 @@ void checkReconfiguration(const TemplateSet& set, const Plan& before, const std:
   for (const PipelinePlan& p : before.pipelines) {
     for (int id : p.nodeIds) EXPECT_TRUE(lost.count(id) || seen.count(id)) << id;
   }
-  // Each worker holds its layers after the copies: it held them or a copy brings them from a
-  // survivor that held them.
-  std::map<std::pair<int, int>, std::pair<int, int>> held;
-  for (const WorkerAssignment& w : workerAssignments(set, before)) {
-    if (!lost.count(w.node)) held[{w.node, w.device}] = {w.firstLayer, w.endLayer};
-  }
-  std::map<std::pair<int, int>, std::set<int>> copied;
-  for (const LayerCopy& c : r.copies) {
-    EXPECT_LT(c.first_layer, c.end_layer);
-    if (c.source_node_id >= 0) {
-      EXPECT_EQ(lost.count(c.source_node_id), 0u);
-      auto it = held.find({c.source_node_id, c.source_device});
-      ASSERT_NE(it, held.end());
-      EXPECT_LE(it->second.first, c.first_layer);
-      EXPECT_GE(it->second.second, c.end_layer);
-    }
-    for (int l = c.first_layer; l < c.end_layer; ++l) copied[{c.node_id, c.device}].insert(l);
-  }
-  for (const WorkerAssignment& w : workerAssignments(set, plan)) {
-    auto it = held.find({w.node, w.device});
+}
+
+// Whether worker (node, device) of `next` holds layer l that it did not hold in `previous`, and
+// some worker of `previous` not in `lost` held it (the runtime copies it from a live holder).
+bool copiedFromASurvivor(const TemplateSet& set, const Plan& previous, const Plan& next,
+                         const std::set<int>& lost, int node, int device) {
+  bool any = false;
+  for (const WorkerAssignment& w : workerAssignments(set, next)) {
+    if (w.node != node || w.device != device) continue;
     for (int l = w.firstLayer; l < w.endLayer; ++l) {
-      bool had = it != held.end() && it->second.first <= l && l < it->second.second;
-      const bool copied_here = copied[std::make_pair(w.node, w.device)].count(l) > 0;
-      EXPECT_TRUE(had || copied_here)
-          << "worker " << w.node << "/" << w.device << " lacks layer " << l;
+      bool had = false, survives = false;
+      for (const WorkerAssignment& o : workerAssignments(set, previous)) {
+        const bool holds = o.firstLayer <= l && l < o.endLayer;
+        had = had || (holds && o.node == node && o.device == device);
+        survives = survives || (holds && !lost.count(o.node));
+      }
+      any = any || (!had && survives);
     }
   }
+  return any;
 }
 
 TEST(ReconfigurationTest, ShrinksToTheTemplateWithOneNodeFewer) {
@@ -158,10 +151,8 @@ TEST(ReconfigurationTest, BorrowsFromTheLargestPipeline) {
   EXPECT_EQ(r.plan.pipelines[0].nodeIds, (std::vector<int>{1, 6}));
   EXPECT_EQ(r.plan.pipelines[1].nodeIds, (std::vector<int>{3, 4, 5}));
   checkReconfiguration(set, plan, {0, 2}, r);
-  // Node 6 now runs layers it did not hold, copied from a surviving replica.
-  bool node6 = false;
-  for (const LayerCopy& c : r.copies) node6 |= c.node_id == 6 && c.source_node_id >= 0;
-  EXPECT_TRUE(node6);
+  // Node 6 now runs layers it did not hold, which a surviving replica holds.
+  EXPECT_TRUE(copiedFromASurvivor(set, plan, r.plan, {0, 2}, 6, 0));
 }
 
 TEST(ReconfigurationTest, MergesWhenBorrowingCannotHelp) {
@@ -198,7 +189,6 @@ TEST(ReconfigurationTest, ErrorsAndUnchangedPlans) {
   Reconfiguration r = reconfigure(set, plan, {4});  // an idle node
   EXPECT_EQ(r.kind, ReconfigurationKind::kUnchanged);
   EXPECT_TRUE(r.plan.idleNodeIds.empty());
-  EXPECT_TRUE(r.copies.empty());
 }
 
 TEST(ReconfigurationTest, RandomLossSequencesKeepInvariantsAndAreDeterministic) {

@@ -6,7 +6,7 @@
 #include <set>
 
 #include "brute_force.h"
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 #include "sinew/pipeline/cost_model.h"
 #include "sinew/pipeline/instantiation.h"
 #include "sinew/pipeline/reconfiguration.h"

@@ -429,6 +429,7 @@ TEST(ControlJobTest, EveryEndpointAndBadClients) {
   EXPECT_GE(metrics["sinew_step"], 20);
   EXPECT_EQ(metrics["sinew_state{state=\"running\"}"], 1);
   EXPECT_EQ(metrics.count("sinew_checkpoint_flush_seconds_total"), 1u);
+  EXPECT_EQ(metrics["sinew_replicated_bytes_total"], 0);  // Data parallel: no peer replicas.
   EXPECT_EQ(metrics.count("sinew_worker_heartbeat_age_seconds{worker=\"0\",node=\"local-0\"}"), 1u);
 
   // A slow-drip client is cut off at the request deadline (2 s here) with 408.
@@ -760,6 +761,10 @@ TEST(ControlJobTest, PipelineScalingFromTemplates) {
   EXPECT_TRUE(byNodes[5]["feasible"].get<bool>());
   EXPECT_GT(byNodes[5]["measured_samples_per_s"].get<double>(), 0);
   EXPECT_GT(byNodes[4]["predicted_samples_per_s"].get<double>(), 0);
+  // Every worker replicates a peer-RAM version per step: the coordinator counts their bytes.
+  h = api.get("/metrics");
+  ASSERT_EQ(h.status, 200);
+  EXPECT_GT(parsePrometheus(h.body)["sinew_replicated_bytes_total"], 0) << h.body;
   // The model and the measurement agree where both exist (the calibration point).
   EXPECT_NEAR(byNodes[5]["predicted_samples_per_s"].get<double>(),
               byNodes[5]["measured_samples_per_s"].get<double>(),

@@ -342,7 +342,7 @@ TEST(FaultSemanticsTest, FailedFlushIsReportedAndTrainingGoesOn) {
 // The corrupt injection kind damages a version after it was written (bit rot): the job does
 // not notice, a restart does, falls back to the version before it, says so, and ends exact.
 // A kill while the writer takes a snapshot, and a stall while the survivors reconfigure, are
-// survived too (the snapshot and reconfiguration phases of DESIGN.md section 8).
+// survived too (the snapshot and reconfiguration phases of docs/architecture.md section 8).
 TEST(FaultSemanticsTest, CorruptSnapshotAndReconfigurationInjections) {
   const std::string ckpt = logDir("corrupt-inject-ckpt");
   std::filesystem::remove_all(ckpt);

@@ -29,7 +29,7 @@
 #include "../etcd_support.h"
 #include "../tool_support.h"
 #include "job_support.h"
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
 #include "sinew/collectives/etcd_client.h"
 
 namespace {

@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "../tool_support.h"
-#include "sinew/collectives/detail/parse.h"
-#include "sinew/collectives/error.h"
+#include "sinew/base/error.h"
+#include "sinew/base/parse.h"
 #include "sinew/init.h"
 #include "sinew/runtime/failure_injection.h"
 

@@ -1,4 +1,4 @@
-#include "sinew/checkpoint/detail/crc32c.h"
+#include "sinew/base/crc32c.h"
 
 #include <array>
 #include <cstring>
@@ -8,7 +8,6 @@
 #endif
 
 namespace sinew {
-namespace checkpoint {
 namespace detail {
 namespace {
 
@@ -153,5 +152,4 @@ uint32_t crc32cExtend(uint32_t crc, const void* data, size_t n) {
 }
 
 }  // namespace detail
-}  // namespace checkpoint
 }  // namespace sinew

@@ -10,7 +10,6 @@
 #include <cstdint>
 
 namespace sinew {
-namespace checkpoint {
 namespace detail {
 
 // Extends crc (the value of earlier bytes; 0 to start) with n bytes at data.
@@ -23,5 +22,4 @@ uint32_t crc32cPortable(uint32_t crc, const void* data, size_t n);
 bool crc32cHardware();
 
 }  // namespace detail
-}  // namespace checkpoint
 }  // namespace sinew

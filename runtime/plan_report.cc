@@ -1,0 +1,46 @@
+#include "sinew/runtime/plan_report.h"
+
+#include <algorithm>
+#include <sstream>
+
+namespace sinew {
+namespace runtime {
+
+PlanReport reportPlan(const pipeline::Plan& plan, const ModelSpec& spec, int64_t epoch,
+                      double predictedSeconds) {
+  nlohmann::json pipes = nlohmann::json::array();
+  std::ostringstream os;
+  os << "sinew: epoch " << epoch << " plan: " << plan.pipelines.size() << " pipelines";
+  for (size_t p = 0; p < plan.pipelines.size(); ++p) {
+    nlohmann::json stages = nlohmann::json::array();
+    int nstages = 0;
+    std::ostringstream ps;
+    for (const auto& w : plan.workers) {
+      if (w.pipeline != static_cast<int>(p)) continue;
+      nstages = std::max(nstages, w.stage + 1);
+      stages.push_back({{"worker", w.worker},
+                        {"stage", w.stage},
+                        {"first_layer", w.firstLayer},
+                        {"end_layer", w.endLayer}});
+      ps << " w" << w.worker << "[" << spec.layers[w.firstLayer].name << ".."
+         << spec.layers[w.endLayer - 1].name << "]";
+    }
+    pipes.push_back({{"nodes", plan.pipelines[p].nodes},
+                     {"stages", stages},
+                     {"microbatches", plan.pipelines[p].microbatches}});
+    const int nodes = plan.pipelines[p].nodes;
+    os << "\n  pipeline " << p << ": " << nodes << (nodes == 1 ? " node, " : " nodes, ") << nstages
+       << " stages, " << plan.pipelines[p].microbatches << " microbatches:" << ps.str();
+  }
+  PlanReport r;
+  r.event = {{"event", "plan"},
+             {"epoch", epoch},
+             {"pipelines", pipes},
+             {"idle", plan.idleNodeIds},
+             {"predicted_iteration_s", predictedSeconds}};
+  r.text = os.str();
+  return r;
+}
+
+}  // namespace runtime
+}  // namespace sinew

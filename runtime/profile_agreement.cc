@@ -1,0 +1,101 @@
+#include "sinew/runtime/profile_agreement.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "sinew/pipeline/profiler.h"
+
+namespace sinew {
+namespace runtime {
+
+void checkProfile(const pipeline::Profile& profile, size_t layers, int64_t microbatch,
+                  const std::string& where) {
+  if (profile.layers.size() != layers) {
+    SINEW_THROW(InvalidArgument, where, ": the profile has ", profile.layers.size(),
+                " layers but the model has ", layers);
+  }
+  if (profile.job.devices_per_node > microbatch) {
+    SINEW_THROW(InvalidArgument, where, ": devices_per_node = ", profile.job.devices_per_node,
+                " is more than TrainerOptions::microbatch = ", microbatch,
+                ": a stage as wide as a node could not give every worker a sample");
+  }
+}
+
+ProfileAgreement::ProfileAgreement(const TrainerServices& services, const ModelSpec& spec,
+                                   at::Device device, FirstMicrobatch data)
+    : s_(services), spec_(spec), device_(device), data_(std::move(data)) {}
+
+pipeline::Profile ProfileAgreement::agree(const EpochInfo& info, collectives::Store& store) {
+  const std::string key = "sinew/pipeline/profile";
+  if (!store.check({key})) {
+    auto t0 = TrainerClock::now();
+    if (mine_.layers.empty()) mine_ = measure();  // Once, even on retries.
+    const std::string prefix = key + "/e" + std::to_string(info.epoch) + "/w";
+    store.set(prefix + std::to_string(s_.worker()),
+              collectives::toBytes(pipeline::profileToJson(mine_)));
+    if (info.members.front() == s_.worker()) {
+      std::vector<pipeline::Profile> all;
+      for (int w : info.members) {
+        all.push_back(pipeline::parseProfileJson(
+            collectives::toString(store.get(prefix + std::to_string(w), s_.recoveryTimeout()))));
+      }
+      pipeline::Profile agreed = mine_;
+      for (size_t l = 0; l < agreed.layers.size(); ++l) {
+        std::vector<int64_t> f, b;
+        for (const auto& p : all) {
+          f.push_back(p.layers.at(l).forward_ns);
+          b.push_back(p.layers.at(l).backward_ns);
+        }
+        std::sort(f.begin(), f.end());
+        std::sort(b.begin(), b.end());
+        agreed.layers[l].forward_ns = f[f.size() / 2];
+        agreed.layers[l].backward_ns = b[b.size() / 2];
+      }
+      // The first combined profile of the job wins, should two epochs race.
+      store.compareSet(key, {}, collectives::toBytes(pipeline::profileToJson(agreed)));
+    }
+    s_.event({{"event", "profiled"},
+              {"layers", mine_.layers.size()},
+              {"duration_s", seconds(TrainerClock::now() - t0)},
+              {"profile", nlohmann::json::parse(pipeline::profileToJson(mine_))}});
+  }
+  pipeline::Profile profile =
+      pipeline::parseProfileJson(collectives::toString(store.get(key, s_.recoveryTimeout())));
+  checkProfile(profile, spec_.layers.size(), s_.options.microbatch, "the measured profile");
+  return profile;
+}
+
+pipeline::Profile ProfileAgreement::measure() {
+  const TrainerOptions& o = s_.options;
+  const int L = static_cast<int>(spec_.layers.size());
+  std::vector<pipeline::ProfiledLayer> layers;
+  for (int i = 0; i < L; ++i) {
+    torch::nn::Sequential m = buildLayers(spec_, o.seed, o.dtype, i, i + 1);
+    m->to(device_);
+    layers.push_back({spec_.layers[i].name,
+                      [m](const at::Tensor& x) mutable { return m->forward(x); }, m->parameters()});
+  }
+  pipeline::ProfilerOptions po;
+  po.job.devices_per_node = o.devicesPerNode;
+  po.job.device_memory_bytes = o.deviceMemoryBytes > 0 ? o.deviceMemoryBytes : int64_t{1} << 50;
+  po.job.inter_stage_gbps = 10;  // Loopback TCP between workers of one host.
+  // A stage's in-node allreduce runs over the same loopback TCP (Gloo), with a ring step's
+  // latency of a few tens of microseconds.
+  po.job.allreduce.bandwidth_gbps = 10;
+  po.job.allreduce.latency_us = 50;
+  po.microbatch_size = o.microbatch;
+  // Medians over many whole-microbatch runs: a short profile on a busy machine can be off
+  // by half, and the plan and its predicted iteration time rest on it.
+  po.warmup = 3;
+  po.repeats = 21;
+  // The last stage computes the loss after its layers: its time is the last layer's.
+  auto [input, target] = data_();
+  po.loss = [this](const at::Tensor& y, const at::Tensor& t) { return spec_.loss(y, t); };
+  po.target = target;
+  return pipeline::profileLayers(layers, input, po);
+}
+
+}  // namespace runtime
+}  // namespace sinew

@@ -1,0 +1,57 @@
+#include "sinew/runtime/trainer_options.h"
+
+#include "sinew/base/error.h"
+#include "sinew/communicator.h"
+
+namespace sinew {
+namespace runtime {
+
+void checkTrainerOptions(const TrainerOptions& o, const ModelSpec& spec) {
+  if (o.globalBatch <= 0 || o.microbatch <= 0 || o.globalBatch % o.microbatch != 0) {
+    SINEW_THROW(InvalidArgument, "TrainerOptions::microbatch = ", o.microbatch,
+                " must be positive and divide globalBatch = ", o.globalBatch);
+  }
+  if (!spec.loss || !spec.optimizer || !spec.dataset) {
+    SINEW_THROW(InvalidArgument, "ModelSpec needs a loss, an optimizer and a dataset; missing:",
+                spec.loss ? "" : " loss", spec.optimizer ? "" : " optimizer",
+                spec.dataset ? "" : " dataset");
+  }
+  if (spec.datasetSize <= 0) {
+    SINEW_THROW(InvalidArgument, "ModelSpec::datasetSize = ", spec.datasetSize,
+                " must be positive");
+  }
+  if (o.parallelism != Parallelism::kPipeline) return;
+  if (o.faultTolerance < 0) {
+    SINEW_THROW(InvalidArgument, "TrainerOptions::faultTolerance = ", o.faultTolerance,
+                " must be >= 0");
+  }
+  if (o.deviceMemoryBytes < 0) {
+    SINEW_THROW(InvalidArgument, "TrainerOptions::deviceMemoryBytes = ", o.deviceMemoryBytes,
+                " must be >= 0 (0: unlimited)");
+  }
+  if (o.devicesPerNode < 1 || o.devicesPerNode > 4096) {
+    SINEW_THROW(InvalidArgument, "TrainerOptions::devicesPerNode = ", o.devicesPerNode,
+                " must be in [1, 4096]");
+  }
+  if (o.maxWorkers < 0 || o.maxWorkers > (1 << 20)) {
+    SINEW_THROW(InvalidArgument, "TrainerOptions::maxWorkers = ", o.maxWorkers,
+                " must be in [0, 2^20] (0: SINEW_MAX_WORKERS, else twice the start)");
+  }
+  if (o.laneSocketBufferBytes < 0 ||
+      o.laneSocketBufferBytes > collectives::kMaxLaneSocketBufferBytes) {
+    SINEW_THROW(InvalidArgument,
+                "TrainerOptions::laneSocketBufferBytes = ", o.laneSocketBufferBytes,
+                " must be in [0, 2^30] (0: the kernel's autotuning)");
+  }
+  if (o.peerCheckpointEvery < 0 || o.replicas < 1) {
+    SINEW_THROW(InvalidArgument, "TrainerOptions::peerCheckpointEvery = ", o.peerCheckpointEvery,
+                " must be >= 0 and replicas = ", o.replicas, " >= 1");
+  }
+  if (o.profilePath.empty() && o.devicesPerNode > o.microbatch) {
+    SINEW_THROW(InvalidArgument, "TrainerOptions::devicesPerNode = ", o.devicesPerNode,
+                " is more than microbatch = ", o.microbatch,
+                ": a stage as wide as a node could not give every worker a sample");
+  }
+}
+}  // namespace runtime
+}  // namespace sinew

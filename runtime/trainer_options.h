@@ -1,0 +1,21 @@
+#pragma once
+
+// Internal: the checks of a Trainer's options and model spec that need nothing else (the
+// device, the profile file and the optimizer are checked where they are made).
+//
+// Thread safety: a pure function.
+
+#include "sinew/model.h"
+#include "sinew/trainer.h"
+
+namespace sinew {
+namespace runtime {
+
+// Throws InvalidArgument naming the first option (TrainerOptions::x = value) or ModelSpec
+// field that is out of range or missing: batch sizes, the spec's loss, optimizer, dataset and
+// its size; in pipeline mode also fault tolerance, memory, devices per node, the most workers,
+// the lanes' socket buffers and the peer-RAM versions' period and replicas.
+void checkTrainerOptions(const TrainerOptions& options, const ModelSpec& spec);
+
+}  // namespace runtime
+}  // namespace sinew

@@ -1,0 +1,284 @@
+// The stage executor in one process: workers are threads with Gloo communicators over an
+// in-memory store. Each test runs one 1F1B step of a two-stage pipeline over 3 microbatches
+// and compares the loss and every parameter gradient with a single-process forward and
+// backward of the whole model over the same samples.
+
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include "sinew/collectives/hash_store.h"
+#include "sinew/communicator.h"
+#include "sinew/pipeline/stage_executor.h"
+
+namespace sinew {
+namespace pipeline {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr int64_t kMicrobatch = 4;
+constexpr int64_t kMicrobatches = 3;
+constexpr int64_t kGlobalBatch = kMicrobatch * kMicrobatches;
+
+// Layer 0: tanh(x W0^T + b0), 4 -> 8; layer 1: x W1^T + b1, 8 -> 3. Loss: mean squared error.
+struct Model {
+  std::vector<at::Tensor> params;  // W0, b0, W1, b1
+
+  static Model make() {
+    at::manual_seed(7);
+    Model m;
+    for (auto sizes : std::vector<std::vector<int64_t>>{{8, 4}, {8}, {3, 8}, {3}}) {
+      m.params.push_back(at::randn(sizes, at::kDouble).requires_grad_(true));
+    }
+    return m;
+  }
+  Model clone() const {
+    Model m;
+    for (const auto& p : params) m.params.push_back(p.detach().clone().requires_grad_(true));
+    return m;
+  }
+  at::Tensor layer0(const at::Tensor& x) const {
+    return at::tanh(at::linear(x, params[0], params[1]));
+  }
+  at::Tensor layer1(const at::Tensor& x) const { return at::linear(x, params[2], params[3]); }
+};
+
+at::Tensor loss(const at::Tensor& y, const at::Tensor& t) { return (y - t).pow(2).mean(); }
+
+struct Data {
+  at::Tensor x, y;  // kGlobalBatch samples
+  Data() {
+    at::manual_seed(11);
+    x = at::randn({kGlobalBatch, 4}, at::kDouble);
+    y = at::randn({kGlobalBatch, 3}, at::kDouble);
+  }
+  std::pair<at::Tensor, at::Tensor> slice(int64_t m, int64_t begin, int64_t end) const {
+    return {x.narrow(0, m * kMicrobatch + begin, end - begin),
+            y.narrow(0, m * kMicrobatch + begin, end - begin)};
+  }
+};
+
+// One pipeline whose stage 0 is `widths[0]` workers wide and stage 1 `widths[1]`; worker ids in
+// order of stage, then device; every worker runs all 3 microbatches.
+Plan twoStagePlan(int width0, int width1) {
+  Plan plan;
+  plan.epoch = 1;
+  plan.numLayers = 2;
+  plan.microbatchesPerStep = kMicrobatches;
+  plan.pipelines.push_back({2, {0, 1}, kMicrobatches, 0});
+  int worker = 0;
+  for (int stage = 0; stage < 2; ++stage) {
+    for (int d = 0; d < (stage == 0 ? width0 : width1); ++d) {
+      WorkerAssignment w;
+      w.worker = worker++;
+      w.node = stage;
+      w.device = d;
+      w.pipeline = 0;
+      w.stage = stage;
+      w.firstLayer = stage;
+      w.endLayer = stage + 1;
+      w.microbatches = {0, 1, 2};
+      plan.workers.push_back(w);
+    }
+  }
+  return plan;
+}
+
+// Runs body(worker, communicator) on one thread per worker 0..n-1, each with a Gloo
+// communicator of all of them (point to point on lanes, as the trainer's), and rethrows the
+// first worker's error.
+void onThreads(int n, const std::function<void(int, collectives::Communicator&)>& body) {
+  std::vector<int> members;
+  for (int w = 0; w < n; ++w) members.push_back(w);
+  auto store = std::make_shared<collectives::HashStore>();
+  std::vector<std::exception_ptr> errors(n);
+  std::vector<std::thread> threads;
+  for (int w = 0; w < n; ++w) {
+    threads.emplace_back([&, w] {
+      try {
+        collectives::CommunicatorOptions co;
+        co.members = members;
+        co.self = w;
+        co.epoch = 1;
+        co.name = "pp";
+        co.timeout = 30s;
+        co.initTimeout = 30s;
+        co.p2pLanes = true;
+        auto comm = collectives::createGlooCommunicator(store, co);
+        body(w, *comm);
+      } catch (...) {
+        errors[w] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+struct WorkerOutcome {
+  Model model;
+  StageStepResult result;
+  int exchanges = 0;
+  bool firstBackwardHookRan = false;
+};
+
+// Runs one step of `plan` with one thread per worker; returns each worker's outcome.
+std::vector<WorkerOutcome> runStep(const Plan& plan, const Model& start, const Data& data) {
+  std::vector<WorkerOutcome> out(plan.workers.size());
+  onThreads(static_cast<int>(plan.workers.size()), [&](int w, collectives::Communicator& comm) {
+    WorkerOutcome& o = out[w];
+    o.model = start.clone();
+    const int layer = plan.workers[w].firstLayer;
+    StageExecutorOptions eo;
+    eo.microbatch = kMicrobatch;
+    eo.globalBatch = kGlobalBatch;
+    eo.lastLayerName = "layer" + std::to_string(layer);
+    StageExecutor executor(plan, w, comm, eo);
+    StageStep step;
+    step.forward = [&o, layer](const at::Tensor& x) {
+      return layer == 0 ? o.model.layer0(x) : o.model.layer1(x);
+    };
+    step.loss = loss;
+    step.data = [&data](int64_t m, int64_t b, int64_t e) { return data.slice(m, b, e); };
+    step.timeout = 30s;
+    step.aroundExchange = [&o](const std::function<void()>& transfer) {
+      o.exchanges++;
+      transfer();
+    };
+    step.beforeFirstBackward = [&o] { o.firstBackwardHookRan = true; };
+    o.result = executor.run(step);
+  });
+  return out;
+}
+
+// The reference: the whole model, one process, the same microbatches and loss scaling.
+struct Reference {
+  Model model;
+  double lossSum = 0;
+};
+Reference reference(const Model& start, const Data& data) {
+  Reference r{start.clone()};
+  for (int64_t m = 0; m < kMicrobatches; ++m) {
+    auto [x, y] = data.slice(m, 0, kMicrobatch);
+    at::Tensor l = loss(r.model.layer1(r.model.layer0(x)), y);
+    (l * (static_cast<double>(kMicrobatch) / kGlobalBatch)).backward();
+    r.lossSum += l.item<double>() * kMicrobatch;
+  }
+  return r;
+}
+
+class StageExecutorTest : public ::testing::TestWithParam<std::pair<int, int>> {};
+
+TEST_P(StageExecutorTest, OneStepEqualsASingleProcessForwardAndBackward) {
+  const auto [width0, width1] = GetParam();
+  const Model start = Model::make();
+  const Data data;
+  const Plan plan = twoStagePlan(width0, width1);
+  std::vector<WorkerOutcome> out = runStep(plan, start, data);
+  Reference ref = reference(start, data);
+
+  // The loss: the last stage's workers together hold the sum over the global batch; the first
+  // stage's report none.
+  double lossSum = 0;
+  for (int w = 0; w < width0 + width1; ++w) {
+    if (w < width0) {
+      EXPECT_EQ(out[w].result.lossSum, 0) << "worker " << w;
+    }
+    lossSum += out[w].result.lossSum;
+    EXPECT_TRUE(out[w].firstBackwardHookRan) << "worker " << w;
+    EXPECT_GT(out[w].exchanges, 0) << "worker " << w;
+  }
+  EXPECT_NEAR(lossSum, ref.lossSum, 1e-12 * std::abs(ref.lossSum));
+
+  // Each stage's parameter gradients, summed over the stage's workers (each ran its slice of
+  // every microbatch), are the reference's; the layers a worker does not hold got none.
+  for (int stage = 0; stage < 2; ++stage) {
+    for (int p = 2 * stage; p < 2 * stage + 2; ++p) {
+      at::Tensor sum = at::zeros_like(ref.model.params[p]);
+      for (const auto& w : plan.workers) {
+        const at::Tensor& g = out[w.worker].model.params[p].grad();
+        if (w.stage != stage) {
+          EXPECT_FALSE(g.defined()) << "worker " << w.worker << " param " << p;
+          continue;
+        }
+        ASSERT_TRUE(g.defined()) << "worker " << w.worker << " param " << p;
+        sum += g;
+      }
+      EXPECT_TRUE(at::allclose(sum, ref.model.params[p].grad(), 1e-12, 1e-12))
+          << "param " << p << ": " << (sum - ref.model.params[p].grad()).abs().max().item<double>();
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Widths, StageExecutorTest,
+                         ::testing::Values(std::make_pair(1, 1), std::make_pair(2, 1),
+                                           std::make_pair(1, 2)),
+                         [](const auto& info) {
+                           return "stage0x" + std::to_string(info.param.first) + "_stage1x" +
+                                  std::to_string(info.param.second);
+                         });
+
+// The schedule is 1F1B: with 2 stages and 3 microbatches, stage 0 runs one warm-up forward,
+// and the order of its forwards (F) and backwards (B) is F F B F B B; stage 1 alternates F B.
+TEST(StageExecutorScheduleTest, RunsOneForwardOneBackward) {
+  const Model start = Model::make();
+  const Data data;
+  const Plan plan = twoStagePlan(1, 1);
+  std::vector<std::string> order(2);
+  onThreads(2, [&](int w, collectives::Communicator& comm) {
+    Model model = start.clone();
+    StageExecutorOptions eo;
+    eo.microbatch = kMicrobatch;
+    eo.globalBatch = kGlobalBatch;
+    StageExecutor executor(plan, w, comm, eo);
+    StageStep step;
+    // A hook on the stage's output's gradient marks each backward.
+    step.forward = [&, w](const at::Tensor& x) {
+      order[w] += "F";
+      at::Tensor y = w == 0 ? model.layer0(x) : model.layer1(x);
+      y.register_hook([&order, w](const at::Tensor& g) {
+        order[w] += "B";
+        return g;
+      });
+      return y;
+    };
+    step.loss = loss;
+    step.data = [&data](int64_t m, int64_t b, int64_t e) { return data.slice(m, b, e); };
+    executor.run(step);
+  });
+  EXPECT_EQ(order[0], "FFBFBB");
+  EXPECT_EQ(order[1], "FBFBFB");
+}
+
+// A worker whose communicator lacks a neighbouring stage's worker is refused by name.
+TEST(StageExecutorScheduleTest, RefusesACommunicatorWithoutTheNeighbours) {
+  const Plan plan = twoStagePlan(1, 1);
+  auto store = std::make_shared<collectives::HashStore>();
+  collectives::CommunicatorOptions co;
+  co.members = {0};
+  co.self = 0;
+  co.epoch = 1;
+  auto comm = collectives::createGlooCommunicator(store, co);
+  StageExecutorOptions eo;
+  eo.microbatch = kMicrobatch;
+  eo.globalBatch = kGlobalBatch;
+  try {
+    StageExecutor executor(plan, 0, *comm, eo);
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("worker 1 of stage 1"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace pipeline
+}  // namespace sinew
