@@ -14,9 +14,12 @@
 #include <cstdlib>
 #include <functional>
 #include <limits>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "sinew/init.h"
 #include "sinew/trainer.h"
 
 namespace sinew_example {
@@ -159,6 +162,47 @@ inline sinew::TrainerOptions trainerOptions(const CommonArgs& a) {
   o.device = a.device;
   o.backend = a.backend;
   return o;
+}
+
+// sinew::init() for `program`: the job's handle, or null after saying why this worker could
+// not join (the program then exits with status 1).
+inline std::unique_ptr<sinew::Context> join(const char* program, int* argc, char*** argv) {
+  try {
+    return sinew::init(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: cannot join the job: %s\n", program, e.what());
+    return nullptr;
+  }
+}
+
+// Trains `spec` with `o` on this worker into *trainer and *result. Returns the program's exit
+// status when it must stop here, having said why: 3 when the job expelled this worker, 1 on
+// another error, 0 when it was preempted (it left the job cleanly); nothing when it trained to
+// the end, after saying so if it resumed from a durable checkpoint.
+inline std::optional<int> train(const char* program, sinew::Context& ctx,
+                                const sinew::ModelSpec& spec, const sinew::TrainerOptions& o,
+                                std::unique_ptr<sinew::Trainer>* trainer,
+                                sinew::TrainResult* result) {
+  try {
+    *trainer = std::make_unique<sinew::Trainer>(ctx, spec, o);
+    *result = (*trainer)->run();
+  } catch (const sinew::Expelled& e) {
+    std::fprintf(stderr, "%s: worker %d left the job: %s\n", program, ctx.worker(), e.what());
+    return 3;
+  } catch (const sinew::Error& e) {
+    std::fprintf(stderr, "%s: worker %d failed: %s\n", program, ctx.worker(), e.what());
+    return 1;
+  }
+  if (result->preempted) {
+    std::printf("%s: worker %d left the job (preempted) after step %lld\n", program, ctx.worker(),
+                static_cast<long long>(result->steps - 1));
+    return 0;
+  }
+  if (result->startStep > 0) {
+    std::printf("%s: worker %d resumed from the durable checkpoint of step %lld\n", program,
+                ctx.worker(), static_cast<long long>(result->startStep - 1));
+  }
+  return std::nullopt;
 }
 
 inline sinew::OptimizerFactory optimizer(const CommonArgs& a) {

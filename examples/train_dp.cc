@@ -81,36 +81,13 @@ sinew::ModelSpec model(const CommonArgs& a) {
 int main(int argc, char** argv) {
   CommonArgs a = parse(argc, argv);
   at::set_num_threads(1);  // Several workers share a few cores.
-  std::unique_ptr<sinew::Context> ctx;
-  try {
-    ctx = sinew::init(&argc, &argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "train_dp: cannot join the job: %s\n", e.what());
-    return 1;
-  }
+  std::unique_ptr<sinew::Context> ctx = sinew_example::join("train_dp", &argc, &argv);
+  if (!ctx) return 1;
   sinew::TrainerOptions o = sinew_example::trainerOptions(a);
   sinew::ModelSpec spec = model(a);
   std::unique_ptr<sinew::Trainer> trainer;
   sinew::TrainResult r;
-  try {
-    trainer = std::make_unique<sinew::Trainer>(*ctx, spec, o);
-    r = trainer->run();
-  } catch (const sinew::Expelled& e) {
-    std::fprintf(stderr, "train_dp: worker %d left the job: %s\n", ctx->worker(), e.what());
-    return 3;
-  } catch (const sinew::Error& e) {
-    std::fprintf(stderr, "train_dp: worker %d failed: %s\n", ctx->worker(), e.what());
-    return 1;
-  }
-  if (r.preempted) {
-    std::printf("train_dp: worker %d left the job (preempted) after step %lld\n", ctx->worker(),
-                static_cast<long long>(r.steps - 1));
-    return 0;
-  }
-  if (r.startStep > 0) {
-    std::printf("train_dp: worker %d resumed from the durable checkpoint of step %lld\n",
-                ctx->worker(), static_cast<long long>(r.startStep - 1));
-  }
+  if (auto status = sinew_example::train("train_dp", *ctx, spec, o, &trainer, &r)) return *status;
   if (r.checkpointsWritten > 0 || r.checkpointsSkipped > 0) {
     std::printf(
         "train_dp: worker %d wrote %lld checkpoints (skipped %lld), optimizer steps "

@@ -228,13 +228,8 @@ int main(int argc, char** argv) {
   gEmbed = a.width;
   gRagged = a.ragged;
   at::set_num_threads(1);  // Several workers share a few cores.
-  std::unique_ptr<sinew::Context> ctx;
-  try {
-    ctx = sinew::init(&argc, &argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "train_pp: cannot join the job: %s\n", e.what());
-    return 1;
-  }
+  std::unique_ptr<sinew::Context> ctx = sinew_example::join("train_pp", &argc, &argv);
+  if (!ctx) return 1;
   sinew::TrainerOptions o = sinew_example::trainerOptions(a);
   o.parallelism = a.dataParallel ? sinew::Parallelism::kData : sinew::Parallelism::kPipeline;
   o.faultTolerance = a.faultTolerance;
@@ -248,25 +243,7 @@ int main(int argc, char** argv) {
   sinew::ModelSpec spec = model(a);
   sinew::TrainResult r;
   std::unique_ptr<sinew::Trainer> trainer;
-  try {
-    trainer = std::make_unique<sinew::Trainer>(*ctx, spec, o);
-    r = trainer->run();
-  } catch (const sinew::Expelled& e) {
-    std::fprintf(stderr, "train_pp: worker %d left the job: %s\n", ctx->worker(), e.what());
-    return 3;
-  } catch (const sinew::Error& e) {
-    std::fprintf(stderr, "train_pp: worker %d failed: %s\n", ctx->worker(), e.what());
-    return 1;
-  }
-  if (r.preempted) {
-    std::printf("train_pp: worker %d left the job (preempted) after step %lld\n", ctx->worker(),
-                static_cast<long long>(r.steps - 1));
-    return 0;
-  }
-  if (r.startStep > 0) {
-    std::printf("train_pp: worker %d resumed from the durable checkpoint of step %lld\n",
-                ctx->worker(), static_cast<long long>(r.startStep - 1));
-  }
+  if (auto status = sinew_example::train("train_pp", *ctx, spec, o, &trainer, &r)) return *status;
   std::string held = r.layers.empty() ? "no layers" : r.layers.front() + ".." + r.layers.back();
   std::printf(
       "train_pp: worker %d done: %lld steps, epoch %lld, %zu workers, pipeline %d of %d, stage "

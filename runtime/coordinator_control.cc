@@ -1,0 +1,705 @@
+#include "sinew/runtime/coordinator_impl.h"
+
+namespace sinew {
+namespace runtime {
+
+// The coordinator's control API (docs/control_api.md): the views and requests a scheduler
+// makes, the Prometheus metrics and the event feed. Runs on the io thread, under mu_.
+
+void Coordinator::Impl::onVoteStats(Worker& w, const json& body) {
+  if (body.contains("compute_us")) w.computeSeconds = body.at("compute_us").get<int64_t>() * 1e-6;
+  if (body.contains("stall_us")) {
+    const double stall = body.at("stall_us").get<int64_t>() * 1e-6;
+    w.stallSeconds += stall;
+    stallSeconds_ += stall;
+  }
+  if (body.contains("replicated_bytes"))
+    replicatedBytes_ += body.at("replicated_bytes").get<int64_t>();
+}
+
+void Coordinator::Impl::onDurable(int worker, const json& body) {
+  const int64_t step = body.at("step").get<int64_t>();
+  const double flush = body.at("flush_us").get<int64_t>() * 1e-6;
+  durableWrites_++;
+  durableBytes_ += body.at("bytes").get<int64_t>();
+  flushSecondsTotal_ += flush;
+  if (step >= durable_.step) {
+    durable_.step = step;
+    durable_.path = body.at("path").get<std::string>();
+    durable_.bytes = body.at("bytes").get<int64_t>();
+    durable_.flushSeconds = flush;
+    durable_.at = Clock::now();
+  }
+  persistThrottled();
+  event({{"event", "checkpoint"},
+         {"step", step},
+         {"worker", worker},
+         {"bytes", body.at("bytes").get<int64_t>()},
+         {"flush_s", flush},
+         {"path", body.at("path").get<std::string>()}});
+}
+
+void Coordinator::Impl::updateDrains() {
+  for (auto& [id, d] : drains_) {
+    if (d.releaseStep >= 0) continue;
+    bool all = true;
+    for (int w : d.workers) all = all && !workers_.count(w);
+    if (all) d.releaseStep = committed_;
+  }
+}
+
+void Coordinator::Impl::sendCommit(int worker, int64_t step, bool nextEpoch) {
+  json body = {{"step", step}};
+  if (nextEpoch) body["next_epoch"] = true;
+  if (checkpointStep_ == step) body["checkpoint"] = true;
+  // Workers derive their operation and recovery deadlines from it (failure_semantics.md 12).
+  if (options_.progressFloor.count() > 0) body["step_deadline_ms"] = stepDeadline().count();
+  send(worker, wire::Type::kCommit, body);
+}
+
+// Called once per commit, before the commit is sent.
+void Coordinator::Impl::noteCommit(int64_t step) {
+  const auto now = Clock::now();
+  if (lastCommit_ != Clock::time_point{}) {
+    stepTimes_.push_back(now - lastCommit_);
+    if (stepTimes_.size() > 20) stepTimes_.pop_front();
+    const double s = secondsOf(now - lastCommit_);
+    effectiveSeconds_ += s;
+    auto& bySize = stepSecondsBySize_[static_cast<int>(members_.size())];
+    bySize.push_back(s);
+    if (bySize.size() > 50) bySize.pop_front();
+  }
+  lastCommit_ = now;
+  if (commits_++ == 0) firstCommit_ = now;
+  epochCommits_++;
+  if (recovering_) {
+    recovering_ = false;
+    const double took = secondsOf(now - recoveringSince_);
+    recoverySeconds_.push_back(took);
+    event({{"event", "recovered"}, {"step", step}, {"epoch", epoch_}, {"seconds", took}});
+  }
+  if (checkpointNext_) {
+    checkpointNext_ = false;
+    checkpointStep_ = step;
+    event({{"event", "checkpoint_requested"}, {"step", step}});
+  }
+}
+
+std::string Coordinator::Impl::state() const {
+  if (jobFailed_ || (epoch_ >= 0 && members_.empty() && !finished_)) return "failed";
+  if (finished_) return "finished";
+  if (epoch_ < 0) return "starting";
+  if (stopRequested_ || !leaving_.empty()) return "draining";
+  if (recovering_ || (epoch_ > 0 && epochCommits_ == 0)) return "reconfiguring";
+  if (checkpointNext_ || checkpointStep_ > durable_.step) return "checkpointing";
+  return "running";
+}
+
+std::vector<std::string> Coordinator::Impl::nodesOf(const std::vector<int>& workers) const {
+  std::vector<std::string> nodes;
+  for (int id : workers) {
+    auto it = workers_.find(id);
+    if (it == workers_.end()) continue;
+    if (std::find(nodes.begin(), nodes.end(), it->second.node) == nodes.end()) {
+      nodes.push_back(it->second.node);
+    }
+  }
+  return nodes;
+}
+
+// Nodes the job trains on and keeps (members not on their way out).
+int Coordinator::Impl::currentNodes() const {
+  std::vector<int> staying;
+  for (int id : members_) {
+    if (!leaving_.count(id)) staying.push_back(id);
+  }
+  if (pipelineJob_) return static_cast<int>(staying.size()) / profile_.job.devices_per_node;
+  return static_cast<int>(nodesOf(staying).size());
+}
+
+json Coordinator::Impl::durableJson() const {
+  if (durable_.step < 0) return nullptr;
+  return json{{"step", durable_.step},
+              {"path", durable_.path},
+              {"bytes", durable_.bytes},
+              {"flush_s", durable_.flushSeconds},
+              {"age_s", secondsOf(Clock::now() - durable_.at)}};
+}
+
+json Coordinator::Impl::drainJson(const Drain& d) const {
+  bool safe = true;
+  json workers = json::array();
+  for (int id : d.workers) {
+    std::string st;
+    auto r = releasedWorkers_.find(id);
+    if (r != releasedWorkers_.end()) {
+      st = r->second.exited ? "exited" : "released";
+      safe = safe && r->second.exited;
+    } else if (workers_.count(id)) {
+      st = "training";
+      safe = false;
+    } else {
+      st = "dead";  // declared dead (or expelled at the deadline): the job no longer needs it
+    }
+    workers.push_back({{"worker", id}, {"state", st}});
+  }
+  const bool durable = !checkpointsOn_ || (d.releaseStep >= 0 && durable_.step >= d.releaseStep);
+  json out = {{"id", d.id},
+              {"workers", workers},
+              {"deadline_s", d.deadlineSeconds},
+              {"requested_at", d.requestedAt},
+              {"release_step", d.releaseStep >= 0 ? json(d.releaseStep) : json(nullptr)},
+              {"checkpoint_durable", checkpointsOn_ ? json(durable) : json(nullptr)},
+              {"deadline_missed", d.expelled},
+              {"safe_to_kill", safe}};
+  return out;
+}
+
+double Coordinator::Impl::medianStepSeconds(size_t newest) const {
+  std::vector<double> recent;
+  for (auto it = stepTimes_.rbegin(); it != stepTimes_.rend() && recent.size() < newest; ++it) {
+    recent.push_back(secondsOf(*it));
+  }
+  return median(recent);
+}
+
+double Coordinator::Impl::samplesPerSecondNow() const {
+  if (globalBatch_ <= 0 || stepTimes_.empty() || lastCommit_ == Clock::time_point{}) return 0;
+  const double step = medianStepSeconds(5);
+  // No commit for three step times: the job is not training now (recovering, stuck).
+  if (step <= 0 || secondsOf(Clock::now() - lastCommit_) > 3 * step + 1) return 0;
+  return static_cast<double>(globalBatch_) / step;
+}
+
+std::map<int, double> Coordinator::Impl::measuredStepSeconds() const {
+  std::map<int, double> out;
+  for (const auto& [n, times] : stepSecondsBySize_) {
+    if (times.size() >= 3) out[n] = median(std::vector<double>(times.begin(), times.end()));
+  }
+  return out;
+}
+
+ControlReply Coordinator::Impl::status() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto now = Clock::now();
+  ControlReply r;
+  json& b = r.body;
+  b["state"] = state();
+  b["step"] = committed_ + 1;
+  b["committed_step"] = committed_;
+  b["steps"] = totalSteps_ > 0 ? json(totalSteps_) : json(nullptr);
+  b["epoch"] = epoch_;
+  const double step = medianStepSeconds();
+  b["step_time_s"] = step > 0 ? json(step) : json(nullptr);
+  json members = json::array();
+  for (int id : members_) {
+    auto it = workers_.find(id);
+    if (it == workers_.end()) continue;
+    const Worker& w = it->second;
+    json m = {{"worker", id},
+              {"node", w.node},
+              {"pid", w.pid},
+              {"heartbeat_age_s", secondsOf(now - w.lastHeard)},
+              {"step", w.step},
+              {"waiting", w.waiting},
+              {"leaving", leaving_.count(id) > 0}};
+    m["compute_s"] = w.computeSeconds >= 0 ? json(w.computeSeconds) : json(nullptr);
+    // The share of the step this worker spent computing (the rest it waited on the others).
+    m["step_time_share"] = w.computeSeconds >= 0 && step > 0
+                               ? json(std::min(1.0, w.computeSeconds / step))
+                               : json(nullptr);
+    m["checkpoint_stall_s"] = w.stallSeconds;
+    members.push_back(m);
+  }
+  b["members"] = members;
+  b["pending_joiners"] = pendingJoin_;
+  b["nodes"] = currentNodes();
+  if (pipelineJob_ && !members_.empty()) {
+    try {
+      b["plan"] = json::parse(pipeline::planToJson(plan_ ? *plan_ : pipelinePlan().plan));
+    } catch (const std::exception& e) {
+      b["plan"] = json{{"error", e.what()}};
+    }
+  } else {
+    b["plan"] = json{{"mode", "data_parallel"}, {"workers", members_.size()}};
+  }
+  // Every version is committed when it is durable (peer-RAM versions come with issue 12).
+  b["checkpoint"] = {{"enabled", checkpointsOn_},
+                     {"last_committed", durableJson()},
+                     {"last_durable", durableJson()},
+                     {"requested_step", checkpointNext_ ? json("next") : json(checkpointStep_)}};
+  const double wall = firstCommit_ == Clock::time_point{} ? 0 : secondsOf(now - firstCommit_);
+  b["samples_per_s"] = {{"now", samplesPerSecondNow()},
+                        {"average", wall > 0 && globalBatch_ > 0
+                                        ? static_cast<double>((commits_ - 1) * globalBatch_) / wall
+                                        : 0.0}};
+  json recoveries = json::array();
+  for (double s : recoverySeconds_) recoveries.push_back(s);
+  b["failures"] = failures_;
+  b["rollbacks"] = rollbacks_;
+  b["recovery_s"] = recoveries;
+  b["recovering"] = recovering_;
+  b["effective_training_s"] = effectiveSeconds_;
+  b["wall_s"] = secondsOf(now - startTime_);
+  b["dead"] = dead_;
+  json released = json::array();
+  for (const auto& [id, rw] : releasedWorkers_) {
+    released.push_back(
+        {{"worker", id}, {"node", rw.node}, {"step", rw.step}, {"exited", rw.exited}});
+  }
+  b["released"] = released;
+  json drains = json::array();
+  for (const auto& [id, d] : drains_) drains.push_back(drainJson(d));
+  b["drains"] = drains;
+  b["last_resize"] = lastResize_.is_null() ? json(nullptr) : lastResize_;
+  b["stop"] = stopRequested_ ? json{{"deadline_s", stopDeadline_}} : json(nullptr);
+  return r;
+}
+
+ControlReply Coordinator::Impl::scaling() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ControlReply r;
+  const auto measured = measuredStepSeconds();
+  const int workersNow = static_cast<int>(members_.size());
+  const int nodesNow = currentNodes();
+  json points = json::array();
+  if (pipelineJob_) {
+    // Pipelines: the templates' cost model, scaled to seconds by the step time measured at
+    // the present size (docs/control_api.md).
+    const int G = profile_.job.devices_per_node;
+    double secondsPerTick = 0;
+    auto mine = measured.find(workersNow);
+    try {
+      if (mine != measured.end()) {
+        secondsPerTick = mine->second / (plan_ ? *plan_ : pipelinePlan().plan).iterationTicks;
+      }
+    } catch (const std::exception&) {
+      secondsPerTick = 0;
+    }
+    // Beyond the node count planned for, only more copies of the planned templates fit.
+    const int maxNodes = std::max(templates_.max_nodes, nodesNow);
+    for (int n = std::max(1, templates_.min_nodes); n <= maxNodes + maxNodes / 2 + 1; ++n) {
+      json p = {{"nodes", n}, {"workers", n * G}};
+      try {
+        std::vector<int> ids(n);
+        for (int k = 0; k < n; ++k) ids[k] = k;
+        pipeline::Plan plan = pipeline::makePlan(templates_, ids, planOptions_);
+        p["feasible"] = true;
+        p["pipelines"] = plan.pipelines.size();
+        p["iteration_ticks"] = plan.iterationTicks;
+        p["predicted_samples_per_s"] =
+            secondsPerTick > 0 && globalBatch_ > 0
+                ? json(globalBatch_ / (secondsPerTick * static_cast<double>(plan.iterationTicks)))
+                : json(nullptr);
+      } catch (const Error& e) {
+        p["feasible"] = false;
+        p["why"] = e.what();
+      }
+      auto m = measured.find(n * G);
+      if (m != measured.end() && globalBatch_ > 0) {
+        p["measured_samples_per_s"] = globalBatch_ / m->second;
+      }
+      points.push_back(p);
+    }
+    r.body["model"] = "pipeline templates (cost model), calibrated by the measured step time";
+  } else {
+    // Data parallel: the step time t(n) fitted by least squares to the sizes measured, as
+    // t = a + b / n (the per-worker compute shrinks with n, the reduction does not) or, where
+    // that fits worse (more workers made steps slower: shared cores, a slow network),
+    // t = a + c n; both with non-negative coefficients. One size measured: t = b / n.
+    double a = 0, b = 0, c = 0;
+    std::string model = "nothing measured yet";
+    if (measured.size() == 1) {
+      b = measured.begin()->second * measured.begin()->first;
+      model = "one size measured: step_s = b / workers";
+    } else if (measured.size() >= 2) {
+      // Fits t = p + q x over (x, t) with p, q >= 0; returns (p, q, squared error).
+      auto fit = [&](auto xOf) {
+        double sx = 0, sy = 0, sxx = 0, sxy = 0;
+        const double k = static_cast<double>(measured.size());
+        for (const auto& [n, t] : measured) {
+          const double x = xOf(n);
+          sx += x;
+          sy += t;
+          sxx += x * x;
+          sxy += x * t;
+        }
+        double q = (k * sxy - sx * sy) / (k * sxx - sx * sx);
+        double p = (sy - q * sx) / k;
+        if (q < 0) {
+          q = 0;
+          p = sy / k;
+        } else if (p < 0) {
+          p = 0;
+          q = sxy / sxx;
+        }
+        double err = 0;
+        for (const auto& [n, t] : measured) err += std::pow(p + q * xOf(n) - t, 2);
+        return std::array<double, 3>{p, q, err};
+      };
+      auto inverse = fit([](int n) { return 1.0 / n; });
+      auto linear = fit([](int n) { return static_cast<double>(n); });
+      if (inverse[2] <= linear[2]) {
+        a = inverse[0];
+        b = inverse[1];
+        model = "fitted: step_s = a + b / workers";
+      } else {
+        a = linear[0];
+        c = linear[1];
+        model = "fitted: step_s = a + c * workers (more workers were slower per step)";
+      }
+    }
+    const int64_t microbatches = microbatch_ > 0 ? globalBatch_ / microbatch_ : 0;
+    int maxN = std::max({2 * workersNow, workersNow + 4, 8});
+    if (!measured.empty()) maxN = std::max(maxN, measured.rbegin()->first);
+    if (microbatches > 0) maxN = static_cast<int>(std::min<int64_t>(maxN, microbatches));
+    for (int n = 1; n <= maxN; ++n) {
+      json p = {{"nodes", n}, {"workers", n}, {"feasible", true}};
+      auto m = measured.find(n);
+      if (m != measured.end() && globalBatch_ > 0) {
+        p["measured_samples_per_s"] = globalBatch_ / m->second;
+        p["measured_steps"] = stepSecondsBySize_.at(n).size();
+      }
+      const double t = a + b / n + c * n;
+      p["predicted_samples_per_s"] =
+          t > 0 && globalBatch_ > 0 ? json(globalBatch_ / t) : json(nullptr);
+      points.push_back(p);
+    }
+    r.body["model"] = model;
+    r.body["fit"] = {{"a_s", a}, {"b_s", b}, {"c_s", c}};
+    r.body["feasible_note"] = microbatches > 0
+                                  ? "a data-parallel step has " + std::to_string(microbatches) +
+                                        " microbatches: at most that many workers"
+                                  : std::string("the job's batch shape is not known yet");
+  }
+  r.body["nodes_now"] = nodesNow;
+  r.body["workers_now"] = workersNow;
+  r.body["global_batch"] = globalBatch_;
+  r.body["points"] = points;
+  return r;
+}
+
+ControlReply Coordinator::Impl::resize(int64_t nodes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (epoch_ < 0) return refusal(409, "the job has not started: no epoch has formed yet");
+  if (finished_ || jobFailed_) return refusal(409, "the job has ended (" + state() + ")");
+  if (stopRequested_) return refusal(409, "the job is stopping");
+  const int now = currentNodes();
+  ControlReply r;
+  r.body = {{"from", now}, {"to", nodes}, {"at_step", committed_ + 1}};
+  // The target holds for joiners too: one that connects while the job is at it (a retried
+  // grow, a worker started by hand) is released at once (onHello).
+  targetNodes_ = static_cast<int>(nodes);
+  if (nodes <= now && !pendingJoin_.empty()) {
+    std::vector<int> surplus = pendingJoin_;
+    for (int id : surplus) {
+      release(id, "the job was resized to " + std::to_string(nodes) + " nodes before it joined");
+    }
+    r.body["released_joiners"] = surplus;
+  }
+  if (pipelineJob_) {
+    const int G = profile_.job.devices_per_node;
+    try {
+      std::vector<int> ids(nodes);
+      for (int k = 0; k < nodes; ++k) ids[k] = k;
+      pipeline::makePlan(templates_, ids, planOptions_);
+    } catch (const Error& e) {
+      return refusal(409, "no pipeline plan fits " + std::to_string(nodes) + " nodes: " + e.what());
+    }
+    if (nodes < now) {
+      // The last nodes (node k is members [kG, kG + G)): every pipeline node costs the same.
+      std::vector<int> staying;
+      for (int id : members_) {
+        if (!leaving_.count(id)) staying.push_back(id);
+      }
+      std::vector<int> release(staying.begin() + nodes * G, staying.end());
+      for (int id : release) {
+        leaving_.insert(id);
+        leaveReason_[id] = "released by a resize to " + std::to_string(nodes) + " nodes";
+      }
+      r.body["action"] = "shrink";
+      r.body["release_workers"] = release;
+      lastResize_ = r.body;
+      event({{"event", "resize"}, {"from", now}, {"to", nodes}, {"release", release}});
+      return r;
+    }
+  } else if (nodes < now) {
+    // The nodes whose loss costs least: the slowest (their workers' compute time, highest
+    // first), then the newest (highest id).
+    std::map<std::string, std::pair<double, int>> cost;  // node -> (compute, highest id)
+    for (int id : members_) {
+      if (leaving_.count(id)) continue;
+      const Worker& w = workers_.at(id);
+      auto& c = cost[w.node];
+      c.first = std::max(c.first, w.computeSeconds);
+      c.second = std::max(c.second, id);
+    }
+    std::vector<std::pair<std::string, std::pair<double, int>>> order(cost.begin(), cost.end());
+    std::sort(order.begin(), order.end(), [](const auto& x, const auto& y) {
+      return x.second.first != y.second.first ? x.second.first > y.second.first
+                                              : x.second.second > y.second.second;
+    });
+    json released = json::array();
+    for (int k = 0; k < now - nodes; ++k) {
+      std::vector<int> ws;
+      for (int id : members_) {
+        if (!leaving_.count(id) && workers_.at(id).node == order[k].first) ws.push_back(id);
+      }
+      for (int id : ws) {
+        leaving_.insert(id);
+        leaveReason_[id] = "released by a resize to " + std::to_string(nodes) + " nodes";
+      }
+      released.push_back({{"node", order[k].first}, {"workers", ws}});
+    }
+    r.body["action"] = "shrink";
+    r.body["release"] = released;
+    lastResize_ = r.body;
+    event({{"event", "resize"}, {"from", now}, {"to", nodes}, {"release", released}});
+    return r;
+  }
+  if (nodes == now) {
+    r.body["action"] = "none";
+    return r;
+  }
+  // Growth: joiners are admitted at the next step boundary after they say hello. Those
+  // connected and those a launcher is still starting count towards the target.
+  const int perNode = pipelineJob_ ? profile_.job.devices_per_node : 1;
+  const int pending =
+      (static_cast<int>(pendingJoin_.size()) + joinersStarting_ + perNode - 1) / perNode;
+  const int need = static_cast<int>(nodes) - now - pending;
+  int started = 0;
+  if (need > 0 && options_.startWorkers) {
+    const int workers = options_.startWorkers(need * perNode);
+    joinersStarting_ += workers;
+    started = workers / perNode;
+    if (workers > 0 && started == 0) started = 1;  // A node's first workers are on their way.
+  }
+  if (need > 0 && options_.startWorkers && started == 0) {
+    return refusal(409, "the launcher may start no more workers (sinew-run --max-workers)");
+  }
+  r.body["action"] = "grow";
+  r.body["pending_joiners"] = pendingJoin_;
+  r.body["started"] = started;
+  r.body["joiners_needed"] = std::max(0, need - started);
+  if (need - started > 0) {
+    r.body["how"] =
+        "start " + std::to_string(need - started) +
+        " more worker(s) with SINEW_COORDINATOR and SINEW_TOKEN set (coordinator.json); each "
+        "joins at the next step boundary after it connects";
+  }
+  lastResize_ = r.body;
+  event({{"event", "resize"}, {"from", now}, {"to", nodes}, {"started", started}});
+  return r;
+}
+
+ControlReply Coordinator::Impl::drain(const control::DrainRequest& request) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ControlReply r;
+  if (epoch_ < 0) return refusal(409, "the job has not started: no epoch has formed yet");
+  if (finished_ || jobFailed_) return refusal(409, "the job has ended (" + state() + ")");
+  std::set<int> chosen;
+  for (int id : request.workers) {
+    if (!workers_.count(id)) {
+      return refusal(400, "drain: worker " + std::to_string(id) + " is not in the job");
+    }
+    chosen.insert(id);
+  }
+  for (const std::string& node : request.nodes) {
+    bool any = false;
+    for (const auto& [id, w] : workers_) {
+      if (w.node == node && !done_.count(id)) {
+        chosen.insert(id);
+        any = true;
+      }
+    }
+    if (!any) return refusal(400, "drain: no worker of the job is on node '" + node + "'");
+  }
+  // What it takes: the rest of this step, then the checkpoint of it.
+  const double step = medianStepSeconds();
+  const double flush = durableWrites_ > 0 ? flushSecondsTotal_ / durableWrites_ : 0;
+  const double estimate = step + (checkpointsOn_ ? flush : 0);
+  Drain d;
+  d.id = nextDrain_++;
+  d.workers.assign(chosen.begin(), chosen.end());
+  d.deadlineSeconds = request.deadlineSeconds;
+  d.requestedAt = wallSeconds();
+  std::vector<int> pendingNow;
+  for (int id : d.workers) {
+    if (std::find(members_.begin(), members_.end(), id) == members_.end()) {
+      pendingNow.push_back(id);  // Not training yet: it goes at once.
+      continue;
+    }
+    leaving_.insert(id);
+    leaveReason_[id] = "drained (request " + std::to_string(d.id) + ")";
+  }
+  if (checkpointsOn_) checkpointNext_ = true;
+  d.timer = std::make_unique<asio::steady_timer>(io_);
+  d.timer->expires_after(std::chrono::milliseconds(static_cast<int64_t>(d.deadlineSeconds * 1e3)));
+  const int id = d.id;
+  d.timer->async_wait([this, id](error_code ec) {
+    if (ec) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = drains_.find(id);
+    if (it == drains_.end() || stopping_ || finished_) return;
+    std::vector<int> late;
+    for (int w : it->second.workers) {
+      if (workers_.count(w) && !done_.count(w)) late.push_back(w);
+    }
+    if (late.empty()) return;
+    it->second.expelled = true;
+    for (int w : late) {
+      leaving_.erase(w);
+      declareDead(w, "drain " + std::to_string(id) + " deadline of " +
+                         std::to_string(it->second.deadlineSeconds) +
+                         " s passed before a step boundary");
+    }
+  });
+  auto [it, inserted] = drains_.emplace(d.id, std::move(d));
+  for (int w : pendingNow)
+    release(w, "drained (request " + std::to_string(id) + ") before it trained");
+  const Drain& stored = it->second;
+  r.body = drainJson(stored);
+  r.body["estimate_s"] = estimate;
+  r.body["meets_deadline"] = estimate <= stored.deadlineSeconds;
+  if (estimate > stored.deadlineSeconds) {
+    r.body["warning"] = "the deadline is shorter than a step plus a checkpoint flush (" +
+                        std::to_string(estimate) +
+                        " s measured): workers still training at the deadline are declared "
+                        "dead then, and the job goes on from the last committed step";
+  }
+  r.body["nodes"] = nodesOf(stored.workers);
+  event({{"event", "drain"},
+         {"id", stored.id},
+         {"workers", stored.workers},
+         {"deadline_s", stored.deadlineSeconds},
+         {"estimate_s", estimate}});
+  return r;
+}
+
+ControlReply Coordinator::Impl::checkpoint() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!checkpointsOn_) {
+    return refusal(409,
+                   "this job writes no checkpoints (start it with a checkpoint directory, e.g. "
+                   "train_dp --checkpoint-dir DIR)");
+  }
+  if (epoch_ < 0 || finished_ || jobFailed_) {
+    return refusal(409, "the job is " + state() + ": no step boundary to checkpoint at");
+  }
+  ControlReply r;
+  checkpointNext_ = true;
+  r.body = {{"at_step", committed_ + 1}, {"last_durable", durableJson()}};
+  return r;
+}
+
+ControlReply Coordinator::Impl::stop(double deadlineSeconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (epoch_ < 0 || finished_ || jobFailed_) {
+    return refusal(409, "the job is " + state() + ": nothing to stop");
+  }
+  ControlReply r;
+  stopRequested_ = true;
+  stopDeadline_ = deadlineSeconds;
+  for (int id : members_) {
+    leaving_.insert(id);
+    leaveReason_[id] = "stopped by the control API";
+  }
+  std::vector<int> waiting = pendingJoin_;
+  for (int id : waiting) release(id, "the job is stopping");
+  if (checkpointsOn_) checkpointNext_ = true;
+  if (deadlineSeconds > 0) {
+    stopTimer_ = std::make_unique<asio::steady_timer>(io_);
+    stopTimer_->expires_after(
+        std::chrono::milliseconds(static_cast<int64_t>(deadlineSeconds * 1e3)));
+    stopTimer_->async_wait([this, deadlineSeconds](error_code ec) {
+      if (ec) return;
+      std::lock_guard<std::mutex> lock(mu_);
+      if (finished_ || jobFailed_ || stopping_) return;
+      failJob("the stop deadline of " + std::to_string(deadlineSeconds) +
+              " s passed before the job reached a step boundary");
+    });
+  }
+  r.body = {{"at_step", committed_ + 1},
+            {"checkpoint", checkpointsOn_},
+            {"deadline_s", deadlineSeconds > 0 ? json(deadlineSeconds) : json(nullptr)}};
+  if (!checkpointsOn_) {
+    r.body["warning"] = "this job writes no checkpoints: its state ends with it";
+  }
+  event({{"event", "stop_requested"}, {"deadline_s", deadlineSeconds}});
+  return r;
+}
+
+std::string Coordinator::Impl::metrics() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string out;
+  const auto now = Clock::now();
+  metric(out, "sinew_step", "gauge", "The next step the job runs (last committed + 1).",
+         committed_ + 1);
+  metric(out, "sinew_epoch", "gauge", "The current epoch (membership version).", epoch_);
+  metric(out, "sinew_members", "gauge", "Workers training in the current epoch.", members_.size());
+  metric(out, "sinew_nodes", "gauge", "Nodes the job trains on.", currentNodes());
+  metric(out, "sinew_samples_per_second", "gauge",
+         "Samples per second over the last steps (0 while not training).", samplesPerSecondNow());
+  metric(out, "sinew_committed_steps_total", "counter", "Steps committed by this coordinator.",
+         commits_);
+  metric(out, "sinew_failures_total", "counter", "Workers declared dead.", failures_);
+  metric(out, "sinew_rollbacks_total", "counter",
+         "Rollbacks to an older version because a layer had no live copy (pipelines).", rollbacks_);
+  metric(out, "sinew_recoveries_total", "counter",
+         "Recoveries finished (a failure, then the next committed step).", recoverySeconds_.size());
+  double recoverySum = 0;
+  for (double s : recoverySeconds_) recoverySum += s;
+  metric(out, "sinew_recovery_seconds_sum", "counter",
+         "Seconds from failures to the next committed step, summed.", recoverySum);
+  metric(out, "sinew_effective_training_seconds_total", "counter",
+         "Seconds between consecutive commits of one epoch, summed.", effectiveSeconds_);
+  metric(out, "sinew_checkpoint_stall_seconds_total", "counter",
+         "Seconds workers waited for a checkpoint snapshot before an optimizer step, summed.",
+         stallSeconds_);
+  metric(out, "sinew_checkpoint_flush_seconds_total", "counter",
+         "Seconds spent writing durable checkpoints, summed.", flushSecondsTotal_);
+  metric(out, "sinew_checkpoints_durable_total", "counter", "Durable checkpoint versions written.",
+         durableWrites_);
+  metric(out, "sinew_checkpoint_bytes_total", "counter", "Bytes of durable checkpoints written.",
+         durableBytes_);
+  metric(out, "sinew_checkpoint_durable_step", "gauge",
+         "Step of the newest durable checkpoint (-1: none).", durable_.step);
+  metric(out, "sinew_replicated_bytes_total", "counter",
+         "Bytes of checkpoint replicas sent to peers' host memory.", replicatedBytes_);
+  out += "# HELP sinew_worker_heartbeat_age_seconds Seconds since each member was last heard.\n";
+  out += "# TYPE sinew_worker_heartbeat_age_seconds gauge\n";
+  for (int id : members_) {
+    auto it = workers_.find(id);
+    if (it == workers_.end()) continue;
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "%.6f", secondsOf(now - it->second.lastHeard));
+    out += "sinew_worker_heartbeat_age_seconds{worker=\"" + std::to_string(id) + "\",node=\"" +
+           labelValue(it->second.node) + "\"} " + buf + "\n";
+  }
+  out += "# HELP sinew_state The job's state (1 for the present one).\n";
+  out += "# TYPE sinew_state gauge\n";
+  const std::string st = state();
+  for (const char* s : {"starting", "running", "reconfiguring", "draining", "checkpointing",
+                        "finished", "failed"}) {
+    out += std::string("sinew_state{state=\"") + s + "\"} " + (st == s ? "1" : "0") + "\n";
+  }
+  return out;
+}
+
+int Coordinator::Impl::subscribe(Sink sink, int64_t after) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int id = nextSubscriber_++;
+  for (const auto& [seq, e] : recentEvents_) {
+    if (seq > after) asio::post(io_, [sink, seq = seq, e = e] { sink(seq, e); });
+  }
+  subscribers_[id] = std::move(sink);
+  return id;
+}
+
+void Coordinator::Impl::unsubscribe(int id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  subscribers_.erase(id);
+}
+
+}  // namespace runtime
+}  // namespace sinew
