@@ -43,11 +43,6 @@ uint32_t checksum(const std::vector<at::Tensor>& tensors) {
   return crc;
 }
 
-bool endsWith(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() &&
-         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 }  // namespace
 
 std::map<int, Holding> exchangeHoldings(collectives::Store& store, int64_t epoch,
@@ -108,16 +103,22 @@ at::Tensor LayerRelayout::manifestOf(const Current& current, int layer,
   for (const auto& np : (*current.layers)[layer - current.heldFirst]->named_parameters(true)) {
     std::vector<checkpoint::NamedTensor> named;
     captureParameterState(np.key(), np.value(), current.optimizer, &named);
+    // named[0] is the parameter; the rest are its state, "<param>.<what>".
+    auto has = [&](const char* what) {
+      return std::any_of(named.begin() + 1, named.end(),
+                         [&](const auto& t) { return t.name == np.key() + what; });
+    };
     LayerCopyManifest::Parameter p;
-    for (const auto& t : named) {
-      if (endsWith(t.name, ".step")) {
-        p.step = t.tensor.item<int64_t>();
-        continue;  // In the manifest, not a tensor of its own.
+    if (has(".exp_avg")) p.flags |= LayerCopyManifest::kHasAdam;
+    if (has(".max_exp_avg_sq")) p.flags |= LayerCopyManifest::kHasMaxSq;
+    if (has(".momentum_buffer")) p.flags |= LayerCopyManifest::kHasMomentum;
+    for (const std::string& suffix : LayerCopyManifest::tensorSuffixes(p.flags)) {
+      for (const auto& t : named) {
+        if (t.name == np.key() + suffix) tensors->push_back(t.tensor.contiguous());
       }
-      if (endsWith(t.name, ".exp_avg")) p.flags |= LayerCopyManifest::kHasAdam;
-      if (endsWith(t.name, ".max_exp_avg_sq")) p.flags |= LayerCopyManifest::kHasMaxSq;
-      if (endsWith(t.name, ".momentum_buffer")) p.flags |= LayerCopyManifest::kHasMomentum;
-      tensors->push_back(t.tensor.contiguous());
+    }
+    for (const auto& t : named) {
+      if (t.name == np.key() + ".step") p.step = t.tensor.item<int64_t>();  // In the manifest.
     }
     manifest.parameters.push_back(p);
   }
@@ -217,7 +218,8 @@ std::optional<Relayout> LayerRelayout::run(const pipeline::Plan& plan,
           words.data_ptr<int64_t>(), static_cast<size_t>(words.numel()), params.size(),
           "layer '" + layerName + "' from worker " + std::to_string(k.from));
     } catch (const Corruption& e) {
-      SINEW_THROW(LayerCopyDamaged, "worker ", self, " received a malformed manifest: ", e.what());
+      // The decoder's message names the layer, the sender and the bad word (and its place).
+      throw LayerCopyDamaged("worker " + std::to_string(self) + " received " + e.what());
     }
     expected[c] = manifest.crc32c;
     size_t i = 0;

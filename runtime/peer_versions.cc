@@ -100,10 +100,7 @@ bool PeerVersions::maybeSnapshot(int64_t step, int64_t epoch, const pipeline::Pl
   for (size_t i = gens_.size(); i-- > 1;) {
     if (gens_[i].engine->committedStep() >= 0) {
       std::vector<std::unique_ptr<checkpoint::CheckpointEngine>> old;
-      for (size_t k = 0; k < i; ++k) {
-        retiredBytes_ += static_cast<int64_t>(gens_[k].engine->stats().bytesReplicated);
-        old.push_back(std::move(gens_[k].engine));
-      }
+      for (size_t k = 0; k < i; ++k) old.push_back(std::move(gens_[k].engine));
       gens_.erase(gens_.begin(), gens_.begin() + static_cast<std::ptrdiff_t>(i));
       for (auto& e : old) retire(std::move(e));
       break;
@@ -158,6 +155,8 @@ void PeerVersions::retireLoop() {
     if (retiring_.empty()) return;  // Stopping, and nothing left.
     std::unique_ptr<checkpoint::CheckpointEngine> engine = std::move(retiring_.front());
     retiring_.pop_front();
+    // What it sent (a chunk still in flight while it is destroyed is not counted).
+    retiredBytes_ += static_cast<int64_t>(engine->stats().bytesReplicated);
     lock.unlock();
     engine.reset();  // Joins its threads.
     lock.lock();
@@ -255,9 +254,14 @@ int64_t PeerVersions::rollbackTarget(int64_t upTo, int64_t epoch, const std::vec
   return best;
 }
 
-int64_t PeerVersions::replicatedBytes() const {
-  int64_t bytes = retiredBytes_;
+int64_t PeerVersions::replicatedBytes() {
+  int64_t bytes = 0;
   for (const auto& g : gens_) bytes += static_cast<int64_t>(g.engine->stats().bytesReplicated);
+  std::lock_guard<std::mutex> lock(retireMu_);
+  bytes += retiredBytes_;
+  for (const auto& e : retiring_) {
+    if (e) bytes += static_cast<int64_t>(e->stats().bytesReplicated);
+  }
   return bytes;
 }
 

@@ -84,7 +84,7 @@ class PeerVersions {
 
   // Bytes every engine of this worker has sent to peers so far (the sinew_replicated_bytes_total
   // metric, reported with the votes).
-  int64_t replicatedBytes() const;
+  int64_t replicatedBytes();
 
  private:
   // The engine of one epoch that snapshotted.
@@ -107,13 +107,13 @@ class PeerVersions {
   DurableCheckpoints& durable_;  // The trainer's; outlives this object (its engine hooks).
   const bool enabled_;
   std::deque<Generation> gens_;  // Oldest first.
-  int64_t retiredBytes_ = 0;     // Sent by the engines of dropped generations.
   // Engines of dropped generations, destroyed on retireThread_.
   std::mutex retireMu_;
   std::condition_variable retireCv_;
   // Guarded by retireMu_.
   std::deque<std::unique_ptr<checkpoint::CheckpointEngine>> retiring_;
   bool retireStop_ = false;
+  int64_t retiredBytes_ = 0;  // Sent by the engines retired and destroyed.
   std::thread retireThread_;
 };
 

@@ -164,6 +164,7 @@ class Trainer::Impl {
     pipelineMode_ = o_.parallelism == Parallelism::kPipeline;
     device_ = runtime::resolveDevice(o_.device, ctx_.worker());
     if (pipelineMode_) {
+      runtime::checkPipelineOptions(o_);
       if (!o_.profilePath.empty()) {
         profile_ = pipeline::loadProfile(o_.profilePath);
         runtime::checkProfile(profile_, spec_.layers.size(), o_.microbatch,
@@ -424,10 +425,11 @@ class Trainer::Impl {
       runtime::StepStats stats;
       stats.computeSeconds = seconds(Clock::now() - stepStart_) - stepWaited_;
       stats.stallSeconds = lastStall_;
+      // Counted as reported once posted, even if the wait for the verdict then fails.
       stats.replicatedBytes = peers_->replicatedBytes() - replicatedReported_;
+      replicatedReported_ += stats.replicatedBytes;
       WaitingOnOthers waiting(client_, step_, &stepWaited_);
       verdict = client_.vote(epoch_, step_, opTimeout(), stats);
-      replicatedReported_ += stats.replicatedBytes;
     }
     if (verdict == CoordinatorClient::VoteResult::kSuperseded) {
       SINEW_THROW(EpochChanged, "step ", step_, " was not committed in epoch ", epoch_);

@@ -20,7 +20,9 @@ void checkTrainerOptions(const TrainerOptions& o, const ModelSpec& spec) {
     SINEW_THROW(InvalidArgument, "ModelSpec::datasetSize = ", spec.datasetSize,
                 " must be positive");
   }
-  if (o.parallelism != Parallelism::kPipeline) return;
+}
+
+void checkPipelineOptions(const TrainerOptions& o) {
   if (o.faultTolerance < 0) {
     SINEW_THROW(InvalidArgument, "TrainerOptions::faultTolerance = ", o.faultTolerance,
                 " must be >= 0");

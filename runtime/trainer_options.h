@@ -13,9 +13,13 @@ namespace runtime {
 
 // Throws InvalidArgument naming the first option (TrainerOptions::x = value) or ModelSpec
 // field that is out of range or missing: batch sizes, the spec's loss, optimizer, dataset and
-// its size; in pipeline mode also fault tolerance, memory, devices per node, the most workers,
-// the lanes' socket buffers and the peer-RAM versions' period and replicas.
+// its size.
 void checkTrainerOptions(const TrainerOptions& options, const ModelSpec& spec);
+
+// The same for the options of pipeline mode: fault tolerance, memory, devices per node (at
+// most the microbatch when the profile is measured), the most workers, the lanes' socket
+// buffers, and the peer-RAM versions' period and replicas.
+void checkPipelineOptions(const TrainerOptions& options);
 
 }  // namespace runtime
 }  // namespace sinew
