@@ -136,7 +136,7 @@ TEST(OptimizerStateTest, AdamStateWithoutExpAvgSqOrStepIsCorruption) {
   torch::optim::Adam opt(layers->parameters(), torch::optim::AdamOptions(1e-2));
   trainSteps(layers, opt, 2, 5);
   const Saved whole = snapshot(captureState(layers, opt));
-  for (const std::string& dropped : {"bias.exp_avg_sq", "bias.step"}) {
+  for (const std::string dropped : {"bias.exp_avg_sq", "bias.step"}) {
     Saved saved = whole;
     saved["fc2"].erase(dropped);
     auto fresh = makeLayers(2);
