@@ -259,9 +259,7 @@ int64_t PeerVersions::replicatedBytes() {
   for (const auto& g : gens_) bytes += static_cast<int64_t>(g.engine->stats().bytesReplicated);
   std::lock_guard<std::mutex> lock(retireMu_);
   bytes += retiredBytes_;
-  for (const auto& e : retiring_) {
-    if (e) bytes += static_cast<int64_t>(e->stats().bytesReplicated);
-  }
+  for (const auto& e : retiring_) bytes += static_cast<int64_t>(e->stats().bytesReplicated);
   return bytes;
 }
 
