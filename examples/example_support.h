@@ -17,6 +17,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "sinew/init.h"
@@ -223,32 +224,40 @@ inline at::Tensor toTraining(const at::Tensor& t, at::ScalarType dtype) {
 }
 
 // The same training, single-process, in plain libtorch over the same global batches. Returns
-// the last step's loss; *out gets the trained model.
+// the last step's loss; *out gets the trained model. Each global batch goes through in chunks
+// of `chunk` samples (the whole batch by default: the same gradient as the trainer's
+// microbatches, in a few large operations instead of many small ones), each chunk's mean loss
+// weighted by its share of the batch. A model whose microbatches differ in shape (train_pp
+// --ragged) passes its microbatch. The reference runs after the job, when the other workers
+// have left: it uses every core.
 inline double trainReference(const CommonArgs& a, const sinew::ModelSpec& spec,
-                             at::ScalarType dtype, torch::nn::Sequential* out) {
+                             at::ScalarType dtype, torch::nn::Sequential* out, int64_t chunk = 0) {
+  if (chunk <= 0) chunk = a.globalBatch;
+  const int threads = at::get_num_threads();
+  at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency())));
   torch::nn::Sequential ref = sinew::buildModel(spec, a.seed, dtype);
   auto opt = spec.optimizer(ref->parameters());
   double loss = 0;
-  const int64_t micro = a.globalBatch / a.microbatch;
   for (int64_t s = 0; s < a.steps; ++s) {
     auto idx = sinew::globalBatchIndices(a.seed, s, a.globalBatch, spec.datasetSize);
     opt->zero_grad();
     double sum = 0;
-    for (int64_t m = 0; m < micro; ++m) {
+    for (int64_t first = 0; first < a.globalBatch; first += chunk) {
       std::vector<at::Tensor> xs, ys;
-      for (int64_t j = m * a.microbatch; j < (m + 1) * a.microbatch; ++j) {
+      for (int64_t j = first; j < first + chunk; ++j) {
         auto smp = spec.dataset(idx[j]);
         xs.push_back(smp.input);
         ys.push_back(smp.target);
       }
       at::Tensor l = spec.loss(ref->forward(toTraining(at::stack(xs), dtype)),
                                toTraining(at::stack(ys), dtype));
-      (l * (static_cast<double>(a.microbatch) / a.globalBatch)).backward();
-      sum += l.item<double>() * a.microbatch;
+      (l * (static_cast<double>(chunk) / a.globalBatch)).backward();
+      sum += l.item<double>() * chunk;
     }
     loss = sum / a.globalBatch;
     opt->step();
   }
+  at::set_num_threads(threads);
   *out = ref;
   return loss;
 }

@@ -264,7 +264,7 @@ int main(int argc, char** argv) {
     double refLoss = -1, maxRel = -1;
     if (a.reference) {
       torch::nn::Sequential ref;
-      refLoss = sinew_example::trainReference(a, spec, o.dtype, &ref);
+      refLoss = sinew_example::trainReference(a, spec, o.dtype, &ref, a.ragged ? a.microbatch : 0);
       maxRel = 0;
       for (const auto& np : ref->named_parameters(/*recurse=*/true)) {
         at::Tensor theirs = np.value().detach().to(at::kDouble).contiguous();

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds Sinew, its tests and tools with AddressSanitizer + UBSan (GCC, SINEW_SANITIZE=ON)
-# into ./build-asan and runs the unit tests under ctest, leaving out the tests that
-# docs/fuzzing.md lists with the reason for each. Extra arguments go to ctest.
+# into ./build-asan and runs under ctest the unit tests and the short whole-job suites
+# (SINEW_LONG_TESTS=OFF: the suites labelled "long" are neither built nor run), leaving out
+# the tests that docs/fuzzing.md lists with the reason for each. Extra arguments go to ctest.
+# SINEW_ASAN_LONG_TESTS=ON builds and runs the long suites too (about 25 more minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${SINEW_ASAN_BUILD_DIR:-build-asan}
@@ -22,7 +24,8 @@ if command -v ccache >/dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=cc
 # -O1 -g1: the sanitizers' usual optimization level, with line tables for the reports.
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
-  -DSINEW_SANITIZE=ON -DSINEW_BUILD_BENCHMARKS=OFF -DSINEW_INSTALL=OFF "${launcher[@]}"
+  -DSINEW_SANITIZE=ON -DSINEW_BUILD_BENCHMARKS=OFF -DSINEW_INSTALL=OFF \
+  -DSINEW_LONG_TESTS="${SINEW_ASAN_LONG_TESTS:-OFF}" "${launcher[@]}"
 cmake --build "$BUILD_DIR" -j "${SINEW_JOBS:-$(nproc)}"
 
 # ASan's defaults, leak checking included, hold for every test run here; UBSan prints the
