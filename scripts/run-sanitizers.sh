@@ -4,6 +4,7 @@
 # (SINEW_LONG_TESTS=OFF: the suites labelled "long" are neither built nor run), leaving out
 # the tests that docs/fuzzing.md lists with the reason for each. Extra arguments go to ctest.
 # SINEW_ASAN_LONG_TESTS=ON builds and runs the long suites too (about 25 more minutes).
+# Unity builds as in scripts/build.sh (SINEW_UNITY_BUILD=OFF: one source at a time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${SINEW_ASAN_BUILD_DIR:-build-asan}
@@ -25,7 +26,8 @@ if command -v ccache >/dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=cc
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
   -DSINEW_SANITIZE=ON -DSINEW_BUILD_BENCHMARKS=OFF -DSINEW_INSTALL=OFF \
-  -DSINEW_LONG_TESTS="${SINEW_ASAN_LONG_TESTS:-OFF}" "${launcher[@]}"
+  -DSINEW_LONG_TESTS="${SINEW_ASAN_LONG_TESTS:-OFF}" \
+  -DCMAKE_UNITY_BUILD="${SINEW_UNITY_BUILD:-ON}" -DCMAKE_UNITY_BUILD_BATCH_SIZE=8 "${launcher[@]}"
 cmake --build "$BUILD_DIR" -j "${SINEW_JOBS:-$(nproc)}"
 
 # ASan's defaults, leak checking included, hold for every test run here; UBSan prints the
