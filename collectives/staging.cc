@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 
 #include "sinew/base/error.h"
+#include "sinew/collectives/gloo/gloo_options.h"
 #include "sinew/communicator.h"
 
 namespace sinew {
@@ -95,8 +96,15 @@ class HostStagedCommunicator final : public Communicator {
 }  // namespace
 
 std::unique_ptr<Communicator> createHostStagedCommunicator(const std::shared_ptr<Store>& store,
+                                                           const CommunicatorOptions& options,
+                                                           const GlooOptions& gloo) {
+  return std::make_unique<HostStagedCommunicator>(createGlooCommunicator(store, options, gloo),
+                                                  options);
+}
+
+std::unique_ptr<Communicator> createHostStagedCommunicator(const std::shared_ptr<Store>& store,
                                                            const CommunicatorOptions& options) {
-  return std::make_unique<HostStagedCommunicator>(createGlooCommunicator(store, options), options);
+  return createHostStagedCommunicator(store, options, GlooOptions{});
 }
 
 }  // namespace collectives

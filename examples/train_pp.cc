@@ -51,7 +51,6 @@ struct Args : sinew_example::CommonArgs {
   int faultTolerance = 1;
   int peerCheckpointEvery = 1;
   int replicas = 2;
-  int laneSocketBuffer = sinew::TrainerOptions().laneSocketBufferBytes;
   int64_t maxWorkers = 0;
   int64_t width = 32;  // features per token; a multiple of the 4 attention heads
   bool ragged = false;
@@ -77,7 +76,7 @@ Args parse(int argc, char** argv) {
                  "train_pp: %s\nusage: train_pp %s [--blocks N] [--fault-tolerance F] "
                  "[--profile FILE] [--memory-bytes M] [--peer-checkpoint-every K] [--replicas M] "
                  "[--max-workers W] [--width D] [--devices-per-node G] [--ragged] "
-                 "[--data-parallel] [--lane-socket-buffer BYTES]\n",
+                 "[--data-parallel]\n",
                  error.c_str(), sinew_example::kCommonUsage);
   });
   while (r.next()) {
@@ -95,9 +94,6 @@ Args parse(int argc, char** argv) {
       a.memoryBytes = r.integer(std::numeric_limits<int64_t>::max());
     } else if (s == "--peer-checkpoint-every") {
       a.peerCheckpointEvery = static_cast<int>(r.integer(sinew_example::kMaxInt));
-    } else if (s == "--lane-socket-buffer") {
-      a.laneSocketBuffer =
-          static_cast<int>(r.integer(sinew::collectives::kMaxLaneSocketBufferBytes));
     } else if (s == "--replicas") {
       a.replicas = static_cast<int>(r.integer(64));
     } else if (s == "--max-workers") {
@@ -234,7 +230,6 @@ int main(int argc, char** argv) {
   o.parallelism = a.dataParallel ? sinew::Parallelism::kData : sinew::Parallelism::kPipeline;
   o.faultTolerance = a.faultTolerance;
   o.peerCheckpointEvery = a.peerCheckpointEvery;
-  o.laneSocketBufferBytes = a.laneSocketBuffer;
   o.replicas = a.replicas;
   o.maxWorkers = a.maxWorkers;
   o.profilePath = a.profile;

@@ -105,7 +105,8 @@ bool BackendChooser::ncclChosen(collectives::Store& store, const std::vector<int
 }
 
 std::unique_ptr<collectives::Communicator> BackendChooser::make(
-    const std::shared_ptr<collectives::Store>& store, collectives::CommunicatorOptions co) {
+    const std::shared_ptr<collectives::Store>& store, collectives::CommunicatorOptions co,
+    const collectives::GlooOptions& gloo) {
   const CommBackend asked = s_.options.backend;
   std::string why = "this worker trains on the CPU";
   // A CPU worker needs no one else's word: NCCL needs every member on a GPU.
@@ -134,8 +135,8 @@ std::unique_ptr<collectives::Communicator> BackendChooser::make(
     co.device = device_.index();
     return collectives::createNcclCommunicator(store, co);
   }
-  return device_.is_cuda() ? collectives::createHostStagedCommunicator(store, co)
-                           : collectives::createGlooCommunicator(store, co);
+  return device_.is_cuda() ? collectives::createHostStagedCommunicator(store, co, gloo)
+                           : collectives::createGlooCommunicator(store, co, gloo);
 }
 
 }  // namespace runtime

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "sinew/collectives/gloo/gloo_options.h"
 #include "sinew/communicator.h"
 #include "sinew/runtime/trainer_services.h"
 
@@ -43,8 +44,10 @@ class BackendChooser {
   // InvalidArgument if TrainerOptions::backend is kNccl and NCCL cannot be used. Communicators
   // named "dp" or "pp" (the epoch's own) report a change of backend as an event and, on the
   // epoch's first member, a line on stdout.
+  // `gloo`: the Gloo backend's options, where Gloo is chosen.
   std::unique_ptr<collectives::Communicator> make(const std::shared_ptr<collectives::Store>& store,
-                                                  collectives::CommunicatorOptions co);
+                                                  collectives::CommunicatorOptions co,
+                                                  const collectives::GlooOptions& gloo = {});
 
   // The backend of the last epoch communicator: "gloo", "nccl", or empty before the first.
   const std::string& backend() const { return backend_; }

@@ -206,6 +206,12 @@ class Trainer::Impl {
     }
     if (!path.empty()) events_.open(path, {{"worker", ctx_.worker()}});
     chooser_ = std::make_unique<runtime::BackendChooser>(services_, device_);
+    // The pipeline communicator's lanes carry a reconfiguration's layer copies, the first bulk
+    // bytes on each epoch's new connections, which autotuned socket buffers carry at about 0.8
+    // of a warm connection's speed (bench/RESULTS.md, "Sized lane buffers"): they ask for
+    // 4 MiB unless SINEW_GLOO_LANE_SOCKET_BUFFER_BYTES says otherwise (a bad value is an
+    // InvalidArgument here, before any training).
+    if (pipelineMode_) pipelineGloo_ = collectives::GlooOptions::fromEnvironment(4 << 20);
     progress_ = std::make_unique<runtime::ProgressReporter>(services_, pipelineMode_);
     durable_ = std::make_unique<runtime::DurableCheckpoints>(services_, pipelineMode_);
     peers_ = std::make_unique<runtime::PeerVersions>(services_, *durable_,
@@ -702,17 +708,15 @@ class Trainer::Impl {
     return plan;
   }
 
-  // The epoch's communicator (activations, gradients and layer copies on lanes: each transfer
-  // is moved by the thread that waits for it) and its gradient groups: maximal ranges of this
-  // worker's layers [first, end) held by the same workers, in increasing layer order on every
-  // worker (so the builds and reductions never wait in a cycle).
+  // The epoch's communicator (activations, gradients and layer copies, on the Gloo backend's
+  // lanes: each transfer is moved by the thread that waits for it) and its gradient groups: maximal
+  // ranges of this worker's layers [first, end) held by the same workers, in increasing layer order
+  // on every worker (so the builds and reductions never wait in a cycle).
   void buildPipelineCommunicators(const EpochInfo& info, const Plan& plan,
                                   const std::shared_ptr<Store>& store, int first, int end) {
     const int64_t e = info.epoch;
     collectives::CommunicatorOptions world = commOptions(e, info.members, "pp");
-    world.p2pLanes = true;
-    world.laneSocketBufferBytes = o_.laneSocketBufferBytes;
-    auto comm = chooser_->make(store, std::move(world));
+    auto comm = chooser_->make(store, std::move(world), pipelineGloo_);
     {
       std::lock_guard<std::mutex> lock(commMu_);
       executor_.reset();
@@ -959,6 +963,7 @@ class Trainer::Impl {
   pipeline::Profile profile_;    // The job's, as agreed.
   // The units the trainer delegates to; destroyed in ~Impl in reverse dependency order.
   std::unique_ptr<runtime::BackendChooser> chooser_;
+  collectives::GlooOptions pipelineGloo_;  // The pipeline communicator's (Gloo only).
   std::unique_ptr<runtime::DurableCheckpoints> durable_;
   std::unique_ptr<runtime::PeerVersions> peers_;
   std::unique_ptr<runtime::LayerRelayout> relayout_;

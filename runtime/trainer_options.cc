@@ -39,12 +39,6 @@ void checkPipelineOptions(const TrainerOptions& o) {
     SINEW_THROW(InvalidArgument, "TrainerOptions::maxWorkers = ", o.maxWorkers,
                 " must be in [0, 2^20] (0: SINEW_MAX_WORKERS, else twice the start)");
   }
-  if (o.laneSocketBufferBytes < 0 ||
-      o.laneSocketBufferBytes > collectives::kMaxLaneSocketBufferBytes) {
-    SINEW_THROW(InvalidArgument,
-                "TrainerOptions::laneSocketBufferBytes = ", o.laneSocketBufferBytes,
-                " must be in [0, 2^30] (0: the kernel's autotuning)");
-  }
   if (o.peerCheckpointEvery < 0 || o.replicas < 1) {
     SINEW_THROW(InvalidArgument, "TrainerOptions::peerCheckpointEvery = ", o.peerCheckpointEvery,
                 " must be >= 0 and replicas = ", o.replicas, " >= 1");

@@ -17,8 +17,8 @@ namespace runtime {
 void checkTrainerOptions(const TrainerOptions& options, const ModelSpec& spec);
 
 // The same for the options of pipeline mode: fault tolerance, memory, devices per node (at
-// most the microbatch when the profile is measured), the most workers, the lanes' socket
-// buffers, and the peer-RAM versions' period and replicas.
+// most the microbatch when the profile is measured), the most workers, and the peer-RAM versions'
+// period and replicas.
 void checkPipelineOptions(const TrainerOptions& options);
 
 }  // namespace runtime

@@ -36,12 +36,12 @@
 //     bulk transfer on the new epoch's connections, so the largest copy is also compared with raw
 //     TCP's first transfer of its bytes on a new connection (the "fresh" ratio, the median of
 //     the runs'; rawTcpFreshSeconds; its raw sockets keep the kernel's autotuned buffers). The
-//     job's lanes ask for 4 MiB socket buffers (TrainerOptions::laneSocketBufferBytes; the
-//     bench prints whether the system granted them); in turn with each of its runs (before
-//     and after, alternately) the same job runs with the kernel's autotuned buffers
-//     (--lane-socket-buffer 0), whose largest-copy ratio, the median of the five, is the
-//     "autotuned lanes" baseline. The bench's own communicators (p2p and chunked-exchange
-//     ratios) ask for the job's buffers too.
+//     job's lanes ask for 4 MiB socket buffers (the trainer's default,
+//     SINEW_GLOO_LANE_SOCKET_BUFFER_BYTES; the bench prints whether the system granted them); in
+//     turn with each of its runs (before and after, alternately) the same job runs with the
+//     kernel's autotuned buffers (SINEW_GLOO_LANE_SOCKET_BUFFER_BYTES=0), whose largest-copy ratio,
+//     the median of the five, is the "autotuned lanes" baseline. The bench's own communicators (p2p
+//     and chunked-exchange ratios) ask for the job's buffers too.
 //
 // Last line: RESULT pp_iter_vs_model=<measured/predicted> p2p_ratio_vs_tcp=<r> pp_vs_dp=<x>
 //            peer_ram_step_ratio=<with/without> pp_iter_vs_model_with_peer_ram=<r>
@@ -77,6 +77,7 @@
 #include <vector>
 
 #include "sinew/collectives/file_store.h"
+#include "sinew/collectives/gloo/gloo_options.h"
 #include "sinew/collectives/gloo/lanes.h"
 #include "sinew/communicator.h"
 
@@ -97,7 +98,7 @@ constexpr int kRounds = 20;
 // three runs of one build, so one run's ratio decided the median of three; five since
 // 2026-11-27.
 constexpr int kCopyRuns = 5;
-// The lane buffers of the job's world communicator (TrainerOptions::laneSocketBufferBytes's
+// The lane buffers of the job's world communicator (the trainer's
 // default), given to the bench's own communicators too.
 constexpr int kLaneSocketBufferBytes = 4 << 20;
 
@@ -324,9 +325,9 @@ double sinewSeconds(int64_t bytes = kBytes, size_t chunkBytes = 0,
     o.members = {0, 1};
     o.self = self;
     o.name = "bench";
-    o.p2pLanes = true;  // As the job's world communicator, which the stages and copies use.
-    o.laneSocketBufferBytes = kLaneSocketBufferBytes;  // And its buffers.
-    auto comm = sinew::collectives::createGlooCommunicator(store, o);
+    sinew::collectives::GlooOptions gloo;
+    gloo.laneSocketBufferBytes = kLaneSocketBufferBytes;  // As the job's world communicator.
+    auto comm = sinew::collectives::createGlooCommunicator(store, o, gloo);
     using sinew::collectives::P2POp;
     at::Tensor t = at::ones({bytes / 8}, at::kDouble);
     const int peer = 1 - self;
@@ -395,13 +396,14 @@ struct JobStats {
 };
 
 JobStats runJob(const std::string& name, const std::vector<std::string>& args, int steps,
-                int workers = 2, const std::string& inject = "") {
+                int workers = 2, const std::string& inject = "", const std::string& env = "") {
   std::string dir = std::filesystem::temp_directory_path().string() + "/sinew-bench-pipeline-" +
                     name + "-" + std::to_string(::getpid());
   removeTree(dir);
-  std::string cmd = std::string(SINEW_RUN_PATH) + " -n " + std::to_string(workers) + " --log-dir " +
-                    dir + (inject.empty() ? "" : " --inject '" + inject + "'") + " " +
-                    TRAIN_PP_PATH + " --steps " + std::to_string(steps) +
+  std::string cmd = env + (env.empty() ? "" : " ") + std::string(SINEW_RUN_PATH) + " -n " +
+                    std::to_string(workers) + " --log-dir " + dir +
+                    (inject.empty() ? "" : " --inject '" + inject + "'") + " " + TRAIN_PP_PATH +
+                    " --steps " + std::to_string(steps) +
                     " --progress 5 --no-reference --devices-per-node 1";
   for (const auto& a : args) cmd += " " + a;
   cmd += " > " + dir + ".out 2>&1";
@@ -543,14 +545,16 @@ int main(int argc, char** argv) {
   };
   std::vector<CopyRun> copies;
   // The baseline, in turn with them: the same job with the kernel's autotuned buffers on the
-  // lanes (--lane-socket-buffer 0), the largest copy against raw TCP measured right after it.
+  // lanes (SINEW_GLOO_LANE_SOCKET_BUFFER_BYTES=0), the largest copy against raw TCP measured right
+  // after it.
   std::vector<double> autotunedRatios;
   auto copyJob = [](const std::string& laneBuffer) {
-    JobStats job = runJob("copy",
-                          {"--width", "256", "--blocks", "4", "--memory-bytes", "25000000",
-                           "--global-batch", "8", "--microbatch", "2", "--float32",
-                           "--peer-checkpoint-every", "0", "--lane-socket-buffer", laneBuffer},
-                          10, 6, "kill:worker=2:step=4");
+    JobStats job = runJob(
+        "copy",
+        {"--width", "256", "--blocks", "4", "--memory-bytes", "25000000", "--global-batch", "8",
+         "--microbatch", "2", "--float32", "--peer-checkpoint-every", "0"},
+        10, 6, "kill:worker=2:step=4",
+        std::string(sinew::collectives::GlooOptions::kLaneSocketBufferEnv) + "=" + laneBuffer);
     if (job.copiedBytes <= 0 || job.copySeconds <= 0) {
       throw std::runtime_error("the copy job moved no layers between live workers; its plans:" +
                                job.plans);
@@ -624,7 +628,8 @@ int main(int argc, char** argv) {
               kCopyRuns);
   std::printf("  largest copy / raw TCP  %s\n", listed(largestRatios).c_str());
   std::printf(
-      "  the same with autotuned lane buffers (--lane-socket-buffer 0)  %s (in run order)\n",
+      "  the same with autotuned lane buffers (SINEW_GLOO_LANE_SOCKET_BUFFER_BYTES=0)  %s (in run "
+      "order)\n",
       listed(autotunedRatios).c_str());
   if (laneBuffers > 0) {
     std::printf("  (the job's lanes had %d KiB socket buffers each way)\n", laneBuffers >> 10);

@@ -15,6 +15,8 @@
 #include <random>
 #include <sstream>
 
+#include "sinew/collectives/gloo/gloo_options.h"
+
 #include "sinew/base/error.h"
 #include "sinew/base/little_endian.h"
 #include "sinew/collectives/transport/frame.h"
@@ -233,7 +235,7 @@ const char* laneFrameTypeName(uint8_t type) {
 }
 
 int Lanes::usableSocketBufferBytes(int requested) {
-  if (requested <= 0 || requested > kMaxLaneSocketBufferBytes) return 0;
+  if (requested <= 0 || requested > GlooOptions::kMaxLaneSocketBufferBytes) return 0;
   // Asks the kernel itself on a scratch socket, not /proc/sys/net/core/{r,w}mem_max: a
   // container's network namespace may not show those files (before Linux 6.11), while the
   // limits still apply. Linux reports twice the size set, or twice the limit it was cut to.

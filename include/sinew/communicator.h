@@ -34,9 +34,6 @@ enum class ReduceOp {
   kAvg,
 };
 
-// The largest CommunicatorOptions::laneSocketBufferBytes that can take effect (1 GiB).
-constexpr int kMaxLaneSocketBufferBytes = 1 << 30;
-
 // Use the communicator's default operation timeout.
 constexpr std::chrono::milliseconds kDefaultOpTimeout{-1};
 
@@ -59,20 +56,6 @@ struct CommunicatorOptions {
   std::string hostname = "127.0.0.1";
   // CUDA device index for the NCCL backend; -1 means the current device.
   int device = -1;
-  // Gloo backend: carry send, recv and exchange on lanes (docs/collectives.md, "Lanes"), plain
-  // TCP connections to every member read and written by the calling thread, instead of Gloo's
-  // pairs, whose loop thread hands every message over. Costs two connections per pair at
-  // set-up. On lanes, the messages one member sends another are received in the order they
-  // were sent: a receive that would have to skip an earlier message of the same peer fails
-  // with InvalidArgument. Two-member communicators open lanes for allreduce either way.
-  bool p2pLanes = false;
-  // Gloo backend: the kernel buffers of every lane socket, each way (docs/collectives.md,
-  // "Socket buffers"), set where net.core.rmem_max and wmem_max allow that size; 0 (the
-  // default), or a system that does not allow it, leaves the kernel's autotuning. Sized
-  // buffers let a new connection carry bulk bytes at full speed from its first byte, as the
-  // runtime's layer copies on each epoch's new lanes need (TrainerOptions); for the
-  // two-member allreduce one bench run measured autotuned ones faster.
-  int laneSocketBufferBytes = 0;
 };
 
 // One transfer of Communicator::exchange().
@@ -123,7 +106,9 @@ class Communicator {
   // Sends t to rank dst. Messages between two ranks with the same tag arrive in order;
   // the receiver's tensor must have the same number of bytes. Like MPI_Ssend it may
   // block until dst has posted the matching recv, so two members must not both send to
-  // each other first.
+  // each other first. With Gloo, the messages one member sends another are received in the
+  // order they were sent: a receive that would have to skip an earlier message of the same
+  // member (another tag) fails with InvalidArgument naming both tags.
   virtual void send(const at::Tensor& t, int dst, uint32_t tag,
                     std::chrono::milliseconds timeout = kDefaultOpTimeout) = 0;
 

@@ -115,13 +115,6 @@ struct TrainerOptions {
   // to the start when there is none). SGD or Adam.
   int peerCheckpointEvery = 1;
   int replicas = 2;
-  // Gloo backend: the kernel buffers of the pipeline communicator's lanes, each way
-  // (CommunicatorOptions::laneSocketBufferBytes): a reconfiguration's layer copies are the
-  // first bulk bytes on each epoch's new connections, which autotuned buffers carry at about
-  // 0.8 of a warm connection's speed (bench/RESULTS.md, "Sized lane buffers").
-  // Used where net.core.rmem_max and wmem_max allow it; 0: the kernel's autotuning. At most
-  // 2^30, else InvalidArgument.
-  int laneSocketBufferBytes = 4 << 20;
   // The most workers the job may grow to by joins: the coordinator plans templates up to
   // that many nodes, so a joined worker gets a stage (docs/pipeline.md, "Joins"). 0: the
   // environment's SINEW_MAX_WORKERS (sinew-run --max-workers sets it), else twice the

@@ -24,6 +24,7 @@
 
 #include "../support.h"
 #include "multiproc.h"
+#include "sinew/collectives/gloo/gloo_options.h"
 #include "sinew/collectives/gloo/lanes.h"
 #include "sinew/collectives/hash_store.h"
 #include "sinew/collectives/tcp_store.h"
@@ -56,14 +57,13 @@ std::vector<int> survivorsOf(int world, int victim) {
 }
 
 CommunicatorOptions options(std::vector<int> members, int self, int64_t epoch,
-                            std::chrono::milliseconds timeout = 60s, bool p2pLanes = false) {
+                            std::chrono::milliseconds timeout = 60s) {
   CommunicatorOptions o;
   o.members = std::move(members);
   o.self = self;
   o.epoch = epoch;
   o.timeout = timeout;
   o.initTimeout = 60s;
-  o.p2pLanes = p2pLanes;
   return o;
 }
 
@@ -72,8 +72,8 @@ std::shared_ptr<Store> connect(uint16_t port) {
 }
 
 // Forks one child per member of a `world`-member communicator of workers 10, 11, ...: each
-// connects to `server`, builds its communicator (operation timeout `timeout`; point to point
-// on lanes with `p2pLanes`) and exits with body(rank, store, communicator).
+// connects to `server`, builds its communicator (operation timeout `timeout`) and exits with
+// body(rank, store, communicator).
 // Forks one child per rank of `world`: each (one ATen thread) connects to `server` and exits
 // with body(rank, store).
 void spawnClients(ProcessGroup& group, TcpStoreServer& server, int world,
@@ -88,10 +88,10 @@ void spawnClients(ProcessGroup& group, TcpStoreServer& server, int world,
 
 void spawnMembers(ProcessGroup& group, TcpStoreServer& server, int world,
                   const std::function<int(int, const std::shared_ptr<Store>&, Communicator*)>& body,
-                  std::chrono::milliseconds timeout = 60s, bool p2pLanes = false) {
+                  std::chrono::milliseconds timeout = 60s) {
   spawnClients(group, server, world, [&](int r, const std::shared_ptr<Store>& store) {
-    auto comm = createGlooCommunicator(
-        store, options(workerIds(world), kWorkerBase + r, 0, timeout, p2pLanes));
+    auto comm =
+        createGlooCommunicator(store, options(workerIds(world), kWorkerBase + r, 0, timeout));
     return body(r, store, comm.get());
   });
 }
@@ -257,31 +257,6 @@ TEST_P(CommunicatorWorldTest, EveryOpDtypeAndSize) {
 INSTANTIATE_TEST_SUITE_P(WorldSizes, CommunicatorWorldTest, ::testing::Range(1, 9),
                          [](const auto& info) { return "world" + std::to_string(info.param); });
 
-// The same with point to point on lanes (CommunicatorOptions::p2pLanes): send/recv, exchange
-// and exchangeInChunks go on the lanes, the collectives as before (two members' allreduce on
-// the same lanes as their point to point).
-class CommunicatorLanesWorldTest : public ::testing::TestWithParam<int> {};
-
-TEST_P(CommunicatorLanesWorldTest, EveryOpDtypeAndSize) {
-  const int world = GetParam();
-  TcpStoreServer server{sinew::testing::serverOptions()};
-  ProcessGroup group;
-  spawnMembers(
-      group, server, world,
-      [&](int r, const std::shared_ptr<Store>& store, Communicator* comm) {
-        ChildChecker c{r};
-        return checkAllOps(*comm, c, /*huge=*/false) == 0 ? 0 : 1;
-      },
-      60s, /*p2pLanes=*/true);
-  auto exits = group.waitAll(240s);
-  for (int r = 0; r < world; ++r) {
-    EXPECT_TRUE(exits[r].exited && exits[r].code == 0) << "rank " << r << " " << exits[r].str();
-  }
-}
-
-INSTANTIATE_TEST_SUITE_P(WorldSizes, CommunicatorLanesWorldTest, ::testing::Values(2, 3, 6),
-                         [](const auto& info) { return "world" + std::to_string(info.param); });
-
 // Members that never show up are named in the Timeout.
 TEST(CommunicatorTest, InitTimeoutNamesMissingMember) {
   TcpStoreServer server{sinew::testing::serverOptions()};
@@ -355,8 +330,8 @@ TEST(CommunicatorTest, RejectsBadArguments) {
 }
 
 // The operation the failure tests repeat: a 16 MiB allreduce, or with `ring` an exchange
-// that sends t to the right neighbour and receives the left one's into `got` (on lanes when
-// the communicator has p2pLanes). True when the result is right.
+// that sends t to the right neighbour and receives the left one's into `got` (on the lanes).
+// True when the result is right.
 bool repeatedOp(Communicator& comm, at::Tensor& t, at::Tensor& got, bool ring) {
   const int P = comm.size(), r = comm.rank();
   if (!ring) {
@@ -421,7 +396,7 @@ void sigkillDuringAllreduce(const int kWorld, const int kVictim, bool ring = fal
         if (!at::equal(u, at::full({1 << 20}, want, at::kFloat))) return 4;
         return 0;
       },
-      60s, /*p2pLanes=*/ring);
+      60s);
   auto store = connect(server.port());
   std::vector<std::string> ready;
   for (int r = 0; r < kWorld; ++r) ready.push_back("ready/" + std::to_string(r));
@@ -496,8 +471,7 @@ int idleMemberSeesWorker10Abort(Communicator& comm) {
 
 // Two members: rank 0 runs `rank0` (an abortDuring of some blocking op), rank 1 stays idle
 // and must see its communicator fail with worker 10's abort. Both children must exit 0.
-void abortUnblocksTwoMemberOp(const std::function<int(Communicator&)>& rank0,
-                              bool p2pLanes = false) {
+void abortUnblocksTwoMemberOp(const std::function<int(Communicator&)>& rank0) {
   TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
   spawnMembers(
@@ -505,7 +479,7 @@ void abortUnblocksTwoMemberOp(const std::function<int(Communicator&)>& rank0,
       [&](int r, const std::shared_ptr<Store>& store, Communicator* comm) {
         return r == 0 ? rank0(*comm) : idleMemberSeesWorker10Abort(*comm);
       },
-      60s, p2pLanes);
+      60s);
   auto exits = group.waitAll(30s);
   for (auto& e : exits) EXPECT_TRUE(e.exited && e.code == 0) << e.str();
 }
@@ -531,7 +505,7 @@ void sigstopGivesTimeoutAtDeadline(const int kWorld, const int kVictim, bool rin
         store->set("done/" + std::to_string(r), toBytes("1"));
         return at::equal(u, at::full({1000}, 2.0, at::kFloat)) ? 0 : 4;
       },
-      kOpTimeout, /*p2pLanes=*/ring);
+      kOpTimeout);
   auto store = connect(server.port());
   std::vector<std::string> ready, done;
   for (int r = 0; r < kWorld; ++r) {
@@ -649,14 +623,12 @@ TEST(CommunicatorFailureTest, AbortUnblocksATwoMemberAllreduce) {
 // The same for an exchange on lanes: its sends fill the sockets and its receive never gets a
 // byte; abort() ends it within 100 ms.
 TEST(CommunicatorFailureTest, AbortUnblocksAnExchangeOnLanes) {
-  abortUnblocksTwoMemberOp(
-      [](Communicator& comm) {
-        at::Tensor out = at::ones({16 * 1024 * 1024}, at::kFloat), in = at::empty_like(out);
-        return abortDuring(comm, [&] {
-          comm.exchange({P2POp::send(out, 1, 1), P2POp::recv(in, 1, 1)});
-        });
-      },
-      /*p2pLanes=*/true);
+  abortUnblocksTwoMemberOp([](Communicator& comm) {
+    at::Tensor out = at::ones({16 * 1024 * 1024}, at::kFloat), in = at::empty_like(out);
+    return abortDuring(comm, [&] {
+      comm.exchange({P2POp::send(out, 1, 1), P2POp::recv(in, 1, 1)});
+    });
+  });
 }
 
 // Two members whose allreduce calls do not match (1000 and 2000 floats) both fail promptly:
@@ -710,9 +682,8 @@ TEST(CommunicatorTest, MismatchedTwoMemberAllreduceFailsOnBoth) {
 // receive that would have to skip the sender's earlier message fails with InvalidArgument
 // naming the message's tag, and one whose size differs names both sizes; each fails the
 // communicator on every member (the others' next operation gets the receiver's goodbye),
-// so each case has an epoch of its own. Three members, so that only lanes opened for
-// p2pLanes (not a two-member communicator's) carry it: on Gloo's pairs the first mismatch
-// would be matched by slot and wait for its deadline instead.
+// so each case has an epoch of its own. Three members, so that the lanes of a communicator that
+// reduces on the ring carry it.
 std::string outcomeOf(const std::function<void()>& op) {
   try {
     op();
@@ -730,8 +701,7 @@ TEST(CommunicatorTest, LanesMatchMessagesByTagInSendOrderAndNameMismatches) {
   ProcessGroup group;
   spawnClients(group, server, kWorld, [&](int r, const std::shared_ptr<Store>& store) {
     auto make = [&](int64_t epoch) {
-      return createGlooCommunicator(
-          store, options(workerIds(kWorld), kWorkerBase + r, epoch, 20s, /*p2pLanes=*/true));
+      return createGlooCommunicator(store, options(workerIds(kWorld), kWorkerBase + r, epoch, 20s));
     };
     auto comm = make(0);
     at::Tensor a = at::arange(1000, at::kFloat), b = at::arange(3000, at::kDouble);
@@ -790,7 +760,7 @@ TEST(CommunicatorTest, LanesMatchMessagesByTagInSendOrderAndNameMismatches) {
   }
 }
 
-// On two members with p2pLanes, an allreduce against a barrier: both lanes operations start
+// On two members, an allreduce against a barrier: both lanes operations start
 // with a header, so the member that reads the other's names the mismatch (not Corruption, and
 // not a wait for bytes that never come); the other may get its Aborted goodbye first.
 TEST(CommunicatorTest, AllreduceAgainstABarrierOnLanesIsNamed) {
@@ -810,7 +780,7 @@ TEST(CommunicatorTest, AllreduceAgainstABarrierOnLanesIsNamed) {
         store->set("outcome/" + std::to_string(r), toBytes(got));
         return 0;
       },
-      20s, /*p2pLanes=*/true);
+      20s);
   auto exits = group.waitAll(60s);
   for (auto& e : exits) EXPECT_TRUE(e.exited && e.code == 0) << e.str();
   auto store = connect(server.port());
@@ -844,7 +814,7 @@ TEST(CommunicatorTest, BarrierOnLanesReleasesEveryMemberOnceTheLastArrived) {
                    toBytes(std::to_string(arrived) + " " + std::to_string(left)));
         return 0;
       },
-      60s, /*p2pLanes=*/true);
+      60s);
   auto exits = group.waitAll(60s);
   for (auto& e : exits) EXPECT_TRUE(e.exited && e.code == 0) << e.str();
   auto store = connect(server.port());
@@ -1020,18 +990,55 @@ TEST(LanesTest, SocketBuffersAreSizedWhereTheSystemAllows) {
     }
   }
   EXPECT_EQ(Lanes::usableSocketBufferBytes(-1), 0);
-  EXPECT_EQ(Lanes::usableSocketBufferBytes(kMaxLaneSocketBufferBytes + 1), 0);
+  EXPECT_EQ(Lanes::usableSocketBufferBytes(GlooOptions::kMaxLaneSocketBufferBytes + 1), 0);
   // Above the limits (which Linux would cut the request down to): left to the kernel.
   const int64_t above = std::max(rmemMax, wmemMax) + 1;
-  if (rmemMax <= 0 || wmemMax <= 0 || above > kMaxLaneSocketBufferBytes) {
+  if (rmemMax <= 0 || wmemMax <= 0 || above > GlooOptions::kMaxLaneSocketBufferBytes) {
     GTEST_SKIP() << "the limits are not readable in /proc or are above "
-                 << kMaxLaneSocketBufferBytes << " bytes: no request above them to try";
+                 << GlooOptions::kMaxLaneSocketBufferBytes
+                 << " bytes: no request above them to try";
   }
   EXPECT_EQ(Lanes::usableSocketBufferBytes(static_cast<int>(above)), 0);
   const Sizes tooBig = connectPair(static_cast<int>(above));
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(tooBig.rcv[r], kernel.rcv[r]) << "rank " << r;
     EXPECT_EQ(tooBig.snd[r], kernel.snd[r]) << "rank " << r;
+  }
+}
+
+// The Gloo backend's options: SINEW_GLOO_LANE_SOCKET_BUFFER_BYTES overrides the default a
+// caller gives, a value that is no count of bytes in [0, 2^30] is named, and a communicator
+// refuses options out of range before it connects to anyone.
+TEST(GlooOptionsTest, EnvironmentOverridesTheDefaultAndBadValuesAreNamed) {
+  ::unsetenv(GlooOptions::kLaneSocketBufferEnv);
+  EXPECT_EQ(GlooOptions::fromEnvironment(4 << 20).laneSocketBufferBytes, 4 << 20);
+  ::setenv(GlooOptions::kLaneSocketBufferEnv, "0", 1);
+  EXPECT_EQ(GlooOptions::fromEnvironment(4 << 20).laneSocketBufferBytes, 0);
+  ::setenv(GlooOptions::kLaneSocketBufferEnv, "65536", 1);
+  EXPECT_EQ(GlooOptions::fromEnvironment(0).laneSocketBufferBytes, 65536);
+  for (const char* bad : {"-1", "1073741825", "64k", " 1", ""}) {
+    ::setenv(GlooOptions::kLaneSocketBufferEnv, bad, 1);
+    try {
+      GlooOptions::fromEnvironment(0);
+      ADD_FAILURE() << "accepted '" << bad << "'";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("SINEW_GLOO_LANE_SOCKET_BUFFER_BYTES = '") +
+                                           bad + "' is not a count of bytes"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  ::unsetenv(GlooOptions::kLaneSocketBufferEnv);
+  auto store = std::make_shared<HashStore>();
+  GlooOptions gloo;
+  gloo.laneSocketBufferBytes = -1;
+  try {
+    createGlooCommunicator(store, options({kWorkerBase, kWorkerBase + 1}, kWorkerBase, 0), gloo);
+    ADD_FAILURE() << "accepted laneSocketBufferBytes = -1";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("GlooOptions::laneSocketBufferBytes = -1"),
+              std::string::npos)
+        << e.what();
   }
 }
 
@@ -1091,13 +1098,14 @@ std::shared_ptr<Store> stallingStore(std::shared_ptr<Store> inner, std::string s
 
 // A member that leaves (its process exits) right after its side of the mesh connected, while
 // another member is still connecting to a third. Whoever finds a connection to it closed must
-// get Sinew's IoError, never Gloo's IoException (which the trainer does not catch: a worker died
-// of "terminate called after throwing gloo::IoException" when an epoch's member gave up during
-// the build, in ha_test under ASan). The member that was connecting (rank 1) finds it either as
-// it posts its first receive to the leaver (the error then names the leaver) or, when the third
-// member's failed build closed their connection first, while connecting to that one. Which of
-// the two comes first is a race, and so is whether the third member sees the closed connection,
-// so the scene is played several times: before the fix, most plays ended with a Gloo exception.
+// get Sinew's IoError (or PeerLost naming it, once its own mesh is up), never Gloo's IoException
+// (which the trainer does not catch: a worker died of "terminate called after throwing
+// gloo::IoException" when an epoch's member gave up during the build, in ha_test under ASan). The
+// member that was connecting (rank 1) finds it either as it posts its first receive to the leaver
+// (the error then names the leaver) or, when the third member's failed build closed their
+// connection first, while connecting to that one. Which of the two comes first is a race, and so is
+// whether the third member sees the closed connection, so the scene is played several times: before
+// the fix, most plays ended with a Gloo exception.
 TEST(CommunicatorFailureTest, MemberThatLeavesAsTheMeshConnectsGivesIoError) {
   TcpStoreServer server{sinew::testing::serverOptions()};
   for (int play = 0; play < 8; ++play) {
@@ -1110,9 +1118,15 @@ TEST(CommunicatorFailureTest, MemberThatLeavesAsTheMeshConnectsGivesIoError) {
       auto o = options(workerIds(3), kWorkerBase + r, play);
       o.initTimeout = 20s;
       if (r == 0) {
-        auto comm = createGlooCommunicator(store, o);
-        store->set(gone, toBytes("1"));
-        _exit(0);  // Its sockets close with the process, without a goodbye.
+        // It leaves as its lanes are set up, right after its side of Gloo's mesh connected (and
+        // before it could finish: rank 1's lanes wait for rank 1, held back above).
+        auto leaving = std::make_shared<HookedStore>(store, [&](const std::string& key) {
+          if (!endsWith(key, "/lane/0")) return;
+          store->set(gone, toBytes("1"));
+          _exit(0);  // Its sockets close with the process, without a goodbye.
+        });
+        auto comm = createGlooCommunicator(leaving, o);
+        return 5;  // Built without its peers' lanes.
       }
       if (r == 1) {
         auto stalling = stallingStore(store, "/gloo/2", gone, 500ms);
@@ -1127,6 +1141,14 @@ TEST(CommunicatorFailureTest, MemberThatLeavesAsTheMeshConnectsGivesIoError) {
               what.find("worker 10 (rank 0)") == std::string::npos) {
             std::cerr << "rank 1: the error does not name worker 10: " << what << std::endl;
             rc = 4;
+          }
+        } catch (const PeerLost& e) {
+          // Its mesh connected before the leaver's sockets closed: its lanes' set-up learns of
+          // the loss from the leaver's watcher.
+          if (e.worker() != kWorkerBase) {
+            std::cerr << "rank 1: PeerLost names worker " << e.worker() << ": " << e.what()
+                      << std::endl;
+            rc = 6;
           }
         }
         store->set(done, toBytes("1"));

@@ -110,7 +110,6 @@ void onThreads(int n, const std::function<void(int, collectives::Communicator&)>
         co.name = "pp";
         co.timeout = 30s;
         co.initTimeout = 30s;
-        co.p2pLanes = true;
         auto comm = collectives::createGlooCommunicator(store, co);
         body(w, *comm);
       } catch (...) {

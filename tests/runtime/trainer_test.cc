@@ -116,17 +116,24 @@ TEST(TrainerTest, DevicesPerNodeIsCheckedBeforeAnyProfiling) {
   EXPECT_NO_THROW(Trainer(*ctx, tinyModel(), o));
 }
 
-// The lanes' socket buffers: in [0, 2^30], checked when the trainer is made.
-TEST(TrainerTest, LaneSocketBufferBytesOutOfRangeIsRefused) {
+// The pipeline communicator's lane socket buffers come from SINEW_GLOO_LANE_SOCKET_BUFFER_BYTES
+// (the Gloo backend's knob, not a TrainerOptions field): a value that is no count of bytes in
+// [0, 2^30] is refused when the trainer is made, naming the variable and the value.
+TEST(TrainerTest, BadLaneSocketBufferVariableIsRefused) {
   auto ctx = init(nullptr, nullptr);
-  for (int bytes : {-1, (1 << 30) + 1}) {
+  for (const char* bad : {"-1", "1073741825", "4M", ""}) {
+    ::setenv("SINEW_GLOO_LANE_SOCKET_BUFFER_BYTES", bad, 1);
     TrainerOptions o = tinyOptions();
     o.parallelism = Parallelism::kPipeline;
-    o.laneSocketBufferBytes = bytes;
     expectRefused(*ctx, o,
-                  "TrainerOptions::laneSocketBufferBytes = " + std::to_string(bytes) +
-                      " must be in [0, 2^30]");
+                  std::string("SINEW_GLOO_LANE_SOCKET_BUFFER_BYTES = '") + bad +
+                      "' is not a count of bytes in [0, 1073741824]");
   }
+  ::setenv("SINEW_GLOO_LANE_SOCKET_BUFFER_BYTES", "0", 1);
+  TrainerOptions o = tinyOptions();
+  o.parallelism = Parallelism::kPipeline;
+  EXPECT_NO_THROW(Trainer(*ctx, tinyModel(), o));
+  ::unsetenv("SINEW_GLOO_LANE_SOCKET_BUFFER_BYTES");
 }
 
 }  // namespace
