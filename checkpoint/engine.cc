@@ -25,28 +25,6 @@ void lowerThisThreadsPriority() {
   ::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 10);
 }
 
-// A step number kept in the store (written by advance(); other processes can write it too).
-int64_t parseStep(const Bytes& b) {
-  if (b.empty()) return -1;
-  const std::string text = toString(b);
-  const auto step = ::sinew::detail::tryParseInt(text);
-  if (!step || *step < -1) {
-    SINEW_THROW(Corruption, "checkpoint step in the store must be an integer >= -1, got '",
-                text.substr(0, 80), "'");
-  }
-  return *step;
-}
-
-// Moves the integer at key forward to value (never backwards), atomically.
-void advance(collectives::Store& store, const std::string& key, int64_t value) {
-  for (;;) {
-    Bytes cur = store.check({key}) ? store.get(key) : Bytes();
-    if (parseStep(cur) >= value) return;
-    Bytes after = store.compareSet(key, cur, toBytes(std::to_string(value)));
-    if (parseStep(after) >= value) return;
-  }
-}
-
 }  // namespace
 
 CheckpointEngine::CheckpointEngine(const ShardState& like, CheckpointEngineOptions options)
@@ -67,14 +45,39 @@ CheckpointEngine::CheckpointEngine(const ShardState& like, CheckpointEngineOptio
   so.owner = options_.self;
   arena_ = std::make_unique<SnapshotArena>(like, so);
   service_->setOwnShards([this] { return arena_->all(); });
-  if (!options_.persist.dir.empty()) writer_ = std::make_unique<CheckpointWriter>(options_.persist);
-  arena_->setOnComplete([this](std::shared_ptr<const HostShard> s) {
-    onSnapshot(s);
-    if (options_.onSnapshot) options_.onSnapshot(s);
-  });
-  if (options_.onSnapshotFailed) arena_->setOnFailed(options_.onSnapshotFailed);
+  if (!options_.persist.dir.empty()) {
+    VersionFlusherOptions fo;
+    fo.self = options_.self;
+    fo.persist = options_.persist;
+    fo.store = options_.store;
+    fo.prefix = options_.prefix;
+    fo.timeout = options_.timeout;
+    fo.lowPriority = true;
+    fo.onFlushed = [this](const FlushedVersion&) {
+      std::lock_guard<std::mutex> lock(mu_);
+      stats_.flushed++;
+    };
+    fo.onFailed = [this](int64_t step, const std::string&, const std::string&,
+                         std::exception_ptr error) {
+      std::string what = "unknown exception";
+      try {
+        std::rethrow_exception(error);
+      } catch (const std::exception& e) {
+        what = e.what();
+      } catch (...) {
+      }
+      std::fprintf(stderr, "sinew checkpoint: worker %d: flush of version %lld failed: %s\n",
+                   options_.self, static_cast<long long>(step), what.c_str());
+      std::lock_guard<std::mutex> lock(mu_);
+      stats_.lastError = what;
+      if (!flushError_) flushError_ = error;  // Rethrown by waitDurable().
+    };
+    flusher_ = std::make_unique<VersionFlusher>(std::move(fo));
+  }
+  arena_->setOnComplete([this](std::shared_ptr<const HostShard> s) { onSnapshot(std::move(s)); });
+  arena_->setOnFailed(
+      [this](int64_t step, std::exception_ptr error) { onSnapshotFailed(step, error); });
   replicationThread_ = std::thread([this] { replicationLoop(); });
-  flushThread_ = std::thread([this] { flushLoop(); });
 }
 
 CheckpointEngine::~CheckpointEngine() {
@@ -87,19 +90,60 @@ CheckpointEngine::~CheckpointEngine() {
   }
   cv_.notify_all();
   replicationThread_.join();
-  flushThread_.join();
+  flusher_.reset();  // Writes the versions queued, then joins its thread.
   arena_.reset();
+  // A caller's version whose copy never completed (the engine went first) will not come.
+  for (auto& [step, copy] : durableCopies_) copy.flusher->cancel();
 }
 
-bool CheckpointEngine::snapshot(int64_t step, const ShardState& state) {
-  return arena_->snapshot(step, state);
+bool CheckpointEngine::snapshot(int64_t step, const ShardState& state, VersionFlusher* durable,
+                                FlushRole role) {
+  if (durable != nullptr) {
+    std::lock_guard<std::mutex> lock(mu_);
+    durableCopies_[step] = {durable, std::move(role)};
+  }
+  bool taken = false;
+  try {
+    taken = arena_->snapshot(step, state);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mu_);
+    durableCopies_.erase(step);
+    throw;
+  }
+  if (!taken && durable != nullptr) {
+    std::lock_guard<std::mutex> lock(mu_);
+    durableCopies_.erase(step);
+  }
+  return taken;
 }
 
 void CheckpointEngine::waitBeforeUpdate(std::chrono::milliseconds timeout) {
   arena_->waitBeforeUpdate(timeout);
 }
 
+void CheckpointEngine::onSnapshotFailed(int64_t step, std::exception_ptr error) {
+  DurableCopy copy;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = durableCopies_.find(step);
+    if (it == durableCopies_.end()) return;
+    copy = std::move(it->second);
+    durableCopies_.erase(it);
+  }
+  copy.flusher->fail(step, error, "copy", "host memory");
+}
+
 void CheckpointEngine::onSnapshot(std::shared_ptr<const HostShard> shard) {
+  DurableCopy copy;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = durableCopies_.find(shard->step);
+    if (it != durableCopies_.end()) {
+      copy = std::move(it->second);
+      durableCopies_.erase(it);
+    }
+  }
+  if (copy.flusher != nullptr) copy.flusher->submit(shard, std::move(copy.role), /*shared=*/true);
   {
     std::lock_guard<std::mutex> lock(mu_);
     // Every snapshot is sent, in order: workers that took the same snapshots replicate the
@@ -162,7 +206,7 @@ void CheckpointEngine::reportHeld(int64_t step) {
                            {"replication", options_.replication},
                            {"previous", previous}};
   store.set(key("commit/" + s), toBytes(record.dump()));
-  advance(store, key("committed"), step);
+  advanceStoredStep(store, key("committed"), step);
   // Keys nobody reads again: s's reports, and the record two commits back.
   for (int w : options_.workers) store.deleteKey(key("held/" + s + "/" + std::to_string(w)));
   store.deleteKey(key("held/" + s));
@@ -175,7 +219,7 @@ void CheckpointEngine::reportHeld(int64_t step) {
 
 int64_t CheckpointEngine::committedIn(collectives::Store& store, const std::string& prefix) {
   const std::string k = prefix + "/committed";
-  return store.check({k}) ? parseStep(store.get(k)) : -1;
+  return store.check({k}) ? parseStoredStep(store.get(k)) : -1;
 }
 
 std::optional<CommitRecord> CheckpointEngine::commitRecordIn(collectives::Store& store,
@@ -246,14 +290,16 @@ void CheckpointEngine::replicationLoop() {
       bool flush = false;
       {
         std::lock_guard<std::mutex> lock(mu_);
-        if (writer_ &&
+        if (flusher_ &&
             ((options_.flushEvery > 0 && step % options_.flushEvery == 0) || flushRequested_)) {
           flushRequested_ = false;
-          toFlush_.push_back(shard);
           flush = true;
         }
       }
-      if (flush) cv_.notify_all();
+      if (flush) {
+        flusher_->reserve();
+        flusher_->submit(shard, flushRole());
+      }
     } catch (const std::exception& e) {
       // Version step does not commit; the committed version stays the previous one.
       std::lock_guard<std::mutex> lock(mu_);
@@ -264,53 +310,16 @@ void CheckpointEngine::replicationLoop() {
   }
 }
 
-void CheckpointEngine::flushVersion(const std::shared_ptr<const HostShard>& shard) {
-  auto& store = *options_.store;
-  const std::string s = std::to_string(shard->step);
-  ShardFileRecord rec = writer_->writeShard(*shard);
-  store.set(key("flush/" + s + "/" + std::to_string(options_.self)), toBytes(rec.toJson()));
-  if (options_.self != options_.workers.front()) return;
-  std::vector<std::string> keys;
-  for (int w : options_.workers) keys.push_back(key("flush/" + s + "/" + std::to_string(w)));
-  store.wait(keys, options_.timeout);
-  std::vector<ShardFileRecord> records;
-  for (const auto& k : keys) records.push_back(ShardFileRecord::fromJson(toString(store.get(k))));
-  writer_->commitVersion(shard->step, records);
-  advance(store, key("durable"), shard->step);
-}
-
-void CheckpointEngine::flushLoop() {
-  lowerThisThreadsPriority();
-  for (;;) {
-    std::shared_ptr<const HostShard> shard;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !toFlush_.empty(); });
-      if (stop_) return;
-      shard = toFlush_.front();
-      toFlush_.pop_front();
-    }
-    try {
-      flushVersion(shard);
-      std::lock_guard<std::mutex> lock(mu_);
-      stats_.flushed++;
-    } catch (...) {
-      std::exception_ptr error = std::current_exception();  // Rethrown by waitDurable().
-      std::string what = "unknown exception";
-      try {
-        std::rethrow_exception(error);
-      } catch (const std::exception& e) {
-        what = e.what();
-      } catch (...) {
-      }
-      std::fprintf(stderr, "sinew checkpoint: worker %d: flush of version %lld failed: %s\n",
-                   options_.self, static_cast<long long>(shard->step), what.c_str());
-      std::lock_guard<std::mutex> lock(mu_);
-      stats_.lastError = what;
-      if (!flushError_) flushError_ = error;
-      cv_.notify_all();
-    }
+FlushRole CheckpointEngine::flushRole() const {
+  FlushRole role;
+  if (options_.workers.size() <= 1) return role;  // kAlone
+  if (options_.self != options_.workers.front()) {
+    role.how = FlushRole::How::kPost;
+    return role;
   }
+  role.how = FlushRole::How::kCommit;
+  role.others.assign(options_.workers.begin() + 1, options_.workers.end());
+  return role;
 }
 
 void CheckpointEngine::requestFlush() {
@@ -343,7 +352,7 @@ int64_t CheckpointEngine::waitCommitted(int64_t step, std::chrono::milliseconds 
 
 int64_t CheckpointEngine::durableStep() const {
   auto& store = *options_.store;
-  return store.check({key("durable")}) ? parseStep(store.get(key("durable"))) : -1;
+  return store.check({key("durable")}) ? parseStoredStep(store.get(key("durable"))) : -1;
 }
 
 int64_t CheckpointEngine::waitDurable(int64_t step, std::chrono::milliseconds timeout) const {

@@ -20,11 +20,11 @@
 //      step 1 (a lost peer, a timeout, a rejected checksum) skips 2: s never commits and
 //      s-1 stays the committed version.
 // Flush protocol (every flushEvery committed versions, on requestFlush() or
-// preemptionNotice()):
-//   1. Each worker writes its shard of s durably and sets <prefix>/flush/<s>/<worker> to its
-//      ShardFileRecord.
-//   2. The first worker of `workers` waits for every record, writes the manifest, moves
-//      LATEST and sets <prefix>/durable to s.
+// preemptionNotice()): VersionFlusher's (checkpoint/flusher.h), the first worker of `workers`
+// completing the version (kCommit) and every other posting its shard's record (kPost).
+// A caller may also hand a snapshot's copy to a VersionFlusher of its own (snapshot() with
+// `durable`): the trainer writes its durable versions from the engine's copy that way instead
+// of copying the state twice.
 // Replication runs at low priority: its thread is niced, sends in chunks and waits (up to
 // maxYield) between chunks while the trainer has a collective in flight (trafficGate()).
 // It never blocks a step: versions are sent in order, and when replication falls behind
@@ -49,6 +49,7 @@
 #include <thread>
 #include <vector>
 
+#include "sinew/checkpoint/flusher.h"
 #include "sinew/checkpoint/persist.h"
 #include "sinew/checkpoint/placement.h"
 #include "sinew/checkpoint/replica.h"
@@ -79,11 +80,6 @@ struct CheckpointEngineOptions {
   std::chrono::milliseconds timeout = kDefaultCheckpointTimeout;  // Store waits.
   // Test hook: called on the replication thread before a version is sent.
   std::function<void(int64_t step)> beforeReplicate;
-  // Called on the arena's copy thread with each complete snapshot (after it is queued for
-  // replication), and with the step and error of each copy that failed: a trainer that also
-  // writes the same version to its own folder uses the engine's copy instead of a second one.
-  std::function<void(std::shared_ptr<const HostShard>)> onSnapshot;
-  std::function<void(int64_t step, std::exception_ptr)> onSnapshotFailed;
 };
 
 // A commit record (<prefix>/commit/<s>): the workers whose shards version `step` holds, in
@@ -110,8 +106,8 @@ class CheckpointEngine {
   // Waits for a commit poll the store, first after kFirstPoll, then twice as long each time up
   // to kLastPoll: a commit usually follows within a millisecond or two, and many workers polling
   // one store server every millisecond would starve its other clients.
-  static constexpr std::chrono::milliseconds kFirstPoll{1};
-  static constexpr std::chrono::milliseconds kLastPoll{16};
+  static constexpr std::chrono::milliseconds kFirstPoll = kStorePollFirst;
+  static constexpr std::chrono::milliseconds kLastPoll = kStorePollLast;
 
   // Starts the replica service, publishes its address under <prefix>/replica/<self>, and
   // sizes the arena for shards like `like`.
@@ -121,7 +117,12 @@ class CheckpointEngine {
   CheckpointEngine& operator=(const CheckpointEngine&) = delete;
 
   // After the optimizer step of step: SnapshotArena::snapshot; the copy is then replicated.
-  bool snapshot(int64_t step, const ShardState& state);
+  // With `durable` (REQUIRES: it has a reservation for this version and outlives the copy),
+  // the copy is also submitted to it with `role` once complete, or failed there ("copy", "host
+  // memory") if the copy fails. Returns whether the snapshot was taken; if not, `durable` is
+  // left alone (its reservation is the caller's).
+  bool snapshot(int64_t step, const ShardState& state, VersionFlusher* durable = nullptr,
+                FlushRole role = {});
   // Before the next optimizer step.
   void waitBeforeUpdate(std::chrono::milliseconds timeout = std::chrono::milliseconds(-1));
   TrafficGate& trafficGate() { return gate_; }
@@ -164,11 +165,12 @@ class CheckpointEngine {
 
  private:
   void onSnapshot(std::shared_ptr<const HostShard> shard);
+  void onSnapshotFailed(int64_t step, std::exception_ptr error);
   void replicationLoop();
-  void flushLoop();
   void replicate(const HostShard& shard);
   void reportHeld(int64_t step);
-  void flushVersion(const std::shared_ptr<const HostShard>& shard);
+  // This worker's part in flushing the engine's own versions.
+  FlushRole flushRole() const;
   std::string key(const std::string& suffix) const { return options_.prefix + "/" + suffix; }
   std::string peerAddress(int worker, std::chrono::milliseconds timeout) const;
 
@@ -177,7 +179,7 @@ class CheckpointEngine {
   TrafficGate gate_;
   std::unique_ptr<ReplicaService> service_;
   std::unique_ptr<SnapshotArena> arena_;
-  std::unique_ptr<CheckpointWriter> writer_;
+  std::unique_ptr<VersionFlusher> flusher_;  // With persist.dir: the engine's own flushes.
   // One client per peer, used only by the replication thread.
   std::map<int, std::unique_ptr<ReplicaClient>> clients_;
 
@@ -185,15 +187,19 @@ class CheckpointEngine {
   std::condition_variable cv_;
   // Guarded by mu_.
   std::deque<std::shared_ptr<const HostShard>> toReplicate_;
-  std::deque<std::shared_ptr<const HostShard>> toFlush_;
   bool flushRequested_ = false;
+  // Versions whose copy goes to a caller's flusher too, and with which role.
+  struct DurableCopy {
+    VersionFlusher* flusher = nullptr;
+    FlushRole role;
+  };
+  std::map<int64_t, DurableCopy> durableCopies_;
   bool stop_ = false;
   EngineStats stats_;
   // A failed flush not yet rethrown by waitDurable() (its message is also stats_.lastError).
   mutable std::exception_ptr flushError_;
 
   std::thread replicationThread_;
-  std::thread flushThread_;
 };
 
 }  // namespace checkpoint

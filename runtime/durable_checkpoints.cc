@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -16,12 +17,8 @@ DurableCheckpoints::DurableCheckpoints(const TrainerServices& services, bool pip
     : s_(services), pipelineMode_(pipelineMode), dir_(services.options.checkpointDir) {}
 
 DurableCheckpoints::~DurableCheckpoints() {
-  arena_.reset();  // Joins the copy thread, whose completion callback uses mu_.
-  stopFlushThread();
-}
-
-std::string DurableCheckpoints::recordKey(int64_t step, int owner) {
-  return "sinew/pipeline/checkpoint/" + std::to_string(step) + "/w" + std::to_string(owner);
+  arena_.reset();    // Joins the copy thread, whose completion submits to the flusher.
+  flusher_.reset();  // Writes what was submitted, then joins its thread.
 }
 
 void DurableCheckpoints::checkDir() {
@@ -111,142 +108,134 @@ std::vector<int64_t> DurableCheckpoints::durableSteps() const {
   return checkpoint::CheckpointReader(dir_, s_.state.checkpointEnv).durableSteps();
 }
 
-void DurableCheckpoints::maybeSnapshot(int64_t step, const Role& role, bool force,
-                                       bool engineTakesIt,
-                                       const std::function<checkpoint::ShardState()>& state,
-                                       int64_t current, double* waited) {
+void DurableCheckpoints::makeFlusher() {
   const TrainerOptions& o = s_.options;
-  if (dir_.empty() || !role.writer) return;
+  checkpoint::VersionFlusherOptions fo;
+  fo.self = s_.worker();
+  fo.persist.dir = dir_;
+  fo.persist.keep = o.checkpointKeep;
+  fo.persist.env = s_.state.checkpointEnv;
+  fo.store = s_.ctx.store();
+  fo.prefix = "sinew/durable";
+  fo.timeout = s_.recoveryTimeout();
+  // A writer that left the job before posting its shard never will.
+  fo.gone = [this](int worker) -> std::string {
+    const EpochInfo latest = s_.client.latestEpoch();
+    if (std::find(latest.members.begin(), latest.members.end(), worker) != latest.members.end()) {
+      return "";
+    }
+    return "left the job (epoch " + std::to_string(latest.epoch) + ")";
+  };
+  fo.beforeWrite = [this](int64_t step) {
+    s_.state.injector.fire(s_.worker(), step, Phase::kFlush, nullptr);
+  };
+  fo.onFlushed = [this](const checkpoint::FlushedVersion& v) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      written_++;
+      if (v.step >= errorStep_) error_ = nullptr;  // A newer one is durable.
+    }
+    s_.event({{"event", "checkpoint"},
+              {"step", v.step},
+              {"duration_s", v.seconds},
+              {"shared_snapshot", v.shared}});
+    s_.state.injector.afterFlush(s_.worker(), v.step, dir_);
+    // The writer that moved LATEST tells the coordinator (its status and /metrics).
+    if (v.how != checkpoint::FlushRole::How::kPost) {
+      s_.client.durable(v.step, v.bytes, v.seconds, dir_);
+    }
+  };
+  // Reported, and training goes on: a later version may be written. error() returns it only
+  // if no newer version was written after it (docs/failure_semantics.md, rule 10).
+  fo.onFailed = [this](int64_t step, const std::string& verb, const std::string& where,
+                       std::exception_ptr error) {
+    std::lock_guard<std::mutex> lock(mu_);
+    recordFailureLocked(step, error, verb, where);
+  };
+  flusher_ = std::make_unique<checkpoint::VersionFlusher>(std::move(fo));
+}
+
+checkpoint::VersionFlusher* DurableCheckpoints::reserve(int64_t step, const Role& role, bool force,
+                                                        int64_t current, double* waited) {
+  const TrainerOptions& o = s_.options;
+  if (dir_.empty() || !role.writer) return nullptr;
   bool due = (o.checkpointEvery > 0 && (step + 1) % o.checkpointEvery == 0) ||
              step == o.steps - 1 || force;
-  if (!due || step == lastSnapshot_) return;
+  if (!due || step == lastSnapshot_) return nullptr;
   // Pipeline mode writes every due version on every writer (a version needs all of their
   // shards), so it waits for the previous one instead of skipping it. The job's last step
   // is never skipped either (docs/failure_semantics.md, rule 4).
   const bool wait = force || pipelineMode_ || step == o.steps - 1;
-  // Waiting on the disk is not being stuck: the step deadline does not count it.
-  std::optional<WaitingOnOthers> onDisk;
-  if (wait) onDisk.emplace(s_.client, current, waited);
-  if (wait && arena_) arena_->waitComplete();  // Its copy is in no step's way.
-  {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (wait) cv_.wait(lock, [&] { return outstanding_ == 0; });
-    if (outstanding_ > 0) {
-      skipped_++;  // The previous version is still being written: never block a step.
-      return;
-    }
-    role_ = role;
-  }
-  if (!writer_) {
-    // Once per worker: a reconfiguration that changes its layers makes a new arena (of the
-    // new layout) but keeps the writer and its flush thread.
-    checkpoint::PersistOptions po;
-    po.dir = dir_;
-    po.keep = o.checkpointKeep;
-    po.env = s_.state.checkpointEnv;
-    writer_ = std::make_unique<checkpoint::CheckpointWriter>(po);
-    flushThread_ = std::thread([this] { flushLoop(); });
-  }
-  if (engineTakesIt) {
-    // One copy for both: the engine's completion hook queues its shard of `step` for the
-    // flush (settleShared takes this worker's own snapshot if the engine does not).
+  // Once per worker: a reconfiguration that changes its layers makes a new arena (of the new
+  // layout) but keeps the flusher.
+  if (!flusher_) makeFlusher();
+  if (wait) {
+    // Waiting on the disk is not being stuck: the step deadline does not count it.
+    WaitingOnOthers onDisk(s_.client, current, waited);
+    if (arena_) arena_->waitComplete();  // Its copy is in no step's way.
+    flusher_->waitIdle();
+  } else if (flusher_->outstanding() > 0) {
     std::lock_guard<std::mutex> lock(mu_);
-    outstanding_++;
-    fromEngine_ = step;
-    lastSnapshot_ = step;
-    return;
+    skipped_++;  // The previous version is still being written: never block a step.
+    return nullptr;
   }
-  snapshotToArena(step, state());
+  flusher_->reserve();
+  lastSnapshot_ = step;
+  return flusher_.get();
 }
 
-void DurableCheckpoints::settleShared(int64_t step, bool taken,
-                                      const std::function<checkpoint::ShardState()>& state) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (fromEngine_ != step || taken) return;
-    fromEngine_ = -1;
-    outstanding_--;
-  }
-  snapshotToArena(step, state());
-}
-
-// The shard of a due durable version, copied into this worker's own arena (its completion
-// queues the flush). REQUIRES: the writer exists and role_ is set for `step`.
-void DurableCheckpoints::snapshotToArena(int64_t step, const checkpoint::ShardState& state) {
+// The shard of a reserved version, copied into this worker's own arena (its completion
+// submits it to the flusher).
+void DurableCheckpoints::snapshotOwn(int64_t step, const Role& role,
+                                     const std::function<checkpoint::ShardState()>& state) {
+  const checkpoint::ShardState st = state();
   if (!arena_) {
     checkpoint::SnapshotOptions so;
     so.owner = s_.worker();
-    arena_ = std::make_unique<checkpoint::SnapshotArena>(state, so);
+    arena_ = std::make_unique<checkpoint::SnapshotArena>(st, so);
     arena_->setOnComplete([this](std::shared_ptr<const checkpoint::HostShard> shard) {
-      std::lock_guard<std::mutex> lock(mu_);
-      toFlush_.push_back({std::move(shard), role_.how, role_.others});
-      cv_.notify_all();
+      checkpoint::FlushRole r;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        r = arenaRole_;
+      }
+      flusher_->submit(std::move(shard), std::move(r));
     });
-    // A copy that failed is never flushed: it no longer counts as outstanding (its error
-    // reaches the training thread through the arena's next wait or snapshot).
-    arena_->setOnFailed([this](int64_t, std::exception_ptr) {
-      std::lock_guard<std::mutex> lock(mu_);
-      outstanding_--;
-      cv_.notify_all();
-    });
+    // A copy that failed is never flushed: its reservation ends (its error reaches the training
+    // thread through the arena's next wait or snapshot).
+    arena_->setOnFailed([this](int64_t, std::exception_ptr) { flusher_->cancel(); });
   }
   {
-    // Counted before the copy starts, so the flush of a fast copy never finds it at 0.
     std::lock_guard<std::mutex> lock(mu_);
-    outstanding_++;
+    arenaRole_ = role.flush;
   }
   bool taken = false;
   try {
-    taken = arena_->snapshot(step, state);
+    taken = arena_->snapshot(step, st);
   } catch (...) {
-    std::lock_guard<std::mutex> lock(mu_);
-    outstanding_--;
-    cv_.notify_all();
+    flusher_->cancel();
     throw;
   }
-  if (taken) {
-    lastSnapshot_ = step;
-  } else {
+  if (!taken) {
+    flusher_->cancel();
     std::lock_guard<std::mutex> lock(mu_);
-    outstanding_--;
     skipped_++;
-    cv_.notify_all();
+    lastSnapshot_ = -1;
   }
   // While the copy is in flight (on a GPU: queued on the side stream).
   s_.state.injector.fire(s_.worker(), step, Phase::kSnapshot, &s_.client);
-}
-
-void DurableCheckpoints::onEngineSnapshot(
-    const std::shared_ptr<const checkpoint::HostShard>& shard) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (shard->step != fromEngine_) return;
-  fromEngine_ = -1;
-  toFlush_.push_back({shard, role_.how, role_.others, /*shared=*/true});
-  cv_.notify_all();
-}
-
-// As a failed flush (rule 10 of docs/failure_semantics.md): reported, training goes on, and
-// error() returns it if no newer version is written (the engine's own rethrow comes only with
-// its next wait, which the job's last step never reaches).
-void DurableCheckpoints::onEngineSnapshotFailed(int64_t step, std::exception_ptr error) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (step != fromEngine_) return;
-  fromEngine_ = -1;
-  outstanding_--;
-  recordFailureLocked(step, error, "copy", "host memory");
-  cv_.notify_all();
 }
 
 // A version that could not be made durable: kept for error() unless a newer version is
 // written (rule 10), printed, and reported as a checkpoint_failed event:
 // "could not <verb> checkpoint <step> to <where>: <error>".
 void DurableCheckpoints::recordFailureLocked(int64_t step, std::exception_ptr error,
-                                             const char* verb, const std::string& where) {
+                                             const std::string& verb, const std::string& where) {
   error_ = error;
   errorStep_ = step;
   const std::string why = describe(error);
   std::fprintf(stderr, "sinew: worker %d could not %s checkpoint %lld to %s: %s\n", s_.worker(),
-               verb, static_cast<long long>(step), where.c_str(), why.c_str());
+               verb.c_str(), static_cast<long long>(step), where.c_str(), why.c_str());
   s_.event({{"event", "checkpoint_failed"}, {"step", step}, {"dir", dir_}, {"error", why}});
 }
 
@@ -270,10 +259,9 @@ void DurableCheckpoints::rolledBackTo(int64_t step) {
 }
 
 void DurableCheckpoints::finish() {
-  if (!writer_) return;
+  if (!flusher_) return;
   if (arena_) arena_->waitComplete();
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return outstanding_ == 0; });
+  flusher_->waitIdle();
 }
 
 int64_t DurableCheckpoints::written() const {
@@ -289,106 +277,6 @@ int64_t DurableCheckpoints::skipped() const {
 std::exception_ptr DurableCheckpoints::error() const {
   std::lock_guard<std::mutex> lock(mu_);
   return error_;
-}
-
-void DurableCheckpoints::stopFlushThread() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-    cv_.notify_all();
-  }
-  if (flushThread_.joinable()) flushThread_.join();
-}
-
-void DurableCheckpoints::flushLoop() {
-  std::unique_lock<std::mutex> lock(mu_);
-  while (true) {
-    cv_.wait(lock, [&] { return stop_ || !toFlush_.empty(); });
-    if (toFlush_.empty()) return;  // Stopping with nothing left to write.
-    FlushJob job = std::move(toFlush_.front());
-    toFlush_.pop_front();
-    lock.unlock();
-    auto t0 = TrainerClock::now();
-    std::exception_ptr error;
-    const auto& shard = job.shard;
-    try {
-      s_.state.injector.fire(s_.worker(), shard->step, Phase::kFlush, nullptr);
-      flushOne(job);
-    } catch (...) {
-      error = std::current_exception();
-    }
-    double took = seconds(TrainerClock::now() - t0);
-    lock.lock();
-    outstanding_--;
-    if (!error) {
-      written_++;
-      if (shard->step >= errorStep_) error_ = nullptr;  // A newer one is durable.
-      s_.event({{"event", "checkpoint"},
-                {"step", shard->step},
-                {"duration_s", took},
-                {"shared_snapshot", job.shared}});
-      s_.state.injector.afterFlush(s_.worker(), shard->step, dir_);
-      // The writer that moved LATEST tells the coordinator (its status and /metrics).
-      if (job.how != FlushHow::kPost) {
-        s_.client.durable(shard->step, shard->capacity(), took, dir_);
-      }
-    } else {
-      // Reported, and training goes on: a later version may be written. error() returns it
-      // only if no newer version was written after it (docs/failure_semantics.md, rule 10).
-      recordFailureLocked(shard->step, error, "write", "'" + dir_ + "'");
-    }
-    cv_.notify_all();
-  }
-}
-
-// Writes one version's shard: alone (data parallel), or as one of pipeline 0's writers,
-// posting its manifest entries to the store (kPost) or collecting everyone's and committing
-// the version (kCommit). Runs on the flush thread.
-void DurableCheckpoints::flushOne(const FlushJob& job) {
-  const checkpoint::HostShard& shard = *job.shard;
-  if (job.how == FlushHow::kAlone) {
-    writer_->flush({job.shard});
-    return;
-  }
-  checkpoint::ShardFileRecord mine = writer_->writeShard(shard);
-  const auto& store = s_.ctx.store();
-  if (job.how == FlushHow::kPost) {
-    store->set(recordKey(shard.step, s_.worker()), collectives::toBytes(mine.toJson()));
-    return;
-  }
-  std::vector<std::string> keys;
-  for (int w : job.others) keys.push_back(recordKey(shard.step, w));
-  // Polled, not one blocking wait: a writer that left the job before posting its shard
-  // never will, so the version cannot be completed. The flush then fails at once, reported,
-  // and training goes on (docs/failure_semantics.md, rule 10) instead of this thread
-  // waiting out the recovery deadline with the version's successors queued behind it.
-  const auto deadline = TrainerClock::now() + s_.recoveryTimeout();
-  auto pause = checkpoint::CheckpointEngine::kFirstPoll;
-  while (!store->check(keys)) {
-    const EpochInfo latest = s_.client.latestEpoch();
-    for (size_t i = 0; i < keys.size(); ++i) {
-      const int w = job.others[i];
-      if (std::find(latest.members.begin(), latest.members.end(), w) == latest.members.end() &&
-          !store->check({keys[i]})) {
-        SINEW_THROW(Aborted, "checkpoint ", shard.step, " is not durable: worker ", w,
-                    ", one of pipeline 0's writers, left the job (epoch ", latest.epoch,
-                    ") before its shard of it arrived");
-      }
-    }
-    if (TrainerClock::now() > deadline) {
-      SINEW_THROW(Timeout, "checkpoint ", shard.step, ": the shards of pipeline 0's other ",
-                  "writers did not all arrive within ", s_.recoveryTimeout().count(), " ms");
-    }
-    std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, checkpoint::CheckpointEngine::kLastPoll);
-  }
-  std::vector<checkpoint::ShardFileRecord> records = {mine};
-  for (const std::string& k : keys) {
-    records.push_back(checkpoint::ShardFileRecord::fromJson(
-        collectives::toString(store->get(k, s_.recoveryTimeout()))));
-  }
-  writer_->commitVersion(shard.step, records);
-  for (const std::string& k : keys) store->deleteKey(k);
 }
 
 }  // namespace runtime

@@ -3,31 +3,31 @@
 // Internal: a worker's durable checkpoints (TrainerOptions::checkpointDir;
 // docs/checkpoint_format.md, docs/failure_semantics.md rules 4-10).
 //
-// After the optimizer step of a due version, a writer snapshots its shard lazily into a host
-// arena (the next optimizer step waits for the copy), or takes the peer-RAM engine's copy of
-// the same version, and a flush thread writes it to the folder: alone (data parallel: the
-// epoch's first member holds every layer), or as one of pipeline 0's writers (the first
-// worker of each of its stages), posting its shard's records to the store (kPost) or
-// collecting everyone's and committing the version (kCommit, the first stage).
+// After the optimizer step of a due version, a writer reserves it on its VersionFlusher
+// (checkpoint/flusher.h, the one path by which versions reach the folder) and the shard comes
+// from one of two copies: the peer-RAM engine's snapshot of the same version, which the engine
+// submits to this flusher itself (CheckpointEngine::snapshot with `durable`), or, where the
+// engine does not take the version, this worker's own host arena (snapshotOwn: the next
+// optimizer step waits for the copy). The flusher writes it alone (data parallel: the epoch's
+// first member holds every layer), or as one of pipeline 0's writers (the first worker of each
+// of its stages), posting its shard's record or completing the version.
 // A flush that fails is reported (stderr and a checkpoint_failed event) and training goes on;
 // error() returns it until a newer version is durable.
 //
-// Thread safety: every method is called by the training thread, except the engine hooks
-// (onEngineSnapshot, onEngineSnapshotFailed), which the peer-RAM engine's copy thread calls.
-// The flush thread is internal.
+// Thread safety: every method is called by the training thread; the flusher's hooks run on its
+// thread (and on the engine's copy thread for a failed copy).
 
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <exception>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
+#include "sinew/checkpoint/flusher.h"
 #include "sinew/checkpoint/persist.h"
 #include "sinew/checkpoint/snapshot.h"
 #include "sinew/runtime/trainer_services.h"
@@ -37,18 +37,15 @@ namespace runtime {
 
 class DurableCheckpoints {
  public:
-  enum class FlushHow { kAlone, kPost, kCommit };
-
   // What this worker does for the current epoch's versions.
   struct Role {
     bool writer = false;
-    FlushHow how = FlushHow::kAlone;
-    std::vector<int> others;  // kCommit: the other writers whose records it waits for
+    checkpoint::FlushRole flush;
   };
 
   // REQUIRES: services outlive this object. `pipelineMode`: several writers per version.
   DurableCheckpoints(const TrainerServices& services, bool pipelineMode);
-  // Joins the flush thread after the versions queued are written.
+  // Waits for the copy in flight, then joins the flusher after the versions queued are written.
   ~DurableCheckpoints();
   DurableCheckpoints(const DurableCheckpoints&) = delete;
   DurableCheckpoints& operator=(const DurableCheckpoints&) = delete;
@@ -76,30 +73,29 @@ class DurableCheckpoints {
   std::vector<int64_t> durableSteps() const;
 
   // After the optimizer step of `step` (`current`: the step being run, for the heartbeats;
-  // `waited`: its time waiting on others): snapshots a due version if `role` writes.
-  // `force`: due whatever checkpointEvery says. `engineTakesIt`: the peer-RAM engine is about
-  // to snapshot `step` too, and settleShared(step, taken) follows, so its copy is flushed
-  // instead of a second one into this worker's arena.
-  void maybeSnapshot(int64_t step, const Role& role, bool force, bool engineTakesIt,
-                     const std::function<checkpoint::ShardState()>& state, int64_t current,
-                     double* waited);
-  // After the engine was asked for `step` (`taken`: whether it took it): a durable version left
-  // to the engine that it did not take is copied into this worker's own arena after all.
-  void settleShared(int64_t step, bool taken, const std::function<checkpoint::ShardState()>& state);
+  // `waited`: its time waiting on others): whether version `step` is to be written by this
+  // worker (`role`), and if so the flusher that has reserved it. `force`: due whatever
+  // checkpointEvery says. The version's shard must then reach the flusher: handed to the
+  // peer-RAM engine's snapshot, or, where the engine does not take it, snapshotOwn(step, ...).
+  // Null when it is not due, this worker does not write it, or it is skipped (the previous
+  // version is still being written, in data parallel mode).
+  checkpoint::VersionFlusher* reserve(int64_t step, const Role& role, bool force, int64_t current,
+                                      double* waited);
+  // Copies the shard of a version reserve() returned the flusher for into this worker's own
+  // arena; its completion submits it.
+  void snapshotOwn(int64_t step, const Role& role,
+                   const std::function<checkpoint::ShardState()>& state);
 
-  // The peer-RAM engine's snapshot hooks (its copy thread).
-  void onEngineSnapshot(const std::shared_ptr<const checkpoint::HostShard>& shard);
-  void onEngineSnapshotFailed(int64_t step, std::exception_ptr error);
-
-  // Waits until the last snapshot's copy no longer needs the state (before an optimizer step).
+  // Waits until the last own snapshot's copy no longer needs the state (before an optimizer
+  // step).
   void waitBeforeUpdate();
-  // Waits for the last snapshot and drops the arena (its layout is the old layers', before a
-  // reconfiguration changes them); a failed copy is reported, not thrown.
+  // Waits for the last own snapshot and drops the arena (its layout is the old layers', before
+  // a reconfiguration changes them); a failed copy is reported, not thrown.
   void dropArena();
   // A rollback to `step`: versions after it run again and are snapshotted again.
   void rolledBackTo(int64_t step);
 
-  // Waits until the last snapshot is copied and every version taken is flushed.
+  // Waits until the last snapshot is copied and every version reserved is written or failed.
   void finish();
 
   int64_t written() const;
@@ -108,21 +104,10 @@ class DurableCheckpoints {
   std::exception_ptr error() const;
 
  private:
-  struct FlushJob {
-    std::shared_ptr<const checkpoint::HostShard> shard;
-    FlushHow how = FlushHow::kAlone;
-    std::vector<int> others;
-    bool shared = false;  // The shard is the peer-RAM engine's copy of the version.
-  };
-
-  void snapshotToArena(int64_t step, const checkpoint::ShardState& state);
-  void flushLoop();
-  void flushOne(const FlushJob& job);
-  void stopFlushThread();
   // REQUIRES: mu_ held.
-  void recordFailureLocked(int64_t step, std::exception_ptr error, const char* verb,
+  void recordFailureLocked(int64_t step, std::exception_ptr error, const std::string& verb,
                            const std::string& where);
-  static std::string recordKey(int64_t step, int owner);
+  void makeFlusher();
 
   const TrainerServices& s_;  // The trainer's; outlives this object.
   const bool pipelineMode_;
@@ -131,20 +116,14 @@ class DurableCheckpoints {
   // The version newestRestorable() read back whole, kept for load().
   std::map<std::string, checkpoint::RestoredLayer> validated_;
   int64_t validatedStep_ = -1;
+  std::unique_ptr<checkpoint::VersionFlusher> flusher_;  // Made at the first due version.
   std::unique_ptr<checkpoint::SnapshotArena> arena_;
-  std::unique_ptr<checkpoint::CheckpointWriter> writer_;
-  std::thread flushThread_;
+  checkpoint::FlushRole arenaRole_;  // Of the own snapshot being copied (training thread).
 
   mutable std::mutex mu_;
-  std::condition_variable cv_;
   // Guarded by mu_.
-  std::deque<FlushJob> toFlush_;
-  int64_t outstanding_ = 0;  // Snapshots taken and not yet flushed (or failed).
-  int64_t fromEngine_ = -1;  // The durable version whose shard the engine's copy provides.
-  Role role_;                // Of the snapshot being copied.
-  bool stop_ = false;
-  int64_t written_ = 0;
   int64_t skipped_ = 0;
+  int64_t written_ = 0;
   std::exception_ptr error_;  // The newest failed flush, cleared when a newer one is written.
   int64_t errorStep_ = -1;
 };

@@ -49,7 +49,10 @@ std::vector<int> PeerVersions::placementOrder(const pipeline::Plan& plan) {
 
 bool PeerVersions::maybeSnapshot(int64_t step, int64_t epoch, const pipeline::Plan& plan, int first,
                                  int end, const std::function<checkpoint::ShardState()>& state,
-                                 int64_t current, double* waited) {
+                                 int64_t current, double* waited,
+                                 checkpoint::VersionFlusher* durable,
+                                 const checkpoint::FlushRole& role, bool* taken) {
+  *taken = false;
   if (!due(step, end > first)) return false;
   const int self = s_.worker();
   if (gens_.empty() || gens_.back().epoch != epoch) {
@@ -74,12 +77,6 @@ bool PeerVersions::maybeSnapshot(int64_t step, int64_t epoch, const pipeline::Pl
     eo.beforeReplicate = [this](int64_t v) {
       s_.state.injector.fire(s_.worker(), v, Phase::kReplication, nullptr);
     };
-    eo.onSnapshot = [this](std::shared_ptr<const checkpoint::HostShard> shard) {
-      durable_.onEngineSnapshot(shard);
-    };
-    eo.onSnapshotFailed = [this](int64_t v, std::exception_ptr e) {
-      durable_.onEngineSnapshotFailed(v, e);
-    };
     Generation g;
     g.epoch = epoch;
     g.engine = std::make_unique<checkpoint::CheckpointEngine>(state(), std::move(eo));
@@ -93,8 +90,8 @@ bool PeerVersions::maybeSnapshot(int64_t step, int64_t epoch, const pipeline::Pl
     return false;  // A newer epoch is announced.
   }
   g.failuresSeen = g.engine->stats().replicationFailures;
-  const bool taken = g.engine->snapshot(step, state());
-  if (taken) g.lastTaken = step;
+  *taken = g.engine->snapshot(step, state(), durable, role);
+  if (*taken) g.lastTaken = step;
   s_.state.injector.fire(self, step, Phase::kSnapshot, &s_.client);
   // Generations older than the newest one with a committed version are never restored.
   for (size_t i = gens_.size(); i-- > 1;) {
@@ -106,7 +103,7 @@ bool PeerVersions::maybeSnapshot(int64_t step, int64_t epoch, const pipeline::Pl
       break;
     }
   }
-  return taken;
+  return *taken;
 }
 
 void PeerVersions::waitBeforeUpdate(int64_t epoch) {

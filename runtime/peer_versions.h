@@ -53,10 +53,15 @@ class PeerVersions {
   // [first, end): takes version `step` if due, once the previous version of this epoch
   // committed or was abandoned (at most one version per worker is in flight). `current` and
   // `waited` are the step being run and its time waiting on others (the wait for a commit
-  // counts as waiting for step current + 1). Returns whether the engine took the version.
+  // counts as waiting for step current + 1). Returns whether the engine took the version,
+  // which `*taken` also says as soon as it is known (an exception after that leaves it true).
+  // With `durable` (a flusher that reserved the version; DurableCheckpoints::reserve), the
+  // engine also hands its copy to it with `role`; where the engine does not take the version,
+  // the reservation stays the caller's.
   bool maybeSnapshot(int64_t step, int64_t epoch, const pipeline::Plan& plan, int first, int end,
                      const std::function<checkpoint::ShardState()>& state, int64_t current,
-                     double* waited);
+                     double* waited, checkpoint::VersionFlusher* durable,
+                     const checkpoint::FlushRole& role, bool* taken);
 
   // Before the optimizer step in `epoch`: waits until the engine's copy of the last version
   // no longer needs the state.
@@ -104,7 +109,7 @@ class PeerVersions {
   void stopRetiring();
 
   const TrainerServices& s_;     // The trainer's; outlives this object.
-  DurableCheckpoints& durable_;  // The trainer's; outlives this object (its engine hooks).
+  DurableCheckpoints& durable_;  // The trainer's; outlives this object (its durable steps).
   const bool enabled_;
   std::deque<Generation> gens_;  // Oldest first.
   // Engines of dropped generations, destroyed on retireThread_.

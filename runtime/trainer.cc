@@ -294,8 +294,10 @@ class Trainer::Impl {
       // (Pipeline mode: a version needs every writer's shard, so one leaving worker cannot
       // write it alone.)
       if (!pipelineMode_ && applied_ >= 0) {
-        durable_->maybeSnapshot(applied_, durableRole(), /*force=*/true, /*engineTakesIt=*/false,
-                                shardState(), step_, &stepWaited_);
+        const runtime::DurableCheckpoints::Role role = durableRole();
+        if (durable_->reserve(applied_, role, /*force=*/true, step_, &stepWaited_) != nullptr) {
+          durable_->snapshotOwn(applied_, role, shardState());
+        }
       }
       durable_->finish();
       event({{"event", "released"}, {"step", step_}});
@@ -451,25 +453,24 @@ class Trainer::Impl {
     }
     opt_->step();
     applied_ = step_;
-    // A scheduler's checkpoint, drain or stop asked for this step to be durable. When the
-    // peer-RAM version of the step is due too, the engine's snapshot of it is flushed instead
-    // of a second copy into the durable arena.
+    // A scheduler's checkpoint, drain or stop may ask for this step to be durable. When the
+    // peer-RAM engine takes the step's version, its copy is flushed; otherwise this worker's
+    // own.
     const auto state = shardState();
-    durable_->maybeSnapshot(step_, durableRole(), /*force=*/client_.checkpointRequested(step_),
-                            /*engineTakesIt=*/peers_->due(step_, heldEnd_ > heldFirst_), state,
-                            step_, &stepWaited_);
+    const runtime::DurableCheckpoints::Role role = durableRole();
+    checkpoint::VersionFlusher* durable = durable_->reserve(
+        step_, role, /*force=*/client_.checkpointRequested(step_), step_, &stepWaited_);
     bool peerTook = false;
     try {
-      peerTook = peers_->maybeSnapshot(step_, epoch_, plan_, heldFirst_, heldEnd_, state, step_,
-                                       &stepWaited_);
+      peers_->maybeSnapshot(step_, epoch_, plan_, heldFirst_, heldEnd_, state, step_, &stepWaited_,
+                            durable, role.flush, &peerTook);
     } catch (...) {
-      // A store or engine error before (or after) the engine took the step: the durable
-      // version is still written, from this worker's own copy unless the engine's has already
-      // been handed to the flush.
-      durable_->settleShared(step_, /*taken=*/false, state);
+      // A store or engine error before the engine took the step: the durable version is still
+      // written, from this worker's own copy.
+      if (durable != nullptr && !peerTook) durable_->snapshotOwn(step_, role, state);
       throw;
     }
-    durable_->settleShared(step_, peerTook, state);
+    if (durable != nullptr && !peerTook) durable_->snapshotOwn(step_, role, state);
     lastLoss_ = loss;
     ++step_;
     progress_->stepDone(step_, loss, epoch_, members_);
@@ -481,7 +482,7 @@ class Trainer::Impl {
   // every stage of pipeline 0 (together they hold every layer once), its first stage
   // committing the version.
   runtime::DurableCheckpoints::Role durableRole() const {
-    using How = runtime::DurableCheckpoints::FlushHow;
+    using How = checkpoint::FlushRole::How;
     runtime::DurableCheckpoints::Role role;
     if (!pipelineMode_) {
       role.writer = !members_.empty() && members_.front() == ctx_.worker();
@@ -490,11 +491,11 @@ class Trainer::Impl {
     const pipeline::WorkerAssignment* mine = mineIn(plan_);
     role.writer = mine != nullptr && mine->pipeline == 0 && indexInStage() == 0;
     if (!role.writer) return role;
-    role.how = mine->stage == 0 ? How::kCommit : How::kPost;
+    role.flush.how = mine->stage == 0 ? How::kCommit : How::kPost;
     for (int stage = 1;; ++stage) {
       std::vector<int> ws = stageWorkers(0, stage);
       if (ws.empty()) break;
-      role.others.push_back(ws.front());
+      role.flush.others.push_back(ws.front());
     }
     return role;
   }

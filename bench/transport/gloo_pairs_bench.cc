@@ -61,6 +61,18 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// The median time of kRounds runs of `op` after two warm-ups, divided by `per` (2 for half a
+// round trip).
+double medianSeconds(const std::function<void()>& op, double per = 1) {
+  std::vector<double> s;
+  for (int i = 0; i < kRounds + 2; ++i) {
+    const auto t0 = Clock::now();
+    op();
+    if (i >= 2) s.push_back(std::chrono::duration<double>(Clock::now() - t0).count() / per);
+  }
+  return median(s);
+}
+
 std::string tempDir(const char* what) {
   std::string t = std::string("/tmp/sinew-bench-gloo-pairs-") + what + "-XXXXXX";
   std::vector<char> buf(t.begin(), t.end());
@@ -121,20 +133,19 @@ Times lanes() {
       o.name = "bench";
       auto comm = sinew::collectives::createGlooCommunicator(store, o);
       at::Tensor t = at::ones({bytes / 8}, at::kDouble);
-      std::vector<double> s;
-      for (int i = 0; i < kRounds + 2; ++i) {
-        auto t0 = Clock::now();
-        if (rank == 0) {
-          comm->send(t, 1, 1);
-          comm->recv(t, 1, 2);
-        } else {
-          comm->recv(t, 0, 1);
-          comm->send(t, 0, 2);
-        }
-        if (i >= 2) s.push_back(std::chrono::duration<double>(Clock::now() - t0).count() / 2);
-      }
+      const double s = medianSeconds(
+          [&] {
+            if (rank == 0) {
+              comm->send(t, 1, 1);
+              comm->recv(t, 1, 2);
+            } else {
+              comm->recv(t, 0, 1);
+              comm->send(t, 0, 2);
+            }
+          },
+          2);
       comm->barrier();
-      return median(s);
+      return s;
     });
   }
   std::filesystem::remove_all(dir);
@@ -149,25 +160,24 @@ Times glooAsync() {
       auto context = glooContext(rank, dir);
       std::vector<char> data(bytes, 1);
       auto buf = context->createUnboundBuffer(data.data(), data.size());
-      std::vector<double> s;
-      for (int i = 0; i < kRounds + 2; ++i) {
-        auto t0 = Clock::now();
-        if (rank == 0) {
-          buf->send(1, 1);
-          buf->waitSend();
-          buf->recv(1, 2);
-          buf->waitRecv();
-        } else {
-          buf->recv(0, 1);
-          buf->waitRecv();
-          buf->send(0, 2);
-          buf->waitSend();
-        }
-        if (i >= 2) s.push_back(std::chrono::duration<double>(Clock::now() - t0).count() / 2);
-      }
+      const double s = medianSeconds(
+          [&] {
+            if (rank == 0) {
+              buf->send(1, 1);
+              buf->waitSend();
+              buf->recv(1, 2);
+              buf->waitRecv();
+            } else {
+              buf->recv(0, 1);
+              buf->waitRecv();
+              buf->send(0, 2);
+              buf->waitSend();
+            }
+          },
+          2);
       gloo::BarrierOptions b(context);
       gloo::barrier(b);
-      return median(s);
+      return s;
     });
     std::filesystem::remove_all(dir);
   }
@@ -199,21 +209,19 @@ Times glooSync() {
     const std::string dir = tempDir("sync");
     out[bytes] = onTwoRanks([&](int rank) {
       SyncPair p(rank, dir, bytes);
-      std::vector<double> s;
-      for (int i = 0; i < kRounds + 2; ++i) {
-        auto t0 = Clock::now();
-        if (rank == 0) {
-          p.send->send();
-          p.send->waitSend();
-          p.recv->waitRecv();
-        } else {
-          p.recv->waitRecv();
-          p.send->send();
-          p.send->waitSend();
-        }
-        if (i >= 2) s.push_back(std::chrono::duration<double>(Clock::now() - t0).count() / 2);
-      }
-      return median(s);
+      return medianSeconds(
+          [&] {
+            if (rank == 0) {
+              p.send->send();
+              p.send->waitSend();
+              p.recv->waitRecv();
+            } else {
+              p.recv->waitRecv();
+              p.send->send();
+              p.send->waitSend();
+            }
+          },
+          2);
     });
     std::filesystem::remove_all(dir);
   }
@@ -232,15 +240,12 @@ double lanesExchange() {
     auto comm = sinew::collectives::createGlooCommunicator(store, o);
     at::Tensor a = at::ones({kExchangeBytes / 8}, at::kDouble);
     at::Tensor b = at::zeros({kExchangeBytes / 8}, at::kDouble);
-    std::vector<double> s;
-    for (int i = 0; i < kRounds + 2; ++i) {
-      auto t0 = Clock::now();
+    const double s = medianSeconds([&] {
       comm->exchange({sinew::collectives::P2POp::send(a, 1 - rank, 3),
                       sinew::collectives::P2POp::recv(b, 1 - rank, 3)});
-      if (i >= 2) s.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-    }
+    });
     comm->barrier();
-    return median(s);
+    return s;
   });
   std::filesystem::remove_all(dir);
   return r;
@@ -254,18 +259,15 @@ double glooAsyncExchange() {
     std::vector<char> out(kExchangeBytes, 1), in(kExchangeBytes, 0);
     auto send = context->createUnboundBuffer(out.data(), out.size());
     auto recv = context->createUnboundBuffer(in.data(), in.size());
-    std::vector<double> s;
-    for (int i = 0; i < kRounds + 2; ++i) {
-      auto t0 = Clock::now();
+    const double s = medianSeconds([&] {
       send->send(1 - rank, 3);
       recv->recv(1 - rank, 3);
       send->waitSend();
       recv->waitRecv();
-      if (i >= 2) s.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-    }
+    });
     gloo::BarrierOptions b(context);
     gloo::barrier(b);
-    return median(s);
+    return s;
   });
   std::filesystem::remove_all(dir);
   return r;

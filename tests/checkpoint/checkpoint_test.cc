@@ -20,6 +20,7 @@
 #include "fault_env.h"
 #include "sinew/base/crc32c.h"
 #include "sinew/checkpoint/engine.h"
+#include "sinew/checkpoint/flusher.h"
 #include "sinew/checkpoint/persist.h"
 #include "sinew/checkpoint/placement.h"
 #include "sinew/checkpoint/replica.h"
@@ -545,6 +546,150 @@ TEST(PersistTest, FlushAndLoadExactBytesKeepTheNewestK) {
   auto entries = posixEnv()->listDir(dir);
   EXPECT_EQ(std::set<std::string>(entries.begin(), entries.end()),
             (std::set<std::string>{"LATEST", "LATEST.lock", "step-00000003", "step-00000004"}));
+  removeTree(dir);
+}
+
+// What a VersionFlusher reported through its hooks.
+struct FlushLog {
+  std::mutex mu;
+  std::vector<FlushedVersion> flushed;
+  std::vector<std::pair<int64_t, std::string>> failed;  // step, "verb where: error"
+
+  VersionFlusherOptions options(int self, const std::string& dir,
+                                std::shared_ptr<collectives::Store> store) {
+    VersionFlusherOptions o;
+    o.self = self;
+    o.persist.dir = dir;
+    o.store = std::move(store);
+    o.prefix = "test";
+    o.onFlushed = [this](const FlushedVersion& v) {
+      std::lock_guard<std::mutex> lock(mu);
+      flushed.push_back(v);
+    };
+    o.onFailed = [this](int64_t step, const std::string& verb, const std::string& where,
+                        std::exception_ptr e) {
+      std::string what;
+      try {
+        std::rethrow_exception(e);
+      } catch (const std::exception& x) {
+        what = x.what();
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      failed.emplace_back(step, verb + " " + where + ": " + what);
+    };
+    return o;
+  }
+};
+
+// Two writers of one version: the one that posts (kPost) and the one that completes it
+// (kCommit, waiting for the other's record). The version reads back byte for byte with both
+// shards, <prefix>/durable names it and the record is gone. A writer that `gone` says left
+// fails the next version at once (not at the 30 s deadline), reported, and a version after it
+// is written alone as usual.
+TEST(FlusherTest, TwoWritersCompleteAVersionAndALeaverFailsTheNextAtOnce) {
+  const std::string dir = tempDir("ckpt-flusher");
+  auto store = std::make_shared<collectives::HashStore>();
+  FlushLog log0, log1;
+  std::atomic<bool> oneLeft{false};
+  VersionFlusherOptions o0 = log0.options(0, dir, store);
+  o0.gone = [&](int worker) -> std::string {
+    return worker == 1 && oneLeft ? "left the job (test)" : "";
+  };
+  VersionFlusher f0(o0), f1(log1.options(1, dir, store));
+  const ShardState a = makeState(2, 8, 1, "a."), b = makeState(3, 8, 2, "b.");
+  f0.reserve();
+  f1.reserve();
+  EXPECT_EQ(f0.outstanding(), 1);
+  FlushRole commit{FlushRole::How::kCommit, {1}}, post{FlushRole::How::kPost, {}};
+  f0.submit(snap(a, 0, 5), commit);
+  std::this_thread::sleep_for(50ms);  // The committer is waiting for worker 1's record.
+  EXPECT_EQ(f0.outstanding(), 1);
+  f1.submit(snap(b, 1, 5), post);
+  f0.waitIdle();
+  f1.waitIdle();
+  CheckpointReader reader(dir);
+  EXPECT_EQ(reader.latestStep(), 5);
+  auto got = reader.load(5);
+  expectLayersEqual(a, got);
+  expectLayersEqual(b, got);
+  EXPECT_EQ(collectives::toString(store->get(f0.durableKey())), "5");
+  EXPECT_FALSE(store->check({f0.recordKey(5, 1)}));
+  ASSERT_EQ(log0.flushed.size(), 1u);
+  EXPECT_EQ(log0.flushed[0].step, 5);
+  EXPECT_EQ(log0.flushed[0].how, FlushRole::How::kCommit);
+  EXPECT_GT(log0.flushed[0].bytes, 0);
+  ASSERT_EQ(log1.flushed.size(), 1u);
+  EXPECT_EQ(log1.flushed[0].how, FlushRole::How::kPost);
+
+  oneLeft = true;
+  f0.reserve();
+  const auto t0 = Clock::now();
+  f0.submit(snap(a, 0, 6), commit);
+  f0.waitIdle();
+  EXPECT_LT(Clock::now() - t0, 5s) << "the version waited for a writer that had left";
+  ASSERT_EQ(log0.failed.size(), 1u);
+  EXPECT_EQ(log0.failed[0].first, 6);
+  EXPECT_NE(log0.failed[0].second.find("write '" + dir + "'"), std::string::npos)
+      << log0.failed[0].second;
+  EXPECT_NE(log0.failed[0].second.find("worker 1, one of its writers, left the job (test)"),
+            std::string::npos)
+      << log0.failed[0].second;
+  EXPECT_EQ(reader.latestStep(), 5);
+  EXPECT_EQ(f0.flushed(), 1);
+
+  f0.reserve();
+  f0.submit(snap(a, 0, 7), FlushRole{});
+  f0.waitIdle();
+  EXPECT_EQ(reader.latestStep(), 7);
+  expectLayersEqual(a, reader.load(7));
+  EXPECT_EQ(collectives::toString(store->get(f0.durableKey())), "7");
+  removeTree(dir);
+}
+
+// A reservation holds waitIdle() until its version comes or is given up: cancel() silently,
+// fail() reported with its verb and place.
+TEST(FlusherTest, AReservationHoldsTheWaitUntilCancelledOrFailed) {
+  const std::string dir = tempDir("ckpt-flusher-reserve");
+  FlushLog log;
+  VersionFlusher f(log.options(0, dir, std::make_shared<collectives::HashStore>()));
+  f.reserve();
+  auto waited = std::async(std::launch::async, [&] { f.waitIdle(); });
+  EXPECT_EQ(waited.wait_for(100ms), std::future_status::timeout);
+  f.cancel();
+  EXPECT_EQ(waited.wait_for(5s), std::future_status::ready);
+  f.reserve();
+  f.fail(3, std::make_exception_ptr(IoError("no memory for the copy")), "copy", "host memory");
+  f.waitIdle();
+  ASSERT_EQ(log.failed.size(), 1u);
+  EXPECT_EQ(log.failed[0],
+            (std::pair<int64_t, std::string>{3, "copy host memory: no memory for the copy"}));
+  EXPECT_TRUE(log.flushed.empty());
+  removeTree(dir);
+}
+
+// The engine hands its copy of a version to a caller's flusher (the trainer's durable
+// versions): written from that one copy, marked shared.
+TEST(EngineTest, ADurableVersionIsWrittenFromTheEnginesCopy) {
+  const std::string dir = tempDir("ckpt-engine-durable");
+  auto store = std::make_shared<collectives::HashStore>();
+  const ShardState state = makeState(2, 8, 3);
+  FlushLog log;
+  VersionFlusher flusher(log.options(0, dir, store));
+  CheckpointEngineOptions eo;
+  eo.self = 0;
+  eo.workers = {0};
+  eo.replication = 1;
+  eo.store = store;
+  eo.token = sinew::testing::kTestToken;
+  CheckpointEngine engine(state, eo);
+  flusher.reserve();
+  ASSERT_TRUE(engine.snapshot(4, state, &flusher, FlushRole{}));
+  flusher.waitIdle();
+  CheckpointReader reader(dir);
+  EXPECT_EQ(reader.latestStep(), 4);
+  expectLayersEqual(state, reader.load(4));
+  ASSERT_EQ(log.flushed.size(), 1u);
+  EXPECT_TRUE(log.flushed[0].shared);
   removeTree(dir);
 }
 

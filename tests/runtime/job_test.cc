@@ -30,17 +30,7 @@ namespace {
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
-using sinew::testing::Child;
-using sinew::testing::finish;
-using sinew::testing::JobRun;
-using sinew::testing::joinerEnv;
-using sinew::testing::logDir;
-using sinew::testing::parseResult;
-using sinew::testing::Result;
-using sinew::testing::slurp;
-using sinew::testing::start;
-using sinew::testing::waitForLog;
-using sinew::testing::workerPid;
+using namespace sinew::testing;
 
 // The verdict every scenario must meet: finished exact, and recovered in under 2 s.
 void expectGoodJob(const JobRun& run, const std::string& lostList, int minRecoveries) {

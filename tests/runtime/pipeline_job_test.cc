@@ -24,16 +24,7 @@
 namespace {
 
 using namespace std::chrono_literals;
-using sinew::testing::Child;
-using sinew::testing::finish;
-using sinew::testing::JobRun;
-using sinew::testing::joinerEnv;
-using sinew::testing::logDir;
-using sinew::testing::parseResult;
-using sinew::testing::Result;
-using sinew::testing::slurp;
-using sinew::testing::start;
-using sinew::testing::waitForLog;
+using namespace sinew::testing;
 
 // train_pp's layers with their parameter counts: embed (token 32 x 32 + position 16 x 32),
 // 8 blocks (two layer norms, qkv, proj, a 4x MLP over 32 features), head (layer norm, 32 x 32
