@@ -1,845 +1,388 @@
-#include "sinew/runtime/coordinator.h"
+// The coordinator's process side (docs/architecture.md section 3): the workers' listener, the
+// rendezvous store, the control API's server and the io thread, around the job-state machine
+// (runtime/job_state.h), which decides everything. Every input — a frame, a closed connection,
+// a control request, the timer — is handed to the machine under one mutex with the time it
+// happens at, and what it did comes back (frames to send, connections to close, events).
 
-#include "sinew/runtime/coordinator_impl.h"
+#include "sinew/runtime/coordinator.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <boost/asio/io_context.hpp>
-#include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/post.hpp>
-#include <boost/asio/read.hpp>
 #include <boost/asio/steady_timer.hpp>
-#include <boost/asio/write.hpp>
 
 #include <algorithm>
-#include <array>
-#include <cerrno>
-#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <deque>
-#include <fstream>
 #include <future>
-#include <list>
 #include <map>
 #include <mutex>
-#include <optional>
 #include <random>
-#include <set>
 #include <thread>
 
 #include "sinew/base/error.h"
-#include "sinew/base/parse.h"
 #include "sinew/collectives/tcp_store.h"
 #include "sinew/collectives/transport/channel.h"
-#include "sinew/pipeline/instantiation.h"
-#include "sinew/pipeline/plan.h"
-#include "sinew/pipeline/profile.h"
-#include "sinew/pipeline/reconfiguration.h"
-#include "sinew/pipeline/template_planner.h"
 #include "sinew/runtime/control_server.h"
 #include "sinew/runtime/detail/wire.h"
 #include "sinew/runtime/event_log.h"
+#include "sinew/runtime/job_state.h"
 
 namespace sinew {
 namespace runtime {
 
-void Coordinator::Impl::scheduleCheck() {
-  checkTimer_.expires_after(options_.heartbeatInterval / 2);
-  checkTimer_.async_wait([this](error_code ec) {
-    if (ec || stopping_) return;
+namespace asio = boost::asio;
+using boost::system::error_code;
+
+class Coordinator::Impl : public control::Backend, public EventFeed {
+ public:
+  class Session;
+
+  explicit Impl(CoordinatorOptions options) : options_(std::move(options)), checkTimer_(io_) {
+    if (options_.token == 0) {
+      std::random_device rd;
+      options_.token = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ 1;
+    }
+    if (options_.expectedWorkers < 1) {
+      SINEW_THROW(InvalidArgument,
+                  "CoordinatorOptions::expectedWorkers = ", options_.expectedWorkers,
+                  " must be >= 1");
+    }
+    if (options_.heartbeatInterval.count() <= 0 ||
+        options_.deadAfter <= options_.heartbeatInterval) {
+      SINEW_THROW(InvalidArgument, "CoordinatorOptions::deadAfter = ", options_.deadAfter.count(),
+                  " ms must exceed heartbeatInterval = ", options_.heartbeatInterval.count(),
+                  " ms > 0");
+    }
+    if (!options_.eventLogPath.empty()) {
+      events_.open(options_.eventLogPath, {{"source", "coordinator"}});
+    }
+    collectives::TcpStoreServerOptions so;
+    so.host = options_.host;
+    so.token = options_.token;
+    so.log = options_.log;
+    store_ = std::make_unique<collectives::TcpStoreServer>(so);
+
+    collectives::transport::ListenerOptions lo;
+    lo.host = options_.host;
+    lo.port = options_.port;
+    lo.maxConnections = options_.maxConnections;
+    lo.channel.rules = wire::coordinatorRules(options_.token, options_.maxMessageBytes);
+    // Workers heartbeat far more often; this only ends connections that never say anything.
+    lo.channel.idleTimeout = std::max(options_.idleTimeout, 2 * options_.deadAfter);
+    lo.channel.frameTimeout = options_.frameTimeout;
+    lo.channel.name = "sinew coordinator";
+    lo.channel.log = [this](const std::string& line) { logLine(line); };
+    listener_ = std::make_unique<collectives::transport::Listener>(io_, lo, [this] {
+      std::lock_guard<std::mutex> lock(mu_);
+      const JobState::SessionId id = nextSession_++;
+      auto s = std::make_shared<Session>(this, id);
+      sessions_[id] = s;
+      return s;
+    });
+    port_ = listener_->port();
+    if (options_.controlPort >= 0) {
+      if (options_.controlPort > 65535) {
+        SINEW_THROW(InvalidArgument, "CoordinatorOptions::controlPort = ", options_.controlPort,
+                    " is not a port");
+      }
+      if (options_.controlToken.empty()) {
+        char hex[32];
+        std::snprintf(hex, sizeof(hex), "%llx", static_cast<unsigned long long>(options_.token));
+        options_.controlToken = hex;
+      }
+      ControlServerOptions cs;
+      // Loopback unless configured (docs/architecture.md section 7), whatever the coordinator binds
+      // to.
+      if (options_.controlHost.empty()) options_.controlHost = "127.0.0.1";
+      cs.host = options_.controlHost;
+      cs.port = static_cast<uint16_t>(options_.controlPort);
+      cs.token = options_.controlToken;
+      cs.requestTimeout = options_.controlTimeout;
+      cs.maxConnections = options_.controlMaxConnections;
+      cs.log = [this](const std::string& line) { logLine(line); };
+      control_ = std::make_unique<ControlServer>(io_, cs, this, this);
+      controlPort_ = control_->port();
+    }
+    state_ = std::make_unique<JobState>(options_, store_->port(), Clock::now());
+    scheduleTick();
+    thread_ = std::thread([this] {
+      collectives::transport::runIoThread(io_, [this](const std::string& what) {
+        std::lock_guard<std::mutex> lock(mu_);
+        state_->internalError(what);
+        apply();
+      });
+    });
+  }
+
+  ~Impl() {
+    asio::post(io_, [this] {
+      stopping_ = true;  // A tick that already fired must not re-arm its timer.
+      checkTimer_.cancel();
+      listener_->close();
+      if (control_) control_->close();
+      std::lock_guard<std::mutex> lock(mu_);
+      subscribers_.clear();
+    });
+    thread_.join();
+  }
+
+  CoordinatorStatus coordinatorStatus() const {
     std::lock_guard<std::mutex> lock(mu_);
-    auto now = Clock::now();
-    const bool paused = discountOwnPause(now);
-    std::vector<std::pair<int, int64_t>> silent;
-    for (const auto& [id, w] : workers_) {
-      if (done_.count(id)) continue;
-      auto quiet = now - w.lastHeard;
-      if (quiet > options_.deadAfter) {
-        silent.emplace_back(id,
-                            std::chrono::duration_cast<std::chrono::milliseconds>(quiet).count());
+    return state_->coordinatorStatus();
+  }
+
+  bool waitFinished(std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, timeout, [&] { return state_->over(); });
+    return state_->finishedWithWork();
+  }
+
+  void logLine(const std::string& full) {
+    if (options_.log) {
+      options_.log(full);
+    } else {
+      std::fprintf(stderr, "%s\n", full.c_str());
+    }
+  }
+
+  // Runs f on the io thread (at once when called there) and returns its result: what the
+  // machine sends goes on workers' connections, which only the io thread may touch.
+  template <typename F>
+  auto onIo(F f) -> decltype(f()) {
+    if (std::this_thread::get_id() == thread_.get_id()) return f();
+    std::packaged_task<decltype(f())()> task(std::move(f));
+    auto result = task.get_future();
+    asio::post(io_, [&task] { task(); });
+    return result.get();
+  }
+
+  // Runs a control request on the machine (io thread, mu_ not held) and applies its effects.
+  template <typename F>
+  auto request(F f) -> decltype(f(Clock::now())) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto r = f(Clock::now());
+    state_->settle();
+    apply();
+    rearm();
+    return r;
+  }
+
+  // control::Backend (docs/control_api.md); on the io thread.
+  ControlReply status() override {
+    return request([&](Clock::time_point now) { return state_->status(now); });
+  }
+  ControlReply scaling() override {
+    return request([&](Clock::time_point now) { return state_->scaling(now); });
+  }
+  ControlReply resize(int64_t nodes) override {
+    return request([&](Clock::time_point now) { return state_->resize(nodes, now); });
+  }
+  ControlReply drain(const control::DrainRequest& r) override {
+    return request([&](Clock::time_point now) { return state_->drain(r, now); });
+  }
+  ControlReply checkpoint() override {
+    return request([&](Clock::time_point now) { return state_->checkpoint(now); });
+  }
+  ControlReply stop(double deadlineSeconds) override {
+    return request([&](Clock::time_point now) { return state_->stop(deadlineSeconds, now); });
+  }
+  std::string metrics() override {
+    return request([&](Clock::time_point now) { return state_->metrics(now); });
+  }
+
+  // EventFeed.
+  int subscribe(Sink sink, int64_t after) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int id = nextSubscriber_++;
+    for (const auto& [seq, e] : recentEvents_) {
+      if (seq > after) asio::post(io_, [sink, seq = seq, e = e] { sink(seq, e); });
+    }
+    subscribers_[id] = std::move(sink);
+    return id;
+  }
+  void unsubscribe(int id) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    subscribers_.erase(id);
+  }
+
+  CoordinatorOptions options_;
+  uint16_t port_ = 0;
+  uint16_t controlPort_ = 0;
+  std::unique_ptr<collectives::TcpStoreServer> store_;
+
+ private:
+  friend class Session;
+
+  // The timer: the machine's next tick, at most heartbeatInterval / 2 away.
+  void scheduleTick() {
+    const auto now = Clock::now();
+    Clock::time_point next;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      next = std::min(state_->nextTick(), now + options_.heartbeatInterval / 2);
+    }
+    armed_ = next;
+    checkTimer_.expires_at(next);
+    checkTimer_.async_wait([this](error_code ec) {
+      if (ec || stopping_) return;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        state_->tick(Clock::now());
+        apply();
       }
-    }
-    for (const auto& [id, ms] : silent) {
-      declareDead(id, "no heartbeat for " + std::to_string(ms) + " ms");
-    }
-    // Right after a pause the workers' messages of the pause are still unread: judge
-    // progress at the next check.
-    if (!paused) checkProgress(now);
-    scheduleCheck();
-  });
-}
+      if (!stopping_) scheduleTick();
+    });
+  }
+  // After an input: a deadline the machine set earlier than the timer's is armed for.
+  // REQUIRES: mu_ held; on the io thread.
+  void rearm() {
+    if (stopping_ || state_->nextTick() >= armed_) return;
+    checkTimer_.cancel();  // Its handler sees operation_aborted and does not re-arm.
+    asio::post(io_, [this] {
+      if (!stopping_) scheduleTick();
+    });
+  }
 
-// The check runs every heartbeatInterval / 2. A run much later than that means this process
-// (or its io thread) did not run: a SIGSTOP, a Slurm suspend, a VM pause. The workers' silence
-// over that time is the coordinator's own doing (docs/failure_semantics.md, rule 2), so it is
-// not counted against them: their last-heard times move forward by the pause.
-bool Coordinator::Impl::discountOwnPause(Clock::time_point now) {
-  const auto expected = options_.heartbeatInterval / 2;
-  bool paused = false;
-  if (lastCheck_ != Clock::time_point{} &&
-      now - lastCheck_ > expected + options_.heartbeatInterval) {
-    paused = true;
-    const auto pause = now - lastCheck_ - expected;
-    for (auto& [id, w] : workers_) {
-      w.lastHeard = std::min(now, w.lastHeard + pause);
-      if (w.waiting) w.waitingSince = std::min(now, w.waitingSince + pause);
-    }
-    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(pause).count();
-    log("the coordinator did not run for " + std::to_string(ms) +
-        " ms (paused?); the workers' silence over that time is not counted against them");
-    event({{"event", "coordinator_paused"}, {"ms", ms}});
-  }
-  lastCheck_ = now;
-  return paused;
-}
+  // Carries out what the machine did. REQUIRES: mu_ held; on the io thread.
+  void apply();
 
-void Coordinator::Impl::noteProgress(Worker& w, int64_t step, bool waiting, Clock::time_point now) {
-  if (waiting && (!w.waiting || w.step != step)) w.waitingSince = now;
-  if (waiting) {
-    w.lastWaited = now;
-    w.lastWaitedStep = step;
-  }
-  w.step = step;
-  w.waiting = waiting;
-}
+  asio::io_context io_;
+  std::unique_ptr<collectives::transport::Listener> listener_;
+  asio::steady_timer checkTimer_;
+  Clock::time_point armed_{};
+  std::thread thread_;
+  bool stopping_ = false;                   // io thread only
+  std::unique_ptr<ControlServer> control_;  // io thread only
 
-std::chrono::milliseconds Coordinator::Impl::stepDeadline() const {
-  auto deadline = options_.progressFloor;
-  if (!stepTimes_.empty()) {
-    std::vector<Clock::duration> sorted(stepTimes_.begin(), stepTimes_.end());
-    std::sort(sorted.begin(), sorted.end());
-    auto median = std::chrono::duration_cast<std::chrono::milliseconds>(sorted[sorted.size() / 2]);
-    deadline = std::max(deadline, options_.progressFactor * median);
-  }
-  return deadline;
-}
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  // Guarded by mu_.
+  std::unique_ptr<JobState> state_;
+  JobState::SessionId nextSession_ = 1;
+  std::map<JobState::SessionId, std::weak_ptr<Session>> sessions_;
+  EventLog events_;
+  // Events for /v1/events: the newest ones, and who is listening.
+  int64_t eventSeq_ = 0;
+  std::deque<std::pair<int64_t, json>> recentEvents_;
+  std::map<int, Sink> subscribers_;
+  int nextSubscriber_ = 1;
+};
 
-// Rule 1 of docs/failure_semantics.md: a member that computes on while the others have waited
-// for it past the step deadline is stuck (a hung training thread, a late vote), not they: it
-// alone is declared dead, and the next epoch goes on without it.
-void Coordinator::Impl::checkProgress(Clock::time_point now) {
-  // Not before a step time has been measured: the first step (warm-up, first allocations)
-  // may take long on every worker for reasons of its own.
-  if (options_.progressFloor.count() <= 0 || epoch_ < 0 || members_.size() < 2 ||
-      stepTimes_.empty()) {
-    return;
-  }
-  const int64_t step = committed_ + 1;
-  Clock::time_point firstWait = Clock::time_point::max();
-  for (int id : members_) {
-    auto it = workers_.find(id);
-    if (it == workers_.end()) continue;
-    const Worker& w = it->second;
-    if (w.waiting && w.step == step) firstWait = std::min(firstWait, w.waitingSince);
-  }
-  const auto deadline = stepDeadline();
-  if (firstWait == Clock::time_point::max() || now - firstWait <= deadline) return;
-  // A member seen waiting on this step within the last half step deadline (three heartbeats
-  // at least) is not stuck: the member it waited on has just answered and it computes again
-  // (the neighbours of a stalled pipeline stage, the moment the stall ends; blaming them
-  // expelled healthy workers: scripts/chaos, seed 1125, run 21). A stuck member that waited
-  // before it stalled is blamed at a later check, once that wait is older.
-  const auto recently = std::max<Clock::duration>(3 * options_.heartbeatInterval, deadline / 2);
-  std::vector<int> stuck;
-  for (int id : members_) {
-    auto it = workers_.find(id);
-    if (it == workers_.end() || done_.count(id)) continue;
-    const Worker& w = it->second;
-    if (w.waiting && w.step >= step) continue;
-    if (w.lastWaitedStep >= step && now - w.lastWaited <= recently) continue;
-    stuck.push_back(id);
-  }
-  if (stuck.empty() || stuck.size() == members_.size()) return;
-  const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - firstWait);
-  for (int id : stuck) {
-    declareDead(id, "no progress on step " + std::to_string(step) + " while the others waited " +
-                        std::to_string(waited.count()) + " ms for it (step deadline " +
-                        std::to_string(deadline.count()) + " ms)");
-  }
-}
+// One worker's connection: the channel reads and checks frames; the machine decides, under mu_.
+// Writes are queued on the channel.
+class Coordinator::Impl::Session : public collectives::transport::ChannelHandler,
+                                   public std::enable_shared_from_this<Session> {
+ public:
+  Session(Impl* owner, JobState::SessionId id) : owner_(owner), id_(id) {}
 
-void Coordinator::Impl::onSessionClosed(const std::shared_ptr<Session>& s, const std::string& why) {
-  int worker = s->worker_;
-  s->close();
-  if (worker < 0) return;
-  auto rit = releasedWorkers_.find(worker);
-  if (rit != releasedWorkers_.end() && rit->second.session == s && !rit->second.exited) {
-    // A released worker closes its connection when its process ends: its node is free.
-    rit->second.exited = true;
-    rit->second.session.reset();
-    event({{"event", "worker_exited"}, {"worker", worker}, {"node", rit->second.node}});
-    return;
-  }
-  auto it = workers_.find(worker);
-  if (it == workers_.end() || it->second.session != s) return;
-  if (done_.count(worker)) {
-    workers_.erase(it);
-    return;
-  }
-  declareDead(worker, why);
-}
-
-void Coordinator::Impl::onMessage(const std::shared_ptr<Session>& s,
-                                  const collectives::transport::FrameHeader& h, const json& body) {
-  auto type = static_cast<wire::Type>(h.type);
-  if (type == wire::Type::kHello) {
-    if (s->worker_ >= 0) throwViolation("second hello on one connection");
-    return onHello(s, body);
-  }
-  if (s->worker_ < 0) {
-    throwViolation(std::string(wire::typeName(h.type)) + " before hello");
-  }
-  int worker = s->worker_;
-  auto it = workers_.find(worker);
-  if (it == workers_.end()) {
-    // A released worker still writes the checkpoint of its last step and says so; anything
-    // else from it, or from a worker declared dead (its expulsion is on its way), is moot.
-    if (type == wire::Type::kDurable && releasedWorkers_.count(worker)) onDurable(worker, body);
-    return;
-  }
-  it->second.lastHeard = Clock::now();
-  if (h.epoch > epoch_) {
-    throwViolation("message of epoch " + std::to_string(h.epoch) +
-                   " from the future (current epoch " + std::to_string(epoch_) + ")");
-  }
-  switch (type) {
-    case wire::Type::kHeartbeat:
-      // Liveness in any epoch; progress only in the current one.
-      if (h.epoch == epoch_ && body.contains("waiting")) {
-        noteProgress(it->second, body.at("step").get<int64_t>(), body.at("waiting").get<bool>(),
-                     it->second.lastHeard);
-      }
-      return;
-    case wire::Type::kDone:
-      return onDone(worker, body.at("step").get<int64_t>());
-    case wire::Type::kReady:
-      return onReady(worker, body.at("resume_step").get<int64_t>(), body);
-    case wire::Type::kLeave:
-      return onLeave(worker, body.at("step").get<int64_t>());
-    case wire::Type::kDurable:
-      return onDurable(worker, body);  // A version written in an older epoch is still durable.
-    default:
-      break;
-  }
-  if (takingOver_) {
-    // Votes, losses and requests of the previous leader's epoch: the takeover starts a new
-    // epoch, which every member enters at the last committed step (docs/ha.md, rule 5).
-    ignored_++;
-    return;
-  }
-  if (h.epoch < epoch_) {
-    // A message that crossed an epoch change is stale, not hostile: dropping the connection
-    // would turn a benign race into a false failure (docs/coordinator_protocol.md).
-    ignored_++;
-    log(std::string("ignoring a ") + wire::typeName(h.type) + " of epoch " +
-        std::to_string(h.epoch) + " from worker " + std::to_string(worker) + " (current epoch " +
-        std::to_string(epoch_) + ")");
-    return;
-  }
-  switch (type) {
-    case wire::Type::kLost: {
-      int lost = body.at("worker").get<int>();
-      if (workers_.count(lost)) {
-        declareDead(lost, "worker " + std::to_string(worker) + " lost it in the data plane");
-      }
-      return;
-    }
-    case wire::Type::kVote:
-      onVoteStats(it->second, body);
-      return onVote(worker, h.epoch, body.at("step").get<int64_t>());
-    case wire::Type::kPipeline:
-      return onPipeline(worker, body);
-    case wire::Type::kRollback:
-      return onRollback(worker, body.at("step").get<int64_t>());
-    case wire::Type::kRebuild:
-      log("worker " + std::to_string(worker) + " could not build epoch " + std::to_string(epoch_) +
-          "'s communicator; rebuilding");
-      return newEpoch("rebuild requested by worker " + std::to_string(worker), {});
-    default:
-      throwViolation(std::string("a worker may not send ") + wire::typeName(h.type));
-  }
-}
-
-void Coordinator::Impl::onHello(const std::shared_ptr<Session>& s, const json& body) {
-  if (deposed_) throwViolation("this coordinator no longer leads the job");
-  int requested = body.at("worker").get<int>();
-  std::string node = body.at("node").get<std::string>();
-  int64_t pid = body.value("pid", int64_t(0));
-  // A worker of this job reconnecting after a change of leader (docs/ha.md): during a
-  // takeover, a member of the previous leader's epoch is taken back; afterwards it is too late.
-  const bool rejoin = body.contains("rejoin");
-  if (rejoin && (requested < 0 || !takingOver_ || !takeoverMembers_.count(requested))) {
-    // Answered, not dropped: a dropped worker in HA mode would only try again.
-    const std::string why =
-        "worker " + std::to_string(requested) + " rejoins, but " +
-        (takingOver_ ? "it was no member of epoch " + std::to_string(epoch_)
-                     : std::string("the takeover is over (it reconnected too late)"));
-    log(why);
-    s->write(wire::Type::kExpelled, epoch_, json{{"reason", why}}, /*closeAfter=*/true);
-    return;
-  }
-  if (!rejoin && takingOver_ && requested >= 0) {
-    throwViolation("worker " + std::to_string(requested) +
-                   " says hello as a launch rank while the job is being taken over");
-  }
-  if (requested >= 0 && (workers_.count(requested) ||
-                         std::find(dead_.begin(), dead_.end(), requested) != dead_.end())) {
-    throwViolation("worker id " + std::to_string(requested) + " is already taken");
-  }
-  // Joiners get ids after every launch rank, so an early joiner never takes a rank's id.
-  int id = requested >= 0 ? requested : std::max(nextId_, options_.expectedWorkers);
-  if (id >= wire::kMaxWorkerId) {
-    throwViolation("no worker id left for a join (ids are never reused; the last is " +
-                   std::to_string(wire::kMaxWorkerId - 1) + ")");
-  }
-  nextId_ = std::max(nextId_, id + 1);
-  s->worker_ = id;
-  Worker w;
-  w.id = id;
-  w.node = node;
-  w.pid = pid;
-  w.session = s;
-  w.lastHeard = Clock::now();
-  workers_[id] = w;
-  pids_[id] = pid;
-  json welcome = {{"worker", id},
-                  {"store_host", options_.host},
-                  {"store_port", store_->port()},
-                  {"heartbeat_ms", options_.heartbeatInterval.count()},
-                  {"dead_after_ms", options_.deadAfter.count()}};
-  send(id, wire::Type::kWelcome, welcome);
-  event({{"event", "hello"}, {"worker", id}, {"node", node}, {"pid", pid}});
-  if (rejoin) {
-    workers_[id].hasState = true;
-    rejoined_[id] = sinew::detail::jsonInt(body.at("rejoin").at("committed"), "rejoin.committed",
-                                           -1, int64_t(1) << 53);
-    log("worker " + std::to_string(id) + " rejoined (last commit it had: step " +
-        std::to_string(rejoined_[id]) + ")");
-    bool all = true;
-    for (int m : takeoverMembers_) all = all && (rejoined_.count(m) || done_.count(m));
-    if (all) formTakeoverEpoch("every member rejoined");
-  } else if (epoch_ < 0 && requested < 0) {
-    pendingJoin_.push_back(id);  // Joins the first epoch, but does not count as a rank.
-  } else if (epoch_ < 0) {
-    hellos_.push_back(id);  // Counts towards the first epoch once it is ready.
-  } else if (finished_) {
-    declareDead(id, "the job has already finished");
-  } else if (requested < 0 && targetNodes_ >= 0 &&
-             currentNodes() + static_cast<int>(pendingJoin_.size()) /
-                                  (pipelineJob_ ? profile_.job.devices_per_node : 1) >=
-                 targetNodes_) {
-    joinersStarting_ = std::max(0, joinersStarting_ - 1);
-    release(id, "the job is at its resize target of " + std::to_string(targetNodes_) + " nodes");
-  } else {
-    if (requested < 0) joinersStarting_ = std::max(0, joinersStarting_ - 1);
-    pendingJoin_.push_back(id);
-    log("worker " + std::to_string(id) + " (node " + node +
-        ") asks to join; it joins at the next step boundary");
-  }
-}
-
-void Coordinator::Impl::onReady(int worker, int64_t resumeStep, const json& body) {
-  // Every worker of a job trains the same shape; the first to say it is believed.
-  if (globalBatch_ == 0 && body.contains("global_batch")) {
-    globalBatch_ = body.at("global_batch").get<int64_t>();
-    microbatch_ = body.value("microbatch", int64_t(0));
-    totalSteps_ = body.value("steps", int64_t(0));
-    checkpointsOn_ = body.value("checkpoints", false);
-  }
-  if (epoch_ >= 0 || std::find(hellos_.begin(), hellos_.end(), worker) == hellos_.end()) {
-    return;  // A joiner, or late: it takes the state of the epoch's source anyway.
-  }
-  if (resumeStep < 0) throwViolation("negative resume_step");
-  ready_[worker] = resumeStep;
-  if (static_cast<int>(ready_.size()) >= options_.expectedWorkers) formFirstEpoch("all ready");
-}
-
-void Coordinator::Impl::formFirstEpoch(const std::string& why) {
-  startTimer_.cancel();
-  // The job resumes after the oldest durable checkpoint any rank found (all normally agree);
-  // the first epoch's source restores it and broadcasts it.
-  int64_t resume = -1;
-  for (const auto& [id, step] : ready_) resume = resume < 0 ? step : std::min(resume, step);
-  committed_ = std::max<int64_t>(resume, 0) - 1;
-  // Ranks that said hello but never became ready stay out of the first epoch.
-  std::vector<int> notReady;
-  for (int id : hellos_) {
-    if (!ready_.count(id)) notReady.push_back(id);
-  }
-  for (int id : notReady) {
-    // Only this worker: its node's other workers may well be ready.
-    log("worker " + std::to_string(id) + " left out: not ready when the first epoch formed");
-    send(id, wire::Type::kExpelled, json{{"reason", "not ready when the first epoch formed"}});
-    dead_.push_back(id);
-    workers_.erase(id);
-    hellos_.erase(std::remove(hellos_.begin(), hellos_.end(), id), hellos_.end());
-  }
-  for (int id : hellos_) workers_[id].hasState = true;
-  std::vector<int> none;
-  epoch_ = -1;
-  newEpoch("first epoch (" + why + ")", none);
-}
-
-void Coordinator::Impl::newEpoch(const std::string& why, std::vector<int> joiners) {
-  epoch_ = epoch_ < 0 ? 0 : epoch_ + 1;
-  votes_.clear();
-  for (auto& [id, w] : workers_) {
-    w.waiting = false;  // Progress counts afresh in the new epoch.
-    w.step = -1;
-  }
-  lastCommit_ = Clock::time_point{};  // A recovery is not a step.
-  epochCommits_ = 0;
-  bool first = epoch_ == 0;
-  std::vector<int> members;
-  for (const auto& [id, w] : workers_) {
-    if (!done_.count(id)) members.push_back(id);
-  }
-  members_ = members;
-  for (int j : joiners) {
-    pendingJoin_.erase(std::remove(pendingJoin_.begin(), pendingJoin_.end(), j),
-                       pendingJoin_.end());
-  }
-  // Joiners still pending become members now too (they receive the state like the others).
-  std::vector<int> joined = joiners;
-  for (int j : pendingJoin_) joined.push_back(j);
-  pendingJoin_.clear();
-  std::sort(joined.begin(), joined.end());
-  json body = epochBody(joined, first || !joined.empty());
-  if (pipelineJob_) {
+  void onFrame(collectives::transport::Channel& channel,
+               const collectives::transport::FrameHeader& h,
+               std::vector<uint8_t> payload) override {
+    if (!channel_) channel_ = channel.shared_from_this();
+    json body = wire::decodeBody(h.type, payload);  // Corruption drops the connection.
+    std::lock_guard<std::mutex> lock(owner_->mu_);
+    if (closed_) return;
+    JobState& state = *owner_->state_;
     try {
-      EpochPlan made = pipelinePlan();
-      const pipeline::Plan& plan = made.plan;
-      body["plan"] = pipeline::planToJson(plan);
-      std::vector<std::vector<int>> pipelines;
-      for (const auto& p : plan.pipelines) pipelines.push_back(p.nodeIds);
-      std::vector<std::array<int, 3>> holds;  // [worker, first layer, end layer]
-      for (const auto& w : plan.workers) holds.push_back({w.worker, w.firstLayer, w.endLayer});
-      for (const auto& step : made.steps) {
-        log("epoch " + std::to_string(epoch_) + " plan: " + step);
-      }
-      event({{"event", "plan"},
-             {"epoch", epoch_},
-             {"how", made.how},
-             {"steps", made.steps},
-             {"pipeline_nodes", pipelines},
-             {"idle_nodes", plan.idleNodeIds},
-             {"workers", holds},
-             {"pipelines", plan.pipelines.size()},
-             {"iteration_ticks", plan.iterationTicks}});
-      plan_ = plan;
+      state.onFrame(id_, h.type, h.epoch, body, Clock::now());
     } catch (const Error& e) {
-      return failJob("no pipeline plan for the " + std::to_string(members_.size()) +
-                     " workers of epoch " + std::to_string(epoch_) + ": " + e.what());
+      // ProtocolViolation, or a field a handler checks itself (InvalidArgument, Corruption).
+      state.noteDropped();
+      state.log("dropping connection from " + describe() + ": bad " + wire::typeName(h.type) +
+                " message: " + e.what());
+      close();
+      state.onClosed(id_, std::string("protocol violation: ") + e.what(), Clock::now());
+    } catch (const std::exception& e) {
+      // A bug in a handler: reported as such; the connection goes, the coordinator stays.
+      state.noteDropped();
+      state.log("internal error handling a " + std::string(wire::typeName(h.type)) +
+                " message from " + describe() + ": " + e.what() + "; dropping the connection");
+      state.internalError(e.what());
+      close();
+      state.onClosed(id_, std::string("internal error: ") + e.what(), Clock::now());
+    }
+    owner_->apply();
+    owner_->rearm();
+  }
+
+  // Called later on the io thread (never from inside close()).
+  void onClose(collectives::transport::Channel& channel, collectives::transport::CloseReason reason,
+               const std::string& why) override {
+    std::lock_guard<std::mutex> lock(owner_->mu_);
+    channel_.reset();
+    owner_->sessions_.erase(id_);
+    if (owner_->stopping_) return;  // Shutting down: no failure to declare.
+    if (reason == collectives::transport::CloseReason::kViolation ||
+        reason == collectives::transport::CloseReason::kTimeout) {
+      owner_->state_->noteDropped();
+    }
+    closed_ = true;
+    owner_->state_->onClosed(id_,
+                             reason == collectives::transport::CloseReason::kViolation
+                                 ? "protocol violation: " + why
+                                 : why,
+                             Clock::now());
+    owner_->apply();
+    owner_->rearm();
+  }
+
+  void write(wire::Type type, int64_t epoch, const json& body, bool closeAfter) {
+    if (closed_ || !channel_) return;
+    channel_->send(static_cast<uint8_t>(type), epoch, wire::encodeBody(body));
+    if (closeAfter) channel_->closeAfterWrites();
+  }
+
+  void close() {
+    if (closed_) return;
+    closed_ = true;
+    if (channel_) channel_->close();
+  }
+
+  std::string describe() const {
+    const int worker = owner_->state_->workerOf(id_);
+    std::string peer = channel_ ? channel_->peer() : "an unknown peer";
+    return worker >= 0 ? "worker " + std::to_string(worker) + " (" + peer + ")" : peer;
+  }
+
+ private:
+  Impl* const owner_;  // Outlives its sessions: ~Impl closes them and joins the io thread.
+  const JobState::SessionId id_;
+  bool closed_ = false;
+  std::shared_ptr<collectives::transport::Channel> channel_;  // Reset when it closes.
+};
+
+void Coordinator::Impl::apply() {
+  JobState::Effects fx = state_->take();
+  for (const auto& f : fx.frames) {
+    auto it = sessions_.find(f.session);
+    if (it == sessions_.end()) continue;
+    if (auto s = it->second.lock()) s->write(f.type, f.epoch, f.body, f.closeAfter);
+  }
+  for (JobState::SessionId id : fx.closes) {
+    auto it = sessions_.find(id);
+    if (it == sessions_.end()) continue;
+    if (auto s = it->second.lock()) s->close();
+  }
+  for (auto& e : fx.events) {
+    events_.write(e);
+    const int64_t seq = ++eventSeq_;
+    recentEvents_.emplace_back(seq, e);
+    if (recentEvents_.size() > 1000) recentEvents_.pop_front();
+    for (const auto& [id, sink] : subscribers_) {
+      asio::post(io_, [sink = sink, seq, e] { sink(seq, e); });
     }
   }
-  if (!persistState()) return;  // Another leader's job now: nothing is sent.
-  persistNextCommit_ = true;    // The epoch's first commit is stored at once (recovered).
-  for (int id : members_) send(id, wire::Type::kEpoch, body);
-  for (int id : joined) workers_[id].hasState = true;
-  log("epoch " + std::to_string(epoch_) + ": " + std::to_string(members_.size()) +
-      " members, resume at step " + std::to_string(committed_ + 1) + " (" + why + ")");
-  event({{"event", "epoch"},
-         {"epoch", epoch_},
-         {"members", members_},
-         {"joined", joined},
-         {"resume_step", committed_ + 1},
-         {"reason", why}});
-  cv_.notify_all();
-}
-
-json Coordinator::Impl::epochBody(const std::vector<int>& joined, bool sync) const {
-  int source = -1;
-  for (int id : members_) {
-    if (std::find(joined.begin(), joined.end(), id) != joined.end()) continue;
-    if (workers_.at(id).hasState) {
-      source = id;
-      break;
-    }
+  if (fx.deposed) {
+    stopping_ = true;  // Closing the connections declares nobody dead.
+    checkTimer_.cancel();
   }
-  json body = {{"epoch", epoch_},  {"members", members_}, {"resume_step", committed_ + 1},
-               {"source", source}, {"joined", joined},    {"sync", sync}};
-  if (options_.progressFloor.count() > 0) body["step_deadline_ms"] = stepDeadline().count();
-  return body;
-}
-
-// A worker of a pipeline job found a layer that no member holds live after this epoch's
-// resume step (every worker that held it is gone): the job resumes after `step`, the newest
-// version still held somewhere (peers' RAM or disk), which every member restores in the
-// epoch this starts (docs/pipeline.md, "Rollback"). Only before the epoch's first commit.
-void Coordinator::Impl::onRollback(int worker, int64_t step) {
-  const std::string who = "worker " + std::to_string(worker) + "'s rollback to step ";
-  if (!pipelineJob_ || epochCommits_ > 0 || step >= committed_) {
-    log("ignoring " + who + std::to_string(step) + " (epoch " + std::to_string(epoch_) +
-        " resumes at step " + std::to_string(committed_ + 1) +
-        (epochCommits_ > 0 ? ", and has committed steps" : "") + ")");
-    return;
-  }
-  const int64_t from = committed_;
-  committed_ = step;
-  rollbacks_++;
-  event(
-      {{"event", "rollback"}, {"epoch", epoch_}, {"from", from}, {"to", step}, {"worker", worker}});
-  newEpoch("rollback from step " + std::to_string(from) + " to the version after step " +
-               std::to_string(step) + ": a layer has no live copy",
-           {});
-}
-
-// A worker sends the job's pipeline profile once (the first member of the first epoch, after
-// every member profiled): the coordinator plans the templates once, for the nodes of this
-// epoch up to the workers the job may grow to (max_workers), and starts an epoch that carries
-// the plan; every later epoch re-instantiates them for its members. Later requests are
-// ignored: the first one fixed the job's templates.
-void Coordinator::Impl::onPipeline(int worker, const json& body) {
-  if (pipelineJob_) return;
-  const std::string who = "worker " + std::to_string(worker) + "'s pipeline request: ";
-  std::string error = planPipelines(body, -1);
-  if (!error.empty()) return failJob(who + error);
-  newEpoch("pipeline plan", {});
-}
-
-// Plans the job's templates from a pipeline request, for `nodes` nodes (-1: this epoch's
-// members' nodes) up to the workers the job may grow to (max_workers). A coordinator taking
-// over plans them again from the request its predecessor persisted (the planner is
-// deterministic, so they are the predecessor's templates) and reconfigures the predecessor's
-// last plan, which it persisted too (pipelinePlan).
-std::string Coordinator::Impl::planPipelines(const json& body, int nodes) {
-  try {
-    profile_ = pipeline::parseProfileJson(body.at("profile").get<std::string>());
-  } catch (const Error& e) {
-    return std::string("bad profile: ") + e.what();
-  }
-  const int G = profile_.job.devices_per_node;
-  if (nodes < 0) nodes = static_cast<int>(members_.size()) / G;
-  planOptions_.fault_tolerance = body.at("fault_tolerance").get<int>();
-  planOptions_.global_microbatches = body.at("microbatches").get<int64_t>();
-  // The most workers the job may grow to by joins (absent or 0: the workers it starts with).
-  int64_t maxWorkers = 0;
-  try {
-    if (body.contains("max_workers")) {
-      maxWorkers = sinew::detail::jsonInt(body["max_workers"], "max_workers", 0, 1 << 20);
-    }
-  } catch (const Error& e) {
-    return e.what();
-  }
-  try {
-    if (nodes < 1) {
-      SINEW_THROW(InvalidArgument, members_.size(), " workers are fewer than one node of ",
-                  "devices_per_node = ", G);
-    }
-    pipeline::TemplateOptions to;
-    to.nodes = nodes;
-    to.max_nodes = static_cast<int>(maxWorkers / G);
-    to.fault_tolerance = planOptions_.fault_tolerance;
-    to.global_microbatches = planOptions_.global_microbatches;
-    templates_ = pipeline::planTemplates(profile_, to);
-  } catch (const Error& e) {
-    return e.what();
-  }
-  pipelineJob_ = true;
-  pipelineRequest_ = body;
-  pipelineNodes_ = nodes;
-  log("planned pipeline templates for " + std::to_string(templates_.min_nodes) + ".." +
-      std::to_string(templates_.max_nodes) + " nodes (" + std::to_string(nodes) + " nodes of " +
-      std::to_string(G) + " workers, up to " +
-      std::to_string(std::max<int64_t>(nodes, maxWorkers / G)) +
-      " nodes by joins, fault tolerance " + std::to_string(planOptions_.fault_tolerance) + ")");
-  return "";
-}
-
-// The plan for members_: with G devices per node, node k is members [kG, kG + G) in
-// ascending id order (its id the first of them, device i the i-th); members beyond the last
-// full node stay idle. Throws InvalidArgument if the templates cannot cover them.
-// When the members are the nodes of the last epoch's plan less some lost ones (one device per
-// node: with more, a loss renumbers the nodes after it), the plan is that plan reconfigured
-// from the templates (pipeline::reconfigure, docs/pipeline.md section 5): pipelines that lost
-// no node keep their nodes and layers; one that lost some shrinks to a smaller template,
-// takes idle nodes, borrows from the largest pipeline or merges with another, and if none of
-// that applies all survivors are re-planned ("replan"). Otherwise (the first epoch, joins,
-// several devices per node) the templates are instantiated for all of them
-// (pipeline::makePlan; after the first epoch with fewer than f + 1 pipelines if the nodes
-// cannot hold them). The same nodes as the last epoch's keep its plan. A new leader starts
-// from its predecessor's last plan (persisted with the job's state).
-Coordinator::Impl::EpochPlan Coordinator::Impl::pipelinePlan() const {
-  const int G = profile_.job.devices_per_node;
-  const int nodes = static_cast<int>(members_.size()) / G;
-  std::vector<int> nodeIds;
-  for (int k = 0; k < nodes; ++k) nodeIds.push_back(members_[k * G]);
-  EpochPlan out;
-  if (G == 1 && plan_) {
-    std::set<int> before(plan_->idleNodeIds.begin(), plan_->idleNodeIds.end());
-    for (const auto& p : plan_->pipelines) before.insert(p.nodeIds.begin(), p.nodeIds.end());
-    bool onlyLosses = true;
-    for (int id : nodeIds) onlyLosses = onlyLosses && before.count(id) > 0;
-    std::vector<int> lost;
-    for (int id : before) {
-      if (std::find(nodeIds.begin(), nodeIds.end(), id) == nodeIds.end()) lost.push_back(id);
-    }
-    if (onlyLosses && lost.empty()) {
-      // The same nodes (a rollback, or a reconfiguration tried again): the same plan, so that
-      // no layer moves for nothing.
-      out.plan = *plan_;
-      out.how = "unchanged";
-    } else if (onlyLosses) {
-      try {
-        pipeline::Reconfiguration r = pipeline::reconfigure(templates_, *plan_, lost);
-        out.plan = std::move(r.plan);
-        out.how = pipeline::reconfigurationKindName(r.kind);
-        out.steps = std::move(r.steps);
-      } catch (const InvalidArgument&) {
-        // Too few survivors for the templates: makePlan says so below, in its own words.
-      }
-    }
-  }
-  if (out.how.empty()) {
-    // After the first epoch, with fewer pipelines than f + 1 if the nodes cannot hold that
-    // many (as pipeline::reconfigure's re-plan and its borrows and merges may leave the job):
-    // training goes on with every node it has.
-    out.plan = plan_ ? pipeline::makePlanLoweringFaultTolerance(templates_, nodeIds, planOptions_)
-                     : pipeline::makePlan(templates_, nodeIds, planOptions_);
-    if (out.plan.faultTolerance < planOptions_.fault_tolerance) {
-      out.steps.push_back("no plan of " + std::to_string(planOptions_.fault_tolerance + 1) +
-                          " pipelines for these nodes: " +
-                          std::to_string(out.plan.faultTolerance + 1) + " instead");
-    }
-    out.plan.faultTolerance = planOptions_.fault_tolerance;  // keep aiming for f + 1
-    out.how = "instantiated";
-  }
-  out.plan.epoch = epoch_;
-  for (auto& w : out.plan.workers) {
-    const int k =
-        static_cast<int>(std::find(nodeIds.begin(), nodeIds.end(), w.node) - nodeIds.begin());
-    w.worker = members_[k * G + w.device];
-  }
-  return out;
-}
-
-// Ends the job: every worker is expelled with the reason (e.g. a plan no template fits).
-void Coordinator::Impl::failJob(const std::string& why) {
-  log("job failed: " + why);
-  jobFailed_ = true;
-  if (!persistState()) return;
-  event({{"event", "job_failed"}, {"epoch", epoch_}, {"reason", why}});
-  for (auto& [id, w] : workers_) {
-    if (w.session && !w.session->closed_) {
-      w.session->write(wire::Type::kExpelled, epoch_, json{{"reason", why}}, /*closeAfter=*/true);
-    }
-    dead_.push_back(id);
-  }
-  workers_.clear();
-  members_.clear();
-  hellos_.clear();
-  ready_.clear();
-  pendingJoin_.clear();
-  cv_.notify_all();
-}
-
-void Coordinator::Impl::onVote(int worker, int64_t epoch, int64_t step) {
-  if (step != committed_ + 1) {
-    ignored_++;
-    log("ignoring worker " + std::to_string(worker) + "'s vote for step " + std::to_string(step) +
-        " (expected step " + std::to_string(committed_ + 1) + ")");
-    return;
-  }
-  auto& voters = votes_[step];
-  voters.insert(worker);
-  noteProgress(workers_.at(worker), step, /*waiting=*/true, Clock::now());
-  for (int id : members_) {
-    if (!voters.count(id)) return;
-  }
-  committed_ = step;
-  votes_.erase(step);
-  // Stored now and then, not before every commit: a new leader learns the newest commit from
-  // the members that rejoin it (docs/ha.md, rule 5).
-  if (!persistThrottled()) return;
-  noteCommit(step);
-  if (pendingJoin_.empty() && leaving_.empty()) {
-    for (int id : members_) sendCommit(id, step, false);
-    return;
-  }
-  if (!leaving_.empty()) {
-    // Step boundary with preempted (or drained, or resized away) members: they apply this
-    // step, then are released.
-    std::vector<int> old = members_;
-    for (int id : old) sendCommit(id, step, true);
-    std::vector<int> leaving(leaving_.begin(), leaving_.end());
-    leaving_.clear();
-    for (int id : leaving) {
-      auto why = leaveReason_.find(id);
-      release(id, (why != leaveReason_.end() ? why->second : std::string("preempted")) +
-                      "; left after step " + std::to_string(step));
-    }
-    bool anyLeft = false;
-    for (int id : old) anyLeft = anyLeft || workers_.count(id) > 0;
-    if (!anyLeft) {
-      stopped_ = true;
-      finished_ = true;
-      std::vector<int> waiting = pendingJoin_;
-      for (int id : waiting) declareDead(id, "the job stopped");
-      log("job stopped after step " + std::to_string(step) + ": every member was preempted");
-      event({{"event", "stopped"}, {"step", step}, {"epoch", epoch_}});
-      cv_.notify_all();
-      return;
-    }
-    newEpoch("worker(s) preempted after step " + std::to_string(step), pendingJoin_);
-    return;
-  }
-  // Step boundary with joiners: the commit carries the next epoch, so members switch to it
-  // right after applying the step.
-  std::vector<int> joiners = pendingJoin_;
-  std::vector<int> old = members_;
-  for (int id : old) sendCommit(id, step, true);
-  newEpoch("worker(s) joining at step " + std::to_string(step + 1), joiners);
-}
-
-void Coordinator::Impl::onLeave(int worker, int64_t step) {
-  if (finished_) return;
-  bool member = std::find(members_.begin(), members_.end(), worker) != members_.end();
-  if (!member) {
-    // Not training yet (a pending joiner, or before the first epoch): it goes at once.
-    return release(worker, "preempted before it trained");
-  }
-  leaving_.insert(worker);
-  log("worker " + std::to_string(worker) + " is preempted at step " + std::to_string(step) +
-      "; it leaves at the next step boundary");
-  event({{"event", "leave"}, {"worker", worker}, {"step", step}});
-}
-
-void Coordinator::Impl::release(int worker, const std::string& why) {
-  auto it = workers_.find(worker);
-  if (it == workers_.end()) return;
-  if (it->second.session && !it->second.session->closed_) {
-    // The connection stays open: the worker may still report its checkpoint, and its closing
-    // says the process is gone (docs/control_api.md, drains).
-    it->second.session->write(wire::Type::kReleased, epoch_,
-                              json{{"reason", why}, {"step", committed_}});
-    ReleasedWorker r;
-    r.step = committed_;
-    r.node = it->second.node;
-    r.session = it->second.session;
-    releasedWorkers_[worker] = r;
-  } else {
-    ReleasedWorker r;
-    r.step = committed_;
-    r.node = it->second.node;
-    r.exited = true;
-    releasedWorkers_[worker] = r;
-  }
-  leaveReason_.erase(worker);
-  // Erased from workers_: its closing connection and any late message are no failure.
-  pendingJoin_.erase(std::remove(pendingJoin_.begin(), pendingJoin_.end(), worker),
-                     pendingJoin_.end());
-  hellos_.erase(std::remove(hellos_.begin(), hellos_.end(), worker), hellos_.end());
-  ready_.erase(worker);
-  leaving_.erase(worker);
-  released_.push_back(worker);
-  workers_.erase(it);
-  updateDrains();
-  log("worker " + std::to_string(worker) + " released: " + why);
-  event({{"event", "released"}, {"worker", worker}, {"reason", why}});
-}
-
-void Coordinator::Impl::onDone(int worker, int64_t step) {
-  done_.insert(worker);
-  event({{"event", "done"}, {"worker", worker}, {"step", step}});
-  const bool wasFinished = finished_;
-  checkFinished();                               // Stores the state if this ends the job...
-  if (finished_ == wasFinished) persistState();  // ...else the done is stored here.
-}
-
-void Coordinator::Impl::checkFinished() {
-  if (epoch_ < 0 || members_.empty()) return;
-  for (int id : members_) {
-    if (!done_.count(id)) return;
-  }
-  if (!finished_) {
-    finished_ = true;
-    persistState();
-    log("job finished at step " + std::to_string(committed_) + " in epoch " +
-        std::to_string(epoch_));
-    event({{"event", "finished"}, {"step", committed_}, {"epoch", epoch_}});
-    for (int id : pendingJoin_) declareDead(id, "the job has finished");
-    cv_.notify_all();
-  }
-}
-
-void Coordinator::Impl::declareDead(int worker, const std::string& why) {
-  auto it = workers_.find(worker);
-  if (it == workers_.end()) return;
-  // Workers of a node fail together (docs/architecture.md section 1).
-  std::string node = it->second.node;
-  std::vector<int> victims;
-  for (const auto& [id, w] : workers_) {
-    if (w.node == node && !done_.count(id)) victims.push_back(id);
-  }
-  if (std::find(victims.begin(), victims.end(), worker) == victims.end()) victims.push_back(worker);
-  bool wasMember = false;
-  for (int id : victims) {
-    auto wit = workers_.find(id);
-    if (wit == workers_.end()) continue;
-    std::string reason =
-        id == worker ? why : "node " + node + " of worker " + std::to_string(worker) + " failed";
-    log("worker " + std::to_string(id) + " declared dead: " + reason);
-    event({{"event", "failure"},
-           {"worker", id},
-           {"node", node},
-           {"reason", reason},
-           {"epoch", epoch_},
-           {"committed_step", committed_}});
-    if (wit->second.session && !wit->second.session->closed_) {
-      wit->second.session->write(wire::Type::kExpelled, epoch_, json{{"reason", reason}},
-                                 /*closeAfter=*/true);
-    }
-    wasMember = wasMember || std::find(members_.begin(), members_.end(), id) != members_.end();
-    pendingJoin_.erase(std::remove(pendingJoin_.begin(), pendingJoin_.end(), id),
-                       pendingJoin_.end());
-    hellos_.erase(std::remove(hellos_.begin(), hellos_.end(), id), hellos_.end());
-    ready_.erase(id);
-    leaving_.erase(id);
-    dead_.push_back(id);
-    workers_.erase(wit);
-  }
-  failures_ += static_cast<int64_t>(victims.size());
-  updateDrains();
-  // A checkpoint asked for and not yet durable is lost with its writer (data parallel: the
-  // epoch's first member; pipelines: any member): status stops saying "checkpointing".
-  const bool writerLost =
-      !members_.empty() &&
-      (pipelineJob_ ? wasMember
-                    : std::find(victims.begin(), victims.end(), members_.front()) != victims.end());
-  if (writerLost && checkpointStep_ > durable_.step) {
-    event({{"event", "checkpoint_abandoned"}, {"step", checkpointStep_}, {"reason", why}});
-    checkpointStep_ = -1;
-  }
-  if (epoch_ >= 0 && wasMember && !finished_) {
-    if (!recovering_) {
-      recovering_ = true;
-      recoveringSince_ = Clock::now();
-    }
-    newEpoch("worker " + std::to_string(worker) + " failed: " + why, {});
-    checkFinished();
-  }
-  cv_.notify_all();
-}
-
-void Coordinator::Impl::send(int worker, wire::Type type, const json& body) {
-  auto it = workers_.find(worker);
-  if (it == workers_.end() || !it->second.session) return;
-  it->second.session->write(type, epoch_, body);
-}
-
-void Coordinator::Impl::event(json e) {
-  e["time"] = wallSeconds();
-  events_.write(e);
-  const int64_t seq = ++eventSeq_;
-  recentEvents_.emplace_back(seq, e);
-  if (recentEvents_.size() > 1000) recentEvents_.pop_front();
-  for (const auto& [id, sink] : subscribers_) {
-    asio::post(io_, [sink = sink, seq, e] { sink(seq, e); });
-  }
+  if (fx.changed || fx.deposed) cv_.notify_all();
 }
 
 Coordinator::Coordinator(CoordinatorOptions options)

@@ -120,18 +120,23 @@ std::shared_ptr<gloo::rendezvous::Context> glooContext(int rank, const std::stri
   return context;
 }
 
+// Sinew's Gloo communicator of ranks 0 and 1 (its point to point runs on the lanes), meeting
+// through a file store in `dir`.
+std::unique_ptr<sinew::collectives::Communicator> sinewComm(int rank, const std::string& dir) {
+  auto store = std::make_shared<sinew::collectives::FileStore>(dir);
+  sinew::collectives::CommunicatorOptions o;
+  o.members = {0, 1};
+  o.self = rank;
+  o.name = "bench";
+  return sinew::collectives::createGlooCommunicator(store, o);
+}
+
 Times lanes() {
   Times out;
   const std::string dir = tempDir("lanes");
   for (int64_t bytes : kSizes) {
     out[bytes] = onTwoRanks([&](int rank) {
-      auto store =
-          std::make_shared<sinew::collectives::FileStore>(dir + "/" + std::to_string(bytes));
-      sinew::collectives::CommunicatorOptions o;
-      o.members = {0, 1};
-      o.self = rank;
-      o.name = "bench";
-      auto comm = sinew::collectives::createGlooCommunicator(store, o);
+      auto comm = sinewComm(rank, dir + "/" + std::to_string(bytes));
       at::Tensor t = at::ones({bytes / 8}, at::kDouble);
       const double s = medianSeconds(
           [&] {
@@ -232,12 +237,7 @@ Times glooSync() {
 double lanesExchange() {
   const std::string dir = tempDir("lanes-exchange");
   double r = onTwoRanks([&](int rank) {
-    auto store = std::make_shared<sinew::collectives::FileStore>(dir);
-    sinew::collectives::CommunicatorOptions o;
-    o.members = {0, 1};
-    o.self = rank;
-    o.name = "bench";
-    auto comm = sinew::collectives::createGlooCommunicator(store, o);
+    auto comm = sinewComm(rank, dir);
     at::Tensor a = at::ones({kExchangeBytes / 8}, at::kDouble);
     at::Tensor b = at::zeros({kExchangeBytes / 8}, at::kDouble);
     const double s = medianSeconds([&] {

@@ -1,12 +1,18 @@
-#include "sinew/runtime/coordinator_impl.h"
+#include "sinew/runtime/job_state.h"
+
+#include "sinew/base/parse.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
 
 namespace sinew {
 namespace runtime {
 
-// The coordinator's control API (docs/control_api.md): the views and requests a scheduler
-// makes, the Prometheus metrics and the event feed. Runs on the io thread, under mu_.
+// The job-state machine's control API (docs/control_api.md): the views and requests a scheduler
+// makes, and the Prometheus metrics.
 
-void Coordinator::Impl::onVoteStats(Worker& w, const json& body) {
+void JobState::onVoteStats(Worker& w, const json& body) {
   if (body.contains("compute_us")) w.computeSeconds = body.at("compute_us").get<int64_t>() * 1e-6;
   if (body.contains("stall_us")) {
     const double stall = body.at("stall_us").get<int64_t>() * 1e-6;
@@ -17,7 +23,7 @@ void Coordinator::Impl::onVoteStats(Worker& w, const json& body) {
     replicatedBytes_ += body.at("replicated_bytes").get<int64_t>();
 }
 
-void Coordinator::Impl::onDurable(int worker, const json& body) {
+void JobState::onDurable(int worker, const json& body) {
   const int64_t step = body.at("step").get<int64_t>();
   const double flush = body.at("flush_us").get<int64_t>() * 1e-6;
   durableWrites_++;
@@ -28,7 +34,7 @@ void Coordinator::Impl::onDurable(int worker, const json& body) {
     durable_.path = body.at("path").get<std::string>();
     durable_.bytes = body.at("bytes").get<int64_t>();
     durable_.flushSeconds = flush;
-    durable_.at = Clock::now();
+    durable_.at = now_;
   }
   persistThrottled();
   event({{"event", "checkpoint"},
@@ -39,7 +45,7 @@ void Coordinator::Impl::onDurable(int worker, const json& body) {
          {"path", body.at("path").get<std::string>()}});
 }
 
-void Coordinator::Impl::updateDrains() {
+void JobState::updateDrains() {
   for (auto& [id, d] : drains_) {
     if (d.releaseStep >= 0) continue;
     bool all = true;
@@ -48,7 +54,7 @@ void Coordinator::Impl::updateDrains() {
   }
 }
 
-void Coordinator::Impl::sendCommit(int worker, int64_t step, bool nextEpoch) {
+void JobState::sendCommit(int worker, int64_t step, bool nextEpoch) {
   json body = {{"step", step}};
   if (nextEpoch) body["next_epoch"] = true;
   if (checkpointStep_ == step) body["checkpoint"] = true;
@@ -58,8 +64,8 @@ void Coordinator::Impl::sendCommit(int worker, int64_t step, bool nextEpoch) {
 }
 
 // Called once per commit, before the commit is sent.
-void Coordinator::Impl::noteCommit(int64_t step) {
-  const auto now = Clock::now();
+void JobState::noteCommit(int64_t step) {
+  const auto now = now_;
   if (lastCommit_ != Clock::time_point{}) {
     stepTimes_.push_back(now - lastCommit_);
     if (stepTimes_.size() > 20) stepTimes_.pop_front();
@@ -85,7 +91,7 @@ void Coordinator::Impl::noteCommit(int64_t step) {
   }
 }
 
-std::string Coordinator::Impl::state() const {
+std::string JobState::state() const {
   if (jobFailed_ || (epoch_ >= 0 && members_.empty() && !finished_)) return "failed";
   if (finished_) return "finished";
   if (epoch_ < 0) return "starting";
@@ -95,7 +101,7 @@ std::string Coordinator::Impl::state() const {
   return "running";
 }
 
-std::vector<std::string> Coordinator::Impl::nodesOf(const std::vector<int>& workers) const {
+std::vector<std::string> JobState::nodesOf(const std::vector<int>& workers) const {
   std::vector<std::string> nodes;
   for (int id : workers) {
     auto it = workers_.find(id);
@@ -108,7 +114,7 @@ std::vector<std::string> Coordinator::Impl::nodesOf(const std::vector<int>& work
 }
 
 // Nodes the job trains on and keeps (members not on their way out).
-int Coordinator::Impl::currentNodes() const {
+int JobState::currentNodes() const {
   std::vector<int> staying;
   for (int id : members_) {
     if (!leaving_.count(id)) staying.push_back(id);
@@ -117,16 +123,16 @@ int Coordinator::Impl::currentNodes() const {
   return static_cast<int>(nodesOf(staying).size());
 }
 
-json Coordinator::Impl::durableJson() const {
+json JobState::durableJson() const {
   if (durable_.step < 0) return nullptr;
   return json{{"step", durable_.step},
               {"path", durable_.path},
               {"bytes", durable_.bytes},
               {"flush_s", durable_.flushSeconds},
-              {"age_s", secondsOf(Clock::now() - durable_.at)}};
+              {"age_s", secondsOf(now_ - durable_.at)}};
 }
 
-json Coordinator::Impl::drainJson(const Drain& d) const {
+json JobState::drainJson(const Drain& d) const {
   bool safe = true;
   json workers = json::array();
   for (int id : d.workers) {
@@ -155,7 +161,7 @@ json Coordinator::Impl::drainJson(const Drain& d) const {
   return out;
 }
 
-double Coordinator::Impl::medianStepSeconds(size_t newest) const {
+double JobState::medianStepSeconds(size_t newest) const {
   std::vector<double> recent;
   for (auto it = stepTimes_.rbegin(); it != stepTimes_.rend() && recent.size() < newest; ++it) {
     recent.push_back(secondsOf(*it));
@@ -163,15 +169,15 @@ double Coordinator::Impl::medianStepSeconds(size_t newest) const {
   return median(recent);
 }
 
-double Coordinator::Impl::samplesPerSecondNow() const {
+double JobState::samplesPerSecondNow() const {
   if (globalBatch_ <= 0 || stepTimes_.empty() || lastCommit_ == Clock::time_point{}) return 0;
   const double step = medianStepSeconds(5);
   // No commit for three step times: the job is not training now (recovering, stuck).
-  if (step <= 0 || secondsOf(Clock::now() - lastCommit_) > 3 * step + 1) return 0;
+  if (step <= 0 || secondsOf(now_ - lastCommit_) > 3 * step + 1) return 0;
   return static_cast<double>(globalBatch_) / step;
 }
 
-std::map<int, double> Coordinator::Impl::measuredStepSeconds() const {
+std::map<int, double> JobState::measuredStepSeconds() const {
   std::map<int, double> out;
   for (const auto& [n, times] : stepSecondsBySize_) {
     if (times.size() >= 3) out[n] = median(std::vector<double>(times.begin(), times.end()));
@@ -179,9 +185,8 @@ std::map<int, double> Coordinator::Impl::measuredStepSeconds() const {
   return out;
 }
 
-ControlReply Coordinator::Impl::status() {
-  std::lock_guard<std::mutex> lock(mu_);
-  const auto now = Clock::now();
+ControlReply JobState::status(Clock::time_point now) {
+  now_ = now;
   ControlReply r;
   json& b = r.body;
   b["state"] = state();
@@ -256,8 +261,8 @@ ControlReply Coordinator::Impl::status() {
   return r;
 }
 
-ControlReply Coordinator::Impl::scaling() {
-  std::lock_guard<std::mutex> lock(mu_);
+ControlReply JobState::scaling(Clock::time_point now) {
+  now_ = now;
   ControlReply r;
   const auto measured = measuredStepSeconds();
   const int workersNow = static_cast<int>(members_.size());
@@ -379,8 +384,8 @@ ControlReply Coordinator::Impl::scaling() {
   return r;
 }
 
-ControlReply Coordinator::Impl::resize(int64_t nodes) {
-  std::lock_guard<std::mutex> lock(mu_);
+ControlReply JobState::resize(int64_t nodes, Clock::time_point at) {
+  now_ = at;
   if (epoch_ < 0) return refusal(409, "the job has not started: no epoch has formed yet");
   if (finished_ || jobFailed_) return refusal(409, "the job has ended (" + state() + ")");
   if (stopRequested_) return refusal(409, "the job is stopping");
@@ -492,8 +497,8 @@ ControlReply Coordinator::Impl::resize(int64_t nodes) {
   return r;
 }
 
-ControlReply Coordinator::Impl::drain(const control::DrainRequest& request) {
-  std::lock_guard<std::mutex> lock(mu_);
+ControlReply JobState::drain(const control::DrainRequest& request, Clock::time_point now) {
+  now_ = now;
   ControlReply r;
   if (epoch_ < 0) return refusal(409, "the job has not started: no epoch has formed yet");
   if (finished_ || jobFailed_) return refusal(409, "the job has ended (" + state() + ")");
@@ -533,27 +538,8 @@ ControlReply Coordinator::Impl::drain(const control::DrainRequest& request) {
     leaveReason_[id] = "drained (request " + std::to_string(d.id) + ")";
   }
   if (checkpointsOn_) checkpointNext_ = true;
-  d.timer = std::make_unique<asio::steady_timer>(io_);
-  d.timer->expires_after(std::chrono::milliseconds(static_cast<int64_t>(d.deadlineSeconds * 1e3)));
+  d.deadline = now_ + std::chrono::milliseconds(static_cast<int64_t>(d.deadlineSeconds * 1e3));
   const int id = d.id;
-  d.timer->async_wait([this, id](error_code ec) {
-    if (ec) return;
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = drains_.find(id);
-    if (it == drains_.end() || stopping_ || finished_) return;
-    std::vector<int> late;
-    for (int w : it->second.workers) {
-      if (workers_.count(w) && !done_.count(w)) late.push_back(w);
-    }
-    if (late.empty()) return;
-    it->second.expelled = true;
-    for (int w : late) {
-      leaving_.erase(w);
-      declareDead(w, "drain " + std::to_string(id) + " deadline of " +
-                         std::to_string(it->second.deadlineSeconds) +
-                         " s passed before a step boundary");
-    }
-  });
   auto [it, inserted] = drains_.emplace(d.id, std::move(d));
   for (int w : pendingNow)
     release(w, "drained (request " + std::to_string(id) + ") before it trained");
@@ -576,8 +562,8 @@ ControlReply Coordinator::Impl::drain(const control::DrainRequest& request) {
   return r;
 }
 
-ControlReply Coordinator::Impl::checkpoint() {
-  std::lock_guard<std::mutex> lock(mu_);
+ControlReply JobState::checkpoint(Clock::time_point now) {
+  now_ = now;
   if (!checkpointsOn_) {
     return refusal(409,
                    "this job writes no checkpoints (start it with a checkpoint directory, e.g. "
@@ -592,8 +578,8 @@ ControlReply Coordinator::Impl::checkpoint() {
   return r;
 }
 
-ControlReply Coordinator::Impl::stop(double deadlineSeconds) {
-  std::lock_guard<std::mutex> lock(mu_);
+ControlReply JobState::stop(double deadlineSeconds, Clock::time_point now) {
+  now_ = now;
   if (epoch_ < 0 || finished_ || jobFailed_) {
     return refusal(409, "the job is " + state() + ": nothing to stop");
   }
@@ -608,16 +594,7 @@ ControlReply Coordinator::Impl::stop(double deadlineSeconds) {
   for (int id : waiting) release(id, "the job is stopping");
   if (checkpointsOn_) checkpointNext_ = true;
   if (deadlineSeconds > 0) {
-    stopTimer_ = std::make_unique<asio::steady_timer>(io_);
-    stopTimer_->expires_after(
-        std::chrono::milliseconds(static_cast<int64_t>(deadlineSeconds * 1e3)));
-    stopTimer_->async_wait([this, deadlineSeconds](error_code ec) {
-      if (ec) return;
-      std::lock_guard<std::mutex> lock(mu_);
-      if (finished_ || jobFailed_ || stopping_) return;
-      failJob("the stop deadline of " + std::to_string(deadlineSeconds) +
-              " s passed before the job reached a step boundary");
-    });
+    stopAt_ = now_ + std::chrono::milliseconds(static_cast<int64_t>(deadlineSeconds * 1e3));
   }
   r.body = {{"at_step", committed_ + 1},
             {"checkpoint", checkpointsOn_},
@@ -629,10 +606,9 @@ ControlReply Coordinator::Impl::stop(double deadlineSeconds) {
   return r;
 }
 
-std::string Coordinator::Impl::metrics() {
-  std::lock_guard<std::mutex> lock(mu_);
+std::string JobState::metrics(Clock::time_point now) {
+  now_ = now;
   std::string out;
-  const auto now = Clock::now();
   metric(out, "sinew_step", "gauge", "The next step the job runs (last committed + 1).",
          committed_ + 1);
   metric(out, "sinew_epoch", "gauge", "The current epoch (membership version).", epoch_);
@@ -684,21 +660,6 @@ std::string Coordinator::Impl::metrics() {
     out += std::string("sinew_state{state=\"") + s + "\"} " + (st == s ? "1" : "0") + "\n";
   }
   return out;
-}
-
-int Coordinator::Impl::subscribe(Sink sink, int64_t after) {
-  std::lock_guard<std::mutex> lock(mu_);
-  const int id = nextSubscriber_++;
-  for (const auto& [seq, e] : recentEvents_) {
-    if (seq > after) asio::post(io_, [sink, seq = seq, e = e] { sink(seq, e); });
-  }
-  subscribers_[id] = std::move(sink);
-  return id;
-}
-
-void Coordinator::Impl::unsubscribe(int id) {
-  std::lock_guard<std::mutex> lock(mu_);
-  subscribers_.erase(id);
 }
 
 }  // namespace runtime

@@ -1,4 +1,6 @@
-#include "sinew/runtime/coordinator_impl.h"
+#include "sinew/runtime/job_state.h"
+
+#include "sinew/base/parse.h"
 
 namespace sinew {
 namespace runtime {
@@ -6,39 +8,34 @@ namespace runtime {
 // High availability (docs/ha.md): what a leader persists of the job's state, with its lease
 // fencing every write, and how a new leader restores it and forms the takeover epoch.
 
-bool Coordinator::Impl::mayWrite() {
+bool JobState::mayWrite() {
   if (deposed_) return false;
   if (options_.mayWrite && !options_.mayWrite()) {
-    // Not from inside a write: depose closes the sessions.
-    asio::post(io_, [this] {
-      std::lock_guard<std::mutex> lock(mu_);
-      depose("its leader lease may have ended");
-    });
+    // Not from inside a write: the term ends once the input at hand is handled (settle()).
+    deposePending_ = true;
+    deposeWhy_ = "its leader lease may have ended";
     deposed_ = true;  // Nothing more goes out, from this moment.
     return false;
   }
   return true;
 }
 
-void Coordinator::Impl::depose(const std::string& why) {
-  if (stopping_) return;
+void JobState::depose(const std::string& why) {
+  if (termEnded_) return;
+  termEnded_ = true;
   deposed_ = true;
-  stopping_ = true;  // Closing the connections below declares nobody dead.
-  checkTimer_.cancel();
-  startTimer_.cancel();
+  effects_.deposed = true;  // The caller stops serving; closing the connections declares
+                            // nobody dead.
+  startDeadline_ = Clock::time_point::max();
   log("this coordinator's term is over (" + why +
       "): it sends nothing more and closes every connection");
   event({{"event", "deposed"}, {"epoch", epoch_}, {"reason", why}});
-  for (auto& [id, w] : workers_) {
-    if (w.session) w.session->close();
-  }
-  for (auto& [id, r] : releasedWorkers_) {
-    if (r.session) r.session->close();
-  }
-  cv_.notify_all();
+  for (auto& [id, w] : workers_) close(w.session);
+  for (auto& [id, r] : releasedWorkers_) close(r.session);
+  effects_.changed = true;
 }
 
-std::string Coordinator::Impl::stateJson() const {
+std::string JobState::stateJson() const {
   json st = {{"version", 1},
              {"epoch", epoch_},
              {"members", members_},
@@ -67,12 +64,12 @@ std::string Coordinator::Impl::stateJson() const {
   return st.dump();
 }
 
-bool Coordinator::Impl::persistState() {
+bool JobState::persistState() {
   if (deposed_) return false;
   if (!options_.persist) return true;
   try {
     options_.persist(stateJson());
-    lastPersist_ = Clock::now();
+    lastPersist_ = now_;
     return true;
   } catch (const std::exception& e) {
     depose(std::string("its state could not be stored: ") + e.what());
@@ -80,16 +77,16 @@ bool Coordinator::Impl::persistState() {
   }
 }
 
-bool Coordinator::Impl::persistThrottled() {
+bool JobState::persistThrottled() {
   if (options_.persist && !persistNextCommit_ &&
-      Clock::now() - lastPersist_ < options_.persistCommitsEvery) {
+      now_ - lastPersist_ < options_.persistCommitsEvery) {
     return !deposed_;
   }
   persistNextCommit_ = false;
   return persistState();
 }
 
-void Coordinator::Impl::restoreState(const std::string& text) {
+void JobState::restoreState(const std::string& text) {
   json st = json::parse(text, nullptr, /*allow_exceptions=*/false);
   const std::string what = "the job state to take over";
   if (!st.is_object()) SINEW_THROW(InvalidArgument, what, " is not a JSON object");
@@ -148,10 +145,10 @@ void Coordinator::Impl::restoreState(const std::string& text) {
          {"members", std::vector<int>(takeoverMembers_.begin(), takeoverMembers_.end())}});
 }
 
-void Coordinator::Impl::formTakeoverEpoch(const std::string& why) {
+void JobState::formTakeoverEpoch(const std::string& why) {
   if (!takingOver_) return;
   takingOver_ = false;
-  startTimer_.cancel();
+  startDeadline_ = Clock::time_point::max();
   for (int id : takeoverMembers_) {
     if (rejoined_.count(id) || done_.count(id)) continue;
     log("worker " + std::to_string(id) + " declared dead: it did not reconnect after the " +
@@ -171,7 +168,7 @@ void Coordinator::Impl::formTakeoverEpoch(const std::string& why) {
     if (!done_.empty() || allSteps) {
       finished_ = true;
       persistState();
-      cv_.notify_all();
+      effects_.changed = true;
       return;
     }
     return failJob("no member of epoch " + std::to_string(epoch_) +
@@ -187,7 +184,7 @@ void Coordinator::Impl::formTakeoverEpoch(const std::string& why) {
   }
   rejoined_.clear();
   recovering_ = true;
-  recoveringSince_ = Clock::now();
+  recoveringSince_ = now_;
   newEpoch("a new leader took over (" + why + ")", {});
 }
 

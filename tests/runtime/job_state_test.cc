@@ -1,0 +1,331 @@
+// The coordinator's job-state machine (runtime/job_state.h) driven by exact event sequences
+// and times: no sockets, no threads, no sleeps. What the coordinator decides — when an epoch
+// forms, when a step commits, who is declared dead and when, who is released — is checked
+// against the frames and events it emits. The socket side (bad input, the wire) is tested over
+// real connections in coordinator_test.cc and validation_test.cc.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "sinew/runtime/job_state.h"
+
+namespace sinew {
+namespace runtime {
+namespace {
+
+using namespace std::chrono_literals;
+using Type = wire::Type;
+
+class Machine {
+ public:
+  explicit Machine(int workers, CoordinatorOptions o = {}) {
+    o.expectedWorkers = workers;
+    o.heartbeatInterval = 100ms;
+    o.deadAfter = 1000ms;
+    o.startTimeout = 5000ms;
+    o.log = [this](const std::string& line) { logs.push_back(line); };
+    options = o;
+    state = std::make_unique<JobState>(o, 4242, t);
+  }
+
+  // Advances the clock and ticks.
+  void advance(std::chrono::milliseconds d) {
+    t += d;
+    state->tick(t);
+    collect();
+  }
+  // Advances by `d` in heartbeat intervals, each of `sessions` heartbeating (epoch `epoch`).
+  void idle(std::chrono::milliseconds d, const std::vector<JobState::SessionId>& sessions,
+            int64_t epoch = -1) {
+    for (auto left = d; left.count() > 0; left -= std::min(left, options.heartbeatInterval)) {
+      advance(std::min(left, options.heartbeatInterval));
+      for (auto s : sessions) frame(s, Type::kHeartbeat, epoch, json::object());
+    }
+  }
+  void frame(JobState::SessionId s, Type type, int64_t epoch, const json& body) {
+    state->onFrame(s, static_cast<uint8_t>(type), epoch, body, t);
+    collect();
+  }
+  void closed(JobState::SessionId s, const std::string& why = "connection closed") {
+    state->onClosed(s, why, t);
+    collect();
+  }
+  // Worker `id` (its connection is session id + 1) says hello from `node` and is ready.
+  void join(int id, const std::string& node, int64_t resume = 0) {
+    hello(id + 1, id, node);
+    frame(id + 1, Type::kReady, -1, json{{"resume_step", resume}});
+  }
+  void hello(JobState::SessionId s, int id, const std::string& node) {
+    frame(s, Type::kHello, -1, json{{"worker", id}, {"node", node}, {"pid", 1000 + s}});
+  }
+  void vote(int id, int64_t epoch, int64_t step) {
+    frame(id + 1, Type::kVote, epoch, json{{"step", step}});
+  }
+
+  // Frames of `type` sent on session s since the last clear().
+  std::vector<json> sent(JobState::SessionId s, Type type) const {
+    std::vector<json> out;
+    for (const auto& f : frames) {
+      if (f.session == s && f.type == type) out.push_back(f.body);
+    }
+    return out;
+  }
+  bool hasEvent(const std::string& name, int worker = -1) const {
+    for (const auto& e : events) {
+      if (e.at("event") == name && (worker < 0 || e.value("worker", -1) == worker)) return true;
+    }
+    return false;
+  }
+  void clear() {
+    frames.clear();
+    events.clear();
+  }
+
+  CoordinatorOptions options;
+  Clock::time_point t{std::chrono::seconds(1000)};
+  std::unique_ptr<JobState> state;
+  std::vector<JobState::Frame> frames;
+  std::vector<json> events;
+  std::vector<JobState::SessionId> closes;
+  std::vector<std::string> logs;
+
+ private:
+  void collect() {
+    JobState::Effects fx = state->take();
+    frames.insert(frames.end(), fx.frames.begin(), fx.frames.end());
+    events.insert(events.end(), fx.events.begin(), fx.events.end());
+    closes.insert(closes.end(), fx.closes.begin(), fx.closes.end());
+  }
+};
+
+// The first epoch waits for every launch rank's ready, resumes after the oldest checkpoint any
+// rank found, and a joiner that came first neither takes a rank's id nor counts as one.
+TEST(JobStateTest, FirstEpochWaitsForEveryRankAndResumesAfterTheOldestCheckpoint) {
+  Machine m(2);
+  m.hello(9, -1, "j");  // A joiner before the ranks: id 2, after every launch rank.
+  ASSERT_EQ(m.sent(9, Type::kWelcome).size(), 1u);
+  EXPECT_EQ(m.sent(9, Type::kWelcome)[0].at("worker"), 2);
+  EXPECT_EQ(m.sent(9, Type::kWelcome)[0].at("store_port"), 4242);
+  m.join(0, "a", 40);
+  EXPECT_EQ(m.state->epoch(), -1) << "the first epoch formed without rank 1";
+  m.idle(4999ms, {1, 9});
+  EXPECT_EQ(m.state->epoch(), -1);
+  m.join(1, "b", 30);
+  EXPECT_EQ(m.state->epoch(), 0);
+  EXPECT_EQ(m.state->committed(), 29);
+  for (JobState::SessionId s : {1, 2, 9}) {
+    auto epochs = m.sent(s, Type::kEpoch);
+    ASSERT_EQ(epochs.size(), 1u) << "session " << s;
+    EXPECT_EQ(epochs[0].at("members"), (std::vector<int>{0, 1, 2}));
+    EXPECT_EQ(epochs[0].at("joined"), std::vector<int>{2});
+    EXPECT_EQ(epochs[0].at("resume_step"), 30);
+    EXPECT_EQ(epochs[0].at("source"), 0);
+    EXPECT_TRUE(epochs[0].at("sync").get<bool>());
+  }
+}
+
+// Without every rank, the first epoch forms at the start timeout, to the millisecond, with the
+// ranks that were ready; one that said hello but never became ready is left out and told so.
+TEST(JobStateTest, StartTimeoutFormsTheFirstEpochWithTheReadyRanks) {
+  Machine m(3);
+  m.join(0, "a");
+  m.hello(2, 1, "b");  // Never ready.
+  m.idle(4999ms, {1, 2});
+  EXPECT_EQ(m.state->epoch(), -1);
+  m.advance(1ms);
+  EXPECT_EQ(m.state->epoch(), 0);
+  EXPECT_EQ(m.state->members(), std::vector<int>{0});
+  auto expelled = m.sent(2, Type::kExpelled);
+  ASSERT_EQ(expelled.size(), 1u);
+  EXPECT_EQ(expelled[0].at("reason"), "not ready when the first epoch formed");
+}
+
+// A step commits only when every member voted; a member that dies after one vote is in leaves
+// that step uncommitted, and the next epoch resumes at it without the dead member (whose node
+// partner goes with it).
+TEST(JobStateTest, StepCommitsOnlyWhenEveryMemberVoted) {
+  Machine m(3);
+  m.join(0, "a");
+  m.join(1, "b");
+  m.join(2, "b");
+  m.clear();
+  m.vote(0, 0, 0);
+  m.vote(1, 0, 0);
+  EXPECT_TRUE(m.sent(1, Type::kCommit).empty()) << "committed before worker 2 voted";
+  m.vote(2, 0, 0);
+  for (JobState::SessionId s : {1, 2, 3}) {
+    auto commits = m.sent(s, Type::kCommit);
+    ASSERT_EQ(commits.size(), 1u);
+    EXPECT_EQ(commits[0].at("step"), 0);
+    EXPECT_FALSE(commits[0].contains("next_epoch"));
+  }
+  EXPECT_EQ(m.state->committed(), 0);
+  m.clear();
+  m.vote(0, 0, 1);
+  m.closed(2);  // Worker 1 dies; worker 2 shares its node "b".
+  EXPECT_TRUE(m.sent(1, Type::kCommit).empty());
+  EXPECT_EQ(m.state->committed(), 0);
+  EXPECT_EQ(m.state->epoch(), 1);
+  EXPECT_EQ(m.state->members(), std::vector<int>{0});
+  auto epochs = m.sent(1, Type::kEpoch);
+  ASSERT_EQ(epochs.size(), 1u);
+  EXPECT_EQ(epochs[0].at("resume_step"), 1);
+  EXPECT_FALSE(epochs[0].at("sync").get<bool>());
+  EXPECT_EQ(m.sent(3, Type::kExpelled).size(), 1u) << "worker 2 of the same node stayed";
+  EXPECT_EQ(m.state->coordinatorStatus().dead, (std::vector<int>{1, 2}));
+  // A vote of the old epoch that crossed the change is ignored, not a violation.
+  m.vote(0, 0, 1);
+  EXPECT_EQ(m.state->committed(), 0);
+}
+
+// Liveness: a worker that says nothing for deadAfter is declared dead at the first check after
+// that, not before; anything it sends counts as a heartbeat. A coordinator that did not run for
+// a while (a pause longer than a check interval plus a heartbeat) does not count that time
+// against the workers.
+TEST(JobStateTest, SilenceIsDeathAfterDeadAfterButTheCoordinatorsOwnPauseIsNot) {
+  Machine m(2);
+  m.join(0, "a");
+  m.join(1, "b");
+  for (int i = 0; i < 9; ++i) {
+    m.advance(50ms);
+    m.frame(1, Type::kHeartbeat, 0, json::object());
+  }
+  m.advance(50ms);  // Worker 1 silent for 500 ms so far.
+  for (int i = 0; i < 9; ++i) {
+    m.advance(50ms);
+    m.frame(1, Type::kHeartbeat, 0, json::object());
+  }
+  EXPECT_EQ(m.state->epoch(), 0) << "declared dead before deadAfter";
+  m.advance(50ms);  // 1000 ms: not yet more than deadAfter.
+  EXPECT_EQ(m.state->epoch(), 0);
+  m.frame(1, Type::kHeartbeat, 0, json::object());
+  m.advance(50ms);
+  EXPECT_EQ(m.state->epoch(), 1) << "worker 1 silent for 1050 ms is still a member";
+  EXPECT_TRUE(m.hasEvent("failure", 1));
+  EXPECT_EQ(m.state->members(), std::vector<int>{0});
+
+  Machine p(2);
+  p.join(0, "a");
+  p.join(1, "b");
+  p.advance(50ms);
+  p.advance(5000ms);  // The coordinator itself stopped for 5 s.
+  EXPECT_EQ(p.state->epoch(), 0) << "the coordinator's pause was blamed on the workers";
+  EXPECT_TRUE(p.hasEvent("coordinator_paused"));
+}
+
+// A preempted member is released at the next step boundary: the commit tells everyone a new
+// epoch follows, the leaver gets its release, the others a new epoch without it; its closing
+// connection is then no failure. The last member leaving stops the job.
+TEST(JobStateTest, PreemptedWorkerIsReleasedAtTheBoundaryAndItsExitIsNoFailure) {
+  Machine m(2);
+  m.join(0, "a");
+  m.join(1, "b");
+  m.clear();
+  m.frame(2, Type::kLeave, 0, json{{"step", 0}});
+  m.vote(0, 0, 0);
+  m.vote(1, 0, 0);
+  for (JobState::SessionId s : {1, 2}) {
+    auto commits = m.sent(s, Type::kCommit);
+    ASSERT_EQ(commits.size(), 1u);
+    EXPECT_TRUE(commits[0].value("next_epoch", false));
+  }
+  ASSERT_EQ(m.sent(2, Type::kReleased).size(), 1u);
+  EXPECT_EQ(m.state->members(), std::vector<int>{0});
+  EXPECT_EQ(m.sent(1, Type::kEpoch).at(0).at("resume_step"), 1);
+  m.closed(2);
+  EXPECT_TRUE(m.hasEvent("worker_exited", 1));
+  EXPECT_FALSE(m.hasEvent("failure"));
+  EXPECT_TRUE(m.state->coordinatorStatus().dead.empty());
+  EXPECT_EQ(m.state->coordinatorStatus().released, std::vector<int>{1});
+  m.frame(1, Type::kLeave, 1, json{{"step", 1}});
+  m.vote(0, 1, 1);
+  EXPECT_TRUE(m.state->over());
+  EXPECT_TRUE(m.state->coordinatorStatus().stopped);
+}
+
+// The job finishes when every member is done, not before; done workers closing their
+// connections are no failure.
+TEST(JobStateTest, JobFinishesWhenEveryMemberIsDone) {
+  Machine m(2);
+  m.join(0, "a");
+  m.join(1, "b");
+  m.frame(1, Type::kDone, 0, json{{"step", 10}});
+  EXPECT_FALSE(m.state->over());
+  m.frame(2, Type::kDone, 0, json{{"step", 10}});
+  EXPECT_TRUE(m.state->over());
+  EXPECT_TRUE(m.state->finishedWithWork());
+  m.closed(1);
+  m.closed(2);
+  EXPECT_TRUE(m.state->coordinatorStatus().dead.empty());
+  EXPECT_FALSE(m.hasEvent("failure"));
+}
+
+// Rule 1 of docs/failure_semantics.md: with step times measured, a member that computes on
+// while the others have waited past the step deadline is declared dead; a member that was
+// waiting moments ago (its neighbour's stall just ended) is not blamed.
+TEST(JobStateTest, AStuckMemberIsBlamedNotTheOnesThatWaitedForIt) {
+  CoordinatorOptions o;
+  o.progressFloor = 800ms;
+  o.progressFactor = 1;
+  Machine m(3, o);
+  m.join(0, "a");
+  m.join(1, "b");
+  m.join(2, "c");
+  for (int64_t step : {0, 1}) {
+    m.advance(100ms);
+    for (int w : {0, 1, 2}) m.vote(w, 0, step);
+  }
+  EXPECT_EQ(m.state->committed(), 1);
+  auto progress = [&](int w, bool waiting) {
+    m.frame(w + 1, Type::kHeartbeat, 0, json{{"step", 2}, {"waiting", waiting}});
+  };
+  progress(2, false);  // Computing step 2, and stuck there.
+  progress(0, true);
+  progress(1, true);
+  for (int i = 0; i < 6; ++i) {
+    m.advance(100ms);
+    for (int w : {0, 1, 2}) progress(w, w != 2);
+  }
+  progress(1, false);  // Worker 1 answered: computing again.
+  for (int i = 0; i < 3; ++i) {
+    m.advance(100ms);
+    progress(0, true);
+    progress(1, false);
+    progress(2, false);
+  }
+  EXPECT_EQ(m.state->members(), (std::vector<int>{0, 1})) << "worker 1 was blamed for 2's stall";
+  bool blamed2 = false, blamed1 = false;
+  for (const auto& line : m.logs) {
+    blamed2 = blamed2 || line.find("worker 2 declared dead: no progress on step 2") != line.npos;
+    blamed1 = blamed1 || line.find("worker 1 declared dead") != line.npos;
+  }
+  EXPECT_TRUE(blamed2);
+  EXPECT_FALSE(blamed1);
+}
+
+// Bad messages are refused with a typed error the caller drops the connection for; the
+// machine's state does not change.
+TEST(JobStateTest, MessagesThatBreakTheProtocolAreViolations) {
+  Machine m(2);
+  EXPECT_THROW(m.frame(1, Type::kVote, 0, json{{"step", 0}}),
+               coordinator_detail::ProtocolViolation);
+  m.hello(1, 0, "a");
+  EXPECT_THROW(m.hello(1, 0, "a"), coordinator_detail::ProtocolViolation);
+  EXPECT_THROW(m.hello(2, 0, "b"), coordinator_detail::ProtocolViolation);  // id taken
+  m.frame(1, Type::kReady, -1, json{{"resume_step", 0}});
+  m.join(1, "b");
+  EXPECT_THROW(m.frame(1, Type::kVote, 5, json{{"step", 0}}),
+               coordinator_detail::ProtocolViolation);  // from the future
+  EXPECT_THROW(m.frame(1, Type::kCommit, 0, json{{"step", 0}}),
+               coordinator_detail::ProtocolViolation);  // a worker may not send it
+  EXPECT_EQ(m.state->epoch(), 0);
+  EXPECT_EQ(m.state->members(), (std::vector<int>{0, 1}));
+}
+
+}  // namespace
+}  // namespace runtime
+}  // namespace sinew
