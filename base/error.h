@@ -3,7 +3,9 @@
 // Internal: the error family (public, sinew/error.h) plus the macros Sinew's own code throws
 // them with. Users include "sinew/error.h"; these macros are not part of the public API.
 
+#include <exception>
 #include <sstream>
+#include <string>
 
 #include "sinew/error.h"
 
@@ -23,6 +25,17 @@ template <typename E, typename... Args>
   streamAll(os, args...);
   os << " [" << file << ":" << line << "]";
   throw E(os.str());
+}
+
+// The message of a caught exception, for logs (the exception itself is carried on).
+inline std::string describe(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "unknown exception";
+  }
 }
 
 }  // namespace detail

@@ -1,7 +1,5 @@
 #include "sinew/checkpoint/engine.h"
 
-#include <sys/resource.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
@@ -19,11 +17,6 @@ using Clock = std::chrono::steady_clock;
 using collectives::Bytes;
 using collectives::toBytes;
 using collectives::toString;
-
-// Replication and flushes yield the CPU to the training threads.
-void lowerThisThreadsPriority() {
-  ::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 10);
-}
 
 }  // namespace
 
@@ -59,13 +52,7 @@ CheckpointEngine::CheckpointEngine(const ShardState& like, CheckpointEngineOptio
     };
     fo.onFailed = [this](int64_t step, const std::string&, const std::string&,
                          std::exception_ptr error) {
-      std::string what = "unknown exception";
-      try {
-        std::rethrow_exception(error);
-      } catch (const std::exception& e) {
-        what = e.what();
-      } catch (...) {
-      }
+      const std::string what = ::sinew::detail::describe(error);
       std::fprintf(stderr, "sinew checkpoint: worker %d: flush of version %lld failed: %s\n",
                    options_.self, static_cast<long long>(step), what.c_str());
       std::lock_guard<std::mutex> lock(mu_);

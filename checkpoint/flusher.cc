@@ -17,6 +17,10 @@ using Clock = std::chrono::steady_clock;
 
 }  // namespace
 
+void lowerThisThreadsPriority() {
+  ::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 10);
+}
+
 int64_t parseStoredStep(const collectives::Bytes& b) {
   if (b.empty()) return -1;
   const std::string text = collectives::toString(b);
@@ -108,7 +112,7 @@ int64_t VersionFlusher::flushed() const {
 
 void VersionFlusher::loop() {
   if (options_.lowPriority) {
-    ::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 10);
+    lowerThisThreadsPriority();
   }
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {

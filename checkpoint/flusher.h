@@ -49,6 +49,10 @@ int64_t parseStoredStep(const collectives::Bytes& value);
 // Moves the step at `key` forward to `value` (never backwards), atomically.
 void advanceStoredStep(collectives::Store& store, const std::string& key, int64_t value);
 
+// Lowers the calling thread's scheduling priority (nice 10): replication and flushes yield the
+// CPU to the training threads.
+void lowerThisThreadsPriority();
+
 struct FlushRole {
   enum class How { kAlone, kPost, kCommit };
   How how = How::kAlone;

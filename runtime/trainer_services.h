@@ -32,16 +32,7 @@ using TrainerClock = std::chrono::steady_clock;
 
 inline double seconds(TrainerClock::duration d) { return std::chrono::duration<double>(d).count(); }
 
-// The message of a caught exception, for logs (the exception itself is carried on).
-inline std::string describe(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-    return "unknown exception";
-  }
-}
+using ::sinew::detail::describe;
 
 // The services of one worker's trainer. All references outlive the trainer.
 struct TrainerServices {
