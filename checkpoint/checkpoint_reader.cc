@@ -3,6 +3,8 @@
 
 #include "sinew/checkpoint_reader.h"
 
+#include <ATen/ATen.h>
+
 #include <algorithm>
 
 #include "sinew/base/error.h"
@@ -67,6 +69,28 @@ std::map<std::string, at::Tensor> CheckpointReader::loadLayer(const std::string&
   impl_->layer(layer);  // InvalidArgument naming the layer and version.
   auto got = impl_->reader.load(impl_->manifest.step, {layer});
   return std::move(got.at(layer));
+}
+
+int CheckpointReader::loadInto(torch::nn::Module& model) const {
+  at::NoGradGuard noGrad;
+  int loaded = 0;
+  for (const auto& child : model.named_children()) {
+    auto params = child.value()->named_parameters(/*recurse=*/true);
+    if (params.size() == 0) continue;
+    const std::map<std::string, at::Tensor> tensors = loadLayer(child.key());
+    for (const auto& np : params) {
+      auto it = tensors.find(np.key());
+      if (it == tensors.end() || it->second.sizes() != np.value().sizes()) {
+        SINEW_THROW(InvalidArgument, "checkpoint version ", step(), ", layer '", child.key(),
+                    "': tensor '", np.key(),
+                    it == tensors.end() ? "' is missing" : "' has another shape",
+                    " (a checkpoint of another model?)");
+      }
+      np.value().detach().copy_(it->second);
+    }
+    ++loaded;
+  }
+  return loaded;
 }
 
 }  // namespace sinew

@@ -42,6 +42,11 @@ Args parse(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
     std::string k = argv[i];
+    if (k == "--help" || k == "-h") {
+      std::printf(
+          "usage: collectives_demo [--workers N] [--steps S] [--kill-worker W] [--kill-step K]\n");
+      std::exit(0);
+    }
     auto next = [&]() -> int {
       if (i + 1 >= argc) {
         std::fprintf(stderr, "collectives_demo: %s needs a value\n", k.c_str());

@@ -6,8 +6,11 @@
 
 #include <ATen/ATen.h>
 #include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/utils/clip_grad.h>
 
+#include <algorithm>
 #include <charconv>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -35,6 +38,14 @@ struct CommonArgs {
   uint64_t seed = 1;
   double lr = 0.01;
   std::string optimizer = "adam";
+  std::string schedule = "none";  // none (the optimizer's rate), cosine, step
+  int64_t warmup = 0;             // warm-up steps of the cosine schedule
+  double clip = 0;                // global-norm clipping; 0: none
+  sinew::Sampling sampling = sinew::Sampling::kWithReplacement;
+  int64_t datasetSize = 0;  // 0: the example's own
+  bool stepLoop = false;    // a loop over Trainer::step() even without --eval-every
+  int64_t evalEvery = 0;    // evaluate after every N-th step; 0: never
+  int64_t evalSamples = 0;  // held-out samples per evaluation; 0: one global batch
   bool reference = true;
   bool float32 = false;
   int progress = 10;
@@ -46,24 +57,33 @@ struct CommonArgs {
 
 constexpr const char* kCommonUsage =
     "[--steps N] [--global-batch B] [--microbatch b] [--seed S] [--lr LR] "
-    "[--optimizer adam|sgd] [--float32] [--progress N] [--checkpoint-dir DIR] "
+    "[--optimizer adam|adamw|sgd|rmsprop|adagrad] [--schedule none|cosine|step] [--warmup N] "
+    "[--clip C] [--sampling replacement|epochs] [--dataset-size N] [--eval-every N] "
+    "[--eval-samples K] [--float32] [--progress N] [--checkpoint-dir "
+    "DIR] "
     "[--checkpoint-every K] [--no-reference] [--device cpu|cuda|cuda:N] "
     "[--backend auto|gloo|nccl]";
 
-// Walks argv flag by flag; `usage` prints the error and exits.
+// Walks argv flag by flag. `usage` is the program's usage after its name: fail() prints the
+// error and it on stderr and exits with 2; --help (or -h) prints it on stdout and exits with 0.
 class ArgReader {
  public:
-  ArgReader(int argc, char** argv, std::function<void(const std::string&)> usage)
-      : argc_(argc), argv_(argv), usage_(std::move(usage)) {}
+  ArgReader(int argc, char** argv, std::string program, std::string usage)
+      : argc_(argc), argv_(argv), program_(std::move(program)), usage_(std::move(usage)) {}
 
   bool next() {
     if (++i_ >= argc_) return false;
     flag_ = argv_[i_];
+    if (flag_ == "--help" || flag_ == "-h") {
+      std::printf("usage: %s %s\n", program_.c_str(), usage_.c_str());
+      std::exit(0);
+    }
     return true;
   }
   const std::string& flag() const { return flag_; }
   [[noreturn]] void fail(const std::string& error) const {
-    usage_(error);
+    std::fprintf(stderr, "%s: %s\nusage: %s %s\n", program_.c_str(), error.c_str(),
+                 program_.c_str(), usage_.c_str());
     std::exit(2);
   }
   std::string value() {
@@ -93,7 +113,8 @@ class ArgReader {
  private:
   int argc_;
   char** argv_;
-  std::function<void(const std::string&)> usage_;
+  std::string program_;
+  std::string usage_;
   int i_ = 0;
   std::string flag_;
 };
@@ -113,7 +134,32 @@ inline bool parseCommon(ArgReader& r, CommonArgs& a) {
     a.lr = r.number();
   } else if (s == "--optimizer") {
     a.optimizer = r.value();
-    if (a.optimizer != "adam" && a.optimizer != "sgd") r.fail("unknown optimizer " + a.optimizer);
+    if (a.optimizer != "adam" && a.optimizer != "adamw" && a.optimizer != "sgd" &&
+        a.optimizer != "rmsprop" && a.optimizer != "adagrad") {
+      r.fail("unknown optimizer " + a.optimizer);
+    }
+  } else if (s == "--schedule") {
+    a.schedule = r.value();
+    if (a.schedule != "none" && a.schedule != "cosine" && a.schedule != "step") {
+      r.fail("unknown schedule " + a.schedule);
+    }
+  } else if (s == "--warmup") {
+    a.warmup = r.integer(int64_t{1} << 40);
+  } else if (s == "--clip") {
+    a.clip = r.number();
+  } else if (s == "--sampling") {
+    const std::string v = r.value();
+    if (v != "replacement" && v != "epochs") r.fail("unknown sampling " + v);
+    a.sampling = v == "epochs" ? sinew::Sampling::kEpochs : sinew::Sampling::kWithReplacement;
+  } else if (s == "--dataset-size") {
+    a.datasetSize = r.integer(int64_t{1} << 40);
+    if (a.datasetSize == 0) r.fail("--dataset-size must be positive");
+  } else if (s == "--step-loop") {
+    a.stepLoop = true;
+  } else if (s == "--eval-every") {
+    a.evalEvery = r.integer(int64_t{1} << 40);
+  } else if (s == "--eval-samples") {
+    a.evalSamples = r.integer(int64_t{1} << 30);
   } else if (s == "--float32") {
     a.float32 = true;
   } else if (s == "--progress") {
@@ -150,18 +196,31 @@ inline void checkCommon(const ArgReader& r, const CommonArgs& a) {
   }
 }
 
+// The learning-rate schedule of --schedule: none; cosine, a warm-up of --warmup steps to --lr,
+// then down to a tenth of it at the last step; step, halving every quarter of the steps.
+inline sinew::LrSchedule lrSchedule(const CommonArgs& a) {
+  if (a.schedule == "cosine") {
+    return sinew::warmupCosine(a.lr, std::min(a.warmup, a.steps), a.steps, a.lr / 10);
+  }
+  if (a.schedule == "step") return sinew::stepDecay(a.lr, std::max<int64_t>(1, a.steps / 4), 0.5);
+  return {};
+}
+
 inline sinew::TrainerOptions trainerOptions(const CommonArgs& a) {
   sinew::TrainerOptions o;
   o.steps = a.steps;
   o.globalBatch = a.globalBatch;
   o.microbatch = a.microbatch;
   o.seed = a.seed;
+  o.sampling = a.sampling;
   o.progressEvery = a.progress;
   o.dtype = a.float32 ? at::kFloat : at::kDouble;
   o.checkpointDir = a.checkpointDir;
   o.checkpointEvery = a.checkpointEvery;
   o.device = a.device;
   o.backend = a.backend;
+  o.lrSchedule = lrSchedule(a);
+  if (a.clip > 0) o.clipGradNorm = a.clip;
   return o;
 }
 
@@ -180,13 +239,35 @@ inline std::unique_ptr<sinew::Context> join(const char* program, int* argc, char
 // status when it must stop here, having said why: 3 when the job expelled this worker, 1 on
 // another error, 0 when it was preempted (it left the job cleanly); nothing when it trained to
 // the end, after saying so if it resumed from a durable checkpoint.
+// With --eval-every N it runs its own loop over Trainer::step() and evaluates `heldOut`
+// (--eval-samples of it) after every N-th step, printing each result.
 inline std::optional<int> train(const char* program, sinew::Context& ctx,
                                 const sinew::ModelSpec& spec, const sinew::TrainerOptions& o,
                                 std::unique_ptr<sinew::Trainer>* trainer,
-                                sinew::TrainResult* result) {
+                                sinew::TrainResult* result, const CommonArgs& a,
+                                const sinew::Dataset& heldOut) {
   try {
     *trainer = std::make_unique<sinew::Trainer>(ctx, spec, o);
-    *result = (*trainer)->run();
+    const auto t0 = std::chrono::steady_clock::now();
+    if (a.evalEvery <= 0 && !a.stepLoop) {
+      *result = (*trainer)->run();
+    } else {
+      sinew::Trainer& t = **trainer;
+      const int64_t count = a.evalSamples > 0 ? a.evalSamples : a.globalBatch;
+      for (sinew::StepResult s; !(s = t.step()).done;) {
+        if (a.evalEvery <= 0 || (s.step + 1) % a.evalEvery != 0) continue;
+        sinew::EvalResult e = t.evaluate(heldOut, count);
+        if (e.done) break;
+        std::printf("%s: worker %d eval after step %lld: loss %.12g (lr %.6g, grad norm %.6g)\n",
+                    program, ctx.worker(), static_cast<long long>(e.afterStep), e.loss,
+                    s.learningRate, s.gradNorm);
+      }
+      *result = t.finish();
+    }
+    std::printf("%s: worker %d trained steps %lld..%lld in %.3f s\n", program, ctx.worker(),
+                static_cast<long long>(result->startStep),
+                static_cast<long long>(result->steps - 1),
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   } catch (const sinew::Expelled& e) {
     std::fprintf(stderr, "%s: worker %d left the job: %s\n", program, ctx.worker(), e.what());
     return 3;
@@ -207,7 +288,18 @@ inline std::optional<int> train(const char* program, sinew::Context& ctx,
 }
 
 inline sinew::OptimizerFactory optimizer(const CommonArgs& a) {
-  return a.optimizer == "adam" ? sinew::adam(a.lr) : sinew::sgd(a.lr, 0.9);
+  if (a.optimizer == "adamw") return sinew::adamw(a.lr, 0.1);
+  if (a.optimizer == "sgd") return sinew::sgd(a.lr, 0.9);
+  if (a.optimizer == "rmsprop") return sinew::rmsprop(a.lr);
+  if (a.optimizer == "adagrad") return sinew::adagrad(a.lr);
+  return sinew::adam(a.lr);
+}
+
+// The held-out split: the samples after the training set's (datasetSize + i).
+inline sinew::Dataset heldOut(const sinew::ModelSpec& spec) {
+  sinew::Dataset data = spec.dataset;
+  const int64_t offset = spec.datasetSize;
+  return [data, offset](int64_t i) { return data(offset + i); };
 }
 
 // SplitMix64: the examples' deterministic data.
@@ -230,16 +322,23 @@ inline at::Tensor toTraining(const at::Tensor& t, at::ScalarType dtype) {
 // weighted by its share of the batch. A model whose microbatches differ in shape (train_pp
 // --ragged) passes its microbatch. The reference runs after the job, when the other workers
 // have left: it uses every core.
+// With --eval-every it prints the evaluation of `heldOut` after the same steps as the job,
+// whole global batches at a time.
 inline double trainReference(const CommonArgs& a, const sinew::ModelSpec& spec,
-                             at::ScalarType dtype, torch::nn::Sequential* out, int64_t chunk = 0) {
+                             at::ScalarType dtype, torch::nn::Sequential* out, int64_t chunk = 0,
+                             const sinew::Dataset& heldOut = {}) {
   if (chunk <= 0) chunk = a.globalBatch;
   const int threads = at::get_num_threads();
   at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency())));
   torch::nn::Sequential ref = sinew::buildModel(spec, a.seed, dtype);
   auto opt = spec.optimizer(ref->parameters());
+  const sinew::LrSchedule schedule = lrSchedule(a);
   double loss = 0;
   for (int64_t s = 0; s < a.steps; ++s) {
-    auto idx = sinew::globalBatchIndices(a.seed, s, a.globalBatch, spec.datasetSize);
+    auto idx = sinew::batchIndices(a.sampling, a.seed, s, a.globalBatch, spec.datasetSize);
+    if (schedule) {
+      for (auto& g : opt->param_groups()) g.options().set_lr(schedule(s));
+    }
     opt->zero_grad();
     double sum = 0;
     for (int64_t first = 0; first < a.globalBatch; first += chunk) {
@@ -255,7 +354,29 @@ inline double trainReference(const CommonArgs& a, const sinew::ModelSpec& spec,
       sum += l.item<double>() * chunk;
     }
     loss = sum / a.globalBatch;
+    if (a.clip > 0) torch::nn::utils::clip_grad_norm_(ref->parameters(), a.clip);
     opt->step();
+    if (a.evalEvery > 0 && heldOut && (s + 1) % a.evalEvery == 0) {
+      at::NoGradGuard noGrad;
+      ref->eval();
+      const int64_t count = a.evalSamples > 0 ? a.evalSamples : a.globalBatch;
+      double evalSum = 0;
+      for (int64_t first = 0; first < count; first += a.globalBatch) {
+        std::vector<at::Tensor> xs, ys;
+        for (int64_t j = first; j < first + a.globalBatch; ++j) {
+          auto smp = heldOut(j);
+          xs.push_back(smp.input);
+          ys.push_back(smp.target);
+        }
+        evalSum += spec.loss(ref->forward(toTraining(at::stack(xs), dtype)),
+                             toTraining(at::stack(ys), dtype))
+                       .item<double>() *
+                   static_cast<double>(a.globalBatch);
+      }
+      ref->train();
+      std::printf("reference eval after step %lld: loss %.12g\n", static_cast<long long>(s),
+                  evalSum / static_cast<double>(count));
+    }
   }
   at::set_num_threads(threads);
   *out = ref;

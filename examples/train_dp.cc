@@ -31,10 +31,7 @@ using sinew_example::CommonArgs;
 
 CommonArgs parse(int argc, char** argv) {
   CommonArgs a;
-  sinew_example::ArgReader r(argc, argv, [](const std::string& error) {
-    std::fprintf(stderr, "train_dp: %s\nusage: train_dp %s\n", error.c_str(),
-                 sinew_example::kCommonUsage);
-  });
+  sinew_example::ArgReader r(argc, argv, "train_dp", sinew_example::kCommonUsage);
   while (r.next()) {
     if (!sinew_example::parseCommon(r, a)) r.fail("unknown argument '" + r.flag() + "'");
   }
@@ -72,7 +69,7 @@ sinew::ModelSpec model(const CommonArgs& a) {
   };
   spec.optimizer = sinew_example::optimizer(a);
   spec.dataset = sample;
-  spec.datasetSize = 1 << 20;
+  spec.datasetSize = a.datasetSize > 0 ? a.datasetSize : 1 << 20;
   return spec;
 }
 
@@ -87,7 +84,9 @@ int main(int argc, char** argv) {
   sinew::ModelSpec spec = model(a);
   std::unique_ptr<sinew::Trainer> trainer;
   sinew::TrainResult r;
-  if (auto status = sinew_example::train("train_dp", *ctx, spec, o, &trainer, &r)) return *status;
+  if (auto status = sinew_example::train("train_dp", *ctx, spec, o, &trainer, &r, a,
+                                         sinew_example::heldOut(spec)))
+    return *status;
   if (r.checkpointsWritten > 0 || r.checkpointsSkipped > 0) {
     std::printf(
         "train_dp: worker %d wrote %lld checkpoints (skipped %lld), optimizer steps "
@@ -107,7 +106,8 @@ int main(int argc, char** argv) {
     double refLoss = -1, maxRel = -1;
     if (a.reference) {
       torch::nn::Sequential ref;
-      refLoss = sinew_example::trainReference(a, spec, o.dtype, &ref);
+      refLoss =
+          sinew_example::trainReference(a, spec, o.dtype, &ref, 0, sinew_example::heldOut(spec));
       maxRel = 0;
       auto mine = trainer->parameters();
       auto theirs = ref->parameters();

@@ -71,14 +71,12 @@ struct Args : sinew_example::CommonArgs {
 
 Args parse(int argc, char** argv) {
   Args a;
-  sinew_example::ArgReader r(argc, argv, [](const std::string& error) {
-    std::fprintf(stderr,
-                 "train_pp: %s\nusage: train_pp %s [--blocks N] [--fault-tolerance F] "
-                 "[--profile FILE] [--memory-bytes M] [--peer-checkpoint-every K] [--replicas M] "
-                 "[--max-workers W] [--width D] [--devices-per-node G] [--ragged] "
-                 "[--data-parallel]\n",
-                 error.c_str(), sinew_example::kCommonUsage);
-  });
+  sinew_example::ArgReader r(
+      argc, argv, "train_pp",
+      std::string(sinew_example::kCommonUsage) +
+          " [--blocks N] [--fault-tolerance F] [--profile FILE] [--memory-bytes M] "
+          "[--peer-checkpoint-every K] [--replicas M] [--max-workers W] [--width D] "
+          "[--devices-per-node G] [--ragged] [--data-parallel]");
   while (r.next()) {
     const std::string& s = r.flag();
     if (sinew_example::parseCommon(r, a)) continue;
@@ -211,7 +209,7 @@ sinew::ModelSpec model(const Args& a) {
   };
   spec.optimizer = sinew_example::optimizer(a);
   spec.dataset = sample;
-  spec.datasetSize = 1 << 20;
+  spec.datasetSize = a.datasetSize > 0 ? a.datasetSize : 1 << 20;
   return spec;
 }
 
@@ -238,7 +236,9 @@ int main(int argc, char** argv) {
   sinew::ModelSpec spec = model(a);
   sinew::TrainResult r;
   std::unique_ptr<sinew::Trainer> trainer;
-  if (auto status = sinew_example::train("train_pp", *ctx, spec, o, &trainer, &r)) return *status;
+  if (auto status = sinew_example::train("train_pp", *ctx, spec, o, &trainer, &r, a,
+                                         sinew_example::heldOut(spec)))
+    return *status;
   std::string held = r.layers.empty() ? "no layers" : r.layers.front() + ".." + r.layers.back();
   std::printf(
       "train_pp: worker %d done: %lld steps, epoch %lld, %zu workers, pipeline %d of %d, stage "
@@ -259,7 +259,8 @@ int main(int argc, char** argv) {
     double refLoss = -1, maxRel = -1;
     if (a.reference) {
       torch::nn::Sequential ref;
-      refLoss = sinew_example::trainReference(a, spec, o.dtype, &ref, a.ragged ? a.microbatch : 0);
+      refLoss = sinew_example::trainReference(a, spec, o.dtype, &ref, a.ragged ? a.microbatch : 0,
+                                              sinew_example::heldOut(spec));
       maxRel = 0;
       for (const auto& np : ref->named_parameters(/*recurse=*/true)) {
         at::Tensor theirs = np.value().detach().to(at::kDouble).contiguous();

@@ -239,7 +239,7 @@ StageStepResult StageExecutor::run(const StageStep& step) {
     if (allGuessed && prevPieces.size() == 1) {
       receivedShapes = std::move(received);
       at::Tensor x = guesses[0];  // One piece: the whole slice, already here.
-      if (at::isFloatingType(x.scalar_type())) x.requires_grad_(true);
+      if (at::isFloatingType(x.scalar_type()) && !step.forwardOnly) x.requires_grad_(true);
       return x;
     }
     at::Tensor x = emptyOf(shape);
@@ -254,7 +254,7 @@ StageStepResult StageExecutor::run(const StageStep& step) {
     }
     receivedShapes = std::move(received);
     exchange(std::move(ops));
-    if (at::isFloatingType(x.scalar_type())) x.requires_grad_(true);
+    if (at::isFloatingType(x.scalar_type()) && !step.forwardOnly) x.requires_grad_(true);
     return x;
   };
   auto forward = [&](int64_t k, at::Tensor x) {
@@ -296,6 +296,18 @@ StageStepResult StageExecutor::run(const StageStep& step) {
       }
     }
   };
+  if (step.forwardOnly) {
+    at::NoGradGuard noGrad;
+    for (int64_t k = 0; k < M; ++k) {
+      forward(k, inputFor(k, {}));
+      std::vector<P2POp> ops;
+      sendForward(inFlight.back().y, ops);
+      exchange(std::move(ops));
+      sendChanged();
+      inFlight.pop_front();
+    }
+    return result;
+  }
   // Warm-up: forwards only.
   for (int64_t k = 0; k < W; ++k) {
     forward(k, inputFor(k, {}));

@@ -74,6 +74,9 @@ struct StageStep {
   std::function<void()> beforeFirstBackward;
   // The deadline of each exchange.
   std::chrono::milliseconds timeout{10000};
+  // Evaluation: forwards only, in microbatch order, without autograd and without gradients
+  // sent back; the last stage still sums the loss.
+  bool forwardOnly = false;
 };
 
 struct StageStepResult {

@@ -9,34 +9,35 @@ std::vector<int64_t> LayerCopyManifest::encode() const {
   const size_t n = parameters.size();
   std::vector<int64_t> words(encodedWords(n), 0);
   for (size_t i = 0; i < n; ++i) {
-    words[i] = parameters[i].flags;
-    words[n + i] = parameters[i].step;
+    words[i] = parameters[i].fields;
+    words[n + i] = parameters[i].count;
   }
   words[2 * n] = static_cast<int64_t>(crc32c);
   return words;
 }
 
 LayerCopyManifest LayerCopyManifest::decode(const int64_t* words, size_t count, size_t parameters,
-                                            const std::string& what) {
+                                            const StateLayout& layout, const std::string& what) {
   if (parameters > kMaxParameters || count != encodedWords(parameters)) {
     SINEW_THROW(Corruption, "the manifest of ", what, " has ", count, " words; a layer of ",
                 parameters, " parameters needs ", encodedWords(parameters));
   }
+  const int64_t countBit = layout.countField < 0 ? 0 : int64_t{1} << layout.countField;
   LayerCopyManifest m;
   m.parameters.resize(parameters);
   for (size_t i = 0; i < parameters; ++i) {
-    const int64_t flags = words[i];
-    const int64_t step = words[parameters + i];
-    const bool adam = (flags & kHasAdam) != 0;
-    if (flags < 0 || flags > (kHasAdam | kHasMaxSq | kHasMomentum) ||
-        ((flags & kHasMaxSq) && !adam) || ((flags & kHasMomentum) && adam)) {
-      SINEW_THROW(Corruption, "the manifest of ", what, " has flags ", flags, " for parameter ", i);
+    const int64_t fields = words[i];
+    const int64_t value = words[parameters + i];
+    if (fields < 0 || (fields & ~layout.allFields()) != 0) {
+      SINEW_THROW(Corruption, "the manifest of ", what, " has field mask ", fields,
+                  " for parameter ", i, "; the optimizer's state has ", layout.fields.size(),
+                  " fields");
     }
-    if (step < 0 || (!adam && step != 0)) {
-      SINEW_THROW(Corruption, "the manifest of ", what, " has step count ", step, " for parameter ",
-                  i, adam ? "" : ", which has no Adam state");
+    if (value < 0 || ((fields & countBit) == 0 && value != 0)) {
+      SINEW_THROW(Corruption, "the manifest of ", what, " has count ", value, " for parameter ", i,
+                  (fields & countBit) != 0 ? "" : ", whose state has no count");
     }
-    m.parameters[i] = {flags, step};
+    m.parameters[i] = {fields, value};
   }
   const int64_t crc = words[2 * parameters];
   if (crc < 0 || crc > int64_t{0xFFFFFFFF}) {
@@ -46,14 +47,14 @@ LayerCopyManifest LayerCopyManifest::decode(const int64_t* words, size_t count, 
   return m;
 }
 
-std::vector<std::string> LayerCopyManifest::tensorSuffixes(int64_t flags) {
+std::vector<std::string> LayerCopyManifest::tensorSuffixes(int64_t fields,
+                                                           const StateLayout& layout) {
   std::vector<std::string> out{""};
-  if (flags & kHasAdam) {
-    out.push_back(".exp_avg");
-    out.push_back(".exp_avg_sq");
+  for (size_t i = 0; i < layout.fields.size(); ++i) {
+    if ((fields & (int64_t{1} << i)) != 0 && !layout.isCount(i)) {
+      out.push_back("." + layout.fields[i]);
+    }
   }
-  if (flags & kHasMaxSq) out.push_back(".max_exp_avg_sq");
-  if (flags & kHasMomentum) out.push_back(".momentum_buffer");
   return out;
 }
 

@@ -4,16 +4,20 @@
 // message a worker that holds a layer live sends to a worker that needs it. The tensors follow
 // in the manifest's order, in messages of their own.
 //
+// The optimizer's per-parameter state is described by a StateLayout (runtime/optimizer_state.h
+// makes it from the optimizer's type; sender and receiver make the same optimizer): its fields
+// in order, each a tensor shaped as the parameter, except at most one count (the step count),
+// which travels in the manifest itself.
+//
 // Wire format: 2n + 1 little-endian int64 words for a layer of n parameters (in the order of
 // the layer's named_parameters(), which sender and receiver build alike):
-//   words [0, n):   per parameter, flags: kHasAdam (exp_avg and exp_avg_sq follow; the word
-//                   n + i is Adam's step count), kHasMaxSq (max_exp_avg_sq follows; only with
-//                   kHasAdam), kHasMomentum (SGD's momentum_buffer follows; never with
-//                   kHasAdam);
-//   words [n, 2n):  per parameter, Adam's step count (>= 0), else 0;
+//   words [0, n):   per parameter, the fields of its optimizer state that are present, bit i
+//                   for the layout's field i (0: no state yet);
+//   words [n, 2n):  per parameter, the value of the layout's count field (>= 0) when present,
+//                   else 0;
 //   word 2n:        the crc32c of every tensor's bytes, one after the other, in order.
-// Per parameter the tensors are: the parameter, then exp_avg, exp_avg_sq, max_exp_avg_sq or
-// momentum_buffer as its flags say (tensor names as runtime/optimizer_state.h).
+// Per parameter the tensors are: the parameter, then its present tensor fields in the layout's
+// order (tensor names as runtime/optimizer_state.h: "<param>.<field>").
 //
 // Thread safety: plain values and pure functions. No libtorch, so the decoder can be fuzzed
 // on its own (fuzz/layer_copy_manifest.cc).
@@ -26,16 +30,24 @@
 namespace sinew {
 namespace runtime {
 
+// The fields of one optimizer's per-parameter state, in order.
+struct StateLayout {
+  static constexpr size_t kMaxFields = 16;
+  std::vector<std::string> fields;  // e.g. {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"}
+  int countField = -1;              // the index of the count field ("step"), or -1
+
+  // The mask of every field.
+  int64_t allFields() const { return (int64_t{1} << fields.size()) - 1; }
+  bool isCount(size_t field) const { return static_cast<int>(field) == countField; }
+};
+
 struct LayerCopyManifest {
-  static constexpr int64_t kHasAdam = 1;
-  static constexpr int64_t kHasMaxSq = 2;
-  static constexpr int64_t kHasMomentum = 4;
   // The most parameters one layer's manifest may list.
   static constexpr size_t kMaxParameters = size_t{1} << 20;
 
   struct Parameter {
-    int64_t flags = 0;
-    int64_t step = 0;  // Adam's step count (kHasAdam)
+    int64_t fields = 0;  // bit i: field i of the layout is present
+    int64_t count = 0;   // the count field's value (when present)
   };
   std::vector<Parameter> parameters;
   uint32_t crc32c = 0;
@@ -45,17 +57,18 @@ struct LayerCopyManifest {
 
   std::vector<int64_t> encode() const;
 
-  // Decodes the manifest of a layer of `parameters` parameters from `count` words. Throws
-  // Corruption naming `what` (e.g. "layer 'h3' from worker 2") and the first bad word: a
-  // count other than 2n + 1, unknown or contradictory flags, a negative step count, a step
-  // count without Adam, a checksum that is not 32 bits.
+  // Decodes the manifest of a layer of `parameters` parameters under `layout` from `count`
+  // words. Throws Corruption naming `what` (e.g. "layer 'h3' from worker 2") and the first bad
+  // word: a count other than 2n + 1, a field mask with bits beyond the layout's fields, a
+  // negative count, a count without the count field, a checksum that is not 32 bits.
+  // REQUIRES: layout.fields.size() <= StateLayout::kMaxFields.
   static LayerCopyManifest decode(const int64_t* words, size_t count, size_t parameters,
-                                  const std::string& what);
+                                  const StateLayout& layout, const std::string& what);
 
-  // The suffixes of the tensor names that a parameter with `flags` sends, in order: "" (the
-  // parameter itself), then ".exp_avg", ".exp_avg_sq", ".max_exp_avg_sq" or
-  // ".momentum_buffer". REQUIRES: flags valid (decode() checked them).
-  static std::vector<std::string> tensorSuffixes(int64_t flags);
+  // The suffixes of the tensor names that a parameter with field mask `fields` sends, in
+  // order: "" (the parameter itself), then ".<field>" for each present tensor field.
+  // REQUIRES: fields valid for layout (decode() checked them).
+  static std::vector<std::string> tensorSuffixes(int64_t fields, const StateLayout& layout);
 };
 
 }  // namespace runtime

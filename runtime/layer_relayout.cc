@@ -100,25 +100,25 @@ at::Tensor LayerRelayout::manifestOf(const Current& current, int layer,
                                      std::vector<at::Tensor>* tensors) {
   LayerCopyManifest manifest;
   const size_t before = tensors->size();
+  const StateLayout& layout = optimizerStateCodec(current.optimizer, "the optimizer").layout();
   for (const auto& np : (*current.layers)[layer - current.heldFirst]->named_parameters(true)) {
     std::vector<checkpoint::NamedTensor> named;
     captureParameterState(np.key(), np.value(), current.optimizer, &named);
-    // named[0] is the parameter; the rest are its state, "<param>.<what>".
-    auto has = [&](const char* what) {
-      return std::any_of(named.begin() + 1, named.end(),
-                         [&](const auto& t) { return t.name == np.key() + what; });
-    };
+    // named[0] is the parameter; the rest are its state's fields, "<param>.<field>", in the
+    // layout's order.
+    tensors->push_back(named[0].tensor.contiguous());
     LayerCopyManifest::Parameter p;
-    if (has(".exp_avg")) p.flags |= LayerCopyManifest::kHasAdam;
-    if (has(".max_exp_avg_sq")) p.flags |= LayerCopyManifest::kHasMaxSq;
-    if (has(".momentum_buffer")) p.flags |= LayerCopyManifest::kHasMomentum;
-    for (const std::string& suffix : LayerCopyManifest::tensorSuffixes(p.flags)) {
-      for (const auto& t : named) {
-        if (t.name == np.key() + suffix) tensors->push_back(t.tensor.contiguous());
+    for (size_t i = 0; i < layout.fields.size(); ++i) {
+      const std::string want = np.key() + "." + layout.fields[i];
+      for (size_t k = 1; k < named.size(); ++k) {
+        if (named[k].name != want) continue;
+        p.fields |= int64_t{1} << i;
+        if (layout.isCount(i)) {
+          p.count = named[k].tensor.item<int64_t>();  // In the manifest.
+        } else {
+          tensors->push_back(named[k].tensor.contiguous());
+        }
       }
-    }
-    for (const auto& t : named) {
-      if (t.name == np.key() + ".step") p.step = t.tensor.item<int64_t>();  // In the manifest.
     }
     manifest.parameters.push_back(p);
   }
@@ -207,6 +207,7 @@ std::optional<Relayout> LayerRelayout::run(const pipeline::Plan& plan,
   };
   std::vector<Incoming> incoming;
   std::map<size_t, uint32_t> expected;  // crc32c by copy index
+  const StateLayout& layout = optimizerStateCodec(current.optimizer, "the optimizer").layout();
   for (const auto& [c, received] : manifests) {
     const pipeline::LiveLayerCopy& k = copies[c];
     const std::string& layerName = spec_.layers[k.layer].name;
@@ -215,7 +216,7 @@ std::optional<Relayout> LayerRelayout::run(const pipeline::Plan& plan,
     LayerCopyManifest manifest;
     try {
       manifest = LayerCopyManifest::decode(
-          words.data_ptr<int64_t>(), static_cast<size_t>(words.numel()), params.size(),
+          words.data_ptr<int64_t>(), static_cast<size_t>(words.numel()), params.size(), layout,
           "layer '" + layerName + "' from worker " + std::to_string(k.from));
     } catch (const Corruption& e) {
       // The decoder's message names the layer, the sender and the bad word (and its place).
@@ -225,7 +226,7 @@ std::optional<Relayout> LayerRelayout::run(const pipeline::Plan& plan,
     size_t i = 0;
     for (const auto& np : params) {
       const LayerCopyManifest::Parameter& p = manifest.parameters[i++];
-      for (const std::string& suffix : LayerCopyManifest::tensorSuffixes(p.flags)) {
+      for (const std::string& suffix : LayerCopyManifest::tensorSuffixes(p.fields, layout)) {
         // Zero-filled, not empty: the pages are faulted in here, while the sender's first
         // chunks are already on their way, instead of one by one inside Gloo's reads (which
         // halved the copy's receive time and cut 10% off the reconfiguration).
@@ -233,8 +234,9 @@ std::optional<Relayout> LayerRelayout::run(const pipeline::Plan& plan,
         ops.push_back(
             collectives::P2POp::recv(incoming.back().tensor, rankIn(k.from), kTagLayerState));
       }
-      if (p.flags & LayerCopyManifest::kHasAdam) {
-        r.state[layerName][np.key() + ".step"] = at::full({1}, p.step, at::kLong);
+      if (layout.countField >= 0 && (p.fields & (int64_t{1} << layout.countField)) != 0) {
+        r.state[layerName][np.key() + "." + layout.fields[layout.countField]] =
+            at::full({1}, p.count, at::kLong);
       }
     }
     r.copied++;

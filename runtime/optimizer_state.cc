@@ -1,14 +1,20 @@
 #include "sinew/runtime/optimizer_state.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/Type.h>
+#include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 #include <torch/serialize/archive.h>
 
 #include <cstring>
 
+#include <functional>
 #include <sstream>
 #include <type_traits>
+#include <typeinfo>
 
 #include "sinew/base/error.h"
 
@@ -31,11 +37,143 @@ typename StateMap::key_type stateKey(const StateMap&, const at::Tensor& p) {
   }
 }
 
+// The codec of an optimizer type Opt whose per-parameter state is State and whose options
+// are Options, from a table of fields.
+template <typename Opt, typename State, typename Options>
+class TypedCodec final : public OptimizerStateCodec {
+ public:
+  struct Field {
+    std::string name;
+    bool count;  // one int64, else a tensor shaped as the parameter
+    std::function<at::Tensor(const State&)> get;
+    std::function<void(State&, const at::Tensor&)> set;
+  };
+
+  TypedCodec(std::string name, std::vector<Field> fields,
+             std::function<int64_t(const Options&)> required)
+      : name_(std::move(name)), fields_(std::move(fields)), required_(std::move(required)) {
+    for (size_t i = 0; i < fields_.size(); ++i) {
+      layout_.fields.push_back(fields_[i].name);
+      if (fields_[i].count) layout_.countField = static_cast<int>(i);
+    }
+  }
+
+  const std::string& name() const override { return name_; }
+  const StateLayout& layout() const override { return layout_; }
+  bool matches(const torch::optim::Optimizer& o) const override {
+    return dynamic_cast<const Opt*>(&o) != nullptr;
+  }
+  int64_t required(const torch::optim::OptimizerOptions& options) const override {
+    const auto* typed = dynamic_cast<const Options*>(&options);
+    return typed == nullptr ? layout_.allFields() : required_(*typed);
+  }
+  at::Tensor field(const torch::optim::OptimizerParamState& state, size_t i) const override {
+    const auto* typed = dynamic_cast<const State*>(&state);
+    if (typed == nullptr) {
+      SINEW_THROW(InternalError, "a parameter's optimizer state is not the state of ", name_);
+    }
+    return fields_.at(i).get(*typed);
+  }
+  std::unique_ptr<torch::optim::OptimizerParamState> make(
+      const std::vector<at::Tensor>& values) const override {
+    auto state = std::make_unique<State>();
+    for (size_t i = 0; i < fields_.size(); ++i) {
+      if (values.at(i).defined()) fields_[i].set(*state, values[i]);
+    }
+    return state;
+  }
+
+ private:
+  std::string name_;
+  std::vector<Field> fields_;
+  std::function<int64_t(const Options&)> required_;
+  StateLayout layout_;
+};
+
+#define SINEW_TENSOR_FIELD(State, f)                                                             \
+  {                                                                                              \
+#f, false, [](const State& s) { return s.f(); },                                             \
+                                                  [](State & s, const at::Tensor& t) { s.f(t); } \
+  }
+#define SINEW_COUNT_FIELD(State, f)                                                               \
+  {                                                                                               \
+#f, true,                                                                                     \
+        [](const State&                                                                           \
+               s) { return at::full({1}, s.f(), at::kLong); },                                    \
+                                                            [](State & s,                         \
+                                                               const at::Tensor&                  \
+                                                                   t) { s.f(t.item<int64_t>()); } \
+  }
+
+// Adam and AdamW: the same fields; max_exp_avg_sq only with AMSGrad.
+template <typename Opt, typename State, typename Options>
+std::unique_ptr<OptimizerStateCodec> adamCodec(const char* name) {
+  using Codec = TypedCodec<Opt, State, Options>;
+  return std::make_unique<Codec>(
+      name,
+      std::vector<typename Codec::Field>{
+          SINEW_TENSOR_FIELD(State, exp_avg), SINEW_TENSOR_FIELD(State, exp_avg_sq),
+          SINEW_TENSOR_FIELD(State, max_exp_avg_sq), SINEW_COUNT_FIELD(State, step)},
+      [](const Options& o) -> int64_t { return o.amsgrad() ? 0b1111 : 0b1011; });
+}
+
+const std::vector<std::unique_ptr<OptimizerStateCodec>>& codecs() {
+  static const std::vector<std::unique_ptr<OptimizerStateCodec>> all = [] {
+    namespace o = torch::optim;
+    std::vector<std::unique_ptr<OptimizerStateCodec>> v;
+    using SgdCodec = TypedCodec<o::SGD, o::SGDParamState, o::SGDOptions>;
+    v.push_back(std::make_unique<SgdCodec>(
+        "torch::optim::SGD",
+        std::vector<SgdCodec::Field>{SINEW_TENSOR_FIELD(o::SGDParamState, momentum_buffer)},
+        [](const o::SGDOptions&) -> int64_t { return 0b1; }));
+    v.push_back(adamCodec<o::Adam, o::AdamParamState, o::AdamOptions>("torch::optim::Adam"));
+    v.push_back(adamCodec<o::AdamW, o::AdamWParamState, o::AdamWOptions>("torch::optim::AdamW"));
+    using RmsCodec = TypedCodec<o::RMSprop, o::RMSpropParamState, o::RMSpropOptions>;
+    v.push_back(std::make_unique<RmsCodec>(
+        "torch::optim::RMSprop",
+        std::vector<RmsCodec::Field>{SINEW_TENSOR_FIELD(o::RMSpropParamState, square_avg),
+                                     SINEW_TENSOR_FIELD(o::RMSpropParamState, momentum_buffer),
+                                     SINEW_TENSOR_FIELD(o::RMSpropParamState, grad_avg),
+                                     SINEW_COUNT_FIELD(o::RMSpropParamState, step)},
+        [](const o::RMSpropOptions& opts) -> int64_t {
+          return 0b1001 | (opts.momentum() > 0 ? 0b0010 : 0) | (opts.centered() ? 0b0100 : 0);
+        }));
+    using AdagradCodec = TypedCodec<o::Adagrad, o::AdagradParamState, o::AdagradOptions>;
+    v.push_back(std::make_unique<AdagradCodec>(
+        "torch::optim::Adagrad",
+        std::vector<AdagradCodec::Field>{SINEW_TENSOR_FIELD(o::AdagradParamState, sum),
+                                         SINEW_COUNT_FIELD(o::AdagradParamState, step)},
+        [](const o::AdagradOptions&) -> int64_t { return 0b11; }));
+    return v;
+  }();
+  return all;
+}
+
+#undef SINEW_TENSOR_FIELD
+#undef SINEW_COUNT_FIELD
+
 }  // namespace
 
+const OptimizerStateCodec* findOptimizerStateCodec(const torch::optim::Optimizer& optimizer) {
+  for (const auto& c : codecs()) {
+    if (c->matches(optimizer)) return c.get();
+  }
+  return nullptr;
+}
+
+const OptimizerStateCodec& optimizerStateCodec(const torch::optim::Optimizer& optimizer,
+                                               const std::string& what) {
+  if (const OptimizerStateCodec* c = findOptimizerStateCodec(optimizer)) return *c;
+  std::string supported;
+  for (const auto& c : codecs()) supported += (supported.empty() ? "" : ", ") + c->name();
+  SINEW_THROW(InvalidArgument, what, " made ", c10::demangle(typeid(optimizer).name()),
+              ", whose state Sinew cannot capture for checkpoints, peer-RAM versions, layer "
+              "copies and rollbacks; use one of ",
+              supported);
+}
+
 bool optimizerStateSupported(const torch::optim::Optimizer& optimizer) {
-  return dynamic_cast<const torch::optim::Adam*>(&optimizer) != nullptr ||
-         dynamic_cast<const torch::optim::SGD*>(&optimizer) != nullptr;
+  return findOptimizerStateCodec(optimizer) != nullptr;
 }
 
 void captureParameterState(const std::string& name, const at::Tensor& param,
@@ -45,17 +183,11 @@ void captureParameterState(const std::string& name, const at::Tensor& param,
   auto& st = optimizer.state();
   auto it = st.find(stateKey(st, param));
   if (it == st.end()) return;
-  if (auto* a = dynamic_cast<torch::optim::AdamParamState*>(it->second.get())) {
-    out->push_back({name + ".exp_avg", a->exp_avg()});
-    out->push_back({name + ".exp_avg_sq", a->exp_avg_sq()});
-    if (a->max_exp_avg_sq().defined()) {
-      out->push_back({name + ".max_exp_avg_sq", a->max_exp_avg_sq()});
-    }
-    out->push_back({name + ".step", at::full({1}, a->step(), at::kLong)});
-  } else if (auto* s = dynamic_cast<torch::optim::SGDParamState*>(it->second.get())) {
-    if (s->momentum_buffer().defined()) {
-      out->push_back({name + ".momentum_buffer", s->momentum_buffer()});
-    }
+  const OptimizerStateCodec& codec = optimizerStateCodec(optimizer, "the optimizer");
+  const StateLayout& layout = codec.layout();
+  for (size_t i = 0; i < layout.fields.size(); ++i) {
+    at::Tensor t = codec.field(*it->second, i);
+    if (t.defined()) out->push_back({name + "." + layout.fields[i], std::move(t)});
   }
 }
 
@@ -77,6 +209,13 @@ void loadState(const torch::nn::Sequential& layers, torch::optim::Optimizer& opt
                const std::map<std::string, checkpoint::RestoredLayer>& saved,
                const std::string& source) {
   at::NoGradGuard noGrad;
+  const OptimizerStateCodec& codec = optimizerStateCodec(optimizer, "the optimizer");
+  const StateLayout& layout = codec.layout();
+  // Each parameter's group options decide which fields its state needs.
+  std::map<const void*, const torch::optim::OptimizerOptions*> optionsOf;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) optionsOf[p.unsafeGetTensorImpl()] = &group.options();
+  }
   auto& st = optimizer.state();
   for (const auto& child : layers->named_children()) {
     auto params = child.value()->named_parameters(/*recurse=*/true);
@@ -87,58 +226,54 @@ void loadState(const torch::nn::Sequential& layers, torch::optim::Optimizer& opt
                   "' (a checkpoint of another model?)");
     }
     const auto& tensors = lit->second;
-    auto get = [&](const std::string& n) -> const at::Tensor* {
-      auto it = tensors.find(n);
-      return it == tensors.end() ? nullptr : &it->second;
-    };
-    // A state tensor that must come with another one, shaped as the parameter.
-    auto need = [&](const std::string& n, const std::string& with,
-                    const at::Tensor& p) -> const at::Tensor& {
-      const at::Tensor* t = get(n);
-      if (t == nullptr) {
-        SINEW_THROW(Corruption, source, ", layer '", child.key(), "': tensor '", with, "' has no '",
-                    n, "' (incomplete optimizer state)");
-      }
-      if (t->sizes() != p.sizes()) {
-        SINEW_THROW(Corruption, source, ", layer '", child.key(), "': tensor '", n, "' has shape ",
-                    t->sizes(), ", its parameter ", p.sizes());
-      }
-      return *t;
-    };
     for (const auto& np : params) {
       at::Tensor p = np.value();
       const std::string& n = np.key();
-      const at::Tensor* v = get(n);
-      if (v == nullptr || v->sizes() != p.sizes()) {
+      auto vit = tensors.find(n);
+      if (vit == tensors.end() || vit->second.sizes() != p.sizes()) {
         SINEW_THROW(InvalidArgument, source, ", layer '", child.key(), "' tensor '", n,
                     "' is missing or has another shape (a checkpoint of another model?)");
       }
-      p.detach().copy_(*v);
-      auto onParam = [&](const at::Tensor& t) { return t.to(p.device(), p.scalar_type()).clone(); };
-      if (get(n + ".exp_avg") != nullptr) {
-        auto a = std::make_unique<torch::optim::AdamParamState>();
-        a->exp_avg(onParam(need(n + ".exp_avg", n, p)));
-        a->exp_avg_sq(onParam(need(n + ".exp_avg_sq", n + ".exp_avg", p)));
-        if (get(n + ".max_exp_avg_sq") != nullptr) {
-          a->max_exp_avg_sq(onParam(need(n + ".max_exp_avg_sq", n + ".exp_avg", p)));
+      p.detach().copy_(vit->second);
+      std::vector<at::Tensor> values(layout.fields.size());
+      int64_t present = 0;
+      for (size_t i = 0; i < layout.fields.size(); ++i) {
+        auto fit = tensors.find(n + "." + layout.fields[i]);
+        if (fit == tensors.end()) continue;
+        present |= int64_t{1} << i;
+        const at::Tensor& t = fit->second;
+        const std::string tname = n + "." + layout.fields[i];
+        if (layout.isCount(i)) {
+          if (t.numel() != 1 || at::isFloatingType(t.scalar_type())) {
+            SINEW_THROW(Corruption, source, ", layer '", child.key(), "': tensor '", tname,
+                        "' is not one integer (", t.numel(), " elements of ", t.scalar_type(), ")");
+          }
+          values[i] = t.to(at::kLong);
+        } else {
+          if (t.sizes() != p.sizes()) {
+            SINEW_THROW(Corruption, source, ", layer '", child.key(), "': tensor '", tname,
+                        "' has shape ", t.sizes(), ", its parameter ", p.sizes());
+          }
+          values[i] = t.to(p.device(), p.scalar_type()).clone();
         }
-        const at::Tensor* step = get(n + ".step");
-        if (step == nullptr || step->numel() != 1 || at::isFloatingType(step->scalar_type())) {
-          SINEW_THROW(Corruption, source, ", layer '", child.key(), "': tensor '", n,
-                      ".exp_avg' has ", step == nullptr ? "no" : "a malformed", " '", n,
-                      ".step' (one integer)");
-        }
-        a->step(step->item<int64_t>());
-        st[stateKey(st, p)] = std::move(a);
-      } else if (get(n + ".momentum_buffer") != nullptr) {
-        auto s = std::make_unique<torch::optim::SGDParamState>();
-        s->momentum_buffer(onParam(need(n + ".momentum_buffer", n, p)));
-        st[stateKey(st, p)] = std::move(s);
-      } else {
+      }
+      if (present == 0) {
         // No state saved: the optimizer starts this parameter afresh, as it did before its
         // first step.
         st.erase(stateKey(st, p));
+        continue;
       }
+      auto oit = optionsOf.find(p.unsafeGetTensorImpl());
+      const int64_t needed =
+          codec.required(oit == optionsOf.end() ? optimizer.defaults() : *oit->second);
+      for (size_t i = 0; i < layout.fields.size(); ++i) {
+        if ((needed & ~present & (int64_t{1} << i)) != 0) {
+          SINEW_THROW(Corruption, source, ", layer '", child.key(), "': parameter '", n, "' has ",
+                      codec.name(), " state without '", n, ".", layout.fields[i],
+                      "' (incomplete optimizer state)");
+        }
+      }
+      st[stateKey(st, p)] = codec.make(values);
     }
   }
 }

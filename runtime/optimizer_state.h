@@ -2,43 +2,82 @@
 
 // Internal: the one place that turns a worker's layers' parameters and optimizer state into
 // named tensors and back. Checkpoints, peer-RAM versions, layer copies and restores all use
-// these names (docs/checkpoint_format.md, "Tensor names"):
-//   "<param>"                  the parameter, e.g. "weight" or "blocks.0.attn.weight"
-//   "<param>.exp_avg"          Adam: first moment
-//   "<param>.exp_avg_sq"       Adam: second moment
-//   "<param>.max_exp_avg_sq"   Adam with AMSGrad: the running maximum of exp_avg_sq
-//   "<param>.step"             Adam: the parameter's step count, one int64
-//   "<param>.momentum_buffer"  SGD with momentum
-// A parameter the optimizer has no state for yet (before its first step) has only its own
-// tensor. Layers are the children of a torch::nn::Sequential, keyed by their names.
+// these names (docs/checkpoint_format.md, "Tensor names"): "<param>" for the parameter (e.g.
+// "weight" or "blocks.0.attn.weight") and "<param>.<field>" for each field of its optimizer
+// state, the fields of the optimizer's StateLayout in order:
+//   torch::optim::SGD      momentum_buffer (with momentum only)
+//   torch::optim::Adam     exp_avg, exp_avg_sq, max_exp_avg_sq (AMSGrad only), step
+//   torch::optim::AdamW    exp_avg, exp_avg_sq, max_exp_avg_sq (AMSGrad only), step
+//   torch::optim::RMSprop  square_avg, momentum_buffer (momentum > 0), grad_avg (centered), step
+//   torch::optim::Adagrad  sum, step
+// Tensor fields are shaped as their parameter; "step" is one int64. A parameter the optimizer
+// has no state for yet (before its first step) has only its own tensor. Layers are the
+// children of a torch::nn::Sequential, keyed by their names.
 //
-// Thread safety: none; the caller owns the layers and the optimizer.
+// One generic path serves every optimizer: an OptimizerStateCodec per optimizer type lists the
+// fields of its per-parameter state and how to read and build one; nothing else knows an
+// optimizer's type. An optimizer without a codec (LBFGS, whose state is not per parameter, or
+// a custom one) is refused by optimizerStateCodec().
+//
+// Thread safety: the codecs are immutable; otherwise none (the caller owns the layers and the
+// optimizer).
 
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/optim/optimizer.h>
 
 #include <chrono>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "sinew/checkpoint/shard.h"
 #include "sinew/communicator.h"
+#include "sinew/runtime/layer_copy_manifest.h"
 
 namespace sinew {
 namespace runtime {
 
-// Whether captureState() and loadState() know this optimizer's state: SGD and Adam.
+// How one optimizer type's per-parameter state becomes fields and back.
+class OptimizerStateCodec {
+ public:
+  virtual ~OptimizerStateCodec() = default;
+
+  // The optimizer's C++ type, e.g. "torch::optim::AdamW".
+  virtual const std::string& name() const = 0;
+  virtual const StateLayout& layout() const = 0;
+  virtual bool matches(const torch::optim::Optimizer& optimizer) const = 0;
+  // The fields (bit i: layout().fields[i]) that a parameter's state must have when it has
+  // any, given the options of the parameter's group.
+  virtual int64_t required(const torch::optim::OptimizerOptions& options) const = 0;
+  // Field i of `state`: the live tensor (undefined when absent; no copy), or the count as one
+  // int64. REQUIRES: state was made by an optimizer this codec matches.
+  virtual at::Tensor field(const torch::optim::OptimizerParamState& state, size_t i) const = 0;
+  // A state holding `values` (one per field, undefined where absent; counts as one integer).
+  virtual std::unique_ptr<torch::optim::OptimizerParamState> make(
+      const std::vector<at::Tensor>& values) const = 0;
+};
+
+// The codec of `optimizer`'s type, or null when Sinew cannot capture its state.
+const OptimizerStateCodec* findOptimizerStateCodec(const torch::optim::Optimizer& optimizer);
+
+// The codec of `optimizer`'s type. Throws InvalidArgument naming `what` (e.g.
+// "ModelSpec::optimizer"), the optimizer's type and the supported ones when there is none.
+const OptimizerStateCodec& optimizerStateCodec(const torch::optim::Optimizer& optimizer,
+                                               const std::string& what);
+
+// Whether captureState() and loadState() know this optimizer's state.
 bool optimizerStateSupported(const torch::optim::Optimizer& optimizer);
 
 // The parameters and optimizer state of every child of `layers` that has parameters, one
 // LayerState per child in order. The tensors alias the live ones (no copy), except ".step",
-// which is made. REQUIRES: optimizer was made over (a superset of) layers' parameters.
+// which is made. REQUIRES: optimizer was made over (a superset of) layers' parameters, and
+// optimizerStateSupported(optimizer).
 checkpoint::ShardState captureState(const torch::nn::Sequential& layers,
                                     torch::optim::Optimizer& optimizer);
 
-// The named tensors of one parameter `name` of `param` (its own, then its state's in the order
-// of the table above), appended to `out`.
+// The named tensors of one parameter `name` of `param` (its own, then its state's fields in
+// the layout's order), appended to `out`. REQUIRES: optimizerStateSupported(optimizer).
 void captureParameterState(const std::string& name, const at::Tensor& param,
                            torch::optim::Optimizer& optimizer,
                            std::vector<checkpoint::NamedTensor>* out);
@@ -47,8 +86,9 @@ void captureParameterState(const std::string& name, const at::Tensor& param,
 // `layers` that has parameters and replaces their optimizer state with the saved one, on each
 // parameter's device and dtype. `source` names where the state came from, for errors.
 // Throws InvalidArgument if a layer or a parameter is missing or has another shape (a
-// checkpoint of another model), Corruption if a parameter's optimizer state is incomplete
-// (exp_avg without exp_avg_sq or step, a step that is not one integer).
+// checkpoint of another model) or the optimizer has no codec, Corruption if a parameter's
+// optimizer state is incomplete (a field its options need is missing, e.g. exp_avg without
+// exp_avg_sq or step), has another shape, or a count that is not one integer.
 void loadState(const torch::nn::Sequential& layers, torch::optim::Optimizer& optimizer,
                const std::map<std::string, checkpoint::RestoredLayer>& saved,
                const std::string& source);

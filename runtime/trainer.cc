@@ -1,10 +1,14 @@
 #include "sinew/trainer.h"
 
 #include <ATen/ATen.h>
+#include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -27,6 +31,7 @@
 #include "sinew/runtime/context_state.h"
 #include "sinew/runtime/device_choice.h"
 #include "sinew/runtime/durable_checkpoints.h"
+#include "sinew/runtime/evaluation.h"
 #include "sinew/runtime/event_log.h"
 #include "sinew/runtime/layer_relayout.h"
 #include "sinew/runtime/optimizer_state.h"
@@ -34,6 +39,7 @@
 #include "sinew/runtime/plan_report.h"
 #include "sinew/runtime/profile_agreement.h"
 #include "sinew/runtime/progress_reporter.h"
+#include "sinew/runtime/step_update.h"
 #include "sinew/runtime/trainer_options.h"
 #include "sinew/runtime/trainer_services.h"
 
@@ -99,6 +105,27 @@ OptimizerFactory sgd(double lr, double momentum) {
 OptimizerFactory adam(double lr) {
   return [lr](std::vector<at::Tensor> params) {
     return std::make_unique<torch::optim::Adam>(std::move(params), torch::optim::AdamOptions(lr));
+  };
+}
+
+OptimizerFactory adamw(double lr, double weightDecay) {
+  return [lr, weightDecay](std::vector<at::Tensor> params) {
+    return std::make_unique<torch::optim::AdamW>(
+        std::move(params), torch::optim::AdamWOptions(lr).weight_decay(weightDecay));
+  };
+}
+
+OptimizerFactory rmsprop(double lr) {
+  return [lr](std::vector<at::Tensor> params) {
+    return std::make_unique<torch::optim::RMSprop>(std::move(params),
+                                                   torch::optim::RMSpropOptions(lr));
+  };
+}
+
+OptimizerFactory adagrad(double lr) {
+  return [lr](std::vector<at::Tensor> params) {
+    return std::make_unique<torch::optim::Adagrad>(std::move(params),
+                                                   torch::optim::AdagradOptions(lr));
   };
 }
 
@@ -177,22 +204,11 @@ class Trainer::Impl {
     // In pipeline mode the optimizer is made once the stage's layers exist; this one only
     // checks what the factory makes.
     opt_ = spec_.optimizer(params_);
-    const bool stateKnown = runtime::optimizerStateSupported(*opt_);
-    if (pipelineMode_ && o_.peerCheckpointEvery > 0 && !stateKnown) {
-      // Versions hold SGD's and Adam's state only: without them a loss of every live copy of
-      // a layer can only restart from the durable checkpoint or the start.
-      std::fprintf(stderr,
-                   "sinew: worker %d: peer-RAM versions are off (TrainerOptions::"
-                   "peerCheckpointEvery): ModelSpec::optimizer made neither SGD nor Adam\n",
-                   ctx_.worker());
-      o_.peerCheckpointEvery = 0;
-    }
+    // Checkpoints, peer-RAM versions, layer copies and rollbacks all need its state as named
+    // tensors: an optimizer whose state Sinew cannot capture is refused here, by name.
+    runtime::optimizerStateCodec(*opt_, "ModelSpec::optimizer");
+    runtime::checkStepUpdateOptions(o_);
     if (!o_.checkpointDir.empty()) {
-      if (!stateKnown) {
-        SINEW_THROW(InvalidArgument, "TrainerOptions::checkpointDir = '", o_.checkpointDir,
-                    "' needs ModelSpec::optimizer to make SGD or Adam (whose state checkpoints "
-                    "support); it made another optimizer");
-      }
       if (o_.checkpointEvery < 0 || o_.checkpointKeep < 1) {
         SINEW_THROW(InvalidArgument, "TrainerOptions::checkpointEvery = ", o_.checkpointEvery,
                     " must be >= 0 and checkpointKeep = ", o_.checkpointKeep, " >= 1");
@@ -218,7 +234,8 @@ class Trainer::Impl {
                                                      pipelineMode_ && o_.peerCheckpointEvery > 0);
     relayout_ = std::make_unique<runtime::LayerRelayout>(services_, spec_, device_, *peers_);
     profiles_ = std::make_unique<runtime::ProfileAgreement>(services_, spec_, device_, [this] {
-      return microbatchData(globalBatchIndices(o_.seed, 0, o_.globalBatch, spec_.datasetSize), 0);
+      return microbatchData(
+          batchIndices(o_.sampling, o_.seed, 0, o_.globalBatch, spec_.datasetSize), 0);
     });
   }
 
@@ -232,51 +249,78 @@ class Trainer::Impl {
   }
 
   TrainResult run() {
-    client_.setEpochListener([this](int64_t epoch) {
-      std::lock_guard<std::mutex> lock(commMu_);
-      if (comm_ && (epoch < 0 || epoch > comm_->epoch())) {
-        comm_->abort();
-        for (auto& g : groups_) {
-          if (g.comm) g.comm->abort();
-        }
+    while (!step().done) {
+    }
+    return finish();
+  }
+
+  // One committed step, with whatever recoveries it takes (see Trainer::step()).
+  StepResult step() {
+    if (finished_) SINEW_THROW(InvalidArgument, "Trainer::step() after finish()");
+    if (!started_) start();
+    StepResult r;
+    const int64_t first = step_;
+    const int recoveriesBefore = recoveries_;
+    bool committed = false;
+    while (!committed) {
+      if (preempted_ || step_ >= o_.steps) {
+        r.done = true;
+        break;
       }
-    });
-    if (device_.is_cuda()) collectives::setCudaDevice(device_.index());
-    // Which device this worker trains on and the backend it asks for, from which every
-    // member of a communicator makes the same choice.
-    chooser_->publish(*ctx_.store());
-    int64_t resume = 0;
-    if (durable_->enabled()) {
-      durable_->checkDir();
-      resume = durable_->newestRestorable(/*keep=*/!pipelineMode_) + 1;
-    }
-    runtime::JobShape shape;
-    shape.globalBatch = o_.globalBatch;
-    shape.microbatch = o_.microbatch;
-    shape.steps = o_.steps;
-    shape.checkpoints = durable_->enabled();
-    client_.ready(resume, shape);
-    bool preempted = false;
-    try {
-      recoverInto(-1, /*failure=*/false, "start");
-    } catch (const Released&) {
-      // Released before it trained: a joiner the job no longer needs (a resize, a drain, a
-      // stop), or preempted while it started.
-      preempted = true;
-    }
-    durable_->releaseKept();  // Only the first epoch's source restores from it.
-    startStep_ = step_;
-    while (!preempted && step_ < o_.steps) {
       if (!leaveSent_ && ctx_.preemptionRequested()) {
         client_.leave(step_);
         leaveSent_ = true;
         event({{"event", "preempted"}, {"step", step_}});
       }
       try {
-        if (!runStep()) recoverInto(epoch_, /*failure=*/false, "reshape at a step boundary");
+        const int64_t attempted = step_;
+        const bool keepShape = runStep();
+        committed = true;
+        r.step = attempted;
+        r.loss = lastLoss_;
+        r.learningRate = appliedLr_;
+        r.gradNorm = lastGradNorm_;
+        if (!keepShape) recoverInto(epoch_, /*failure=*/false, "reshape at a step boundary");
       } catch (const Released&) {
-        preempted = true;
+        preempted_ = true;  // The next call says done.
+      } catch (const PeerLost& e) {
+        client_.reportLost(epoch_, e.worker());
+        recoverInto(epoch_, true, e.what());
+      } catch (const Timeout& e) {
+        recoverInto(epoch_, true, e.what());
+      } catch (const Aborted& e) {
+        recoverInto(epoch_, true, e.what());
+      } catch (const IoError& e) {
+        recoverInto(epoch_, true, e.what());
+      }
+      if (!committed && step_ < first) r.rolledBackTo = step_;
+    }
+    r.recoveries = recoveries_ - recoveriesBefore;
+    r.nextStep = step_;
+    return r;
+  }
+
+  // A forward-only pass over samples [0, count) of `data` (see Trainer::evaluate()).
+  EvalResult evaluate(const Dataset& data, int64_t count) {
+    if (finished_) SINEW_THROW(InvalidArgument, "Trainer::evaluate() after finish()");
+    if (!data || count <= 0 || count % o_.globalBatch != 0) {
+      SINEW_THROW(InvalidArgument, "Trainer::evaluate: count = ", count,
+                  " must be a positive multiple of TrainerOptions::globalBatch = ", o_.globalBatch,
+                  data ? "" : ", and the dataset must be set");
+    }
+    if (!started_) start();
+    EvalResult r;
+    const int64_t first = step_;
+    const int recoveriesBefore = recoveries_;
+    while (!preempted_) {
+      try {
+        const double sum = evaluationLossSum(data, count);
+        r.loss = sum / static_cast<double>(count);
+        r.samples = count;
+        r.afterStep = step_ - 1;
         break;
+      } catch (const Released&) {
+        preempted_ = true;
       } catch (const PeerLost& e) {
         client_.reportLost(epoch_, e.worker());
         recoverInto(epoch_, true, e.what());
@@ -288,6 +332,56 @@ class Trainer::Impl {
         recoverInto(epoch_, true, e.what());
       }
     }
+    r.done = preempted_;
+    r.recoveries = recoveries_ - recoveriesBefore;
+    if (step_ < first) r.rolledBackTo = step_;
+    return r;
+  }
+
+  // The sum over every sample of the loss, each global batch of `data` run as a training step
+  // runs forward (the same microbatches on the same workers), summed over the epoch's members.
+  double evaluationLossSum(const Dataset& data, int64_t count) {
+    if (client_.latestEpoch().epoch != epoch_) {
+      SINEW_THROW(EpochChanged, "epoch ", epoch_, " was superseded");
+    }
+    runtime::EvaluationPass pass;
+    pass.layers = &model_;
+    pass.executor = executor_.get();
+    pass.pipelineMode = pipelineMode_;
+    if (!pipelineMode_) pass.microbatches = plan_.of(ctx_.worker()).microbatches;
+    pass.globalBatch = o_.globalBatch;
+    pass.microbatch = o_.microbatch;
+    pass.loss = spec_.loss;
+    pass.data = [&](const std::vector<int64_t>& indices, int64_t m, int64_t begin, int64_t end) {
+      return microbatchData(indices, m, begin, end, &data);
+    };
+    pass.aroundExchange = [this](const std::function<void()>& transfer) {
+      WaitingOnOthers waiting(client_, step_, &stepWaited_);
+      transfer();
+    };
+    pass.timeout = opTimeout();
+    at::Tensor sum =
+        at::full({1}, runtime::localEvaluationLossSum(pass, count), onDevice(at::kDouble));
+    {
+      WaitingOnOthers waiting(client_, step_, &stepWaited_);
+      comm_->allreduce(sum, collectives::ReduceOp::kSum, opTimeout());
+    }
+    return sum.item<double>();
+  }
+
+  // Ends training on this worker (see Trainer::finish()).
+  TrainResult finish() {
+    if (finished_) SINEW_THROW(InvalidArgument, "Trainer::finish() called twice");
+    if (!started_) start();
+    if (!preempted_ && step_ < o_.steps) {
+      // The program stops before the last step: this worker leaves the job as a preempted one
+      // does, at a step boundary the coordinator picks (it may run steps until then).
+      ctx_.requestPreemption();
+      while (!step().done) {
+      }
+    }
+    finished_ = true;
+    const bool preempted = preempted_;
     if (preempted) {
       // The last step this worker applied is the job's newest: make it durable if this
       // worker writes the checkpoints (when the whole job is preempted, it is the last word).
@@ -317,6 +411,47 @@ class Trainer::Impl {
     // last durable state is not what it trained to.
     if (std::exception_ptr flushError = durable_->error()) std::rethrow_exception(flushError);
     return r;
+  }
+
+  int64_t nextStep() const { return step_; }
+
+  // Joins the job: publishes this worker's device, restores the newest durable version if any,
+  // and enters the first epoch.
+  void start() {
+    client_.setEpochListener([this](int64_t epoch) {
+      std::lock_guard<std::mutex> lock(commMu_);
+      if (comm_ && (epoch < 0 || epoch > comm_->epoch())) {
+        comm_->abort();
+        for (auto& g : groups_) {
+          if (g.comm) g.comm->abort();
+        }
+      }
+    });
+    if (device_.is_cuda()) collectives::setCudaDevice(device_.index());
+    // Which device this worker trains on and the backend it asks for, from which every
+    // member of a communicator makes the same choice.
+    chooser_->publish(*ctx_.store());
+    int64_t resume = 0;
+    if (durable_->enabled()) {
+      durable_->checkDir();
+      resume = durable_->newestRestorable(/*keep=*/!pipelineMode_) + 1;
+    }
+    runtime::JobShape shape;
+    shape.globalBatch = o_.globalBatch;
+    shape.microbatch = o_.microbatch;
+    shape.steps = o_.steps;
+    shape.checkpoints = durable_->enabled();
+    client_.ready(resume, shape);
+    started_ = true;
+    try {
+      recoverInto(-1, /*failure=*/false, "start");
+    } catch (const Released&) {
+      // Released before it trained: a joiner the job no longer needs (a resize, a drain, a
+      // stop), or preempted while it started.
+      preempted_ = true;
+    }
+    durable_->releaseKept();  // Only the first epoch's source restores from it.
+    startStep_ = step_;
   }
 
  private:
@@ -366,12 +501,15 @@ class Trainer::Impl {
 
   // The inputs and targets of global microbatch m of the step whose batch is `indices`, or of
   // its samples [begin, end) (a slice for one worker of a wide stage).
+  // `data` instead of the model's dataset when given (evaluation).
   std::pair<at::Tensor, at::Tensor> microbatchData(const std::vector<int64_t>& indices, int64_t m,
-                                                   int64_t begin = 0, int64_t end = -1) const {
+                                                   int64_t begin = 0, int64_t end = -1,
+                                                   const Dataset* data = nullptr) const {
     if (end < 0) end = o_.microbatch;
+    const Dataset& from = data != nullptr ? *data : spec_.dataset;
     std::vector<at::Tensor> xs, ys;
     for (int64_t j = m * o_.microbatch + begin; j < m * o_.microbatch + end; ++j) {
-      Sample s = spec_.dataset(indices[j]);
+      Sample s = from(indices[j]);
       xs.push_back(s.input);
       ys.push_back(s.target);
     }
@@ -391,6 +529,7 @@ class Trainer::Impl {
     client_.setProgress(step_, /*waiting=*/false);
     stepStart_ = Clock::now();
     stepWaited_ = 0;
+    stepLr_ = o_.lrSchedule ? runtime::scheduledRate(o_.lrSchedule, step_) : -1.0;
     if (pipelineMode_) return runPipelineStep();
     const int self = ctx_.worker();
     auto& inj = state_.injector;
@@ -399,7 +538,7 @@ class Trainer::Impl {
       if (p.grad().defined()) p.mutable_grad().zero_();
     }
     const auto& mine = plan_.of(self);
-    auto indices = globalBatchIndices(o_.seed, step_, o_.globalBatch, spec_.datasetSize);
+    auto indices = batchIndices(o_.sampling, o_.seed, step_, o_.globalBatch, spec_.datasetSize);
     double lossSum = 0;
     bool first = true;
     const double scale = static_cast<double>(o_.microbatch) / static_cast<double>(o_.globalBatch);
@@ -421,7 +560,17 @@ class Trainer::Impl {
     inj.fire(self, step_, Phase::kAfterReduce, &client_);
     const int64_t offset = setGradients(params_, flat);
     double loss = flat[offset].item<double>() / static_cast<double>(o_.globalBatch);
+    clipGradients(params_, runtime::squaredGradientNorm(params_));
     return commitAndApply(loss);
+  }
+
+  // Notes the norm of the step's whole gradient (its square summed over the model) and clips
+  // this worker's gradients `params` to TrainerOptions::clipGradNorm.
+  void clipGradients(const std::vector<at::Tensor>& params, double squaredNorm) {
+    lastGradNorm_ = std::sqrt(squaredNorm);
+    if (o_.clipGradNorm) {
+      runtime::scaleGradients(params, runtime::clipFactor(lastGradNorm_, *o_.clipGradNorm));
+    }
   }
 
   // Votes for step_ and applies it once committed (everywhere or nowhere).
@@ -451,6 +600,10 @@ class Trainer::Impl {
       lastStall_ = seconds(Clock::now() - t0);
       ckStall_ += lastStall_;
     }
+    if (stepLr_ >= 0) runtime::setLearningRate(*opt_, stepLr_);
+    appliedLr_ = stepLr_ >= 0                   ? stepLr_
+                 : opt_->param_groups().empty() ? opt_->defaults().get_lr()
+                                                : opt_->param_groups().front().options().get_lr();
     opt_->step();
     applied_ = step_;
     // A scheduler's checkpoint, drain or stop may ask for this step to be durable. When the
@@ -694,19 +847,7 @@ class Trainer::Impl {
       SINEW_THROW(EpochChanged, "epoch ", info.epoch,
                   " has no pipeline plan yet; waiting for the coordinator's");
     }
-    Plan plan = pipeline::planFromJson(info.plan);
-    if (plan.numLayers != static_cast<int>(spec_.layers.size())) {
-      SINEW_THROW(InvalidArgument, "the coordinator's plan of epoch ", info.epoch, " has ",
-                  plan.numLayers, " layers but the model has ", spec_.layers.size(),
-                  " (workers of one job must train the same ModelSpec)");
-    }
-    for (const auto& w : plan.workers) {
-      if (std::find(info.members.begin(), info.members.end(), w.worker) == info.members.end()) {
-        SINEW_THROW(Corruption, "the coordinator's plan of epoch ", info.epoch,
-                    " assigns layers to ", "worker ", w.worker, ", which is not a member");
-      }
-    }
-    return plan;
+    return runtime::checkedPlan(info.plan, info.epoch, info.members, spec_.layers.size());
   }
 
   // The epoch's communicator (activations, gradients and layer copies, on the Gloo backend's
@@ -877,7 +1018,8 @@ class Trainer::Impl {
     double lossSum = 0;
     if (executor_) {
       auto t0 = Clock::now();
-      const auto indices = globalBatchIndices(o_.seed, step_, o_.globalBatch, spec_.datasetSize);
+      const auto indices =
+          batchIndices(o_.sampling, o_.seed, step_, o_.globalBatch, spec_.datasetSize);
       pipeline::StageStep step;
       step.forward = [this](const at::Tensor& x) { return model_->forward(x); };
       step.loss = spec_.loss;
@@ -896,26 +1038,34 @@ class Trainer::Impl {
       progress_->addSchedule(seconds(Clock::now() - t0), done.waitSeconds);
     }
     inj.fire(self, step_, Phase::kReduce, &client_);
+    // The squares of the gradients of the layers this worker is the first holder of (so that
+    // every layer counts once in the global norm, however many pipelines hold it).
+    double squares = 0;
     for (auto& g : groups_) {
-      if (!g.comm) continue;
       std::vector<at::Tensor> ps;
       for (int l = g.first; l < g.end; ++l) {
         for (auto& p : (*model_)[l - heldFirst_]->parameters()) ps.push_back(p);
       }
       if (ps.empty()) continue;
-      at::Tensor flat = flatGradients(ps);
-      WaitingOnOthers waiting(client_, step_, &stepWaited_);
-      TrainingTraffic traffic(peers_->trafficGate(epoch_));
-      g.comm->allreduce(flat, collectives::ReduceOp::kSum, opTimeout());
-      setGradients(ps, flat);
+      if (g.comm) {
+        at::Tensor flat = flatGradients(ps);
+        WaitingOnOthers waiting(client_, step_, &stepWaited_);
+        TrainingTraffic traffic(peers_->trafficGate(epoch_));
+        g.comm->allreduce(flat, collectives::ReduceOp::kSum, opTimeout());
+        setGradients(ps, flat);
+      }
+      if (g.members.front() == self) squares += runtime::squaredGradientNorm(ps);
     }
-    at::Tensor loss = at::full({1}, lossSum, onDevice(at::kDouble));
+    // The loss and the squared gradient norm summed over every member in one allreduce.
+    at::Tensor sums = at::tensor({lossSum, squares}, at::kDouble).to(device_);
     {
       WaitingOnOthers waiting(client_, step_, &stepWaited_);
-      comm_->allreduce(loss, collectives::ReduceOp::kSum, opTimeout());
+      comm_->allreduce(sums, collectives::ReduceOp::kSum, opTimeout());
     }
     inj.fire(self, step_, Phase::kAfterReduce, &client_);
-    return commitAndApply(loss.item<double>() / static_cast<double>(o_.globalBatch));
+    const at::Tensor host = sums.cpu();
+    clipGradients(params_, host[1].item<double>());
+    return commitAndApply(host[0].item<double>() / static_cast<double>(o_.globalBatch));
   }
 
   // Loads durable version `step` into the parameters and optimizer state.
@@ -984,6 +1134,12 @@ class Trainer::Impl {
   int64_t step_ = 0;
   int64_t applied_ = -1;
   double lastLoss_ = 0;
+  double lastGradNorm_ = 0;  // of the last step's whole gradient, before clipping
+  double stepLr_ = -1;       // this step's scheduled rate; -1: no schedule
+  double appliedLr_ = 0;     // the rate of the last step's optimizer step (its first group's)
+  bool started_ = false;
+  bool finished_ = false;
+  bool preempted_ = false;  // released, or left: no more steps
   int recoveries_ = 0;
   double recoveryMax_ = 0;
   int64_t startStep_ = 0;
@@ -1026,5 +1182,15 @@ std::vector<at::Tensor> Trainer::parameters() const { return impl_->model()->par
 Trainer::~Trainer() = default;
 
 TrainResult Trainer::run() { return impl_->run(); }
+
+StepResult Trainer::step() { return impl_->step(); }
+
+TrainResult Trainer::finish() { return impl_->finish(); }
+
+int64_t Trainer::nextStep() const { return impl_->nextStep(); }
+
+EvalResult Trainer::evaluate(const Dataset& samples, int64_t count) {
+  return impl_->evaluate(samples, count);
+}
 
 }  // namespace sinew

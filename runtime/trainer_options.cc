@@ -1,5 +1,7 @@
 #include "sinew/runtime/trainer_options.h"
 
+#include <algorithm>
+
 #include "sinew/base/error.h"
 #include "sinew/communicator.h"
 
@@ -49,5 +51,22 @@ void checkPipelineOptions(const TrainerOptions& o) {
                 ": a stage as wide as a node could not give every worker a sample");
   }
 }
+pipeline::Plan checkedPlan(const std::string& json, int64_t epoch, const std::vector<int>& members,
+                           size_t layers) {
+  pipeline::Plan plan = pipeline::planFromJson(json);
+  if (plan.numLayers != static_cast<int>(layers)) {
+    SINEW_THROW(InvalidArgument, "the coordinator's plan of epoch ", epoch, " has ", plan.numLayers,
+                " layers but the model has ", layers,
+                " (workers of one job must train the same ModelSpec)");
+  }
+  for (const auto& w : plan.workers) {
+    if (std::find(members.begin(), members.end(), w.worker) == members.end()) {
+      SINEW_THROW(Corruption, "the coordinator's plan of epoch ", epoch, " assigns layers to ",
+                  "worker ", w.worker, ", which is not a member");
+    }
+  }
+  return plan;
+}
+
 }  // namespace runtime
 }  // namespace sinew

@@ -5,10 +5,9 @@
 // coordinator or communicator:
 //
 //   auto reader = sinew::CheckpointReader::open("/ckpt");  // The version LATEST names.
-//   for (const std::string& layer : reader->layers()) {
-//     std::map<std::string, at::Tensor> tensors = reader->loadLayer(layer);
-//     model.layer(layer).load(tensors);  // "weight", "bias", "weight.exp_avg", ...
-//   }
+//   reader->loadInto(*model);  // every layer with parameters, by name; or one at a time:
+//   std::map<std::string, at::Tensor> tensors = reader->loadLayer("fc1");  // "weight",
+//                                                 // "bias", "weight.exp_avg", ...
 //
 // Every read is verified: the LATEST pointer's checksum of the manifest, the manifest's
 // and each file's safetensors header against the file (dtypes, shapes, offsets within the
@@ -21,6 +20,7 @@
 // version must stay on disk while it is used (a running job keeps its newest versions).
 
 #include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
 
 #include <cstdint>
 #include <map>
@@ -57,6 +57,13 @@ class CheckpointReader {
   // Reads `layer` into new CPU tensors (tensor name -> tensor, each owning its memory),
   // verifying each tensor's crc32c. InvalidArgument for an unknown layer.
   std::map<std::string, at::Tensor> loadLayer(const std::string& layer) const;
+  // Loads the version's parameters into `model` (e.g. the torch::nn::Sequential that
+  // sinew::buildModel() makes): each child that has parameters from the layer of its name,
+  // each parameter from the tensor of its name, cast to the parameter's dtype and device;
+  // optimizer state is left out, and children without parameters (activations, Flatten) need
+  // no layer. Returns the number of layers loaded. Throws InvalidArgument naming the layer and
+  // tensor if one is missing or has another shape (a checkpoint of another model).
+  int loadInto(torch::nn::Module& model) const;
 
  private:
   struct Impl;

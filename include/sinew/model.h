@@ -32,8 +32,14 @@ using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tens
 
 using OptimizerFactory =
     std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor> parameters)>;
+// Ready-made factories. Any factory works whose optimizer Sinew can capture the state of:
+// torch::optim::SGD, Adam, AdamW, RMSprop and Adagrad with any options (the Trainer refuses
+// another, e.g. LBFGS, naming it).
 OptimizerFactory sgd(double lr, double momentum = 0.0);
 OptimizerFactory adam(double lr);
+OptimizerFactory adamw(double lr, double weightDecay = 0.01);
+OptimizerFactory rmsprop(double lr);
+OptimizerFactory adagrad(double lr);
 
 struct Sample {
   at::Tensor input;

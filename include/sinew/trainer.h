@@ -37,12 +37,15 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "sinew/data.h"
 #include "sinew/error.h"
 #include "sinew/init.h"
 #include "sinew/model.h"
+#include "sinew/schedule.h"
 
 namespace sinew {
 
@@ -65,6 +68,9 @@ struct TrainerOptions {
   int64_t globalBatch = 64;  // samples per step, whatever the job's size
   int64_t microbatch = 8;    // samples per microbatch; divides globalBatch
   uint64_t seed = 0;
+  // Which samples each step trains on (sinew/data.h): drawn with replacement, or in epochs,
+  // every sample once per epoch whatever joins, losses and rollbacks happen.
+  Sampling sampling = Sampling::kWithReplacement;
   int64_t steps = 100;
   // Progress line every this many steps (printed by the epoch's first member); 0: never.
   int progressEvery = 10;
@@ -72,6 +78,19 @@ struct TrainerOptions {
   std::string eventLog;
   // Parameters and data are cast to this type.
   at::ScalarType dtype = at::kDouble;
+  // The learning rate of each step (sinew/schedule.h: warmupCosine, stepDecay, constantLr, or
+  // any function of the step), set on every parameter group of the optimizer before the
+  // step's optimizer step, by every worker alike, also for a step redone after a recovery, a
+  // rollback or a restore. Empty: the optimizer's own rates. The rates of the job's first
+  // steps (up to 2^20) are checked when the Trainer is made; a rate that is NaN, infinite or
+  // negative is an InvalidArgument naming the step.
+  LrSchedule lrSchedule;
+  // Global-norm gradient clipping: the gradient of the step's global batch over the whole
+  // model (in pipeline mode: every stage's layers, each layer counted once however many
+  // pipelines hold it) is scaled by min(1, clipGradNorm / (norm + 1e-6)), as
+  // torch::nn::utils::clip_grad_norm_ does to the same gradient in one process. Unset: no
+  // clipping; set, it must be finite and > 0.
+  std::optional<double> clipGradNorm;
   // Where this worker's layers, activations and gradients live (docs/gpu.md): "cpu"; "cuda",
   // the GPU of this worker's local rank modulo the GPUs it sees (the local rank from
   // SINEW_LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID, MPI_LOCALRANKID or
@@ -94,7 +113,8 @@ struct TrainerOptions {
   // overlaps the next forward and backward; the next optimizer step waits for it), and a
   // background thread writes it to checkpointDir (safetensors + manifest, then LATEST).
   // A job started on a checkpointDir that holds a durable version resumes after it, with
-  // any number of workers. Supported optimizers: SGD and Adam.
+  // any number of workers. Any optimizer of sinew/model.h's list (its state's tensor names:
+  // docs/checkpoint_format.md, "Tensor names").
   std::string checkpointDir;
   int checkpointEvery = 0;
   int checkpointKeep = 2;  // newest durable versions kept
@@ -112,7 +132,7 @@ struct TrainerOptions {
   // different pipelines holding the same layers) the job rolls back to the newest committed
   // version, restored from the workers' own RAM, then peers' RAM, then checkpointDir.
   // 0: off (such a loss then rolls back to the newest durable version in checkpointDir, or
-  // to the start when there is none). SGD or Adam.
+  // to the start when there is none).
   int peerCheckpointEvery = 1;
   int replicas = 2;
   // The most workers the job may grow to by joins: the coordinator plans templates up to
@@ -161,6 +181,32 @@ struct TrainResult {
   std::string backend;  // of its final epoch's transfers: "gloo" or "nccl"
 };
 
+// What one Trainer::step() did.
+struct StepResult {
+  // No step was run: the job trained its last step, or this worker was released (preempted,
+  // or a joiner the job did not need). The other fields but nextStep are then unset.
+  bool done = false;
+  int64_t step = -1;        // the step this call committed (0-based)
+  double loss = 0;          // its mean loss over the global batch
+  double learningRate = 0;  // the rate its optimizer step used (the first parameter group's)
+  double gradNorm = 0;      // the 2-norm of its whole gradient, before clipping
+  int recoveries = 0;       // failures and reshapes this call recovered from
+  // The job moved back before this step: the step the job resumed at, below the step this
+  // call started at (a rollback to a peer-RAM or durable version, docs/pipeline.md); -1: not.
+  int64_t rolledBackTo = -1;
+  int64_t nextStep = 0;  // the step the next call runs
+};
+
+// What one Trainer::evaluate() did.
+struct EvalResult {
+  bool done = false;  // nothing evaluated: this worker was released
+  double loss = 0;    // the mean loss over the samples
+  int64_t samples = 0;
+  int64_t afterStep = -1;     // the parameters were those after this step (-1: initial ones)
+  int recoveries = 0;         // failures it recovered from (and then evaluated again)
+  int64_t rolledBackTo = -1;  // as StepResult::rolledBackTo
+};
+
 // The dataset indices of step `step`'s global batch: a pure function of (seed, step).
 // Throws InvalidArgument unless datasetSize > 0 and globalBatch >= 0.
 std::vector<int64_t> globalBatchIndices(uint64_t seed, int64_t step, int64_t globalBatch,
@@ -185,6 +231,32 @@ class Trainer {
   // newest durable version is older than the last step; a failure that a later version made
   // good is only reported.
   TrainResult run();
+
+  // The step API: the program owns the loop, Sinew owns the step. step() runs one step of the
+  // global batch through the current plan, with whatever recoveries it takes, and returns the
+  // step it committed; its first call joins the job (as run() does). finish() ends training
+  // on this worker and returns what run() returns; run() is `while (!step().done) {}` and then
+  // finish(). Errors are run()'s.
+  //
+  // After a failure the job resumes at its last committed step + 1, so the steps a loop sees
+  // are increasing, except after a rollback or a restore (result.rolledBackTo >= 0), when
+  // they start again from an earlier step: a loop that keys everything it does on
+  // result.step (evaluation every N steps, logging, its own state) does exactly what its
+  // first attempt did. A loop that stops before options.steps should call finish(): this
+  // worker then leaves the job as a preempted one does, at a step boundary the coordinator
+  // chooses, training until then.
+  StepResult step();
+  TrainResult finish();
+  // The step the next step() runs (after a rollback, an earlier one).
+  int64_t nextStep() const;
+  // Evaluation: the mean loss over samples [0, count) of `samples` (a held-out split, the
+  // same on every worker), forward only through the current plan: each global batch of
+  // them runs as a training step's forward does (the same microbatches on the same workers
+  // and pipelines; the layers in eval() mode, without autograd), and the loss is summed over
+  // the job. Collective: every member calls it between the same two steps (key it on
+  // StepResult::step). A failure during it is recovered from and the evaluation run again.
+  // Throws InvalidArgument unless count is a positive multiple of options.globalBatch.
+  EvalResult evaluate(const Dataset& samples, int64_t count);
 
   // The layers this worker holds: all of them in data parallel mode; in pipeline mode its
   // stage's, built when the first epoch's plan is known (empty before run()) and replaced

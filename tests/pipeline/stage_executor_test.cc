@@ -131,7 +131,8 @@ struct WorkerOutcome {
 };
 
 // Runs one step of `plan` with one thread per worker; returns each worker's outcome.
-std::vector<WorkerOutcome> runStep(const Plan& plan, const Model& start, const Data& data) {
+std::vector<WorkerOutcome> runStep(const Plan& plan, const Model& start, const Data& data,
+                                   bool forwardOnly = false) {
   std::vector<WorkerOutcome> out(plan.workers.size());
   onThreads(static_cast<int>(plan.workers.size()), [&](int w, collectives::Communicator& comm) {
     WorkerOutcome& o = out[w];
@@ -154,6 +155,7 @@ std::vector<WorkerOutcome> runStep(const Plan& plan, const Model& start, const D
       transfer();
     };
     step.beforeFirstBackward = [&o] { o.firstBackwardHookRan = true; };
+    step.forwardOnly = forwardOnly;
     o.result = executor.run(step);
   });
   return out;
@@ -216,6 +218,24 @@ TEST_P(StageExecutorTest, OneStepEqualsASingleProcessForwardAndBackward) {
           << "param " << p << ": " << (sum - ref.model.params[p].grad()).abs().max().item<double>();
     }
   }
+}
+
+// Evaluation: forwards only give the single-process loss, and no worker's layers get a
+// gradient or run a backward.
+TEST_P(StageExecutorTest, ForwardOnlyGivesTheLossAndNoGradients) {
+  const auto [width0, width1] = GetParam();
+  const Model start = Model::make();
+  const Data data;
+  std::vector<WorkerOutcome> out =
+      runStep(twoStagePlan(width0, width1), start, data, /*forwardOnly=*/true);
+  Reference ref = reference(start, data);
+  double lossSum = 0;
+  for (const auto& o : out) {
+    lossSum += o.result.lossSum;
+    EXPECT_FALSE(o.firstBackwardHookRan);
+    for (const auto& p : o.model.params) EXPECT_FALSE(p.grad().defined());
+  }
+  EXPECT_NEAR(lossSum, ref.lossSum, 1e-12 * std::abs(ref.lossSum));
 }
 
 INSTANTIATE_TEST_SUITE_P(Widths, StageExecutorTest,

@@ -96,26 +96,42 @@ TEST(JobTest, SigstopLongerThanTheHeartbeatTimeout) {
       << "the stopped worker did not learn it was expelled";
 }
 
-TEST(JobTest, WorkerJoinsMidRun) {
+// A join and two kills with epoch sampling over 200 samples (a new epoch every 3.125 steps):
+// the job ends equal to a single process that trained on epochBatchIndices, which visits every
+// sample exactly once per epoch (DataTest), so no sample was trained on twice in an epoch or
+// skipped, across the join and the losses. The joiner ends with the job's parameters.
+TEST(JobTest, AJoinAndTwoKillsKeepEpochSamplingExact) {
   std::string dir = logDir("join");
+  const std::vector<std::string> data = {"--steps",        "150", "--sampling", "epochs",
+                                         "--dataset-size", "200"};
   // Slowed steps keep the job running while the joiner starts.
-  Child job = start({SINEW_RUN_PATH, "-n", "4", "--log-dir", dir, "--inject", "slow:worker=*:ms=25",
-                     TRAIN_DP_PATH, "--steps", "150"},
-                    {});
+  std::vector<std::string> argv = {SINEW_RUN_PATH,
+                                   "-n",
+                                   "4",
+                                   "--log-dir",
+                                   dir,
+                                   "--inject",
+                                   "slow:worker=*:ms=25;kill:worker=1:step=40:phase=forward;"
+                                   "kill:worker=3:step=70:phase=reduce",
+                                   TRAIN_DP_PATH};
+  argv.insert(argv.end(), data.begin(), data.end());
+  Child job = start(argv, {});
   // The launcher writes the endpoint and token once the coordinator listens.
   const auto env = joinerEnv(dir, "joiner");
   ASSERT_FALSE(env.empty()) << "no coordinator.json";
   // Join mid-run: once the job has trained 20 steps.
   ASSERT_TRUE(waitForLog(dir, "sinew: step 20 ")) << "the job did not reach step 20";
-  Child joiner = start({TRAIN_DP_PATH, "--steps", "150"}, env);
+  std::vector<std::string> joinerArgv = {TRAIN_DP_PATH};
+  joinerArgv.insert(joinerArgv.end(), data.begin(), data.end());
+  Child joiner = start(joinerArgv, env);
   JobRun joined = finish(joiner, 240s);
   JobRun run = finish(job, 240s);
-  expectGoodJob(run, "", 0);
+  expectGoodJob(run, "1,3", 2);
   EXPECT_EQ(joined.exitCode, 0) << joined.output;
   EXPECT_NE(run.output.find("worker 4 (node joiner) asks to join"), std::string::npos);
   std::smatch m;
   ASSERT_TRUE(std::regex_search(joined.output, m,
-                                std::regex("worker 4 done: 150 steps, epoch \\d+, 5 workers, loss "
+                                std::regex("worker 4 done: 150 steps, epoch \\d+, 3 workers, loss "
                                            "\\S+, param_checksum (\\S+)")))
       << joined.output;
   // The joiner ends with the same parameters as the job's workers.

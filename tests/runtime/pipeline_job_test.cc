@@ -593,9 +593,12 @@ TEST(PipelineRecoveryTest, KillOfACheckpointWriterBeforeItsShardArrived) {
   sinew::testing::removeTree(ckpt);
 }
 
+// With Adagrad: its sums and step counts travel with the copied layers.
 TEST(PipelineRecoveryTest, KillInBackwardMidSchedule) {
-  JobRun run = trainPp("pp-kill-backward", 6, {"--memory-bytes", kBudget, "--steps", "30"},
-                       "kill:worker=5:step=7:phase=backward");
+  JobRun run = trainPp(
+      "pp-kill-backward", 6,
+      {"--memory-bytes", kBudget, "--steps", "30", "--optimizer", "adagrad", "--lr", "0.05"},
+      "kill:worker=5:step=7:phase=backward");
   SCOPED_TRACE(run.output);
   expectReconfiguredExact(run, "5", 5);
   expectEachPlanHeld(logDir("pp-kill-backward"));
@@ -613,9 +616,12 @@ TEST(PipelineRecoveryTest, TwoKillsInTheSamePipeline) {
   EXPECT_TRUE(borrowedOrMerged(expectEachPlanHeld(logDir("pp-kill-same"))));
 }
 
+// With SGD and momentum: the momentum buffers travel with the copied layers.
 TEST(PipelineRecoveryTest, TwoKillsInDifferentPipelinesAtOnce) {
-  JobRun run = trainPp("pp-kill-two", 6, {"--memory-bytes", kBudget, "--steps", "30"},
-                       "kill:worker=1:step=8:phase=forward;kill:worker=4:step=8:phase=forward");
+  JobRun run =
+      trainPp("pp-kill-two", 6,
+              {"--memory-bytes", kBudget, "--steps", "30", "--optimizer", "sgd", "--lr", "0.1"},
+              "kill:worker=1:step=8:phase=forward;kill:worker=4:step=8:phase=forward");
   SCOPED_TRACE(run.output);
   // One or two reconfigurations, depending on when the second death is noticed.
   EXPECT_TRUE(run.output.find("workers lost: [1,4]") != std::string::npos ||
@@ -804,12 +810,46 @@ std::map<int, std::string> restoreLines(const std::string& out) {
   return lines;
 }
 
+// Every "eval after step S" line of the job's workers has the loss of the reference's
+// evaluation after step S; returns how many lines there were.
+int expectEvaluationsMatchTheReference(const std::string& out) {
+  std::map<int64_t, double> ref;
+  std::regex refRe("reference eval after step (\\d+): loss ([0-9.e+-]+)");
+  for (std::sregex_iterator it(out.begin(), out.end(), refRe), end; it != end; ++it) {
+    ref[std::stoll((*it)[1])] = std::stod((*it)[2]);
+  }
+  int lines = 0;
+  std::regex re("worker (\\d+) eval after step (\\d+): loss ([0-9.e+-]+)");
+  for (std::sregex_iterator it(out.begin(), out.end(), re), end; it != end; ++it, ++lines) {
+    const int64_t step = std::stoll((*it)[2]);
+    const double loss = std::stod((*it)[3]);
+    auto r = ref.find(step);
+    if (r == ref.end()) {
+      ADD_FAILURE() << "the reference did not evaluate after step " << step;
+      continue;
+    }
+    EXPECT_NEAR(loss, r->second, 1e-9 * r->second) << (*it)[0];
+  }
+  return lines;
+}
+
+// A recipe as users write it: AdamW (weight decay 0.1), warm-up + cosine, clipping at 0.5, and
+// an evaluation on held-out samples every 5 steps, in a loop of the program's own over
+// Trainer::step(). The optimizer's moments and step counts are in every version, so the
+// rollback restores them from RAM; the job ends equal to its reference, and every evaluation,
+// those redone after the rollback included, equals the reference's after the same step.
 TEST(PipelineRollbackTest, LosingEveryLiveCopyRestoresTheCommittedVersionFromRam) {
   const std::string profile = fourStageProfile(logDir("pp-rollback-ram") + "-profile.json");
-  JobRun run = trainPp("pp-rollback-ram", 8, {"--profile", profile, "--steps", "20"},
+  JobRun run = trainPp("pp-rollback-ram", 8,
+                       {"--profile", profile, "--steps", "20", "--optimizer", "adamw", "--schedule",
+                        "cosine", "--warmup", "4", "--lr", "0.01", "--clip", "0.5", "--eval-every",
+                        "5", "--eval-samples", "128"},
                        kKillBothHoldersOfEmbed);
   SCOPED_TRACE(run.output);
   expectMatchesReference(run);
+  // 4 evaluations on each of the 6 survivors, at least; those of steps 4 and 9 also on the
+  // two that died, and again after a rollback.
+  EXPECT_GE(expectEvaluationsMatchTheReference(run.output), 24);
   EXPECT_TRUE(run.output.find("workers lost: [0,5]") != std::string::npos ||
               run.output.find("workers lost: [5,0]") != std::string::npos);
   std::vector<WorkerLine> lines = workerLines(run.output);
@@ -856,12 +896,13 @@ TEST(PipelineRollbackTest, LosingEveryLiveCopyRestoresTheCommittedVersionFromRam
 
 TEST(PipelineRollbackTest, WithNoCommittedPeerVersionTheDurableOneIsRestored) {
   // Peer-RAM versions only every 100 steps: none exists when w0 and w5 die, so the job rolls
-  // back to the newest durable version (every step is written).
+  // back to the newest durable version (every step is written). With RMSprop: its square
+  // averages and step counts go to disk and come back.
   const std::string ckpt = logDir("pp-rollback-disk-dir");
   JobRun run = trainPp(
       "pp-rollback-disk", 8,
       {"--profile", fourStageProfile(ckpt + "-profile.json"), "--steps", "20", "--checkpoint-dir",
-       ckpt, "--checkpoint-every", "1", "--peer-checkpoint-every", "100"},
+       ckpt, "--checkpoint-every", "1", "--peer-checkpoint-every", "100", "--optimizer", "rmsprop"},
       kKillBothHoldersOfEmbed);
   SCOPED_TRACE(run.output);
   expectMatchesReference(run);

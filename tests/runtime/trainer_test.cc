@@ -4,8 +4,12 @@
 
 #include <gtest/gtest.h>
 
+#include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/lbfgs.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
@@ -13,6 +17,7 @@
 
 #include "../checkpoint/fault_env.h"
 #include "../fs_support.h"
+#include "sinew/checkpoint_reader.h"
 #include "sinew/error.h"
 #include "sinew/init.h"
 #include "sinew/runtime/context_state.h"
@@ -134,6 +139,153 @@ TEST(TrainerTest, BadLaneSocketBufferVariableIsRefused) {
   o.parallelism = Parallelism::kPipeline;
   EXPECT_NO_THROW(Trainer(*ctx, tinyModel(), o));
   ::unsetenv("SINEW_GLOO_LANE_SOCKET_BUFFER_BYTES");
+}
+
+// A model of three layers (one without parameters) whose gradients are large enough for
+// clipping at 0.5 to act, in float64.
+ModelSpec recipeModel() {
+  ModelSpec spec;
+  spec.layers.push_back({"fc1", [] { return torch::nn::AnyModule(torch::nn::Linear(3, 8)); }});
+  spec.layers.push_back({"act", [] { return torch::nn::AnyModule(torch::nn::Tanh()); }});
+  spec.layers.push_back({"fc2", [] { return torch::nn::AnyModule(torch::nn::Linear(8, 1)); }});
+  spec.loss = [](const at::Tensor& y, const at::Tensor& t) { return (y - t).pow(2).mean(); };
+  spec.optimizer = adamw(0.05, 0.1);
+  spec.dataset = [](int64_t i) {
+    const double x = static_cast<double>(i % 17) / 4;
+    return Sample{at::tensor({x, -x, 1.0}, at::kDouble), at::full({1}, 3 * x + 2, at::kDouble)};
+  };
+  spec.datasetSize = 64;
+  return spec;
+}
+
+// The step API: a loop of step() with AdamW, warm-up + cosine and clipping gives, step by
+// step, the loss, rate and gradient norm of the same recipe in plain libtorch, and the same
+// parameters at the end; then done, and finish() reports the steps.
+TEST(TrainerTest, AStepLoopTrainsAsPlainLibtorchDoesWithScheduleAndClipping) {
+  auto ctx = init(nullptr, nullptr);
+  TrainerOptions o = tinyOptions();
+  o.steps = 12;
+  o.globalBatch = 8;
+  o.microbatch = 4;
+  o.seed = 3;
+  o.lrSchedule = warmupCosine(0.05, 3, 12, 0.005);
+  o.clipGradNorm = 0.5;
+  const ModelSpec spec = recipeModel();
+  Trainer trainer(*ctx, spec, o);
+
+  torch::nn::Sequential ref = buildModel(spec, o.seed, o.dtype);
+  auto opt = spec.optimizer(ref->parameters());
+  int clipped = 0;
+  for (int64_t s = 0; s < o.steps; ++s) {
+    ASSERT_EQ(trainer.nextStep(), s);
+    StepResult r = trainer.step();
+    ASSERT_FALSE(r.done);
+    EXPECT_EQ(r.step, s);
+    EXPECT_EQ(r.nextStep, s + 1);
+    EXPECT_EQ(r.recoveries, 0);
+    EXPECT_EQ(r.rolledBackTo, -1);
+    // The same step in one process.
+    std::vector<at::Tensor> xs, ys;
+    for (int64_t i : globalBatchIndices(o.seed, s, o.globalBatch, spec.datasetSize)) {
+      Sample smp = spec.dataset(i);
+      xs.push_back(smp.input);
+      ys.push_back(smp.target);
+    }
+    opt->zero_grad();
+    at::Tensor loss = spec.loss(ref->forward(at::stack(xs)), at::stack(ys));
+    loss.backward();
+    const double norm = torch::nn::utils::clip_grad_norm_(ref->parameters(), 0.5);
+    clipped += norm > 0.5;
+    const double lr = o.lrSchedule(s);
+    for (auto& g : opt->param_groups()) g.options().set_lr(lr);
+    opt->step();
+    EXPECT_NEAR(r.loss, loss.item<double>(), 1e-12 * std::abs(loss.item<double>())) << s;
+    EXPECT_DOUBLE_EQ(r.learningRate, lr) << s;
+    EXPECT_NEAR(r.gradNorm, norm, 1e-12 * norm) << s;
+  }
+  EXPECT_GT(clipped, 3) << "clipping at 0.5 never acted: the test could not tell it apart";
+  // Evaluation of a held-out split: the reference's mean loss over the same samples.
+  Dataset heldOut = [&spec](int64_t i) { return spec.dataset(spec.datasetSize + 5 + i); };
+  EvalResult e = trainer.evaluate(heldOut, 16);
+  std::vector<at::Tensor> xs, ys;
+  for (int64_t i = 0; i < 16; ++i) {
+    xs.push_back(heldOut(i).input);
+    ys.push_back(heldOut(i).target);
+  }
+  const double refEval = spec.loss(ref->forward(at::stack(xs)), at::stack(ys)).item<double>();
+  EXPECT_FALSE(e.done);
+  EXPECT_EQ(e.samples, 16);
+  EXPECT_EQ(e.afterStep, o.steps - 1);
+  EXPECT_NEAR(e.loss, refEval, 1e-10 * refEval);
+  EXPECT_THROW(trainer.evaluate(heldOut, 12), InvalidArgument);  // not whole global batches
+  StepResult last = trainer.step();
+  EXPECT_TRUE(last.done);
+  EXPECT_EQ(last.nextStep, o.steps);
+  TrainResult result = trainer.finish();
+  EXPECT_EQ(result.steps, o.steps);
+  EXPECT_FALSE(result.preempted);
+  auto mine = trainer.model()->named_parameters(), theirs = ref->named_parameters();
+  ASSERT_EQ(mine.size(), theirs.size());
+  for (const auto& p : mine) {
+    EXPECT_TRUE(at::allclose(p.value(), theirs[p.key()], 1e-10, 1e-12)) << p.key();
+  }
+}
+
+// The model out of a checkpoint: CheckpointReader::loadInto() fills a freshly built model of
+// the same spec (its parameter-free "act" layer needs nothing) with the trained parameters;
+// a model with a layer the checkpoint lacks is refused, naming it.
+TEST(TrainerTest, ACheckpointLoadsIntoAPlainModel) {
+  const std::string dir = tempDir();
+  auto ctx = init(nullptr, nullptr);
+  TrainerOptions o = tinyOptions();
+  o.globalBatch = 8;
+  o.microbatch = 4;
+  o.steps = 4;
+  o.checkpointDir = dir;
+  o.checkpointEvery = 2;
+  const ModelSpec spec = recipeModel();
+  Trainer trainer(*ctx, spec, o);
+  trainer.run();
+  torch::nn::Sequential plain = buildModel(spec, /*seed=*/99, at::kDouble);
+  auto reader = CheckpointReader::open(dir);
+  EXPECT_EQ(reader->step(), 3);
+  EXPECT_EQ(reader->loadInto(*plain), 2);
+  auto mine = trainer.model()->named_parameters(), theirs = plain->named_parameters();
+  for (const auto& p : mine) EXPECT_TRUE(at::equal(p.value(), theirs[p.key()])) << p.key();
+  ModelSpec other = spec;
+  other.layers[2].name = "head";
+  torch::nn::Sequential wrong = buildModel(other, 1, at::kDouble);
+  try {
+    reader->loadInto(*wrong);
+    ADD_FAILURE() << "a model with a layer the checkpoint lacks was loaded";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("no layer 'head'"), std::string::npos) << e.what();
+  }
+  sinew::testing::removeTree(dir);
+}
+
+// An optimizer whose state cannot be captured, a schedule that goes bad at a later step and a
+// clip value <= 0 are refused when the trainer is made, each named.
+TEST(TrainerTest, UncapturableOptimizersAndBadRecipesAreRefusedByName) {
+  auto ctx = init(nullptr, nullptr);
+  ModelSpec lbfgs = tinyModel();
+  lbfgs.optimizer = [](std::vector<at::Tensor> ps) {
+    return std::make_unique<torch::optim::LBFGS>(std::move(ps), torch::optim::LBFGSOptions(1));
+  };
+  try {
+    Trainer trainer(*ctx, lbfgs, tinyOptions());
+    ADD_FAILURE() << "LBFGS was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("ModelSpec::optimizer made torch::optim::LBFGS"),
+              std::string::npos)
+        << e.what();
+  }
+  TrainerOptions o = tinyOptions();
+  o.lrSchedule = [](int64_t s) { return s < 2 ? 0.1 : -0.1; };
+  expectRefused(*ctx, o, "gave learning rate -0.1 for step 2");
+  o = tinyOptions();
+  o.clipGradNorm = 0.0;
+  expectRefused(*ctx, o, "TrainerOptions::clipGradNorm = 0");
 }
 
 }  // namespace

@@ -7,20 +7,34 @@
 
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/lbfgs.h>
+#include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <string>
 
 #include "sinew/base/error.h"
+#include "sinew/data.h"
 #include "sinew/init.h"
 #include "sinew/runtime/detail/wire.h"
 #include "sinew/runtime/layer_copy_manifest.h"
 #include "sinew/runtime/optimizer_state.h"
+#include "sinew/runtime/step_update.h"
+#include "sinew/schedule.h"
 
 namespace sinew {
 namespace runtime {
@@ -129,6 +143,90 @@ TEST(OptimizerStateTest, AmsgradRoundTrips) {
       {"", ".exp_avg", ".exp_avg_sq", ".max_exp_avg_sq", ".step"});
 }
 
+TEST(OptimizerStateTest, SgdWithNesterovAndWeightDecayRoundTrips) {
+  expectRoundTrip(
+      [](std::vector<at::Tensor> ps) {
+        return std::make_unique<torch::optim::SGD>(
+            ps, torch::optim::SGDOptions(0.1).momentum(0.9).nesterov(true).weight_decay(1e-2));
+      },
+      {"", ".momentum_buffer"});
+}
+
+TEST(OptimizerStateTest, AdamWRoundTripsWithAndWithoutAmsgrad) {
+  for (bool amsgrad : {false, true}) {
+    std::vector<std::string> suffixes = {"", ".exp_avg", ".exp_avg_sq", ".step"};
+    if (amsgrad) suffixes.push_back(".max_exp_avg_sq");
+    expectRoundTrip(
+        [amsgrad](std::vector<at::Tensor> ps) {
+          return std::make_unique<torch::optim::AdamW>(
+              ps, torch::optim::AdamWOptions(1e-2).weight_decay(0.1).amsgrad(amsgrad));
+        },
+        suffixes);
+  }
+}
+
+TEST(OptimizerStateTest, RmspropRoundTripsPlainCenteredAndWithMomentum) {
+  expectRoundTrip(
+      [](std::vector<at::Tensor> ps) {
+        return std::make_unique<torch::optim::RMSprop>(ps, torch::optim::RMSpropOptions(1e-2));
+      },
+      {"", ".square_avg", ".step"});
+  expectRoundTrip(
+      [](std::vector<at::Tensor> ps) {
+        return std::make_unique<torch::optim::RMSprop>(
+            ps, torch::optim::RMSpropOptions(1e-2).momentum(0.9).centered(true));
+      },
+      {"", ".square_avg", ".momentum_buffer", ".grad_avg", ".step"});
+}
+
+TEST(OptimizerStateTest, AdagradRoundTrips) {
+  expectRoundTrip(
+      [](std::vector<at::Tensor> ps) {
+        return std::make_unique<torch::optim::Adagrad>(ps, torch::optim::AdagradOptions(1e-1));
+      },
+      {"", ".sum", ".step"});
+}
+
+// A field the options need (RMSprop's momentum buffer with momentum) missing is Corruption;
+// a state with no field at all is a parameter before its first step.
+TEST(OptimizerStateTest, RmspropWithoutItsMomentumBufferIsCorruption) {
+  auto layers = makeLayers(1);
+  torch::optim::RMSprop opt(layers->parameters(), torch::optim::RMSpropOptions(1e-2).momentum(0.5));
+  trainSteps(layers, opt, 2, 5);
+  Saved saved = snapshot(captureState(layers, opt));
+  saved["fc1"].erase("weight.momentum_buffer");
+  auto fresh = makeLayers(2);
+  torch::optim::RMSprop freshOpt(fresh->parameters(),
+                                 torch::optim::RMSpropOptions(1e-2).momentum(0.5));
+  try {
+    loadState(fresh, freshOpt, saved, "version 4");
+    ADD_FAILURE() << "a state without its momentum buffer was loaded";
+  } catch (const Corruption& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("version 4, layer 'fc1'"), std::string::npos) << what;
+    EXPECT_NE(what.find("torch::optim::RMSprop state without 'weight.momentum_buffer'"),
+              std::string::npos)
+        << what;
+  }
+}
+
+// An optimizer whose state Sinew cannot capture is refused, naming its type and the
+// supported ones.
+TEST(OptimizerStateTest, LbfgsIsRefusedByName) {
+  auto layers = makeLayers(1);
+  torch::optim::LBFGS opt(layers->parameters(), torch::optim::LBFGSOptions(1));
+  EXPECT_FALSE(optimizerStateSupported(opt));
+  try {
+    optimizerStateCodec(opt, "ModelSpec::optimizer");
+    ADD_FAILURE() << "LBFGS was accepted";
+  } catch (const InvalidArgument& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("ModelSpec::optimizer made torch::optim::LBFGS"), std::string::npos)
+        << what;
+    EXPECT_NE(what.find("torch::optim::AdamW"), std::string::npos) << what;
+  }
+}
+
 // A checkpoint whose Adam state lacks exp_avg_sq (or step) is refused with Corruption naming
 // the source, the layer and the tensor, instead of dereferencing a missing tensor.
 TEST(OptimizerStateTest, AdamStateWithoutExpAvgSqOrStepIsCorruption) {
@@ -164,28 +262,36 @@ TEST(OptimizerStateTest, AMissingLayerOrParameterIsInvalidArgument) {
   EXPECT_THROW(loadState(layers, opt, wrongShape, "x"), InvalidArgument);
 }
 
+// Adam's layout: three tensor fields, then the step count.
+StateLayout adamLayout() {
+  StateLayout l;
+  l.fields = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"};
+  l.countField = 3;
+  return l;
+}
+
 TEST(LayerCopyManifestTest, EncodesAndDecodes) {
+  const StateLayout layout = adamLayout();
   LayerCopyManifest m;
-  m.parameters = {{LayerCopyManifest::kHasAdam, 12},
-                  {LayerCopyManifest::kHasAdam | LayerCopyManifest::kHasMaxSq, 3},
-                  {LayerCopyManifest::kHasMomentum, 0},
-                  {0, 0}};
+  m.parameters = {{0b1011, 12}, {0b1111, 3}, {0b0011, 0}, {0, 0}};
   m.crc32c = 0xFFFFFFFFu;
   std::vector<int64_t> words = m.encode();
   ASSERT_EQ(words.size(), 9u);
-  EXPECT_EQ(words[4], 12);  // Steps follow the flags; the checksum is last.
+  EXPECT_EQ(words[4], 12);  // Counts follow the field masks; the checksum is last.
   EXPECT_EQ(words[8], 0xFFFFFFFFll);
-  LayerCopyManifest back = LayerCopyManifest::decode(words.data(), words.size(), 4, "layer 'x'");
+  LayerCopyManifest back =
+      LayerCopyManifest::decode(words.data(), words.size(), 4, layout, "layer 'x'");
   ASSERT_EQ(back.parameters.size(), 4u);
   for (size_t i = 0; i < 4; ++i) {
-    EXPECT_EQ(back.parameters[i].flags, m.parameters[i].flags);
-    EXPECT_EQ(back.parameters[i].step, m.parameters[i].step);
+    EXPECT_EQ(back.parameters[i].fields, m.parameters[i].fields);
+    EXPECT_EQ(back.parameters[i].count, m.parameters[i].count);
   }
   EXPECT_EQ(back.crc32c, m.crc32c);
-  EXPECT_EQ(LayerCopyManifest::tensorSuffixes(m.parameters[1].flags),
+  EXPECT_EQ(LayerCopyManifest::tensorSuffixes(m.parameters[1].fields, layout),
             (std::vector<std::string>{"", ".exp_avg", ".exp_avg_sq", ".max_exp_avg_sq"}));
-  EXPECT_EQ(LayerCopyManifest::tensorSuffixes(m.parameters[2].flags),
-            (std::vector<std::string>{"", ".momentum_buffer"}));
+  EXPECT_EQ(LayerCopyManifest::tensorSuffixes(m.parameters[0].fields, layout),
+            (std::vector<std::string>{"", ".exp_avg", ".exp_avg_sq"}));
+  EXPECT_EQ(LayerCopyManifest::tensorSuffixes(0, layout), (std::vector<std::string>{""}));
 }
 
 TEST(LayerCopyManifestTest, BadWordsAreCorruptionNamingTheLayerAndTheWord) {
@@ -197,18 +303,17 @@ TEST(LayerCopyManifestTest, BadWordsAreCorruptionNamingTheLayerAndTheWord) {
   const std::vector<Case> cases = {
       {{0, 0}, 1, "has 2 words; a layer of 1 parameters needs 3"},
       {{0, 0, 0, 0, 0}, 1, "has 5 words"},
-      {{8, 0, 0}, 1, "flags 8 for parameter 0"},
-      {{-1, 0, 0}, 1, "flags -1"},
-      {{0, 5, 0, 0, 0}, 2, "flags 5 for parameter 1"},  // Adam and momentum
-      {{2, 0, 0}, 1, "flags 2"},                        // max_exp_avg_sq without Adam
-      {{1, -4, 0}, 1, "step count -4"},
-      {{4, 7, 0}, 1, "step count 7 for parameter 0, which has no Adam state"},
+      {{16, 0, 0}, 1, "field mask 16 for parameter 0; the optimizer's state has 4 fields"},
+      {{-1, 0, 0}, 1, "field mask -1"},
+      {{0, 32, 0, 0, 0}, 2, "field mask 32 for parameter 1"},
+      {{9, -4, 0}, 1, "count -4"},
+      {{3, 7, 0}, 1, "count 7 for parameter 0, whose state has no count"},
       {{0, 0, int64_t{1} << 32}, 1, "checksum word 4294967296"},
       {{0, 0, -1}, 1, "checksum word -1"},
   };
   for (const Case& c : cases) {
     try {
-      LayerCopyManifest::decode(c.words.data(), c.words.size(), c.parameters,
+      LayerCopyManifest::decode(c.words.data(), c.words.size(), c.parameters, adamLayout(),
                                 "layer 'h3' from worker 2");
       ADD_FAILURE() << "accepted: " << c.says;
     } catch (const Corruption& e) {
@@ -217,6 +322,181 @@ TEST(LayerCopyManifestTest, BadWordsAreCorruptionNamingTheLayerAndTheWord) {
       EXPECT_NE(what.find(c.says), std::string::npos) << what;
     }
   }
+  // A layout without a count (SGD's): no count is valid.
+  StateLayout sgd;
+  sgd.fields = {"momentum_buffer"};
+  const std::vector<int64_t> withCount = {1, 2, 0};
+  EXPECT_THROW(LayerCopyManifest::decode(withCount.data(), 3, 1, sgd, "x"), Corruption);
+  const std::vector<int64_t> fine = {1, 0, 0};
+  EXPECT_EQ(LayerCopyManifest::decode(fine.data(), 3, 1, sgd, "x").parameters[0].fields, 1);
+}
+
+TEST(ScheduleTest, WarmupCosineStepDecayAndConstantGiveTheirRates) {
+  LrSchedule cosine = warmupCosine(1.0, 4, 14, 0.1);
+  EXPECT_DOUBLE_EQ(cosine(0), 0.25);  // warm-up: (s + 1) / 4
+  EXPECT_DOUBLE_EQ(cosine(3), 1.0);
+  EXPECT_DOUBLE_EQ(cosine(4), 1.0);   // the cosine starts at the peak
+  EXPECT_DOUBLE_EQ(cosine(9), 0.55);  // half way: (peak + min) / 2
+  EXPECT_DOUBLE_EQ(cosine(14), 0.1);
+  EXPECT_DOUBLE_EQ(cosine(1000), 0.1);
+  EXPECT_DOUBLE_EQ(warmupCosine(2.0, 0, 10)(0), 2.0);
+  LrSchedule decay = stepDecay(0.8, 3, 0.5);
+  EXPECT_DOUBLE_EQ(decay(2), 0.8);
+  EXPECT_DOUBLE_EQ(decay(3), 0.4);
+  EXPECT_DOUBLE_EQ(decay(7), 0.2);
+  EXPECT_DOUBLE_EQ(constantLr(0.3)(12345), 0.3);
+  EXPECT_THROW(warmupCosine(1.0, 5, 4), InvalidArgument);
+  EXPECT_THROW(warmupCosine(0.1, 0, 4, 0.2), InvalidArgument);
+  EXPECT_THROW(stepDecay(0.1, 0, 0.5), InvalidArgument);
+  EXPECT_THROW(constantLr(-1), InvalidArgument);
+  EXPECT_THROW(constantLr(std::nan("")), InvalidArgument);
+}
+
+// A schedule that gives NaN or a negative rate, or a clip value <= 0, is refused before
+// training, naming the step and the value.
+TEST(ScheduleTest, BadRatesAndClipValuesAreRefusedNamingThem) {
+  auto expectRefused = [](const TrainerOptions& o, const std::string& says) {
+    try {
+      checkStepUpdateOptions(o);
+      ADD_FAILURE() << "accepted: " << says;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  };
+  TrainerOptions o;
+  o.steps = 10;
+  o.lrSchedule = [](int64_t s) { return s == 3 ? std::nan("") : 0.1; };
+  expectRefused(o, "gave learning rate nan for step 3");
+  o.lrSchedule = [](int64_t s) { return 0.1 - 0.02 * static_cast<double>(s); };
+  expectRefused(o, "gave learning rate -0.02 for step 6");
+  o.lrSchedule = {};
+  o.clipGradNorm = 0.0;
+  expectRefused(o, "TrainerOptions::clipGradNorm = 0 must be finite and > 0");
+  o.clipGradNorm = -1.0;
+  expectRefused(o, "TrainerOptions::clipGradNorm = -1");
+  o.clipGradNorm = 1.0;
+  o.lrSchedule = warmupCosine(0.1, 2, 10);
+  EXPECT_NO_THROW(checkStepUpdateOptions(o));
+  // Beyond the steps checked up front, the step itself refuses it.
+  EXPECT_THROW(scheduledRate([](int64_t) { return -1.0; }, 1 << 21), InvalidArgument);
+}
+
+// The norm of gradients split over two holders, summed as the trainer sums them, clips them
+// exactly as clip_grad_norm_ clips them in one process.
+TEST(ClipTest, SplitGradientsClipAsClipGradNormDoes) {
+  auto layers = makeLayers(1);
+  auto copy = makeLayers(1);
+  for (auto* l : {&layers, &copy}) {
+    torch::manual_seed(3);
+    (*l)->forward(at::randn({5, 4})).pow(2).sum().backward();
+  }
+  auto first = layers[0]->parameters(), second = layers[2]->parameters();
+  const double squares = squaredGradientNorm(first) + squaredGradientNorm(second);
+  const double norm = std::sqrt(squares);
+  ASSERT_GT(norm, 0.5);  // so that clipping at 0.5 does something
+  const double factor = clipFactor(norm, 0.5);
+  scaleGradients(first, factor);
+  scaleGradients(second, factor);
+  const double expected = torch::nn::utils::clip_grad_norm_(copy->parameters(), 0.5);
+  EXPECT_NEAR(norm, expected, 1e-6 * expected);
+  auto pa = layers->named_parameters(), pb = copy->named_parameters();
+  for (const auto& p : pa) {
+    EXPECT_TRUE(at::allclose(p.value().grad(), pb[p.key()].grad(), 1e-6, 0)) << p.key();
+  }
+  EXPECT_EQ(clipFactor(0.1, 0.5), 1.0);
+  EXPECT_EQ(clipFactor(std::numeric_limits<double>::infinity(), 0.5), 1.0);
+}
+
+// Epoch sampling visits every sample exactly once per epoch, for batches that do and do not
+// divide the dataset, in another order each epoch and for each seed.
+TEST(DataTest, EpochBatchIndicesVisitEverySampleOncePerEpoch) {
+  for (int64_t n : {1, 2, 7, 64, 100, 1000}) {
+    for (int64_t batch : {1, 8, 33, 64}) {
+      std::vector<int64_t> seen;
+      for (int64_t step = 0; static_cast<int64_t>(seen.size()) < 3 * n; ++step) {
+        EXPECT_EQ(epochOfStep(step, batch, n), step * batch / n);
+        for (int64_t i : epochBatchIndices(5, step, batch, n)) seen.push_back(i);
+      }
+      for (int64_t e = 0; e < 3; ++e) {
+        std::vector<int64_t> epoch(seen.begin() + e * n, seen.begin() + (e + 1) * n);
+        std::vector<int64_t> order = epoch;
+        std::sort(epoch.begin(), epoch.end());
+        for (int64_t i = 0; i < n; ++i) {
+          ASSERT_EQ(epoch[i], i) << "n " << n << " batch " << batch << " epoch " << e;
+        }
+        if (n >= 7) {
+          std::vector<int64_t> next(n);
+          for (int64_t p = 0; p < n; ++p) next[p] = epochOrder(5, e + 1, p, n);
+          EXPECT_NE(order, next) << "epochs " << e << " and " << e + 1 << " in the same order";
+        }
+      }
+    }
+  }
+  EXPECT_NE(epochBatchIndices(1, 0, 64, 1000), epochBatchIndices(2, 0, 64, 1000));
+  EXPECT_EQ(batchIndices(Sampling::kEpochs, 3, 4, 16, 50), epochBatchIndices(3, 4, 16, 50));
+  EXPECT_EQ(batchIndices(Sampling::kWithReplacement, 3, 4, 16, 50),
+            globalBatchIndices(3, 4, 16, 50));
+  EXPECT_THROW(epochBatchIndices(1, -1, 4, 10), InvalidArgument);
+  EXPECT_THROW(epochBatchIndices(1, 0, 4, 0), InvalidArgument);
+}
+
+std::string tempPath(const std::string& name) {
+  return (std::filesystem::temp_directory_path() /
+          ("sinew-units-" + std::to_string(::getpid()) + "-" + name))
+      .string();
+}
+
+TEST(DataTest, TokenFileWindowsAreNextTokenPairs) {
+  for (int width : {2, 4}) {
+    const std::string path = tempPath("tokens-" + std::to_string(width));
+    std::vector<int64_t> tokens;
+    for (int64_t i = 0; i < 23; ++i) tokens.push_back(width == 2 ? 65000 - i : 70000 + 3 * i);
+    TokenFile::write(path, tokens, width);
+    TokenFile file(path, width);
+    ASSERT_EQ(file.tokens(), 23);
+    EXPECT_EQ(file.token(22), tokens[22]);
+    EXPECT_EQ(file.windows(5), 4);  // 4 windows of 5, each with the token after it
+    Dataset all = file.dataset(5);
+    Sample s = all(3);
+    EXPECT_EQ(s.input.scalar_type(), at::kLong);
+    for (int64_t k = 0; k < 5; ++k) {
+      EXPECT_EQ(s.input[k].item<int64_t>(), tokens[15 + k]);
+      EXPECT_EQ(s.target[k].item<int64_t>(), tokens[16 + k]);
+    }
+    Dataset heldOut = file.dataset(5, 3, 1);  // the last window as a held-out split
+    EXPECT_TRUE(at::equal(heldOut(0).input, s.input));
+    EXPECT_THROW(heldOut(1), InvalidArgument);
+    EXPECT_THROW(file.dataset(5, 2, 3), InvalidArgument);
+    std::filesystem::remove(path);
+  }
+}
+
+// A file whose size is not a multiple of the token width, a width other than 2 or 4, a
+// missing file and a token that does not fit are refused, naming the path and what is wrong.
+TEST(DataTest, BadTokenFilesAreRefusedByName) {
+  const std::string path = tempPath("odd");
+  { std::ofstream(path, std::ios::binary) << "abcde"; }  // 5 bytes
+  try {
+    TokenFile file(path, 2);
+    ADD_FAILURE() << "a 5-byte file of 2-byte tokens was opened";
+  } catch (const InvalidArgument& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("'" + path +
+                        "' has 5 bytes, which is not a positive multiple of its "
+                        "token width of 2 bytes"),
+              std::string::npos)
+        << what;
+  }
+  EXPECT_THROW(TokenFile(path, 3), InvalidArgument);
+  std::filesystem::remove(path);
+  try {
+    TokenFile file(path, 2);
+    ADD_FAILURE() << "a missing file was opened";
+  } catch (const IoError& e) {
+    EXPECT_NE(std::string(e.what()).find("'" + path + "' cannot be opened"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(TokenFile::write(path, {1, 70000}, 2), InvalidArgument);
 }
 
 // requestPreemption() asks its own Context, not every Context the process makes after it.

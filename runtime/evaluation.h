@@ -1,0 +1,48 @@
+#pragma once
+
+// Internal: the forward-only pass of Trainer::evaluate() on one worker. Each global batch of
+// the samples runs as a training step's forward does: in data parallel mode this worker's
+// microbatches of the plan; in pipeline mode its stage's part of its pipeline's microbatches
+// through the stage executor (forwards only, activations sent on, no gradients back).
+//
+// Thread safety: called by the training thread, which owns the layers and the executor.
+
+#include <torch/nn/modules/container/sequential.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <utility>
+#include <vector>
+
+#include "sinew/model.h"
+#include "sinew/pipeline/stage_executor.h"
+
+namespace sinew {
+namespace runtime {
+
+struct EvaluationPass {
+  torch::nn::Sequential* layers = nullptr;      // this worker's layers
+  pipeline::StageExecutor* executor = nullptr;  // pipeline mode: its stage; null: idle
+  bool pipelineMode = false;
+  std::vector<int64_t> microbatches;  // data parallel: this worker's
+  int64_t globalBatch = 0;
+  int64_t microbatch = 0;
+  LossFn loss;
+  // Inputs and targets of samples [begin, end) (end < 0: all) of microbatch m of the global
+  // batch `indices`, on this worker's device.
+  std::function<std::pair<at::Tensor, at::Tensor>(const std::vector<int64_t>& indices, int64_t m,
+                                                  int64_t begin, int64_t end)>
+      data;
+  std::function<void(const std::function<void()>& transfer)> aroundExchange;
+  std::chrono::milliseconds timeout{10000};
+};
+
+// This worker's part of the sum over samples [0, count) of the loss (the caller sums it over
+// the epoch's members), with the layers in eval() mode and no autograd; the layers are back
+// in train() mode afterwards, also when it throws (the executor's errors).
+// REQUIRES: count is a positive multiple of pass.globalBatch.
+double localEvaluationLossSum(const EvaluationPass& pass, int64_t count);
+
+}  // namespace runtime
+}  // namespace sinew
