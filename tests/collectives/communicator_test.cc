@@ -254,7 +254,10 @@ TEST_P(CommunicatorWorldTest, EveryOpDtypeAndSize) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldSizes, CommunicatorWorldTest, ::testing::Range(1, 9),
+// One member, two (the lanes' allreduce), and rings of 3, 6 and 8 members: odd and even rings
+// whose blocks split the sizes above unevenly, up to four processes per core. Worlds of 4, 5
+// and 7 took 30 s of every CI run and run no code these do not.
+INSTANTIATE_TEST_SUITE_P(WorldSizes, CommunicatorWorldTest, ::testing::Values(1, 2, 3, 6, 8),
                          [](const auto& info) { return "world" + std::to_string(info.param); });
 
 // Members that never show up are named in the Timeout.

@@ -716,7 +716,8 @@ TEST(PipelineJoinTest, AJoinedWorkerGetsAStage) {
   std::filesystem::remove_all(dir);  // A repeated run must not read the last coordinator.json.
   // Slowed steps keep the job running while the joiner starts.
   // The joiner trains to the same last step: one that stopped earlier would leave the job.
-  const char* steps = "120";
+  // It joins before step 20 (the join's plan is epoch 2's); 60 steps leave it 40 to spare.
+  const char* steps = "60";
   Child job = start({SINEW_RUN_PATH, "-n", "6", "--log-dir", dir, "--exit-grace-s", kExitGrace,
                      "--inject", "slow:worker=*:ms=50", TRAIN_PP_PATH, "--devices-per-node", "1",
                      "--memory-bytes", kBudget, "--steps", steps},
