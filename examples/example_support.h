@@ -240,16 +240,18 @@ inline std::unique_ptr<sinew::Context> join(const char* program, int* argc, char
 // another error, 0 when it was preempted (it left the job cleanly); nothing when it trained to
 // the end, after saying so if it resumed from a durable checkpoint.
 // With --eval-every N it runs its own loop over Trainer::step() and evaluates `heldOut`
-// (--eval-samples of it) after every N-th step, printing each result.
+// (--eval-samples of it) after every N-th step, printing each result; `beforeFinish` (which
+// also makes it run its own loop) is called after the last step, before Trainer::finish().
 inline std::optional<int> train(const char* program, sinew::Context& ctx,
                                 const sinew::ModelSpec& spec, const sinew::TrainerOptions& o,
                                 std::unique_ptr<sinew::Trainer>* trainer,
                                 sinew::TrainResult* result, const CommonArgs& a,
-                                const sinew::Dataset& heldOut) {
+                                const sinew::Dataset& heldOut,
+                                const std::function<void(sinew::Trainer&)>& beforeFinish = {}) {
   try {
     *trainer = std::make_unique<sinew::Trainer>(ctx, spec, o);
     const auto t0 = std::chrono::steady_clock::now();
-    if (a.evalEvery <= 0 && !a.stepLoop) {
+    if (a.evalEvery <= 0 && !a.stepLoop && !beforeFinish) {
       *result = (*trainer)->run();
     } else {
       sinew::Trainer& t = **trainer;
@@ -262,6 +264,7 @@ inline std::optional<int> train(const char* program, sinew::Context& ctx,
                     program, ctx.worker(), static_cast<long long>(e.afterStep), e.loss,
                     s.learningRate, s.gradNorm);
       }
+      if (beforeFinish) beforeFinish(t);
       *result = t.finish();
     }
     std::printf("%s: worker %d trained steps %lld..%lld in %.3f s\n", program, ctx.worker(),

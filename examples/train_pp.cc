@@ -213,8 +213,6 @@ sinew::ModelSpec model(const Args& a) {
   return spec;
 }
 
-std::string paramKey(const std::string& name) { return "train_pp/param/" + name; }
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -236,8 +234,12 @@ int main(int argc, char** argv) {
   sinew::ModelSpec spec = model(a);
   sinew::TrainResult r;
   std::unique_ptr<sinew::Trainer> trainer;
-  if (auto status = sinew_example::train("train_pp", *ctx, spec, o, &trainer, &r, a,
-                                         sinew_example::heldOut(spec)))
+  // After the last step the job's first worker gathers the whole model (Trainer::gatherModel)
+  // and compares it with the reference.
+  torch::nn::Sequential gathered;
+  if (auto status = sinew_example::train(
+          "train_pp", *ctx, spec, o, &trainer, &r, a, sinew_example::heldOut(spec),
+          [&gathered](sinew::Trainer& t) { gathered = t.gatherModel(); }))
     return *status;
   std::string held = r.layers.empty() ? "no layers" : r.layers.front() + ".." + r.layers.back();
   std::printf(
@@ -247,39 +249,24 @@ int main(int argc, char** argv) {
       r.finalMembers.size(), r.pipeline, r.pipelines, r.stage, held.c_str(), r.layers.size(),
       static_cast<long long>(r.parameterCount), r.finalLoss, r.device.c_str(), r.backend.c_str());
   std::fflush(stdout);
-  // Every worker publishes its layers' parameters; one copy of each layer is enough.
-  const auto& store = ctx->store();
-  for (const auto& np : trainer->model()->named_parameters(/*recurse=*/true)) {
-    at::Tensor t = np.value().detach().to(at::kCPU, at::kDouble).contiguous();
-    const auto* bytes = static_cast<const uint8_t*>(t.data_ptr());
-    store->set(paramKey(np.key()), sinew::collectives::Bytes(bytes, bytes + t.nbytes()));
-  }
-  bool reporter = !r.finalMembers.empty() && r.finalMembers.front() == ctx->worker();
-  if (reporter) {
+  if (!gathered.is_empty() && gathered->size() > 0) {
     double refLoss = -1, maxRel = -1;
     if (a.reference) {
       torch::nn::Sequential ref;
       refLoss = sinew_example::trainReference(a, spec, o.dtype, &ref, a.ragged ? a.microbatch : 0,
                                               sinew_example::heldOut(spec));
       maxRel = 0;
+      auto mine = gathered->named_parameters(/*recurse=*/true);
       for (const auto& np : ref->named_parameters(/*recurse=*/true)) {
-        at::Tensor theirs = np.value().detach().to(at::kDouble).contiguous();
-        sinew::collectives::Bytes got;
-        try {
-          got = store->get(paramKey(np.key()), std::chrono::seconds(120));
-        } catch (const sinew::Error& e) {
-          std::fprintf(stderr, "train_pp: no worker published layer tensor '%s': %s\n",
-                       np.key().c_str(), e.what());
+        const at::Tensor* got = mine.find(np.key());
+        if (got == nullptr || got->sizes() != np.value().sizes()) {
+          std::fprintf(stderr,
+                       "train_pp: the gathered model has no tensor '%s' of the reference's shape\n",
+                       np.key().c_str());
           return 1;
         }
-        if (got.size() != theirs.nbytes()) {
-          std::fprintf(stderr, "train_pp: tensor '%s' has %zu bytes, the reference %zu\n",
-                       np.key().c_str(), got.size(), static_cast<size_t>(theirs.nbytes()));
-          return 1;
-        }
-        at::Tensor mine = at::empty_like(theirs);
-        std::memcpy(mine.data_ptr(), got.data(), got.size());
-        maxRel = std::max(maxRel, sinew_example::relDiff(mine, theirs));
+        maxRel = std::max(maxRel, sinew_example::relDiff(got->to(at::kDouble),
+                                                         np.value().detach().to(at::kDouble)));
       }
     }
     sinew_example::printResult(r, refLoss, maxRel);

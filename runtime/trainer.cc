@@ -34,6 +34,7 @@
 #include "sinew/runtime/evaluation.h"
 #include "sinew/runtime/event_log.h"
 #include "sinew/runtime/layer_relayout.h"
+#include "sinew/runtime/model_gather.h"
 #include "sinew/runtime/optimizer_state.h"
 #include "sinew/runtime/peer_versions.h"
 #include "sinew/runtime/plan_report.h"
@@ -336,6 +337,56 @@ class Trainer::Impl {
     r.recoveries = recoveries_ - recoveriesBefore;
     if (step_ < first) r.rolledBackTo = step_;
     return r;
+  }
+
+  // The whole model on the epoch's first member (see Trainer::gatherModel()).
+  torch::nn::Sequential gatherModel() {
+    if (finished_) SINEW_THROW(InvalidArgument, "Trainer::gatherModel() after finish()");
+    if (!started_) start();
+    while (!preempted_) {
+      try {
+        if (client_.latestEpoch().epoch != epoch_) {
+          SINEW_THROW(EpochChanged, "epoch ", epoch_, " was superseded");
+        }
+        const int self = ctx_.worker();
+        if (!pipelineMode_) {
+          if (members_.front() != self) return torch::nn::Sequential();
+          torch::nn::Sequential whole = buildModel(spec_, o_.seed, o_.dtype);
+          at::NoGradGuard noGrad;
+          auto target = whole->named_parameters(/*recurse=*/true);
+          for (const auto& np : model_->named_parameters(/*recurse=*/true)) {
+            target[np.key()].copy_(np.value().detach());
+          }
+          return whole;
+        }
+        runtime::GatherInputs in;
+        in.spec = &spec_;
+        in.seed = o_.seed;
+        in.dtype = o_.dtype;
+        in.plan = &plan_;
+        in.self = self;
+        in.root = members_.front();
+        in.held = &model_;
+        in.heldFirst = heldFirst_;
+        in.comm = comm_.get();
+        in.device = device_;
+        in.timeout = recoveryTimeout();
+        WaitingOnOthers waiting(client_, step_, &stepWaited_);
+        return runtime::gatherLayers(in);
+      } catch (const Released&) {
+        preempted_ = true;
+      } catch (const PeerLost& e) {
+        client_.reportLost(epoch_, e.worker());
+        recoverInto(epoch_, true, e.what());
+      } catch (const Timeout& e) {
+        recoverInto(epoch_, true, e.what());
+      } catch (const Aborted& e) {
+        recoverInto(epoch_, true, e.what());
+      } catch (const IoError& e) {
+        recoverInto(epoch_, true, e.what());
+      }
+    }
+    return torch::nn::Sequential();
   }
 
   // The sum over every sample of the loss, each global batch of `data` run as a training step
@@ -1188,6 +1239,8 @@ StepResult Trainer::step() { return impl_->step(); }
 TrainResult Trainer::finish() { return impl_->finish(); }
 
 int64_t Trainer::nextStep() const { return impl_->nextStep(); }
+
+torch::nn::Sequential Trainer::gatherModel() { return impl_->gatherModel(); }
 
 EvalResult Trainer::evaluate(const Dataset& samples, int64_t count) {
   return impl_->evaluate(samples, count);

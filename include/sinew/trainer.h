@@ -257,6 +257,13 @@ class Trainer {
   // StepResult::step). A failure during it is recovered from and the evaluation run again.
   // Throws InvalidArgument unless count is a positive multiple of options.globalBatch.
   EvalResult evaluate(const Dataset& samples, int64_t count);
+  // The trained model out of the job: on the current epoch's first member (its lowest worker
+  // id), a torch::nn::Sequential of every layer of the spec, built on the CPU as buildModel()
+  // builds it, holding the job's parameters (each layer from one of its holders); on every
+  // other member a Sequential without modules (size() == 0). Collective, like evaluate(): every
+  // member calls it between the same two steps, before finish(). A failure during it is
+  // recovered from and the gather run again (on the new epoch's first member).
+  torch::nn::Sequential gatherModel();
 
   // The layers this worker holds: all of them in data parallel mode; in pipeline mode its
   // stage's, built when the first epoch's plan is known (empty before run()) and replaced

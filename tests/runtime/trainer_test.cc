@@ -220,6 +220,14 @@ TEST(TrainerTest, AStepLoopTrainsAsPlainLibtorchDoesWithScheduleAndClipping) {
   EXPECT_THROW(trainer.evaluate(heldOut, 12), InvalidArgument);  // not whole global batches
   StepResult last = trainer.step();
   EXPECT_TRUE(last.done);
+  // The model out of the job (one worker: its own layers, as a new CPU model).
+  torch::nn::Sequential whole = trainer.gatherModel();
+  ASSERT_EQ(whole->size(), 3u);
+  auto gathered = whole->named_parameters();
+  for (const auto& p : trainer.model()->named_parameters()) {
+    EXPECT_TRUE(at::equal(p.value(), gathered[p.key()])) << p.key();
+    EXPECT_NE(p.value().data_ptr(), gathered[p.key()].data_ptr()) << "not a copy";
+  }
   EXPECT_EQ(last.nextStep, o.steps);
   TrainResult result = trainer.finish();
   EXPECT_EQ(result.steps, o.steps);
