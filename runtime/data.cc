@@ -12,17 +12,11 @@
 #include <fstream>
 
 #include "sinew/base/error.h"
+#include "sinew/base/mix.h"
 
 namespace sinew {
 
 namespace {
-
-uint64_t mix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
 
 void checkBatch(const char* what, int64_t step, int64_t globalBatch, int64_t datasetSize) {
   if (datasetSize <= 0 || globalBatch < 0 || step < 0) {
@@ -44,12 +38,13 @@ int64_t epochOrder(uint64_t seed, int64_t epoch, int64_t position, int64_t datas
   while ((int64_t{1} << bits) < datasetSize) ++bits;
   const int half = (bits + 1) / 2;
   const uint64_t mask = (uint64_t{1} << half) - 1;
-  const uint64_t key = mix64(seed ^ 0xE90C5ull) ^ mix64(static_cast<uint64_t>(epoch) + 0x51ull);
+  const uint64_t key = detail::splitmix64(seed ^ 0xE90C5ull) ^
+                       detail::splitmix64(static_cast<uint64_t>(epoch) + 0x51ull);
   uint64_t x = static_cast<uint64_t>(position);
   do {
     uint64_t left = x >> half, right = x & mask;
     for (uint64_t round = 0; round < 4; ++round) {
-      const uint64_t f = mix64(key ^ (round << 56) ^ right) & mask;
+      const uint64_t f = detail::splitmix64(key ^ (round << 56) ^ right) & mask;
       const uint64_t next = left ^ f;
       left = right;
       right = next;

@@ -22,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include "sinew/base/error.h"
+#include "sinew/base/mix.h"
 #include "sinew/base/parse.h"
 #include "sinew/collectives/cuda_device.h"
 #include "sinew/communicator.h"
@@ -60,21 +61,18 @@ using runtime::WaitingOnOthers;
 
 namespace {
 
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-// Every parameter's gradient (zeros where it has none) in one flat tensor, then `tail`: one
-// allreduce sums them all.
+// Every trainable parameter's gradient (zeros where it has none) in one flat tensor, then
+// `tail`: one allreduce sums them all. Frozen parameters (requires_grad false) have no place:
+// they are neither reduced nor given a gradient, so no optimizer steps them (AdamW's weight
+// decay included).
 at::Tensor flatGradients(const std::vector<at::Tensor>& params, const at::Tensor& tail = {}) {
   std::vector<at::Tensor> parts;
   for (const auto& p : params) {
+    if (!p.requires_grad()) continue;
     parts.push_back(p.grad().defined() ? p.grad().reshape(-1)
                                        : at::zeros({p.numel()}, p.options()));
   }
+  if (parts.empty() && !tail.defined()) return at::zeros({0}, at::kDouble);
   if (tail.defined()) parts.push_back(tail);
   return at::cat(parts);
 }
@@ -83,6 +81,7 @@ at::Tensor flatGradients(const std::vector<at::Tensor>& params, const at::Tensor
 int64_t setGradients(const std::vector<at::Tensor>& params, const at::Tensor& flat) {
   int64_t offset = 0;
   for (const auto& p : params) {
+    if (!p.requires_grad()) continue;
     at::Tensor g = flat.narrow(0, offset, p.numel()).view(p.sizes());
     if (p.grad().defined()) {
       p.mutable_grad().copy_(g);
@@ -137,9 +136,10 @@ std::vector<int64_t> globalBatchIndices(uint64_t seed, int64_t step, int64_t glo
                 " must be positive and globalBatch = ", globalBatch, " not negative");
   }
   std::vector<int64_t> out(globalBatch);
-  uint64_t base = splitmix64(seed ^ 0x5157A11ull) ^ splitmix64(static_cast<uint64_t>(step));
+  uint64_t base =
+      detail::splitmix64(seed ^ 0x5157A11ull) ^ detail::splitmix64(static_cast<uint64_t>(step));
   for (int64_t j = 0; j < globalBatch; ++j) {
-    out[j] = static_cast<int64_t>(splitmix64(base + static_cast<uint64_t>(j)) %
+    out[j] = static_cast<int64_t>(detail::splitmix64(base + static_cast<uint64_t>(j)) %
                                   static_cast<uint64_t>(datasetSize));
   }
   return out;
@@ -160,7 +160,8 @@ torch::nn::Sequential buildLayers(const ModelSpec& spec, uint64_t seed, at::Scal
                   "') has no build factory");
     }
     // Each layer from its own seed: the same parameters whichever layers a worker builds.
-    at::manual_seed(splitmix64(seed ^ splitmix64(0x1A7E5u + static_cast<uint64_t>(i))));
+    at::manual_seed(
+        detail::splitmix64(seed ^ detail::splitmix64(0x1A7E5u + static_cast<uint64_t>(i))));
     seq->push_back(l.name, l.build());
   }
   seq->to(dtype);
@@ -255,6 +256,29 @@ class Trainer::Impl {
     return finish();
   }
 
+  // Runs `attempt` once and returns true, unless it throws a failure: then the worker recovers
+  // into the job's next epoch and false is returned; also when this worker was released (then
+  // preempted_ is set and nothing more runs).
+  template <typename Attempt>
+  bool recovering(Attempt&& attempt) {
+    try {
+      attempt();
+      return true;
+    } catch (const Released&) {
+      preempted_ = true;
+    } catch (const PeerLost& e) {
+      client_.reportLost(epoch_, e.worker());
+      recoverInto(epoch_, true, e.what());
+    } catch (const Timeout& e) {
+      recoverInto(epoch_, true, e.what());
+    } catch (const Aborted& e) {
+      recoverInto(epoch_, true, e.what());
+    } catch (const IoError& e) {
+      recoverInto(epoch_, true, e.what());
+    }
+    return false;
+  }
+
   // One committed step, with whatever recoveries it takes (see Trainer::step()).
   StepResult step() {
     if (finished_) SINEW_THROW(InvalidArgument, "Trainer::step() after finish()");
@@ -273,7 +297,7 @@ class Trainer::Impl {
         leaveSent_ = true;
         event({{"event", "preempted"}, {"step", step_}});
       }
-      try {
+      recovering([&] {
         const int64_t attempted = step_;
         const bool keepShape = runStep();
         committed = true;
@@ -282,18 +306,7 @@ class Trainer::Impl {
         r.learningRate = appliedLr_;
         r.gradNorm = lastGradNorm_;
         if (!keepShape) recoverInto(epoch_, /*failure=*/false, "reshape at a step boundary");
-      } catch (const Released&) {
-        preempted_ = true;  // The next call says done.
-      } catch (const PeerLost& e) {
-        client_.reportLost(epoch_, e.worker());
-        recoverInto(epoch_, true, e.what());
-      } catch (const Timeout& e) {
-        recoverInto(epoch_, true, e.what());
-      } catch (const Aborted& e) {
-        recoverInto(epoch_, true, e.what());
-      } catch (const IoError& e) {
-        recoverInto(epoch_, true, e.what());
-      }
+      });
       if (!committed && step_ < first) r.rolledBackTo = step_;
     }
     r.recoveries = recoveries_ - recoveriesBefore;
@@ -313,25 +326,11 @@ class Trainer::Impl {
     EvalResult r;
     const int64_t first = step_;
     const int recoveriesBefore = recoveries_;
-    while (!preempted_) {
-      try {
-        const double sum = evaluationLossSum(data, count);
-        r.loss = sum / static_cast<double>(count);
-        r.samples = count;
-        r.afterStep = step_ - 1;
-        break;
-      } catch (const Released&) {
-        preempted_ = true;
-      } catch (const PeerLost& e) {
-        client_.reportLost(epoch_, e.worker());
-        recoverInto(epoch_, true, e.what());
-      } catch (const Timeout& e) {
-        recoverInto(epoch_, true, e.what());
-      } catch (const Aborted& e) {
-        recoverInto(epoch_, true, e.what());
-      } catch (const IoError& e) {
-        recoverInto(epoch_, true, e.what());
-      }
+    while (!preempted_ && !recovering([&] {
+      r.loss = evaluationLossSum(data, count) / static_cast<double>(count);
+      r.samples = count;
+      r.afterStep = step_ - 1;
+    })) {
     }
     r.done = preempted_;
     r.recoveries = recoveries_ - recoveriesBefore;
@@ -343,50 +342,42 @@ class Trainer::Impl {
   torch::nn::Sequential gatherModel() {
     if (finished_) SINEW_THROW(InvalidArgument, "Trainer::gatherModel() after finish()");
     if (!started_) start();
-    while (!preempted_) {
-      try {
-        if (client_.latestEpoch().epoch != epoch_) {
-          SINEW_THROW(EpochChanged, "epoch ", epoch_, " was superseded");
-        }
-        const int self = ctx_.worker();
-        if (!pipelineMode_) {
-          if (members_.front() != self) return torch::nn::Sequential();
-          torch::nn::Sequential whole = buildModel(spec_, o_.seed, o_.dtype);
-          at::NoGradGuard noGrad;
-          auto target = whole->named_parameters(/*recurse=*/true);
-          for (const auto& np : model_->named_parameters(/*recurse=*/true)) {
-            target[np.key()].copy_(np.value().detach());
-          }
-          return whole;
-        }
-        runtime::GatherInputs in;
-        in.spec = &spec_;
-        in.seed = o_.seed;
-        in.dtype = o_.dtype;
-        in.plan = &plan_;
-        in.self = self;
-        in.root = members_.front();
-        in.held = &model_;
-        in.heldFirst = heldFirst_;
-        in.comm = comm_.get();
-        in.device = device_;
-        in.timeout = recoveryTimeout();
-        WaitingOnOthers waiting(client_, step_, &stepWaited_);
-        return runtime::gatherLayers(in);
-      } catch (const Released&) {
-        preempted_ = true;
-      } catch (const PeerLost& e) {
-        client_.reportLost(epoch_, e.worker());
-        recoverInto(epoch_, true, e.what());
-      } catch (const Timeout& e) {
-        recoverInto(epoch_, true, e.what());
-      } catch (const Aborted& e) {
-        recoverInto(epoch_, true, e.what());
-      } catch (const IoError& e) {
-        recoverInto(epoch_, true, e.what());
-      }
+    torch::nn::Sequential whole;
+    while (!preempted_ && !recovering([&] { whole = gatherOnce(); })) {
     }
-    return torch::nn::Sequential();
+    return whole;  // Without modules if this worker was released first.
+  }
+
+  // One attempt of gatherModel() in the current epoch.
+  torch::nn::Sequential gatherOnce() {
+    if (client_.latestEpoch().epoch != epoch_) {
+      SINEW_THROW(EpochChanged, "epoch ", epoch_, " was superseded");
+    }
+    const int self = ctx_.worker();
+    if (!pipelineMode_) {
+      if (members_.front() != self) return torch::nn::Sequential();
+      torch::nn::Sequential whole = buildModel(spec_, o_.seed, o_.dtype);
+      at::NoGradGuard noGrad;
+      auto target = whole->named_parameters(/*recurse=*/true);
+      for (const auto& np : model_->named_parameters(/*recurse=*/true)) {
+        target[np.key()].copy_(np.value().detach());
+      }
+      return whole;
+    }
+    runtime::GatherInputs in;
+    in.spec = &spec_;
+    in.seed = o_.seed;
+    in.dtype = o_.dtype;
+    in.plan = &plan_;
+    in.self = self;
+    in.root = members_.front();
+    in.held = &model_;
+    in.heldFirst = heldFirst_;
+    in.comm = comm_.get();
+    in.device = device_;
+    in.timeout = recoveryTimeout();
+    WaitingOnOthers waiting(client_, step_, &stepWaited_);
+    return runtime::gatherLayers(in);
   }
 
   // The sum over every sample of the loss, each global batch of `data` run as a training step
@@ -1095,7 +1086,9 @@ class Trainer::Impl {
     for (auto& g : groups_) {
       std::vector<at::Tensor> ps;
       for (int l = g.first; l < g.end; ++l) {
-        for (auto& p : (*model_)[l - heldFirst_]->parameters()) ps.push_back(p);
+        for (auto& p : (*model_)[l - heldFirst_]->parameters()) {
+          if (p.requires_grad()) ps.push_back(p);  // Frozen ones are not reduced.
+        }
       }
       if (ps.empty()) continue;
       if (g.comm) {

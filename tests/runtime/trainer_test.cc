@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -236,6 +237,48 @@ TEST(TrainerTest, AStepLoopTrainsAsPlainLibtorchDoesWithScheduleAndClipping) {
   ASSERT_EQ(mine.size(), theirs.size());
   for (const auto& p : mine) {
     EXPECT_TRUE(at::allclose(p.value(), theirs[p.key()], 1e-10, 1e-12)) << p.key();
+  }
+}
+
+// A frozen layer (requires_grad false, as a frozen base under a trainable head) is neither
+// reduced nor stepped: under AdamW with weight decay it keeps its initial values, and the
+// trainable layers train as plain libtorch trains them.
+TEST(TrainerTest, FrozenParametersAreNeitherReducedNorStepped) {
+  auto ctx = init(nullptr, nullptr);
+  TrainerOptions o = tinyOptions();
+  o.steps = 6;
+  o.globalBatch = 8;
+  o.microbatch = 4;
+  ModelSpec spec = recipeModel();
+  spec.layers[0].build = [] {
+    torch::nn::Linear frozen(3, 8);
+    for (auto& p : frozen->parameters()) p.set_requires_grad(false);
+    return torch::nn::AnyModule(frozen);
+  };
+  Trainer trainer(*ctx, spec, o);
+  trainer.run();
+  torch::nn::Sequential ref = buildModel(spec, o.seed, o.dtype);
+  const auto initial = ref->named_parameters();
+  std::map<std::string, at::Tensor> before;
+  for (const auto& p : initial) before[p.key()] = p.value().detach().clone();
+  auto opt = spec.optimizer(ref->parameters());
+  for (int64_t s = 0; s < o.steps; ++s) {
+    std::vector<at::Tensor> xs, ys;
+    for (int64_t i : globalBatchIndices(o.seed, s, o.globalBatch, spec.datasetSize)) {
+      xs.push_back(spec.dataset(i).input);
+      ys.push_back(spec.dataset(i).target);
+    }
+    opt->zero_grad();
+    spec.loss(ref->forward(at::stack(xs)), at::stack(ys)).backward();
+    opt->step();
+  }
+  auto mine = trainer.model()->named_parameters(), theirs = ref->named_parameters();
+  for (const auto& p : mine) {
+    EXPECT_TRUE(at::allclose(p.value(), theirs[p.key()], 1e-10, 1e-12)) << p.key();
+    if (p.key().rfind("fc1.", 0) == 0) {
+      EXPECT_TRUE(at::equal(p.value(), before[p.key()])) << p.key() << " moved";
+      EXPECT_FALSE(p.value().grad().defined()) << p.key() << " got a gradient";
+    }
   }
 }
 
