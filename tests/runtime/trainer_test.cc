@@ -159,15 +159,21 @@ ModelSpec recipeModel() {
   return spec;
 }
 
+// tinyOptions() with global batches of 8 in microbatches of 4, for `steps` steps.
+TrainerOptions recipeOptions(int64_t steps) {
+  TrainerOptions o = tinyOptions();
+  o.steps = steps;
+  o.globalBatch = 8;
+  o.microbatch = 4;
+  return o;
+}
+
 // The step API: a loop of step() with AdamW, warm-up + cosine and clipping gives, step by
 // step, the loss, rate and gradient norm of the same recipe in plain libtorch, and the same
 // parameters at the end; then done, and finish() reports the steps.
 TEST(TrainerTest, AStepLoopTrainsAsPlainLibtorchDoesWithScheduleAndClipping) {
   auto ctx = init(nullptr, nullptr);
-  TrainerOptions o = tinyOptions();
-  o.steps = 12;
-  o.globalBatch = 8;
-  o.microbatch = 4;
+  TrainerOptions o = recipeOptions(12);
   o.seed = 3;
   o.lrSchedule = warmupCosine(0.05, 3, 12, 0.005);
   o.clipGradNorm = 0.5;
@@ -245,10 +251,7 @@ TEST(TrainerTest, AStepLoopTrainsAsPlainLibtorchDoesWithScheduleAndClipping) {
 // trainable layers train as plain libtorch trains them.
 TEST(TrainerTest, FrozenParametersAreNeitherReducedNorStepped) {
   auto ctx = init(nullptr, nullptr);
-  TrainerOptions o = tinyOptions();
-  o.steps = 6;
-  o.globalBatch = 8;
-  o.microbatch = 4;
+  TrainerOptions o = recipeOptions(6);
   ModelSpec spec = recipeModel();
   spec.layers[0].build = [] {
     torch::nn::Linear frozen(3, 8);
@@ -288,10 +291,7 @@ TEST(TrainerTest, FrozenParametersAreNeitherReducedNorStepped) {
 TEST(TrainerTest, ACheckpointLoadsIntoAPlainModel) {
   const std::string dir = tempDir();
   auto ctx = init(nullptr, nullptr);
-  TrainerOptions o = tinyOptions();
-  o.globalBatch = 8;
-  o.microbatch = 4;
-  o.steps = 4;
+  TrainerOptions o = recipeOptions(4);
   o.checkpointDir = dir;
   o.checkpointEvery = 2;
   const ModelSpec spec = recipeModel();
