@@ -176,14 +176,16 @@ bool optimizerStateSupported(const torch::optim::Optimizer& optimizer) {
   return findOptimizerStateCodec(optimizer) != nullptr;
 }
 
-void captureParameterState(const std::string& name, const at::Tensor& param,
-                           torch::optim::Optimizer& optimizer,
-                           std::vector<checkpoint::NamedTensor>* out) {
+namespace {
+
+// captureParameterState() with the optimizer's codec already found.
+void appendParameterState(const OptimizerStateCodec& codec, const std::string& name,
+                          const at::Tensor& param, torch::optim::Optimizer& optimizer,
+                          std::vector<checkpoint::NamedTensor>* out) {
   out->push_back({name, param.detach()});
   auto& st = optimizer.state();
   auto it = st.find(stateKey(st, param));
   if (it == st.end()) return;
-  const OptimizerStateCodec& codec = optimizerStateCodec(optimizer, "the optimizer");
   const StateLayout& layout = codec.layout();
   for (size_t i = 0; i < layout.fields.size(); ++i) {
     at::Tensor t = codec.field(*it->second, i);
@@ -191,14 +193,24 @@ void captureParameterState(const std::string& name, const at::Tensor& param,
   }
 }
 
+}  // namespace
+
+void captureParameterState(const std::string& name, const at::Tensor& param,
+                           torch::optim::Optimizer& optimizer,
+                           std::vector<checkpoint::NamedTensor>* out) {
+  appendParameterState(optimizerStateCodec(optimizer, "the optimizer"), name, param, optimizer,
+                       out);
+}
+
 checkpoint::ShardState captureState(const torch::nn::Sequential& layers,
                                     torch::optim::Optimizer& optimizer) {
   checkpoint::ShardState out;
+  const OptimizerStateCodec& codec = optimizerStateCodec(optimizer, "the optimizer");
   for (const auto& child : layers->named_children()) {
     checkpoint::LayerState layer;
     layer.name = child.key();
     for (const auto& np : child.value()->named_parameters(/*recurse=*/true)) {
-      captureParameterState(np.key(), np.value(), optimizer, &layer.tensors);
+      appendParameterState(codec, np.key(), np.value(), optimizer, &layer.tensors);
     }
     if (!layer.tensors.empty()) out.push_back(std::move(layer));
   }

@@ -72,7 +72,6 @@ at::Tensor flatGradients(const std::vector<at::Tensor>& params, const at::Tensor
     parts.push_back(p.grad().defined() ? p.grad().reshape(-1)
                                        : at::zeros({p.numel()}, p.options()));
   }
-  if (parts.empty() && !tail.defined()) return at::zeros({0}, at::kDouble);
   if (tail.defined()) parts.push_back(tail);
   return at::cat(parts);
 }
@@ -348,11 +347,16 @@ class Trainer::Impl {
     return whole;  // Without modules if this worker was released first.
   }
 
-  // One attempt of gatherModel() in the current epoch.
-  torch::nn::Sequential gatherOnce() {
+  // EpochChanged when the coordinator announced a newer epoch than this worker is in.
+  void throwIfSuperseded() const {
     if (client_.latestEpoch().epoch != epoch_) {
       SINEW_THROW(EpochChanged, "epoch ", epoch_, " was superseded");
     }
+  }
+
+  // One attempt of gatherModel() in the current epoch.
+  torch::nn::Sequential gatherOnce() {
+    throwIfSuperseded();
     const int self = ctx_.worker();
     if (!pipelineMode_) {
       if (members_.front() != self) return torch::nn::Sequential();
@@ -383,9 +387,7 @@ class Trainer::Impl {
   // The sum over every sample of the loss, each global batch of `data` run as a training step
   // runs forward (the same microbatches on the same workers), summed over the epoch's members.
   double evaluationLossSum(const Dataset& data, int64_t count) {
-    if (client_.latestEpoch().epoch != epoch_) {
-      SINEW_THROW(EpochChanged, "epoch ", epoch_, " was superseded");
-    }
+    throwIfSuperseded();
     runtime::EvaluationPass pass;
     pass.layers = &model_;
     pass.executor = executor_.get();
@@ -565,9 +567,7 @@ class Trainer::Impl {
 
   // One step; returns false when the coordinator reshapes the job right after it.
   bool runStep() {
-    if (client_.latestEpoch().epoch != epoch_) {
-      SINEW_THROW(EpochChanged, "epoch ", epoch_, " was superseded");
-    }
+    throwIfSuperseded();
     client_.setProgress(step_, /*waiting=*/false);
     stepStart_ = Clock::now();
     stepWaited_ = 0;
@@ -602,7 +602,9 @@ class Trainer::Impl {
     inj.fire(self, step_, Phase::kAfterReduce, &client_);
     const int64_t offset = setGradients(params_, flat);
     double loss = flat[offset].item<double>() / static_cast<double>(o_.globalBatch);
-    clipGradients(params_, runtime::squaredGradientNorm(params_));
+    // The whole gradient is the flat buffer's head: one norm, not one per parameter.
+    const double norm = flat.narrow(0, 0, offset).norm().item<double>();
+    clipGradients(params_, norm * norm);
     return commitAndApply(loss);
   }
 
