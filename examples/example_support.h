@@ -326,15 +326,18 @@ inline at::Tensor toTraining(const at::Tensor& t, at::ScalarType dtype) {
 // --ragged) passes its microbatch. The reference runs after the job, when the other workers
 // have left: it uses every core.
 // With --eval-every it prints the evaluation of `heldOut` after the same steps as the job,
-// whole global batches at a time.
-inline double trainReference(const CommonArgs& a, const sinew::ModelSpec& spec,
-                             at::ScalarType dtype, torch::nn::Sequential* out, int64_t chunk = 0,
-                             const sinew::Dataset& heldOut = {}) {
+// whole global batches at a time. `share`, when given, makes the tensors ModelSpec::tied ties
+// one (the model uses one of them in both places) and returns the parameters to optimize.
+inline double trainReference(
+    const CommonArgs& a, const sinew::ModelSpec& spec, at::ScalarType dtype,
+    torch::nn::Sequential* out, int64_t chunk = 0, const sinew::Dataset& heldOut = {},
+    const std::function<std::vector<at::Tensor>(torch::nn::Sequential&)>& share = {}) {
   if (chunk <= 0) chunk = a.globalBatch;
   const int threads = at::get_num_threads();
   at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency())));
   torch::nn::Sequential ref = sinew::buildModel(spec, a.seed, dtype);
-  auto opt = spec.optimizer(ref->parameters());
+  const std::vector<at::Tensor> params = share ? share(ref) : ref->parameters();
+  auto opt = spec.optimizer(params);
   const sinew::LrSchedule schedule = lrSchedule(a);
   double loss = 0;
   for (int64_t s = 0; s < a.steps; ++s) {
@@ -357,7 +360,7 @@ inline double trainReference(const CommonArgs& a, const sinew::ModelSpec& spec,
       sum += l.item<double>() * chunk;
     }
     loss = sum / a.globalBatch;
-    if (a.clip > 0) torch::nn::utils::clip_grad_norm_(ref->parameters(), a.clip);
+    if (a.clip > 0) torch::nn::utils::clip_grad_norm_(params, a.clip);
     opt->step();
     if (a.evalEvery > 0 && heldOut && (s + 1) % a.evalEvery == 0) {
       at::NoGradGuard noGrad;

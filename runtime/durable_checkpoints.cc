@@ -10,6 +10,9 @@
 #include <filesystem>
 #include <optional>
 
+#include "sinew/pipeline/stage_executor.h"
+#include "sinew/runtime/optimizer_state.h"
+
 namespace sinew {
 namespace runtime {
 
@@ -96,6 +99,52 @@ std::map<std::string, checkpoint::RestoredLayer> DurableCheckpoints::load(
   validated_.clear();
   validatedStep_ = -1;
   return layers;
+}
+
+DurableCheckpoints::Role DurableCheckpoints::roleOf(int worker, bool pipelineMode,
+                                                    const std::vector<int>& members,
+                                                    const pipeline::Plan& plan) {
+  using How = checkpoint::FlushRole::How;
+  Role role;
+  if (!pipelineMode) {
+    role.writer = !members.empty() && members.front() == worker;
+    return role;
+  }
+  const pipeline::WorkerAssignment* mine = nullptr;
+  for (const auto& w : plan.workers) {
+    if (w.worker == worker) mine = &w;
+  }
+  if (mine == nullptr || mine->pipeline != 0) return role;
+  if (pipeline::StageExecutor::stageWorkers(plan, 0, mine->stage).front() != worker) return role;
+  role.writer = true;
+  role.flush.how = mine->stage == 0 ? How::kCommit : How::kPost;
+  for (int stage = 1;; ++stage) {
+    std::vector<int> ws = pipeline::StageExecutor::stageWorkers(plan, 0, stage);
+    if (ws.empty()) break;
+    role.flush.others.push_back(ws.front());
+  }
+  return role;
+}
+
+void DurableCheckpoints::restoreInto(int64_t step, const torch::nn::Sequential& layers,
+                                     torch::optim::Optimizer& optimizer) {
+  if (!enabled()) {
+    SINEW_THROW(InvalidArgument, "TrainerOptions::checkpointDir is empty on worker ", s_.worker(),
+                ", but the job resumes at step ", step + 1, " from a checkpoint it must restore");
+  }
+  auto t0 = TrainerClock::now();
+  std::vector<std::string> names;  // The layers this worker holds that have state.
+  for (const auto& child : layers->named_children()) {
+    if (child.value()->parameters().size() > 0) names.push_back(child.key());
+  }
+  if (names.empty()) return;
+  loadState(
+      layers, optimizer, load(step, names),
+      "TrainerOptions::checkpointDir = '" + dir_ + "': its checkpoint " + std::to_string(step));
+  s_.event({{"event", "restored"},
+            {"step", step},
+            {"dir", dir_},
+            {"duration_s", seconds(TrainerClock::now() - t0)}});
 }
 
 void DurableCheckpoints::releaseKept() {

@@ -17,6 +17,9 @@
 // Thread safety: every method is called by the training thread; the flusher's hooks run on its
 // thread (and on the engine's copy thread for a failed copy).
 
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/optim/optimizer.h>
+
 #include <cstdint>
 #include <exception>
 #include <functional>
@@ -30,6 +33,7 @@
 #include "sinew/checkpoint/flusher.h"
 #include "sinew/checkpoint/persist.h"
 #include "sinew/checkpoint/snapshot.h"
+#include "sinew/pipeline/plan.h"
 #include "sinew/runtime/trainer_services.h"
 
 namespace sinew {
@@ -42,6 +46,13 @@ class DurableCheckpoints {
     bool writer = false;
     checkpoint::FlushRole flush;
   };
+
+  // `worker`'s role in an epoch of `members` and `plan`: in data parallel mode the epoch's
+  // first member writes the versions alone (it holds every layer); in pipeline mode the first
+  // worker of every stage of pipeline 0 (together they hold every layer once), its first stage
+  // committing the version.
+  static Role roleOf(int worker, bool pipelineMode, const std::vector<int>& members,
+                     const pipeline::Plan& plan);
 
   // REQUIRES: services outlive this object. `pipelineMode`: several writers per version.
   DurableCheckpoints(const TrainerServices& services, bool pipelineMode);
@@ -67,6 +78,12 @@ class DurableCheckpoints {
   // The layers `names` of durable version `step` (the one newestRestorable kept, else read).
   std::map<std::string, checkpoint::RestoredLayer> load(int64_t step,
                                                         const std::vector<std::string>& names);
+  // Loads durable version `step` into the parameters and optimizer state of `layers` (those
+  // with parameters; `layers` is this worker's whole model or its stage). Throws
+  // InvalidArgument naming this worker and the step when no checkpoint folder is set (the job
+  // resumes from one), Corruption when the version cannot be read.
+  void restoreInto(int64_t step, const torch::nn::Sequential& layers,
+                   torch::optim::Optimizer& optimizer);
   // Drops the version newestRestorable() kept (only the first epoch's source restores it).
   void releaseKept();
   // The durable versions in the folder, newest first.

@@ -66,5 +66,16 @@ torch::nn::Sequential gatherLayers(const GatherInputs& in) {
   return whole;
 }
 
+torch::nn::Sequential copyModel(const ModelSpec& spec, uint64_t seed, at::ScalarType dtype,
+                                const torch::nn::Sequential& trained) {
+  torch::nn::Sequential whole = buildModel(spec, seed, dtype);
+  at::NoGradGuard noGrad;
+  auto target = whole->named_parameters(/*recurse=*/true);
+  for (const auto& np : trained->named_parameters(/*recurse=*/true)) {
+    target[np.key()].copy_(np.value().detach());
+  }
+  return whole;
+}
+
 }  // namespace runtime
 }  // namespace sinew

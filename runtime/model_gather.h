@@ -1,6 +1,7 @@
 #pragma once
 
-// Internal: Trainer::gatherModel() in pipeline mode. Every layer's parameters go from the
+// Internal: Trainer::gatherModel(). Data parallel mode: the root copies its own model
+// (copyModel). Pipeline mode: Every layer's parameters go from the
 // lowest-id worker that holds the layer to the root, which builds the whole model and fills
 // it; the transfers are point to point on the epoch's communicator, in chunks, one exchange.
 //
@@ -38,6 +39,11 @@ constexpr uint32_t kTagGather = 6;
 // On the root: the whole model (every layer of the spec, built on the CPU, its parameters the
 // job's); elsewhere: an empty Sequential. Throws the communicator's errors.
 torch::nn::Sequential gatherLayers(const GatherInputs& in);
+
+// A plain CPU copy of `trained` (every layer of `spec`, built with `seed` and `dtype`), for a
+// worker that holds the whole model (data parallel mode).
+torch::nn::Sequential copyModel(const ModelSpec& spec, uint64_t seed, at::ScalarType dtype,
+                                const torch::nn::Sequential& trained);
 
 }  // namespace runtime
 }  // namespace sinew

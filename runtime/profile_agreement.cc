@@ -3,9 +3,12 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <vector>
 
+#include "sinew/base/parse.h"
 #include "sinew/pipeline/profiler.h"
+#include "sinew/runtime/trainer_options.h"
 
 namespace sinew {
 namespace runtime {
@@ -25,7 +28,41 @@ void checkProfile(const pipeline::Profile& profile, size_t layers, int64_t micro
 
 ProfileAgreement::ProfileAgreement(const TrainerServices& services, const ModelSpec& spec,
                                    at::Device device, FirstMicrobatch data)
-    : s_(services), spec_(spec), device_(device), data_(std::move(data)) {}
+    : s_(services), spec_(spec), device_(device), data_(std::move(data)) {
+  const TrainerOptions& o = s_.options;
+  if (o.parallelism == Parallelism::kPipeline && !o.profilePath.empty()) {
+    profile_ = pipeline::loadProfile(o.profilePath);
+    checkProfile(profile_, spec_.layers.size(), o.microbatch,
+                 "TrainerOptions::profilePath = '" + o.profilePath + "'");
+  }
+}
+
+bool ProfileAgreement::hasParameters(int l) const {
+  return profile_.layers.size() != spec_.layers.size() || profile_.layers[l].param_bytes > 0;
+}
+
+int64_t ProfileAgreement::grownWorkers(int64_t members) const {
+  if (s_.options.maxWorkers > 0) return s_.options.maxWorkers;
+  if (const char* env = std::getenv("SINEW_MAX_WORKERS")) {
+    return sinew::detail::parseInt(env, "SINEW_MAX_WORKERS", 1, 1 << 20);
+  }
+  return 2 * members;
+}
+
+pipeline::Plan ProfileAgreement::planOf(const EpochInfo& info, collectives::Store& store) {
+  if (info.plan.empty()) {
+    if (profile_.layers.empty()) profile_ = agree(info, store);
+    if (info.members.front() == s_.worker()) {
+      const TrainerOptions& o = s_.options;
+      s_.client.requestPipelines(info.epoch, pipeline::profileToJson(profile_), o.faultTolerance,
+                                 o.globalBatch / o.microbatch,
+                                 grownWorkers(static_cast<int64_t>(info.members.size())));
+    }
+    SINEW_THROW(EpochChanged, "epoch ", info.epoch,
+                " has no pipeline plan yet; waiting for the coordinator's");
+  }
+  return checkedPlan(info.plan, info.epoch, info.members, spec_.layers.size());
+}
 
 pipeline::Profile ProfileAgreement::agree(const EpochInfo& info, collectives::Store& store) {
   const std::string key = "sinew/pipeline/profile";

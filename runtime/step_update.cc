@@ -79,6 +79,37 @@ void setLearningRate(torch::optim::Optimizer& optimizer, double lr) {
   for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
 }
 
+double learningRate(const torch::optim::Optimizer& optimizer) {
+  return optimizer.param_groups().empty() ? optimizer.defaults().get_lr()
+                                          : optimizer.param_groups().front().options().get_lr();
+}
+
+at::Tensor flatGradients(const std::vector<at::Tensor>& params, const at::Tensor& tail) {
+  std::vector<at::Tensor> parts;
+  for (const auto& p : params) {
+    if (!p.requires_grad()) continue;
+    parts.push_back(p.grad().defined() ? p.grad().reshape(-1)
+                                       : at::zeros({p.numel()}, p.options()));
+  }
+  if (tail.defined()) parts.push_back(tail);
+  return at::cat(parts);
+}
+
+int64_t setGradients(const std::vector<at::Tensor>& params, const at::Tensor& flat) {
+  int64_t offset = 0;
+  for (const auto& p : params) {
+    if (!p.requires_grad()) continue;
+    at::Tensor g = flat.narrow(0, offset, p.numel()).view(p.sizes());
+    if (p.grad().defined()) {
+      p.mutable_grad().copy_(g);
+    } else {
+      p.mutable_grad() = g.clone();
+    }
+    offset += p.numel();
+  }
+  return offset;
+}
+
 double squaredGradientNorm(const std::vector<at::Tensor>& params) {
   at::Tensor sum;  // On the gradients' device: one synchronization, at the end.
   for (const auto& p : params) {

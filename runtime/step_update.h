@@ -30,6 +30,18 @@ double scheduledRate(const LrSchedule& schedule, int64_t step);
 // Sets `lr` on every parameter group of `optimizer`.
 void setLearningRate(torch::optim::Optimizer& optimizer, double lr);
 
+// The rate `optimizer` steps with: its first parameter group's (its defaults' without groups).
+double learningRate(const torch::optim::Optimizer& optimizer);
+
+// Every trainable parameter's gradient (zeros where it has none) in one flat tensor, then
+// `tail` when defined: one allreduce sums them all. Frozen parameters (requires_grad false)
+// have no place: they are neither reduced nor given a gradient, so no optimizer steps them
+// (AdamW's weight decay included).
+at::Tensor flatGradients(const std::vector<at::Tensor>& params, const at::Tensor& tail = {});
+
+// Copies flatGradients()'s layout back into the gradients; returns the elements it used.
+int64_t setGradients(const std::vector<at::Tensor>& params, const at::Tensor& flat);
+
 // The sum of the squares of the defined gradients of `params`, in double precision.
 double squaredGradientNorm(const std::vector<at::Tensor>& params);
 

@@ -32,9 +32,11 @@
 #include "sinew/runtime/context_state.h"
 #include "sinew/runtime/device_choice.h"
 #include "sinew/runtime/durable_checkpoints.h"
+#include "sinew/runtime/epoch_communicators.h"
 #include "sinew/runtime/evaluation.h"
 #include "sinew/runtime/event_log.h"
 #include "sinew/runtime/layer_relayout.h"
+#include "sinew/runtime/microbatches.h"
 #include "sinew/runtime/model_gather.h"
 #include "sinew/runtime/optimizer_state.h"
 #include "sinew/runtime/peer_versions.h"
@@ -42,6 +44,7 @@
 #include "sinew/runtime/profile_agreement.h"
 #include "sinew/runtime/progress_reporter.h"
 #include "sinew/runtime/step_update.h"
+#include "sinew/runtime/tied_parameters.h"
 #include "sinew/runtime/trainer_options.h"
 #include "sinew/runtime/trainer_services.h"
 
@@ -58,41 +61,6 @@ using runtime::Phase;
 using runtime::seconds;
 using runtime::TrainingTraffic;
 using runtime::WaitingOnOthers;
-
-namespace {
-
-// Every trainable parameter's gradient (zeros where it has none) in one flat tensor, then
-// `tail`: one allreduce sums them all. Frozen parameters (requires_grad false) have no place:
-// they are neither reduced nor given a gradient, so no optimizer steps them (AdamW's weight
-// decay included).
-at::Tensor flatGradients(const std::vector<at::Tensor>& params, const at::Tensor& tail = {}) {
-  std::vector<at::Tensor> parts;
-  for (const auto& p : params) {
-    if (!p.requires_grad()) continue;
-    parts.push_back(p.grad().defined() ? p.grad().reshape(-1)
-                                       : at::zeros({p.numel()}, p.options()));
-  }
-  if (tail.defined()) parts.push_back(tail);
-  return at::cat(parts);
-}
-
-// Copies flatGradients()'s layout back into the gradients; returns the elements it used.
-int64_t setGradients(const std::vector<at::Tensor>& params, const at::Tensor& flat) {
-  int64_t offset = 0;
-  for (const auto& p : params) {
-    if (!p.requires_grad()) continue;
-    at::Tensor g = flat.narrow(0, offset, p.numel()).view(p.sizes());
-    if (p.grad().defined()) {
-      p.mutable_grad().copy_(g);
-    } else {
-      p.mutable_grad() = g.clone();
-    }
-    offset += p.numel();
-  }
-  return offset;
-}
-
-}  // namespace
 
 OptimizerFactory sgd(double lr, double momentum) {
   return [lr, momentum](std::vector<at::Tensor> params) {
@@ -151,19 +119,14 @@ torch::nn::Sequential buildLayers(const ModelSpec& spec, uint64_t seed, at::Scal
     SINEW_THROW(InvalidArgument, "buildLayers: layers [", first, ", ", end,
                 ") are not a range of the model's ", spec.layers.size(), " layers");
   }
-  torch::nn::Sequential seq;
   for (int i = first; i < end; ++i) {
-    const auto& l = spec.layers[i];
-    if (!l.build) {
-      SINEW_THROW(InvalidArgument, "ModelSpec::layers[", i, "] ('", l.name,
+    if (!spec.layers[i].build) {
+      SINEW_THROW(InvalidArgument, "ModelSpec::layers[", i, "] ('", spec.layers[i].name,
                   "') has no build factory");
     }
-    // Each layer from its own seed: the same parameters whichever layers a worker builds.
-    at::manual_seed(
-        detail::splitmix64(seed ^ detail::splitmix64(0x1A7E5u + static_cast<uint64_t>(i))));
-    seq->push_back(l.name, l.build());
   }
-  seq->to(dtype);
+  torch::nn::Sequential seq = runtime::buildUntiedLayers(spec, seed, dtype, first, end);
+  runtime::copyOwnersIntoFollowers(spec, runtime::resolveTies(spec), seed, dtype, first, end, seq);
   return seq;
 }
 
@@ -193,11 +156,6 @@ class Trainer::Impl {
     device_ = runtime::resolveDevice(o_.device, ctx_.worker());
     if (pipelineMode_) {
       runtime::checkPipelineOptions(o_);
-      if (!o_.profilePath.empty()) {
-        profile_ = pipeline::loadProfile(o_.profilePath);
-        runtime::checkProfile(profile_, spec_.layers.size(), o_.microbatch,
-                              "TrainerOptions::profilePath = '" + o_.profilePath + "'");
-      }
     } else {
       model_->to(device_);
       params_ = model_->parameters();
@@ -209,6 +167,7 @@ class Trainer::Impl {
     // tensors: an optimizer whose state Sinew cannot capture is refused here, by name.
     runtime::optimizerStateCodec(*opt_, "ModelSpec::optimizer");
     runtime::checkStepUpdateOptions(o_);
+    ties_ = runtime::resolveTies(spec_);
     if (!o_.checkpointDir.empty()) {
       if (o_.checkpointEvery < 0 || o_.checkpointKeep < 1) {
         SINEW_THROW(InvalidArgument, "TrainerOptions::checkpointEvery = ", o_.checkpointEvery,
@@ -223,20 +182,22 @@ class Trainer::Impl {
     }
     if (!path.empty()) events_.open(path, {{"worker", ctx_.worker()}});
     chooser_ = std::make_unique<runtime::BackendChooser>(services_, device_);
+    comms_ = std::make_unique<runtime::EpochCommunicators>(services_, *chooser_);
     // The pipeline communicator's lanes carry a reconfiguration's layer copies, the first bulk
     // bytes on each epoch's new connections, which autotuned socket buffers carry at about 0.8
     // of a warm connection's speed (bench/RESULTS.md, "Sized lane buffers"): they ask for
     // 4 MiB unless SINEW_GLOO_LANE_SOCKET_BUFFER_BYTES says otherwise (a bad value is an
     // InvalidArgument here, before any training).
     if (pipelineMode_) pipelineGloo_ = collectives::GlooOptions::fromEnvironment(4 << 20);
+    microbatches_ = {&spec_.dataset, o_.microbatch, o_.dtype, device_};
     progress_ = std::make_unique<runtime::ProgressReporter>(services_, pipelineMode_);
     durable_ = std::make_unique<runtime::DurableCheckpoints>(services_, pipelineMode_);
     peers_ = std::make_unique<runtime::PeerVersions>(services_, *durable_,
                                                      pipelineMode_ && o_.peerCheckpointEvery > 0);
     relayout_ = std::make_unique<runtime::LayerRelayout>(services_, spec_, device_, *peers_);
     profiles_ = std::make_unique<runtime::ProfileAgreement>(services_, spec_, device_, [this] {
-      return microbatchData(
-          batchIndices(o_.sampling, o_.seed, 0, o_.globalBatch, spec_.datasetSize), 0);
+      return microbatches_(batchIndices(o_.sampling, o_.seed, 0, o_.globalBatch, spec_.datasetSize),
+                           0);
     });
   }
 
@@ -360,13 +321,7 @@ class Trainer::Impl {
     const int self = ctx_.worker();
     if (!pipelineMode_) {
       if (members_.front() != self) return torch::nn::Sequential();
-      torch::nn::Sequential whole = buildModel(spec_, o_.seed, o_.dtype);
-      at::NoGradGuard noGrad;
-      auto target = whole->named_parameters(/*recurse=*/true);
-      for (const auto& np : model_->named_parameters(/*recurse=*/true)) {
-        target[np.key()].copy_(np.value().detach());
-      }
-      return whole;
+      return runtime::copyModel(spec_, o_.seed, o_.dtype, model_);
     }
     runtime::GatherInputs in;
     in.spec = &spec_;
@@ -377,7 +332,7 @@ class Trainer::Impl {
     in.root = members_.front();
     in.held = &model_;
     in.heldFirst = heldFirst_;
-    in.comm = comm_.get();
+    in.comm = &comms_->world();
     in.device = device_;
     in.timeout = recoveryTimeout();
     WaitingOnOthers waiting(client_, step_, &stepWaited_);
@@ -390,14 +345,14 @@ class Trainer::Impl {
     throwIfSuperseded();
     runtime::EvaluationPass pass;
     pass.layers = &model_;
-    pass.executor = executor_.get();
+    pass.executor = comms_->executor();
     pass.pipelineMode = pipelineMode_;
     if (!pipelineMode_) pass.microbatches = plan_.of(ctx_.worker()).microbatches;
     pass.globalBatch = o_.globalBatch;
     pass.microbatch = o_.microbatch;
     pass.loss = spec_.loss;
     pass.data = [&](const std::vector<int64_t>& indices, int64_t m, int64_t begin, int64_t end) {
-      return microbatchData(indices, m, begin, end, &data);
+      return microbatches_(indices, m, begin, end, &data);
     };
     pass.aroundExchange = [this](const std::function<void()>& transfer) {
       WaitingOnOthers waiting(client_, step_, &stepWaited_);
@@ -408,7 +363,7 @@ class Trainer::Impl {
         at::full({1}, runtime::localEvaluationLossSum(pass, count), onDevice(at::kDouble));
     {
       WaitingOnOthers waiting(client_, step_, &stepWaited_);
-      comm_->allreduce(sum, collectives::ReduceOp::kSum, opTimeout());
+      comms_->world().allreduce(sum, collectives::ReduceOp::kSum, opTimeout());
     }
     return sum.item<double>();
   }
@@ -445,12 +400,7 @@ class Trainer::Impl {
       event({{"event", "done"}, {"step", step_}, {"loss", lastLoss_}});
     }
     TrainResult r = result(preempted);
-    {
-      std::lock_guard<std::mutex> lock(commMu_);
-      executor_.reset();
-      comm_.reset();  // Healthy: its peers are told it closed, not that it aborted.
-      groups_.clear();
-    }
+    comms_->close();
     // The newest version this worker wrote failed, and none after it was written: the job's
     // last durable state is not what it trained to.
     if (std::exception_ptr flushError = durable_->error()) std::rethrow_exception(flushError);
@@ -462,15 +412,7 @@ class Trainer::Impl {
   // Joins the job: publishes this worker's device, restores the newest durable version if any,
   // and enters the first epoch.
   void start() {
-    client_.setEpochListener([this](int64_t epoch) {
-      std::lock_guard<std::mutex> lock(commMu_);
-      if (comm_ && (epoch < 0 || epoch > comm_->epoch())) {
-        comm_->abort();
-        for (auto& g : groups_) {
-          if (g.comm) g.comm->abort();
-        }
-      }
-    });
+    client_.setEpochListener([this](int64_t epoch) { comms_->abortBefore(epoch); });
     if (device_.is_cuda()) collectives::setCudaDevice(device_.index());
     // Which device this worker trains on and the backend it asks for, from which every
     // member of a communicator makes the same choice.
@@ -499,14 +441,6 @@ class Trainer::Impl {
   }
 
  private:
-  // A layer range whose layers are held by the same workers, and their communicator.
-  struct GradGroup {
-    int first = 0;
-    int end = 0;
-    std::vector<int> members;
-    std::unique_ptr<collectives::Communicator> comm;  // null when this worker holds it alone
-  };
-
   TrainResult result(bool preempted) const {
     TrainResult r;
     r.steps = step_;
@@ -533,31 +467,8 @@ class Trainer::Impl {
     return r;
   }
 
-  // Floating-point inputs and targets train in o_.dtype; integer ones (token ids, labels)
-  // stay as they are.
-  at::Tensor toTraining(const at::Tensor& t) const {
-    return at::isFloatingType(t.scalar_type()) ? t.to(o_.dtype) : t;
-  }
-
   at::TensorOptions onDevice(at::ScalarType dtype) const {
     return at::TensorOptions().dtype(dtype).device(device_);
-  }
-
-  // The inputs and targets of global microbatch m of the step whose batch is `indices`, or of
-  // its samples [begin, end) (a slice for one worker of a wide stage).
-  // `data` instead of the model's dataset when given (evaluation).
-  std::pair<at::Tensor, at::Tensor> microbatchData(const std::vector<int64_t>& indices, int64_t m,
-                                                   int64_t begin = 0, int64_t end = -1,
-                                                   const Dataset* data = nullptr) const {
-    if (end < 0) end = o_.microbatch;
-    const Dataset& from = data != nullptr ? *data : spec_.dataset;
-    std::vector<at::Tensor> xs, ys;
-    for (int64_t j = m * o_.microbatch + begin; j < m * o_.microbatch + end; ++j) {
-      Sample s = from(indices[j]);
-      xs.push_back(s.input);
-      ys.push_back(s.target);
-    }
-    return {toTraining(at::stack(xs)).to(device_), toTraining(at::stack(ys)).to(device_)};
   }
 
   // This worker's parameters and optimizer state as named tensors, per layer.
@@ -585,7 +496,7 @@ class Trainer::Impl {
     bool first = true;
     const double scale = static_cast<double>(o_.microbatch) / static_cast<double>(o_.globalBatch);
     for (int64_t m : mine.microbatches) {
-      auto [x, y] = microbatchData(indices, m);
+      auto [x, y] = microbatches_(indices, m);
       at::Tensor loss = spec_.loss(model_->forward(x), y);
       if (first) inj.fire(self, step_, Phase::kBackward, &client_);
       first = false;
@@ -593,18 +504,23 @@ class Trainer::Impl {
       lossSum += loss.item<double>() * static_cast<double>(o_.microbatch);
     }
     // One flat buffer: every gradient, then the loss sum.
-    at::Tensor flat = flatGradients(params_, at::full({1}, lossSum, onDevice(o_.dtype)));
+    at::Tensor flat = runtime::flatGradients(params_, at::full({1}, lossSum, onDevice(o_.dtype)));
     inj.fire(self, step_, Phase::kReduce, &client_);
     {
       WaitingOnOthers waiting(client_, step_, &stepWaited_);
-      comm_->allreduce(flat, collectives::ReduceOp::kSum, opTimeout());
+      comms_->world().allreduce(flat, collectives::ReduceOp::kSum, opTimeout());
     }
     inj.fire(self, step_, Phase::kAfterReduce, &client_);
-    const int64_t offset = setGradients(params_, flat);
+    const int64_t offset = runtime::setGradients(params_, flat);
     double loss = flat[offset].item<double>() / static_cast<double>(o_.globalBatch);
-    // The whole gradient is the flat buffer's head: one norm, not one per parameter.
-    const double norm = flat.narrow(0, 0, offset).norm().item<double>();
-    clipGradients(params_, norm * norm);
+    if (ties_.empty()) {
+      // The whole gradient is the flat buffer's head: one norm, not one per parameter.
+      const double norm = flat.narrow(0, 0, offset).norm().item<double>();
+      clipGradients(params_, norm * norm);
+    } else {
+      runtime::sumTiedGradients(model_, ties_);
+      clipGradients(params_, runtime::squaredNormCountingTiesOnce(model_, 0, ties_));
+    }
     return commitAndApply(loss);
   }
 
@@ -645,9 +561,7 @@ class Trainer::Impl {
       ckStall_ += lastStall_;
     }
     if (stepLr_ >= 0) runtime::setLearningRate(*opt_, stepLr_);
-    appliedLr_ = stepLr_ >= 0                   ? stepLr_
-                 : opt_->param_groups().empty() ? opt_->defaults().get_lr()
-                                                : opt_->param_groups().front().options().get_lr();
+    appliedLr_ = runtime::learningRate(*opt_);
     opt_->step();
     applied_ = step_;
     // A scheduler's checkpoint, drain or stop may ask for this step to be durable. When the
@@ -674,49 +588,18 @@ class Trainer::Impl {
     return verdict == CoordinatorClient::VoteResult::kCommitted;
   }
 
-  // What this worker does for durable versions: in data parallel mode the epoch's first
-  // member writes them alone (it holds every layer); in pipeline mode the first worker of
-  // every stage of pipeline 0 (together they hold every layer once), its first stage
-  // committing the version.
   runtime::DurableCheckpoints::Role durableRole() const {
-    using How = checkpoint::FlushRole::How;
-    runtime::DurableCheckpoints::Role role;
-    if (!pipelineMode_) {
-      role.writer = !members_.empty() && members_.front() == ctx_.worker();
-      return role;
-    }
-    const pipeline::WorkerAssignment* mine = mineIn(plan_);
-    role.writer = mine != nullptr && mine->pipeline == 0 && indexInStage() == 0;
-    if (!role.writer) return role;
-    role.flush.how = mine->stage == 0 ? How::kCommit : How::kPost;
-    for (int stage = 1;; ++stage) {
-      std::vector<int> ws = stageWorkers(0, stage);
-      if (ws.empty()) break;
-      role.flush.others.push_back(ws.front());
-    }
-    return role;
+    return runtime::DurableCheckpoints::roleOf(ctx_.worker(), pipelineMode_, members_, plan_);
   }
 
   std::chrono::milliseconds opTimeout() const { return services_.opTimeout(); }
   std::chrono::milliseconds recoveryTimeout() const { return services_.recoveryTimeout(); }
 
-  // Aborts and destroys the communicators of an epoch being left.
-  void dropCommunicator() {
-    std::lock_guard<std::mutex> lock(commMu_);
-    executor_.reset();  // It refers to comm_.
-    if (comm_) comm_->abort();
-    comm_.reset();
-    for (auto& g : groups_) {
-      if (g.comm) g.comm->abort();
-    }
-    groups_.clear();
-  }
-
   // Leaves epoch `from` (aborting its communicator) and enters the next one the coordinator
   // announces, retrying until one can be built (docs/architecture.md section 6, steps 2-3).
   void recoverInto(int64_t from, bool failure, const std::string& why) {
     auto t0 = Clock::now();
-    dropCommunicator();
+    comms_->drop();
     if (failure) {
       state_.memberLost = true;  // MPI_Finalize would wait for the lost member forever.
       event({{"event", "failure_noticed"}, {"epoch", from}, {"step", step_}, {"reason", why}});
@@ -762,7 +645,7 @@ class Trainer::Impl {
                      e.what());
         client_.requestRebuild(info.epoch);
       }
-      dropCommunicator();
+      comms_->drop();
       waitFrom = info.epoch;
     }
     double took = seconds(Clock::now() - t0);
@@ -776,20 +659,6 @@ class Trainer::Impl {
            {"workers", members_},
            {"duration_s", took},
            {"reason", why}});
-  }
-
-  // The options of one of epoch `epoch`'s communicators.
-  collectives::CommunicatorOptions commOptions(int64_t epoch, std::vector<int> members,
-                                               std::string name) const {
-    collectives::CommunicatorOptions co;
-    co.members = std::move(members);
-    co.self = ctx_.worker();
-    co.epoch = epoch;
-    co.name = std::move(name);
-    co.timeout = opTimeout();
-    co.initTimeout = std::min(o_.buildTimeout, recoveryTimeout());
-    co.hostname = ctx_.host();
-    return co;
   }
 
   // The store of epoch e's rendezvous: its waits give up once a newer epoch is announced.
@@ -812,14 +681,7 @@ class Trainer::Impl {
                   " but epoch ", info.epoch, " resumes at step ", info.resumeStep,
                   " without a state copy");
     }
-    const int64_t e = info.epoch;
-    auto comm = chooser_->make(epochStore(e), commOptions(e, info.members, "dp"));
-    {
-      std::lock_guard<std::mutex> lock(commMu_);
-      comm_ = std::move(comm);
-      // An announcement that raced with the build would have found no communicator to abort.
-      if (client_.latestEpoch().epoch > e) comm_->abort();
-    }
+    comms_->buildWorld(epochStore(info.epoch), info.epoch, info.members, "dp");
     epoch_ = info.epoch;
     members_ = info.members;
     plan_ = Plan::dataParallel(info.epoch, info.members, static_cast<int>(spec_.layers.size()),
@@ -832,7 +694,7 @@ class Trainer::Impl {
                     " has no surviving worker that holds the model state");
       const int root = static_cast<int>(
           std::find(info.members.begin(), info.members.end(), info.source) - info.members.begin());
-      runtime::broadcastState(*comm_, root, params_, *opt_, device_, opTimeout());
+      runtime::broadcastState(comms_->world(), root, params_, *opt_, device_, opTimeout());
       applied_ = info.resumeStep - 1;
     }
     step_ = info.resumeStep;
@@ -849,95 +711,11 @@ class Trainer::Impl {
     return nullptr;
   }
 
-  // The workers of (pipeline, stage) of plan_, in device order.
-  std::vector<int> stageWorkers(int pipelineIndex, int stage) const {
-    return pipeline::StageExecutor::stageWorkers(plan_, pipelineIndex, stage);
-  }
-
-  // This worker's index among its stage's workers, or -1 if it holds no stage.
-  int indexInStage() const {
-    const pipeline::WorkerAssignment* mine = mineIn(plan_);
-    if (mine == nullptr) return -1;
-    auto ws = stageWorkers(mine->pipeline, mine->stage);
-    return static_cast<int>(std::find(ws.begin(), ws.end(), ctx_.worker()) - ws.begin());
-  }
-
-  // Whether layer l has parameters (from the profile; without one, assume it has).
-  bool hasParameters(int l) const {
-    return profile_.layers.size() != spec_.layers.size() || profile_.layers[l].param_bytes > 0;
-  }
-
-  // The most workers the job may grow to (TrainerOptions::maxWorkers): the option, else
-  // SINEW_MAX_WORKERS, else twice the `members` it starts with.
-  int64_t grownWorkers(int64_t members) const {
-    if (o_.maxWorkers > 0) return o_.maxWorkers;
-    if (const char* env = std::getenv("SINEW_MAX_WORKERS")) {
-      return sinew::detail::parseInt(env, "SINEW_MAX_WORKERS", 1, 1 << 20);
-    }
-    return 2 * members;
-  }
-
-  // The plan epoch `info` carries, checked against the model and the members. The job's first
-  // epoch carries none: the members agree on the profile, the first asks the coordinator to
-  // plan, and all wait for the epoch that carries the plan (EpochChanged).
-  Plan planOf(const EpochInfo& info, Store& store) {
-    if (info.plan.empty()) {
-      if (profile_.layers.empty()) profile_ = profiles_->agree(info, store);
-      if (info.members.front() == ctx_.worker()) {
-        client_.requestPipelines(info.epoch, pipeline::profileToJson(profile_), o_.faultTolerance,
-                                 o_.globalBatch / o_.microbatch,
-                                 grownWorkers(static_cast<int64_t>(info.members.size())));
-      }
-      SINEW_THROW(EpochChanged, "epoch ", info.epoch,
-                  " has no pipeline plan yet; waiting for the coordinator's");
-    }
-    return runtime::checkedPlan(info.plan, info.epoch, info.members, spec_.layers.size());
-  }
-
-  // The epoch's communicator (activations, gradients and layer copies, on the Gloo backend's
-  // lanes: each transfer is moved by the thread that waits for it) and its gradient groups: maximal
-  // ranges of this worker's layers [first, end) held by the same workers, in increasing layer order
-  // on every worker (so the builds and reductions never wait in a cycle).
-  void buildPipelineCommunicators(const EpochInfo& info, const Plan& plan,
-                                  const std::shared_ptr<Store>& store, int first, int end) {
-    const int64_t e = info.epoch;
-    collectives::CommunicatorOptions world = commOptions(e, info.members, "pp");
-    auto comm = chooser_->make(store, std::move(world), pipelineGloo_);
-    {
-      std::lock_guard<std::mutex> lock(commMu_);
-      executor_.reset();
-      comm_ = std::move(comm);
-      if (client_.latestEpoch().epoch > e) comm_->abort();
-    }
-    std::vector<std::vector<int>> holders(plan.numLayers);
-    for (const auto& w : plan.workers) {
-      for (int l = w.firstLayer; l < w.endLayer; ++l) holders[l].push_back(w.worker);
-    }
-    for (auto& h : holders) std::sort(h.begin(), h.end());
-    for (int l = first; l < end;) {
-      int r = l + 1;
-      while (r < end && holders[r] == holders[l]) ++r;
-      GradGroup g;
-      g.first = l;
-      g.end = r;
-      g.members = holders[l];
-      if (g.members.size() > 1) {
-        g.comm = chooser_->make(
-            store,
-            commOptions(e, g.members, "grad-" + std::to_string(l) + "-" + std::to_string(r)));
-      }
-      std::lock_guard<std::mutex> lock(commMu_);
-      groups_.push_back(std::move(g));
-      if (client_.latestEpoch().epoch > e && groups_.back().comm) groups_.back().comm->abort();
-      l = r;
-    }
-  }
-
   void enterPipeline(const EpochInfo& info) {
     const int self = ctx_.worker();
     const int64_t e = info.epoch;
     auto store = epochStore(e);
-    Plan plan = planOf(info, *store);
+    Plan plan = profiles_->planOf(info, *store);
     const pipeline::WorkerAssignment* mine = mineIn(plan);
     const int first = mine ? mine->firstLayer : 0;
     const int end = mine ? mine->endLayer : 0;
@@ -957,26 +735,27 @@ class Trainer::Impl {
     // a first plan: they roll back to a version they can restore.)
     const bool firstPlan = !anyHeld && !anyTrained;
     if (!firstPlan && resumeApplied >= 0) {
-      relayout_->checkRollback(info, held, *store, [this](int l) { return hasParameters(l); });
+      relayout_->checkRollback(info, held, *store,
+                               [this](int l) { return profiles_->hasParameters(l); });
     }
-    buildPipelineCommunicators(info, plan, store, first, end);
+    // Activations, the loss sums and layer copies move on the world communicator (on the Gloo
+    // backend's lanes, each transfer moved by the thread that waits for it).
+    comms_->buildWorld(store, e, info.members, "pp", pipelineGloo_);
+    comms_->buildGradGroups(store, e, plan, first, end);
+    comms_->buildTies(store, e, plan, first, end, ties_);
     // The layers this worker now holds that it did not (a reconfiguration), copied from live
     // workers that hold them, before anything of this worker's changes.
     peers_->waitSnapshots();  // Their copies read the tensors this epoch may replace or update.
     if (!firstPlan) {
       std::optional<runtime::Relayout> relayout = relayout_->run(
-          plan, held, first, end, resumeApplied, *comm_, {model_, heldFirst_, *opt_});
+          plan, held, first, end, resumeApplied, comms_->world(), {model_, heldFirst_, *opt_});
       if (relayout) adoptLayers(std::move(*relayout), first, end, resumeApplied, e);
     } else {
       // The first plan this worker enters (its communicators are up): build this stage's
       // layers and nothing else.
-      model_ = torch::nn::Sequential();
-      if (end > first) {
-        torch::nn::Sequential built = buildLayers(spec_, o_.seed, o_.dtype, first, end);
-        built->to(device_);
-        auto it = built->begin();
-        for (int i = first; i < end; ++i, ++it) model_->push_back(spec_.layers[i].name, *it);
-      }
+      model_ =
+          end > first ? buildLayers(spec_, o_.seed, o_.dtype, first, end) : torch::nn::Sequential();
+      model_->to(device_);
       params_ = model_->parameters();
       opt_ = spec_.optimizer(params_);
       heldFirst_ = first;
@@ -998,13 +777,12 @@ class Trainer::Impl {
       eo.globalBatch = o_.globalBatch;
       eo.device = device_;
       eo.lastLayerName = spec_.layers[end - 1].name;
-      auto executor = std::make_unique<pipeline::StageExecutor>(plan_, self, *comm_, eo);
-      std::lock_guard<std::mutex> lock(commMu_);
-      executor_ = std::move(executor);
+      comms_->setExecutor(
+          std::make_unique<pipeline::StageExecutor>(plan_, self, comms_->world(), eo));
     }
     const double predicted =
         static_cast<double>(plan_.iterationTicks) /
-        (1e9 * static_cast<double>(std::max(1, profile_.job.devices_per_node)));
+        (1e9 * static_cast<double>(std::max(1, profiles_->profile().job.devices_per_node)));
     const runtime::PlanReport report = runtime::reportPlan(plan_, spec_, epoch_, predicted);
     event(report.event);
     if (members_.front() == ctx_.worker()) {
@@ -1050,6 +828,15 @@ class Trainer::Impl {
     std::fflush(stdout);
   }
 
+  // Runs a transfer of the step as waiting on the others, with peer-RAM replication yielding.
+  runtime::EpochCommunicators::Around trainingExchange() {
+    return [this](const std::function<void()>& transfer) {
+      WaitingOnOthers waiting(client_, step_, &stepWaited_);
+      TrainingTraffic traffic(peers_->trafficGate(epoch_));
+      transfer();
+    };
+  }
+
   // One pipeline step: 1F1B over this pipeline's microbatches (pipeline/stage_executor.h),
   // then the per-layer-range gradient sums and the loss sum, then the vote.
   bool runPipelineStep() {
@@ -1060,7 +847,7 @@ class Trainer::Impl {
       if (p.grad().defined()) p.mutable_grad().zero_();
     }
     double lossSum = 0;
-    if (executor_) {
+    if (pipeline::StageExecutor* executor = comms_->executor()) {
       auto t0 = Clock::now();
       const auto indices =
           batchIndices(o_.sampling, o_.seed, step_, o_.globalBatch, spec_.datasetSize);
@@ -1068,45 +855,24 @@ class Trainer::Impl {
       step.forward = [this](const at::Tensor& x) { return model_->forward(x); };
       step.loss = spec_.loss;
       step.data = [&](int64_t m, int64_t begin, int64_t end) {
-        return microbatchData(indices, m, begin, end);
+        return microbatches_(indices, m, begin, end);
       };
-      step.aroundExchange = [this](const std::function<void()>& transfer) {
-        WaitingOnOthers waiting(client_, step_, &stepWaited_);
-        TrainingTraffic traffic(peers_->trafficGate(epoch_));
-        transfer();
-      };
+      step.aroundExchange = trainingExchange();
       step.beforeFirstBackward = [&] { inj.fire(self, step_, Phase::kBackward, &client_); };
       step.timeout = opTimeout();
-      const pipeline::StageStepResult done = executor_->run(step);
+      const pipeline::StageStepResult done = executor->run(step);
       lossSum = done.lossSum;
       progress_->addSchedule(seconds(Clock::now() - t0), done.waitSeconds);
     }
     inj.fire(self, step_, Phase::kReduce, &client_);
     // The squares of the gradients of the layers this worker is the first holder of (so that
     // every layer counts once in the global norm, however many pipelines hold it).
-    double squares = 0;
-    for (auto& g : groups_) {
-      std::vector<at::Tensor> ps;
-      for (int l = g.first; l < g.end; ++l) {
-        for (auto& p : (*model_)[l - heldFirst_]->parameters()) {
-          if (p.requires_grad()) ps.push_back(p);  // Frozen ones are not reduced.
-        }
-      }
-      if (ps.empty()) continue;
-      if (g.comm) {
-        at::Tensor flat = flatGradients(ps);
-        WaitingOnOthers waiting(client_, step_, &stepWaited_);
-        TrainingTraffic traffic(peers_->trafficGate(epoch_));
-        g.comm->allreduce(flat, collectives::ReduceOp::kSum, opTimeout());
-        setGradients(ps, flat);
-      }
-      if (g.members.front() == self) squares += runtime::squaredGradientNorm(ps);
-    }
+    const double squares = comms_->reduceGradients(model_, heldFirst_, ties_, trainingExchange());
     // The loss and the squared gradient norm summed over every member in one allreduce.
     at::Tensor sums = at::tensor({lossSum, squares}, at::kDouble).to(device_);
     {
       WaitingOnOthers waiting(client_, step_, &stepWaited_);
-      comm_->allreduce(sums, collectives::ReduceOp::kSum, opTimeout());
+      comms_->world().allreduce(sums, collectives::ReduceOp::kSum, opTimeout());
     }
     inj.fire(self, step_, Phase::kAfterReduce, &client_);
     const at::Tensor host = sums.cpu();
@@ -1114,30 +880,10 @@ class Trainer::Impl {
     return commitAndApply(host[0].item<double>() / static_cast<double>(o_.globalBatch));
   }
 
-  // Loads durable version `step` into the parameters and optimizer state.
+  // Loads durable version `step` into this worker's layers and optimizer state.
   void restoreFromDisk(int64_t step) {
-    if (!durable_->enabled()) {
-      SINEW_THROW(InvalidArgument, "TrainerOptions::checkpointDir is empty on worker ",
-                  ctx_.worker(), ", but the job resumes at step ", step + 1,
-                  " from a checkpoint it must restore");
-    }
-    auto t0 = Clock::now();
-    std::vector<std::string> names;  // The layers this worker holds that have state.
-    for (const auto& child : model_->named_children()) {
-      if (child.value()->parameters().size() > 0) names.push_back(child.key());
-    }
-    if (names.empty()) {
-      applied_ = step;
-      return;
-    }
-    runtime::loadState(model_, *opt_, durable_->load(step, names),
-                       "TrainerOptions::checkpointDir = '" + o_.checkpointDir +
-                           "': its checkpoint " + std::to_string(step));
+    durable_->restoreInto(step, model_, *opt_);
     applied_ = step;
-    event({{"event", "restored"},
-           {"step", step},
-           {"dir", o_.checkpointDir},
-           {"duration_s", seconds(Clock::now() - t0)}});
   }
 
   // Called by the training and the flush thread.
@@ -1156,8 +902,9 @@ class Trainer::Impl {
   std::vector<at::Tensor> params_;
   std::unique_ptr<torch::optim::Optimizer> opt_;
   bool pipelineMode_ = false;
+  std::vector<runtime::Tie> ties_;  // ModelSpec::tied, resolved
+  runtime::MicrobatchReader microbatches_;
   at::Device device_{at::kCPU};  // Where this worker's layers live (TrainerOptions::device).
-  pipeline::Profile profile_;    // The job's, as agreed.
   // The units the trainer delegates to; destroyed in ~Impl in reverse dependency order.
   std::unique_ptr<runtime::BackendChooser> chooser_;
   collectives::GlooOptions pipelineGloo_;  // The pipeline communicator's (Gloo only).
@@ -1166,12 +913,9 @@ class Trainer::Impl {
   std::unique_ptr<runtime::LayerRelayout> relayout_;
   std::unique_ptr<runtime::ProfileAgreement> profiles_;
   std::unique_ptr<runtime::ProgressReporter> progress_;
-  std::mutex commMu_;
-  // Guarded by commMu_ (the client's io thread aborts them on a new epoch).
-  std::unique_ptr<collectives::Communicator> comm_;
-  std::vector<GradGroup> groups_;  // Pipeline mode.
-  // This worker's stage of the epoch's plan (pipeline mode; null when idle). Refers to comm_.
-  std::unique_ptr<pipeline::StageExecutor> executor_;
+  // The epoch's communicators and this worker's stage executor (aborted by the client's io
+  // thread when a newer epoch is announced).
+  std::unique_ptr<runtime::EpochCommunicators> comms_;
   int heldFirst_ = -1;  // The layers this worker holds in pipeline mode, [heldFirst_, heldEnd_).
   int heldEnd_ = -1;
   int64_t epoch_ = -1;

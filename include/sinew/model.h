@@ -48,19 +48,39 @@ struct Sample {
 // Returns sample i, deterministically (the same tensors on every worker, every time).
 using Dataset = std::function<Sample(int64_t index)>;
 
+// Two parameters that are one tensor of the model, each named "<layer>.<parameter>" (the
+// layer's name, then the parameter's name within it, e.g. "embed.tok.weight" and
+// "head.lm.weight": a GPT's token embedding and its output head). The follower starts as a copy
+// of the owner, and at every step both get the sum of their gradients (summed between the
+// workers that hold them when they sit on different pipeline stages), so the optimizer keeps
+// them equal and the model trains as one whose two layers use one tensor. Gradient clipping
+// counts the tensor once. Checkpoints, peer-RAM versions and layer copies hold both (equal)
+// tensors, so each layer loads on its own. Both must have one shape and dtype and both be
+// trainable or both frozen.
+struct TiedParameters {
+  std::string owner;
+  std::string follower;
+};
+
 struct ModelSpec {
   std::vector<LayerSpec> layers;
+  // Parameters shared between layers (see TiedParameters). A parameter is a follower at most
+  // once, and an owner is no follower.
+  std::vector<TiedParameters> tied;
   LossFn loss;
   OptimizerFactory optimizer;
   Dataset dataset;
   int64_t datasetSize = 0;
 };
 
-// Builds the model of `spec` (seeded with `seed`, cast to dtype) as a Sequential.
-// Throws InvalidArgument if spec has no layers or a layer has no factory.
+// Builds the model of `spec` (seeded with `seed`, cast to dtype) as a Sequential, each tied
+// follower a copy of its owner (ModelSpec::tied).
+// Throws InvalidArgument if spec has no layers, a layer has no factory, or a tie names a
+// parameter that does not exist or differs from its owner in shape, dtype or requires_grad.
 torch::nn::Sequential buildModel(const ModelSpec& spec, uint64_t seed, at::ScalarType dtype);
 
-// Builds layers [first, end) of `spec` only, each exactly as buildModel() builds it.
+// Builds layers [first, end) of `spec` only, each exactly as buildModel() builds it (a follower
+// whose owner's layer is outside the range still starts as the owner's copy).
 // Throws InvalidArgument as buildModel() or unless 0 <= first < end <= spec.layers.size().
 torch::nn::Sequential buildLayers(const ModelSpec& spec, uint64_t seed, at::ScalarType dtype,
                                   int first, int end);

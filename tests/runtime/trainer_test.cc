@@ -339,5 +339,134 @@ TEST(TrainerTest, UncapturableOptimizersAndBadRecipesAreRefusedByName) {
   expectRefused(*ctx, o, "TrainerOptions::clipGradNorm = 0");
 }
 
+// A sample whose input disagrees in shape with its microbatch's first sample's is an
+// InvalidArgument naming both samples and both shapes, at the step that reads it (not a
+// libtorch error from deep inside stack()).
+TEST(TrainerTest, ASampleOfAnotherShapeIsRefusedNamingIt) {
+  auto ctx = init(nullptr, nullptr);
+  ModelSpec spec = tinyModel();
+  spec.dataset = [](int64_t i) {
+    const int64_t width = i == 37 ? 3 : 2;
+    return Sample{at::full({width}, 0.5, at::kDouble), at::full({1}, 1.0, at::kDouble)};
+  };
+  TrainerOptions o = tinyOptions();
+  o.sampling = Sampling::kEpochs;
+  o.steps = 100;  // Every sample of the first epoch, sample 37 included.
+  Trainer trainer(*ctx, spec, o);
+  try {
+    trainer.run();
+    ADD_FAILURE() << "a sample of another shape was trained on";
+  } catch (const InvalidArgument& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("sample 37"), std::string::npos) << what;
+    EXPECT_NE(what.find("input of shape ["), std::string::npos) << what;
+    EXPECT_NE(what.find("[3]"), std::string::npos) << what;
+    EXPECT_NE(what.find("[2]"), std::string::npos) << what;
+  }
+}
+
+// Two square layers whose weights are tied: "in.weight" owns, "out.weight" follows.
+ModelSpec tiedModel() {
+  ModelSpec spec;
+  auto square = [] {
+    return torch::nn::AnyModule(torch::nn::Linear(torch::nn::LinearOptions(3, 3).bias(false)));
+  };
+  spec.layers.push_back({"in", square});
+  spec.layers.push_back({"act", [] { return torch::nn::AnyModule(torch::nn::Tanh()); }});
+  spec.layers.push_back({"out", square});
+  spec.tied.push_back({"in.weight", "out.weight"});
+  spec.loss = [](const at::Tensor& y, const at::Tensor& t) { return (y - t).pow(2).mean(); };
+  spec.optimizer = adamw(0.05, 0.1);
+  spec.dataset = [](int64_t i) {
+    const double x = static_cast<double>(i % 13) / 5;
+    return Sample{at::tensor({x, -x, 1.0}, at::kDouble), at::tensor({x, 2 * x, -1.0}, at::kDouble)};
+  };
+  spec.datasetSize = 64;
+  return spec;
+}
+
+// A model whose two layers share one weight trains as plain libtorch trains the model that uses
+// one tensor in both places: the same loss, gradient norm (the tensor counted once) and, with
+// clipping that engages, the same weights; the follower stays equal to its owner.
+TEST(TrainerTest, TiedParametersTrainAsOneTensor) {
+  auto ctx = init(nullptr, nullptr);
+  TrainerOptions o = recipeOptions(8);
+  o.clipGradNorm = 0.3;
+  const ModelSpec spec = tiedModel();
+  Trainer trainer(*ctx, spec, o);
+  // The reference: one weight W, y = W tanh(W x).
+  torch::nn::Sequential built = buildModel(spec, o.seed, o.dtype);
+  at::Tensor w = built->named_parameters()["in.weight"].detach().clone().requires_grad_(true);
+  EXPECT_TRUE(at::equal(w, built->named_parameters()["out.weight"]));
+  auto opt = spec.optimizer({w});
+  int clipped = 0;
+  for (int64_t s = 0; s < o.steps; ++s) {
+    StepResult r = trainer.step();
+    std::vector<at::Tensor> xs, ys;
+    for (int64_t i : globalBatchIndices(o.seed, s, o.globalBatch, spec.datasetSize)) {
+      Sample smp = spec.dataset(i);
+      xs.push_back(smp.input);
+      ys.push_back(smp.target);
+    }
+    opt->zero_grad();
+    at::Tensor x = at::stack(xs);
+    at::Tensor loss = spec.loss(at::matmul(at::tanh(at::matmul(x, w.t())), w.t()), at::stack(ys));
+    loss.backward();
+    const double norm = torch::nn::utils::clip_grad_norm_(std::vector<at::Tensor>{w}, 0.3);
+    clipped += norm > 0.3 ? 1 : 0;
+    opt->step();
+    EXPECT_NEAR(r.loss, loss.item<double>(), 1e-12) << "step " << s;
+    EXPECT_NEAR(r.gradNorm, norm, 1e-12) << "step " << s;
+  }
+  EXPECT_GT(clipped, 0) << "clipping never engaged: the test would not see a norm counted twice";
+  auto mine = trainer.model()->named_parameters();
+  EXPECT_LT((mine["in.weight"] - w).abs().max().item<double>(), 1e-12);
+  EXPECT_TRUE(at::equal(mine["in.weight"], mine["out.weight"]));
+  trainer.finish();
+}
+
+// Ties that name no layer or parameter, tie a parameter to itself, follow twice, chain, or
+// disagree in shape are refused with errors naming them; a follower built without its owner's
+// layer starts as the owner's copy.
+TEST(TrainerTest, BadTiesAreRefusedAndAFollowerBuiltAloneCopiesItsOwner) {
+  auto ctx = init(nullptr, nullptr);
+  auto refused = [&](std::vector<TiedParameters> tied, const std::string& says) {
+    ModelSpec spec = tiedModel();
+    spec.tied = std::move(tied);
+    try {
+      Trainer trainer(*ctx, spec, recipeOptions(1));
+      trainer.run();
+      ADD_FAILURE() << "accepted ties that should fail with: " << says;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  };
+  refused({{"nope.weight", "out.weight"}}, "ModelSpec::tied[0].owner = 'nope.weight'");
+  refused({{"in", "out.weight"}}, "ModelSpec::tied[0].owner = 'in'");
+  refused({{"in.weight", "in.weight"}}, "ties 'in.weight' to itself");
+  refused({{"in.weight", "out.weight"}, {"act.x", "out.weight"}},
+          "'out.weight' is already the follower of ModelSpec::tied[0]");
+  refused({{"in.weight", "out.weight"}, {"out.weight", "act.x"}},
+          "'out.weight' is the follower of ModelSpec::tied[0]");
+  refused({{"in.bias", "out.weight"}}, "layer 0 ('in') has no parameter 'bias'");
+  ModelSpec other = tiedModel();
+  other.layers[2].build = [] { return torch::nn::AnyModule(torch::nn::Linear(3, 2)); };
+  try {
+    buildModel(other, 1, at::kDouble);
+    ADD_FAILURE() << "tied parameters of two shapes were built";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("(shape [2, 3]"), std::string::npos) << e.what();
+  }
+  const ModelSpec spec = tiedModel();
+  torch::nn::Sequential whole = buildModel(spec, 5, at::kFloat);
+  torch::nn::Sequential last = buildLayers(spec, 5, at::kFloat, 2, 3);
+  EXPECT_TRUE(
+      at::equal(last->named_parameters()["out.weight"], whole->named_parameters()["in.weight"]));
+  EXPECT_FALSE(at::equal(
+      buildLayers(ModelSpec{spec.layers}, 5, at::kFloat, 2, 3)->named_parameters()["out.weight"],
+      whole->named_parameters()["in.weight"]))
+      << "the layers' own initial weights are equal: the copy is not seen";
+}
+
 }  // namespace
 }  // namespace sinew

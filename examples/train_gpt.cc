@@ -1,0 +1,414 @@
+// train_gpt: a GPT-2-style decoder trained with Sinew the way a language model is trained:
+// token and position embeddings, pre-LayerNorm blocks with causal self-attention and an MLP,
+// a final LayerNorm and a vocabulary head whose weight is tied to the token embedding
+// (ModelSpec::tied), AdamW with weight decay, warm-up then cosine decay, gradient clipping at
+// 1.0, float32, an evaluation on a held-out split every few steps, and epochs over a token
+// file (every window once per epoch, whatever kills and joins happen).
+//
+//   sinew-run -n 4 build/examples/train_gpt                    # pipelines, the tiny preset
+//   sinew-run -n 2 build/examples/train_gpt --data-parallel
+//   build/examples/train_gpt --preset small --no-reference     # GPT-2 small: 124 M parameters
+//
+// A process started without a launcher trains alone, data parallel.
+//
+// Data: --tokens FILE, a flat file of uint16 token ids (sinew::TokenFile); when it does not
+// exist it is made from --text (a file, or a folder whose files are read in name order; by
+// default the licence texts every Debian machine has under /usr/share/common-licenses), one
+// token per byte. Without --tokens each worker makes a private one and removes it once mapped.
+// The last tenth of the windows is the held-out split.
+//
+// Presets: tiny (the default: 4 blocks of width 64, context 64, a byte vocabulary; seconds per
+// run) and small (GPT-2 small's dimensions: 12 blocks of width 768 with 12 heads, context 1024,
+// vocabulary 50257, 124 M parameters; the byte tokens use the first 256 ids).
+//
+// After training the job's first worker gathers the model (Trainer::gatherModel), evaluates it,
+// trains the same recipe single-process in plain libtorch (one tensor shared by the embedding
+// and the head) unless --no-reference, and prints
+//   RESULT final_loss=<l> reference_loss=<r> max_param_rel_diff=<d> recoveries=<k>
+//          recovery_s_max=<t> eval_loss=<e> reference_eval_loss=<re> parameters=<n>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "example_support.h"
+#include "sinew/data.h"
+#include "sinew/trainer.h"
+
+namespace {
+
+struct Preset {
+  int64_t blocks, width, heads, context, vocab;
+};
+
+constexpr Preset kTiny{4, 64, 4, 64, 256};
+constexpr Preset kSmall{12, 768, 12, 1024, 50257};
+
+struct Args : sinew_example::CommonArgs {
+  std::string preset = "tiny";
+  Preset dims = kTiny;
+  std::string tokens;
+  std::string text = "/usr/share/common-licenses";
+  bool dataParallel = false;
+  int faultTolerance = 1;
+  int peerCheckpointEvery = 1;
+  int64_t memoryBytes = 0;
+  int devicesPerNode = 1;
+  std::string profile;
+
+  Args() {
+    steps = 60;
+    globalBatch = 16;
+    microbatch = 2;
+    lr = 3e-3;
+    optimizer = "adamw";
+    schedule = "cosine";
+    warmup = 10;
+    clip = 1.0;
+    sampling = sinew::Sampling::kEpochs;
+    evalEvery = 20;
+    evalSamples = 32;
+    float32 = true;
+  }
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  sinew_example::ArgReader r(
+      argc, argv, "train_gpt",
+      std::string(sinew_example::kCommonUsage) +
+          " [--preset tiny|small] [--blocks N] [--width D] [--heads H] [--context T] "
+          "[--tokens FILE] [--text FILE|DIR] [--float64] [--data-parallel] "
+          "[--fault-tolerance F] [--peer-checkpoint-every K] [--memory-bytes M] "
+          "[--devices-per-node G] [--profile FILE]");
+  int64_t blocks = -1, width = -1, heads = -1, context = -1;
+  while (r.next()) {
+    const std::string& s = r.flag();
+    if (sinew_example::parseCommon(r, a)) continue;
+    if (s == "--preset") {
+      a.preset = r.value();
+      if (a.preset != "tiny" && a.preset != "small") r.fail("unknown preset " + a.preset);
+    } else if (s == "--blocks") {
+      blocks = r.integer(256);
+    } else if (s == "--width") {
+      width = r.integer(16384);
+    } else if (s == "--heads") {
+      heads = r.integer(256);
+    } else if (s == "--context") {
+      context = r.integer(1 << 16);
+    } else if (s == "--tokens") {
+      a.tokens = r.value();
+    } else if (s == "--text") {
+      a.text = r.value();
+    } else if (s == "--float64") {
+      a.float32 = false;
+    } else if (s == "--data-parallel") {
+      a.dataParallel = true;
+    } else if (s == "--fault-tolerance") {
+      a.faultTolerance = static_cast<int>(r.integer(64));
+    } else if (s == "--peer-checkpoint-every") {
+      a.peerCheckpointEvery = static_cast<int>(r.integer(sinew_example::kMaxInt));
+    } else if (s == "--memory-bytes") {
+      a.memoryBytes = r.integer(std::numeric_limits<int64_t>::max());
+    } else if (s == "--devices-per-node") {
+      a.devicesPerNode = static_cast<int>(r.integer(4096));
+    } else if (s == "--profile") {
+      a.profile = r.value();
+    } else {
+      r.fail("unknown argument '" + s + "'");
+    }
+  }
+  sinew_example::checkCommon(r, a);
+  a.dims = a.preset == "small" ? kSmall : kTiny;
+  if (blocks >= 0) a.dims.blocks = blocks;
+  if (width >= 0) a.dims.width = width;
+  if (heads >= 0) a.dims.heads = heads;
+  if (context >= 0) a.dims.context = context;
+  if (a.dims.blocks < 1) r.fail("--blocks must be at least 1");
+  if (a.dims.heads < 1 || a.dims.width < a.dims.heads || a.dims.width % a.dims.heads != 0) {
+    r.fail("--width must be a positive multiple of --heads");
+  }
+  if (a.dims.context < 2) r.fail("--context must be at least 2");
+  if (a.devicesPerNode < 1) r.fail("--devices-per-node must be at least 1");
+  return a;
+}
+
+// Token and position embeddings: int64 [batch, T] -> [batch, T, E].
+struct EmbedImpl : torch::nn::Module {
+  explicit EmbedImpl(const Preset& d)
+      : tok(register_module("tok", torch::nn::Embedding(d.vocab, d.width))),
+        pos(register_module("pos", torch::nn::Embedding(d.context, d.width))) {
+    // GPT-2's initialisation: N(0, 0.02).
+    torch::NoGradGuard noGrad;
+    tok->weight.normal_(0, 0.02);
+    pos->weight.normal_(0, 0.01);
+  }
+  at::Tensor forward(const at::Tensor& ids) {
+    at::Tensor positions = at::arange(ids.size(1), ids.options());
+    return tok->forward(ids) + pos->forward(positions).unsqueeze(0);
+  }
+  torch::nn::Embedding tok, pos;
+};
+TORCH_MODULE(Embed);
+
+// A pre-LayerNorm block: x + attention(ln1(x)), then x + mlp(ln2(x)); causal attention.
+struct BlockImpl : torch::nn::Module {
+  explicit BlockImpl(const Preset& d)
+      : width(d.width),
+        heads(d.heads),
+        ln1(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d.width})))),
+        qkv(register_module("qkv", torch::nn::Linear(d.width, 3 * d.width))),
+        proj(register_module("proj", torch::nn::Linear(d.width, d.width))),
+        ln2(register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d.width})))),
+        fc(register_module("fc", torch::nn::Linear(d.width, 4 * d.width))),
+        out(register_module("out", torch::nn::Linear(4 * d.width, d.width))) {}
+  at::Tensor forward(const at::Tensor& x) {
+    const int64_t B = x.size(0), T = x.size(1), hd = width / heads;
+    auto parts = qkv->forward(ln1->forward(x)).chunk(3, -1);
+    auto split = [&](const at::Tensor& t) { return t.view({B, T, heads, hd}).transpose(1, 2); };
+    at::Tensor q = split(parts[0]), k = split(parts[1]), v = split(parts[2]);
+    at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
+    at::Tensor causal =
+        at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(x.device())).triu(1);
+    scores = scores.masked_fill(causal, -std::numeric_limits<double>::infinity());
+    at::Tensor attn = at::matmul(at::softmax(scores, -1), v).transpose(1, 2).reshape({B, T, width});
+    at::Tensor h = x + proj->forward(attn);
+    return h + out->forward(at::gelu(fc->forward(ln2->forward(h))));
+  }
+  int64_t width, heads;
+  torch::nn::LayerNorm ln1;
+  torch::nn::Linear qkv, proj;
+  torch::nn::LayerNorm ln2;
+  torch::nn::Linear fc, out;
+};
+TORCH_MODULE(Block);
+
+// The final LayerNorm and the vocabulary head: [batch, T, E] -> logits [batch, T, V]. Its
+// weight is tied to the token embedding's (ModelSpec::tied); the single-process reference
+// makes it use that very tensor (`shared`).
+struct HeadImpl : torch::nn::Module {
+  explicit HeadImpl(const Preset& d)
+      : ln(register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d.width})))),
+        lm(register_module(
+            "lm", torch::nn::Linear(torch::nn::LinearOptions(d.width, d.vocab).bias(false)))) {}
+  at::Tensor forward(const at::Tensor& x) {
+    return at::linear(ln->forward(x), shared.defined() ? shared : lm->weight);
+  }
+  torch::nn::LayerNorm ln;
+  torch::nn::Linear lm;
+  at::Tensor shared;  // the reference's: the embedding's weight itself
+};
+TORCH_MODULE(Head);
+
+// The text of --text: a file, or every regular file of a folder in name order.
+std::string readText(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::vector<fs::path> files;
+  if (fs::is_directory(path)) {
+    for (const auto& e : fs::directory_iterator(path)) {
+      if (e.is_regular_file()) files.push_back(e.path());
+    }
+    std::sort(files.begin(), files.end());
+  } else {
+    files.push_back(path);
+  }
+  std::string text;
+  for (const auto& f : files) {
+    std::ifstream in(f, std::ios::binary);
+    if (!in) throw std::runtime_error("cannot read " + f.string());
+    text.append(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  return text;
+}
+
+// The token file of --tokens (made from --text when missing), or a private one made from
+// --text and unlinked once mapped.
+sinew::TokenFile openTokens(const Args& a) {
+  std::string path = a.tokens;
+  const bool temporary = path.empty();
+  if (temporary) path = "/tmp/train_gpt-" + std::to_string(::getpid()) + ".tokens";
+  if (temporary || !std::filesystem::exists(path)) {
+    const std::string text = readText(a.text);
+    std::vector<int64_t> ids(text.begin(), text.end());
+    for (auto& id : ids) id = static_cast<unsigned char>(id);
+    sinew::TokenFile::write(path, ids, 2);
+  }
+  sinew::TokenFile file(path, 2);
+  if (temporary) std::filesystem::remove(path);  // The mapping keeps it alive.
+  return file;
+}
+
+struct Data {
+  sinew::Dataset train, heldOut;
+  int64_t trainWindows = 0, heldOutWindows = 0;
+};
+
+Data split(const sinew::TokenFile& file, const Args& a) {
+  const int64_t windows = file.windows(a.dims.context);
+  Data d;
+  d.heldOutWindows = std::max<int64_t>(1, windows / 10);
+  d.trainWindows = windows - d.heldOutWindows;
+  if (d.trainWindows < a.globalBatch) {
+    throw std::runtime_error(file.path() + " holds " + std::to_string(windows) + " windows of " +
+                             std::to_string(a.dims.context) +
+                             " tokens: too few for a global batch and a held-out split");
+  }
+  d.train = file.dataset(a.dims.context, 0, d.trainWindows);
+  d.heldOut = file.dataset(a.dims.context, d.trainWindows, d.heldOutWindows);
+  return d;
+}
+
+sinew::ModelSpec model(const Args& a, const Data& data) {
+  sinew::ModelSpec spec;
+  const Preset d = a.dims;
+  spec.layers.push_back({"embed", [d] { return torch::nn::AnyModule(Embed(d)); }});
+  for (int64_t b = 0; b < d.blocks; ++b) {
+    spec.layers.push_back(
+        {"block" + std::to_string(b), [d] { return torch::nn::AnyModule(Block(d)); }});
+  }
+  spec.layers.push_back({"head", [d] { return torch::nn::AnyModule(Head(d)); }});
+  spec.tied.push_back({"embed.tok.weight", "head.lm.weight"});
+  const int64_t vocab = d.vocab;
+  spec.loss = [vocab](const at::Tensor& logits, const at::Tensor& target) {
+    return at::cross_entropy_loss(logits.reshape({-1, vocab}), target.reshape({-1}));
+  };
+  spec.optimizer = sinew_example::optimizer(a);
+  spec.dataset = data.train;
+  spec.datasetSize = data.trainWindows;
+  return spec;
+}
+
+// The reference's model shares one tensor between the embedding and the head: the head uses
+// the embedding's weight and its own is left out of the optimizer.
+std::vector<at::Tensor> shareTiedTensor(torch::nn::Sequential& m) {
+  auto embed = std::dynamic_pointer_cast<EmbedImpl>(m->ptr(0));
+  auto head = std::dynamic_pointer_cast<HeadImpl>(m->ptr(m->size() - 1));
+  head->shared = embed->tok->weight;
+  std::vector<at::Tensor> params;
+  for (const auto& np : m->named_parameters(/*recurse=*/true)) {
+    if (np.key() != "head.lm.weight") params.push_back(np.value());
+  }
+  return params;
+}
+
+// The mean loss of `m` over held-out samples [0, count), a global batch at a time.
+double heldOutLoss(torch::nn::Sequential& m, const sinew::ModelSpec& spec,
+                   const sinew::Dataset& heldOut, int64_t count, int64_t batch) {
+  at::NoGradGuard noGrad;
+  double sum = 0;
+  for (int64_t first = 0; first < count; first += batch) {
+    std::vector<at::Tensor> xs, ys;
+    for (int64_t j = first; j < first + batch; ++j) {
+      sinew::Sample s = heldOut(j);
+      xs.push_back(s.input);
+      ys.push_back(s.target);
+    }
+    sum += spec.loss(m->forward(at::stack(xs)), at::stack(ys)).item<double>() *
+           static_cast<double>(batch);
+  }
+  return sum / static_cast<double>(count);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a = parse(argc, argv);
+  at::set_num_threads(1);  // Several workers share a few cores.
+  Data data;
+  try {
+    data = split(openTokens(a), a);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "train_gpt: %s\n", e.what());
+    return 2;
+  }
+  const int64_t evalCount = a.evalSamples > 0 ? a.evalSamples : a.globalBatch;
+  if (evalCount % a.globalBatch != 0 || evalCount > data.heldOutWindows) {
+    std::fprintf(stderr,
+                 "train_gpt: --eval-samples %lld must be a multiple of --global-batch %lld and "
+                 "at most the %lld held-out windows\n",
+                 static_cast<long long>(evalCount), static_cast<long long>(a.globalBatch),
+                 static_cast<long long>(data.heldOutWindows));
+    return 2;
+  }
+  std::unique_ptr<sinew::Context> ctx = sinew_example::join("train_gpt", &argc, &argv);
+  if (!ctx) return 1;
+  sinew::TrainerOptions o = sinew_example::trainerOptions(a);
+  // A process on its own (no launcher) has no second node for pipelines to fail over to.
+  const bool alone = ctx->launchMode() == "single";
+  o.parallelism =
+      a.dataParallel || alone ? sinew::Parallelism::kData : sinew::Parallelism::kPipeline;
+  o.faultTolerance = a.faultTolerance;
+  o.peerCheckpointEvery = a.peerCheckpointEvery;
+  o.deviceMemoryBytes = a.memoryBytes;
+  o.devicesPerNode = a.devicesPerNode;
+  o.profilePath = a.profile;
+  sinew::ModelSpec spec = model(a, data);
+  sinew::TrainResult r;
+  std::unique_ptr<sinew::Trainer> trainer;
+  torch::nn::Sequential gathered;
+  double evalLoss = -1;
+  if (auto status = sinew_example::train(
+          "train_gpt", *ctx, spec, o, &trainer, &r, a, data.heldOut, [&](sinew::Trainer& t) {
+            sinew::EvalResult e = t.evaluate(data.heldOut, evalCount);
+            if (!e.done) evalLoss = e.loss;
+            gathered = t.gatherModel();
+          }))
+    return *status;
+  std::printf(
+      "train_gpt: worker %d done: %lld steps, pipeline %d of %d, stage %d, %zu layers "
+      "(%lld parameters), loss %.9g\n",
+      ctx->worker(), static_cast<long long>(r.steps), r.pipeline, r.pipelines, r.stage,
+      r.layers.size(), static_cast<long long>(r.parameterCount), r.finalLoss);
+  std::fflush(stdout);
+  if (gathered.is_empty() || gathered->size() == 0) return 0;
+  int64_t parameters = 0;  // The model's, the tied tensor once.
+  for (const auto& np : gathered->named_parameters(/*recurse=*/true)) {
+    if (np.key() != "head.lm.weight") parameters += np.value().numel();
+  }
+  double refLoss = -1, refEval = -1, maxRel = -1;
+  if (a.reference) {
+    torch::nn::Sequential ref;
+    refLoss =
+        sinew_example::trainReference(a, spec, o.dtype, &ref, 0, data.heldOut, shareTiedTensor);
+    refEval = heldOutLoss(ref, spec, data.heldOut, evalCount, a.globalBatch);
+    maxRel = 0;
+    auto mine = gathered->named_parameters(/*recurse=*/true);
+    auto refParams = ref->named_parameters(/*recurse=*/true);
+    for (const auto& np : refParams) {
+      // The head's weight is the embedding's in the reference.
+      const std::string theirs = np.key() == "head.lm.weight" ? "embed.tok.weight" : np.key();
+      const at::Tensor* got = mine.find(np.key());
+      const at::Tensor* want = refParams.find(theirs);
+      if (got == nullptr || got->sizes() != want->sizes()) {
+        std::fprintf(stderr, "train_gpt: the gathered model has no tensor '%s' of its shape\n",
+                     np.key().c_str());
+        return 1;
+      }
+      maxRel = std::max(
+          maxRel, sinew_example::relDiff(got->to(at::kDouble), want->detach().to(at::kDouble)));
+    }
+  }
+  std::printf(
+      "RESULT final_loss=%.9g reference_loss=%.9g max_param_rel_diff=%.3g recoveries=%d "
+      "recovery_s_max=%.3f eval_loss=%.9g reference_eval_loss=%.9g parameters=%lld\n",
+      r.finalLoss, refLoss, maxRel, r.recoveries, r.recoveryMaxSeconds, evalLoss, refEval,
+      static_cast<long long>(parameters));
+  std::fflush(stdout);
+  return 0;
+}

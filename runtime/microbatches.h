@@ -1,0 +1,38 @@
+#pragma once
+
+// Internal: the tensors of a microbatch, read from a Dataset (sinew/model.h): the samples a
+// step's batch indices name, stacked along a new first dimension, on the worker's device.
+// Floating-point inputs and targets train in TrainerOptions::dtype; integer ones (token ids,
+// labels) stay as they are.
+//
+// Thread safety: const; the dataset must be callable from the calling thread.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "sinew/model.h"
+
+namespace sinew {
+namespace runtime {
+
+struct MicrobatchReader {
+  const Dataset* dataset = nullptr;  // the model's (ModelSpec::dataset)
+  int64_t microbatch = 0;            // samples per microbatch
+  at::ScalarType dtype = at::kFloat;
+  at::Device device{at::kCPU};
+
+  // The inputs and targets of samples [begin, end) of global microbatch m of a step whose
+  // batch is `indices` (end < 0: the whole microbatch), from `data` instead of the model's
+  // dataset when given (evaluation). Throws InvalidArgument naming the sample index when a
+  // sample's input or target is undefined or differs in shape or dtype from the microbatch's
+  // first sample's.
+  std::pair<at::Tensor, at::Tensor> operator()(const std::vector<int64_t>& indices, int64_t m,
+                                               int64_t begin = 0, int64_t end = -1,
+                                               const Dataset* data = nullptr) const;
+};
+
+}  // namespace runtime
+}  // namespace sinew
