@@ -21,9 +21,10 @@
 // run) and small (GPT-2 small's dimensions: 12 blocks of width 768 with 12 heads, context 1024,
 // vocabulary 50257, 124 M parameters; the byte tokens use the first 256 ids).
 //
-// After training the job's first worker gathers the model (Trainer::gatherModel), evaluates it,
-// trains the same recipe single-process in plain libtorch (one tensor shared by the embedding
-// and the head) unless --no-reference, and prints
+// After training the job evaluates the model (unless --eval-every 0; then the eval losses are
+// -1), the first worker gathers it (Trainer::gatherModel), trains the same recipe
+// single-process in plain libtorch (one tensor shared by the embedding and the head) unless
+// --no-reference, and prints
 //   RESULT final_loss=<l> reference_loss=<r> max_param_rel_diff=<d> recoveries=<k>
 //          recovery_s_max=<t> eval_loss=<e> reference_eval_loss=<re> parameters=<n>
 
@@ -365,8 +366,10 @@ int main(int argc, char** argv) {
   double evalLoss = -1;
   if (auto status = sinew_example::train(
           "train_gpt", *ctx, spec, o, &trainer, &r, a, data.heldOut, [&](sinew::Trainer& t) {
-            sinew::EvalResult e = t.evaluate(data.heldOut, evalCount);
-            if (!e.done) evalLoss = e.loss;
+            if (a.evalEvery > 0) {
+              sinew::EvalResult e = t.evaluate(data.heldOut, evalCount);
+              if (!e.done) evalLoss = e.loss;
+            }
             gathered = t.gatherModel();
           }))
     return *status;
@@ -386,7 +389,7 @@ int main(int argc, char** argv) {
     torch::nn::Sequential ref;
     refLoss =
         sinew_example::trainReference(a, spec, o.dtype, &ref, 0, data.heldOut, shareTiedTensor);
-    refEval = heldOutLoss(ref, spec, data.heldOut, evalCount, a.globalBatch);
+    if (a.evalEvery > 0) refEval = heldOutLoss(ref, spec, data.heldOut, evalCount, a.globalBatch);
     maxRel = 0;
     auto mine = gathered->named_parameters(/*recurse=*/true);
     auto refParams = ref->named_parameters(/*recurse=*/true);

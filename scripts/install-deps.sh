@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs Sinew's build and test dependencies from Debian. Idempotent: packages that
 # are already installed are skipped, so running it twice costs one dpkg query.
+# --bench also installs what the benchmarks compare with: python3-torch (PyTorch's
+# DistributedDataParallel and torchrun, for sinew-bench-dp-vs-ddp).
 set -euo pipefail
 
 PACKAGES=(
@@ -17,6 +19,7 @@ PACKAGES=(
   curl gnuplot-nox
   etcd-server
 )
+if [[ "${1:-}" == "--bench" ]]; then PACKAGES+=(python3-torch); fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do
