@@ -6,8 +6,10 @@
 #include <chrono>
 #include <cmath>
 #include <exception>
+#include <optional>
 
 #include "sinew/base/error.h"
+#include "sinew/pipeline/memory_meter.h"
 
 namespace sinew {
 namespace pipeline {
@@ -87,12 +89,20 @@ Profile profileLayers(const std::vector<ProfiledLayer>& layers, const at::Tensor
     SINEW_THROW(InvalidArgument, "profileLayers: layers[", l, "] ('", layers[l].name,
                 "') failed: ", e.what());
   };
+  // Bytes each layer's forward left allocated (its output, what autograd saved for backward,
+  // and for the last layer the loss's), in the last run; -1 where not measured.
+  std::vector<int64_t> retained(L, -1);
+  std::optional<CpuMemoryMeter> meter;
+  if (options.measure_memory && input.device().is_cpu()) meter.emplace();
+  const bool metered = meter && meter->installed();
   for (int run = 0; run < options.warmup + options.repeats; ++run) {
+    const bool lastRun = run + 1 == options.warmup + options.repeats;
     at::Tensor x = input.detach();
     at::Tensor loss;  // The last layer's, if the options give a loss.
     for (size_t l = 0; l < L; ++l) {
       at::Tensor in = x.detach();
       if (at::isFloatingType(in.scalar_type())) in.requires_grad_(true);
+      const int64_t liveBefore = metered ? meter->live() : 0;
       auto t0 = Clock::now();
       const bool withLoss = l + 1 == L && static_cast<bool>(options.loss);
       at::Tensor y;
@@ -125,6 +135,7 @@ Profile profileLayers(const std::vector<ProfiledLayer>& layers, const at::Tensor
         }
       }
       if (run >= options.warmup) fwd[l].push_back(nsSince(t0));
+      if (metered && lastRun) retained[l] = std::max<int64_t>(0, meter->live() - liveBefore);
       ins[l] = in;
       outs[l] = y;
       x = y;
@@ -165,6 +176,7 @@ Profile profileLayers(const std::vector<ProfiledLayer>& layers, const at::Tensor
         std::llround(static_cast<double>(c.param_bytes) * options.optimizer_state_factor);
     c.output_bytes = tensorBytes(outs[l]);
     c.activation_bytes = layer.activation_bytes >= 0 ? layer.activation_bytes
+                         : retained[l] >= 0          ? tensorBytes(ins[l]) + retained[l]
                                                      : tensorBytes(ins[l]) + tensorBytes(outs[l]);
     profile.layers.push_back(std::move(c));
   }

@@ -22,9 +22,13 @@
 // ends or fails: gradients the parameters had before the call are discarded.
 // On a CUDA tensor each timed section ends by reading one element back (a synchronisation).
 // Bytes: param_bytes = sum of the parameters' bytes, optimizer_bytes = optimizer_state_factor
-// x param_bytes, output_bytes = bytes of y, activation_bytes = the layer's own estimate if it
-// gives one (>= 0), else bytes of x + bytes of y (the input and output kept for backward; a
-// lower bound for layers that save larger intermediates).
+// x param_bytes, output_bytes = bytes of y, activation_bytes = the layer's own figure if it
+// gives one (>= 0), else, on the CPU, bytes of x + the bytes the layer's forward left
+// allocated in the last run (measured by counting libtorch's CPU allocations,
+// pipeline/memory_meter.h: y, everything autograd saved for backward such as attention
+// scores, and for the last layer what the loss saved), else (a CUDA input, or
+// measure_memory false) bytes of x + bytes of y, a lower bound for layers that save larger
+// intermediates. Temporaries freed within a forward or a backward are not counted.
 //
 // Thread safety: profileLayers() runs the layers on the calling thread; callers must not run
 // the same layers concurrently. Blocking: it takes (warmup + repeats) x the layers' time.
@@ -50,7 +54,7 @@ struct ProfiledLayer {
   // profiling ends or fails.
   std::vector<at::Tensor> parameters;
   // Bytes kept for backward per microbatch, if the layer knows better than the profiler's
-  // estimate (input + output bytes); -1: use the estimate.
+  // measurement (or its estimate); -1: measure (estimate).
   int64_t activation_bytes = -1;
 };
 
@@ -64,6 +68,8 @@ struct ProfilerOptions {
   double optimizer_state_factor = 2.0;
   // Copied into the profile (machines are not measured here).
   JobSpec job;
+  // Measure each layer's activation bytes on the CPU (see above) instead of estimating them.
+  bool measure_memory = true;
   // Samples per microbatch of `input`, recorded in the profile (0: unknown).
   int64_t microbatch_size = 0;
   // The training loss of the last layer's output and `target`, a scalar; timed as part of the

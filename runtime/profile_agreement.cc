@@ -112,7 +112,8 @@ pipeline::Profile ProfileAgreement::measure() {
     torch::nn::Sequential m = buildLayers(spec_, o.seed, o.dtype, i, i + 1);
     m->to(device_);
     layers.push_back({spec_.layers[i].name,
-                      [m](const at::Tensor& x) mutable { return m->forward(x); }, m->parameters()});
+                      [m](const at::Tensor& x) mutable { return m->forward(x); }, m->parameters(),
+                      spec_.layers[i].activationBytes});
   }
   pipeline::ProfilerOptions po;
   po.job.devices_per_node = o.devicesPerNode;
@@ -123,6 +124,7 @@ pipeline::Profile ProfileAgreement::measure() {
   po.job.allreduce.bandwidth_gbps = 10;
   po.job.allreduce.latency_us = 50;
   po.microbatch_size = o.microbatch;
+  po.measure_memory = o.measureActivationMemory;
   // Medians over many whole-microbatch runs: a short profile on a busy machine can be off
   // by half, and the plan and its predicted iteration time rest on it.
   po.warmup = 3;

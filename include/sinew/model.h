@@ -25,6 +25,11 @@ namespace sinew {
 struct LayerSpec {
   std::string name;
   std::function<torch::nn::AnyModule()> build;
+  // Bytes the layer keeps for backward per microbatch (its input, its output and what autograd
+  // saves), when the program knows better than the profiler, which estimates them as input +
+  // output bytes or, with TrainerOptions::measureActivationMemory, measures them on the CPU
+  // (docs/pipeline.md, "Profiles"); -1: the profiler's figure.
+  int64_t activationBytes = -1;
 };
 
 // Loss of one microbatch: the mean over its samples.

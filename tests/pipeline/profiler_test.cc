@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <stdexcept>
 #include <thread>
 
@@ -59,6 +60,43 @@ TEST(ProfilerTest, MeasuresTimesAndBytesOfLinearLayers) {
   EXPECT_FALSE(layers[0].parameters[0].grad().defined());
   TemplateSet set = planTemplates(p, {2, 0, 4});
   EXPECT_FALSE(set.templates.empty());
+}
+
+// Self-attention without projections: softmax(x x^T / sqrt(E)) x. Autograd keeps the
+// [b, T, T] attention weights for backward: at T = 128 and E = 8 eight times the input and
+// output together.
+ProfiledLayer attentionLayer() {
+  ProfiledLayer l;
+  l.name = "attention";
+  l.forward = [](const at::Tensor& x) {
+    at::Tensor scores = at::matmul(x, x.transpose(1, 2)) / std::sqrt(8.0);
+    return at::matmul(at::softmax(scores, -1), x);
+  };
+  return l;
+}
+
+// The profiler measures what a layer keeps for backward (the attention weights included),
+// where the input + output estimate is 8x too low; measure_memory = false gives the estimate,
+// and a layer's own figure wins over both.
+TEST(ProfilerTest, MeasuresTheActivationsALayerKeepsForBackward) {
+  at::set_num_threads(1);
+  const int64_t b = 4, T = 128, E = 8;
+  const int64_t io = 2 * b * T * E * 4;   // input and output, float32
+  const int64_t weights = b * T * T * 4;  // the softmax's output, saved for backward
+  ProfilerOptions o;
+  o.repeats = 2;
+  o.warmup = 1;
+  o.job.device_memory_bytes = 1 << 30;
+  Profile measured = profileLayers({attentionLayer()}, at::randn({b, T, E}), o);
+  EXPECT_GE(measured.layers[0].activation_bytes, io + weights);
+  EXPECT_LE(measured.layers[0].activation_bytes, io + 3 * weights);
+  o.measure_memory = false;
+  Profile estimated = profileLayers({attentionLayer()}, at::randn({b, T, E}), o);
+  EXPECT_EQ(estimated.layers[0].activation_bytes, io);
+  ProfiledLayer given = attentionLayer();
+  given.activation_bytes = 12345;
+  o.measure_memory = true;
+  EXPECT_EQ(profileLayers({given}, at::randn({b, T, E}), o).layers[0].activation_bytes, 12345);
 }
 
 TEST(ProfilerTest, ReportsTheFailingLayerAndBadOptions) {
