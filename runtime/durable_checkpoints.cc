@@ -163,6 +163,7 @@ void DurableCheckpoints::makeFlusher() {
   fo.self = s_.worker();
   fo.persist.dir = dir_;
   fo.persist.keep = o.checkpointKeep;
+  fo.persist.incremental = o.incrementalCheckpoints;
   fo.persist.env = s_.state.checkpointEnv;
   fo.store = s_.ctx.store();
   fo.prefix = "sinew/durable";

@@ -118,6 +118,14 @@ struct TrainerOptions {
   std::string checkpointDir;
   int checkpointEvery = 0;
   int checkpointKeep = 2;  // newest durable versions kept
+  // Incremental versions (Check-N-Run): a writer's shard file holds only the layers whose
+  // digest (a crc32c of each tensor, its dtype and shape) changed since the previous durable
+  // version, and the manifest points at older files for the rest, so a frozen base
+  // (requires_grad false: no gradient, no optimizer state, no update) is written once.
+  // Retention keeps every file a kept manifest reads. A changed layer whose digest collides
+  // with its old one (about 1 in 2^32 per layer and version) would not be written: off by
+  // default.
+  bool incrementalCheckpoints = false;
 
   // ---- Pipeline parallelism (parallelism = kPipeline; docs/pipeline.md) ----
   Parallelism parallelism = Parallelism::kData;

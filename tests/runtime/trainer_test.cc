@@ -10,6 +10,7 @@
 #include <torch/optim/lbfgs.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <map>
@@ -467,6 +468,76 @@ TEST(TrainerTest, BadTiesAreRefusedAndAFollowerBuiltAloneCopiesItsOwner) {
   EXPECT_FALSE(at::equal(buildLayers(untied, 5, at::kFloat, 2, 3)->named_parameters()["out.weight"],
                          whole->named_parameters()["in.weight"]))
       << "the layers' own initial weights are equal: the copy is not seen";
+}
+
+// The bytes of the shard files each version in `dir` wrote itself (not those it reads from
+// older versions), oldest version first.
+std::vector<int64_t> shardBytesPerVersion(const std::string& dir) {
+  std::map<std::string, int64_t> bytes;  // "step-%08d" sorts by step
+  for (const auto& v : std::filesystem::directory_iterator(dir)) {
+    const std::string name = v.path().filename().string();
+    if (!v.is_directory() || name.rfind("step-", 0) != 0) continue;
+    int64_t& b = bytes[name];
+    for (const auto& e : std::filesystem::directory_iterator(v.path())) {
+      if (e.path().extension() == ".safetensors") b += static_cast<int64_t>(e.file_size());
+    }
+  }
+  std::vector<int64_t> out;
+  for (const auto& [name, b] : bytes) out.push_back(b);
+  return out;
+}
+
+// A frozen base (a 256 x 256 linear layer, requires_grad false) under a small trainable head,
+// a durable version every step: with incremental checkpoints the base is written by the first
+// version only and every later one writes the head and its AdamW state alone; the newest
+// version still loads the whole model, base included. Without them every version writes the
+// base again.
+TEST(TrainerTest, IncrementalCheckpointsWriteAFrozenBaseOnce) {
+  auto bytesPerVersion = [](bool incremental, std::vector<int64_t>* sizes) {
+    const std::string dir = tempDir();
+    auto ctx = init(nullptr, nullptr);
+    ModelSpec spec;
+    spec.layers.push_back({"base", [] {
+                             torch::nn::Linear l(256, 256);
+                             for (auto& p : l->parameters()) p.requires_grad_(false);
+                             return torch::nn::AnyModule(l);
+                           }});
+    spec.layers.push_back({"head", [] { return torch::nn::AnyModule(torch::nn::Linear(256, 1)); }});
+    spec.loss = [](const at::Tensor& y, const at::Tensor& t) { return (y - t).pow(2).mean(); };
+    spec.optimizer = adamw(0.01);
+    spec.dataset = [](int64_t i) {
+      return Sample{at::full({256}, static_cast<double>(i % 7) / 7, at::kDouble),
+                    at::full({1}, static_cast<double>(i % 3), at::kDouble)};
+    };
+    spec.datasetSize = 64;
+    TrainerOptions o = recipeOptions(8);
+    o.checkpointDir = dir;
+    o.checkpointEvery = 1;
+    o.checkpointKeep = 8;
+    o.incrementalCheckpoints = incremental;
+    Trainer trainer(*ctx, spec, o);
+    trainer.run();
+    *sizes = shardBytesPerVersion(dir);  // A version may be skipped while one is written.
+    torch::nn::Sequential loaded = buildModel(spec, 77, at::kDouble);
+    CheckpointReader::open(dir)->loadInto(*loaded);
+    auto mine = trainer.model()->named_parameters(), theirs = loaded->named_parameters();
+    for (const auto& p : mine) EXPECT_TRUE(at::equal(p.value(), theirs[p.key()])) << p.key();
+    sinew::testing::removeTree(dir);
+  };
+  std::vector<int64_t> full, incremental;
+  bytesPerVersion(false, &full);
+  bytesPerVersion(true, &incremental);
+  const int64_t base = (256 * 256 + 256) * 8;
+  ASSERT_GE(full.size(), 2u);
+  ASSERT_GE(incremental.size(), 2u);
+  for (int64_t b : full) EXPECT_GT(b, base);
+  EXPECT_GT(incremental[0], base);
+  for (size_t v = 1; v < incremental.size(); ++v) {
+    EXPECT_LT(incremental[v], base / 50) << "version " << v;  // The head and its two moments.
+  }
+  std::printf("bytes per version, frozen base: full %lld, incremental %lld (first %lld)\n",
+              static_cast<long long>(full[1]), static_cast<long long>(incremental[1]),
+              static_cast<long long>(incremental[0]));
 }
 
 }  // namespace
