@@ -26,7 +26,10 @@
 // single-process in plain libtorch (one tensor shared by the embedding and the head) unless
 // --no-reference, and prints
 //   RESULT final_loss=<l> reference_loss=<r> max_param_rel_diff=<d> recoveries=<k>
-//          recovery_s_max=<t> eval_loss=<e> reference_eval_loss=<re> parameters=<n>
+//          recovery_s_max=<t> eval_loss=<e> reference_eval_loss=<re>
+//          eval_outputs_rel_diff=<o> parameters=<n>
+// (eval_outputs_rel_diff: the final evaluation's logits, Trainer::evaluate with keepOutputs,
+// against the reference model's on the same held-out windows; -1 without both).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -364,11 +367,14 @@ int main(int argc, char** argv) {
   std::unique_ptr<sinew::Trainer> trainer;
   torch::nn::Sequential gathered;
   double evalLoss = -1;
+  at::Tensor evalOutputs;  // The final evaluation's logits, with a reference.
   if (auto status = sinew_example::train(
           "train_gpt", *ctx, spec, o, &trainer, &r, a, data.heldOut, [&](sinew::Trainer& t) {
             if (a.evalEvery > 0) {
-              sinew::EvalResult e = t.evaluate(data.heldOut, evalCount);
+              // With a reference to compare them with: the outputs (logits) too.
+              sinew::EvalResult e = t.evaluate(data.heldOut, evalCount, a.reference);
               if (!e.done) evalLoss = e.loss;
+              evalOutputs = e.outputs;
             }
             gathered = t.gatherModel();
           }))
@@ -384,12 +390,19 @@ int main(int argc, char** argv) {
   for (const auto& np : gathered->named_parameters(/*recurse=*/true)) {
     if (np.key() != "head.lm.weight") parameters += np.value().numel();
   }
-  double refLoss = -1, refEval = -1, maxRel = -1;
+  double refLoss = -1, refEval = -1, maxRel = -1, outputsRel = -1;
   if (a.reference) {
     torch::nn::Sequential ref;
     refLoss =
         sinew_example::trainReference(a, spec, o.dtype, &ref, 0, data.heldOut, shareTiedTensor);
     if (a.evalEvery > 0) refEval = heldOutLoss(ref, spec, data.heldOut, evalCount, a.globalBatch);
+    if (evalOutputs.defined()) {
+      std::vector<at::Tensor> xs;
+      for (int64_t j = 0; j < evalCount; ++j) xs.push_back(data.heldOut(j).input);
+      at::NoGradGuard noGrad;
+      outputsRel = sinew_example::relDiff(evalOutputs.to(at::kDouble),
+                                          ref->forward(at::stack(xs)).to(at::kDouble));
+    }
     maxRel = 0;
     auto mine = gathered->named_parameters(/*recurse=*/true);
     auto refParams = ref->named_parameters(/*recurse=*/true);
@@ -409,9 +422,10 @@ int main(int argc, char** argv) {
   }
   std::printf(
       "RESULT final_loss=%.9g reference_loss=%.9g max_param_rel_diff=%.3g recoveries=%d "
-      "recovery_s_max=%.3f eval_loss=%.9g reference_eval_loss=%.9g parameters=%lld\n",
+      "recovery_s_max=%.3f eval_loss=%.9g reference_eval_loss=%.9g eval_outputs_rel_diff=%.3g "
+      "parameters=%lld\n",
       r.finalLoss, refLoss, maxRel, r.recoveries, r.recoveryMaxSeconds, evalLoss, refEval,
-      static_cast<long long>(parameters));
+      outputsRel, static_cast<long long>(parameters));
   std::fflush(stdout);
   return 0;
 }

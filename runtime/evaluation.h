@@ -36,6 +36,9 @@ struct EvaluationPass {
       data;
   std::function<void(const std::function<void()>& transfer)> aroundExchange;
   std::chrono::milliseconds timeout{10000};
+  // Where to keep this worker's outputs of the model (those of its last layer, detached), as
+  // (the index of the first sample of the rows, the rows); null: keep none.
+  std::vector<std::pair<int64_t, at::Tensor>>* outputs = nullptr;
 };
 
 // This worker's part of the sum over samples [0, count) of the loss (the caller sums it over
@@ -43,6 +46,19 @@ struct EvaluationPass {
 // in train() mode afterwards, also when it throws (the executor's errors).
 // REQUIRES: count is a positive multiple of pass.globalBatch.
 double localEvaluationLossSum(const EvaluationPass& pass, int64_t count);
+
+// The model's outputs for samples [0, count), stacked along dimension 0 in sample order, on
+// every member of `comm` (on the CPU), from the `pieces` every member kept in
+// localEvaluationLossSum(): the member holding sample 0's row announces the dtype and the
+// shape of one sample's output, then each member puts its rows into zeros of the whole and one
+// allreduce sums them (exact: every element comes from one member). Each transfer runs through
+// `around`. Throws InvalidArgument if an output has no batch dimension or more than
+// pipeline::StageExecutor::kMaxDims dimensions, Corruption if the announced shape is malformed,
+// and the communicator's errors.
+at::Tensor combineEvaluationOutputs(
+    const std::vector<std::pair<int64_t, at::Tensor>>& pieces, int64_t count,
+    collectives::Communicator& comm, at::Device device, std::chrono::milliseconds timeout,
+    const std::function<void(const std::function<void()>&)>& around);
 
 }  // namespace runtime
 }  // namespace sinew

@@ -1,6 +1,7 @@
 #include "sinew/runtime/plan_report.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <sstream>
 
 namespace sinew {
@@ -40,6 +41,19 @@ PlanReport reportPlan(const pipeline::Plan& plan, const ModelSpec& spec, int64_t
              {"predicted_iteration_s", predictedSeconds}};
   r.text = os.str();
   return r;
+}
+
+void announcePlan(const TrainerServices& services, const pipeline::Plan& plan,
+                  const ModelSpec& spec, int64_t epoch, const std::vector<int>& members,
+                  int devicesPerNode) {
+  const double predicted = static_cast<double>(plan.iterationTicks) /
+                           (1e9 * static_cast<double>(std::max(1, devicesPerNode)));
+  const PlanReport report = reportPlan(plan, spec, epoch, predicted);
+  services.event(report.event);
+  if (!members.empty() && members.front() == services.worker()) {
+    std::printf("%s\n", report.text.c_str());
+    std::fflush(stdout);
+  }
 }
 
 }  // namespace runtime

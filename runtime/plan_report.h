@@ -7,11 +7,13 @@
 // Thread safety: pure functions.
 
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "sinew/model.h"
 #include "sinew/pipeline/plan.h"
+#include "sinew/runtime/trainer_services.h"
 
 namespace sinew {
 namespace runtime {
@@ -25,6 +27,13 @@ struct PlanReport {
 // slowest pipeline. REQUIRES: the plan's layer ranges are within spec.layers.
 PlanReport reportPlan(const pipeline::Plan& plan, const ModelSpec& spec, int64_t epoch,
                       double predictedSeconds);
+
+// Logs the report of epoch `epoch`'s `plan` as an event and, on the epoch's first member (of
+// `members`), prints it. The predicted time is the plan's iteration ticks (nanoseconds per
+// device of a node of `devicesPerNode`).
+void announcePlan(const TrainerServices& services, const pipeline::Plan& plan,
+                  const ModelSpec& spec, int64_t epoch, const std::vector<int>& members,
+                  int devicesPerNode);
 
 }  // namespace runtime
 }  // namespace sinew

@@ -134,6 +134,17 @@ torch::nn::Sequential buildModel(const ModelSpec& spec, uint64_t seed, at::Scala
   return buildLayers(spec, seed, dtype, 0, static_cast<int>(spec.layers.size()));
 }
 
+namespace {
+
+// TrainerOptions::eventLog, else <SINEW_LOG_DIR>/worker-<id>-events.jsonl, else none ("").
+std::string eventLogPath(const TrainerOptions& o, int worker) {
+  if (!o.eventLog.empty()) return o.eventLog;
+  const char* dir = std::getenv("SINEW_LOG_DIR");
+  return dir ? std::string(dir) + "/worker-" + std::to_string(worker) + "-events.jsonl" : "";
+}
+
+}  // namespace
+
 // The trainer of one worker: the epoch loop, the step and its vote, and recovery. What a step
 // and an epoch change need besides is delegated: device and backend choice
 // (runtime/device_choice.h), the 1F1B stage executor (pipeline/stage_executor.h), layer
@@ -174,12 +185,7 @@ class Trainer::Impl {
                     " must be >= 0 and checkpointKeep = ", o_.checkpointKeep, " >= 1");
       }
     }
-    std::string path = o_.eventLog;
-    if (path.empty()) {
-      if (const char* dir = std::getenv("SINEW_LOG_DIR")) {
-        path = std::string(dir) + "/worker-" + std::to_string(ctx_.worker()) + "-events.jsonl";
-      }
-    }
+    const std::string path = eventLogPath(o_, ctx_.worker());
     if (!path.empty()) events_.open(path, {{"worker", ctx_.worker()}});
     chooser_ = std::make_unique<runtime::BackendChooser>(services_, device_);
     comms_ = std::make_unique<runtime::EpochCommunicators>(services_, *chooser_);
@@ -275,7 +281,7 @@ class Trainer::Impl {
   }
 
   // A forward-only pass over samples [0, count) of `data` (see Trainer::evaluate()).
-  EvalResult evaluate(const Dataset& data, int64_t count) {
+  EvalResult evaluate(const Dataset& data, int64_t count, bool keepOutputs) {
     if (finished_) SINEW_THROW(InvalidArgument, "Trainer::evaluate() after finish()");
     if (!data || count <= 0 || count % o_.globalBatch != 0) {
       SINEW_THROW(InvalidArgument, "Trainer::evaluate: count = ", count,
@@ -287,7 +293,13 @@ class Trainer::Impl {
     const int64_t first = step_;
     const int recoveriesBefore = recoveries_;
     while (!preempted_ && !recovering([&] {
-      r.loss = evaluationLossSum(data, count) / static_cast<double>(count);
+      std::vector<std::pair<int64_t, at::Tensor>> outputs;
+      r.loss = evaluationLossSum(data, count, keepOutputs ? &outputs : nullptr) /
+               static_cast<double>(count);
+      if (keepOutputs) {
+        r.outputs = runtime::combineEvaluationOutputs(outputs, count, comms_->world(), device_,
+                                                      opTimeout(), waitingOnOthers());
+      }
       r.samples = count;
       r.afterStep = step_ - 1;
     })) {
@@ -341,7 +353,8 @@ class Trainer::Impl {
 
   // The sum over every sample of the loss, each global batch of `data` run as a training step
   // runs forward (the same microbatches on the same workers), summed over the epoch's members.
-  double evaluationLossSum(const Dataset& data, int64_t count) {
+  double evaluationLossSum(const Dataset& data, int64_t count,
+                           std::vector<std::pair<int64_t, at::Tensor>>* outputs) {
     throwIfSuperseded();
     runtime::EvaluationPass pass;
     pass.layers = &model_;
@@ -354,11 +367,9 @@ class Trainer::Impl {
     pass.data = [&](const std::vector<int64_t>& indices, int64_t m, int64_t begin, int64_t end) {
       return microbatches_(indices, m, begin, end, &data);
     };
-    pass.aroundExchange = [this](const std::function<void()>& transfer) {
-      WaitingOnOthers waiting(client_, step_, &stepWaited_);
-      transfer();
-    };
+    pass.aroundExchange = waitingOnOthers();
     pass.timeout = opTimeout();
+    pass.outputs = outputs;
     at::Tensor sum =
         at::full({1}, runtime::localEvaluationLossSum(pass, count), onDevice(at::kDouble));
     {
@@ -780,15 +791,8 @@ class Trainer::Impl {
       comms_->setExecutor(
           std::make_unique<pipeline::StageExecutor>(plan_, self, comms_->world(), eo));
     }
-    const double predicted =
-        static_cast<double>(plan_.iterationTicks) /
-        (1e9 * static_cast<double>(std::max(1, profiles_->profile().job.devices_per_node)));
-    const runtime::PlanReport report = runtime::reportPlan(plan_, spec_, epoch_, predicted);
-    event(report.event);
-    if (members_.front() == ctx_.worker()) {
-      std::printf("%s\n", report.text.c_str());
-      std::fflush(stdout);
-    }
+    runtime::announcePlan(services_, plan_, spec_, epoch_, members_,
+                          profiles_->profile().job.devices_per_node);
   }
 
   // Makes `r` this worker's layers (after every copy of the epoch succeeded).
@@ -826,6 +830,14 @@ class Trainer::Impl {
            {"duration_s", seconds(Clock::now() - t0)}});
     std::printf("%s\n", r.describe(ctx_.worker(), spec_, first, end, epoch, resumeApplied).c_str());
     std::fflush(stdout);
+  }
+
+  // Runs a transfer as waiting on the others.
+  runtime::EpochCommunicators::Around waitingOnOthers() {
+    return [this](const std::function<void()>& transfer) {
+      WaitingOnOthers waiting(client_, step_, &stepWaited_);
+      transfer();
+    };
   }
 
   // Runs a transfer of the step as waiting on the others, with peer-RAM replication yielding.
@@ -981,8 +993,8 @@ int64_t Trainer::nextStep() const { return impl_->nextStep(); }
 
 torch::nn::Sequential Trainer::gatherModel() { return impl_->gatherModel(); }
 
-EvalResult Trainer::evaluate(const Dataset& samples, int64_t count) {
-  return impl_->evaluate(samples, count);
+EvalResult Trainer::evaluate(const Dataset& samples, int64_t count, bool keepOutputs) {
+  return impl_->evaluate(samples, count, keepOutputs);
 }
 
 }  // namespace sinew

@@ -220,6 +220,9 @@ struct EvalResult {
   int64_t afterStep = -1;     // the parameters were those after this step (-1: initial ones)
   int recoveries = 0;         // failures it recovered from (and then evaluated again)
   int64_t rolledBackTo = -1;  // as StepResult::rolledBackTo
+  // With keepOutputs: the model's outputs for samples [0, count), stacked along dimension 0 in
+  // sample order, on the CPU, on every member; else undefined.
+  at::Tensor outputs;
 };
 
 // The dataset indices of step `step`'s global batch: a pure function of (seed, step).
@@ -270,8 +273,11 @@ class Trainer {
   // and pipelines; the layers in eval() mode, without autograd), and the loss is summed over
   // the job. Collective: every member calls it between the same two steps (key it on
   // StepResult::step). A failure during it is recovered from and the evaluation run again.
+  // keepOutputs: also return the model's outputs (EvalResult::outputs; every sample's output
+  // must have one shape). They are summed into place by one allreduce of count samples'
+  // outputs, so every member receives them all.
   // Throws InvalidArgument unless count is a positive multiple of options.globalBatch.
-  EvalResult evaluate(const Dataset& samples, int64_t count);
+  EvalResult evaluate(const Dataset& samples, int64_t count, bool keepOutputs = false);
   // The trained model out of the job: on the current epoch's first member (its lowest worker
   // id), a torch::nn::Sequential of every layer of the spec, built on the CPU as buildModel()
   // builds it, holding the job's parameters (each layer from one of its holders); on every

@@ -983,6 +983,9 @@ void expectGptMatchesReference(const JobRun& run) {
       std::regex_search(run.output, m, std::regex("eval_loss=(\\S+) reference_eval_loss=(\\S+)")));
   EXPECT_NEAR(std::stod(m[1]), std::stod(m[2]), 1e-9 * std::stod(m[2]));
   EXPECT_LT(std::stod(m[1]), 4.0) << "the model did not learn (a uniform guess is ln 256 = 5.5)";
+  ASSERT_TRUE(std::regex_search(run.output, m, std::regex("eval_outputs_rel_diff=(\\S+)")));
+  EXPECT_GE(std::stod(m[1]), 0) << "no outputs were compared";
+  EXPECT_LE(std::stod(m[1]), 1e-9) << "the evaluation's logits differ from the reference's";
   EXPECT_GE(expectEvaluationsMatchTheReference(run.output), 12);
   EXPECT_NE(run.output.find("epoch 1 plan: 2 pipelines\n"), std::string::npos);
   EXPECT_NE(run.output.find("pipeline 0: 3 nodes, 3 stages"), std::string::npos);

@@ -225,6 +225,14 @@ TEST(TrainerTest, AStepLoopTrainsAsPlainLibtorchDoesWithScheduleAndClipping) {
   EXPECT_EQ(e.samples, 16);
   EXPECT_EQ(e.afterStep, o.steps - 1);
   EXPECT_NEAR(e.loss, refEval, 1e-10 * refEval);
+  EXPECT_FALSE(e.outputs.defined());
+  // With the outputs: the reference's outputs for the same samples, in sample order.
+  EvalResult withOutputs = trainer.evaluate(heldOut, 16, /*keepOutputs=*/true);
+  ASSERT_TRUE(withOutputs.outputs.defined());
+  at::Tensor refOut = ref->forward(at::stack(xs)).detach();
+  ASSERT_EQ(withOutputs.outputs.sizes(), refOut.sizes());
+  EXPECT_LT((withOutputs.outputs - refOut).abs().max().item<double>(), 1e-12);
+  EXPECT_EQ(withOutputs.loss, e.loss);
   EXPECT_THROW(trainer.evaluate(heldOut, 12), InvalidArgument);  // not whole global batches
   StepResult last = trainer.step();
   EXPECT_TRUE(last.done);
