@@ -52,6 +52,7 @@
 #include <vector>
 
 #include "example_support.h"
+#include "gpt_block.h"
 #include "sinew/data.h"
 #include "sinew/trainer.h"
 
@@ -171,38 +172,6 @@ struct EmbedImpl : torch::nn::Module {
 };
 TORCH_MODULE(Embed);
 
-// A pre-LayerNorm block: x + attention(ln1(x)), then x + mlp(ln2(x)); causal attention.
-struct BlockImpl : torch::nn::Module {
-  explicit BlockImpl(const Preset& d)
-      : width(d.width),
-        heads(d.heads),
-        ln1(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d.width})))),
-        qkv(register_module("qkv", torch::nn::Linear(d.width, 3 * d.width))),
-        proj(register_module("proj", torch::nn::Linear(d.width, d.width))),
-        ln2(register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d.width})))),
-        fc(register_module("fc", torch::nn::Linear(d.width, 4 * d.width))),
-        out(register_module("out", torch::nn::Linear(4 * d.width, d.width))) {}
-  at::Tensor forward(const at::Tensor& x) {
-    const int64_t B = x.size(0), T = x.size(1), hd = width / heads;
-    auto parts = qkv->forward(ln1->forward(x)).chunk(3, -1);
-    auto split = [&](const at::Tensor& t) { return t.view({B, T, heads, hd}).transpose(1, 2); };
-    at::Tensor q = split(parts[0]), k = split(parts[1]), v = split(parts[2]);
-    at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
-    at::Tensor causal =
-        at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(x.device())).triu(1);
-    scores = scores.masked_fill(causal, -std::numeric_limits<double>::infinity());
-    at::Tensor attn = at::matmul(at::softmax(scores, -1), v).transpose(1, 2).reshape({B, T, width});
-    at::Tensor h = x + proj->forward(attn);
-    return h + out->forward(at::gelu(fc->forward(ln2->forward(h))));
-  }
-  int64_t width, heads;
-  torch::nn::LayerNorm ln1;
-  torch::nn::Linear qkv, proj;
-  torch::nn::LayerNorm ln2;
-  torch::nn::Linear fc, out;
-};
-TORCH_MODULE(Block);
-
 // The final LayerNorm and the vocabulary head: [batch, T, E] -> logits [batch, T, V]. Its
 // weight is tied to the token embedding's (ModelSpec::tied); the single-process reference
 // makes it use that very tensor (`shared`).
@@ -283,8 +252,9 @@ sinew::ModelSpec model(const Args& a, const Data& data) {
   const Preset d = a.dims;
   spec.layers.push_back({"embed", [d] { return torch::nn::AnyModule(Embed(d)); }});
   for (int64_t b = 0; b < d.blocks; ++b) {
-    spec.layers.push_back(
-        {"block" + std::to_string(b), [d] { return torch::nn::AnyModule(Block(d)); }});
+    spec.layers.push_back({"block" + std::to_string(b), [d] {
+                             return torch::nn::AnyModule(sinew_example::GptBlock(d.width, d.heads));
+                           }});
   }
   spec.layers.push_back({"head", [d] { return torch::nn::AnyModule(Head(d)); }});
   spec.tied.push_back({"embed.tok.weight", "head.lm.weight"});

@@ -40,6 +40,7 @@
 #include <string>
 
 #include "example_support.h"
+#include "gpt_block.h"
 #include "sinew/communicator.h"
 #include "sinew/trainer.h"
 
@@ -143,36 +144,6 @@ struct EmbedImpl : torch::nn::Module {
 };
 TORCH_MODULE(Embed);
 
-// A pre-norm transformer block: x + attention(ln1(x)), then x + mlp(ln2(x)).
-struct BlockImpl : torch::nn::Module {
-  BlockImpl()
-      : ln1(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({gEmbed})))),
-        qkv(register_module("qkv", torch::nn::Linear(gEmbed, 3 * gEmbed))),
-        proj(register_module("proj", torch::nn::Linear(gEmbed, gEmbed))),
-        ln2(register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({gEmbed})))),
-        fc(register_module("fc", torch::nn::Linear(gEmbed, 4 * gEmbed))),
-        out(register_module("out", torch::nn::Linear(4 * gEmbed, gEmbed))) {}
-  at::Tensor forward(const at::Tensor& x) {
-    const int64_t B = x.size(0), T = x.size(1), hd = gEmbed / kHeads;
-    auto parts = qkv->forward(ln1->forward(x)).chunk(3, -1);
-    auto heads = [&](const at::Tensor& t) { return t.view({B, T, kHeads, hd}).transpose(1, 2); };
-    at::Tensor q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
-    at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
-    at::Tensor causal =
-        at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(x.device())).triu(1);
-    scores = scores.masked_fill(causal, -std::numeric_limits<double>::infinity());
-    at::Tensor attn =
-        at::matmul(at::softmax(scores, -1), v).transpose(1, 2).reshape({B, T, gEmbed});
-    at::Tensor h = x + proj->forward(attn);
-    return h + out->forward(at::gelu(fc->forward(ln2->forward(h))));
-  }
-  torch::nn::LayerNorm ln1;
-  torch::nn::Linear qkv, proj;
-  torch::nn::LayerNorm ln2;
-  torch::nn::Linear fc, out;
-};
-TORCH_MODULE(Block);
-
 // Final layer norm and the vocabulary projection: [batch, T, E] -> logits [batch, T, V].
 struct HeadImpl : torch::nn::Module {
   HeadImpl()
@@ -198,8 +169,9 @@ sinew::ModelSpec model(const Args& a) {
   sinew::ModelSpec spec;
   spec.layers.push_back({"embed", [] { return torch::nn::AnyModule(Embed()); }});
   for (int b = 0; b < a.blocks; ++b) {
-    spec.layers.push_back(
-        {"block" + std::to_string(b), [] { return torch::nn::AnyModule(Block()); }});
+    spec.layers.push_back({"block" + std::to_string(b), [] {
+                             return torch::nn::AnyModule(sinew_example::GptBlock(gEmbed, kHeads));
+                           }});
   }
   spec.layers.push_back({"head", [] { return torch::nn::AnyModule(Head()); }});
   spec.loss = [](const at::Tensor& logits, const at::Tensor& target) {

@@ -32,35 +32,13 @@
 #include <string>
 #include <vector>
 
+#include "../run_capture.h"
+
 namespace {
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
-}
-
-// Runs argv with stdout and stderr into `out`; returns what it printed. Throws if it fails.
-std::string run(const std::vector<std::string>& argv, const std::string& out) {
-  pid_t pid = fork();
-  if (pid < 0) throw std::runtime_error("fork failed");
-  if (pid == 0) {
-    FILE* f = std::freopen(out.c_str(), "w", stdout);
-    if (f == nullptr) _exit(127);
-    dup2(fileno(stdout), STDERR_FILENO);
-    std::vector<char*> args;
-    for (auto a : argv) args.push_back(strdup(a.c_str()));
-    args.push_back(nullptr);
-    execv(args[0], args.data());
-    _exit(127);
-  }
-  int status = 0;
-  waitpid(pid, &status, 0);
-  std::ifstream in(out);
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    throw std::runtime_error(argv[0] + " failed; see " + out);
-  }
-  return text;
 }
 
 double seconds(const std::string& text, const std::string& who, int steps, const std::string& out) {
@@ -95,39 +73,40 @@ int main(int argc, char** argv) {
   std::vector<double> sinew, ddp;
   try {
     // The token file both read, made by train_gpt from the licence texts (one step).
-    run({TRAIN_GPT_PATH, "--tokens", tokens, "--steps", "1", "--no-reference", "--eval-every", "0",
-         "--progress", "0"},
-        base + "-tokens.out");
+    sinew_bench::runCapturing({TRAIN_GPT_PATH, "--tokens", tokens, "--steps", "1", "--no-reference",
+                               "--eval-every", "0", "--progress", "0"},
+                              base + "-tokens.out");
     for (int i = 0; i < pairs; ++i) {
       std::filesystem::remove_all(base + "-sinew");
       std::string out = base + "-sinew.out";
-      sinew.push_back(seconds(run({SINEW_RUN_PATH,
-                                   "-n",
-                                   "2",
-                                   "--log-dir",
-                                   base + "-sinew",
-                                   TRAIN_GPT_PATH,
-                                   "--data-parallel",
-                                   "--microbatch",
-                                   "8",
-                                   "--global-batch",
-                                   "16",
-                                   "--steps",
-                                   n,
-                                   "--no-reference",
-                                   "--eval-every",
-                                   "0",
-                                   "--progress",
-                                   "0",
-                                   "--tokens",
-                                   tokens},
-                                  out),
+      sinew.push_back(seconds(sinew_bench::runCapturing({SINEW_RUN_PATH,
+                                                         "-n",
+                                                         "2",
+                                                         "--log-dir",
+                                                         base + "-sinew",
+                                                         TRAIN_GPT_PATH,
+                                                         "--data-parallel",
+                                                         "--microbatch",
+                                                         "8",
+                                                         "--global-batch",
+                                                         "16",
+                                                         "--steps",
+                                                         n,
+                                                         "--no-reference",
+                                                         "--eval-every",
+                                                         "0",
+                                                         "--progress",
+                                                         "0",
+                                                         "--tokens",
+                                                         tokens},
+                                                        out),
                               "worker 0", steps, out));
       out = base + "-ddp.out";
       std::filesystem::remove_all(base + "-ddp");
       // torchrun 1.13 on Python 3.11 accepts only 1 or 2 for --redirects and --tee.
       ddp.push_back(
-          seconds(run({TORCHRUN_PATH, "--standalone", "--nproc_per_node", "2", "--redirects", "1",
+          seconds(sinew_bench::runCapturing(
+                      {TORCHRUN_PATH, "--standalone", "--nproc_per_node", "2", "--redirects", "1",
                        "--tee", "1", "--log_dir", base + "-ddp", DDP_SCRIPT_PATH, "--tokens",
                        tokens, "--steps", n, "--global-batch", "16"},
                       out),

@@ -24,6 +24,8 @@
 #include <string>
 #include <vector>
 
+#include "../run_capture.h"
+
 namespace {
 
 double median(std::vector<double> v) {
@@ -40,25 +42,9 @@ double runJob(const std::string& dir, bool stepLoop) {
                                    "--progress",   "0"};
   if (stepLoop) argv.push_back("--step-loop");
   const std::string out = dir + ".out";
-  pid_t pid = fork();
-  if (pid < 0) throw std::runtime_error("fork failed");
-  if (pid == 0) {
-    FILE* f = std::freopen(out.c_str(), "w", stdout);
-    if (f == nullptr) _exit(127);
-    dup2(fileno(stdout), STDERR_FILENO);
-    std::vector<char*> args;
-    for (auto& a : argv) args.push_back(a.data());
-    args.push_back(nullptr);
-    execv(args[0], args.data());
-    _exit(127);
-  }
-  int status = 0;
-  waitpid(pid, &status, 0);
-  std::ifstream in(out);
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string text = sinew_bench::runCapturing(argv, out);
   std::smatch m;
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0 ||
-      !std::regex_search(text, m, std::regex("worker 0 trained steps 0\\.\\.399 in ([0-9.]+) s"))) {
+  if (!std::regex_search(text, m, std::regex("worker 0 trained steps 0\\.\\.399 in ([0-9.]+) s"))) {
     throw std::runtime_error("job in " + dir + " failed; see " + out);
   }
   return std::stod(m[1]);
