@@ -13,9 +13,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "../checkpoint/fault_env.h"
 #include "../fs_support.h"
@@ -546,6 +549,58 @@ TEST(TrainerTest, IncrementalCheckpointsWriteAFrozenBaseOnce) {
   std::printf("bytes per version, frozen base: full %lld, incremental %lld (first %lld)\n",
               static_cast<long long>(full[1]), static_cast<long long>(incremental[1]),
               static_cast<long long>(incremental[0]));
+}
+
+// Self-attention without projections over [b, T, 4]: autograd keeps its [b, T, T] weights.
+struct AttendImpl : torch::nn::Module {
+  at::Tensor forward(const at::Tensor& x) {
+    return at::matmul(at::softmax(at::matmul(x, x.transpose(1, 2)), -1), x);
+  }
+};
+TORCH_MODULE(Attend);
+
+// The activation bytes of layer `layer` in the "profiled" event of the one-worker pipeline job
+// that `measure` configures.
+int64_t profiledActivationBytes(bool measure, int layer) {
+  const std::string dir = tempDir();
+  auto ctx = init(nullptr, nullptr);
+  ModelSpec spec;
+  spec.layers.push_back({"in", [] { return torch::nn::AnyModule(torch::nn::Linear(4, 4)); }});
+  spec.layers.push_back({"attend", [] { return torch::nn::AnyModule(Attend()); }});
+  spec.layers.push_back({"out", [] { return torch::nn::AnyModule(torch::nn::Linear(4, 1)); }});
+  spec.loss = [](const at::Tensor& y, const at::Tensor& t) { return (y - t).pow(2).mean(); };
+  spec.optimizer = adamw(0.01);
+  spec.dataset = [](int64_t i) {
+    return Sample{at::full({64, 4}, static_cast<double>(i % 5) / 5, at::kDouble),
+                  at::zeros({64, 1}, at::kDouble)};
+  };
+  spec.datasetSize = 16;
+  TrainerOptions o = recipeOptions(1);
+  o.parallelism = Parallelism::kPipeline;
+  o.faultTolerance = 0;
+  o.measureActivationMemory = measure;
+  o.eventLog = dir + "/events.jsonl";
+  Trainer trainer(*ctx, spec, o);
+  trainer.run();
+  std::ifstream in(o.eventLog);
+  int64_t bytes = -1;
+  for (std::string line; std::getline(in, line);) {
+    auto e = nlohmann::json::parse(line);
+    if (e.value("event", "") == "profiled") {
+      bytes = e["profile"]["layers"][layer]["activation_bytes"].get<int64_t>();
+    }
+  }
+  sinew::testing::removeTree(dir);
+  return bytes;
+}
+
+// TrainerOptions::measureActivationMemory reaches the profiler: the attention layer's measured
+// activation bytes hold its [4, 64, 64] float64 weights, which the input + output estimate
+// lacks.
+TEST(TrainerTest, MeasuredActivationMemoryCountsAttentionWeights) {
+  const int64_t io = 2 * 4 * 64 * 4 * 8, weights = 4 * 64 * 64 * 8;
+  EXPECT_EQ(profiledActivationBytes(false, 1), io);
+  EXPECT_GE(profiledActivationBytes(true, 1), io / 2 + weights);
 }
 
 }  // namespace
