@@ -171,18 +171,12 @@ double EpochCommunicators::reduceGradients(torch::nn::Sequential& held, int held
 
 void EpochCommunicators::reduceTies(torch::nn::Sequential& held, int heldFirst,
                                     const std::vector<Tie>& ties, const Around& around) {
-  const int end = heldFirst + static_cast<int>(held->size());
   const int self = s_.worker();
   for (auto& g : ties_) {
     const Tie& t = ties[g.tie];
     // This worker's copies of the two parameters (undefined where it holds the layer not).
-    auto param = [&](int layer, const std::string& name) {
-      if (layer < heldFirst || layer >= end) return at::Tensor();
-      const int i = layer - heldFirst;
-      return tiedParameter(*held[i], name, layer, held->named_children()[i].key());
-    };
-    at::Tensor owner = param(t.ownerLayer, t.ownerParam);
-    at::Tensor follower = param(t.followerLayer, t.followerParam);
+    at::Tensor owner = heldParameter(held, heldFirst, t.ownerLayer, t.ownerParam);
+    at::Tensor follower = heldParameter(held, heldFirst, t.followerLayer, t.followerParam);
     const at::Tensor& any = owner.defined() ? owner : follower;
     if (!any.requires_grad()) continue;  // Frozen: neither is stepped.
     at::Tensor sum = at::zeros_like(any);

@@ -35,9 +35,9 @@ std::pair<at::Tensor, at::Tensor> MicrobatchReader::operator()(const std::vector
   if (end < 0) end = microbatch;
   const Dataset& from = data != nullptr ? *data : *dataset;
   std::vector<at::Tensor> xs, ys;
+  const int64_t firstIndex = indices[m * microbatch + begin];
   for (int64_t j = m * microbatch + begin; j < m * microbatch + end; ++j) {
     Sample s = from(indices[j]);
-    const int64_t firstIndex = indices[m * microbatch + begin];
     checkLike(s.input, xs.empty() ? at::Tensor() : xs.front(), "input", indices[j], firstIndex);
     checkLike(s.target, ys.empty() ? at::Tensor() : ys.front(), "target", indices[j], firstIndex);
     xs.push_back(s.input);

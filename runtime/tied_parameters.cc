@@ -118,13 +118,17 @@ void copyOwnersIntoFollowers(const ModelSpec& spec, const std::vector<Tie>& ties
   }
 }
 
+at::Tensor heldParameter(const torch::nn::Sequential& held, int heldFirst, int layer,
+                         const std::string& name) {
+  const int i = layer - heldFirst;
+  if (i < 0 || i >= static_cast<int>(held->size())) return at::Tensor();
+  return tiedParameter(*held->ptr(i), name, layer, held->named_children()[i].key());
+}
+
 void sumTiedGradients(const torch::nn::Sequential& model, const std::vector<Tie>& ties) {
   for (const Tie& t : ties) {
-    at::Tensor owner = tiedParameter(*model->ptr(t.ownerLayer), t.ownerParam, t.ownerLayer,
-                                     model->named_children()[t.ownerLayer].key());
-    at::Tensor follower =
-        tiedParameter(*model->ptr(t.followerLayer), t.followerParam, t.followerLayer,
-                      model->named_children()[t.followerLayer].key());
+    at::Tensor owner = heldParameter(model, 0, t.ownerLayer, t.ownerParam);
+    at::Tensor follower = heldParameter(model, 0, t.followerLayer, t.followerParam);
     if (!owner.requires_grad()) continue;  // Frozen: neither is stepped.
     at::Tensor sum = owner.grad().defined() ? owner.grad().clone() : at::zeros_like(owner);
     if (follower.grad().defined()) sum.add_(follower.grad());
@@ -136,13 +140,9 @@ void sumTiedGradients(const torch::nn::Sequential& model, const std::vector<Tie>
 std::unordered_set<const void*> heldFollowers(const torch::nn::Sequential& held, int heldFirst,
                                               const std::vector<Tie>& ties) {
   std::unordered_set<const void*> out;
-  const int end = heldFirst + static_cast<int>(held->size());
   for (const Tie& t : ties) {
-    if (t.followerLayer < heldFirst || t.followerLayer >= end) continue;
-    const int i = t.followerLayer - heldFirst;
-    out.insert(tiedParameter(*held->ptr(i), t.followerParam, t.followerLayer,
-                             held->named_children()[i].key())
-                   .unsafeGetTensorImpl());
+    at::Tensor follower = heldParameter(held, heldFirst, t.followerLayer, t.followerParam);
+    if (follower.defined()) out.insert(follower.unsafeGetTensorImpl());
   }
   return out;
 }

@@ -54,6 +54,11 @@ void copyOwnersIntoFollowers(const ModelSpec& spec, const std::vector<Tie>& ties
                              at::ScalarType dtype, int first, int end,
                              torch::nn::Sequential& layers);
 
+// Parameter `name` of layer `layer` where `held` holds layers [heldFirst, heldFirst +
+// held->size()); undefined when the layer is not among them. Throws as tiedParameter().
+at::Tensor heldParameter(const torch::nn::Sequential& held, int heldFirst, int layer,
+                         const std::string& name);
+
 // Data parallel mode: sets the gradients of both parameters of every tie to their sum (an
 // undefined gradient counts as zeros). `model` holds every layer.
 void sumTiedGradients(const torch::nn::Sequential& model, const std::vector<Tie>& ties);
