@@ -318,6 +318,27 @@ inline at::Tensor toTraining(const at::Tensor& t, at::ScalarType dtype) {
   return at::isFloatingType(t.scalar_type()) ? t.to(dtype) : t;
 }
 
+// The output of `m` on `samples` stacked as the trainer stacks a microbatch: the first layer
+// gets the inputs as one tensor, or as {input, extra inputs...} when the samples have extra
+// inputs (sinew::Sample); *targets (if given) gets the stacked targets.
+inline at::Tensor forwardSamples(torch::nn::Sequential& m,
+                                 const std::vector<sinew::Sample>& samples, at::ScalarType dtype,
+                                 at::Tensor* targets = nullptr) {
+  std::vector<std::vector<at::Tensor>> inputs(1 + samples.at(0).extraInputs.size());
+  std::vector<at::Tensor> ys;
+  for (const sinew::Sample& s : samples) {
+    for (size_t k = 0; k < inputs.size(); ++k) {
+      inputs[k].push_back(k == 0 ? s.input : s.extraInputs.at(k - 1));
+    }
+    ys.push_back(s.target);
+  }
+  if (targets != nullptr) *targets = toTraining(at::stack(ys), dtype);
+  if (inputs.size() == 1) return m->forward(toTraining(at::stack(inputs[0]), dtype));
+  std::vector<at::Tensor> stacked;
+  for (const auto& x : inputs) stacked.push_back(toTraining(at::stack(x), dtype));
+  return m->forward(stacked);
+}
+
 // The same training, single-process, in plain libtorch over the same global batches. Returns
 // the last step's loss; *out gets the trained model. Each global batch goes through in chunks
 // of `chunk` samples (the whole batch by default: the same gradient as the trainer's
@@ -348,14 +369,10 @@ inline double trainReference(
     opt->zero_grad();
     double sum = 0;
     for (int64_t first = 0; first < a.globalBatch; first += chunk) {
-      std::vector<at::Tensor> xs, ys;
-      for (int64_t j = first; j < first + chunk; ++j) {
-        auto smp = spec.dataset(idx[j]);
-        xs.push_back(smp.input);
-        ys.push_back(smp.target);
-      }
-      at::Tensor l = spec.loss(ref->forward(toTraining(at::stack(xs), dtype)),
-                               toTraining(at::stack(ys), dtype));
+      std::vector<sinew::Sample> samples;
+      for (int64_t j = first; j < first + chunk; ++j) samples.push_back(spec.dataset(idx[j]));
+      at::Tensor y;
+      at::Tensor l = spec.loss(forwardSamples(ref, samples, dtype, &y), y);
       (l * (static_cast<double>(chunk) / a.globalBatch)).backward();
       sum += l.item<double>() * chunk;
     }
@@ -368,15 +385,10 @@ inline double trainReference(
       const int64_t count = a.evalSamples > 0 ? a.evalSamples : a.globalBatch;
       double evalSum = 0;
       for (int64_t first = 0; first < count; first += a.globalBatch) {
-        std::vector<at::Tensor> xs, ys;
-        for (int64_t j = first; j < first + a.globalBatch; ++j) {
-          auto smp = heldOut(j);
-          xs.push_back(smp.input);
-          ys.push_back(smp.target);
-        }
-        evalSum += spec.loss(ref->forward(toTraining(at::stack(xs), dtype)),
-                             toTraining(at::stack(ys), dtype))
-                       .item<double>() *
+        std::vector<sinew::Sample> samples;
+        for (int64_t j = first; j < first + a.globalBatch; ++j) samples.push_back(heldOut(j));
+        at::Tensor y;
+        evalSum += spec.loss(forwardSamples(ref, samples, dtype, &y), y).item<double>() *
                    static_cast<double>(a.globalBatch);
       }
       ref->train();

@@ -29,14 +29,20 @@ struct GptBlockImpl : torch::nn::Module {
         out(register_module("out", torch::nn::Linear(4 * width, width))) {}
 
   at::Tensor forward(const at::Tensor& x) {
+    const int64_t T = x.size(1);
+    return block(x,
+                 at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(x.device())).triu(1));
+  }
+
+  // The block with attention from position i to j blocked where `blocked` (bool, broadcast to
+  // [batch, heads, T, T]) is true; every position must see itself.
+  at::Tensor block(const at::Tensor& x, const at::Tensor& blocked) {
     const int64_t B = x.size(0), T = x.size(1), hd = width / heads;
     auto parts = qkv->forward(ln1->forward(x)).chunk(3, -1);
     auto split = [&](const at::Tensor& t) { return t.view({B, T, heads, hd}).transpose(1, 2); };
     at::Tensor q = split(parts[0]), k = split(parts[1]), v = split(parts[2]);
     at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
-    at::Tensor causal =
-        at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(x.device())).triu(1);
-    scores = scores.masked_fill(causal, -std::numeric_limits<double>::infinity());
+    scores = scores.masked_fill(blocked, -std::numeric_limits<double>::infinity());
     at::Tensor attn = at::matmul(at::softmax(scores, -1), v).transpose(1, 2).reshape({B, T, width});
     at::Tensor h = x + proj->forward(attn);
     return h + out->forward(at::gelu(fc->forward(ln2->forward(h))));

@@ -17,6 +17,11 @@
 // token per byte. Without --tokens each worker makes a private one and removes it once mapped.
 // The last tenth of the windows is the held-out split.
 //
+// --documents: attention stays within a document (a paragraph: a new one starts at each blank
+// line), as when documents are packed into windows. Each sample then has a second input, the
+// document id of every position (int64 [T]), and what flows between the layers, across
+// pipeline stages too, is two tensors: the hidden states and those ids.
+//
 // Presets: tiny (the default: 4 blocks of width 64, context 64, a byte vocabulary; seconds per
 // run) and small (GPT-2 small's dimensions: 12 blocks of width 768 with 12 heads, context 1024,
 // vocabulary 50257, 124 M parameters; the byte tokens use the first 256 ids).
@@ -76,6 +81,7 @@ struct Args : sinew_example::CommonArgs {
   int64_t memoryBytes = 0;
   int devicesPerNode = 1;
   std::string profile;
+  bool documents = false;
 
   Args() {
     steps = 60;
@@ -101,7 +107,7 @@ Args parse(int argc, char** argv) {
           " [--preset tiny|small] [--blocks N] [--width D] [--heads H] [--context T] "
           "[--tokens FILE] [--text FILE|DIR] [--float64] [--data-parallel] "
           "[--fault-tolerance F] [--peer-checkpoint-every K] [--memory-bytes M] "
-          "[--devices-per-node G] [--profile FILE]");
+          "[--devices-per-node G] [--profile FILE] [--documents]");
   int64_t blocks = -1, width = -1, heads = -1, context = -1;
   while (r.next()) {
     const std::string& s = r.flag();
@@ -135,6 +141,8 @@ Args parse(int argc, char** argv) {
       a.devicesPerNode = static_cast<int>(r.integer(4096));
     } else if (s == "--profile") {
       a.profile = r.value();
+    } else if (s == "--documents") {
+      a.documents = true;
     } else {
       r.fail("unknown argument '" + s + "'");
     }
@@ -188,6 +196,54 @@ struct HeadImpl : torch::nn::Module {
   at::Tensor shared;  // the reference's: the embedding's weight itself
 };
 TORCH_MODULE(Head);
+
+// With --documents: the layers take and return {hidden states or token ids, document ids}.
+struct DocEmbedImpl : EmbedImpl {
+  using EmbedImpl::EmbedImpl;
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in) {
+    return {EmbedImpl::forward(in.at(0)), in.at(1)};
+  }
+};
+TORCH_MODULE(DocEmbed);
+
+// A position attends to the positions before it of its own document.
+struct DocBlockImpl : sinew_example::GptBlockImpl {
+  using GptBlockImpl::GptBlockImpl;
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in) {
+    const at::Tensor& x = in.at(0);
+    const at::Tensor& doc = in.at(1);  // [batch, T]
+    const int64_t T = x.size(1);
+    at::Tensor later =
+        at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(x.device())).triu(1);
+    at::Tensor otherDocument = doc.unsqueeze(2) != doc.unsqueeze(1);  // [batch, T, T]
+    return {block(x, (otherDocument | later).unsqueeze(1)), doc};
+  }
+};
+TORCH_MODULE(DocBlock);
+
+struct DocHeadImpl : HeadImpl {
+  using HeadImpl::HeadImpl;
+  at::Tensor forward(const std::vector<at::Tensor>& in) { return HeadImpl::forward(in.at(0)); }
+};
+TORCH_MODULE(DocHead);
+
+// The document id of each position of a window: a new document starts at the second newline
+// of a blank line.
+at::Tensor documentIds(const at::Tensor& ids) {
+  at::Tensor newline = ids.eq('\n');
+  at::Tensor starts = at::zeros_like(newline);
+  const int64_t T = ids.size(0);
+  starts.narrow(0, 1, T - 1).copy_(newline.narrow(0, 0, T - 1) & newline.narrow(0, 1, T - 1));
+  return starts.to(at::kLong).cumsum(0);
+}
+
+sinew::Dataset withDocumentIds(sinew::Dataset data) {
+  return [data](int64_t i) {
+    sinew::Sample s = data(i);
+    s.extraInputs = {documentIds(s.input)};
+    return s;
+  };
+}
 
 // The text of --text: a file, or every regular file of a folder in name order.
 std::string readText(const std::string& path) {
@@ -244,19 +300,32 @@ Data split(const sinew::TokenFile& file, const Args& a) {
   }
   d.train = file.dataset(a.dims.context, 0, d.trainWindows);
   d.heldOut = file.dataset(a.dims.context, d.trainWindows, d.heldOutWindows);
+  if (a.documents) {
+    d.train = withDocumentIds(d.train);
+    d.heldOut = withDocumentIds(d.heldOut);
+  }
   return d;
 }
 
 sinew::ModelSpec model(const Args& a, const Data& data) {
   sinew::ModelSpec spec;
   const Preset d = a.dims;
-  spec.layers.push_back({"embed", [d] { return torch::nn::AnyModule(Embed(d)); }});
+  const bool docs = a.documents;
+  spec.layers.push_back({"embed", [d, docs] {
+                           return docs ? torch::nn::AnyModule(DocEmbed(d))
+                                       : torch::nn::AnyModule(Embed(d));
+                         }});
   for (int64_t b = 0; b < d.blocks; ++b) {
-    spec.layers.push_back({"block" + std::to_string(b), [d] {
-                             return torch::nn::AnyModule(sinew_example::GptBlock(d.width, d.heads));
+    spec.layers.push_back({"block" + std::to_string(b), [d, docs] {
+                             return docs ? torch::nn::AnyModule(DocBlock(d.width, d.heads))
+                                         : torch::nn::AnyModule(
+                                               sinew_example::GptBlock(d.width, d.heads));
                            }});
   }
-  spec.layers.push_back({"head", [d] { return torch::nn::AnyModule(Head(d)); }});
+  spec.layers.push_back({"head", [d, docs] {
+                           return docs ? torch::nn::AnyModule(DocHead(d))
+                                       : torch::nn::AnyModule(Head(d));
+                         }});
   spec.tied.push_back({"embed.tok.weight", "head.lm.weight"});
   const int64_t vocab = d.vocab;
   spec.loss = [vocab](const at::Tensor& logits, const at::Tensor& target) {
@@ -283,17 +352,15 @@ std::vector<at::Tensor> shareTiedTensor(torch::nn::Sequential& m) {
 
 // The mean loss of `m` over held-out samples [0, count), a global batch at a time.
 double heldOutLoss(torch::nn::Sequential& m, const sinew::ModelSpec& spec,
-                   const sinew::Dataset& heldOut, int64_t count, int64_t batch) {
+                   const sinew::Dataset& heldOut, int64_t count, int64_t batch,
+                   at::ScalarType dtype) {
   at::NoGradGuard noGrad;
   double sum = 0;
   for (int64_t first = 0; first < count; first += batch) {
-    std::vector<at::Tensor> xs, ys;
-    for (int64_t j = first; j < first + batch; ++j) {
-      sinew::Sample s = heldOut(j);
-      xs.push_back(s.input);
-      ys.push_back(s.target);
-    }
-    sum += spec.loss(m->forward(at::stack(xs)), at::stack(ys)).item<double>() *
+    std::vector<sinew::Sample> samples;
+    for (int64_t j = first; j < first + batch; ++j) samples.push_back(heldOut(j));
+    at::Tensor y;
+    sum += spec.loss(sinew_example::forwardSamples(m, samples, dtype, &y), y).item<double>() *
            static_cast<double>(batch);
   }
   return sum / static_cast<double>(count);
@@ -365,13 +432,16 @@ int main(int argc, char** argv) {
     torch::nn::Sequential ref;
     refLoss =
         sinew_example::trainReference(a, spec, o.dtype, &ref, 0, data.heldOut, shareTiedTensor);
-    if (a.evalEvery > 0) refEval = heldOutLoss(ref, spec, data.heldOut, evalCount, a.globalBatch);
+    if (a.evalEvery > 0) {
+      refEval = heldOutLoss(ref, spec, data.heldOut, evalCount, a.globalBatch, o.dtype);
+    }
     if (evalOutputs.defined()) {
-      std::vector<at::Tensor> xs;
-      for (int64_t j = 0; j < evalCount; ++j) xs.push_back(data.heldOut(j).input);
+      std::vector<sinew::Sample> samples;
+      for (int64_t j = 0; j < evalCount; ++j) samples.push_back(data.heldOut(j));
       at::NoGradGuard noGrad;
-      outputsRel = sinew_example::relDiff(evalOutputs.to(at::kDouble),
-                                          ref->forward(at::stack(xs)).to(at::kDouble));
+      outputsRel = sinew_example::relDiff(
+          evalOutputs.to(at::kDouble),
+          sinew_example::forwardSamples(ref, samples, o.dtype).to(at::kDouble));
     }
     maxRel = 0;
     auto mine = gathered->named_parameters(/*recurse=*/true);

@@ -11,6 +11,8 @@
 #include "sinew/base/error.h"
 #include "sinew/pipeline/memory_meter.h"
 
+#include <torch/csrc/autograd/autograd.h>
+
 namespace sinew {
 namespace pipeline {
 namespace {
@@ -28,6 +30,9 @@ void synchronize(const at::Tensor& t) {
     (void)t.reshape({-1})[0].item();
   }
 }
+void synchronize(const Activation& a) {
+  for (const at::Tensor& t : a.tensors) synchronize(t);
+}
 
 int64_t median(std::vector<int64_t> v) {
   std::sort(v.begin(), v.end());
@@ -41,7 +46,7 @@ int64_t nsSince(Clock::time_point t0) {
 
 }  // namespace
 
-Profile profileLayers(const std::vector<ProfiledLayer>& layers, const at::Tensor& input,
+Profile profileLayers(const std::vector<ProfiledLayer>& layers, const Activation& input,
                       const ProfilerOptions& options) {
   if (layers.empty()) {
     SINEW_THROW(InvalidArgument, "profileLayers: no layers");
@@ -55,8 +60,11 @@ Profile profileLayers(const std::vector<ProfiledLayer>& layers, const at::Tensor
     SINEW_THROW(InvalidArgument, "profileLayers: optimizer_state_factor must be >= 0, got ",
                 options.optimizer_state_factor);
   }
-  if (!input.defined()) {
-    SINEW_THROW(InvalidArgument, "profileLayers: input tensor is undefined");
+  if (input.tensors.empty()) {
+    SINEW_THROW(InvalidArgument, "profileLayers: the input has no tensor");
+  }
+  for (const at::Tensor& t : input.tensors) {
+    if (!t.defined()) SINEW_THROW(InvalidArgument, "profileLayers: an input tensor is undefined");
   }
   if (options.loss && !options.target.defined()) {
     SINEW_THROW(InvalidArgument, "profileLayers: a loss is given without a target tensor");
@@ -76,7 +84,7 @@ Profile profileLayers(const std::vector<ProfiledLayer>& layers, const at::Tensor
   // layer alone, over and over on the same tensors, measured it with a cache-hot working set
   // and underestimated training by a third (docs/pipeline.md, "Cost model check").
   std::vector<std::vector<int64_t>> fwd(L), bwd(L);
-  std::vector<at::Tensor> ins(L), outs(L);
+  std::vector<Activation> ins(L), outs(L);
   auto resetGradients = [&] {
     for (const ProfiledLayer& layer : layers) {
       for (const at::Tensor& p : layer.parameters) {
@@ -93,19 +101,21 @@ Profile profileLayers(const std::vector<ProfiledLayer>& layers, const at::Tensor
   // and for the last layer the loss's), in the last run; -1 where not measured.
   std::vector<int64_t> retained(L, -1);
   std::optional<CpuMemoryMeter> meter;
-  if (options.measure_memory && input.device().is_cpu()) meter.emplace();
+  if (options.measure_memory && input.tensors[0].device().is_cpu()) meter.emplace();
   const bool metered = meter && meter->installed();
   for (int run = 0; run < options.warmup + options.repeats; ++run) {
     const bool lastRun = run + 1 == options.warmup + options.repeats;
-    at::Tensor x = input.detach();
+    Activation x = input.detached();
     at::Tensor loss;  // The last layer's, if the options give a loss.
     for (size_t l = 0; l < L; ++l) {
-      at::Tensor in = x.detach();
-      if (at::isFloatingType(in.scalar_type())) in.requires_grad_(true);
+      Activation in = x.detached();
+      for (at::Tensor& t : in.tensors) {
+        if (at::isFloatingType(t.scalar_type())) t.requires_grad_(true);
+      }
       const int64_t liveBefore = metered ? meter->live() : 0;
       auto t0 = Clock::now();
       const bool withLoss = l + 1 == L && static_cast<bool>(options.loss);
-      at::Tensor y;
+      Activation y;
       try {
         y = layers[l].forward(in);
         // A device error can surface only at the synchronisation.
@@ -120,7 +130,7 @@ Profile profileLayers(const std::vector<ProfiledLayer>& layers, const at::Tensor
                       "] ('", layers[l].name, "') ", why);
         };
         try {
-          loss = options.loss(y, options.target);
+          loss = options.loss(y.single("the last layer's output"), options.target);
           if (loss.defined() && loss.numel() == 1) synchronize(loss);
         } catch (const std::exception& e) {
           lossFailed(std::string("failed: ") + e.what());
@@ -130,7 +140,7 @@ Profile profileLayers(const std::vector<ProfiledLayer>& layers, const at::Tensor
                      (loss.defined() ? std::to_string(loss.numel()) + " elements" : "no tensor") +
                      ", not one");
         }
-        if (y.requires_grad() && !loss.requires_grad()) {
+        if (y.tensors[0].requires_grad() && !loss.requires_grad()) {
           lossFailed("does not require grad, so no gradient reaches the model");
         }
       }
@@ -140,28 +150,43 @@ Profile profileLayers(const std::vector<ProfiledLayer>& layers, const at::Tensor
       outs[l] = y;
       x = y;
     }
-    at::Tensor g;
+    std::vector<at::Tensor> g;  // gradients of the next layer's input tensors
     for (size_t i = L; i-- > 0;) {
-      const at::Tensor& y = outs[i];
+      const Activation& y = outs[i];
       const bool fromLoss = i + 1 == L && loss.defined() && loss.requires_grad();
+      // The outputs that take part in backward, with the next layer's input gradients (ones
+      // where it has none of the output's shape).
+      std::vector<at::Tensor> ys, gs;
+      for (size_t j = 0; !fromLoss && j < y.tensors.size(); ++j) {
+        const at::Tensor& t = y.tensors[j];
+        if (!t.requires_grad()) continue;
+        ys.push_back(t);
+        const bool fits = j < g.size() && g[j].defined() && g[j].sizes() == t.sizes();
+        gs.push_back(fits ? g[j] : at::ones_like(t));
+      }
       int64_t b_ns = 0;
-      if (fromLoss || y.requires_grad()) {
-        if (!fromLoss && (!g.defined() || g.sizes() != y.sizes())) g = at::ones_like(y);
+      if (fromLoss || !ys.empty()) {
         try {
           auto t1 = Clock::now();
           if (fromLoss) {
             loss.backward();
           } else {
-            y.backward(g);
+            torch::autograd::backward(ys, gs);
           }
-          synchronize(ins[i].requires_grad() ? ins[i].grad() : y);
+          for (const at::Tensor& t : ins[i].tensors) {
+            if (t.requires_grad()) synchronize(t.grad());
+          }
+          synchronize(y);
           b_ns = nsSince(t1);
         } catch (const std::exception& e) {
           failed(i, e);
         }
       }
       if (run >= options.warmup) bwd[i].push_back(b_ns);
-      g = ins[i].requires_grad() && ins[i].grad().defined() ? ins[i].grad() : at::Tensor();
+      g.clear();
+      for (const at::Tensor& t : ins[i].tensors) {
+        g.push_back(t.requires_grad() && t.grad().defined() ? t.grad() : at::Tensor());
+      }
     }
   }
   resetGradients();
@@ -174,10 +199,10 @@ Profile profileLayers(const std::vector<ProfiledLayer>& layers, const at::Tensor
     for (const at::Tensor& p : layer.parameters) c.param_bytes += tensorBytes(p);
     c.optimizer_bytes =
         std::llround(static_cast<double>(c.param_bytes) * options.optimizer_state_factor);
-    c.output_bytes = tensorBytes(outs[l]);
+    c.output_bytes = outs[l].bytes();
     c.activation_bytes = layer.activation_bytes >= 0 ? layer.activation_bytes
-                         : retained[l] >= 0          ? tensorBytes(ins[l]) + retained[l]
-                                                     : tensorBytes(ins[l]) + tensorBytes(outs[l]);
+                         : retained[l] >= 0          ? ins[l].bytes() + retained[l]
+                                                     : ins[l].bytes() + outs[l].bytes();
     profile.layers.push_back(std::move(c));
   }
   validateProfile(profile);

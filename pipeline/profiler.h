@@ -3,7 +3,8 @@
 // The layer profiler (docs/architecture.md section 4, "Profiles"): runs each layer's forward and
 // backward on one microbatch and measures what the planner needs (sinew/pipeline/profile.h).
 //
-// Layers are given generically, as a forward callable over at::Tensor plus the parameters it
+// Layers are given generically, as a forward callable over activations (one tensor or
+// several: pipeline/activation.h) plus the parameters it
 // trains, so the profiler does not depend on how the runtime builds models (LayerSpec). The
 // layers run in order: layer l + 1 is profiled on the (detached) output of layer l.
 //
@@ -40,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "sinew/pipeline/activation.h"
 #include "sinew/pipeline/profile.h"
 
 namespace sinew {
@@ -49,7 +51,7 @@ struct ProfiledLayer {
   std::string name;
   // The layer's forward for one microbatch. Must be differentiable in its input and in
   // `parameters`.
-  std::function<at::Tensor(const at::Tensor&)> forward;
+  std::function<Activation(const Activation&)> forward;
   // The tensors the layer trains (requires_grad). Their gradients are made undefined when
   // profiling ends or fails.
   std::vector<at::Tensor> parameters;
@@ -84,7 +86,7 @@ struct ProfilerOptions {
 // names the layer and its index; a loss given without a target, or one that throws, does not
 // return a one-element tensor or does not require grad while the model's output does, is
 // named as the loss), and as validateProfile() for the result.
-Profile profileLayers(const std::vector<ProfiledLayer>& layers, const at::Tensor& input,
+Profile profileLayers(const std::vector<ProfiledLayer>& layers, const Activation& input,
                       const ProfilerOptions& options);
 
 }  // namespace pipeline

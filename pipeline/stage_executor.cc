@@ -5,6 +5,9 @@
 #include <algorithm>
 #include <chrono>
 #include <deque>
+#include <string>
+
+#include <torch/csrc/autograd/autograd.h>
 
 #include "sinew/base/error.h"
 
@@ -80,271 +83,389 @@ std::vector<StageExecutor::Piece> StageExecutor::overlaps(const Plan& plan, int 
   return pieces;
 }
 
-StageStepResult StageExecutor::run(const StageStep& step) {
-  const int s = stage_;
-  const bool firstStage = s == 0, lastStage = s == stages_ - 1;
-  const int64_t sliceBegin = sliceBegin_, sliceEnd = sliceEnd_;
-  const std::vector<Piece>& prevPieces = prevPieces_;
-  const std::vector<Piece>& nextPieces = nextPieces_;
-  const std::vector<int64_t>& microbatches = mine_.microbatches;
-  const int64_t M = static_cast<int64_t>(microbatches.size());
-  const int64_t W = std::min<int64_t>(stages_ - s - 1, M);
-  const double scale =
-      static_cast<double>(sliceEnd - sliceBegin) / static_cast<double>(options_.globalBatch);
-  auto onDevice = [&](at::ScalarType t) {
-    return at::TensorOptions().dtype(t).device(options_.device);
-  };
-  auto rows = [&](const at::Tensor& t, const Piece& p) {
-    return t.narrow(0, p.begin - sliceBegin, p.end - p.begin);
-  };
+// The layout of one activation as a header announces it: whether its tensors are a list, and
+// per tensor the dtype code followed by the dimensions.
+namespace {
+struct Layout {
+  bool list = false;
+  std::vector<std::vector<int64_t>> shapes;
+  bool operator==(const Layout& o) const { return list == o.list && shapes == o.shapes; }
+};
+}  // namespace
+
+class StageExecutor::StepRun {
+ public:
+  StepRun(StageExecutor& e, const StageStep& step)
+      : e_(e),
+        step_(step),
+        s_(e.stage_),
+        firstStage_(s_ == 0),
+        lastStage_(s_ == e.stages_ - 1),
+        rowsMine_(e.sliceEnd_ - e.sliceBegin_) {}
+
+  StageStepResult run() {
+    const std::vector<int64_t>& microbatches = e_.mine_.microbatches;
+    const int64_t M = static_cast<int64_t>(microbatches.size());
+    if (step_.forwardOnly) {
+      at::NoGradGuard noGrad;
+      for (int64_t k = 0; k < M; ++k) {
+        forward(k, inputFor(k, {}));
+        std::vector<P2POp> ops;
+        sendForward(inFlight_.back().y, ops);
+        exchange(std::move(ops));
+        sendChanged();
+        inFlight_.pop_front();
+      }
+      return result_;
+    }
+    const int64_t W = std::min<int64_t>(e_.stages_ - s_ - 1, M);
+    // Warm-up: forwards only.
+    for (int64_t k = 0; k < W; ++k) {
+      forward(k, inputFor(k, {}));
+      std::vector<P2POp> ops;
+      sendForward(inFlight_.back().y, ops);
+      exchange(std::move(ops));
+      sendChanged();
+    }
+    // Steady state: one forward, one backward.
+    Activation x;
+    if (W < M) x = inputFor(W, {});
+    for (int64_t k = W; k < M; ++k) {
+      forward(k, x);
+      std::vector<P2POp> ops;
+      sendForward(inFlight_.back().y, ops);
+      std::vector<at::Tensor> g = gradientFor(inFlight_.front(), ops);
+      exchange(std::move(ops));
+      sendChanged();
+      std::vector<P2POp> back;
+      backward(g, back);
+      if (k + 1 < M) {
+        x = inputFor(k + 1, std::move(back));
+      } else {
+        exchange(std::move(back));
+      }
+    }
+    // Cool-down: backwards only.
+    while (!inFlight_.empty()) {
+      std::vector<P2POp> ops;
+      std::vector<at::Tensor> g = gradientFor(inFlight_.front(), ops);
+      exchange(std::move(ops));
+      std::vector<P2POp> back;
+      backward(g, back);
+      exchange(std::move(back));
+    }
+    return result_;
+  }
+
+ private:
   struct InFlight {
-    at::Tensor x, y, loss;
+    Activation x, y;
+    at::Tensor loss;
   };
-  std::deque<InFlight> inFlight;
-  StageStepResult result;
-  bool firstBackward = true;
-  auto exchange = [&](std::vector<P2POp> ops) {
+
+  at::TensorOptions onDevice(at::ScalarType t) const {
+    return at::TensorOptions().dtype(t).device(e_.options_.device);
+  }
+  at::Tensor rows(const at::Tensor& t, const Piece& p) const {
+    return t.narrow(0, p.begin - e_.sliceBegin_, p.end - p.begin);
+  }
+  // An uninitialised tensor of a shape as in Layout.
+  at::Tensor emptyOf(const std::vector<int64_t>& shape) const {
+    return at::empty(std::vector<int64_t>(shape.begin() + 1, shape.end()),
+                     onDevice(static_cast<at::ScalarType>(shape[0])));
+  }
+
+  void exchange(std::vector<P2POp> ops) {
     if (ops.empty()) return;
     auto transfer = [&] {
       auto t0 = std::chrono::steady_clock::now();
-      comm_.exchange(ops, step.timeout);
-      result.waitSeconds +=
+      e_.comm_.exchange(ops, step_.timeout);
+      result_.waitSeconds +=
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     };
-    if (step.aroundExchange) {
-      step.aroundExchange(transfer);
+    if (step_.aroundExchange) {
+      step_.aroundExchange(transfer);
     } else {
       transfer();
     }
-  };
-  // The header of an activation: dtype, number of dimensions, dimensions.
-  auto header = [&](const at::Tensor& y) {
-    if (y.dim() > kMaxDims) {
-      SINEW_THROW(InvalidArgument, "layer '", options_.lastLayerName, "' (the last of stage ", s,
-                  ") outputs a tensor of ", y.dim(), " dimensions; at most ", kMaxDims,
-                  " can be sent between pipeline stages");
-    }
-    at::Tensor h = at::zeros({2 + kMaxDims}, at::kLong);
+  }
+
+  // The header announcing `layout`.
+  at::Tensor header(const Layout& layout) const {
+    at::Tensor h = at::zeros({kHeaderWords}, at::kLong);
     auto a = h.accessor<int64_t, 1>();
-    a[0] = static_cast<int64_t>(y.scalar_type());
-    a[1] = y.dim();
-    for (int64_t d = 0; d < y.dim(); ++d) a[2 + d] = y.size(d);
-    return h.to(options_.device);
-  };
-  // The sizes a header announces (dtype code, then the dimensions); Corruption if malformed.
-  auto fromHeader = [&](const at::Tensor& received, const Piece& p) {
+    a[0] = static_cast<int64_t>(layout.shapes.size());
+    a[1] = layout.list ? 1 : 0;
+    for (size_t j = 0; j < layout.shapes.size(); ++j) {
+      const std::vector<int64_t>& shape = layout.shapes[j];
+      const int64_t at0 = 2 + static_cast<int64_t>(j) * (2 + kMaxDims);
+      a[at0] = shape[0];
+      a[at0 + 1] = static_cast<int64_t>(shape.size()) - 1;
+      for (size_t d = 1; d < shape.size(); ++d) a[at0 + 1 + static_cast<int64_t>(d)] = shape[d];
+    }
+    return h.to(e_.options_.device);
+  }
+
+  // The layout a header from piece p announces; Corruption if malformed.
+  Layout fromHeader(const at::Tensor& received, const Piece& p) const {
     at::Tensor h = received.cpu();
     auto a = h.accessor<int64_t, 1>();
-    const int64_t type = a[0], dims = a[1];
-    const bool plain =
-        type >= 0 && type < static_cast<int64_t>(at::ScalarType::NumOptions) &&
-        (at::isFloatingType(static_cast<at::ScalarType>(type)) ||
-         at::isIntegralType(static_cast<at::ScalarType>(type), /*includeBool=*/true));
-    if (!plain || dims < 1 || dims > kMaxDims) {
-      SINEW_THROW(Corruption, "stage ", s, " received a malformed activation header from stage ",
-                  s - 1, " (dtype code ", type, ", ", dims, " dimensions)");
+    const int64_t count = a[0], list = a[1];
+    if (count < 1 || count > kMaxTensors || (list != 0 && list != 1) || (count > 1 && list == 0)) {
+      SINEW_THROW(Corruption, "stage ", s_, " received a malformed activation header from stage ",
+                  s_ - 1, " (", count, " tensors, list flag ", list, ")");
     }
-    std::vector<int64_t> sizes{type};
-    for (int64_t d = 0; d < dims; ++d) {
-      if (a[2 + d] < 0 || a[2 + d] > (int64_t{1} << 40)) {
-        SINEW_THROW(Corruption, "stage ", s, " received an activation size of ", a[2 + d],
-                    " from stage ", s - 1);
+    Layout layout;
+    layout.list = list == 1;
+    for (int64_t j = 0; j < count; ++j) {
+      const int64_t at0 = 2 + j * (2 + kMaxDims);
+      const int64_t type = a[at0], dims = a[at0 + 1];
+      const bool plain =
+          type >= 0 && type < static_cast<int64_t>(at::ScalarType::NumOptions) &&
+          (at::isFloatingType(static_cast<at::ScalarType>(type)) ||
+           at::isIntegralType(static_cast<at::ScalarType>(type), /*includeBool=*/true));
+      if (!plain || dims < 1 || dims > kMaxDims) {
+        SINEW_THROW(Corruption, "stage ", s_, " received a malformed activation header from stage ",
+                    s_ - 1, " (tensor ", j, ": dtype code ", type, ", ", dims, " dimensions)");
       }
-      sizes.push_back(a[2 + d]);
+      std::vector<int64_t> sizes{type};
+      for (int64_t d = 0; d < dims; ++d) {
+        const int64_t n = a[at0 + 2 + d];
+        if (n < 0 || n > (int64_t{1} << 40)) {
+          SINEW_THROW(Corruption, "stage ", s_, " received an activation size of ", n,
+                      " from stage ", s_ - 1);
+        }
+        sizes.push_back(n);
+      }
+      if (sizes[1] != p.end - p.begin) {
+        SINEW_THROW(Corruption, "stage ", s_, " expected ", p.end - p.begin,
+                    " rows of activation from stage ", s_ - 1, ", the header says ", sizes[1]);
+      }
+      layout.shapes.push_back(std::move(sizes));
     }
-    if (sizes[1] != p.end - p.begin) {
-      SINEW_THROW(Corruption, "stage ", s, " expected ", p.end - p.begin,
-                  " rows of activation from stage ", s - 1, ", the header says ", sizes[1]);
+    return layout;
+  }
+
+  // Adds the sends of activation y (this stage's output) to the next stage's workers.
+  void sendForward(const Activation& y, std::vector<P2POp>& ops) {
+    if (lastStage_) return;
+    const std::string& layer = e_.options_.lastLayerName;
+    const size_t n = y.tensors.size();
+    if (n < 1 || n > static_cast<size_t>(kMaxTensors)) {
+      SINEW_THROW(InvalidArgument, "layer '", layer, "' (the last of stage ", s_, ") outputs ", n,
+                  " tensors; between 1 and ", kMaxTensors, " can be sent between pipeline stages");
     }
-    return sizes;
-  };
-  // Activation shapes of this step's last microbatch, per piece: what this stage sent to each
-  // worker of the next stage, and what it received from each worker of the previous one (see
-  // "Activation shapes" in the header).
-  std::vector<std::vector<int64_t>> sentShapes, receivedShapes;
-  std::vector<P2POp> resend;  // activations whose shape changed, sent next
-  // An uninitialised tensor of a shape as above.
-  auto emptyOf = [&](const std::vector<int64_t>& shape) {
-    return at::empty(std::vector<int64_t>(shape.begin() + 1, shape.end()),
-                     onDevice(static_cast<at::ScalarType>(shape[0])));
-  };
-  auto sendForward = [&](const at::Tensor& y, std::vector<P2POp>& ops) {
-    if (lastStage) return;
-    at::Tensor data = y.detach().contiguous();
-    if (data.dim() < 1 || data.size(0) != sliceEnd - sliceBegin) {
-      SINEW_THROW(InvalidArgument, "layer '", options_.lastLayerName, "' (the last of stage ", s,
-                  ") outputs a tensor whose first dimension is not the ", sliceEnd - sliceBegin,
-                  " samples it was given");
+    std::vector<at::Tensor> data;
+    for (size_t j = 0; j < n; ++j) {
+      const at::Tensor& t = y.tensors[j];
+      if (!t.defined() || t.dim() < 1 || t.size(0) != rowsMine_) {
+        SINEW_THROW(InvalidArgument, "layer '", layer, "' (the last of stage ", s_,
+                    ") outputs a tensor (", j, ") whose first dimension is not the ", rowsMine_,
+                    " samples it was given");
+      }
+      if (t.dim() > kMaxDims) {
+        SINEW_THROW(InvalidArgument, "layer '", layer, "' (the last of stage ", s_,
+                    ") outputs a tensor of ", t.dim(), " dimensions; at most ", kMaxDims,
+                    " can be sent between pipeline stages");
+      }
+      data.push_back(t.detach().contiguous());
     }
-    const bool guessed = !sentShapes.empty();
-    sentShapes.resize(nextPieces.size());
-    for (size_t i = 0; i < nextPieces.size(); ++i) {
-      const Piece& p = nextPieces[i];
-      at::Tensor part = rows(data, p);
-      std::vector<int64_t> shape = shapeOf(part);
-      ops.push_back(P2POp::send(header(part), p.rank, kTagHeader));
-      if (!guessed || shape == sentShapes[i]) {
-        ops.push_back(P2POp::send(part, p.rank, kTagActivation));
+    const bool guessed = !sent_.empty();
+    sent_.resize(e_.nextPieces_.size());
+    for (size_t i = 0; i < e_.nextPieces_.size(); ++i) {
+      const Piece& p = e_.nextPieces_[i];
+      Layout layout;
+      layout.list = y.list;
+      std::vector<at::Tensor> parts;
+      for (const at::Tensor& t : data) {
+        parts.push_back(rows(t, p));
+        layout.shapes.push_back(shapeOf(parts.back()));
+      }
+      ops.push_back(P2POp::send(header(layout), p.rank, kTagHeader));
+      if (!guessed || layout == sent_[i]) {
+        for (const at::Tensor& part : parts) {
+          ops.push_back(P2POp::send(part, p.rank, kTagActivation));
+        }
       } else {
-        ops.push_back(P2POp::send(emptyOf(sentShapes[i]).zero_(), p.rank, kTagActivation));
-        resend.push_back(P2POp::send(part, p.rank, kTagActivation));
+        for (const std::vector<int64_t>& shape : sent_[i].shapes) {
+          ops.push_back(P2POp::send(emptyOf(shape).zero_(), p.rank, kTagActivation));
+        }
+        for (const at::Tensor& part : parts) {
+          resend_.push_back(P2POp::send(part, p.rank, kTagActivation));
+        }
       }
-      sentShapes[i] = std::move(shape);
+      sent_[i] = std::move(layout);
     }
-  };
+  }
+
   // After an exchange with sendForward's operations: the activations that did not have the
-  // shape their receivers expected.
-  auto sendChanged = [&] {
-    if (resend.empty()) return;
+  // layout their receivers expected.
+  void sendChanged() {
+    if (resend_.empty()) return;
     std::vector<P2POp> ops;
-    ops.swap(resend);
+    ops.swap(resend_);
     exchange(std::move(ops));
-  };
+  }
+
+  // Marks the floating-point tensors of x as needing their gradient (training only).
+  Activation trainable(Activation x) const {
+    if (step_.forwardOnly) return x;
+    for (at::Tensor& t : x.tensors) {
+      if (at::isFloatingType(t.scalar_type())) t.requires_grad_(true);
+    }
+    return x;
+  }
+
   // The input of microbatch k, after `pre` (sends of the same exchange) completes with the
   // headers' receives.
-  auto inputFor = [&](int64_t k, std::vector<P2POp> pre) -> at::Tensor {
-    if (firstStage) {
+  Activation inputFor(int64_t k, std::vector<P2POp> pre) {
+    if (firstStage_) {
       exchange(std::move(pre));
-      return step.data(microbatches[k], sliceBegin, sliceEnd).first;
+      return step_.data(e_.mine_.microbatches[k], e_.sliceBegin_, e_.sliceEnd_).first;
     }
+    const std::vector<Piece>& pieces = e_.prevPieces_;
     std::vector<at::Tensor> headers;
-    std::vector<at::Tensor> guesses;  // the pieces' receives sized as the last microbatch's
-    const bool guessed = !receivedShapes.empty();
-    for (size_t i = 0; i < prevPieces.size(); ++i) {
-      const Piece& p = prevPieces[i];
-      headers.push_back(at::zeros({2 + kMaxDims}, onDevice(at::kLong)));
+    // The pieces' receives sized as the last microbatch's.
+    std::vector<std::vector<at::Tensor>> guesses(pieces.size());
+    const bool guessed = !received_.empty();
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      const Piece& p = pieces[i];
+      headers.push_back(at::zeros({kHeaderWords}, onDevice(at::kLong)));
       pre.push_back(P2POp::recv(headers.back(), p.rank, kTagHeader));
-      if (guessed) {
-        guesses.push_back(emptyOf(receivedShapes[i]));
-        pre.push_back(P2POp::recv(guesses.back(), p.rank, kTagActivation));
+      if (!guessed) continue;
+      for (const std::vector<int64_t>& shape : received_[i].shapes) {
+        guesses[i].push_back(emptyOf(shape));
+        pre.push_back(P2POp::recv(guesses[i].back(), p.rank, kTagActivation));
       }
     }
     exchange(std::move(pre));
-    std::vector<int64_t> shape;
-    std::vector<std::vector<int64_t>> received;
-    for (size_t i = 0; i < prevPieces.size(); ++i) {
-      std::vector<int64_t> sizes = fromHeader(headers[i], prevPieces[i]);
-      if (i == 0) {
-        shape = sizes;
-        shape[1] = sliceEnd - sliceBegin;
-      } else if (sizes[0] != shape[0] || sizes.size() != shape.size() ||
-                 !std::equal(sizes.begin() + 2, sizes.end(), shape.begin() + 2)) {
-        SINEW_THROW(Corruption, "stage ", s, " received activation parts of different types ",
-                    "or shapes from the workers of stage ", s - 1);
+    std::vector<Layout> layouts;
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      layouts.push_back(fromHeader(headers[i], pieces[i]));
+      const Layout& a = layouts.front();
+      const Layout& b = layouts.back();
+      bool same = a.list == b.list && a.shapes.size() == b.shapes.size();
+      for (size_t j = 0; same && j < a.shapes.size(); ++j) {
+        same = a.shapes[j][0] == b.shapes[j][0] && a.shapes[j].size() == b.shapes[j].size() &&
+               std::equal(a.shapes[j].begin() + 2, a.shapes[j].end(), b.shapes[j].begin() + 2);
       }
-      received.push_back(std::move(sizes));
+      if (!same) {
+        SINEW_THROW(Corruption, "stage ", s_, " received activation parts of different types ",
+                    "or shapes from the workers of stage ", s_ - 1);
+      }
     }
-    const bool allGuessed =
-        guessed && std::equal(received.begin(), received.end(), receivedShapes.begin());
-    if (allGuessed && prevPieces.size() == 1) {
-      receivedShapes = std::move(received);
-      at::Tensor x = guesses[0];  // One piece: the whole slice, already here.
-      if (at::isFloatingType(x.scalar_type()) && !step.forwardOnly) x.requires_grad_(true);
-      return x;
+    const bool allGuessed = guessed && layouts == received_;
+    if (allGuessed && pieces.size() == 1) {
+      received_ = std::move(layouts);
+      Activation x;  // One piece: the whole slice, already here.
+      x.list = received_[0].list;
+      x.tensors = std::move(guesses[0]);
+      return trainable(std::move(x));
     }
-    at::Tensor x = emptyOf(shape);
+    Activation x;
+    x.list = layouts[0].list;
+    for (std::vector<int64_t> shape : layouts[0].shapes) {
+      shape[1] = rowsMine_;
+      x.tensors.push_back(emptyOf(shape));
+    }
     std::vector<P2POp> ops;
-    for (size_t i = 0; i < prevPieces.size(); ++i) {
-      const Piece& p = prevPieces[i];
-      if (guessed && received[i] == receivedShapes[i]) {
-        rows(x, p).copy_(guesses[i]);  // It came with the header.
-      } else {
-        ops.push_back(P2POp::recv(rows(x, p), p.rank, kTagActivation));
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      const Piece& p = pieces[i];
+      const bool came = guessed && layouts[i] == received_[i];  // With the header.
+      for (size_t j = 0; j < x.tensors.size(); ++j) {
+        if (came) {
+          rows(x.tensors[j], p).copy_(guesses[i][j]);
+        } else {
+          ops.push_back(P2POp::recv(rows(x.tensors[j], p), p.rank, kTagActivation));
+        }
       }
     }
-    receivedShapes = std::move(received);
+    received_ = std::move(layouts);
     exchange(std::move(ops));
-    if (at::isFloatingType(x.scalar_type()) && !step.forwardOnly) x.requires_grad_(true);
-    return x;
-  };
-  auto forward = [&](int64_t k, at::Tensor x) {
+    return trainable(std::move(x));
+  }
+
+  void forward(int64_t k, Activation x) {
     InFlight f;
-    f.x = x;
-    f.y = step.forward(x);
-    if (lastStage) {
-      at::Tensor target = step.data(microbatches[k], sliceBegin, sliceEnd).second;
-      f.loss = step.loss(f.y, target);
-      result.lossSum += f.loss.item<double>() * static_cast<double>(sliceEnd - sliceBegin);
+    f.x = std::move(x);
+    f.y = step_.forward(f.x);
+    if (lastStage_) {
+      const int64_t m = e_.mine_.microbatches[k];
+      at::Tensor target = step_.data(m, e_.sliceBegin_, e_.sliceEnd_).second;
+      if (f.y.list || f.y.tensors.size() != 1) {
+        SINEW_THROW(InvalidArgument, "layer '", e_.options_.lastLayerName,
+                    "' (the model's last) outputs ", f.y.tensors.size(),
+                    " tensors as a list; the loss takes one tensor");
+      }
+      f.loss = step_.loss(f.y.tensors[0], target);
+      result_.lossSum += f.loss.item<double>() * static_cast<double>(rowsMine_);
     }
-    inFlight.push_back(std::move(f));
-  };
-  auto gradientFor = [&](const InFlight& f, std::vector<P2POp>& ops) {
-    at::Tensor g;
-    if (!lastStage && at::isFloatingType(f.y.scalar_type())) {
-      g = at::empty(f.y.sizes(), f.y.options().requires_grad(false));
-      for (const Piece& p : nextPieces) {
-        ops.push_back(P2POp::recv(rows(g, p), p.rank, kTagGradient));
+    inFlight_.push_back(std::move(f));
+  }
+
+  // Adds the receives of the gradients of f's output (one per floating-point tensor).
+  std::vector<at::Tensor> gradientFor(const InFlight& f, std::vector<P2POp>& ops) {
+    std::vector<at::Tensor> gs(f.y.tensors.size());
+    if (lastStage_) return gs;
+    for (size_t j = 0; j < gs.size(); ++j) {
+      const at::Tensor& y = f.y.tensors[j];
+      if (!at::isFloatingType(y.scalar_type())) continue;
+      gs[j] = at::empty(y.sizes(), y.options().requires_grad(false));
+      for (const Piece& p : e_.nextPieces_) {
+        ops.push_back(P2POp::recv(rows(gs[j], p), p.rank, kTagGradient));
       }
     }
-    return g;
-  };
-  // Backward of the oldest microbatch in flight; adds the send of its input's gradient.
-  auto backward = [&](const at::Tensor& g, std::vector<P2POp>& ops) {
-    InFlight f = std::move(inFlight.front());
-    inFlight.pop_front();
-    if (firstBackward && step.beforeFirstBackward) step.beforeFirstBackward();
-    firstBackward = false;
-    if (lastStage) {
-      (f.loss * scale).backward();
-    } else if (g.defined() && f.y.requires_grad()) {
-      f.y.backward(g);
+    return gs;
+  }
+
+  // Backward of the oldest microbatch in flight; adds the sends of its input's gradients.
+  void backward(const std::vector<at::Tensor>& gs, std::vector<P2POp>& ops) {
+    InFlight f = std::move(inFlight_.front());
+    inFlight_.pop_front();
+    if (firstBackward_ && step_.beforeFirstBackward) step_.beforeFirstBackward();
+    firstBackward_ = false;
+    if (lastStage_) {
+      (f.loss * scale()).backward();
+    } else {
+      std::vector<at::Tensor> ys, grads;
+      for (size_t j = 0; j < gs.size(); ++j) {
+        if (gs[j].defined() && f.y.tensors[j].requires_grad()) {
+          ys.push_back(f.y.tensors[j]);
+          grads.push_back(gs[j]);
+        }
+      }
+      if (!ys.empty()) torch::autograd::backward(ys, grads);
     }
-    if (!firstStage && at::isFloatingType(f.x.scalar_type())) {
-      at::Tensor dx = f.x.grad().defined() ? f.x.grad().contiguous() : at::zeros_like(f.x);
-      for (const Piece& p : prevPieces) {
+    if (firstStage_) return;
+    for (const at::Tensor& x : f.x.tensors) {
+      if (!at::isFloatingType(x.scalar_type())) continue;
+      at::Tensor dx = x.grad().defined() ? x.grad().contiguous() : at::zeros_like(x);
+      for (const Piece& p : e_.prevPieces_) {
         ops.push_back(P2POp::send(rows(dx.detach(), p), p.rank, kTagGradient));
       }
     }
-  };
-  if (step.forwardOnly) {
-    at::NoGradGuard noGrad;
-    for (int64_t k = 0; k < M; ++k) {
-      forward(k, inputFor(k, {}));
-      std::vector<P2POp> ops;
-      sendForward(inFlight.back().y, ops);
-      exchange(std::move(ops));
-      sendChanged();
-      inFlight.pop_front();
-    }
-    return result;
   }
-  // Warm-up: forwards only.
-  for (int64_t k = 0; k < W; ++k) {
-    forward(k, inputFor(k, {}));
-    std::vector<P2POp> ops;
-    sendForward(inFlight.back().y, ops);
-    exchange(std::move(ops));
-    sendChanged();
+
+  double scale() const {
+    return static_cast<double>(rowsMine_) / static_cast<double>(e_.options_.globalBatch);
   }
-  // Steady state: one forward, one backward.
-  at::Tensor x;
-  if (W < M) x = inputFor(W, {});
-  for (int64_t k = W; k < M; ++k) {
-    forward(k, x);
-    std::vector<P2POp> ops;
-    sendForward(inFlight.back().y, ops);
-    at::Tensor g = gradientFor(inFlight.front(), ops);
-    exchange(std::move(ops));
-    sendChanged();
-    std::vector<P2POp> back;
-    backward(g, back);
-    if (k + 1 < M) {
-      x = inputFor(k + 1, std::move(back));
-    } else {
-      exchange(std::move(back));
-    }
-  }
-  // Cool-down: backwards only.
-  while (!inFlight.empty()) {
-    std::vector<P2POp> ops;
-    at::Tensor g = gradientFor(inFlight.front(), ops);
-    exchange(std::move(ops));
-    std::vector<P2POp> back;
-    backward(g, back);
-    exchange(std::move(back));
-  }
-  return result;
-}
+
+  StageExecutor& e_;
+  const StageStep& step_;
+  const int s_;
+  const bool firstStage_, lastStage_;
+  const int64_t rowsMine_;  // this worker's samples of each microbatch
+  std::deque<InFlight> inFlight_;
+  StageStepResult result_;
+  bool firstBackward_ = true;
+  // Activation layouts of this step's last microbatch, per piece: what this stage sent to each
+  // worker of the next stage, and what it received from each worker of the previous one (see
+  // "Activation shapes" in the header).
+  std::vector<Layout> sent_, received_;
+  std::vector<P2POp> resend_;  // activations whose layout changed, sent next
+};
+
+StageStepResult StageExecutor::run(const StageStep& step) { return StepRun(*this, step).run(); }
 
 }  // namespace pipeline
 }  // namespace sinew

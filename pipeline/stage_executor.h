@@ -17,13 +17,17 @@
 // overlap its own, the overlap's rows (dimension 0) of the activation forward and of its
 // gradient back.
 //
-// Activation shapes: every activation is preceded by a header (dtype, number of dimensions,
-// dimensions). From the second microbatch of a step on, a receiver posts the activation's
-// receive together with the header's, sized as the last one, and the sender sends one of
-// exactly that size: the activation itself when its shape is unchanged, else zeros followed
-// by the activation in an exchange of its own, which the receiver, seeing the new header,
-// matches. Waiting for the header before posting the receive would cost every microbatch a
-// second rendezvous between the stages.
+// Activations (pipeline/activation.h): one tensor or several; each tensor's first dimension is
+// the samples. A gradient comes back for each floating-point tensor of an activation.
+//
+// Activation shapes: every activation is preceded by a header (the number of tensors, whether
+// they are a list, and each tensor's dtype, number of dimensions and dimensions). From the second
+// microbatch of a step on, a receiver posts the activation's receive together with the header's,
+// sized as the last one, and the sender sends one of exactly that size: the activation itself when
+// its shape is unchanged, else zeros followed by the activation in an exchange of its own, which
+// the receiver, seeing the new header, matches (for an activation of several tensors, all of them
+// are sent again when one changed). Waiting for the header before posting the receive would cost
+// every microbatch a second rendezvous between the stages.
 //
 // Gradients: parameter gradients accumulate in the layers (the caller zeroes them before the
 // step); the last stage scales each microbatch's loss by its samples / the global batch, so
@@ -33,7 +37,8 @@
 // Thread safety: an executor is used by one thread. Blocking: each exchange waits at most the
 // step's timeout; errors are the communicator's (PeerLost, Timeout, Aborted) or Corruption
 // for a malformed header from the previous stage, InvalidArgument for a layer output that
-// cannot be sent (no batch dimension of the samples given, more than kMaxDims dimensions).
+// cannot be sent (no batch dimension of the samples given, more than kMaxDims dimensions, more
+// than kMaxTensors tensors) or a last stage whose output is not one tensor.
 
 #include <ATen/core/Tensor.h>
 
@@ -45,6 +50,7 @@
 #include <vector>
 
 #include "sinew/communicator.h"
+#include "sinew/pipeline/activation.h"
 #include "sinew/pipeline/plan.h"
 
 namespace sinew {
@@ -61,12 +67,12 @@ struct StageExecutorOptions {
 // What a step needs from the caller.
 struct StageStep {
   // The stage's layers: the input of the stage's first layer to the output of its last.
-  std::function<at::Tensor(const at::Tensor&)> forward;
+  std::function<Activation(const Activation&)> forward;
   // The loss of one microbatch slice (the mean over its samples); used by the last stage.
   std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)> loss;
   // Inputs and targets of samples [begin, end) of global microbatch m of this step, on the
   // options' device (the first stage uses inputs, the last targets).
-  std::function<std::pair<at::Tensor, at::Tensor>(int64_t m, int64_t begin, int64_t end)> data;
+  std::function<std::pair<Activation, at::Tensor>(int64_t m, int64_t begin, int64_t end)> data;
   // Runs one exchange (the argument); a caller may wrap it (e.g. to mark the worker as
   // waiting on others). Empty: run it as is.
   std::function<void(const std::function<void()>& transfer)> aroundExchange;
@@ -91,6 +97,9 @@ class StageExecutor {
   static constexpr uint32_t kTagActivation = 2;
   static constexpr uint32_t kTagGradient = 3;  // gradient of that activation, sent back
   static constexpr int kMaxDims = 8;
+  static constexpr int kMaxTensors = 8;  // tensors of one activation
+  // int64 words of a header: count, list, then per tensor dtype, dims and kMaxDims sizes.
+  static constexpr int kHeaderWords = 2 + kMaxTensors * (2 + kMaxDims);
 
   // The executor of `worker`'s stage in `plan` over `comm`, whose members are the plan's
   // workers (ranks are looked up by worker id in comm.members()).
@@ -119,6 +128,7 @@ class StageExecutor {
     int64_t begin, end;
   };
   std::vector<Piece> overlaps(const Plan& plan, int pipeline, int stage) const;
+  class StepRun;  // One call of run() (stage_executor.cc).
 
   collectives::Communicator& comm_;  // Outlives the executor (the caller's epoch's).
   const StageExecutorOptions options_;

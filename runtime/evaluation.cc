@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include "sinew/base/error.h"
+#include "sinew/runtime/layer_calls.h"
 
 namespace sinew {
 namespace runtime {
@@ -22,7 +23,7 @@ double localEvaluationLossSum(const EvaluationPass& pass, int64_t count) {
     if (!pass.pipelineMode) {
       for (int64_t m : pass.microbatches) {
         auto [x, y] = pass.data(indices, m, 0, -1);
-        at::Tensor out = layers->forward(x);
+        at::Tensor out = runLayers(layers, x).single("the model's output (its last layer's)");
         lossSum += pass.loss(out, y).item<double>() * static_cast<double>(pass.microbatch);
         if (pass.outputs) {
           pass.outputs->emplace_back(b * pass.globalBatch + m * pass.microbatch, out.detach());
@@ -31,7 +32,7 @@ double localEvaluationLossSum(const EvaluationPass& pass, int64_t count) {
     } else if (pass.executor != nullptr) {
       pipeline::StageStep step;
       step.forwardOnly = true;
-      step.forward = [&layers](const at::Tensor& x) { return layers->forward(x); };
+      step.forward = [&layers](const pipeline::Activation& x) { return runLayers(layers, x); };
       // The last stage asks for a microbatch's targets just before its loss: the outputs the
       // loss gets are of the microbatch data() was last asked for.
       int64_t lastMicrobatch = -1;

@@ -31,8 +31,8 @@ struct EvaluationPass {
   LossFn loss;
   // Inputs and targets of samples [begin, end) (end < 0: all) of microbatch m of the global
   // batch `indices`, on this worker's device.
-  std::function<std::pair<at::Tensor, at::Tensor>(const std::vector<int64_t>& indices, int64_t m,
-                                                  int64_t begin, int64_t end)>
+  std::function<std::pair<pipeline::Activation, at::Tensor>(const std::vector<int64_t>& indices,
+                                                            int64_t m, int64_t begin, int64_t end)>
       data;
   std::function<void(const std::function<void()>& transfer)> aroundExchange;
   std::chrono::milliseconds timeout{10000};

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "sinew/model.h"
+#include "sinew/pipeline/activation.h"
 
 namespace sinew {
 namespace runtime {
@@ -28,10 +29,12 @@ struct MicrobatchReader {
   // batch is `indices` (end < 0: the whole microbatch), from `data` instead of the model's
   // dataset when given (evaluation). Throws InvalidArgument naming the sample index when a
   // sample's input or target is undefined or differs in shape or dtype from the microbatch's
-  // first sample's.
-  std::pair<at::Tensor, at::Tensor> operator()(const std::vector<int64_t>& indices, int64_t m,
-                                               int64_t begin = 0, int64_t end = -1,
-                                               const Dataset* data = nullptr) const;
+  // first sample's, or has another number of extra inputs. The input is one tensor, or a list
+  // of the input and the extra inputs when the samples have extra inputs.
+  std::pair<pipeline::Activation, at::Tensor> operator()(const std::vector<int64_t>& indices,
+                                                         int64_t m, int64_t begin = 0,
+                                                         int64_t end = -1,
+                                                         const Dataset* data = nullptr) const;
 };
 
 }  // namespace runtime

@@ -8,6 +8,7 @@
 
 #include "sinew/base/parse.h"
 #include "sinew/pipeline/profiler.h"
+#include "sinew/runtime/layer_calls.h"
 #include "sinew/runtime/trainer_options.h"
 
 namespace sinew {
@@ -112,8 +113,8 @@ pipeline::Profile ProfileAgreement::measure() {
     torch::nn::Sequential m = buildLayers(spec_, o.seed, o.dtype, i, i + 1);
     m->to(device_);
     layers.push_back({spec_.layers[i].name,
-                      [m](const at::Tensor& x) mutable { return m->forward(x); }, m->parameters(),
-                      spec_.layers[i].activationBytes});
+                      [m](const pipeline::Activation& x) { return runLayers(m, x); },
+                      m->parameters(), spec_.layers[i].activationBytes});
   }
   pipeline::ProfilerOptions po;
   po.job.devices_per_node = o.devicesPerNode;

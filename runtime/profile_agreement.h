@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "sinew/model.h"
+#include "sinew/pipeline/activation.h"
 #include "sinew/pipeline/plan.h"
 #include "sinew/pipeline/profile.h"
 #include "sinew/runtime/trainer_services.h"
@@ -32,7 +33,7 @@ void checkProfile(const pipeline::Profile& profile, size_t layers, int64_t micro
 class ProfileAgreement {
  public:
   // The first microbatch of step 0 (inputs and targets on the worker's device).
-  using FirstMicrobatch = std::function<std::pair<at::Tensor, at::Tensor>()>;
+  using FirstMicrobatch = std::function<std::pair<pipeline::Activation, at::Tensor>()>;
 
   // REQUIRES: services and spec outlive this object. Throws InvalidArgument naming
   // TrainerOptions::profilePath if the profile it names cannot be read or does not fit the

@@ -35,6 +35,7 @@
 #include "sinew/runtime/epoch_communicators.h"
 #include "sinew/runtime/evaluation.h"
 #include "sinew/runtime/event_log.h"
+#include "sinew/runtime/layer_calls.h"
 #include "sinew/runtime/layer_relayout.h"
 #include "sinew/runtime/microbatches.h"
 #include "sinew/runtime/model_gather.h"
@@ -508,7 +509,8 @@ class Trainer::Impl {
     const double scale = static_cast<double>(o_.microbatch) / static_cast<double>(o_.globalBatch);
     for (int64_t m : mine.microbatches) {
       auto [x, y] = microbatches_(indices, m);
-      at::Tensor loss = spec_.loss(model_->forward(x), y);
+      at::Tensor loss = spec_.loss(
+          runtime::runLayers(model_, x).single("the model's output (its last layer's)"), y);
       if (first) inj.fire(self, step_, Phase::kBackward, &client_);
       first = false;
       (loss * scale).backward();
@@ -864,7 +866,9 @@ class Trainer::Impl {
       const auto indices =
           batchIndices(o_.sampling, o_.seed, step_, o_.globalBatch, spec_.datasetSize);
       pipeline::StageStep step;
-      step.forward = [this](const at::Tensor& x) { return model_->forward(x); };
+      step.forward = [this](const pipeline::Activation& x) {
+        return runtime::runLayers(model_, x);
+      };
       step.loss = spec_.loss;
       step.data = [&](int64_t m, int64_t begin, int64_t end) {
         return microbatches_(indices, m, begin, end);

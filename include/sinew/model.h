@@ -22,6 +22,11 @@ namespace sinew {
 // Before layer i's factory runs, torch's generator is seeded from (the trainer's seed, i), so
 // every worker builds the same initial parameters for a layer whichever other layers it
 // builds (a pipeline stage builds only its own).
+//
+// What flows between layers may be one tensor or several (hidden states and a mask): a layer's
+// module takes at::Tensor when one tensor reaches it and std::vector<at::Tensor> when several
+// do, and returns either; every tensor has the microbatch's samples as its first dimension.
+// The model's last layer returns one tensor, the loss's input.
 struct LayerSpec {
   std::string name;
   std::function<torch::nn::AnyModule()> build;
@@ -46,9 +51,14 @@ OptimizerFactory adamw(double lr, double weightDecay = 0.01);
 OptimizerFactory rmsprop(double lr);
 OptimizerFactory adagrad(double lr);
 
+// One sample. The model's first layer gets `input` as an at::Tensor, or, when the sample has
+// extra inputs (a padding mask, positions), std::vector<at::Tensor>{input, extraInputs...}.
+// Every sample of a dataset has the same number of inputs, and each input the same shape and
+// dtype as the first sample's (they are stacked into microbatches along a new first dimension).
 struct Sample {
   at::Tensor input;
   at::Tensor target;
+  std::vector<at::Tensor> extraInputs;
 };
 // Returns sample i, deterministically (the same tensors on every worker, every time).
 using Dataset = std::function<Sample(int64_t index)>;

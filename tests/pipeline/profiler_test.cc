@@ -23,7 +23,8 @@ ProfiledLayer linearLayer(const std::string& name, int64_t in, int64_t out, bool
   ProfiledLayer l;
   l.name = name;
   l.parameters = {w, b};
-  l.forward = [w, b, relu](const at::Tensor& x) {
+  l.forward = [w, b, relu](const Activation& a) {
+    const at::Tensor& x = a.tensors[0];
     at::Tensor y = at::linear(x, w, b);
     return relu ? at::relu(y) : y;
   };
@@ -68,7 +69,8 @@ TEST(ProfilerTest, MeasuresTimesAndBytesOfLinearLayers) {
 ProfiledLayer attentionLayer() {
   ProfiledLayer l;
   l.name = "attention";
-  l.forward = [](const at::Tensor& x) {
+  l.forward = [](const Activation& a) {
+    const at::Tensor& x = a.tensors[0];
     at::Tensor scores = at::matmul(x, x.transpose(1, 2)) / std::sqrt(8.0);
     return at::matmul(at::softmax(scores, -1), x);
   };
@@ -104,7 +106,7 @@ TEST(ProfilerTest, ReportsTheFailingLayerAndBadOptions) {
   std::vector<ProfiledLayer> layers = {linearLayer("fc1", 8, 8, true)};
   ProfiledLayer bad;
   bad.name = "broken";
-  bad.forward = [](const at::Tensor&) -> at::Tensor { throw std::runtime_error("boom"); };
+  bad.forward = [](const Activation&) -> Activation { throw std::runtime_error("boom"); };
   layers.push_back(bad);
   ProfilerOptions o;
   o.job.device_memory_bytes = 1 << 20;
@@ -151,8 +153,8 @@ TEST(ProfilerTest, TimesTheLossAsPartOfTheLastLayer) {
   at::Tensor fromLoss;
   ProfiledLayer& fc2 = layers[1];
   auto inner = fc2.forward;
-  fc2.forward = [inner, &fromLoss](const at::Tensor& x) {
-    at::Tensor y = inner(x);
+  fc2.forward = [inner, &fromLoss](const Activation& x) {
+    at::Tensor y = inner(x).tensors[0];
     y.register_hook([&fromLoss](const at::Tensor& g) { fromLoss = g.clone(); });
     return y;
   };

@@ -144,7 +144,8 @@ std::vector<WorkerOutcome> runStep(const Plan& plan, const Model& start, const D
     eo.lastLayerName = "layer" + std::to_string(layer);
     StageExecutor executor(plan, w, comm, eo);
     StageStep step;
-    step.forward = [&o, layer](const at::Tensor& x) {
+    step.forward = [&o, layer](const Activation& a) -> Activation {
+      const at::Tensor& x = a.tensors[0];
       return layer == 0 ? o.model.layer0(x) : o.model.layer1(x);
     };
     step.loss = loss;
@@ -261,7 +262,8 @@ TEST(StageExecutorScheduleTest, RunsOneForwardOneBackward) {
     StageExecutor executor(plan, w, comm, eo);
     StageStep step;
     // A hook on the stage's output's gradient marks each backward.
-    step.forward = [&, w](const at::Tensor& x) {
+    step.forward = [&, w](const Activation& a) -> Activation {
+      const at::Tensor& x = a.tensors[0];
       order[w] += "F";
       at::Tensor y = w == 0 ? model.layer0(x) : model.layer1(x);
       y.register_hook([&order, w](const at::Tensor& g) {
@@ -276,6 +278,120 @@ TEST(StageExecutorScheduleTest, RunsOneForwardOneBackward) {
   });
   EXPECT_EQ(order[0], "FFBFBB");
   EXPECT_EQ(order[1], "FBFBFB");
+}
+
+// Activations of several tensors: stage 0 outputs a list of the hidden state and an integer
+// mask, with a third tensor for microbatch 1 and a narrower hidden state for microbatch 2 (so
+// the layouts change between microbatches and are sent again). Stage 1 gets the same list,
+// the gradients of both floating-point tensors come back, and the loss and gradients are the
+// single-process ones, for every combination of stage widths.
+Activation listLayer0(const Model& m, const at::Tensor& x, int64_t microbatch) {
+  at::Tensor h = m.layer0(x);
+  at::Tensor mask = (x.select(1, 0) > 0).to(at::kLong);
+  if (microbatch == 1) return Activation::ofList({h, mask, h * h});
+  if (microbatch == 2) return Activation::ofList({h.narrow(1, 0, 6), mask});
+  return Activation::ofList({h, mask});
+}
+
+at::Tensor listLayer1(const Model& m, const Activation& a) {
+  EXPECT_TRUE(a.list);
+  const at::Tensor& h = a.tensors.at(0);
+  const at::Tensor& mask = a.tensors.at(1);
+  EXPECT_EQ(mask.scalar_type(), at::kLong);
+  at::Tensor y = at::linear(h, m.params[2].narrow(1, 0, h.size(1)), m.params[3]);
+  if (a.tensors.size() == 3) y = y + 0.5 * at::linear(a.tensors[2], m.params[2], m.params[3]);
+  return y * (1 + mask.unsqueeze(1).to(y.scalar_type()));
+}
+
+class StageExecutorListTest : public ::testing::TestWithParam<std::pair<int, int>> {};
+
+TEST_P(StageExecutorListTest, ActivationsOfSeveralTensorsAndTheirGradientsCrossTheStages) {
+  const auto [width0, width1] = GetParam();
+  const Model start = Model::make();
+  const Data data;
+  const Plan plan = twoStagePlan(width0, width1);
+  std::vector<Model> models(plan.workers.size());
+  std::vector<double> lossSums(plan.workers.size());
+  onThreads(static_cast<int>(plan.workers.size()), [&](int w, collectives::Communicator& comm) {
+    Model& m = models[w];
+    m = start.clone();
+    StageExecutorOptions eo;
+    eo.microbatch = kMicrobatch;
+    eo.globalBatch = kGlobalBatch;
+    StageExecutor executor(plan, w, comm, eo);
+    int64_t forwards = 0;  // Forwards run in microbatch order.
+    StageStep step;
+    step.forward = [&](const Activation& a) -> Activation {
+      const int64_t microbatch = forwards++;
+      if (executor.stage() == 0) return listLayer0(m, a.single("input"), microbatch);
+      return listLayer1(m, a);
+    };
+    step.loss = loss;
+    step.data = [&data](int64_t mb, int64_t b, int64_t e) { return data.slice(mb, b, e); };
+    step.timeout = 30s;
+    lossSums[w] = executor.run(step).lossSum;
+  });
+  Model ref = start.clone();
+  double refLoss = 0;
+  for (int64_t mb = 0; mb < kMicrobatches; ++mb) {
+    auto [x, y] = data.slice(mb, 0, kMicrobatch);
+    at::Tensor l = loss(listLayer1(ref, listLayer0(ref, x, mb)), y);
+    (l * (static_cast<double>(kMicrobatch) / kGlobalBatch)).backward();
+    refLoss += l.item<double>() * kMicrobatch;
+  }
+  double lossSum = 0;
+  for (double l : lossSums) lossSum += l;
+  EXPECT_NEAR(lossSum, refLoss, 1e-12 * std::abs(refLoss));
+  for (int p = 0; p < 4; ++p) {
+    at::Tensor sum = at::zeros_like(ref.params[p]);
+    for (const auto& w : plan.workers) {
+      if (w.stage == p / 2) sum += models[w.worker].params[p].grad();
+    }
+    EXPECT_TRUE(at::allclose(sum, ref.params[p].grad(), 1e-12, 1e-12))
+        << "param " << p << ": " << (sum - ref.params[p].grad()).abs().max().item<double>();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Widths, StageExecutorListTest,
+                         ::testing::Values(std::make_pair(1, 1), std::make_pair(2, 1),
+                                           std::make_pair(1, 2), std::make_pair(2, 2)),
+                         [](const auto& info) {
+                           return "stage0x" + std::to_string(info.param.first) + "_stage1x" +
+                                  std::to_string(info.param.second);
+                         });
+
+// The last stage's output must be one tensor (the loss's input): a list is refused naming the
+// layer, on every worker of the step, rather than handed to the loss.
+TEST(StageExecutorScheduleTest, RefusesAListAsTheModelsOutput) {
+  const Plan plan = twoStagePlan(1, 1);
+  const Data data;
+  const Model start = Model::make();
+  std::string refusal = "none";
+  onThreads(2, [&](int w, collectives::Communicator& comm) {
+    Model m = start.clone();
+    StageExecutorOptions eo;
+    eo.microbatch = kMicrobatch;
+    eo.globalBatch = kGlobalBatch;
+    eo.lastLayerName = w == 0 ? "layer0" : "head";
+    StageExecutor executor(plan, w, comm, eo);
+    StageStep step;
+    step.forward = [&](const Activation& a) -> Activation {
+      if (w == 0) return m.layer0(a.single("input"));
+      return Activation::ofList({m.layer1(a.single("input"))});
+    };
+    step.loss = loss;
+    step.data = [&data](int64_t mb, int64_t b, int64_t e) { return data.slice(mb, b, e); };
+    step.timeout = 3s;
+    try {
+      executor.run(step);
+    } catch (const InvalidArgument& e) {
+      if (w == 1) refusal = e.what();
+    } catch (const std::exception&) {
+      // Worker 0 loses its neighbour.
+    }
+  });
+  EXPECT_NE(refusal.find("layer 'head'"), std::string::npos) << refusal;
+  EXPECT_NE(refusal.find("the loss takes one tensor"), std::string::npos) << refusal;
 }
 
 // A worker whose communicator lacks a neighbouring stage's worker is refused by name.

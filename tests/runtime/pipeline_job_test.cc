@@ -937,7 +937,10 @@ TEST(PipelineRollbackTest, WithNoCommittedPeerVersionTheDurableOneIsRestored) {
 
 namespace {
 
-// train_gpt --blocks 2's four layers (embed, block0, block1, head), each 100 kB of parameters,
+// train_gpt --blocks 2 --documents: every sample has two inputs (the tokens and each position's
+// document id), and two tensors (the hidden states and the document ids) cross every stage
+// boundary, forward and (the hidden states' gradient) back.
+// Its four layers (embed, block0, block1, head), each 100 kB of parameters,
 // 1 ms forward and 2 ms backward, on nodes of one worker with 250 kB each: a stage holds two
 // layers at most. Five workers run a pipeline of three stages (w0..w2) and one of two (w3, w4):
 // the tied tensor's two layers sit on different stages in both, and the head's holders are w2
@@ -962,7 +965,7 @@ JobRun trainGpt(const std::string& name, const std::string& inject) {
   const std::string profile = gptProfile(logDir(name) + "-profile.json");
   return runJob(name, 5, TRAIN_GPT_PATH,
                 {"--float64", "--blocks", "2", "--context", "32", "--steps", "20", "--eval-every",
-                 "5", "--profile", profile},
+                 "5", "--profile", profile, "--documents"},
                 inject, std::chrono::seconds(300),
                 {"--step-deadline-ms", "10000", "--exit-grace-s", kExitGrace});
 }

@@ -377,6 +377,102 @@ TEST(TrainerTest, ASampleOfAnotherShapeIsRefusedNamingIt) {
   }
 }
 
+// A layer that takes several tensors: {x, gate} -> W (x * gate), and one that passes a list on.
+struct GatedImpl : torch::nn::Module {
+  GatedImpl() : lin(register_module("lin", torch::nn::Linear(3, 3))) {}
+  std::vector<at::Tensor> forward(const std::vector<at::Tensor>& in) {
+    return {lin->forward(in.at(0) * in.at(1)), in.at(1)};
+  }
+  torch::nn::Linear lin;
+};
+TORCH_MODULE(Gated);
+struct UngateImpl : torch::nn::Module {
+  at::Tensor forward(const std::vector<at::Tensor>& in) { return at::tanh(in.at(0)) * in.at(1); }
+};
+TORCH_MODULE(Ungate);
+
+// Samples with an extra input: x and a gate (1 or 0 per feature). The first layer gets the
+// list {x, gate} stacked per microbatch, passes {h, gate} on, and the trained weights equal a
+// plain-libtorch loop's.
+ModelSpec gatedModel() {
+  ModelSpec spec;
+  spec.layers.push_back({"gated", [] { return torch::nn::AnyModule(Gated()); }});
+  spec.layers.push_back({"ungate", [] { return torch::nn::AnyModule(Ungate()); }});
+  spec.loss = [](const at::Tensor& y, const at::Tensor& t) { return (y - t).pow(2).mean(); };
+  spec.optimizer = adamw(0.05, 0.1);
+  spec.dataset = [](int64_t i) {
+    const double x = static_cast<double>(i % 13) / 5;
+    Sample s{at::tensor({x, -x, 1.0}, at::kDouble), at::tensor({x, 0.5, -1.0}, at::kDouble)};
+    s.extraInputs = {at::tensor({1.0, i % 2 == 0 ? 0.0 : 1.0, 1.0}, at::kDouble)};
+    return s;
+  };
+  spec.datasetSize = 64;
+  return spec;
+}
+
+TEST(TrainerTest, SamplesWithTwoInputsReachTheFirstLayerAsAList) {
+  auto ctx = init(nullptr, nullptr);
+  TrainerOptions o = recipeOptions(6);
+  o.clipGradNorm = 0.5;
+  const ModelSpec spec = gatedModel();
+  Trainer trainer(*ctx, spec, o);
+  torch::nn::Sequential ref = buildModel(spec, o.seed, o.dtype);
+  auto opt = spec.optimizer(ref->parameters());
+  for (int64_t s = 0; s < o.steps; ++s) {
+    StepResult r = trainer.step();
+    std::vector<at::Tensor> xs, gates, ys;
+    for (int64_t i : globalBatchIndices(o.seed, s, o.globalBatch, spec.datasetSize)) {
+      Sample smp = spec.dataset(i);
+      xs.push_back(smp.input);
+      gates.push_back(smp.extraInputs[0]);
+      ys.push_back(smp.target);
+    }
+    opt->zero_grad();
+    at::Tensor loss = spec.loss(
+        ref->forward(std::vector<at::Tensor>{at::stack(xs), at::stack(gates)}), at::stack(ys));
+    loss.backward();
+    torch::nn::utils::clip_grad_norm_(ref->parameters(), 0.5);
+    opt->step();
+    EXPECT_NEAR(r.loss, loss.item<double>(), 1e-12) << "step " << s;
+  }
+  auto mine = trainer.model()->named_parameters();
+  for (const auto& np : ref->named_parameters()) {
+    EXPECT_LT((mine[np.key()] - np.value()).abs().max().item<double>(), 1e-12) << np.key();
+  }
+  trainer.finish();
+}
+
+// A sample without the extra input the others have, and a layer that cannot take a list, are
+// InvalidArguments naming the sample and the layer.
+TEST(TrainerTest, MissingExtraInputsAndLayersThatCannotTakeAListAreNamed) {
+  auto ctx = init(nullptr, nullptr);
+  auto failure = [&](const ModelSpec& spec) {
+    TrainerOptions o = tinyOptions();
+    o.sampling = Sampling::kEpochs;
+    o.steps = 40;
+    try {
+      Trainer trainer(*ctx, spec, o);
+      trainer.run();
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  ModelSpec missing = gatedModel();
+  const Dataset full = missing.dataset;
+  missing.dataset = [full](int64_t i) {
+    Sample s = full(i);
+    if (i == 21) s.extraInputs.clear();
+    return s;
+  };
+  const std::string a = failure(missing);
+  EXPECT_NE(a.find("sample 21 has 0 extra inputs"), std::string::npos) << a;
+  ModelSpec plain = gatedModel();
+  plain.layers[0] = {"plain", [] { return torch::nn::AnyModule(torch::nn::Linear(3, 3)); }};
+  const std::string b = failure(plain);
+  EXPECT_NE(b.find("layer 'plain' cannot take a list of 2 tensors"), std::string::npos) << b;
+}
+
 // Two square layers whose weights are tied: "in.weight" owns, "out.weight" follows.
 ModelSpec tiedModel() {
   ModelSpec spec;
