@@ -22,6 +22,15 @@
 // document id of every position (int64 [T]), and what flows between the layers, across
 // pipeline stages too, is two tensors: the hidden states and those ids.
 //
+// --bf16: mixed precision (TrainerOptions::computeDtype): the layers compute in bfloat16 under
+// autocast while the parameters, gradients and AdamW's state stay float32; the reference
+// trains in plain float32, so the RESULT compares a bf16 loss curve with a float32 one.
+// --fp16 (CUDA only): the same in float16, with dynamic loss scaling (steps with an infinite
+// gradient are skipped).
+// --loss-scaling N: dynamic loss scaling from 2^16, doubling after N steps in a row with a
+// finite gradient (TrainerOptions::lossScaling); RESULT's loss_scale is the scale after the
+// last step (1 without).
+//
 // Presets: tiny (the default: 4 blocks of width 64, context 64, a byte vocabulary; seconds per
 // run) and small (GPT-2 small's dimensions: 12 blocks of width 768 with 12 heads, context 1024,
 // vocabulary 50257, 124 M parameters; the byte tokens use the first 256 ids).
@@ -32,7 +41,7 @@
 // --no-reference, and prints
 //   RESULT final_loss=<l> reference_loss=<r> max_param_rel_diff=<d> recoveries=<k>
 //          recovery_s_max=<t> eval_loss=<e> reference_eval_loss=<re>
-//          eval_outputs_rel_diff=<o> parameters=<n>
+//          eval_outputs_rel_diff=<o> parameters=<n> loss_scale=<s>
 // (eval_outputs_rel_diff: the final evaluation's logits, Trainer::evaluate with keepOutputs,
 // against the reference model's on the same held-out windows; -1 without both).
 
@@ -82,6 +91,9 @@ struct Args : sinew_example::CommonArgs {
   int devicesPerNode = 1;
   std::string profile;
   bool documents = false;
+  bool bf16 = false;
+  bool fp16 = false;
+  int64_t lossScaling = 0;  // growth interval; 0: off
 
   Args() {
     steps = 60;
@@ -107,7 +119,8 @@ Args parse(int argc, char** argv) {
           " [--preset tiny|small] [--blocks N] [--width D] [--heads H] [--context T] "
           "[--tokens FILE] [--text FILE|DIR] [--float64] [--data-parallel] "
           "[--fault-tolerance F] [--peer-checkpoint-every K] [--memory-bytes M] "
-          "[--devices-per-node G] [--profile FILE] [--documents]");
+          "[--devices-per-node G] [--profile FILE] [--documents] [--bf16|--fp16] "
+          "[--loss-scaling INTERVAL]");
   int64_t blocks = -1, width = -1, heads = -1, context = -1;
   while (r.next()) {
     const std::string& s = r.flag();
@@ -143,6 +156,13 @@ Args parse(int argc, char** argv) {
       a.profile = r.value();
     } else if (s == "--documents") {
       a.documents = true;
+    } else if (s == "--bf16") {
+      a.bf16 = true;
+    } else if (s == "--fp16") {
+      a.fp16 = true;
+    } else if (s == "--loss-scaling") {
+      a.lossScaling = r.integer(sinew_example::kMaxInt);
+      if (a.lossScaling < 1) r.fail("--loss-scaling needs a growth interval of at least 1");
     } else {
       r.fail("unknown argument '" + s + "'");
     }
@@ -159,6 +179,10 @@ Args parse(int argc, char** argv) {
   }
   if (a.dims.context < 2) r.fail("--context must be at least 2");
   if (a.devicesPerNode < 1) r.fail("--devices-per-node must be at least 1");
+  if ((a.bf16 || a.fp16) && !a.float32) {
+    r.fail("--bf16 and --fp16 keep float32 master weights: drop --float64");
+  }
+  if (a.bf16 && a.fp16) r.fail("--bf16 and --fp16 exclude each other");
   return a;
 }
 
@@ -399,6 +423,9 @@ int main(int argc, char** argv) {
   o.deviceMemoryBytes = a.memoryBytes;
   o.devicesPerNode = a.devicesPerNode;
   o.profilePath = a.profile;
+  if (a.bf16) o.computeDtype = at::kBFloat16;
+  if (a.fp16) o.computeDtype = at::kHalf;  // With dynamic loss scaling unless --loss-scaling.
+  if (a.lossScaling > 0) o.lossScaling = sinew::TrainerOptions::LossScaling{65536.0, a.lossScaling};
   sinew::ModelSpec spec = model(a, data);
   sinew::TrainResult r;
   std::unique_ptr<sinew::Trainer> trainer;
@@ -463,9 +490,9 @@ int main(int argc, char** argv) {
   std::printf(
       "RESULT final_loss=%.9g reference_loss=%.9g max_param_rel_diff=%.3g recoveries=%d "
       "recovery_s_max=%.3f eval_loss=%.9g reference_eval_loss=%.9g eval_outputs_rel_diff=%.3g "
-      "parameters=%lld\n",
+      "parameters=%lld loss_scale=%.9g\n",
       r.finalLoss, refLoss, maxRel, r.recoveries, r.recoveryMaxSeconds, evalLoss, refEval,
-      outputsRel, static_cast<long long>(parameters));
+      outputsRel, static_cast<long long>(parameters), r.lossScale);
   std::fflush(stdout);
   return 0;
 }

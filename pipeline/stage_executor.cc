@@ -85,13 +85,11 @@ std::vector<StageExecutor::Piece> StageExecutor::overlaps(const Plan& plan, int 
 
 // The layout of one activation as a header announces it: whether its tensors are a list, and
 // per tensor the dtype code followed by the dimensions.
-namespace {
-struct Layout {
+struct StageExecutor::Layout {
   bool list = false;
   std::vector<std::vector<int64_t>> shapes;
   bool operator==(const Layout& o) const { return list == o.list && shapes == o.shapes; }
 };
-}  // namespace
 
 class StageExecutor::StepRun {
  public:
@@ -425,7 +423,7 @@ class StageExecutor::StepRun {
     if (firstBackward_ && step_.beforeFirstBackward) step_.beforeFirstBackward();
     firstBackward_ = false;
     if (lastStage_) {
-      (f.loss * scale()).backward();
+      (f.loss * (scale() * step_.lossScale)).backward();
     } else {
       std::vector<at::Tensor> ys, grads;
       for (size_t j = 0; j < gs.size(); ++j) {

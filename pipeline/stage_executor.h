@@ -80,6 +80,8 @@ struct StageStep {
   std::function<void()> beforeFirstBackward;
   // The deadline of each exchange.
   std::chrono::milliseconds timeout{10000};
+  // Dynamic loss scaling: the last stage's backward starts from loss x this (1: none).
+  double lossScale = 1.0;
   // Evaluation: forwards only, in microbatch order, without autograd and without gradients
   // sent back; the last stage still sums the loss.
   bool forwardOnly = false;
@@ -129,6 +131,7 @@ class StageExecutor {
   };
   std::vector<Piece> overlaps(const Plan& plan, int pipeline, int stage) const;
   class StepRun;  // One call of run() (stage_executor.cc).
+  struct Layout;  // An activation's tensors as its header announces them.
 
   collectives::Communicator& comm_;  // Outlives the executor (the caller's epoch's).
   const StageExecutorOptions options_;

@@ -126,8 +126,8 @@ DurableCheckpoints::Role DurableCheckpoints::roleOf(int worker, bool pipelineMod
   return role;
 }
 
-void DurableCheckpoints::restoreInto(int64_t step, const torch::nn::Sequential& layers,
-                                     torch::optim::Optimizer& optimizer) {
+std::map<std::string, at::Tensor> DurableCheckpoints::restoreInto(
+    int64_t step, const torch::nn::Sequential& layers, torch::optim::Optimizer& optimizer) {
   if (!enabled()) {
     SINEW_THROW(InvalidArgument, "TrainerOptions::checkpointDir is empty on worker ", s_.worker(),
                 ", but the job resumes at step ", step + 1, " from a checkpoint it must restore");
@@ -137,14 +137,16 @@ void DurableCheckpoints::restoreInto(int64_t step, const torch::nn::Sequential& 
   for (const auto& child : layers->named_children()) {
     if (child.value()->parameters().size() > 0) names.push_back(child.key());
   }
-  if (names.empty()) return;
+  if (names.empty()) return {};
+  const std::map<std::string, checkpoint::RestoredLayer> loaded = load(step, names);
   loadState(
-      layers, optimizer, load(step, names),
+      layers, optimizer, loaded,
       "TrainerOptions::checkpointDir = '" + dir_ + "': its checkpoint " + std::to_string(step));
   s_.event({{"event", "restored"},
             {"step", step},
             {"dir", dir_},
             {"duration_s", seconds(TrainerClock::now() - t0)}});
+  return jobTensors(loaded);
 }
 
 void DurableCheckpoints::releaseKept() {

@@ -82,8 +82,10 @@ class DurableCheckpoints {
   // with parameters; `layers` is this worker's whole model or its stage). Throws
   // InvalidArgument naming this worker and the step when no checkpoint folder is set (the job
   // resumes from one), Corruption when the version cannot be read.
-  void restoreInto(int64_t step, const torch::nn::Sequential& layers,
-                   torch::optim::Optimizer& optimizer);
+  // Returns the layers' tensors that are not parameters or optimizer state but the job's
+  // (names starting with '@', e.g. the loss scale), by name, from the first layer that has them.
+  std::map<std::string, at::Tensor> restoreInto(int64_t step, const torch::nn::Sequential& layers,
+                                                torch::optim::Optimizer& optimizer);
   // Drops the version newestRestorable() kept (only the first epoch's source restores it).
   void releaseKept();
   // The durable versions in the folder, newest first.

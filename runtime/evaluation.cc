@@ -4,6 +4,7 @@
 
 #include "sinew/base/error.h"
 #include "sinew/runtime/layer_calls.h"
+#include "sinew/runtime/mixed_precision.h"
 
 namespace sinew {
 namespace runtime {
@@ -23,6 +24,7 @@ double localEvaluationLossSum(const EvaluationPass& pass, int64_t count) {
     if (!pass.pipelineMode) {
       for (int64_t m : pass.microbatches) {
         auto [x, y] = pass.data(indices, m, 0, -1);
+        AutocastScope autocast(pass.device, pass.computeDtype);
         at::Tensor out = runLayers(layers, x).single("the model's output (its last layer's)");
         lossSum += pass.loss(out, y).item<double>() * static_cast<double>(pass.microbatch);
         if (pass.outputs) {
@@ -32,7 +34,10 @@ double localEvaluationLossSum(const EvaluationPass& pass, int64_t count) {
     } else if (pass.executor != nullptr) {
       pipeline::StageStep step;
       step.forwardOnly = true;
-      step.forward = [&layers](const pipeline::Activation& x) { return runLayers(layers, x); };
+      step.forward = [&](const pipeline::Activation& x) {
+        AutocastScope autocast(pass.device, pass.computeDtype);
+        return runLayers(layers, x);
+      };
       // The last stage asks for a microbatch's targets just before its loss: the outputs the
       // loss gets are of the microbatch data() was last asked for.
       int64_t lastMicrobatch = -1;
@@ -42,6 +47,7 @@ double localEvaluationLossSum(const EvaluationPass& pass, int64_t count) {
           pass.outputs->emplace_back(
               b * pass.globalBatch + lastMicrobatch * pass.microbatch + sliceBegin, out.detach());
         }
+        AutocastScope autocast(pass.device, pass.computeDtype);
         return pass.loss(out, target);
       };
       step.data = [&](int64_t m, int64_t begin, int64_t end) {

@@ -29,6 +29,9 @@ struct EvaluationPass {
   int64_t globalBatch = 0;
   int64_t microbatch = 0;
   LossFn loss;
+  // The forwards and the loss run under autocast in computeDtype on device (if defined).
+  at::Device device{at::kCPU};
+  at::ScalarType computeDtype = at::ScalarType::Undefined;
   // Inputs and targets of samples [begin, end) (end < 0: all) of microbatch m of the global
   // batch `indices`, on this worker's device.
   std::function<std::pair<pipeline::Activation, at::Tensor>(const std::vector<int64_t>& indices,

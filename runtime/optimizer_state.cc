@@ -290,6 +290,18 @@ void loadState(const torch::nn::Sequential& layers, torch::optim::Optimizer& opt
   }
 }
 
+std::map<std::string, at::Tensor> jobTensors(
+    const std::map<std::string, checkpoint::RestoredLayer>& saved) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [layer, tensors] : saved) {
+    for (const auto& [name, t] : tensors) {
+      if (!name.empty() && name[0] == '@') out.emplace(name, t);
+    }
+    if (!out.empty()) break;
+  }
+  return out;
+}
+
 void broadcastState(collectives::Communicator& comm, int root, std::vector<at::Tensor>& params,
                     torch::optim::Optimizer& optimizer, at::Device device,
                     std::chrono::milliseconds timeout) {

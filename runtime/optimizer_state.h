@@ -93,6 +93,13 @@ void loadState(const torch::nn::Sequential& layers, torch::optim::Optimizer& opt
                const std::map<std::string, checkpoint::RestoredLayer>& saved,
                const std::string& source);
 
+// Tensors of a layer's state that belong to the job rather than to a parameter carry names
+// starting with '@' (the dynamic loss scale, "@loss_scale": runtime/mixed_precision.h); every
+// layer with parameters carries the same ones, so that each layer restores alone. loadState()
+// leaves them alone. The job's tensors of the first layer of `saved` that has any, by name.
+std::map<std::string, at::Tensor> jobTensors(
+    const std::map<std::string, checkpoint::RestoredLayer>& saved);
+
 // Broadcasts rank `root`'s parameters and optimizer state (serialized by the optimizer's own
 // save/load) to every member of `comm`, landing on `device` (the joining members of a data-
 // parallel epoch take the state of a member that holds it). Collective: every member calls it.

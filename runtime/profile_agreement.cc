@@ -9,6 +9,7 @@
 #include "sinew/base/parse.h"
 #include "sinew/pipeline/profiler.h"
 #include "sinew/runtime/layer_calls.h"
+#include "sinew/runtime/mixed_precision.h"
 #include "sinew/runtime/trainer_options.h"
 
 namespace sinew {
@@ -113,7 +114,10 @@ pipeline::Profile ProfileAgreement::measure() {
     torch::nn::Sequential m = buildLayers(spec_, o.seed, o.dtype, i, i + 1);
     m->to(device_);
     layers.push_back({spec_.layers[i].name,
-                      [m](const pipeline::Activation& x) { return runLayers(m, x); },
+                      [m, this](const pipeline::Activation& x) {
+                        AutocastScope autocast(device_, s_.options.computeDtype);
+                        return runLayers(m, x);
+                      },
                       m->parameters(), spec_.layers[i].activationBytes});
   }
   pipeline::ProfilerOptions po;
@@ -132,7 +136,10 @@ pipeline::Profile ProfileAgreement::measure() {
   po.repeats = 21;
   // The last stage computes the loss after its layers: its time is the last layer's.
   auto [input, target] = data_();
-  po.loss = [this](const at::Tensor& y, const at::Tensor& t) { return spec_.loss(y, t); };
+  po.loss = [this](const at::Tensor& y, const at::Tensor& t) {
+    AutocastScope autocast(device_, s_.options.computeDtype);
+    return spec_.loss(y, t);
+  };
   po.target = target;
   return pipeline::profileLayers(layers, input, po);
 }

@@ -38,6 +38,7 @@
 #include "sinew/runtime/layer_calls.h"
 #include "sinew/runtime/layer_relayout.h"
 #include "sinew/runtime/microbatches.h"
+#include "sinew/runtime/mixed_precision.h"
 #include "sinew/runtime/model_gather.h"
 #include "sinew/runtime/optimizer_state.h"
 #include "sinew/runtime/peer_versions.h"
@@ -162,7 +163,8 @@ class Trainer::Impl {
         spec_(std::move(spec)),
         o_(std::move(o)),
         model_(std::move(model)),
-        services_{ctx_, state_, client_, events_, o_} {
+        services_{ctx_, state_, client_, events_, o_},
+        scaler_(o_) {
     runtime::checkTrainerOptions(o_, spec_);
     pipelineMode_ = o_.parallelism == Parallelism::kPipeline;
     device_ = runtime::resolveDevice(o_.device, ctx_.worker());
@@ -179,6 +181,7 @@ class Trainer::Impl {
     // tensors: an optimizer whose state Sinew cannot capture is refused here, by name.
     runtime::optimizerStateCodec(*opt_, "ModelSpec::optimizer");
     runtime::checkStepUpdateOptions(o_);
+    runtime::checkMixedPrecisionOptions(o_, device_);
     ties_ = runtime::resolveTies(spec_);
     if (!o_.checkpointDir.empty()) {
       if (o_.checkpointEvery < 0 || o_.checkpointKeep < 1) {
@@ -272,6 +275,8 @@ class Trainer::Impl {
         r.loss = lastLoss_;
         r.learningRate = appliedLr_;
         r.gradNorm = lastGradNorm_;
+        r.skipped = lastSkipped_;
+        r.lossScale = lastLossScale_;
         if (!keepShape) recoverInto(epoch_, /*failure=*/false, "reshape at a step boundary");
       });
       if (!committed && step_ < first) r.rolledBackTo = step_;
@@ -365,6 +370,8 @@ class Trainer::Impl {
     pass.globalBatch = o_.globalBatch;
     pass.microbatch = o_.microbatch;
     pass.loss = spec_.loss;
+    pass.device = device_;
+    pass.computeDtype = o_.computeDtype;
     pass.data = [&](const std::vector<int64_t>& indices, int64_t m, int64_t begin, int64_t end) {
       return microbatches_(indices, m, begin, end, &data);
     };
@@ -476,6 +483,7 @@ class Trainer::Impl {
     for (const auto& p : model_->parameters()) r.parameterCount += p.numel();
     r.device = device_.str();
     r.backend = chooser_->backend();
+    r.lossScale = scaler_.scale();
     return r;
   }
 
@@ -484,8 +492,16 @@ class Trainer::Impl {
   }
 
   // This worker's parameters and optimizer state as named tensors, per layer.
+  // With loss scaling, every layer also carries the scale ("@loss_scale").
   std::function<checkpoint::ShardState()> shardState() {
-    return [this] { return runtime::captureState(model_, *opt_); };
+    return [this] {
+      checkpoint::ShardState state = runtime::captureState(model_, *opt_);
+      if (scaler_.enabled()) {
+        const at::Tensor scale = scaler_.state();
+        for (auto& layer : state) layer.tensors.push_back({runtime::LossScaler::kStateName, scale});
+      }
+      return state;
+    };
   }
 
   // One step; returns false when the coordinator reshapes the job right after it.
@@ -507,13 +523,18 @@ class Trainer::Impl {
     double lossSum = 0;
     bool first = true;
     const double scale = static_cast<double>(o_.microbatch) / static_cast<double>(o_.globalBatch);
+    stepLossScale_ = scaler_.scale();
     for (int64_t m : mine.microbatches) {
       auto [x, y] = microbatches_(indices, m);
-      at::Tensor loss = spec_.loss(
-          runtime::runLayers(model_, x).single("the model's output (its last layer's)"), y);
+      at::Tensor loss;
+      {
+        runtime::AutocastScope autocast(device_, o_.computeDtype);
+        loss = spec_.loss(
+            runtime::runLayers(model_, x).single("the model's output (its last layer's)"), y);
+      }
       if (first) inj.fire(self, step_, Phase::kBackward, &client_);
       first = false;
-      (loss * scale).backward();
+      (loss * (scale * stepLossScale_)).backward();
       lossSum += loss.item<double>() * static_cast<double>(o_.microbatch);
     }
     // One flat buffer: every gradient, then the loss sum.
@@ -537,13 +558,17 @@ class Trainer::Impl {
     return commitAndApply(loss);
   }
 
-  // Notes the norm of the step's whole gradient (its square summed over the model) and clips
-  // this worker's gradients `params` to TrainerOptions::clipGradNorm.
-  void clipGradients(const std::vector<at::Tensor>& params, double squaredNorm) {
-    lastGradNorm_ = std::sqrt(squaredNorm);
-    if (o_.clipGradNorm) {
-      runtime::scaleGradients(params, runtime::clipFactor(lastGradNorm_, *o_.clipGradNorm));
-    }
+  // Notes the norm of the step's whole gradient (its square summed over the model, times the
+  // step's loss scale squared), divides this worker's gradients `params` by the loss scale and
+  // clips them to TrainerOptions::clipGradNorm. A gradient that is not finite is left as it
+  // is: with loss scaling its step is skipped.
+  void clipGradients(const std::vector<at::Tensor>& params, double scaledSquaredNorm) {
+    stepSquaredNorm_ = scaledSquaredNorm;
+    lastGradNorm_ = std::sqrt(scaledSquaredNorm) / stepLossScale_;
+    if (!std::isfinite(scaledSquaredNorm)) return;
+    const double clip =
+        o_.clipGradNorm ? runtime::clipFactor(lastGradNorm_, *o_.clipGradNorm) : 1.0;
+    runtime::scaleGradients(params, clip / stepLossScale_);
   }
 
   // Votes for step_ and applies it once committed (everywhere or nowhere).
@@ -575,7 +600,17 @@ class Trainer::Impl {
     }
     if (stepLr_ >= 0) runtime::setLearningRate(*opt_, stepLr_);
     appliedLr_ = runtime::learningRate(*opt_);
-    opt_->step();
+    // After the verdict, so that a step redone in another epoch scales as its first attempt.
+    lastSkipped_ = !scaler_.update(stepSquaredNorm_);
+    lastLossScale_ = stepLossScale_;
+    if (lastSkipped_) {
+      event({{"event", "step_skipped"},
+             {"step", step_},
+             {"loss_scale", stepLossScale_},
+             {"next_loss_scale", scaler_.scale()}});
+    } else {
+      opt_->step();
+    }
     applied_ = step_;
     // A scheduler's checkpoint, drain or stop may ask for this step to be durable. When the
     // peer-RAM engine takes the step's version, its copy is flushed; otherwise this worker's
@@ -708,6 +743,7 @@ class Trainer::Impl {
       const int root = static_cast<int>(
           std::find(info.members.begin(), info.members.end(), info.source) - info.members.begin());
       runtime::broadcastState(comms_->world(), root, params_, *opt_, device_, opTimeout());
+      agreeLossScale(self == info.source);
       applied_ = info.resumeStep - 1;
     }
     step_ = info.resumeStep;
@@ -733,6 +769,9 @@ class Trainer::Impl {
     const int first = mine ? mine->firstLayer : 0;
     const int end = mine ? mine->endLayer : 0;
     const int64_t resumeApplied = info.resumeStep - 1;
+    // Its loss scale is the resume step's if it holds that step's state live.
+    const bool scaleLive = applied_ == resumeApplied;
+    restoredScale_ = false;
     // What every member holds now, published for this epoch, so that all agree on who copies
     // which layers to whom (docs/pipeline.md, "Reconfiguration").
     std::map<int, runtime::Holding> held = runtime::exchangeHoldings(
@@ -781,6 +820,7 @@ class Trainer::Impl {
       // The first plan of a resumed job: every worker reads its own layers from disk.
       restoreFromDisk(info.resumeStep - 1);
     }
+    agreeLossScale(scaleLive || restoredScale_);
     applied_ = info.resumeStep - 1;
     step_ = info.resumeStep;
     progress_->restart();
@@ -806,6 +846,8 @@ class Trainer::Impl {
     opt_ = spec_.optimizer(params_);
     runtime::loadState(model_, *opt_, r.state,
                        "the state of the layers moved in epoch " + std::to_string(epoch));
+    takeLossScale(runtime::jobTensors(r.state),
+                  "the state of the layers moved in epoch " + std::to_string(epoch));
     const int oldFirst = heldFirst_, oldEnd = heldEnd_;
     heldFirst_ = first;
     heldEnd_ = end;
@@ -867,9 +909,15 @@ class Trainer::Impl {
           batchIndices(o_.sampling, o_.seed, step_, o_.globalBatch, spec_.datasetSize);
       pipeline::StageStep step;
       step.forward = [this](const pipeline::Activation& x) {
+        runtime::AutocastScope autocast(device_, o_.computeDtype);
         return runtime::runLayers(model_, x);
       };
-      step.loss = spec_.loss;
+      step.loss = [this](const at::Tensor& y, const at::Tensor& t) {
+        runtime::AutocastScope autocast(device_, o_.computeDtype);
+        return spec_.loss(y, t);
+      };
+      stepLossScale_ = scaler_.scale();
+      step.lossScale = stepLossScale_;
       step.data = [&](int64_t m, int64_t begin, int64_t end) {
         return microbatches_(indices, m, begin, end);
       };
@@ -898,8 +946,40 @@ class Trainer::Impl {
 
   // Loads durable version `step` into this worker's layers and optimizer state.
   void restoreFromDisk(int64_t step) {
-    durable_->restoreInto(step, model_, *opt_);
+    takeLossScale(durable_->restoreInto(step, model_, *opt_),
+                  "durable checkpoint " + std::to_string(step));
     applied_ = step;
+  }
+
+  // Takes the loss scale among restored job tensors (runtime::jobTensors), if there.
+  void takeLossScale(const std::map<std::string, at::Tensor>& job, const std::string& source) {
+    auto it = job.find(runtime::LossScaler::kStateName);
+    if (it == job.end() || !scaler_.enabled()) return;
+    scaler_.load(it->second.cpu(), source);
+    restoredScale_ = true;
+  }
+
+  // Every member ends an epoch's setup with the loss scale of the resume step: that of the
+  // lowest-ranked member that knows it (`known`: it holds the resume step's state live, or
+  // restored the scale with its layers). One allreduce of a row per member.
+  void agreeLossScale(bool known) {
+    if (!scaler_.enabled()) return;
+    collectives::Communicator& world = comms_->world();
+    at::Tensor rows = at::zeros({world.size(), 3}, at::kDouble);
+    if (known) {
+      rows[world.rank()][0] = 1.0;
+      rows[world.rank()].narrow(0, 1, 2).copy_(scaler_.state());
+    }
+    rows = rows.to(device_);
+    world.allreduce(rows, collectives::ReduceOp::kSum, opTimeout());
+    rows = rows.cpu();
+    for (int r = 0; r < world.size(); ++r) {
+      if (rows[r][0].item<double>() == 1.0) {
+        scaler_.load(rows[r].narrow(0, 1, 2).clone(),
+                     "the loss scale of worker " + std::to_string(world.workerOf(r)));
+        return;
+      }
+    }
   }
 
   // Called by the training and the flush thread.
@@ -941,8 +1021,14 @@ class Trainer::Impl {
   int64_t applied_ = -1;
   double lastLoss_ = 0;
   double lastGradNorm_ = 0;  // of the last step's whole gradient, before clipping
-  double stepLr_ = -1;       // this step's scheduled rate; -1: no schedule
-  double appliedLr_ = 0;     // the rate of the last step's optimizer step (its first group's)
+  runtime::LossScaler scaler_;
+  bool restoredScale_ = false;  // this epoch's setup restored the loss scale with layers
+  double stepLossScale_ = 1.0;  // the running step's loss scale
+  double stepSquaredNorm_ = 0;  // its gradient's squared norm, scaled
+  bool lastSkipped_ = false;    // the last committed step skipped its optimizer step
+  double lastLossScale_ = 1.0;  // the last committed step's loss scale
+  double stepLr_ = -1;          // this step's scheduled rate; -1: no schedule
+  double appliedLr_ = 0;        // the rate of the last step's optimizer step (its first group's)
   bool started_ = false;
   bool finished_ = false;
   bool preempted_ = false;  // released, or left: no more steps

@@ -14,6 +14,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace sinew {
@@ -56,6 +57,10 @@ OptimizerFactory adagrad(double lr);
 // Every sample of a dataset has the same number of inputs, and each input the same shape and
 // dtype as the first sample's (they are stacked into microbatches along a new first dimension).
 struct Sample {
+  Sample() = default;
+  Sample(at::Tensor input, at::Tensor target, std::vector<at::Tensor> extraInputs = {})
+      : input(std::move(input)), target(std::move(target)), extraInputs(std::move(extraInputs)) {}
+
   at::Tensor input;
   at::Tensor target;
   std::vector<at::Tensor> extraInputs;

@@ -76,8 +76,30 @@ struct TrainerOptions {
   int progressEvery = 10;
   // JSON-lines event log; empty: $SINEW_LOG_DIR/worker-<id>-events.jsonl if set, else none.
   std::string eventLog;
-  // Parameters and data are cast to this type.
-  at::ScalarType dtype = at::kDouble;
+  // Parameters, gradients, optimizer state and floating-point data are cast to this type
+  // (float64 where a test asserts exactness).
+  at::ScalarType dtype = at::kFloat;
+  // Mixed precision: the dtype the layers compute in, at::kBFloat16 (CPU or CUDA) or
+  // at::kHalf (CUDA only), while parameters, gradients, optimizer state and checkpoints stay
+  // in `dtype`, which must then be float32 (the master weights). Every forward and the loss
+  // run under libtorch's autocast for the device: matrix products and convolutions in the
+  // compute dtype, reductions and the loss in float32, as PyTorch's AMP. Activations and
+  // their gradients cross pipeline stages in the dtype the layers give them. Undefined (the
+  // default): everything in `dtype`.
+  at::ScalarType computeDtype = at::ScalarType::Undefined;
+  // Dynamic loss scaling (PyTorch's GradScaler rules): the loss is multiplied by a scale
+  // before backward and the gradients divided by it after the reduction. A step whose
+  // gradient has an infinite or NaN element (its global norm, the same on every worker, is
+  // not finite) is committed without an optimizer step by every worker alike, and the scale
+  // halves; after `growthInterval` steps in a row without one, it doubles. The scale travels
+  // with every checkpoint, peer-RAM version and layer copy ("@loss_scale",
+  // docs/checkpoint_format.md), so a restored or rolled-back job resumes with the scale of
+  // its step. Unset: on exactly when computeDtype is at::kHalf.
+  struct LossScaling {
+    double initialScale = 65536.0;  // 2^16; > 0 and finite
+    int64_t growthInterval = 2000;  // >= 1
+  };
+  std::optional<LossScaling> lossScaling;
   // The learning rate of each step (sinew/schedule.h: warmupCosine, stepDecay, constantLr, or
   // any function of the step), set on every parameter group of the optimizer before the
   // step's optimizer step, by every worker alike, also for a step redone after a recovery, a
@@ -192,8 +214,9 @@ struct TrainResult {
   int stage = -1;
   std::vector<std::string> layers;
   int64_t parameterCount = 0;
-  std::string device;   // where its layers were: "cpu", "cuda:0", ...
-  std::string backend;  // of its final epoch's transfers: "gloo" or "nccl"
+  std::string device;      // where its layers were: "cpu", "cuda:0", ...
+  std::string backend;     // of its final epoch's transfers: "gloo" or "nccl"
+  double lossScale = 1.0;  // the loss scale after the last step (1 without loss scaling)
 };
 
 // What one Trainer::step() did.
@@ -205,7 +228,11 @@ struct StepResult {
   double loss = 0;          // its mean loss over the global batch
   double learningRate = 0;  // the rate its optimizer step used (the first parameter group's)
   double gradNorm = 0;      // the 2-norm of its whole gradient, before clipping
-  int recoveries = 0;       // failures and reshapes this call recovered from
+  // With loss scaling: the step's gradient was not finite and the optimizer did not step
+  // (on every worker); lossScale is the scale the step's loss was multiplied by (1 without).
+  bool skipped = false;
+  double lossScale = 1.0;
+  int recoveries = 0;  // failures and reshapes this call recovered from
   // The job moved back before this step: the step the job resumed at, below the step this
   // call started at (a rollback to a peer-RAM or durable version, docs/pipeline.md); -1: not.
   int64_t rolledBackTo = -1;

@@ -64,6 +64,43 @@ TEST(GpuJobTest, NcclIsRefusedForWorkersSharingAGpuWithAClearError) {
   EXPECT_TRUE(has(r, "cannot use NCCL: workers 0 and 1 share GPU GPU-"));
 }
 
+// Mixed precision on the GPU: train_gpt as pipelines of four workers whose layers compute in
+// bfloat16, then in float16 with dynamic loss scaling, each against the single-process float32
+// reference on the CPU: the final training loss and the held-out loss within 3%.
+namespace {
+void expectMixedPrecisionFollowsFloat32(const std::string& flag) {
+  JobRun r = run("gpu-gpt" + flag, 4, TRAIN_GPT_PATH,
+                 {"--device", "cuda", flag, "--steps", "40", "--eval-every", "10"});
+  SCOPED_TRACE(r.output);
+  EXPECT_FALSE(r.timedOut) << "the job hung";
+  EXPECT_EQ(r.exitCode, 0);
+  std::smatch m;
+  ASSERT_TRUE(
+      std::regex_search(r.output, m,
+                        std::regex("final_loss=(\\S+) reference_loss=(\\S+) .* eval_loss=(\\S+) "
+                                   "reference_eval_loss=(\\S+) .* loss_scale=(\\S+)")))
+      << "no RESULT line";
+  EXPECT_NEAR(std::stod(m[1]), std::stod(m[2]), 0.03 * std::stod(m[2]));
+  EXPECT_NEAR(std::stod(m[3]), std::stod(m[4]), 0.03 * std::stod(m[4]));
+  EXPECT_LT(std::stod(m[3]), 4.0) << "the model did not learn (a uniform guess is ln 256 = 5.5)";
+  if (flag == "--fp16") {
+    EXPECT_GT(std::stod(m[5]), 1.0) << "float16 trained without loss scaling";
+  } else {
+    EXPECT_EQ(std::stod(m[5]), 1.0);
+  }
+}
+}  // namespace
+
+TEST(GpuJobTest, Bf16PipelinesFollowTheFloat32Run) {
+  SINEW_REQUIRE_GPU();
+  expectMixedPrecisionFollowsFloat32("--bf16");
+}
+
+TEST(GpuJobTest, Fp16PipelinesWithLossScalingFollowTheFloat32Run) {
+  SINEW_REQUIRE_GPU();
+  expectMixedPrecisionFollowsFloat32("--fp16");
+}
+
 // Two pipelines on the GPU; pipeline 0's stage writers snapshot their layers out of GPU
 // memory and commit durable versions together.
 TEST(GpuJobTest, PipelinesOnTheGpu) {

@@ -961,12 +961,14 @@ std::string gptProfile(const std::string& path) {
   return path;
 }
 
-JobRun trainGpt(const std::string& name, const std::string& inject) {
+JobRun trainGpt(const std::string& name, const std::string& inject,
+                const std::vector<std::string>& more = {}) {
   const std::string profile = gptProfile(logDir(name) + "-profile.json");
-  return runJob(name, 5, TRAIN_GPT_PATH,
-                {"--float64", "--blocks", "2", "--context", "32", "--steps", "20", "--eval-every",
-                 "5", "--profile", profile, "--documents"},
-                inject, std::chrono::seconds(300),
+  std::vector<std::string> args{"--float64", "--blocks",  "2",     "--context",
+                                "32",        "--steps",   "20",    "--eval-every",
+                                "5",         "--profile", profile, "--documents"};
+  args.insert(args.end(), more.begin(), more.end());
+  return runJob(name, 5, TRAIN_GPT_PATH, args, inject, std::chrono::seconds(300),
                 {"--step-deadline-ms", "10000", "--exit-grace-s", kExitGrace});
 }
 
@@ -1007,12 +1009,21 @@ TEST(PipelineGptTest, ATiedHeadOnAnotherStageTrainsExactlyThroughAKill) {
 
 // Both holders of the head die (w2 in a forward, w4 as it reconfigures): the head, and with it
 // the follower of the tied tensor, has no live copy and comes back from a peer-RAM version.
+// Peer-RAM versions every 4 steps: the newest is that of step 7, so the job rolls back and
+// redoes steps 8 and 9. With dynamic loss scaling that doubles every 3 steps, the scale comes
+// back with the version: after 20 steps it is 2^16 x 2^6, as without a rollback (with the
+// restore switched off it ended at 2^23: the redone steps scaled on from the current scale).
 TEST(PipelineGptTest, LosingEveryCopyOfTheTiedHeadRestoresItFromRam) {
   JobRun run =
       trainGpt("gpt-rollback",
-               "kill:worker=2:step=10:phase=forward;kill:worker=4:step=9:phase=reconfiguration");
+               "kill:worker=2:step=10:phase=forward;kill:worker=4:step=9:phase=reconfiguration",
+               {"--loss-scaling", "3", "--peer-checkpoint-every", "4"});
   SCOPED_TRACE(run.output);
   expectGptMatchesReference(run);
+  std::smatch scale;
+  ASSERT_TRUE(std::regex_search(run.output, scale, std::regex("loss_scale=(\\S+)")));
+  EXPECT_EQ(std::stod(scale[1]), 65536.0 * 64);
+  EXPECT_NE(run.output.find("rolling back to version 7"), std::string::npos);
   EXPECT_TRUE(run.output.find("workers lost: [2,4]") != std::string::npos ||
               run.output.find("workers lost: [4,2]") != std::string::npos);
   EXPECT_TRUE(std::regex_search(run.output, std::regex("now holds layers [a-z0-9.]*head \\(epoch "

@@ -55,6 +55,7 @@ ModelSpec tinyModel() {
 
 TrainerOptions tinyOptions() {
   TrainerOptions o;
+  o.dtype = at::kDouble;  // These tests assert values to 1e-12.
   o.globalBatch = 4;
   o.microbatch = 2;
   o.steps = 3;
@@ -471,6 +472,148 @@ TEST(TrainerTest, MissingExtraInputsAndLayersThatCannotTakeAListAreNamed) {
   plain.layers[0] = {"plain", [] { return torch::nn::AnyModule(torch::nn::Linear(3, 3)); }};
   const std::string b = failure(plain);
   EXPECT_NE(b.find("layer 'plain' cannot take a list of 2 tensors"), std::string::npos) << b;
+}
+
+// Dynamic loss scaling: a step whose global batch holds a sample of input 1e200 has an
+// infinite loss and gradient. Every such step commits without an optimizer step and halves the
+// scale; three finite steps in a row double it. Step by step the loss scale, the skips and the
+// loss follow a plain-libtorch loop that skips the same steps, and the parameters end equal
+// (float64, scales that are powers of two: scaling and unscaling are exact).
+TEST(TrainerTest, LossScalingSkipsStepsWithInfiniteGradientsOnEveryWorkerAlike) {
+  auto ctx = init(nullptr, nullptr);
+  TrainerOptions o = recipeOptions(24);
+  o.lossScaling = TrainerOptions::LossScaling{1024.0, 3};
+  ModelSpec spec = tinyModel();
+  const Dataset finite = spec.dataset;
+  spec.dataset = [finite](int64_t i) {
+    Sample s = finite(i);
+    if (i % 23 == 5) s.input = at::full_like(s.input, 1e200);
+    return s;
+  };
+  Trainer trainer(*ctx, spec, o);
+  torch::nn::Sequential ref = buildModel(spec, o.seed, o.dtype);
+  auto opt = spec.optimizer(ref->parameters());
+  double scale = 1024.0;
+  int finiteInARow = 0, skipped = 0, grown = 0;
+  for (int64_t s = 0; s < o.steps; ++s) {
+    StepResult r = trainer.step();
+    std::vector<at::Tensor> xs, ys;
+    for (int64_t i : globalBatchIndices(o.seed, s, o.globalBatch, spec.datasetSize)) {
+      Sample smp = spec.dataset(i);
+      xs.push_back(smp.input);
+      ys.push_back(smp.target);
+    }
+    opt->zero_grad();
+    at::Tensor loss = spec.loss(ref->forward(at::stack(xs)), at::stack(ys));
+    loss.backward();
+    bool allFinite = true;
+    for (const auto& p : ref->parameters())
+      allFinite = allFinite && p.grad().isfinite().all().item<bool>();
+    EXPECT_EQ(r.lossScale, scale) << "step " << s;
+    EXPECT_EQ(r.skipped, !allFinite) << "step " << s;
+    if (allFinite) {
+      opt->step();
+      EXPECT_NEAR(r.loss, loss.item<double>(), 1e-12) << "step " << s;
+      if (++finiteInARow == 3) {
+        scale *= 2;
+        finiteInARow = 0;
+        ++grown;
+      }
+    } else {
+      scale /= 2;
+      finiteInARow = 0;
+      ++skipped;
+    }
+  }
+  EXPECT_GT(skipped, 0) << "no step had an infinite gradient: the test would not see a skip";
+  EXPECT_GT(grown, 0) << "the scale never grew";
+  auto mine = trainer.model()->named_parameters();
+  for (const auto& np : ref->named_parameters()) {
+    EXPECT_LT((mine[np.key()] - np.value()).abs().max().item<double>(), 1e-12) << np.key();
+  }
+  EXPECT_EQ(trainer.finish().lossScale, scale);
+}
+
+// Mixed precision on the CPU: the layers compute in bfloat16 under autocast (what a Linear
+// returns inside the model is BFloat16) while the parameters and the optimizer state stay
+// float32, and the loss curve follows the float32 run's within 2% at every step.
+struct DtypeProbeImpl : torch::nn::Module {
+  DtypeProbeImpl() : lin(register_module("lin", torch::nn::Linear(8, 8))) {}
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor y = lin->forward(x);
+    seen = y.scalar_type();
+    return at::tanh(y).to(at::kFloat);
+  }
+  torch::nn::Linear lin;
+  at::ScalarType seen = at::ScalarType::Undefined;
+};
+TORCH_MODULE(DtypeProbe);
+
+TEST(TrainerTest, Bf16ComputeKeepsFloat32MastersAndTheFloat32LossCurve) {
+  auto ctx = init(nullptr, nullptr);
+  ModelSpec spec;
+  spec.layers.push_back({"probe", [] { return torch::nn::AnyModule(DtypeProbe()); }});
+  spec.layers.push_back({"out", [] { return torch::nn::AnyModule(torch::nn::Linear(8, 2)); }});
+  spec.loss = [](const at::Tensor& y, const at::Tensor& t) { return (y - t).pow(2).mean(); };
+  spec.optimizer = adamw(0.01, 0.1);
+  spec.dataset = [](int64_t i) {
+    at::Tensor x = at::sin(at::arange(8, at::kFloat) * (0.3 + 0.01 * static_cast<double>(i % 17)));
+    return Sample{x, at::stack({x.sum() / 4, x.mean()})};
+  };
+  spec.datasetSize = 68;
+  auto curve = [&](at::ScalarType compute, at::ScalarType* seen) {
+    TrainerOptions o = recipeOptions(30);
+    o.dtype = at::kFloat;
+    o.computeDtype = compute;
+    Trainer trainer(*ctx, spec, o);
+    std::vector<double> losses;
+    for (StepResult r; !(r = trainer.step()).done;) losses.push_back(r.loss);
+    auto* probe = trainer.model()->ptr(0)->as<DtypeProbeImpl>();
+    *seen = probe->seen;
+    for (const auto& p : trainer.model()->parameters()) EXPECT_EQ(p.scalar_type(), at::kFloat);
+    trainer.finish();
+    return losses;
+  };
+  at::ScalarType seenBf16, seenFloat;
+  const std::vector<double> bf16 = curve(at::kBFloat16, &seenBf16);
+  const std::vector<double> f32 = curve(at::ScalarType::Undefined, &seenFloat);
+  EXPECT_EQ(seenBf16, at::kBFloat16);
+  EXPECT_EQ(seenFloat, at::kFloat);
+  ASSERT_EQ(bf16.size(), 30u);
+  ASSERT_EQ(f32.size(), 30u);
+  bool differs = false;
+  for (size_t s = 0; s < bf16.size(); ++s) {
+    EXPECT_NEAR(bf16[s], f32[s], 0.02 * f32[s]) << "step " << s;
+    differs = differs || bf16[s] != f32[s];
+  }
+  EXPECT_TRUE(differs) << "bfloat16 gave the float32 losses bit for bit: autocast did not engage";
+  EXPECT_LT(f32.back(), 0.5 * f32.front()) << "the model did not learn";
+}
+
+// Bad mixed-precision options are refused before training, naming the option.
+TEST(TrainerTest, BadMixedPrecisionOptionsAreRefused) {
+  auto ctx = init(nullptr, nullptr);
+  auto refusal = [&](const std::function<void(TrainerOptions&)>& set) {
+    TrainerOptions o = tinyOptions();
+    set(o);
+    try {
+      Trainer trainer(*ctx, tinyModel(), o);
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  const std::string f64 = refusal([](TrainerOptions& o) { o.computeDtype = at::kBFloat16; });
+  EXPECT_NE(f64.find("TrainerOptions::dtype must be Float"), std::string::npos) << f64;
+  const std::string half = refusal([](TrainerOptions& o) {
+    o.dtype = at::kFloat;
+    o.computeDtype = at::kHalf;
+  });
+  EXPECT_NE(half.find("Half needs a CUDA device"), std::string::npos) << half;
+  const std::string scale = refusal([](TrainerOptions& o) {
+    o.lossScaling = TrainerOptions::LossScaling{0.0, 10};
+  });
+  EXPECT_NE(scale.find("lossScaling.initialScale = 0"), std::string::npos) << scale;
 }
 
 // Two square layers whose weights are tied: "in.weight" owns, "out.weight" follows.
