@@ -41,7 +41,9 @@
 // --no-reference, and prints
 //   RESULT final_loss=<l> reference_loss=<r> max_param_rel_diff=<d> recoveries=<k>
 //          recovery_s_max=<t> eval_loss=<e> reference_eval_loss=<re>
-//          eval_outputs_rel_diff=<o> parameters=<n> loss_scale=<s>
+//          eval_outputs_rel_diff=<o> parameters=<n> loss_scale=<s> tokens_seen=<t>
+// (tokens_seen: the program's own count of the tokens it trained on, kept in every version as
+// TrainerOptions::keptState, so steps*global batch*context also after a rollback).
 // (eval_outputs_rel_diff: the final evaluation's logits, Trainer::evaluate with keepOutputs,
 // against the reference model's on the same held-out windows; -1 without both).
 
@@ -426,6 +428,17 @@ int main(int argc, char** argv) {
   if (a.bf16) o.computeDtype = at::kBFloat16;
   if (a.fp16) o.computeDtype = at::kHalf;  // With dynamic loss scaling unless --loss-scaling.
   if (a.lossScaling > 0) o.lossScaling = sinew::TrainerOptions::LossScaling{65536.0, a.lossScaling};
+  // The program's own state: the tokens trained on so far, as a schedule or a log would use
+  // them. It travels with every version, so a rollback does not count redone steps twice.
+  int64_t tokensSeen = 0;
+  const int64_t tokensPerStep = a.globalBatch * a.dims.context;
+  o.keptState.push_back(
+      {"tokens_seen", at::zeros({1}, at::kLong),
+       [&tokensSeen, tokensPerStep](int64_t) {
+         tokensSeen += tokensPerStep;
+         return at::full({1}, tokensSeen, at::kLong);
+       },
+       [&tokensSeen](int64_t, const at::Tensor& v) { tokensSeen = v.item<int64_t>(); }});
   sinew::ModelSpec spec = model(a, data);
   sinew::TrainResult r;
   std::unique_ptr<sinew::Trainer> trainer;
@@ -490,9 +503,10 @@ int main(int argc, char** argv) {
   std::printf(
       "RESULT final_loss=%.9g reference_loss=%.9g max_param_rel_diff=%.3g recoveries=%d "
       "recovery_s_max=%.3f eval_loss=%.9g reference_eval_loss=%.9g eval_outputs_rel_diff=%.3g "
-      "parameters=%lld loss_scale=%.9g\n",
+      "parameters=%lld loss_scale=%.9g tokens_seen=%lld\n",
       r.finalLoss, refLoss, maxRel, r.recoveries, r.recoveryMaxSeconds, evalLoss, refEval,
-      outputsRel, static_cast<long long>(parameters), r.lossScale);
+      outputsRel, static_cast<long long>(parameters), r.lossScale,
+      static_cast<long long>(tokensSeen));
   std::fflush(stdout);
   return 0;
 }

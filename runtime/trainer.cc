@@ -35,6 +35,7 @@
 #include "sinew/runtime/epoch_communicators.h"
 #include "sinew/runtime/evaluation.h"
 #include "sinew/runtime/event_log.h"
+#include "sinew/runtime/job_tensors.h"
 #include "sinew/runtime/layer_calls.h"
 #include "sinew/runtime/layer_relayout.h"
 #include "sinew/runtime/microbatches.h"
@@ -182,6 +183,14 @@ class Trainer::Impl {
     runtime::optimizerStateCodec(*opt_, "ModelSpec::optimizer");
     runtime::checkStepUpdateOptions(o_);
     runtime::checkMixedPrecisionOptions(o_, device_);
+    if (scaler_.enabled()) {
+      jobTensors_.add({runtime::LossScaler::kStateName, scaler_.state(),
+                       [this](int64_t) { return scaler_.state(); },
+                       [this](int64_t step, const at::Tensor& t) {
+                         scaler_.load(t, "the loss scale after step " + std::to_string(step));
+                       }});
+    }
+    for (const KeptState& k : o_.keptState) jobTensors_.add(runtime::keptStateEntry(k));
     ties_ = runtime::resolveTies(spec_);
     if (!o_.checkpointDir.empty()) {
       if (o_.checkpointEvery < 0 || o_.checkpointKeep < 1) {
@@ -492,14 +501,11 @@ class Trainer::Impl {
   }
 
   // This worker's parameters and optimizer state as named tensors, per layer.
-  // With loss scaling, every layer also carries the scale ("@loss_scale").
+  // Every layer also carries the job tensors (the loss scale, the kept state: JobTensors).
   std::function<checkpoint::ShardState()> shardState() {
     return [this] {
       checkpoint::ShardState state = runtime::captureState(model_, *opt_);
-      if (scaler_.enabled()) {
-        const at::Tensor scale = scaler_.state();
-        for (auto& layer : state) layer.tensors.push_back({runtime::LossScaler::kStateName, scale});
-      }
+      jobTensors_.appendTo(state);
       return state;
     };
   }
@@ -612,6 +618,7 @@ class Trainer::Impl {
       opt_->step();
     }
     applied_ = step_;
+    jobTensors_.commit(step_);
     // A scheduler's checkpoint, drain or stop may ask for this step to be durable. When the
     // peer-RAM engine takes the step's version, its copy is flushed; otherwise this worker's
     // own.
@@ -734,6 +741,7 @@ class Trainer::Impl {
     members_ = info.members;
     plan_ = Plan::dataParallel(info.epoch, info.members, static_cast<int>(spec_.layers.size()),
                                o_.globalBatch / o_.microbatch);
+    const bool live = applied_ == info.resumeStep - 1;
     if (info.sync && info.source == self && applied_ < info.resumeStep - 1) {
       restoreFromDisk(info.resumeStep - 1);  // The first epoch of a resumed job.
     }
@@ -743,7 +751,8 @@ class Trainer::Impl {
       const int root = static_cast<int>(
           std::find(info.members.begin(), info.members.end(), info.source) - info.members.begin());
       runtime::broadcastState(comms_->world(), root, params_, *opt_, device_, opTimeout());
-      agreeLossScale(self == info.source);
+      jobTensors_.agree(comms_->world(), info.resumeStep - 1, self == info.source && live, device_,
+                        opTimeout());
       applied_ = info.resumeStep - 1;
     }
     step_ = info.resumeStep;
@@ -769,9 +778,8 @@ class Trainer::Impl {
     const int first = mine ? mine->firstLayer : 0;
     const int end = mine ? mine->endLayer : 0;
     const int64_t resumeApplied = info.resumeStep - 1;
-    // Its loss scale is the resume step's if it holds that step's state live.
-    const bool scaleLive = applied_ == resumeApplied;
-    restoredScale_ = false;
+    // Its job tensors are the resume step's if it holds that step's state live.
+    const bool stateLive = applied_ == resumeApplied;
     // What every member holds now, published for this epoch, so that all agree on who copies
     // which layers to whom (docs/pipeline.md, "Reconfiguration").
     std::map<int, runtime::Holding> held = runtime::exchangeHoldings(
@@ -820,7 +828,7 @@ class Trainer::Impl {
       // The first plan of a resumed job: every worker reads its own layers from disk.
       restoreFromDisk(info.resumeStep - 1);
     }
-    agreeLossScale(scaleLive || restoredScale_);
+    jobTensors_.agree(comms_->world(), info.resumeStep - 1, stateLive, device_, opTimeout());
     applied_ = info.resumeStep - 1;
     step_ = info.resumeStep;
     progress_->restart();
@@ -846,8 +854,8 @@ class Trainer::Impl {
     opt_ = spec_.optimizer(params_);
     runtime::loadState(model_, *opt_, r.state,
                        "the state of the layers moved in epoch " + std::to_string(epoch));
-    takeLossScale(runtime::jobTensors(r.state),
-                  "the state of the layers moved in epoch " + std::to_string(epoch));
+    jobTensors_.take(runtime::jobTensors(r.state),
+                     "the state of the layers moved in epoch " + std::to_string(epoch));
     const int oldFirst = heldFirst_, oldEnd = heldEnd_;
     heldFirst_ = first;
     heldEnd_ = end;
@@ -946,40 +954,9 @@ class Trainer::Impl {
 
   // Loads durable version `step` into this worker's layers and optimizer state.
   void restoreFromDisk(int64_t step) {
-    takeLossScale(durable_->restoreInto(step, model_, *opt_),
-                  "durable checkpoint " + std::to_string(step));
+    jobTensors_.take(durable_->restoreInto(step, model_, *opt_),
+                     "durable checkpoint " + std::to_string(step));
     applied_ = step;
-  }
-
-  // Takes the loss scale among restored job tensors (runtime::jobTensors), if there.
-  void takeLossScale(const std::map<std::string, at::Tensor>& job, const std::string& source) {
-    auto it = job.find(runtime::LossScaler::kStateName);
-    if (it == job.end() || !scaler_.enabled()) return;
-    scaler_.load(it->second.cpu(), source);
-    restoredScale_ = true;
-  }
-
-  // Every member ends an epoch's setup with the loss scale of the resume step: that of the
-  // lowest-ranked member that knows it (`known`: it holds the resume step's state live, or
-  // restored the scale with its layers). One allreduce of a row per member.
-  void agreeLossScale(bool known) {
-    if (!scaler_.enabled()) return;
-    collectives::Communicator& world = comms_->world();
-    at::Tensor rows = at::zeros({world.size(), 3}, at::kDouble);
-    if (known) {
-      rows[world.rank()][0] = 1.0;
-      rows[world.rank()].narrow(0, 1, 2).copy_(scaler_.state());
-    }
-    rows = rows.to(device_);
-    world.allreduce(rows, collectives::ReduceOp::kSum, opTimeout());
-    rows = rows.cpu();
-    for (int r = 0; r < world.size(); ++r) {
-      if (rows[r][0].item<double>() == 1.0) {
-        scaler_.load(rows[r].narrow(0, 1, 2).clone(),
-                     "the loss scale of worker " + std::to_string(world.workerOf(r)));
-        return;
-      }
-    }
   }
 
   // Called by the training and the flush thread.
@@ -1022,7 +999,8 @@ class Trainer::Impl {
   double lastLoss_ = 0;
   double lastGradNorm_ = 0;  // of the last step's whole gradient, before clipping
   runtime::LossScaler scaler_;
-  bool restoredScale_ = false;  // this epoch's setup restored the loss scale with layers
+  // The loss scale and the program's kept state, carried in every version.
+  runtime::JobTensors jobTensors_;
   double stepLossScale_ = 1.0;  // the running step's loss scale
   double stepSquaredNorm_ = 0;  // its gradient's squared norm, scaled
   bool lastSkipped_ = false;    // the last committed step skipped its optimizer step

@@ -36,6 +36,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -62,6 +63,23 @@ enum class CommBackend {
 enum class Parallelism {
   kData,      // every worker holds every layer
   kPipeline,  // pipelines from templates; each worker holds one stage's layers
+};
+
+// A tensor of the program's own state (its data loader's position, a generator, a running
+// statistic) that travels with the model: stored with every checkpoint, peer-RAM version and
+// layer copy as "@user.<name>" (docs/checkpoint_format.md), and given back when the job
+// resumes from one. `save(step)` is called once per committed step on every worker, in step
+// order, inside Trainer::step() (or run()) after the step's optimizer step; it returns the
+// state after that step, of `initial`'s shape and dtype (the program may advance its state in
+// it). `load(step, value)` is called inside step() or the constructor when this worker's state
+// comes back to the one after `step`: after a restore from disk, a rollback to a peer-RAM
+// version, or when it joins the job (the value of a member that holds it). A step redone after
+// a rollback calls save again. The same names on every worker; a name is [A-Za-z0-9_.-]+.
+struct KeptState {
+  std::string name;
+  at::Tensor initial;
+  std::function<at::Tensor(int64_t step)> save;
+  std::function<void(int64_t step, const at::Tensor& value)> load;
 };
 
 struct TrainerOptions {
@@ -100,6 +118,8 @@ struct TrainerOptions {
     int64_t growthInterval = 2000;  // >= 1
   };
   std::optional<LossScaling> lossScaling;
+  // The program's own state that travels with the model (see KeptState).
+  std::vector<KeptState> keptState;
   // The learning rate of each step (sinew/schedule.h: warmupCosine, stepDecay, constantLr, or
   // any function of the step), set on every parameter group of the optimizer before the
   // step's optimizer step, by every worker alike, also for a step redone after a recovery, a

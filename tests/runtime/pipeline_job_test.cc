@@ -1023,6 +1023,10 @@ TEST(PipelineGptTest, LosingEveryCopyOfTheTiedHeadRestoresItFromRam) {
   std::smatch scale;
   ASSERT_TRUE(std::regex_search(run.output, scale, std::regex("loss_scale=(\\S+)")));
   EXPECT_EQ(std::stod(scale[1]), 65536.0 * 64);
+  // The program's kept state (its count of the tokens trained on) came back with the version:
+  // 20 steps of 16 windows of 32 tokens, not counting the redone steps twice.
+  ASSERT_TRUE(std::regex_search(run.output, scale, std::regex("tokens_seen=(\\d+)")));
+  EXPECT_EQ(std::stoll(scale[1]), 20 * 16 * 32);
   EXPECT_NE(run.output.find("rolling back to version 7"), std::string::npos);
   EXPECT_TRUE(run.output.find("workers lost: [2,4]") != std::string::npos ||
               run.output.find("workers lost: [4,2]") != std::string::npos);

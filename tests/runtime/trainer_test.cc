@@ -616,6 +616,60 @@ TEST(TrainerTest, BadMixedPrecisionOptionsAreRefused) {
   EXPECT_NE(scale.find("lossScaling.initialScale = 0"), std::string::npos) << scale;
 }
 
+// The program's kept state: save() runs once per committed step, in step order, and what it
+// returns is in the checkpoint of that step (as "@user.<name>", in every layer); a bad name or a
+// missing function is refused by name, and a value of another shape at a commit too.
+TEST(TrainerTest, KeptStateIsSavedOncePerCommittedStepIntoTheCheckpoints) {
+  const std::string dir = tempDir();
+  auto ctx = init(nullptr, nullptr);
+  TrainerOptions o = recipeOptions(5);
+  o.checkpointDir = dir;
+  o.checkpointEvery = 1;
+  o.checkpointKeep = 8;
+  std::vector<int64_t> saved;
+  o.keptState.push_back({"seen", at::zeros({2}, at::kLong),
+                         [&saved](int64_t step) {
+                           saved.push_back(step);
+                           return at::tensor({step, 10 * step}, at::kLong);
+                         },
+                         [](int64_t, const at::Tensor&) { ADD_FAILURE() << "nothing to load"; }});
+  const ModelSpec spec = recipeModel();
+  Trainer trainer(*ctx, spec, o);
+  trainer.run();
+  EXPECT_EQ(saved, (std::vector<int64_t>{0, 1, 2, 3, 4}));
+  auto reader = CheckpointReader::open(dir);
+  EXPECT_EQ(reader->step(), 4);
+  std::map<std::string, std::map<std::string, at::Tensor>> layers;
+  for (const std::string& name : reader->layers()) layers[name] = reader->loadLayer(name);
+  ASSERT_FALSE(layers.empty());
+  for (const auto& [name, tensors] : layers) {
+    auto it = tensors.find("@user.seen");
+    ASSERT_NE(it, tensors.end()) << name;
+    EXPECT_TRUE(at::equal(it->second, at::tensor({4, 40}, at::kLong))) << name;
+  }
+  sinew::testing::removeTree(dir);
+
+  auto refusal = [&](KeptState k) {
+    TrainerOptions bad = tinyOptions();
+    bad.keptState.push_back(std::move(k));
+    try {
+      Trainer t(*ctx, tinyModel(), bad);
+      t.run();
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  auto save = [](int64_t) { return at::zeros({1}); };
+  auto load = [](int64_t, const at::Tensor&) {};
+  EXPECT_NE(refusal({"a/b", at::zeros({1}), save, load}).find("has the name 'a/b'"),
+            std::string::npos);
+  EXPECT_NE(refusal({"x", at::zeros({1}), nullptr, load}).find("needs an initial tensor, a save"),
+            std::string::npos);
+  EXPECT_NE(refusal({"x", at::zeros({3}), save, load}).find("registered as [3]"),
+            std::string::npos);
+}
+
 // Two square layers whose weights are tied: "in.weight" owns, "out.weight" follows.
 ModelSpec tiedModel() {
   ModelSpec spec;
