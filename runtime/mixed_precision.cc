@@ -8,6 +8,7 @@
 #include <string>
 
 #include "sinew/base/error.h"
+#include "sinew/runtime/step_update.h"
 
 // libtorch 2.4 made autocast's state per device type; 1.x has one switch per backend.
 #if defined(TORCH_VERSION_MAJOR) && \
@@ -145,6 +146,31 @@ void LossScaler::load(const at::Tensor& state, const std::string& source) {
   scale_ = scale;
   finiteSteps_ = static_cast<int64_t>(steps);
 }
+
+GradientScaling::GradientScaling(const TrainerOptions& o, JobTensors& jobs)
+    : clip_(o.clipGradNorm), scaler_(o) {
+  if (!scaler_.enabled()) return;
+  jobs.add({LossScaler::kStateName, scaler_.state(), [this](int64_t) { return scaler_.state(); },
+            [this](int64_t step, const at::Tensor& t) {
+              scaler_.load(t, "the loss scale after step " + std::to_string(step));
+            }});
+}
+
+double GradientScaling::begin() {
+  stepScale_ = scaler_.scale();
+  return stepScale_;
+}
+
+void GradientScaling::unscaleAndClip(const std::vector<at::Tensor>& params,
+                                     double scaledSquaredNorm) {
+  squaredNorm_ = scaledSquaredNorm;
+  gradNorm_ = std::sqrt(scaledSquaredNorm) / stepScale_;
+  if (!std::isfinite(scaledSquaredNorm)) return;
+  const double clip = clip_ ? clipFactor(gradNorm_, *clip_) : 1.0;
+  scaleGradients(params, clip / stepScale_);
+}
+
+bool GradientScaling::commit() { return scaler_.update(squaredNorm_); }
 
 }  // namespace runtime
 }  // namespace sinew

@@ -12,7 +12,10 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <vector>
 
+#include "sinew/runtime/job_tensors.h"
 #include "sinew/trainer.h"
 
 namespace sinew {
@@ -67,6 +70,35 @@ class LossScaler {
   double scale_ = 1.0;
   int64_t growthInterval_ = 2000;
   int64_t finiteSteps_ = 0;
+};
+
+// One step's gradient handling between backward and the optimizer: the loss scale the step
+// uses, the global norm, unscaling and clipping (TrainerOptions::clipGradNorm), and at the
+// commit whether the optimizer steps. Registers "@loss_scale" with `jobs` when scaling is on.
+class GradientScaling {
+ public:
+  // REQUIRES: jobs outlives this object.
+  GradientScaling(const TrainerOptions& options, JobTensors& jobs);
+
+  // The loss scale of the step that starts now (1 without scaling).
+  double begin();
+  // After the reduction, with the squared global norm of the scaled gradient (the same on
+  // every worker): divides this worker's gradients `params` by the step's scale and clips them;
+  // a gradient that is not finite is left as it is (its step will be skipped).
+  void unscaleAndClip(const std::vector<at::Tensor>& params, double scaledSquaredNorm);
+  // At the step's commit: whether the optimizer may step; updates the scale.
+  bool commit();
+
+  double stepScale() const { return stepScale_; }
+  double gradNorm() const { return gradNorm_; }  // the step's, unscaled, before clipping
+  double nextScale() const { return scaler_.scale(); }
+
+ private:
+  const std::optional<double> clip_;
+  LossScaler scaler_;
+  double stepScale_ = 1.0;
+  double squaredNorm_ = 0;  // scaled
+  double gradNorm_ = 0;
 };
 
 }  // namespace runtime

@@ -165,7 +165,7 @@ class Trainer::Impl {
         o_(std::move(o)),
         model_(std::move(model)),
         services_{ctx_, state_, client_, events_, o_},
-        scaler_(o_) {
+        scaling_(o_, jobTensors_) {
     runtime::checkTrainerOptions(o_, spec_);
     pipelineMode_ = o_.parallelism == Parallelism::kPipeline;
     device_ = runtime::resolveDevice(o_.device, ctx_.worker());
@@ -183,13 +183,6 @@ class Trainer::Impl {
     runtime::optimizerStateCodec(*opt_, "ModelSpec::optimizer");
     runtime::checkStepUpdateOptions(o_);
     runtime::checkMixedPrecisionOptions(o_, device_);
-    if (scaler_.enabled()) {
-      jobTensors_.add({runtime::LossScaler::kStateName, scaler_.state(),
-                       [this](int64_t) { return scaler_.state(); },
-                       [this](int64_t step, const at::Tensor& t) {
-                         scaler_.load(t, "the loss scale after step " + std::to_string(step));
-                       }});
-    }
     for (const KeptState& k : o_.keptState) jobTensors_.add(runtime::keptStateEntry(k));
     ties_ = runtime::resolveTies(spec_);
     if (!o_.checkpointDir.empty()) {
@@ -283,9 +276,9 @@ class Trainer::Impl {
         r.step = attempted;
         r.loss = lastLoss_;
         r.learningRate = appliedLr_;
-        r.gradNorm = lastGradNorm_;
+        r.gradNorm = scaling_.gradNorm();
         r.skipped = lastSkipped_;
-        r.lossScale = lastLossScale_;
+        r.lossScale = scaling_.stepScale();
         if (!keepShape) recoverInto(epoch_, /*failure=*/false, "reshape at a step boundary");
       });
       if (!committed && step_ < first) r.rolledBackTo = step_;
@@ -492,7 +485,7 @@ class Trainer::Impl {
     for (const auto& p : model_->parameters()) r.parameterCount += p.numel();
     r.device = device_.str();
     r.backend = chooser_->backend();
-    r.lossScale = scaler_.scale();
+    r.lossScale = scaling_.nextScale();
     return r;
   }
 
@@ -529,7 +522,7 @@ class Trainer::Impl {
     double lossSum = 0;
     bool first = true;
     const double scale = static_cast<double>(o_.microbatch) / static_cast<double>(o_.globalBatch);
-    stepLossScale_ = scaler_.scale();
+    const double lossScale = scaling_.begin();
     for (int64_t m : mine.microbatches) {
       auto [x, y] = microbatches_(indices, m);
       at::Tensor loss;
@@ -540,7 +533,7 @@ class Trainer::Impl {
       }
       if (first) inj.fire(self, step_, Phase::kBackward, &client_);
       first = false;
-      (loss * (scale * stepLossScale_)).backward();
+      (loss * (scale * lossScale)).backward();
       lossSum += loss.item<double>() * static_cast<double>(o_.microbatch);
     }
     // One flat buffer: every gradient, then the loss sum.
@@ -556,25 +549,12 @@ class Trainer::Impl {
     if (ties_.empty()) {
       // The whole gradient is the flat buffer's head: one norm, not one per parameter.
       const double norm = flat.narrow(0, 0, offset).norm().item<double>();
-      clipGradients(params_, norm * norm);
+      scaling_.unscaleAndClip(params_, norm * norm);
     } else {
       runtime::sumTiedGradients(model_, ties_);
-      clipGradients(params_, runtime::squaredNormCountingTiesOnce(model_, 0, ties_));
+      scaling_.unscaleAndClip(params_, runtime::squaredNormCountingTiesOnce(model_, 0, ties_));
     }
     return commitAndApply(loss);
-  }
-
-  // Notes the norm of the step's whole gradient (its square summed over the model, times the
-  // step's loss scale squared), divides this worker's gradients `params` by the loss scale and
-  // clips them to TrainerOptions::clipGradNorm. A gradient that is not finite is left as it
-  // is: with loss scaling its step is skipped.
-  void clipGradients(const std::vector<at::Tensor>& params, double scaledSquaredNorm) {
-    stepSquaredNorm_ = scaledSquaredNorm;
-    lastGradNorm_ = std::sqrt(scaledSquaredNorm) / stepLossScale_;
-    if (!std::isfinite(scaledSquaredNorm)) return;
-    const double clip =
-        o_.clipGradNorm ? runtime::clipFactor(lastGradNorm_, *o_.clipGradNorm) : 1.0;
-    runtime::scaleGradients(params, clip / stepLossScale_);
   }
 
   // Votes for step_ and applies it once committed (everywhere or nowhere).
@@ -607,13 +587,12 @@ class Trainer::Impl {
     if (stepLr_ >= 0) runtime::setLearningRate(*opt_, stepLr_);
     appliedLr_ = runtime::learningRate(*opt_);
     // After the verdict, so that a step redone in another epoch scales as its first attempt.
-    lastSkipped_ = !scaler_.update(stepSquaredNorm_);
-    lastLossScale_ = stepLossScale_;
+    lastSkipped_ = !scaling_.commit();
     if (lastSkipped_) {
       event({{"event", "step_skipped"},
              {"step", step_},
-             {"loss_scale", stepLossScale_},
-             {"next_loss_scale", scaler_.scale()}});
+             {"loss_scale", scaling_.stepScale()},
+             {"next_loss_scale", scaling_.nextScale()}});
     } else {
       opt_->step();
     }
@@ -924,8 +903,7 @@ class Trainer::Impl {
         runtime::AutocastScope autocast(device_, o_.computeDtype);
         return spec_.loss(y, t);
       };
-      stepLossScale_ = scaler_.scale();
-      step.lossScale = stepLossScale_;
+      step.lossScale = scaling_.begin();
       step.data = [&](int64_t m, int64_t begin, int64_t end) {
         return microbatches_(indices, m, begin, end);
       };
@@ -948,7 +926,7 @@ class Trainer::Impl {
     }
     inj.fire(self, step_, Phase::kAfterReduce, &client_);
     const at::Tensor host = sums.cpu();
-    clipGradients(params_, host[1].item<double>());
+    scaling_.unscaleAndClip(params_, host[1].item<double>());
     return commitAndApply(host[0].item<double>() / static_cast<double>(o_.globalBatch));
   }
 
@@ -997,16 +975,12 @@ class Trainer::Impl {
   int64_t step_ = 0;
   int64_t applied_ = -1;
   double lastLoss_ = 0;
-  double lastGradNorm_ = 0;  // of the last step's whole gradient, before clipping
-  runtime::LossScaler scaler_;
   // The loss scale and the program's kept state, carried in every version.
   runtime::JobTensors jobTensors_;
-  double stepLossScale_ = 1.0;  // the running step's loss scale
-  double stepSquaredNorm_ = 0;  // its gradient's squared norm, scaled
-  bool lastSkipped_ = false;    // the last committed step skipped its optimizer step
-  double lastLossScale_ = 1.0;  // the last committed step's loss scale
-  double stepLr_ = -1;          // this step's scheduled rate; -1: no schedule
-  double appliedLr_ = 0;        // the rate of the last step's optimizer step (its first group's)
+  runtime::GradientScaling scaling_;  // Registers with jobTensors_: declared after it.
+  bool lastSkipped_ = false;          // the last committed step skipped its optimizer step
+  double stepLr_ = -1;                // this step's scheduled rate; -1: no schedule
+  double appliedLr_ = 0;  // the rate of the last step's optimizer step (its first group's)
   bool started_ = false;
   bool finished_ = false;
   bool preempted_ = false;  // released, or left: no more steps

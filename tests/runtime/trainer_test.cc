@@ -165,6 +165,26 @@ ModelSpec recipeModel() {
 }
 
 // tinyOptions() with global batches of 8 in microbatches of 4, for `steps` steps.
+// Step s's global batch, stacked as one microbatch: inputs, targets and each extra input.
+struct StepBatch {
+  at::Tensor x, y;
+  std::vector<at::Tensor> extra;
+};
+StepBatch stepBatch(const ModelSpec& spec, const TrainerOptions& o, int64_t s) {
+  std::vector<at::Tensor> xs, ys;
+  std::vector<std::vector<at::Tensor>> extras;
+  for (int64_t i : globalBatchIndices(o.seed, s, o.globalBatch, spec.datasetSize)) {
+    Sample smp = spec.dataset(i);
+    xs.push_back(smp.input);
+    ys.push_back(smp.target);
+    extras.resize(smp.extraInputs.size());
+    for (size_t k = 0; k < extras.size(); ++k) extras[k].push_back(smp.extraInputs[k]);
+  }
+  StepBatch b{at::stack(xs), at::stack(ys), {}};
+  for (const auto& e : extras) b.extra.push_back(at::stack(e));
+  return b;
+}
+
 TrainerOptions recipeOptions(int64_t steps) {
   TrainerOptions o = tinyOptions();
   o.steps = steps;
@@ -197,14 +217,9 @@ TEST(TrainerTest, AStepLoopTrainsAsPlainLibtorchDoesWithScheduleAndClipping) {
     EXPECT_EQ(r.recoveries, 0);
     EXPECT_EQ(r.rolledBackTo, -1);
     // The same step in one process.
-    std::vector<at::Tensor> xs, ys;
-    for (int64_t i : globalBatchIndices(o.seed, s, o.globalBatch, spec.datasetSize)) {
-      Sample smp = spec.dataset(i);
-      xs.push_back(smp.input);
-      ys.push_back(smp.target);
-    }
+    const StepBatch batch = stepBatch(spec, o, s);
     opt->zero_grad();
-    at::Tensor loss = spec.loss(ref->forward(at::stack(xs)), at::stack(ys));
+    at::Tensor loss = spec.loss(ref->forward(batch.x), batch.y);
     loss.backward();
     const double norm = torch::nn::utils::clip_grad_norm_(ref->parameters(), 0.5);
     clipped += norm > 0.5;
@@ -279,13 +294,9 @@ TEST(TrainerTest, FrozenParametersAreNeitherReducedNorStepped) {
   for (const auto& p : initial) before[p.key()] = p.value().detach().clone();
   auto opt = spec.optimizer(ref->parameters());
   for (int64_t s = 0; s < o.steps; ++s) {
-    std::vector<at::Tensor> xs, ys;
-    for (int64_t i : globalBatchIndices(o.seed, s, o.globalBatch, spec.datasetSize)) {
-      xs.push_back(spec.dataset(i).input);
-      ys.push_back(spec.dataset(i).target);
-    }
+    const StepBatch batch = stepBatch(spec, o, s);
     opt->zero_grad();
-    spec.loss(ref->forward(at::stack(xs)), at::stack(ys)).backward();
+    spec.loss(ref->forward(batch.x), batch.y).backward();
     opt->step();
   }
   auto mine = trainer.model()->named_parameters(), theirs = ref->named_parameters();
@@ -421,16 +432,10 @@ TEST(TrainerTest, SamplesWithTwoInputsReachTheFirstLayerAsAList) {
   auto opt = spec.optimizer(ref->parameters());
   for (int64_t s = 0; s < o.steps; ++s) {
     StepResult r = trainer.step();
-    std::vector<at::Tensor> xs, gates, ys;
-    for (int64_t i : globalBatchIndices(o.seed, s, o.globalBatch, spec.datasetSize)) {
-      Sample smp = spec.dataset(i);
-      xs.push_back(smp.input);
-      gates.push_back(smp.extraInputs[0]);
-      ys.push_back(smp.target);
-    }
+    const StepBatch batch = stepBatch(spec, o, s);
     opt->zero_grad();
-    at::Tensor loss = spec.loss(
-        ref->forward(std::vector<at::Tensor>{at::stack(xs), at::stack(gates)}), at::stack(ys));
+    at::Tensor loss =
+        spec.loss(ref->forward(std::vector<at::Tensor>{batch.x, batch.extra.at(0)}), batch.y);
     loss.backward();
     torch::nn::utils::clip_grad_norm_(ref->parameters(), 0.5);
     opt->step();
@@ -497,14 +502,9 @@ TEST(TrainerTest, LossScalingSkipsStepsWithInfiniteGradientsOnEveryWorkerAlike) 
   int finiteInARow = 0, skipped = 0, grown = 0;
   for (int64_t s = 0; s < o.steps; ++s) {
     StepResult r = trainer.step();
-    std::vector<at::Tensor> xs, ys;
-    for (int64_t i : globalBatchIndices(o.seed, s, o.globalBatch, spec.datasetSize)) {
-      Sample smp = spec.dataset(i);
-      xs.push_back(smp.input);
-      ys.push_back(smp.target);
-    }
+    const StepBatch batch = stepBatch(spec, o, s);
     opt->zero_grad();
-    at::Tensor loss = spec.loss(ref->forward(at::stack(xs)), at::stack(ys));
+    at::Tensor loss = spec.loss(ref->forward(batch.x), batch.y);
     loss.backward();
     bool allFinite = true;
     for (const auto& p : ref->parameters())
@@ -707,15 +707,10 @@ TEST(TrainerTest, TiedParametersTrainAsOneTensor) {
   int clipped = 0;
   for (int64_t s = 0; s < o.steps; ++s) {
     StepResult r = trainer.step();
-    std::vector<at::Tensor> xs, ys;
-    for (int64_t i : globalBatchIndices(o.seed, s, o.globalBatch, spec.datasetSize)) {
-      Sample smp = spec.dataset(i);
-      xs.push_back(smp.input);
-      ys.push_back(smp.target);
-    }
+    const StepBatch batch = stepBatch(spec, o, s);
     opt->zero_grad();
-    at::Tensor x = at::stack(xs);
-    at::Tensor loss = spec.loss(at::matmul(at::tanh(at::matmul(x, w.t())), w.t()), at::stack(ys));
+    at::Tensor x = batch.x;
+    at::Tensor loss = spec.loss(at::matmul(at::tanh(at::matmul(x, w.t())), w.t()), batch.y);
     loss.backward();
     const double norm = torch::nn::utils::clip_grad_norm_(std::vector<at::Tensor>{w}, 0.3);
     clipped += norm > 0.3 ? 1 : 0;
