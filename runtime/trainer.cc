@@ -890,6 +890,7 @@ class Trainer::Impl {
       if (p.grad().defined()) p.mutable_grad().zero_();
     }
     double lossSum = 0;
+    const double lossScale = scaling_.begin();  // Idle members too: they report the norm.
     if (pipeline::StageExecutor* executor = comms_->executor()) {
       auto t0 = Clock::now();
       const auto indices =
@@ -903,7 +904,7 @@ class Trainer::Impl {
         runtime::AutocastScope autocast(device_, o_.computeDtype);
         return spec_.loss(y, t);
       };
-      step.lossScale = scaling_.begin();
+      step.lossScale = lossScale;
       step.data = [&](int64_t m, int64_t begin, int64_t end) {
         return microbatches_(indices, m, begin, end);
       };
