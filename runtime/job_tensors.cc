@@ -25,16 +25,29 @@ void JobTensors::add(Entry entry) {
 }
 
 void JobTensors::commit(int64_t step) {
-  for (size_t i = 0; i < entries_.size(); ++i) {
-    const Entry& e = entries_[i];
-    at::Tensor value = e.save(step).detach().cpu().clone();
+  std::vector<at::Tensor> values;
+  values.reserve(entries_.size());
+  for (const Entry& e : entries_) {
+    at::Tensor value;
+    try {
+      value = e.save(step);
+    } catch (const std::exception& ex) {
+      SINEW_THROW(InvalidArgument, "the save of the job tensor '", e.name, "' after step ", step,
+                  " failed: ", ex.what());
+    }
+    if (!value.defined()) {
+      SINEW_THROW(InvalidArgument, "the job tensor '", e.name, "' saved after step ", step,
+                  " is undefined");
+    }
     if (value.sizes() != e.like.sizes() || value.scalar_type() != e.like.scalar_type()) {
       SINEW_THROW(InvalidArgument, "the job tensor '", e.name, "' saved after step ", step,
                   " has shape ", value.sizes(), " and dtype ", value.scalar_type(),
                   "; it was registered as ", e.like.sizes(), " and ", e.like.scalar_type());
     }
-    current_[i] = std::move(value);
+    values.push_back(value.detach().cpu().clone());
   }
+  current_ = std::move(values);
+  step_ = step;
 }
 
 void JobTensors::appendTo(checkpoint::ShardState& state) const {
@@ -43,58 +56,53 @@ void JobTensors::appendTo(checkpoint::ShardState& state) const {
   }
 }
 
-bool JobTensors::take(const std::map<std::string, at::Tensor>& restored,
-                      const std::string& source) {
-  bool all = true;
+bool JobTensors::take(const std::map<std::string, at::Tensor>& restored, const std::string& source,
+                      int64_t step) {
+  std::vector<at::Tensor> values;
   for (const Entry& e : entries_) {
     auto it = restored.find(e.name);
-    if (it == restored.end()) {
-      all = false;
-      continue;
-    }
+    if (it == restored.end()) return false;
     const at::Tensor& t = it->second;
     if (t.sizes() != e.like.sizes() || t.scalar_type() != e.like.scalar_type()) {
       SINEW_THROW(Corruption, source, ": the job tensor '", e.name, "' has shape ", t.sizes(),
                   " and dtype ", t.scalar_type(), ", not ", e.like.sizes(), " and ",
                   e.like.scalar_type());
     }
-    taken_[e.name] = t.cpu().clone();
+    values.push_back(t.cpu().clone());
   }
-  return all;
+  load(std::move(values), step);
+  return true;
 }
 
-void JobTensors::agree(collectives::Communicator& world, int64_t step, bool live, at::Device device,
-                       std::chrono::milliseconds timeout) {
+void JobTensors::load(std::vector<at::Tensor> values, int64_t step) {
+  current_ = std::move(values);
+  step_ = step;
+  for (size_t i = 0; i < entries_.size(); ++i) entries_[i].load(step, current_[i]);
+}
+
+void JobTensors::agree(collectives::Communicator& world, int64_t step, at::Device device,
+                       std::chrono::milliseconds timeout, int preferredRoot) {
   if (entries_.empty()) return;
-  const bool known = live || taken_.size() == entries_.size();
+  const bool known = step_ == step;
   at::Tensor flags = at::zeros({world.size()}, at::kDouble);
   if (known) flags[world.rank()] = 1.0;
   flags = flags.to(device);
   world.allreduce(flags, collectives::ReduceOp::kSum, timeout);
   flags = flags.cpu();
-  int root = -1;
+  auto knows = [&](int r) { return r >= 0 && r < world.size() && flags[r].item<double>() > 0.5; };
+  int root = knows(preferredRoot) ? preferredRoot : -1;
   for (int r = 0; r < world.size() && root < 0; ++r) {
-    if (flags[r].item<double>() > 0.5) root = r;
+    if (knows(r)) root = r;
   }
-  std::map<std::string, at::Tensor> taken;
-  taken.swap(taken_);
   if (root < 0) return;
+  std::vector<at::Tensor> values;
   for (size_t i = 0; i < entries_.size(); ++i) {
-    const Entry& e = entries_[i];
-    at::Tensor value;
-    if (world.rank() == root) {
-      auto it = taken.find(e.name);
-      value = live || it == taken.end() ? current_[i] : it->second;
-    } else {
-      value = at::empty_like(e.like);
-    }
+    at::Tensor value = world.rank() == root ? current_[i] : at::empty_like(entries_[i].like);
     at::Tensor onDevice = value.to(device).contiguous();
     world.broadcast(onDevice, root, timeout);
-    if (!live) {
-      current_[i] = onDevice.cpu();
-      e.load(step, current_[i]);
-    }
+    values.push_back(onDevice.cpu());
   }
+  if (!known) load(std::move(values), step);
 }
 
 JobTensors::Entry keptStateEntry(const KeptState& k) {

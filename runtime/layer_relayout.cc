@@ -58,6 +58,25 @@ std::map<int, Holding> exchangeHoldings(collectives::Store& store, int64_t epoch
   return held;
 }
 
+nlohmann::json Relayout::movedEvent(int64_t epoch, int oldFirst, int oldEnd, int first, int end,
+                                    int64_t version, double seconds) const {
+  return {{"event", "layers_moved"},
+          {"epoch", epoch},
+          {"held", {oldFirst, oldEnd}},
+          {"holds", {first, end}},
+          {"copied", copied},
+          {"from", sources},
+          {"from_disk", fromDisk},
+          {"from_own_ram", fromOwnRam},
+          {"from_peer_ram", fromPeerRam},
+          {"ram_sources", ramSources},
+          {"version", version},
+          {"fresh", fresh},
+          {"copied_bytes", bytesCopied},
+          {"copy_s", copySeconds},
+          {"duration_s", seconds}};
+}
+
 std::string Relayout::describe(int worker, const ModelSpec& spec, int first, int end, int64_t epoch,
                                int64_t version) const {
   std::ostringstream os;
@@ -315,6 +334,10 @@ std::optional<Relayout> LayerRelayout::run(const pipeline::Plan& plan,
       std::fprintf(stderr, "sinew: worker %d: restoring version %lld: %s\n", self,
                    static_cast<long long>(resumeApplied), why.c_str());
     }
+  }
+  for (auto* v : {&r.sources, &r.ramSources}) {
+    std::sort(v->begin(), v->end());
+    v->erase(std::unique(v->begin(), v->end()), v->end());
   }
   return r;
 }

@@ -25,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "sinew/checkpoint/shard.h"
 #include "sinew/communicator.h"
 #include "sinew/model.h"
@@ -65,10 +67,15 @@ struct Relayout {
   torch::nn::Sequential model;                             // [first, end), on the device
   std::map<std::string, checkpoint::RestoredLayer> state;  // by layer name, as checkpoints
   int copied = 0, fromDisk = 0, fromOwnRam = 0, fromPeerRam = 0, fresh = 0;
-  std::vector<int> sources;     // workers copied from (live layers)
-  std::vector<int> ramSources;  // workers whose RAM versions were restored
+  std::vector<int> sources;     // workers copied from (live layers), sorted, each once
+  std::vector<int> ramSources;  // workers whose RAM versions were restored, sorted, each once
   int64_t bytesCopied = 0;      // tensor bytes received from live workers
   double copySeconds = 0;       // the wall time of receiving them (with this worker's sends)
+
+  // The event "layers_moved" of the worker that adopts it in `epoch` (held [oldFirst, oldEnd),
+  // holds [first, end) at version `version`, after `seconds`).
+  nlohmann::json movedEvent(int64_t epoch, int oldFirst, int oldEnd, int first, int end,
+                            int64_t version, double seconds) const;
 
   // "sinew: worker 3 now holds layers h2..h5 (epoch 4; 2 copied from worker 1; ...)".
   std::string describe(int worker, const ModelSpec& spec, int first, int end, int64_t epoch,

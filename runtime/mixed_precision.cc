@@ -170,7 +170,10 @@ void GradientScaling::unscaleAndClip(const std::vector<at::Tensor>& params,
   scaleGradients(params, clip / stepScale_);
 }
 
-bool GradientScaling::commit() { return scaler_.update(squaredNorm_); }
+bool GradientScaling::commit() {
+  beforeCommit_ = scaler_;
+  return scaler_.update(squaredNorm_);
+}
 
 }  // namespace runtime
 }  // namespace sinew

@@ -88,6 +88,8 @@ class GradientScaling {
   void unscaleAndClip(const std::vector<at::Tensor>& params, double scaledSquaredNorm);
   // At the step's commit: whether the optimizer may step; updates the scale.
   bool commit();
+  // Takes back the last commit()'s update (the step did not commit after all).
+  void undoCommit() { scaler_ = beforeCommit_; }
 
   double stepScale() const { return stepScale_; }
   double gradNorm() const { return gradNorm_; }  // the step's, unscaled, before clipping
@@ -96,6 +98,7 @@ class GradientScaling {
  private:
   const std::optional<double> clip_;
   LossScaler scaler_;
+  LossScaler beforeCommit_ = scaler_;
   double stepScale_ = 1.0;
   double squaredNorm_ = 0;  // scaled
   double gradNorm_ = 0;

@@ -33,6 +33,7 @@
 #include "sinew/runtime/device_choice.h"
 #include "sinew/runtime/durable_checkpoints.h"
 #include "sinew/runtime/epoch_communicators.h"
+#include "sinew/runtime/epoch_recovery.h"
 #include "sinew/runtime/evaluation.h"
 #include "sinew/runtime/event_log.h"
 #include "sinew/runtime/job_tensors.h"
@@ -185,12 +186,6 @@ class Trainer::Impl {
     runtime::checkMixedPrecisionOptions(o_, device_);
     for (const KeptState& k : o_.keptState) jobTensors_.add(runtime::keptStateEntry(k));
     ties_ = runtime::resolveTies(spec_);
-    if (!o_.checkpointDir.empty()) {
-      if (o_.checkpointEvery < 0 || o_.checkpointKeep < 1) {
-        SINEW_THROW(InvalidArgument, "TrainerOptions::checkpointEvery = ", o_.checkpointEvery,
-                    " must be >= 0 and checkpointKeep = ", o_.checkpointKeep, " >= 1");
-      }
-    }
     const std::string path = eventLogPath(o_, ctx_.worker());
     if (!path.empty()) events_.open(path, {{"worker", ctx_.worker()}});
     chooser_ = std::make_unique<runtime::BackendChooser>(services_, device_);
@@ -588,6 +583,12 @@ class Trainer::Impl {
     appliedLr_ = runtime::learningRate(*opt_);
     // After the verdict, so that a step redone in another epoch scales as its first attempt.
     lastSkipped_ = !scaling_.commit();
+    try {
+      jobTensors_.commit(step_);  // Before the optimizer steps: a save that throws changes nothing.
+    } catch (...) {
+      scaling_.undoCommit();
+      throw;
+    }
     if (lastSkipped_) {
       event({{"event", "step_skipped"},
              {"step", step_},
@@ -597,7 +598,6 @@ class Trainer::Impl {
       opt_->step();
     }
     applied_ = step_;
-    jobTensors_.commit(step_);
     // A scheduler's checkpoint, drain or stop may ask for this step to be durable. When the
     // peer-RAM engine takes the step's version, its copy is flushed; otherwise this worker's
     // own.
@@ -632,57 +632,9 @@ class Trainer::Impl {
   // Leaves epoch `from` (aborting its communicator) and enters the next one the coordinator
   // announces, retrying until one can be built (docs/architecture.md section 6, steps 2-3).
   void recoverInto(int64_t from, bool failure, const std::string& why) {
-    auto t0 = Clock::now();
-    comms_->drop();
-    if (failure) {
-      state_.memberLost = true;  // MPI_Finalize would wait for the lost member forever.
-      event({{"event", "failure_noticed"}, {"epoch", from}, {"step", step_}, {"reason", why}});
-    }
-    auto deadline = t0 + recoveryTimeout();
-    int64_t waitFrom = from;
-    while (true) {
-      if (failure) state_.injector.fire(ctx_.worker(), step_, Phase::kRecovery, &client_);
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-      if (left.count() <= 0) {
-        SINEW_THROW(Timeout, "worker ", ctx_.worker(), " could not recover within ",
-                    recoveryTimeout().count(), " ms (", why, ")");
-      }
-      EpochInfo info;
-      try {
-        info = client_.waitEpochAfter(waitFrom, std::min(left, kNudge));
-      } catch (const Timeout&) {
-        // Nothing died that the coordinator knows of (e.g. a timeout without a death):
-        // ask for a fresh epoch with the same members.
-        if (waitFrom >= 0) client_.requestRebuild(waitFrom);
-        continue;
-      }
-      // A new epoch after the first: the worker is reconfiguring (docs/architecture.md section 8).
-      if (from >= 0) {
-        state_.injector.fire(ctx_.worker(), step_, Phase::kReconfiguration, &client_);
-      }
-      try {
-        enter(info);
-        break;
-      } catch (const PeerLost& e) {
-        client_.reportLost(info.epoch, e.worker());
-      } catch (const Timeout&) {
-        client_.requestRebuild(info.epoch);
-      } catch (const Aborted&) {
-        // Superseded while building: the next epoch is already on its way.
-      } catch (const IoError&) {
-        client_.requestRebuild(info.epoch);
-      } catch (const runtime::LayerCopyDamaged& e) {
-        // Nothing of the copy was adopted; the same members try the epoch again and copy it
-        // anew. Other corruption (every restore source damaged) ends the worker.
-        event({{"event", "copy_damaged"}, {"epoch", info.epoch}, {"reason", e.what()}});
-        std::fprintf(stderr, "sinew: worker %d: %s; trying the epoch again\n", ctx_.worker(),
-                     e.what());
-        client_.requestRebuild(info.epoch);
-      }
-      comms_->drop();
-      waitFrom = info.epoch;
-    }
-    double took = seconds(Clock::now() - t0);
+    const double took =
+        runtime::recoverIntoNextEpoch(services_, *comms_, from, failure, why, step_,
+                                      [this](const EpochInfo& info) { enter(info); });
     if (failure) {
       recoveries_++;
       recoveryMax_ = std::max(recoveryMax_, took);
@@ -720,7 +672,6 @@ class Trainer::Impl {
     members_ = info.members;
     plan_ = Plan::dataParallel(info.epoch, info.members, static_cast<int>(spec_.layers.size()),
                                o_.globalBatch / o_.microbatch);
-    const bool live = applied_ == info.resumeStep - 1;
     if (info.sync && info.source == self && applied_ < info.resumeStep - 1) {
       restoreFromDisk(info.resumeStep - 1);  // The first epoch of a resumed job.
     }
@@ -730,8 +681,7 @@ class Trainer::Impl {
       const int root = static_cast<int>(
           std::find(info.members.begin(), info.members.end(), info.source) - info.members.begin());
       runtime::broadcastState(comms_->world(), root, params_, *opt_, device_, opTimeout());
-      jobTensors_.agree(comms_->world(), info.resumeStep - 1, self == info.source && live, device_,
-                        opTimeout());
+      jobTensors_.agree(comms_->world(), info.resumeStep - 1, device_, opTimeout(), root);
       applied_ = info.resumeStep - 1;
     }
     step_ = info.resumeStep;
@@ -757,8 +707,6 @@ class Trainer::Impl {
     const int first = mine ? mine->firstLayer : 0;
     const int end = mine ? mine->endLayer : 0;
     const int64_t resumeApplied = info.resumeStep - 1;
-    // Its job tensors are the resume step's if it holds that step's state live.
-    const bool stateLive = applied_ == resumeApplied;
     // What every member holds now, published for this epoch, so that all agree on who copies
     // which layers to whom (docs/pipeline.md, "Reconfiguration").
     std::map<int, runtime::Holding> held = runtime::exchangeHoldings(
@@ -807,7 +755,7 @@ class Trainer::Impl {
       // The first plan of a resumed job: every worker reads its own layers from disk.
       restoreFromDisk(info.resumeStep - 1);
     }
-    jobTensors_.agree(comms_->world(), info.resumeStep - 1, stateLive, device_, opTimeout());
+    jobTensors_.agree(comms_->world(), info.resumeStep - 1, device_, opTimeout());
     applied_ = info.resumeStep - 1;
     step_ = info.resumeStep;
     progress_->restart();
@@ -834,31 +782,15 @@ class Trainer::Impl {
     runtime::loadState(model_, *opt_, r.state,
                        "the state of the layers moved in epoch " + std::to_string(epoch));
     jobTensors_.take(runtime::jobTensors(r.state),
-                     "the state of the layers moved in epoch " + std::to_string(epoch));
+                     "the state of the layers moved in epoch " + std::to_string(epoch),
+                     resumeApplied);
     const int oldFirst = heldFirst_, oldEnd = heldEnd_;
     heldFirst_ = first;
     heldEnd_ = end;
     applied_ = resumeApplied;
-    for (auto* v : {&r.sources, &r.ramSources}) {
-      std::sort(v->begin(), v->end());
-      v->erase(std::unique(v->begin(), v->end()), v->end());
-    }
     durable_->rolledBackTo(resumeApplied);  // After a rollback, those steps run again.
-    event({{"event", "layers_moved"},
-           {"epoch", epoch},
-           {"held", {oldFirst, oldEnd}},
-           {"holds", {first, end}},
-           {"copied", r.copied},
-           {"from", r.sources},
-           {"from_disk", r.fromDisk},
-           {"from_own_ram", r.fromOwnRam},
-           {"from_peer_ram", r.fromPeerRam},
-           {"ram_sources", r.ramSources},
-           {"version", resumeApplied},
-           {"fresh", r.fresh},
-           {"copied_bytes", r.bytesCopied},
-           {"copy_s", r.copySeconds},
-           {"duration_s", seconds(Clock::now() - t0)}});
+    event(r.movedEvent(epoch, oldFirst, oldEnd, first, end, resumeApplied,
+                       seconds(Clock::now() - t0)));
     std::printf("%s\n", r.describe(ctx_.worker(), spec_, first, end, epoch, resumeApplied).c_str());
     std::fflush(stdout);
   }
@@ -934,14 +866,12 @@ class Trainer::Impl {
   // Loads durable version `step` into this worker's layers and optimizer state.
   void restoreFromDisk(int64_t step) {
     jobTensors_.take(durable_->restoreInto(step, model_, *opt_),
-                     "durable checkpoint " + std::to_string(step));
+                     "durable checkpoint " + std::to_string(step), step);
     applied_ = step;
   }
 
   // Called by the training and the flush thread.
   void event(nlohmann::json e) { events_.write(std::move(e)); }
-
-  static constexpr std::chrono::milliseconds kNudge{3000};
 
   Context& ctx_;
   runtime::ContextState& state_;  // ctx_'s; the Context outlives the trainer.

@@ -9,6 +9,10 @@ namespace sinew {
 namespace runtime {
 
 void checkTrainerOptions(const TrainerOptions& o, const ModelSpec& spec) {
+  if (!o.checkpointDir.empty() && (o.checkpointEvery < 0 || o.checkpointKeep < 1)) {
+    SINEW_THROW(InvalidArgument, "TrainerOptions::checkpointEvery = ", o.checkpointEvery,
+                " must be >= 0 and checkpointKeep = ", o.checkpointKeep, " >= 1");
+  }
   if (o.globalBatch <= 0 || o.microbatch <= 0 || o.globalBatch % o.microbatch != 0) {
     SINEW_THROW(InvalidArgument, "TrainerOptions::microbatch = ", o.microbatch,
                 " must be positive and divide globalBatch = ", o.globalBatch);

@@ -69,12 +69,14 @@ enum class Parallelism {
 // statistic) that travels with the model: stored with every checkpoint, peer-RAM version and
 // layer copy as "@user.<name>" (docs/checkpoint_format.md), and given back when the job
 // resumes from one. `save(step)` is called once per committed step on every worker, in step
-// order, inside Trainer::step() (or run()) after the step's optimizer step; it returns the
-// state after that step, of `initial`'s shape and dtype (the program may advance its state in
-// it). `load(step, value)` is called inside step() or the constructor when this worker's state
-// comes back to the one after `step`: after a restore from disk, a rollback to a peer-RAM
-// version, or when it joins the job (the value of a member that holds it). A step redone after
-// a rollback calls save again. The same names on every worker; a name is [A-Za-z0-9_.-]+.
+// order, inside Trainer::step() (or run()) once the step is committed, just before its
+// optimizer step; it returns the state after that step, of `initial`'s shape and dtype (the
+// program may advance its state in it). If it throws, step() throws InvalidArgument naming it
+// and the step, and the optimizer has not stepped. `load(step, value)` is called inside step() or
+// the constructor when this worker's state comes back to the one after `step`: after a restore from
+// disk, a rollback to a peer-RAM version, or when it joins the job (the value of a member that
+// holds it). A step redone after a rollback calls save again. The same names on every worker; a
+// name is [A-Za-z0-9_.-]+.
 struct KeptState {
   std::string name;
   at::Tensor initial;

@@ -26,15 +26,18 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include "sinew/base/error.h"
 #include "sinew/data.h"
 #include "sinew/init.h"
 #include "sinew/runtime/detail/wire.h"
+#include "sinew/runtime/job_tensors.h"
 #include "sinew/runtime/layer_copy_manifest.h"
 #include "sinew/runtime/optimizer_state.h"
 #include "sinew/runtime/step_update.h"
 #include "sinew/schedule.h"
+#include "sinew/store.h"
 
 namespace sinew {
 namespace runtime {
@@ -268,6 +271,151 @@ StateLayout adamLayout() {
   l.fields = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"};
   l.countField = 3;
   return l;
+}
+
+// ---- JobTensors -------------------------------------------------------------------------
+
+// Members of one job in threads, each with one job tensor "@c" whose value after step s is
+// {s, 10 s} (made by save) and with every load recorded.
+struct JobTensorMember {
+  JobTensors jobs;
+  std::vector<std::pair<int64_t, at::Tensor>> loads;
+  explicit JobTensorMember(bool failSave = false) {
+    jobs.add({"@c", at::tensor({-1.0, -10.0}, at::kDouble),
+              [failSave](int64_t s) -> at::Tensor {
+                if (failSave && s == 3) throw std::runtime_error("cannot count step 3");
+                return at::tensor({double(s), 10.0 * s}, at::kDouble);
+              },
+              [this](int64_t s, const at::Tensor& v) { loads.emplace_back(s, v.clone()); }});
+  }
+};
+
+// Runs body(rank, communicator) on `world` threads, one Gloo communicator each (epoch `epoch`).
+void onMembers(int world, int64_t epoch,
+               const std::function<void(int, collectives::Communicator&)>& body) {
+  auto store = collectives::makeHashStore();
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(world);
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        collectives::CommunicatorOptions o;
+        for (int m = 0; m < world; ++m) o.members.push_back(m);
+        o.self = r;
+        o.epoch = epoch;
+        o.timeout = std::chrono::seconds(30);
+        auto comm = collectives::createGlooCommunicator(store, o);
+        body(r, *comm);
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+at::Tensor counted(double step) { return at::tensor({step, 10.0 * step}, at::kDouble); }
+
+TEST(JobTensorsTest, ARestoreWhoseEpochFailedIsWhatTheNextEpochAgreesOn) {
+  // Every member committed steps 0..9; member 0 then restored its layers' version of step 7
+  // (a rollback), and that epoch failed before the members agreed. The next epoch resumes
+  // after step 7 again: every member must end with step 7's values, not member 0's step 9.
+  // (Before the values followed their step, member 0 counted as live and sent step 9's.)
+  std::vector<std::unique_ptr<JobTensorMember>> m;
+  for (int r = 0; r < 3; ++r) m.push_back(std::make_unique<JobTensorMember>());
+  for (auto& x : m) {
+    for (int64_t s = 0; s <= 9; ++s) x->jobs.commit(s);
+  }
+  EXPECT_TRUE(m[0]->jobs.take({{"@c", counted(7)}}, "version 7", 7));
+  EXPECT_EQ(m[0]->jobs.step(), 7);
+  onMembers(3, 2, [&](int r, collectives::Communicator& world) {
+    m[r]->jobs.agree(world, 7, at::kCPU, std::chrono::seconds(30));
+  });
+  for (int r = 2; r >= 0; --r) {
+    ASSERT_EQ(m[r]->loads.size(), 1u) << "member " << r;
+    EXPECT_EQ(m[r]->loads.back().first, 7) << "member " << r;
+    EXPECT_TRUE(at::equal(m[r]->loads.back().second, counted(7)))
+        << "member " << r << ": " << m[r]->loads.back().second;
+    EXPECT_EQ(m[r]->jobs.step(), 7);
+  }
+  // Its next version carries step 7's values.
+  checkpoint::ShardState state(1);
+  state[0].name = "fc";
+  m[1]->jobs.appendTo(state);
+  ASSERT_EQ(state[0].tensors.size(), 1u);
+  EXPECT_TRUE(at::equal(state[0].tensors[0].tensor, counted(7)));
+}
+
+TEST(JobTensorsTest, MembersThatKnowTheStepKeepTheirsAndThePreferredRootSends) {
+  // Members 0 and 2 hold step 4's values (member 2's differ, to see who sends); member 1
+  // joined. With member 2 preferred, member 1 gets member 2's values and nobody else loads.
+  std::vector<std::unique_ptr<JobTensorMember>> m;
+  for (int r = 0; r < 3; ++r) m.push_back(std::make_unique<JobTensorMember>());
+  for (int64_t s = 0; s <= 4; ++s) m[0]->jobs.commit(s);
+  ASSERT_TRUE(m[2]->jobs.take({{"@c", at::tensor({4.0, 41.0}, at::kDouble)}}, "version 4", 4));
+  m[2]->loads.clear();
+  onMembers(3, 3, [&](int r, collectives::Communicator& world) {
+    m[r]->jobs.agree(world, 4, at::kCPU, std::chrono::seconds(30), /*preferredRoot=*/2);
+  });
+  EXPECT_TRUE(m[0]->loads.empty());
+  EXPECT_TRUE(m[2]->loads.empty());
+  ASSERT_EQ(m[1]->loads.size(), 1u);
+  EXPECT_TRUE(at::equal(m[1]->loads[0].second, at::tensor({4.0, 41.0}, at::kDouble)));
+  // A preferred root that does not know is passed over for the lowest one that does.
+  onMembers(3, 4, [&](int r, collectives::Communicator& world) {
+    if (r == 1) m[1]->jobs.commit(5);  // Knows step 5 only.
+    m[r]->jobs.agree(world, 4, at::kCPU, std::chrono::seconds(30), /*preferredRoot=*/1);
+  });
+  ASSERT_EQ(m[1]->loads.size(), 2u);
+  EXPECT_TRUE(at::equal(m[1]->loads[1].second, counted(4)));
+}
+
+TEST(JobTensorsTest, NobodyKnowingChangesNothingAndAVersionWithoutThemIsNotTaken) {
+  std::vector<std::unique_ptr<JobTensorMember>> m;
+  for (int r = 0; r < 2; ++r) m.push_back(std::make_unique<JobTensorMember>());
+  m[0]->jobs.commit(0);
+  EXPECT_FALSE(m[1]->jobs.take({{"@other", counted(3)}}, "an old version", 3));
+  EXPECT_EQ(m[1]->jobs.step(), -1);
+  onMembers(2, 5, [&](int r, collectives::Communicator& world) {
+    m[r]->jobs.agree(world, 3, at::kCPU, std::chrono::seconds(30));
+  });
+  EXPECT_TRUE(m[0]->loads.empty());
+  EXPECT_TRUE(m[1]->loads.empty());
+  EXPECT_EQ(m[0]->jobs.step(), 0);
+  // A restored tensor of another shape names the version and the tensor.
+  try {
+    m[1]->jobs.take({{"@c", at::zeros({3}, at::kDouble)}}, "durable checkpoint 3", 3);
+    ADD_FAILURE() << "took a tensor of another shape";
+  } catch (const Corruption& e) {
+    EXPECT_NE(std::string(e.what()).find("durable checkpoint 3: the job tensor '@c'"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(JobTensorsTest, ASaveThatThrowsOrChangesShapeNamesTheEntryAndKeepsTheValues) {
+  JobTensorMember m(/*failSave=*/true);
+  m.jobs.commit(2);
+  try {
+    m.jobs.commit(3);
+    ADD_FAILURE() << "a throwing save committed";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("'@c' after step 3 failed: cannot count step 3"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(m.jobs.step(), 2);
+  checkpoint::ShardState state(1);
+  m.jobs.appendTo(state);
+  EXPECT_TRUE(at::equal(state[0].tensors[0].tensor, counted(2)));
+  JobTensors other;
+  other.add({"@x", at::zeros({2}), [](int64_t) { return at::zeros({3}); },
+             [](int64_t, const at::Tensor&) {}});
+  EXPECT_THROW(other.commit(0), InvalidArgument);
+  EXPECT_THROW(other.add({"x", at::zeros({1}), nullptr, nullptr}), InvalidArgument);
 }
 
 TEST(LayerCopyManifestTest, EncodesAndDecodes) {

@@ -1,0 +1,74 @@
+#include "sinew/runtime/epoch_recovery.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+
+#include "sinew/base/error.h"
+#include "sinew/runtime/layer_relayout.h"
+
+namespace sinew {
+namespace runtime {
+
+namespace {
+// How long a wait for the next epoch lasts before the worker asks for one itself.
+constexpr std::chrono::milliseconds kNudge{3000};
+}  // namespace
+
+double recoverIntoNextEpoch(const TrainerServices& s, EpochCommunicators& comms, int64_t from,
+                            bool failure, const std::string& why, int64_t step,
+                            const std::function<void(const EpochInfo&)>& enter) {
+  const auto t0 = TrainerClock::now();
+  comms.drop();
+  const int self = s.worker();
+  if (failure) {
+    s.state.memberLost = true;  // MPI_Finalize would wait for the lost member forever.
+    s.event({{"event", "failure_noticed"}, {"epoch", from}, {"step", step}, {"reason", why}});
+  }
+  const auto deadline = t0 + s.recoveryTimeout();
+  int64_t waitFrom = from;
+  while (true) {
+    if (failure) s.state.injector.fire(self, step, Phase::kRecovery, &s.client);
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - TrainerClock::now());
+    if (left.count() <= 0) {
+      SINEW_THROW(Timeout, "worker ", self, " could not recover within ",
+                  s.recoveryTimeout().count(), " ms (", why, ")");
+    }
+    EpochInfo info;
+    try {
+      info = s.client.waitEpochAfter(waitFrom, std::min(left, kNudge));
+    } catch (const Timeout&) {
+      // Nothing died that the coordinator knows of (e.g. a timeout without a death): ask for
+      // a fresh epoch with the same members.
+      if (waitFrom >= 0) s.client.requestRebuild(waitFrom);
+      continue;
+    }
+    // A new epoch after the first: the worker is reconfiguring (docs/architecture.md section 8).
+    if (from >= 0) s.state.injector.fire(self, step, Phase::kReconfiguration, &s.client);
+    try {
+      enter(info);
+      break;
+    } catch (const PeerLost& e) {
+      s.client.reportLost(info.epoch, e.worker());
+    } catch (const Timeout&) {
+      s.client.requestRebuild(info.epoch);
+    } catch (const Aborted&) {
+      // Superseded while building: the next epoch is already on its way.
+    } catch (const IoError&) {
+      s.client.requestRebuild(info.epoch);
+    } catch (const LayerCopyDamaged& e) {
+      // Nothing of the copy was adopted; the same members try the epoch again and copy it
+      // anew. Other corruption (every restore source damaged) ends the worker.
+      s.event({{"event", "copy_damaged"}, {"epoch", info.epoch}, {"reason", e.what()}});
+      std::fprintf(stderr, "sinew: worker %d: %s; trying the epoch again\n", self, e.what());
+      s.client.requestRebuild(info.epoch);
+    }
+    comms.drop();
+    waitFrom = info.epoch;
+  }
+  return seconds(TrainerClock::now() - t0);
+}
+
+}  // namespace runtime
+}  // namespace sinew
