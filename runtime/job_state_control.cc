@@ -625,7 +625,7 @@ std::string JobState::metrics(Clock::time_point now) {
          "Recoveries finished (a failure, then the next committed step).", recoverySeconds_.size());
   double recoverySum = 0;
   for (double s : recoverySeconds_) recoverySum += s;
-  metric(out, "sinew_recovery_seconds_sum", "counter",
+  metric(out, "sinew_recovery_seconds_total", "counter",
          "Seconds from failures to the next committed step, summed.", recoverySum);
   metric(out, "sinew_effective_training_seconds_total", "counter",
          "Seconds between consecutive commits of one epoch, summed.", effectiveSeconds_);

@@ -18,6 +18,7 @@ PACKAGES=(
   libcli11-dev
   curl gnuplot-nox
   etcd-server
+  prometheus
 )
 if [[ "${1:-}" == "--bench" ]]; then PACKAGES+=(python3-torch); fi
 

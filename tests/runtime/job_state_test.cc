@@ -6,8 +6,15 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
+
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <regex>
+#include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -180,6 +187,80 @@ TEST(JobStateTest, StepCommitsOnlyWhenEveryMemberVoted) {
   // A vote of the old epoch that crossed the change is ignored, not a violation.
   m.vote(0, 0, 1);
   EXPECT_EQ(m.state->committed(), 0);
+}
+
+// The metrics of a job that committed steps, lost a worker and recovered.
+std::string metricsAfterARecovery() {
+  Machine m(3);
+  m.join(0, "a");
+  m.join(1, "b");
+  m.join(2, "c");
+  for (int w = 0; w < 3; ++w) m.vote(w, 0, 0);
+  m.closed(3);  // Worker 2 dies.
+  m.frame(1, Type::kHeartbeat, 1, json::object());
+  m.advance(200ms);
+  m.vote(0, 1, 1);
+  m.vote(1, 1, 1);
+  EXPECT_EQ(m.state->committed(), 1);
+  return m.state->metrics(m.t);
+}
+
+std::set<std::string> metricNames(const std::string& text) {
+  std::set<std::string> names;
+  const std::regex type(R"(# TYPE (\S+) \S+)");
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    std::smatch m;
+    if (std::regex_match(line, m, type)) names.insert(m[1]);
+  }
+  return names;
+}
+
+// Every metric the coordinator exports is a row of docs/control_api.md's metrics table (with
+// its type), and every row is exported.
+TEST(JobStateTest, EveryMetricIsDocumentedWithItsType) {
+  const std::string text = metricsAfterARecovery();
+  std::ifstream doc(SINEW_CONTROL_DOC);
+  ASSERT_TRUE(doc) << SINEW_CONTROL_DOC;
+  std::map<std::string, std::string> documented;  // name -> type
+  const std::regex row(R"(\| `(sinew_[a-z_]+)(\{[a-z,]+\})?` \| (counter|gauge) \|.*)");
+  for (std::string line; std::getline(doc, line);) {
+    std::smatch m;
+    if (std::regex_match(line, m, row)) documented[m[1]] = m[3];
+  }
+  const std::set<std::string> exported = metricNames(text);
+  EXPECT_GE(exported.size(), 19u);
+  for (const std::string& name : exported) {
+    ASSERT_TRUE(documented.count(name)) << name << " is not in the doc's table";
+    const std::regex typeLine("# TYPE " + name + " " + documented[name]);
+    EXPECT_TRUE(std::regex_search(text, typeLine)) << name << " is not a " << documented[name];
+  }
+  for (const auto& [name, type] : documented) {
+    EXPECT_TRUE(exported.count(name)) << name << " is documented but not exported";
+  }
+}
+
+// Prometheus's own linter accepts the text (counters end in _total, no reserved suffixes).
+TEST(JobStateTest, MetricsPassPromtool) {
+#ifndef PROMTOOL_PATH
+  GTEST_SKIP() << "promtool not found at configure time (Debian's prometheus package has it)";
+#else
+  const std::string text = metricsAfterARecovery();
+  const std::string out = ::testing::TempDir() + "promtool-" + std::to_string(getpid());
+  const std::string cmd = std::string(PROMTOOL_PATH) + " check metrics > " + out + " 2>&1";
+  FILE* pipe = popen(cmd.c_str(), "w");
+  ASSERT_NE(pipe, nullptr);
+  fwrite(text.data(), 1, text.size(), pipe);
+  const int status = pclose(pipe);
+  std::ifstream in(out);
+  std::stringstream said;
+  said << in.rdbuf();
+  std::remove(out.c_str());
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+      << "promtool check metrics: " << said.str() << "\n"
+      << text;
+  EXPECT_EQ(said.str(), "");
+#endif
 }
 
 // Liveness: a worker that says nothing for deadAfter is declared dead at the first check after
