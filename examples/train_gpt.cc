@@ -394,6 +394,66 @@ double heldOutLoss(torch::nn::Sequential& m, const sinew::ModelSpec& spec,
 
 }  // namespace
 
+sinew::TrainerOptions trainerOptions(const Args& a, const std::string& launchMode) {
+  sinew::TrainerOptions o = sinew_example::trainerOptions(a);
+  // A process on its own (no launcher) has no second node for pipelines to fail over to.
+  const bool alone = launchMode == "single";
+  o.parallelism =
+      a.dataParallel || alone ? sinew::Parallelism::kData : sinew::Parallelism::kPipeline;
+  o.faultTolerance = a.faultTolerance;
+  o.peerCheckpointEvery = a.peerCheckpointEvery;
+  o.deviceMemoryBytes = a.memoryBytes;
+  o.devicesPerNode = a.devicesPerNode;
+  o.profilePath = a.profile;
+  if (a.bf16) o.computeDtype = at::kBFloat16;
+  if (a.fp16) o.computeDtype = at::kHalf;  // With dynamic loss scaling unless --loss-scaling.
+  if (a.lossScaling > 0) o.lossScaling = sinew::TrainerOptions::LossScaling{65536.0, a.lossScaling};
+  return o;
+}
+
+// The job's results against a single-process libtorch run of the same recipe.
+struct Comparison {
+  double refLoss = -1, refEval = -1, maxRel = -1, outputsRel = -1;
+};
+
+// Trains the reference and compares the gathered model, the evaluation loss and its outputs
+// with it. Returns false (after saying why) if the gathered model lacks a tensor.
+bool compare(const Args& a, const sinew::ModelSpec& spec, at::ScalarType dtype, const Data& data,
+             int64_t evalCount, const at::Tensor& evalOutputs, torch::nn::Sequential& gathered,
+             Comparison* c) {
+  torch::nn::Sequential ref;
+  c->refLoss =
+      sinew_example::trainReference(a, spec, dtype, &ref, 0, data.heldOut, shareTiedTensor);
+  if (a.evalEvery > 0) {
+    c->refEval = heldOutLoss(ref, spec, data.heldOut, evalCount, a.globalBatch, dtype);
+  }
+  if (evalOutputs.defined()) {
+    std::vector<sinew::Sample> samples;
+    for (int64_t j = 0; j < evalCount; ++j) samples.push_back(data.heldOut(j));
+    at::NoGradGuard noGrad;
+    c->outputsRel =
+        sinew_example::relDiff(evalOutputs.to(at::kDouble),
+                               sinew_example::forwardSamples(ref, samples, dtype).to(at::kDouble));
+  }
+  c->maxRel = 0;
+  auto mine = gathered->named_parameters(/*recurse=*/true);
+  auto refParams = ref->named_parameters(/*recurse=*/true);
+  for (const auto& np : refParams) {
+    // The head's weight is the embedding's in the reference.
+    const std::string theirs = np.key() == "head.lm.weight" ? "embed.tok.weight" : np.key();
+    const at::Tensor* got = mine.find(np.key());
+    const at::Tensor* want = refParams.find(theirs);
+    if (got == nullptr || got->sizes() != want->sizes()) {
+      std::fprintf(stderr, "train_gpt: the gathered model has no tensor '%s' of its shape\n",
+                   np.key().c_str());
+      return false;
+    }
+    c->maxRel = std::max(
+        c->maxRel, sinew_example::relDiff(got->to(at::kDouble), want->detach().to(at::kDouble)));
+  }
+  return true;
+}
+
 int main(int argc, char** argv) {
   Args a = parse(argc, argv);
   at::set_num_threads(1);  // Several workers share a few cores.
@@ -415,19 +475,7 @@ int main(int argc, char** argv) {
   }
   std::unique_ptr<sinew::Context> ctx = sinew_example::join("train_gpt", &argc, &argv);
   if (!ctx) return 1;
-  sinew::TrainerOptions o = sinew_example::trainerOptions(a);
-  // A process on its own (no launcher) has no second node for pipelines to fail over to.
-  const bool alone = ctx->launchMode() == "single";
-  o.parallelism =
-      a.dataParallel || alone ? sinew::Parallelism::kData : sinew::Parallelism::kPipeline;
-  o.faultTolerance = a.faultTolerance;
-  o.peerCheckpointEvery = a.peerCheckpointEvery;
-  o.deviceMemoryBytes = a.memoryBytes;
-  o.devicesPerNode = a.devicesPerNode;
-  o.profilePath = a.profile;
-  if (a.bf16) o.computeDtype = at::kBFloat16;
-  if (a.fp16) o.computeDtype = at::kHalf;  // With dynamic loss scaling unless --loss-scaling.
-  if (a.lossScaling > 0) o.lossScaling = sinew::TrainerOptions::LossScaling{65536.0, a.lossScaling};
+  sinew::TrainerOptions o = trainerOptions(a, ctx->launchMode());
   // The program's own state: the tokens trained on so far, as a schedule or a log would use
   // them. It travels with every version, so a rollback does not count redone steps twice.
   int64_t tokensSeen = 0;
@@ -467,45 +515,16 @@ int main(int argc, char** argv) {
   for (const auto& np : gathered->named_parameters(/*recurse=*/true)) {
     if (np.key() != "head.lm.weight") parameters += np.value().numel();
   }
-  double refLoss = -1, refEval = -1, maxRel = -1, outputsRel = -1;
-  if (a.reference) {
-    torch::nn::Sequential ref;
-    refLoss =
-        sinew_example::trainReference(a, spec, o.dtype, &ref, 0, data.heldOut, shareTiedTensor);
-    if (a.evalEvery > 0) {
-      refEval = heldOutLoss(ref, spec, data.heldOut, evalCount, a.globalBatch, o.dtype);
-    }
-    if (evalOutputs.defined()) {
-      std::vector<sinew::Sample> samples;
-      for (int64_t j = 0; j < evalCount; ++j) samples.push_back(data.heldOut(j));
-      at::NoGradGuard noGrad;
-      outputsRel = sinew_example::relDiff(
-          evalOutputs.to(at::kDouble),
-          sinew_example::forwardSamples(ref, samples, o.dtype).to(at::kDouble));
-    }
-    maxRel = 0;
-    auto mine = gathered->named_parameters(/*recurse=*/true);
-    auto refParams = ref->named_parameters(/*recurse=*/true);
-    for (const auto& np : refParams) {
-      // The head's weight is the embedding's in the reference.
-      const std::string theirs = np.key() == "head.lm.weight" ? "embed.tok.weight" : np.key();
-      const at::Tensor* got = mine.find(np.key());
-      const at::Tensor* want = refParams.find(theirs);
-      if (got == nullptr || got->sizes() != want->sizes()) {
-        std::fprintf(stderr, "train_gpt: the gathered model has no tensor '%s' of its shape\n",
-                     np.key().c_str());
-        return 1;
-      }
-      maxRel = std::max(
-          maxRel, sinew_example::relDiff(got->to(at::kDouble), want->detach().to(at::kDouble)));
-    }
+  Comparison c;
+  if (a.reference && !compare(a, spec, o.dtype, data, evalCount, evalOutputs, gathered, &c)) {
+    return 1;
   }
   std::printf(
       "RESULT final_loss=%.9g reference_loss=%.9g max_param_rel_diff=%.3g recoveries=%d "
       "recovery_s_max=%.3f eval_loss=%.9g reference_eval_loss=%.9g eval_outputs_rel_diff=%.3g "
       "parameters=%lld loss_scale=%.9g tokens_seen=%lld\n",
-      r.finalLoss, refLoss, maxRel, r.recoveries, r.recoveryMaxSeconds, evalLoss, refEval,
-      outputsRel, static_cast<long long>(parameters), r.lossScale,
+      r.finalLoss, c.refLoss, c.maxRel, r.recoveries, r.recoveryMaxSeconds, evalLoss, c.refEval,
+      c.outputsRel, static_cast<long long>(parameters), r.lossScale,
       static_cast<long long>(tokensSeen));
   std::fflush(stdout);
   return 0;

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <exception>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "sinew/base/error.h"
 #include "sinew/pipeline/memory_meter.h"
@@ -44,10 +46,8 @@ int64_t nsSince(Clock::time_point t0) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
 }
 
-}  // namespace
-
-Profile profileLayers(const std::vector<ProfiledLayer>& layers, const Activation& input,
-                      const ProfilerOptions& options) {
+void checkArguments(const std::vector<ProfiledLayer>& layers, const Activation& input,
+                    const ProfilerOptions& options) {
   if (layers.empty()) {
     SINEW_THROW(InvalidArgument, "profileLayers: no layers");
   }
@@ -75,88 +75,120 @@ Profile profileLayers(const std::vector<ProfiledLayer>& layers, const Activation
                   "') has no forward");
     }
   }
-  Profile profile;
-  profile.job = options.job;
-  profile.microbatch_size = options.microbatch_size;
-  const size_t L = layers.size();
-  // Each run is one whole microbatch, as in training: the forward of every layer in order,
-  // then the backward of every layer in reverse, each layer timed on its own. Profiling a
-  // layer alone, over and over on the same tensors, measured it with a cache-hot working set
-  // and underestimated training by a third (docs/pipeline.md, "Cost model check").
-  std::vector<std::vector<int64_t>> fwd(L), bwd(L);
-  std::vector<Activation> ins(L), outs(L);
-  auto resetGradients = [&] {
-    for (const ProfiledLayer& layer : layers) {
+}
+
+// The runs of one profile. Each run is one whole microbatch, as in training: the forward of
+// every layer in order, then the backward of every layer in reverse, each layer timed on its
+// own. Profiling a layer alone, over and over on the same tensors, measured it with a
+// cache-hot working set and underestimated training by a third (docs/pipeline.md, "Cost model
+// check").
+class ProfileRuns {
+ public:
+  ProfileRuns(const std::vector<ProfiledLayer>& layers, const Activation& input,
+              const ProfilerOptions& options)
+      : layers_(layers),
+        input_(input),
+        options_(options),
+        L_(layers.size()),
+        fwd_(L_),
+        bwd_(L_),
+        ins_(L_),
+        outs_(L_),
+        retained_(L_, -1) {
+    if (options.measure_memory && input.tensors[0].device().is_cpu()) meter_.emplace();
+    metered_ = meter_ && meter_->installed();
+  }
+
+  Profile run() {
+    for (int run = 0; run < options_.warmup + options_.repeats; ++run) {
+      const bool timed = run >= options_.warmup;
+      const at::Tensor loss = forward(timed, run + 1 == options_.warmup + options_.repeats);
+      backward(timed, loss);
+    }
+    resetGradients();
+    return result();
+  }
+
+ private:
+  void resetGradients() {
+    for (const ProfiledLayer& layer : layers_) {
       for (const at::Tensor& p : layer.parameters) {
         if (p.grad().defined()) p.mutable_grad().reset();
       }
     }
-  };
-  auto failed = [&](size_t l, const std::exception& e) {
+  }
+
+  [[noreturn]] void failed(size_t l, const std::exception& e) {
     resetGradients();
-    SINEW_THROW(InvalidArgument, "profileLayers: layers[", l, "] ('", layers[l].name,
+    SINEW_THROW(InvalidArgument, "profileLayers: layers[", l, "] ('", layers_[l].name,
                 "') failed: ", e.what());
-  };
-  // Bytes each layer's forward left allocated (its output, what autograd saved for backward,
-  // and for the last layer the loss's), in the last run; -1 where not measured.
-  std::vector<int64_t> retained(L, -1);
-  std::optional<CpuMemoryMeter> meter;
-  if (options.measure_memory && input.tensors[0].device().is_cpu()) meter.emplace();
-  const bool metered = meter && meter->installed();
-  for (int run = 0; run < options.warmup + options.repeats; ++run) {
-    const bool lastRun = run + 1 == options.warmup + options.repeats;
-    Activation x = input.detached();
-    at::Tensor loss;  // The last layer's, if the options give a loss.
-    for (size_t l = 0; l < L; ++l) {
+  }
+
+  // The options' loss on the last layer's output `y` (checked: one element that requires grad
+  // when y does).
+  at::Tensor lossOf(size_t l, const Activation& y) {
+    auto lossFailed = [&](const std::string& why) {
+      resetGradients();
+      SINEW_THROW(InvalidArgument, "profileLayers: the loss on the output of layers[", l, "] ('",
+                  layers_[l].name, "') ", why);
+    };
+    at::Tensor loss;
+    try {
+      loss = options_.loss(y.single("the last layer's output"), options_.target);
+      if (loss.defined() && loss.numel() == 1) synchronize(loss);
+    } catch (const std::exception& e) {
+      lossFailed(std::string("failed: ") + e.what());
+    }
+    if (!loss.defined() || loss.numel() != 1) {
+      lossFailed("returned " +
+                 (loss.defined() ? std::to_string(loss.numel()) + " elements" : "no tensor") +
+                 ", not one");
+    }
+    if (y.tensors[0].requires_grad() && !loss.requires_grad()) {
+      lossFailed("does not require grad, so no gradient reaches the model");
+    }
+    return loss;
+  }
+
+  // Every layer's forward in order (timed when `timed`; its memory measured in the last run);
+  // returns the last layer's loss if the options give one.
+  at::Tensor forward(bool timed, bool lastRun) {
+    Activation x = input_.detached();
+    at::Tensor loss;
+    for (size_t l = 0; l < L_; ++l) {
       Activation in = x.detached();
       for (at::Tensor& t : in.tensors) {
         if (at::isFloatingType(t.scalar_type())) t.requires_grad_(true);
       }
-      const int64_t liveBefore = metered ? meter->live() : 0;
+      const int64_t liveBefore = metered_ ? meter_->live() : 0;
       auto t0 = Clock::now();
-      const bool withLoss = l + 1 == L && static_cast<bool>(options.loss);
+      const bool withLoss = l + 1 == L_ && static_cast<bool>(options_.loss);
       Activation y;
       try {
-        y = layers[l].forward(in);
+        y = layers_[l].forward(in);
         // A device error can surface only at the synchronisation.
         if (!withLoss) synchronize(y);
       } catch (const std::exception& e) {
         failed(l, e);
       }
-      if (withLoss) {
-        auto lossFailed = [&](const std::string& why) {
-          resetGradients();
-          SINEW_THROW(InvalidArgument, "profileLayers: the loss on the output of layers[", l,
-                      "] ('", layers[l].name, "') ", why);
-        };
-        try {
-          loss = options.loss(y.single("the last layer's output"), options.target);
-          if (loss.defined() && loss.numel() == 1) synchronize(loss);
-        } catch (const std::exception& e) {
-          lossFailed(std::string("failed: ") + e.what());
-        }
-        if (!loss.defined() || loss.numel() != 1) {
-          lossFailed("returned " +
-                     (loss.defined() ? std::to_string(loss.numel()) + " elements" : "no tensor") +
-                     ", not one");
-        }
-        if (y.tensors[0].requires_grad() && !loss.requires_grad()) {
-          lossFailed("does not require grad, so no gradient reaches the model");
-        }
-      }
-      if (run >= options.warmup) fwd[l].push_back(nsSince(t0));
-      if (metered && lastRun) retained[l] = std::max<int64_t>(0, meter->live() - liveBefore);
-      ins[l] = in;
-      outs[l] = y;
+      if (withLoss) loss = lossOf(l, y);
+      if (timed) fwd_[l].push_back(nsSince(t0));
+      if (metered_ && lastRun) retained_[l] = std::max<int64_t>(0, meter_->live() - liveBefore);
+      ins_[l] = in;
+      outs_[l] = y;
       x = y;
     }
+    return loss;
+  }
+
+  // Every layer's backward in reverse, each from the next layer's input gradients (ones where
+  // it has none of the output's shape), or from `loss` for the last layer.
+  void backward(bool timed, const at::Tensor& loss) {
     std::vector<at::Tensor> g;  // gradients of the next layer's input tensors
-    for (size_t i = L; i-- > 0;) {
-      const Activation& y = outs[i];
-      const bool fromLoss = i + 1 == L && loss.defined() && loss.requires_grad();
-      // The outputs that take part in backward, with the next layer's input gradients (ones
-      // where it has none of the output's shape).
-      std::vector<at::Tensor> ys, gs;
+    for (size_t i = L_; i-- > 0;) {
+      const Activation& y = outs_[i];
+      const bool fromLoss = i + 1 == L_ && loss.defined() && loss.requires_grad();
+      std::vector<at::Tensor> ys, gs;  // the outputs that take part, with their gradients
       for (size_t j = 0; !fromLoss && j < y.tensors.size(); ++j) {
         const at::Tensor& t = y.tensors[j];
         if (!t.requires_grad()) continue;
@@ -164,7 +196,7 @@ Profile profileLayers(const std::vector<ProfiledLayer>& layers, const Activation
         const bool fits = j < g.size() && g[j].defined() && g[j].sizes() == t.sizes();
         gs.push_back(fits ? g[j] : at::ones_like(t));
       }
-      int64_t b_ns = 0;
+      int64_t ns = 0;
       if (fromLoss || !ys.empty()) {
         try {
           auto t1 = Clock::now();
@@ -173,40 +205,65 @@ Profile profileLayers(const std::vector<ProfiledLayer>& layers, const Activation
           } else {
             torch::autograd::backward(ys, gs);
           }
-          for (const at::Tensor& t : ins[i].tensors) {
+          for (const at::Tensor& t : ins_[i].tensors) {
             if (t.requires_grad()) synchronize(t.grad());
           }
           synchronize(y);
-          b_ns = nsSince(t1);
+          ns = nsSince(t1);
         } catch (const std::exception& e) {
           failed(i, e);
         }
       }
-      if (run >= options.warmup) bwd[i].push_back(b_ns);
+      if (timed) bwd_[i].push_back(ns);
       g.clear();
-      for (const at::Tensor& t : ins[i].tensors) {
+      for (const at::Tensor& t : ins_[i].tensors) {
         g.push_back(t.requires_grad() && t.grad().defined() ? t.grad() : at::Tensor());
       }
     }
   }
-  resetGradients();
-  for (size_t l = 0; l < L; ++l) {
-    const ProfiledLayer& layer = layers[l];
-    LayerCost c;
-    c.name = layer.name.empty() ? "layer" + std::to_string(l) : layer.name;
-    c.forward_ns = median(fwd[l]);
-    c.backward_ns = median(bwd[l]);
-    for (const at::Tensor& p : layer.parameters) c.param_bytes += tensorBytes(p);
-    c.optimizer_bytes =
-        std::llround(static_cast<double>(c.param_bytes) * options.optimizer_state_factor);
-    c.output_bytes = outs[l].bytes();
-    c.activation_bytes = layer.activation_bytes >= 0 ? layer.activation_bytes
-                         : retained[l] >= 0          ? ins[l].bytes() + retained[l]
-                                                     : ins[l].bytes() + outs[l].bytes();
-    profile.layers.push_back(std::move(c));
+
+  Profile result() const {
+    Profile profile;
+    profile.job = options_.job;
+    profile.microbatch_size = options_.microbatch_size;
+    for (size_t l = 0; l < L_; ++l) {
+      const ProfiledLayer& layer = layers_[l];
+      LayerCost c;
+      c.name = layer.name.empty() ? "layer" + std::to_string(l) : layer.name;
+      c.forward_ns = median(fwd_[l]);
+      c.backward_ns = median(bwd_[l]);
+      for (const at::Tensor& p : layer.parameters) c.param_bytes += tensorBytes(p);
+      c.optimizer_bytes =
+          std::llround(static_cast<double>(c.param_bytes) * options_.optimizer_state_factor);
+      c.output_bytes = outs_[l].bytes();
+      c.activation_bytes = layer.activation_bytes >= 0 ? layer.activation_bytes
+                           : retained_[l] >= 0         ? ins_[l].bytes() + retained_[l]
+                                                       : ins_[l].bytes() + outs_[l].bytes();
+      profile.layers.push_back(std::move(c));
+    }
+    validateProfile(profile);
+    return profile;
   }
-  validateProfile(profile);
-  return profile;
+
+  const std::vector<ProfiledLayer>& layers_;
+  const Activation& input_;
+  const ProfilerOptions& options_;
+  const size_t L_;
+  std::vector<std::vector<int64_t>> fwd_, bwd_;  // per layer, the timed runs' nanoseconds
+  std::vector<Activation> ins_, outs_;           // per layer, the last run's
+  // Bytes each layer's forward left allocated (its output, what autograd saved for backward,
+  // and for the last layer the loss's), in the last run; -1 where not measured.
+  std::vector<int64_t> retained_;
+  std::optional<CpuMemoryMeter> meter_;
+  bool metered_ = false;
+};
+
+}  // namespace
+
+Profile profileLayers(const std::vector<ProfiledLayer>& layers, const Activation& input,
+                      const ProfilerOptions& options) {
+  checkArguments(layers, input, options);
+  return ProfileRuns(layers, input, options).run();
 }
 
 }  // namespace pipeline
