@@ -15,6 +15,7 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -28,6 +29,7 @@
 #include "sinew/runtime/context_state.h"
 #include "sinew/runtime/coordinator.h"
 #include "sinew/runtime/ha_coordinator.h"
+#include "sinew/runtime/slurm_bootstrap.h"
 
 #if SINEW_WITH_MPI
 #include <mpi.h>
@@ -90,7 +92,6 @@ int mpiRank() {
   return -1;
 }
 
-#if SINEW_WITH_MPI
 // The control API's address from SINEW_CONTROL_PORT (0: a free port) and SINEW_CONTROL_HOST
 // (docs/control_api.md), for the built-in coordinator and for HA mode's candidates alike.
 void controlApiFromEnv(CoordinatorOptions& c) {
@@ -100,17 +101,12 @@ void controlApiFromEnv(CoordinatorOptions& c) {
   if (const char* host = env("SINEW_CONTROL_HOST")) c.controlHost = host;
 }
 
-int mpiSize() {
-  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"}) {
-    if (const char* v = env(name)) return static_cast<int>(parseInt(name, v, 1));
-  }
-  return 1;
-}
-
 // Forks the coordinator process (before MPI_Init, so the child is no MPI process) and
-// returns "port token" as it reports them through a pipe. The child serves until the job
-// finishes, every member is gone, or nobody said hello within the connect timeout.
-std::string forkCoordinator(int expected, const InitOptions& o) {
+// returns "port token" as it reports them through a pipe (on `host` and `port` when given, else
+// SINEW_COORDINATOR_HOST or 127.0.0.1 and a free port; with `token` unless 0). The child serves
+// until the job finishes, every member is gone, or nobody said hello within the connect timeout.
+std::string forkCoordinator(int expected, const InitOptions& o, const std::string& host = "",
+                            uint16_t port = 0, uint64_t token = 0) {
   int fds[2];
   if (::pipe(fds) != 0) SINEW_THROW(IoError, "pipe: ", std::strerror(errno));
   pid_t pid = ::fork();
@@ -120,9 +116,13 @@ std::string forkCoordinator(int expected, const InitOptions& o) {
     ::signal(SIGINT, SIG_IGN);  // The workers decide; a ^C reaches them.
     ::signal(SIGTERM, SIG_DFL);
     int rc = 0;
+    bool reported = false;
     try {
       CoordinatorOptions c;
       if (const char* h = env("SINEW_COORDINATOR_HOST")) c.host = h;
+      if (!host.empty()) c.host = host;
+      c.port = port;
+      c.token = token;
       c.expectedWorkers = expected;
       c.heartbeatInterval = o.heartbeatInterval;
       c.deadAfter = o.deadAfter;
@@ -140,6 +140,7 @@ std::string forkCoordinator(int expected, const InitOptions& o) {
       std::string line = std::to_string(coord.port()) + " " + std::to_string(coord.token()) + "\n";
       if (::write(fds[1], line.data(), line.size()) < 0) _exit(1);
       ::close(fds[1]);
+      reported = true;
       auto start = std::chrono::steady_clock::now();
       while (!coord.waitFinished(std::chrono::seconds(1))) {
         auto st = coord.status();
@@ -156,6 +157,9 @@ std::string forkCoordinator(int expected, const InitOptions& o) {
       std::this_thread::sleep_for(std::chrono::milliseconds(200));  // Let the last words out.
     } catch (const std::exception& e) {
       std::fprintf(stderr, "sinew coordinator: %s\n", e.what());
+      // Before it reported its port, the reason goes to the process that forked it.
+      const std::string line = std::string("! ") + e.what() + "\n";
+      if (!reported && ::write(fds[1], line.data(), line.size()) < 0) _exit(1);
       rc = 1;
     }
     std::fflush(nullptr);
@@ -166,8 +170,19 @@ std::string forkCoordinator(int expected, const InitOptions& o) {
   char c;
   while (::read(fds[0], &c, 1) == 1 && c != '\n') line.push_back(c);
   ::close(fds[0]);
-  if (line.empty()) SINEW_THROW(IoError, "the coordinator process (pid ", pid, ") failed to start");
+  if (line.empty() || line[0] == '!') {
+    SINEW_THROW(IoError, "the coordinator process (pid ", pid, ") failed to start",
+                line.empty() ? std::string() : ": " + line.substr(2));
+  }
   return line;
+}
+
+#if SINEW_WITH_MPI
+int mpiSize() {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"}) {
+    if (const char* v = env(name)) return static_cast<int>(parseInt(name, v, 1));
+  }
+  return 1;
 }
 
 // ---- SINEW_HA=1 under mpirun/srun (docs/ha.md, "Under mpirun") ------------------------------
@@ -409,6 +424,103 @@ std::pair<std::string, std::string> haBootstrap(int rank, int size, const std::s
 }
 #endif
 
+#if SINEW_WITH_MPI
+// Under mpirun (or srun --mpi=...): rank 0 forks the coordinator before MPI_Init and
+// broadcasts its endpoint, the only MPI call after MPI_Init.
+void joinMpi(int* argc, char*** argv, const InitOptions& options, runtime::ContextState* ctx,
+             CoordinatorClientOptions& co) {
+  int rank = mpiRank();
+  std::string announced;
+  if (rank == 0) announced = forkCoordinator(mpiSize(), options);
+  int provided = 0;
+  MPI_Init_thread(argc, argv, MPI_THREAD_SINGLE, &provided);
+  ctx->mpi = true;
+  char buf[256] = {0};
+  if (rank == 0) {
+    const char* h = env("SINEW_COORDINATOR_HOST");
+    std::snprintf(buf, sizeof(buf), "%s %s", h ? h : "127.0.0.1", announced.c_str());
+  }
+  MPI_Bcast(buf, sizeof(buf), MPI_CHAR, 0, MPI_COMM_WORLD);  // The last MPI call.
+  char host[200] = {0};
+  unsigned port = 0;
+  unsigned long long token = 0;
+  if (std::sscanf(buf, "%199s %u %llu", host, &port, &token) != 3) {
+    SINEW_THROW(IoError, "bad coordinator endpoint from rank 0: '", buf, "'");
+  }
+  co.host = host;
+  co.port = static_cast<uint16_t>(port);
+  co.token = token;
+  co.worker = rank;
+  ctx->mode = "mpi";
+}
+
+// SINEW_HA=1 under mpirun (docs/ha.md): the ranks start the job's etcd members and coordinator
+// candidates; returns the etcd client the worker uses, and the job's name in *job.
+std::shared_ptr<collectives::EtcdClient> joinMpiHa(int* argc, char*** argv,
+                                                   const InitOptions& options,
+                                                   runtime::ContextState* ctx,
+                                                   CoordinatorClientOptions& co, std::string* job) {
+  const int rank = mpiRank();
+  auto [helperPid, helperFd] = forkHaHelper(options);
+  ctx->haHelper = helperPid;
+  int provided = 0;
+  MPI_Init_thread(argc, argv, MPI_THREAD_SINGLE, &provided);
+  ctx->mpi = true;
+  uint64_t token = 0;
+  auto [endpoints, jobName] = haBootstrap(rank, mpiSize(), ctx->node, ctx->host, helperFd, &token);
+  collectives::EtcdOptions eo;
+  eo.endpoints = collectives::parseEtcdEndpoints(endpoints, "the job's etcd members");
+  auto etcd = std::make_shared<collectives::EtcdClient>(eo);
+  *job = jobName;
+  co.token = token;
+  co.awaitLeader = runtime::etcdLeaderFinder(etcd, *job);
+  co.worker = rank;
+  ctx->mode = "mpi-ha";
+  if (const char* dir = env("SINEW_LOG_DIR")) {
+    // Which processes are this node's, for tests and operators (docs/ha.md).
+    std::ofstream f(std::string(dir) + "/ha-rank-" + std::to_string(rank) + ".json");
+    f << nlohmann::json{{"rank", rank},      {"node", ctx->node},
+                        {"pid", ::getpid()}, {"helper_pid", helperPid},
+                        {"etcd", endpoints}, {"job", *job}}
+             .dump()
+      << "\n";
+  }
+  return etcd;
+}
+#endif
+
+// Under srun without MPI (runtime/slurm_bootstrap.h): rank 0 starts the coordinator where
+// every task expects it; every task then connects to it like a worker of sinew-run.
+void joinSlurmStep(const runtime::SlurmStep& step, const InitOptions& options,
+                   runtime::ContextState* ctx, CoordinatorClientOptions& co) {
+  const runtime::SlurmRendezvous rv = runtime::slurmRendezvous(step);
+  uint64_t token = rv.token;
+  if (step.rank == 0) {
+    if (token == 0) {
+      std::random_device rd;
+      token = ((static_cast<uint64_t>(rd()) << 32) ^ rd()) | 1;
+    }
+    try {
+      forkCoordinator(step.size, options, rv.bindHost, rv.port, token);
+    } catch (const IoError& e) {
+      SINEW_THROW(IoError, "rank 0 of srun step ", step.jobId, ".", step.stepId,
+                  " could not start the coordinator on ", rv.bindHost, ":", rv.port, " (",
+                  rv.portFrom, "): ", e.what(), "; set SINEW_COORDINATOR_PORT to a free port");
+    }
+    if (rv.token == 0) {
+      runtime::writeTokenFile(rv.tokenFile, token);
+      ctx->tokenFile = rv.tokenFile;
+    }
+  } else if (token == 0) {
+    token = runtime::readTokenFile(rv.tokenFile, options.connectTimeout);
+  }
+  co.host = rv.host;
+  co.port = rv.port;
+  co.token = token;
+  co.worker = step.rank;
+  ctx->mode = "srun";
+}
+
 }  // namespace
 
 void Context::requestPreemption() { state_->preemptionRequested = true; }
@@ -428,6 +540,7 @@ const std::shared_ptr<collectives::Store>& Context::store() const { return state
 
 Context::~Context() {
   state_->client.reset();
+  if (!state_->tokenFile.empty()) ::unlink(state_->tokenFile.c_str());
   state_->localCoordinator.reset();
   if (state_->haHelper > 0) {
     // SINEW_HA=1: the helper's candidate ends once the job has (it reads so in etcd); the
@@ -467,7 +580,9 @@ std::unique_ptr<Context> init(int* argc, char*** argv, const InitOptions& option
   }
   if (const char* h = env("SINEW_HOST")) ctx->host = h;
   const char* node = env("SINEW_NODE");
-  ctx->node = node ? node : hostName();
+  // Under srun, the node Slurm runs the task on (several slurmd may share a host).
+  const char* slurmNode = env("SLURM_STEP_ID") ? env("SLURMD_NODENAME") : nullptr;
+  ctx->node = node ? node : slurmNode ? slurmNode : hostName();
   // "{rank}" in SINEW_NODE becomes the launch rank: one failure domain per worker on one
   // machine under mpirun (-x SINEW_NODE=node{rank}), for tests and demos.
   auto brace = ctx->node.find("{rank}");
@@ -513,63 +628,23 @@ std::unique_ptr<Context> init(int* argc, char*** argv, const InitOptions& option
     co.worker = id ? static_cast<int>(parseInt("SINEW_WORKER_ID", id, -1)) : -1;
     ctx->joined = co.worker < 0;
     ctx->mode = ctx->joined ? "join" : "sinew-run";
+  } else if (std::optional<runtime::SlurmStep> step = runtime::slurmStepFromEnvironment()) {
+    if (env("SINEW_HA") && std::string(env("SINEW_HA")) == "1") {
+      SINEW_THROW(InvalidArgument,
+                  "SINEW_HA=1 needs MPI to start its etcd members: under srun, run with "
+                  "--mpi=pmix, or give the job's etcd with SINEW_ETCD (docs/ha.md)");
+    }
+    joinSlurmStep(*step, options, ctx, co);
   } else if (mpiRank() >= 0 && env("SINEW_HA") && std::string(env("SINEW_HA")) == "1") {
 #if SINEW_WITH_MPI
-    const int rank = mpiRank();
-    auto [helperPid, helperFd] = forkHaHelper(options);
-    ctx->haHelper = helperPid;
-    int provided = 0;
-    MPI_Init_thread(argc, argv, MPI_THREAD_SINGLE, &provided);
-    ctx->mpi = true;
-    uint64_t token = 0;
-    auto [endpoints, jobName] =
-        haBootstrap(rank, mpiSize(), ctx->node, ctx->host, helperFd, &token);
-    collectives::EtcdOptions eo;
-    eo.endpoints = collectives::parseEtcdEndpoints(endpoints, "the job's etcd members");
-    etcd = std::make_shared<collectives::EtcdClient>(eo);
-    job = jobName;
-    co.token = token;
-    co.awaitLeader = runtime::etcdLeaderFinder(etcd, job);
-    co.worker = rank;
-    ctx->mode = "mpi-ha";
-    if (const char* dir = env("SINEW_LOG_DIR")) {
-      // Which processes are this node's, for tests and operators (docs/ha.md).
-      std::ofstream f(std::string(dir) + "/ha-rank-" + std::to_string(rank) + ".json");
-      f << nlohmann::json{{"rank", rank},      {"node", ctx->node},
-                          {"pid", ::getpid()}, {"helper_pid", helperPid},
-                          {"etcd", endpoints}, {"job", job}}
-               .dump()
-        << "\n";
-    }
+    etcd = joinMpiHa(argc, argv, options, ctx, co, &job);
 #else
     SINEW_THROW(InvalidArgument,
                 "SINEW_HA=1 under mpirun/srun, but this Sinew was built without MPI");
 #endif
   } else if (mpiRank() >= 0) {
 #if SINEW_WITH_MPI
-    int rank = mpiRank();
-    std::string announced;
-    if (rank == 0) announced = forkCoordinator(mpiSize(), options);
-    int provided = 0;
-    MPI_Init_thread(argc, argv, MPI_THREAD_SINGLE, &provided);
-    ctx->mpi = true;
-    char buf[256] = {0};
-    if (rank == 0) {
-      const char* h = env("SINEW_COORDINATOR_HOST");
-      std::snprintf(buf, sizeof(buf), "%s %s", h ? h : "127.0.0.1", announced.c_str());
-    }
-    MPI_Bcast(buf, sizeof(buf), MPI_CHAR, 0, MPI_COMM_WORLD);  // The last MPI call.
-    char host[200] = {0};
-    unsigned port = 0;
-    unsigned long long token = 0;
-    if (std::sscanf(buf, "%199s %u %llu", host, &port, &token) != 3) {
-      SINEW_THROW(IoError, "bad coordinator endpoint from rank 0: '", buf, "'");
-    }
-    co.host = host;
-    co.port = static_cast<uint16_t>(port);
-    co.token = token;
-    co.worker = rank;
-    ctx->mode = "mpi";
+    joinMpi(argc, argv, options, ctx, co);
 #else
     SINEW_THROW(InvalidArgument,
                 "launched under mpirun/srun, but this Sinew was built without MPI; use sinew-run");

@@ -5,8 +5,10 @@
 // 2 s, and never hang (every run has a deadline).
 
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -24,6 +26,7 @@
 #include <vector>
 
 #include "job_support.h"
+#include "sinew/runtime/slurm_bootstrap.h"
 
 namespace {
 
@@ -222,6 +225,86 @@ TEST(JobTest, SigtermStopsTheJobAndItResumesFromDisk) {
   EXPECT_NE(
       resumed.output.find("resumed from the durable checkpoint of step " + std::to_string(last)),
       std::string::npos);
+}
+
+// The environment srun gives task `rank` of a `size`-task step of job `job` on this one machine
+// (no PMI: the tasks meet without MPI), each task its own Slurm node; the token file goes to
+// `dir`/rv.
+std::map<std::string, std::string> srunTask(const std::string& job, int rank, int size,
+                                            const std::string& dir) {
+  return {{"SLURM_JOB_ID", job},
+          {"SLURM_STEP_ID", "0"},
+          {"SLURM_PROCID", std::to_string(rank)},
+          {"SLURM_STEP_NUM_TASKS", std::to_string(size)},
+          {"SLURM_LOCALID", std::to_string(rank)},
+          {"SLURM_STEP_NODELIST", "localhost"},
+          {"SLURMD_NODENAME", "n" + std::to_string(rank)},
+          {"SINEW_RENDEZVOUS_DIR", dir + "/rv"}};
+}
+
+// Under srun without MPI (docs/runtime.md, "Under srun"): the three tasks of a step start as
+// srun starts them and meet through rank 0's coordinator on the port derived from the job and
+// step ids, with the token rank 0 wrote to the rendezvous folder. Task 1 is SIGKILLed; the
+// others finish with the reference's parameters, and rank 0 removes the token file at the end.
+TEST(JobTest, UnderSrunWithoutMpiATaskKilled) {
+  const std::string dir = logDir("srun");
+  const std::string job = std::to_string(900000 + ::getpid());
+  std::vector<Child> tasks;
+  for (int r = 0; r < 3; ++r) {
+    auto env = srunTask(job, r, 3, dir);
+    env["SINEW_INJECT"] = "kill:worker=1:step=20:phase=backward";
+    tasks.push_back(start({TRAIN_DP_PATH, "--steps", "40"}, env));
+  }
+  std::vector<JobRun> runs;
+  for (const Child& c : tasks) runs.push_back(finish(c, 240s));
+  for (int r = 0; r < 3; ++r) {
+    SCOPED_TRACE("task " + std::to_string(r) + ": " + runs[r].output);
+    EXPECT_FALSE(runs[r].timedOut);
+    if (r == 1) {
+      EXPECT_EQ(runs[r].exitCode, 128 + SIGKILL);
+      continue;
+    }
+    EXPECT_EQ(runs[r].exitCode, 0);
+    EXPECT_NE(runs[r].output.find("worker " + std::to_string(r) +
+                                  " done: 40 steps, epoch 1, 2 "
+                                  "workers"),
+              std::string::npos);
+  }
+  Result res = parseResult(runs[0].output);
+  ASSERT_TRUE(res.found) << runs[0].output;
+  EXPECT_LE(res.maxRel, 1e-5);
+  EXPECT_EQ(res.recoveries, 1);
+  EXPECT_LT(res.recoveryMax, 2.0);
+  EXPECT_FALSE(std::ifstream(dir + "/rv/slurm-" + job + ".0.0.token").good())
+      << "rank 0 left its token file";
+}
+
+// A port that is taken stops rank 0 within seconds with a message that names the port, where
+// it came from and the variable that sets another.
+TEST(JobTest, UnderSrunATakenPortIsNamed) {
+  const std::string dir = logDir("srun-port");
+  const std::string job = std::to_string(800000 + ::getpid());
+  const uint16_t port = sinew::runtime::derivedCoordinatorPort(job, "0");
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(port);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(fd, 1) != 0) {
+    ::close(fd);
+    GTEST_SKIP() << "port " << port << " is in use already";
+  }
+  const auto t0 = Clock::now();
+  JobRun run = finish(start({TRAIN_DP_PATH, "--steps", "5"}, srunTask(job, 0, 2, dir)), 60s);
+  ::close(fd);
+  EXPECT_LT(Clock::now() - t0, 20s);
+  EXPECT_NE(run.exitCode, 0);
+  EXPECT_NE(run.output.find("could not start the coordinator on 127.0.0.1:" + std::to_string(port) +
+                            " (derived from job " + job + " step 0)"),
+            std::string::npos)
+      << run.output;
+  EXPECT_NE(run.output.find("SINEW_COORDINATOR_PORT"), std::string::npos) << run.output;
 }
 
 #ifdef MPIEXEC_PATH

@@ -15,6 +15,7 @@
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -24,6 +25,7 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -35,6 +37,7 @@
 #include "sinew/runtime/job_tensors.h"
 #include "sinew/runtime/layer_copy_manifest.h"
 #include "sinew/runtime/optimizer_state.h"
+#include "sinew/runtime/slurm_bootstrap.h"
 #include "sinew/runtime/step_update.h"
 #include "sinew/schedule.h"
 #include "sinew/store.h"
@@ -416,6 +419,183 @@ TEST(JobTensorsTest, ASaveThatThrowsOrChangesShapeNamesTheEntryAndKeepsTheValues
              [](int64_t, const at::Tensor&) {}});
   EXPECT_THROW(other.commit(0), InvalidArgument);
   EXPECT_THROW(other.add({"x", at::zeros({1}), nullptr, nullptr}), InvalidArgument);
+}
+
+// ---- srun without MPI (runtime/slurm_bootstrap) -------------------------------------------
+
+TEST(SlurmBootstrapTest, HostListsExpandAsSlurmWritesThem) {
+  using V = std::vector<std::string>;
+  EXPECT_EQ(expandHostlist("localhost"), V{"localhost"});
+  EXPECT_EQ(expandHostlist("a,b[1-3,5],c"), (V{"a", "b1", "b2", "b3", "b5", "c"}));
+  EXPECT_EQ(expandHostlist("gpu[08-10]"), (V{"gpu08", "gpu09", "gpu10"}));
+  EXPECT_EQ(expandHostlist("r[1-2]-n[1-2]"), (V{"r1-n1", "r1-n2", "r2-n1", "r2-n2"}));
+  for (const char* bad : {"", "a,,b", "a[1-", "a]", "a[3-1]", "a[x-2]", "a[]"}) {
+    try {
+      expandHostlist(bad);
+      ADD_FAILURE() << "'" << bad << "' expanded";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("the host list '") + bad + "'"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
+
+TEST(SlurmBootstrapTest, ThePortIsTheSameForEveryTaskOfAStepAndInItsRange) {
+  const uint16_t p = derivedCoordinatorPort("4242", "0");
+  EXPECT_EQ(p, derivedCoordinatorPort("4242", "0"));
+  EXPECT_NE(p, derivedCoordinatorPort("4242", "1"));
+  EXPECT_NE(p, derivedCoordinatorPort("4243", "0"));
+  for (int j = 0; j < 1000; ++j) {
+    const uint16_t q = derivedCoordinatorPort(std::to_string(j), "0");
+    EXPECT_GE(q, 30000);
+    EXPECT_LT(q, 55000);
+  }
+}
+
+// Sets environment variables for the scope, restoring what was there.
+using EnvVars = std::map<std::string, std::string>;
+
+class ScopedEnv {
+ public:
+  explicit ScopedEnv(const std::map<std::string, std::string>& vars) {
+    for (const auto& [k, v] : vars) {
+      const char* old = std::getenv(k.c_str());
+      saved_.emplace_back(k, old ? std::optional<std::string>(old) : std::nullopt);
+      if (v.empty()) {
+        ::unsetenv(k.c_str());
+      } else {
+        ::setenv(k.c_str(), v.c_str(), 1);
+      }
+    }
+  }
+  ~ScopedEnv() {
+    for (const auto& [k, v] : saved_) {
+      if (v) {
+        ::setenv(k.c_str(), v->c_str(), 1);
+      } else {
+        ::unsetenv(k.c_str());
+      }
+    }
+  }
+
+ private:
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
+};
+
+std::map<std::string, std::string> srunTask(int rank) {
+  return {{"SLURM_JOB_ID", "77"},
+          {"SLURM_STEP_ID", "3"},
+          {"SLURM_PROCID", std::to_string(rank)},
+          {"SLURM_STEP_NUM_TASKS", "4"},
+          {"SLURM_LOCALID", "1"},
+          {"SLURM_STEP_NODELIST", "n[1-2]"},
+          {"SLURMD_NODENAME", "n2"},
+          {"OMPI_COMM_WORLD_RANK", ""},
+          {"PMI_RANK", ""},
+          {"PMIX_RANK", ""},
+          {"SINEW_BOOTSTRAP", ""},
+          {"SINEW_COORDINATOR_HOST", ""},
+          {"SINEW_COORDINATOR_PORT", ""},
+          {"SINEW_TOKEN", ""},
+          {"SINEW_RENDEZVOUS_DIR", "/shared/rv"},
+          {"SLURM_RESTART_COUNT", ""}};
+}
+
+TEST(SlurmBootstrapTest, AnSrunTaskIsReadFromItsEnvironmentAndMeetsOnTheFirstNode) {
+  ScopedEnv task(srunTask(2));
+  std::optional<SlurmStep> step = slurmStepFromEnvironment();
+  ASSERT_TRUE(step.has_value());
+  EXPECT_EQ(step->rank, 2);
+  EXPECT_EQ(step->size, 4);
+  EXPECT_EQ(step->localRank, 1);
+  EXPECT_EQ(step->nodes, (std::vector<std::string>{"n1", "n2"}));
+  EXPECT_EQ(step->nodeName, "n2");
+  SlurmRendezvous rv = slurmRendezvous(*step);
+  EXPECT_EQ(rv.host, "n1");
+  EXPECT_EQ(rv.bindHost, "0.0.0.0");
+  EXPECT_EQ(rv.port, derivedCoordinatorPort("77", "3"));
+  EXPECT_EQ(rv.portFrom, "derived from job 77 step 3");
+  EXPECT_EQ(rv.token, 0u);
+  EXPECT_EQ(rv.tokenFile, "/shared/rv/slurm-77.3.0.token");
+  {
+    ScopedEnv given(EnvVars{{"SINEW_COORDINATOR_PORT", "40001"},
+                            {"SINEW_TOKEN", "abc123"},
+                            {"SINEW_COORDINATOR_HOST", "10.0.0.5"},
+                            {"SLURM_RESTART_COUNT", "2"}});
+    rv = slurmRendezvous(*step);
+    EXPECT_EQ(rv.port, 40001);
+    EXPECT_EQ(rv.token, 0xabc123u);
+    EXPECT_EQ(rv.host, "10.0.0.5");
+    EXPECT_EQ(rv.tokenFile, "/shared/rv/slurm-77.3.2.token");
+  }
+  // MPI meets the ranks under mpirun and srun --mpi=pmix, or when asked to.
+  for (const char* mpi : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"}) {
+    ScopedEnv underMpi(EnvVars{{mpi, "2"}});
+    EXPECT_FALSE(slurmStepFromEnvironment().has_value()) << mpi;
+  }
+  {
+    ScopedEnv asked(EnvVars{{"SINEW_BOOTSTRAP", "mpi"}});
+    EXPECT_FALSE(slurmStepFromEnvironment().has_value());
+  }
+  // A batch script's environment (no step of srun's) is no task.
+  {
+    ScopedEnv batch(EnvVars{{"SLURM_STEP_ID", ""}, {"SLURM_STEP_NUM_TASKS", ""}});
+    EXPECT_FALSE(slurmStepFromEnvironment().has_value());
+    ScopedEnv insist(EnvVars{{"SINEW_BOOTSTRAP", "slurm"}});
+    try {
+      slurmStepFromEnvironment();
+      ADD_FAILURE() << "a step without SLURM_STEP_NUM_TASKS";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("SLURM_STEP_NUM_TASKS is not set"), std::string::npos)
+          << e.what();
+    }
+  }
+  for (const auto& [var, value] :
+       std::vector<std::pair<std::string, std::string>>{{"SLURM_PROCID", "4"},
+                                                        {"SLURM_PROCID", "x"},
+                                                        {"SLURM_STEP_NUM_TASKS", "0"},
+                                                        {"SLURM_STEP_NODELIST", "n[2-1]"},
+                                                        {"SINEW_BOOTSTRAP", "pmi"}}) {
+    ScopedEnv bad(EnvVars{{var, value}});
+    try {
+      slurmStepFromEnvironment();
+      ADD_FAILURE() << var << "=" << value << " was taken";
+    } catch (const InvalidArgument& e) {
+      const std::string what = e.what();
+      EXPECT_TRUE(what.find(var) != std::string::npos || what.find(value) != std::string::npos)
+          << what;
+    }
+  }
+  {
+    ScopedEnv badToken(EnvVars{{"SINEW_TOKEN", "nothex"}});
+    EXPECT_THROW(slurmRendezvous(*step), InvalidArgument);
+  }
+}
+
+TEST(SlurmBootstrapTest, TheTokenFileIsTheUsersOnlyAndAMissingOneIsNamed) {
+  const std::string dir = ::testing::TempDir() + "sinew-rv-" + std::to_string(::getpid());
+  const std::string path = dir + "/slurm-1.0.0.token";
+  writeTokenFile(path, 0x1234abcdULL);
+  struct stat st {};
+  ASSERT_EQ(::stat(dir.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  EXPECT_EQ(readTokenFile(path, std::chrono::milliseconds(10)), 0x1234abcdULL);
+  std::ofstream(path) << "garbage\n";
+  EXPECT_THROW(readTokenFile(path, std::chrono::milliseconds(10)), Corruption);
+  ::unlink(path.c_str());
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    readTokenFile(path, std::chrono::milliseconds(300));
+    ADD_FAILURE() << "read a missing token file";
+  } catch (const Timeout& e) {
+    EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("SINEW_TOKEN"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  ::rmdir(dir.c_str());
 }
 
 TEST(LayerCopyManifestTest, EncodesAndDecodes) {
