@@ -113,8 +113,15 @@ std::string forkCoordinator(int expected, const InitOptions& o, const std::strin
   if (pid < 0) SINEW_THROW(IoError, "fork: ", std::strerror(errno));
   if (pid == 0) {
     ::close(fds[0]);
-    ::signal(SIGINT, SIG_IGN);  // The workers decide; a ^C reaches them.
-    ::signal(SIGTERM, SIG_DFL);
+    // The workers decide. A ^C reaches them; so does SIGTERM (and the drain signal) when
+    // Slurm signals every process of the step (scancel, the time limit, preemption) or mpirun
+    // rank 0's process group: the coordinator outlives it, so that the workers can drain into
+    // a durable checkpoint, and ends when the job does (SIGKILL still ends it).
+    ::signal(SIGINT, SIG_IGN);
+    ::signal(SIGTERM, SIG_IGN);
+    if (const char* name = env("SINEW_DRAIN_SIGNAL")) {
+      ::signal(runtime::signalNumber("SINEW_DRAIN_SIGNAL", name), SIG_IGN);
+    }
     int rc = 0;
     bool reported = false;
     try {

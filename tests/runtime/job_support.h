@@ -40,12 +40,15 @@ struct Child {
   int fd = -1;
 };
 
+// Starts argv with env added, its output to a pipe; with ownGroup in a process group of its own
+// (its PID), as launchers start a rank, so that a test can signal it and what it forks.
 inline Child start(const std::vector<std::string>& argv,
-                   const std::map<std::string, std::string>& env) {
+                   const std::map<std::string, std::string>& env, bool ownGroup = false) {
   int fds[2];
   if (::pipe(fds) != 0) throw std::runtime_error("pipe failed");
   pid_t pid = ::fork();
   if (pid == 0) {
+    if (ownGroup) ::setpgid(0, 0);
     ::dup2(fds[1], 1);
     ::dup2(fds[1], 2);
     ::close(fds[0]);

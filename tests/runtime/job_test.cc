@@ -279,6 +279,71 @@ TEST(JobTest, UnderSrunWithoutMpiATaskKilled) {
       << "rank 0 left its token file";
 }
 
+// scancel --signal=TERM (and Slurm's time limit or preemption) signals every process of the
+// step, mpirun rank 0's process group: the coordinator rank 0 forked must outlive the signal,
+// so that the workers drain at a step boundary into a durable checkpoint. Then a step of two
+// tasks resumes from it and ends equal to the reference. (Before, the coordinator died of the
+// signal and every task exited 3: "the coordinator closed the connection".)
+TEST(JobTest, UnderSrunSigtermToEveryProcessDrainsTheJob) {
+  const std::string dir = logDir("srun-term");
+  const std::string ckpt = logDir("srun-term-ckpt");
+  const std::string job = std::to_string(700000 + ::getpid());
+  ASSERT_EQ(::system(("mkdir -p " + dir).c_str()), 0);
+  std::vector<Child> tasks;
+  for (int r = 0; r < 3; ++r) {
+    auto env = srunTask(job, r, 3, dir);
+    env["SINEW_INJECT"] = "slow:worker=*:ms=20";
+    env["SINEW_LOG_DIR"] = dir;
+    tasks.push_back(start(
+        {TRAIN_DP_PATH, "--steps", "120", "--checkpoint-dir", ckpt, "--checkpoint-every", "50"},
+        env, /*ownGroup=*/true));
+  }
+  const auto deadline = Clock::now() + 120s;
+  while (Clock::now() < deadline &&
+         slurp(dir + "/worker-0-events.jsonl").find("\"step\":10,") == std::string::npos) {
+    std::this_thread::sleep_for(20ms);
+  }
+  for (const Child& c : tasks)
+    ::kill(-c.pid, SIGTERM);  // Each task's group: rank 0's has the coordinator.
+  std::vector<JobRun> runs;
+  for (const Child& c : tasks) runs.push_back(finish(c, 240s));
+  int last = -1;
+  for (int r = 0; r < 3; ++r) {
+    SCOPED_TRACE("task " + std::to_string(r) + ": " + runs[r].output);
+    EXPECT_FALSE(runs[r].timedOut);
+    EXPECT_EQ(runs[r].exitCode, 0);
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(runs[r].output, m,
+                                  std::regex("left the job \\(preempted\\) after step (\\d+)")));
+    if (last < 0) last = std::stoi(m[1]);
+    EXPECT_EQ(std::stoi(m[1]), last) << "the tasks left after different steps";
+  }
+  EXPECT_GE(last, 10);
+  EXPECT_LT(last, 119);
+  EXPECT_NE(slurp(ckpt + "/LATEST").find("\"step\":" + std::to_string(last)), std::string::npos)
+      << "the drained job's last step is not the durable version: " << slurp(ckpt + "/LATEST");
+
+  std::vector<Child> resumed;
+  for (int r = 0; r < 2; ++r) {
+    auto env = srunTask(job, r, 2, dir + "-resume");
+    env["SLURM_STEP_ID"] = "1";
+    resumed.push_back(
+        start({TRAIN_DP_PATH, "--steps", "120", "--checkpoint-dir", ckpt}, env, true));
+  }
+  std::vector<JobRun> again;
+  for (const Child& c : resumed) again.push_back(finish(c, 240s));
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE("resumed task " + std::to_string(r) + ": " + again[r].output);
+    EXPECT_EQ(again[r].exitCode, 0);
+    EXPECT_NE(
+        again[r].output.find("resumed from the durable checkpoint of step " + std::to_string(last)),
+        std::string::npos);
+  }
+  Result res = parseResult(again[0].output);
+  ASSERT_TRUE(res.found) << again[0].output;
+  EXPECT_LE(res.maxRel, 1e-5);
+}
+
 // A port that is taken stops rank 0 within seconds with a message that names the port, where
 // it came from and the variable that sets another.
 TEST(JobTest, UnderSrunATakenPortIsNamed) {
