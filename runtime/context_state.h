@@ -35,7 +35,7 @@ struct ContextState {
   std::unique_ptr<Coordinator> localCoordinator;
   // SINEW_HA=1 under mpirun: the helper process this rank forked (docs/ha.md); 0 if none.
   int haHelper = 0;
-  std::string tokenFile;  // srun without MPI, rank 0: the token file it wrote (removed at the end)
+  std::string rendezvousFile;  // srun without MPI, rank 0: the file it wrote (removed at the end)
   std::unique_ptr<CoordinatorClient> client;
   std::shared_ptr<collectives::Store> store;
   uint64_t token = 0;  // The job token (peer-RAM replica services serve under it).

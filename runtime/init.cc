@@ -119,12 +119,12 @@ std::string forkCoordinator(int expected, const InitOptions& o, const std::strin
     // a durable checkpoint, and ends when the job does (SIGKILL still ends it).
     ::signal(SIGINT, SIG_IGN);
     ::signal(SIGTERM, SIG_IGN);
-    if (const char* name = env("SINEW_DRAIN_SIGNAL")) {
-      ::signal(runtime::signalNumber("SINEW_DRAIN_SIGNAL", name), SIG_IGN);
-    }
     int rc = 0;
     bool reported = false;
     try {
+      if (const char* name = env("SINEW_DRAIN_SIGNAL")) {
+        ::signal(runtime::signalNumber("SINEW_DRAIN_SIGNAL", name), SIG_IGN);
+      }
       CoordinatorOptions c;
       if (const char* h = env("SINEW_COORDINATOR_HOST")) c.host = h;
       if (!host.empty()) c.host = host;
@@ -497,33 +497,41 @@ std::shared_ptr<collectives::EtcdClient> joinMpiHa(int* argc, char*** argv,
 #endif
 
 // Under srun without MPI (runtime/slurm_bootstrap.h): rank 0 starts the coordinator where
-// every task expects it; every task then connects to it like a worker of sinew-run.
+// the others will look for it; every task then connects to it like a worker of sinew-run.
 void joinSlurmStep(const runtime::SlurmStep& step, const InitOptions& options,
                    runtime::ContextState* ctx, CoordinatorClientOptions& co) {
   const runtime::SlurmRendezvous rv = runtime::slurmRendezvous(step);
-  uint64_t token = rv.token;
+  runtime::RendezvousRecord where{rv.host, rv.port, rv.token};
   if (step.rank == 0) {
-    if (token == 0) {
-      std::random_device rd;
-      token = ((static_cast<uint64_t>(rd()) << 32) ^ rd()) | 1;
+    if (where.host.empty()) {
+      where.host = rv.token != 0 ? runtime::addressOf(step.nodes.front()) : runtime::ownAddress();
     }
+    if (where.token == 0) {
+      std::random_device rd;
+      where.token = ((static_cast<uint64_t>(rd()) << 32) ^ rd()) | 1;
+    }
+    std::string announced;
     try {
-      forkCoordinator(step.size, options, rv.bindHost, rv.port, token);
+      announced = forkCoordinator(step.size, options, where.host, where.port, where.token);
     } catch (const IoError& e) {
       SINEW_THROW(IoError, "rank 0 of srun step ", step.jobId, ".", step.stepId,
-                  " could not start the coordinator on ", rv.bindHost, ":", rv.port, " (",
+                  " could not start the coordinator on ", where.host, ":", where.port, " (",
                   rv.portFrom, "): ", e.what(), "; set SINEW_COORDINATOR_PORT to a free port");
     }
+    where.port = static_cast<uint16_t>(
+        parseInt("the coordinator's port", announced.substr(0, announced.find(' ')), 1, 65535));
     if (rv.token == 0) {
-      runtime::writeTokenFile(rv.tokenFile, token);
-      ctx->tokenFile = rv.tokenFile;
+      runtime::writeRendezvousFile(rv.file, where);
+      ctx->rendezvousFile = rv.file;
     }
-  } else if (token == 0) {
-    token = runtime::readTokenFile(rv.tokenFile, options.connectTimeout);
+  } else if (rv.token == 0) {
+    where = runtime::readRendezvousFile(rv.file, options.connectTimeout);
+  } else if (where.host.empty()) {
+    where.host = step.nodes.front();
   }
-  co.host = rv.host;
-  co.port = rv.port;
-  co.token = token;
+  co.host = where.host;
+  co.port = where.port;
+  co.token = where.token;
   co.worker = step.rank;
   ctx->mode = "srun";
 }
@@ -547,7 +555,7 @@ const std::shared_ptr<collectives::Store>& Context::store() const { return state
 
 Context::~Context() {
   state_->client.reset();
-  if (!state_->tokenFile.empty()) ::unlink(state_->tokenFile.c_str());
+  if (!state_->rendezvousFile.empty()) ::unlink(state_->rendezvousFile.c_str());
   state_->localCoordinator.reset();
   if (state_->haHelper > 0) {
     // SINEW_HA=1: the helper's candidate ends once the job has (it reads so in etcd); the

@@ -1,6 +1,9 @@
 #include "sinew/runtime/slurm_bootstrap.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -144,20 +147,9 @@ uint16_t derivedCoordinatorPort(const std::string& jobId, const std::string& ste
 SlurmRendezvous slurmRendezvous(const SlurmStep& step) {
   SlurmRendezvous r;
   if (const char* h = env("SINEW_COORDINATOR_HOST")) {
-    r.host = r.bindHost = h;
+    r.host = h;
   } else if (step.nodes.size() <= 1) {
-    r.host = r.bindHost = "127.0.0.1";
-  } else {
-    r.host = step.nodes.front();
-    r.bindHost = "0.0.0.0";
-  }
-  if (const char* p = env("SINEW_COORDINATOR_PORT")) {
-    r.port =
-        static_cast<uint16_t>(::sinew::detail::parseInt(p, "SINEW_COORDINATOR_PORT", 1, 65535));
-    r.portFrom = "SINEW_COORDINATOR_PORT";
-  } else {
-    r.port = derivedCoordinatorPort(step.jobId, step.stepId);
-    r.portFrom = "derived from job " + step.jobId + " step " + step.stepId;
+    r.host = "127.0.0.1";
   }
   if (const char* t = env("SINEW_TOKEN")) {
     auto token = ::sinew::detail::tryParseToken(t);
@@ -165,6 +157,16 @@ SlurmRendezvous slurmRendezvous(const SlurmStep& step) {
       SINEW_THROW(InvalidArgument, "SINEW_TOKEN='", t, "' is not a non-zero hexadecimal job token");
     }
     r.token = *token;
+  }
+  if (const char* p = env("SINEW_COORDINATOR_PORT")) {
+    r.port =
+        static_cast<uint16_t>(::sinew::detail::parseInt(p, "SINEW_COORDINATOR_PORT", 1, 65535));
+    r.portFrom = "SINEW_COORDINATOR_PORT";
+  } else if (r.token != 0) {
+    r.port = derivedCoordinatorPort(step.jobId, step.stepId);
+    r.portFrom = "derived from job " + step.jobId + " step " + step.stepId;
+  } else {
+    r.portFrom = "free";
   }
   std::string dir;
   if (const char* d = env("SINEW_RENDEZVOUS_DIR")) {
@@ -176,12 +178,35 @@ SlurmRendezvous slurmRendezvous(const SlurmStep& step) {
   }
   // A requeued job keeps its id and numbers its steps from 0 again.
   const char* restarts = env("SLURM_RESTART_COUNT");
-  r.tokenFile = dir + "/slurm-" + step.jobId + "." + step.stepId + "." +
-                (restarts ? restarts : "0") + ".token";
+  r.file = dir + "/slurm-" + step.jobId + "." + step.stepId + "." + (restarts ? restarts : "0") +
+           ".rendezvous";
   return r;
 }
 
-void writeTokenFile(const std::string& path, uint64_t token) {
+std::string addressOf(const std::string& name) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const int rc = ::getaddrinfo(name.c_str(), nullptr, &hints, &found);
+  if (rc != 0 || found == nullptr) {
+    SINEW_THROW(IoError, "the host name '", name, "' has no IPv4 address (", ::gai_strerror(rc),
+                "): set SINEW_COORDINATOR_HOST to rank 0's address");
+  }
+  char text[INET_ADDRSTRLEN] = {0};
+  ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(found->ai_addr)->sin_addr, text,
+              sizeof(text));
+  ::freeaddrinfo(found);
+  return text;
+}
+
+std::string ownAddress() {
+  char name[256] = {0};
+  ::gethostname(name, sizeof(name) - 1);
+  return addressOf(name);
+}
+
+void writeRendezvousFile(const std::string& path, const RendezvousRecord& record) {
   const std::string dir = path.substr(0, path.rfind('/'));
   for (size_t slash = dir.find('/', 1); !dir.empty(); slash = dir.find('/', slash + 1)) {
     const std::string part = dir.substr(0, slash);  // Each missing folder, made for this user.
@@ -193,33 +218,47 @@ void writeTokenFile(const std::string& path, uint64_t token) {
   const std::string tmp = path + ".tmp-" + std::to_string(::getpid());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (fd < 0) {
-    SINEW_THROW(IoError, "cannot write the job's token file ", tmp, ": ", std::strerror(errno));
+    SINEW_THROW(IoError, "cannot write the rendezvous file ", tmp, ": ", std::strerror(errno));
   }
-  char text[32];
-  const int n =
-      std::snprintf(text, sizeof(text), "%016llx\n", static_cast<unsigned long long>(token));
-  const bool ok = ::write(fd, text, n) == n && ::fsync(fd) == 0;
+  char text[400];
+  const int n = std::snprintf(text, sizeof(text), "%s %u %016llx\n", record.host.c_str(),
+                              static_cast<unsigned>(record.port),
+                              static_cast<unsigned long long>(record.token));
+  const bool ok =
+      n > 0 && n < static_cast<int>(sizeof(text)) && ::write(fd, text, n) == n && ::fsync(fd) == 0;
   ::close(fd);
   if (!ok || ::rename(tmp.c_str(), path.c_str()) != 0) {
     const int e = errno;
     ::unlink(tmp.c_str());
-    SINEW_THROW(IoError, "cannot write the job's token file ", path, ": ", std::strerror(e));
+    SINEW_THROW(IoError, "cannot write the rendezvous file ", path, ": ", std::strerror(e));
   }
 }
 
-uint64_t readTokenFile(const std::string& path, std::chrono::milliseconds timeout) {
+RendezvousRecord readRendezvousFile(const std::string& path, std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (true) {
     std::ifstream in(path);
     if (in) {
-      std::string text;
-      std::getline(in, text);
-      auto token = ::sinew::detail::tryParseToken(text);
-      if (!token) SINEW_THROW(Corruption, "the job's token file ", path, " holds no token");
-      return *token;
+      std::string line;
+      std::getline(in, line);
+      std::istringstream words(line);
+      std::string host, port, token, extra;
+      words >> host >> port >> token;
+      RendezvousRecord r;
+      r.host = host;
+      auto t = ::sinew::detail::tryParseToken(token);
+      int64_t p = 0;
+      const bool portOk = ::sinew::detail::parseIntOrError(port, "port", 1, 65535, &p).empty();
+      if (host.empty() || !portOk || !t || (words >> extra)) {
+        SINEW_THROW(Corruption, "the rendezvous file ", path, " is not 'address port token': '",
+                    line.substr(0, 200), "'");
+      }
+      r.port = static_cast<uint16_t>(p);
+      r.token = *t;
+      return r;
     }
     if (std::chrono::steady_clock::now() > deadline) {
-      SINEW_THROW(Timeout, "rank 0 of the srun step wrote no token file ", path, " within ",
+      SINEW_THROW(Timeout, "rank 0 of the srun step wrote no rendezvous file ", path, " within ",
                   timeout.count(),
                   " ms: every node must see that folder (SINEW_RENDEZVOUS_DIR), or set "
                   "SINEW_TOKEN for the step");

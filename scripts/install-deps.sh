@@ -19,6 +19,7 @@ PACKAGES=(
   curl gnuplot-nox
   etcd-server
   prometheus
+  slurmctld slurmd slurm-client munge
 )
 if [[ "${1:-}" == "--bench" ]]; then PACKAGES+=(python3-torch); fi
 

@@ -243,8 +243,8 @@ std::map<std::string, std::string> srunTask(const std::string& job, int rank, in
 }
 
 // Under srun without MPI (docs/runtime.md, "Under srun"): the three tasks of a step start as
-// srun starts them and meet through rank 0's coordinator on the port derived from the job and
-// step ids, with the token rank 0 wrote to the rendezvous folder. Task 1 is SIGKILLed; the
+// srun starts them and meet through rank 0's coordinator at the address, port and token rank 0
+// wrote to the rendezvous folder. Task 1 is SIGKILLed; the
 // others finish with the reference's parameters, and rank 0 removes the token file at the end.
 TEST(JobTest, UnderSrunWithoutMpiATaskKilled) {
   const std::string dir = logDir("srun");
@@ -275,8 +275,8 @@ TEST(JobTest, UnderSrunWithoutMpiATaskKilled) {
   EXPECT_LE(res.maxRel, 1e-5);
   EXPECT_EQ(res.recoveries, 1);
   EXPECT_LT(res.recoveryMax, 2.0);
-  EXPECT_FALSE(std::ifstream(dir + "/rv/slurm-" + job + ".0.0.token").good())
-      << "rank 0 left its token file";
+  EXPECT_FALSE(std::ifstream(dir + "/rv/slurm-" + job + ".0.0.rendezvous").good())
+      << "rank 0 left its rendezvous file";
 }
 
 // scancel --signal=TERM (and Slurm's time limit or preemption) signals every process of the
@@ -344,8 +344,9 @@ TEST(JobTest, UnderSrunSigtermToEveryProcessDrainsTheJob) {
   EXPECT_LE(res.maxRel, 1e-5);
 }
 
-// A port that is taken stops rank 0 within seconds with a message that names the port, where
-// it came from and the variable that sets another.
+// With SINEW_TOKEN (no shared folder), the port is derived from the job and step ids: one
+// that is taken stops rank 0 within seconds with a message that names the port, where it came
+// from and the variable that sets another.
 TEST(JobTest, UnderSrunATakenPortIsNamed) {
   const std::string dir = logDir("srun-port");
   const std::string job = std::to_string(800000 + ::getpid());
@@ -361,7 +362,9 @@ TEST(JobTest, UnderSrunATakenPortIsNamed) {
     GTEST_SKIP() << "port " << port << " is in use already";
   }
   const auto t0 = Clock::now();
-  JobRun run = finish(start({TRAIN_DP_PATH, "--steps", "5"}, srunTask(job, 0, 2, dir)), 60s);
+  auto env = srunTask(job, 0, 2, dir);
+  env["SINEW_TOKEN"] = "5eed";
+  JobRun run = finish(start({TRAIN_DP_PATH, "--steps", "5"}, env), 60s);
   ::close(fd);
   EXPECT_LT(Clock::now() - t0, 20s);
   EXPECT_NE(run.exitCode, 0);

@@ -512,22 +512,28 @@ TEST(SlurmBootstrapTest, AnSrunTaskIsReadFromItsEnvironmentAndMeetsOnTheFirstNod
   EXPECT_EQ(step->nodes, (std::vector<std::string>{"n1", "n2"}));
   EXPECT_EQ(step->nodeName, "n2");
   SlurmRendezvous rv = slurmRendezvous(*step);
-  EXPECT_EQ(rv.host, "n1");
-  EXPECT_EQ(rv.bindHost, "0.0.0.0");
-  EXPECT_EQ(rv.port, derivedCoordinatorPort("77", "3"));
-  EXPECT_EQ(rv.portFrom, "derived from job 77 step 3");
+  EXPECT_EQ(rv.host, "");  // Rank 0's address, which it writes to the rendezvous file.
+  EXPECT_EQ(rv.port, 0);   // A free one, also in the file.
+  EXPECT_EQ(rv.portFrom, "free");
   EXPECT_EQ(rv.token, 0u);
-  EXPECT_EQ(rv.tokenFile, "/shared/rv/slurm-77.3.0.token");
+  EXPECT_EQ(rv.file, "/shared/rv/slurm-77.3.0.rendezvous");
   {
-    ScopedEnv given(EnvVars{{"SINEW_COORDINATOR_PORT", "40001"},
-                            {"SINEW_TOKEN", "abc123"},
-                            {"SINEW_COORDINATOR_HOST", "10.0.0.5"},
-                            {"SLURM_RESTART_COUNT", "2"}});
+    // No shared folder: the token in the environment, the port derived, the first node.
+    ScopedEnv given(EnvVars{{"SINEW_TOKEN", "abc123"}, {"SLURM_RESTART_COUNT", "2"}});
+    rv = slurmRendezvous(*step);
+    EXPECT_EQ(rv.token, 0xabc123u);
+    EXPECT_EQ(rv.port, derivedCoordinatorPort("77", "3"));
+    EXPECT_EQ(rv.portFrom, "derived from job 77 step 3");
+    EXPECT_EQ(rv.host, "");  // The step's first node, n1.
+    EXPECT_EQ(rv.file, "/shared/rv/slurm-77.3.2.rendezvous");
+  }
+  {
+    ScopedEnv given(
+        EnvVars{{"SINEW_COORDINATOR_PORT", "40001"}, {"SINEW_COORDINATOR_HOST", "10.0.0.5"}});
     rv = slurmRendezvous(*step);
     EXPECT_EQ(rv.port, 40001);
-    EXPECT_EQ(rv.token, 0xabc123u);
+    EXPECT_EQ(rv.portFrom, "SINEW_COORDINATOR_PORT");
     EXPECT_EQ(rv.host, "10.0.0.5");
-    EXPECT_EQ(rv.tokenFile, "/shared/rv/slurm-77.3.2.token");
   }
   // MPI meets the ranks under mpirun and srun --mpi=pmix, or when asked to.
   for (const char* mpi : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"}) {
@@ -573,28 +579,43 @@ TEST(SlurmBootstrapTest, AnSrunTaskIsReadFromItsEnvironmentAndMeetsOnTheFirstNod
   }
 }
 
-TEST(SlurmBootstrapTest, TheTokenFileIsTheUsersOnlyAndAMissingOneIsNamed) {
+TEST(SlurmBootstrapTest, TheRendezvousFileIsTheUsersOnlyAndABadOrMissingOneIsNamed) {
   const std::string dir = ::testing::TempDir() + "sinew-rv-" + std::to_string(::getpid());
-  const std::string path = dir + "/slurm-1.0.0.token";
-  writeTokenFile(path, 0x1234abcdULL);
+  const std::string path = dir + "/a/slurm-1.0.0.rendezvous";
+  writeRendezvousFile(path, {"10.1.2.3", 40123, 0x1234abcdULL});
   struct stat st {};
-  ASSERT_EQ(::stat(dir.c_str(), &st), 0);
+  ASSERT_EQ(::stat((dir + "/a").c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0700u);
   ASSERT_EQ(::stat(path.c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);
-  EXPECT_EQ(readTokenFile(path, std::chrono::milliseconds(10)), 0x1234abcdULL);
-  std::ofstream(path) << "garbage\n";
-  EXPECT_THROW(readTokenFile(path, std::chrono::milliseconds(10)), Corruption);
+  RendezvousRecord r = readRendezvousFile(path, std::chrono::milliseconds(10));
+  EXPECT_EQ(r.host, "10.1.2.3");
+  EXPECT_EQ(r.port, 40123);
+  EXPECT_EQ(r.token, 0x1234abcdULL);
+  for (const char* bad : {"garbage\n", "10.1.2.3 0 1234\n", "10.1.2.3 40123 zz\n",
+                          "10.1.2.3 40123 1234 more\n", "\n"}) {
+    std::ofstream(path) << bad;
+    try {
+      readRendezvousFile(path, std::chrono::milliseconds(10));
+      ADD_FAILURE() << "read '" << bad << "'";
+    } catch (const Corruption& e) {
+      EXPECT_NE(std::string(e.what()).find("the rendezvous file " + path), std::string::npos)
+          << e.what();
+    }
+  }
   ::unlink(path.c_str());
   const auto t0 = std::chrono::steady_clock::now();
   try {
-    readTokenFile(path, std::chrono::milliseconds(300));
-    ADD_FAILURE() << "read a missing token file";
+    readRendezvousFile(path, std::chrono::milliseconds(300));
+    ADD_FAILURE() << "read a missing rendezvous file";
   } catch (const Timeout& e) {
     EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("SINEW_TOKEN"), std::string::npos) << e.what();
   }
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  EXPECT_EQ(addressOf("localhost"), "127.0.0.1");
+  EXPECT_THROW(addressOf("no-such-host.invalid"), IoError);
+  ::rmdir((dir + "/a").c_str());
   ::rmdir(dir.c_str());
 }
 

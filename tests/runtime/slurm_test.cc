@@ -1,0 +1,170 @@
+// Whole jobs of examples/train_dp under a real Slurm (Debian's slurm-wlm): scripts/slurm-cluster
+// starts a private cluster of three nodes on this machine (a slurmctld, three slurmd, a munged;
+// every daemon on 127.0.0.1, stopped by the PIDs it recorded), and the jobs run with srun as on a
+// stock cluster: no --mpi, so Sinew's tasks meet without MPI or PMI (docs/runtime.md, "Under
+// srun"). The suite skips, saying why, where the cluster cannot start (not root, slurm-wlm or
+// munge missing).
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <regex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "job_support.h"
+
+namespace {
+
+using namespace std::chrono_literals;
+using namespace sinew::testing;
+
+class SlurmJobTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    state_ = new std::string(logDir("slurm-cluster"));
+    JobRun up = finish(start({SINEW_SLURM_CLUSTER, "start", *state_, "3", "4"}, {}), 120s);
+    if (up.exitCode != 0) {
+      skip_ = new std::string("the Slurm cluster did not start (exit " +
+                              std::to_string(up.exitCode) + "): " + up.output);
+    }
+  }
+  static void TearDownTestSuite() {
+    finish(start({SINEW_SLURM_CLUSTER, "stop", *state_}, {}), 60s);
+    delete state_;
+    delete skip_;
+    state_ = nullptr;
+    skip_ = nullptr;
+  }
+  void SetUp() override {
+    if (skip_ != nullptr) GTEST_SKIP() << *skip_;
+  }
+
+  // The cluster's client environment, with the tasks' variables (srun --export=ALL passes ours
+  // on): the coordinator on loopback, the rendezvous file in `dir`.
+  static std::map<std::string, std::string> clientEnv(const std::string& dir) {
+    return {{"SLURM_CONF", *state_ + "/slurm.conf"},
+            {"SINEW_COORDINATOR_HOST", "127.0.0.1"},
+            {"SINEW_RENDEZVOUS_DIR", dir + "/rv"}};
+  }
+
+  // srun `args` then train_dp `program`, as a user types it.
+  static std::vector<std::string> srun(const std::vector<std::string>& args,
+                                       const std::vector<std::string>& program) {
+    std::vector<std::string> argv{"srun", "--kill-on-bad-exit=0"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    argv.push_back(TRAIN_DP_PATH);
+    argv.insert(argv.end(), program.begin(), program.end());
+    return argv;
+  }
+
+  static std::string* state_;
+  static std::string* skip_;
+};
+
+std::string* SlurmJobTest::state_ = nullptr;
+std::string* SlurmJobTest::skip_ = nullptr;
+
+// Three tasks on three nodes; task 1 is SIGKILLed at step 20: the others finish with the
+// reference's parameters. srun's own status is the killed task's (137), as Slurm reports the
+// worst task of a step.
+TEST_F(SlurmJobTest, ATaskOfAThreeNodeStepKilled) {
+  const std::string dir = logDir("slurm-kill");
+  JobRun run = finish(start(srun({"-N", "3", "-n", "3",
+                                  "--export=ALL,SINEW_INJECT=kill:worker=1:step=20:phase=backward"},
+                                 {"--steps", "40"}),
+                            clientEnv(dir)),
+                      240s);
+  SCOPED_TRACE(run.output);
+  EXPECT_FALSE(run.timedOut);
+  EXPECT_EQ(run.exitCode, 128 + SIGKILL);
+  Result r = parseResult(run.output);
+  ASSERT_TRUE(r.found);
+  EXPECT_LE(r.maxRel, 1e-5);
+  EXPECT_EQ(r.recoveries, 1);
+  EXPECT_NE(run.output.find("epoch 1, 2 workers"), std::string::npos);
+}
+
+// Two tasks per node, as GPU clusters lay tasks out: a task that dies takes its node (the
+// failure domain) with it: its node-mate is expelled, and the other node's two tasks finish
+// with the reference's parameters. (Under srun --mpi=pmix, Slurm cancels the whole step.)
+TEST_F(SlurmJobTest, ATaskThatSharesItsNodeKilled) {
+  const std::string dir = logDir("slurm-shared");
+  JobRun run =
+      finish(start(srun({"-N", "2", "-n", "4", "--ntasks-per-node=2", "--distribution=block",
+                         "--export=ALL,SINEW_INJECT=kill:worker=1:step=20:phase=backward"},
+                        {"--steps", "40"}),
+                   clientEnv(dir)),
+             240s);
+  SCOPED_TRACE(run.output);
+  EXPECT_FALSE(run.timedOut);
+  EXPECT_NE(run.output.find("worker 0 declared dead: node n1 of worker 1 failed"),
+            std::string::npos);
+  EXPECT_NE(run.output.find("worker 2 done: 40 steps, epoch 1, 2 workers"), std::string::npos);
+  EXPECT_NE(run.output.find("worker 3 done: 40 steps, epoch 1, 2 workers"), std::string::npos);
+  Result r = parseResult(run.output);
+  ASSERT_TRUE(r.found);
+  EXPECT_LE(r.maxRel, 1e-5);
+}
+
+// scancel --signal=TERM signals every process of the step, the coordinator rank 0 forked
+// included: the job drains into a durable checkpoint (every task leaves after the same step,
+// srun exits 0), and a step of two tasks resumes there and ends equal to the reference.
+TEST_F(SlurmJobTest, ScancelTermDrainsAndTwoTasksResume) {
+  const std::string dir = logDir("slurm-term");
+  const std::string ckpt = logDir("slurm-term-ckpt");
+  std::filesystem::create_directories(dir);
+  const std::string name = "sinew-term-" + std::to_string(::getpid());
+  auto env = clientEnv(dir);
+  env["SINEW_LOG_DIR"] = dir;
+  env["SINEW_INJECT"] = "slow:worker=*:ms=20";
+  Child job = start(srun({"-N", "3", "-n", "3", "--job-name=" + name},
+                         {"--steps", "150", "--checkpoint-dir", ckpt, "--checkpoint-every", "50"}),
+                    env);
+  const auto deadline = Clock::now() + 120s;
+  while (Clock::now() < deadline &&
+         slurp(dir + "/worker-0-events.jsonl").find("\"step\":10,") == std::string::npos) {
+    std::this_thread::sleep_for(20ms);
+  }
+  JobRun cancel = finish(start({"scancel", "--signal=TERM", "--name=" + name},
+                               {{"SLURM_CONF", *state_ + "/slurm.conf"}}),
+                         60s);
+  EXPECT_EQ(cancel.exitCode, 0) << cancel.output;
+  JobRun stopped = finish(job, 240s);
+  SCOPED_TRACE(stopped.output);
+  EXPECT_FALSE(stopped.timedOut);
+  EXPECT_EQ(stopped.exitCode, 0);
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(stopped.output, m,
+                                std::regex("left the job \\(preempted\\) after step (\\d+)")));
+  const std::string last = m[1];
+  for (int w = 0; w < 3; ++w) {
+    EXPECT_NE(stopped.output.find("worker " + std::to_string(w) +
+                                  " left the job (preempted) after step " + last),
+              std::string::npos)
+        << "worker " << w;
+  }
+  EXPECT_NE(slurp(ckpt + "/LATEST").find("\"step\":" + last), std::string::npos)
+      << slurp(ckpt + "/LATEST");
+
+  JobRun resumed =
+      finish(start(srun({"-N", "2", "-n", "2"}, {"--steps", "150", "--checkpoint-dir", ckpt}),
+                   clientEnv(dir)),
+             240s);
+  SCOPED_TRACE(resumed.output);
+  EXPECT_EQ(resumed.exitCode, 0);
+  EXPECT_NE(resumed.output.find("resumed from the durable checkpoint of step " + last),
+            std::string::npos);
+  Result r = parseResult(resumed.output);
+  ASSERT_TRUE(r.found);
+  EXPECT_LE(r.maxRel, 1e-5);
+}
+
+}  // namespace
