@@ -14,6 +14,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <optional>
 #include <sstream>
@@ -44,6 +45,21 @@ inline std::optional<uint64_t> tryParseToken(const std::string& text) {
   auto r = std::from_chars(text.data(), end, v, 16);
   if (text.empty() || r.ec != std::errc() || r.ptr != end || v == 0) return std::nullopt;
   return v;
+}
+
+// The job token that is exactly `text`; throws InvalidArgument "<what>='<text>' is not a
+// non-zero hexadecimal job token" otherwise.
+inline uint64_t parseToken(const std::string& text, const std::string& what) {
+  auto v = tryParseToken(text);
+  if (!v)
+    SINEW_THROW(InvalidArgument, what, "='", text, "' is not a non-zero hexadecimal job token");
+  return *v;
+}
+
+// The value of environment variable `name`, or null when it is unset or empty.
+inline const char* env(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && v[0] != '\0' ? v : nullptr;
 }
 
 // The finite double that is exactly `text` (decimal or scientific notation), or nullopt.

@@ -26,6 +26,7 @@
 #include <thread>
 
 #include "sinew/base/error.h"
+#include "sinew/base/private_file.h"
 #include "sinew/collectives/tcp_store.h"
 #include "sinew/collectives/transport/channel.h"
 #include "sinew/runtime/control_server.h"
@@ -433,18 +434,7 @@ void writeCoordinatorJson(const Coordinator& coordinator, const std::string& pat
     j["control_token"] = coordinator.controlToken();
   }
   // Readable by this user only, from the moment it exists; replaced whole (rename).
-  const std::string tmp = path + ".tmp";
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (fd < 0 || ::fchmod(fd, 0600) != 0) {
-    if (fd >= 0) ::close(fd);
-    SINEW_THROW(IoError, "cannot create ", tmp, ": ", std::strerror(errno));
-  }
-  const std::string text = j.dump() + "\n";
-  const bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
-  ::close(fd);
-  if (!ok || ::rename(tmp.c_str(), path.c_str()) != 0) {
-    SINEW_THROW(IoError, "cannot write ", path, ": ", std::strerror(errno));
-  }
+  ::sinew::detail::writePrivateFile(path, j.dump() + "\n");
 }
 const std::string& Coordinator::controlToken() const { return impl_->options_.controlToken; }
 

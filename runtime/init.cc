@@ -49,9 +49,12 @@ using runtime::Coordinator;
 using runtime::CoordinatorClientOptions;
 using runtime::CoordinatorOptions;
 
-const char* env(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && v[0] != '\0' ? v : nullptr;
+using ::sinew::detail::env;
+
+// SINEW_HA=1: the launch starts the job's etcd members and coordinator candidates itself.
+bool haRequested() {
+  const char* ha = env("SINEW_HA");
+  return ha != nullptr && std::string(ha) == "1";
 }
 
 // $name=v as an integer in [min, max]; InvalidArgument naming the variable and value.
@@ -60,13 +63,7 @@ int64_t parseInt(const char* name, const std::string& v, int64_t min = 0,
   return ::sinew::detail::parseInt(v, name, min, max);
 }
 
-uint64_t parseToken(const std::string& v) {
-  auto x = ::sinew::detail::tryParseToken(v);
-  if (!x) {
-    SINEW_THROW(InvalidArgument, "SINEW_TOKEN='", v, "' is not a non-zero hexadecimal job token");
-  }
-  return *x;
-}
+uint64_t parseToken(const std::string& v) { return ::sinew::detail::parseToken(v, "SINEW_TOKEN"); }
 
 // "host:port" -> (host, port).
 std::pair<std::string, uint16_t> parseEndpoint(const char* name, const std::string& v) {
@@ -506,11 +503,7 @@ void joinSlurmStep(const runtime::SlurmStep& step, const InitOptions& options,
     if (where.host.empty()) {
       where.host = rv.token != 0 ? runtime::addressOf(step.nodes.front()) : runtime::ownAddress();
     }
-    if (where.token == 0) {
-      std::random_device rd;
-      where.token = ((static_cast<uint64_t>(rd()) << 32) ^ rd()) | 1;
-    }
-    std::string announced;
+    std::string announced;  // "port token": the token SINEW_TOKEN's, or one it drew
     try {
       announced = forkCoordinator(step.size, options, where.host, where.port, where.token);
     } catch (const IoError& e) {
@@ -518,8 +511,13 @@ void joinSlurmStep(const runtime::SlurmStep& step, const InitOptions& options,
                   " could not start the coordinator on ", where.host, ":", where.port, " (",
                   rv.portFrom, "): ", e.what(), "; set SINEW_COORDINATOR_PORT to a free port");
     }
-    where.port = static_cast<uint16_t>(
-        parseInt("the coordinator's port", announced.substr(0, announced.find(' ')), 1, 65535));
+    unsigned port = 0;
+    unsigned long long token = 0;
+    if (std::sscanf(announced.c_str(), "%u %llu", &port, &token) != 2) {
+      SINEW_THROW(IoError, "bad coordinator endpoint from its process: '", announced, "'");
+    }
+    where.port = static_cast<uint16_t>(port);
+    where.token = token;
     if (rv.token == 0) {
       runtime::writeRendezvousFile(rv.file, where);
       ctx->rendezvousFile = rv.file;
@@ -644,13 +642,13 @@ std::unique_ptr<Context> init(int* argc, char*** argv, const InitOptions& option
     ctx->joined = co.worker < 0;
     ctx->mode = ctx->joined ? "join" : "sinew-run";
   } else if (std::optional<runtime::SlurmStep> step = runtime::slurmStepFromEnvironment()) {
-    if (env("SINEW_HA") && std::string(env("SINEW_HA")) == "1") {
+    if (haRequested()) {
       SINEW_THROW(InvalidArgument,
                   "SINEW_HA=1 needs MPI to start its etcd members: under srun, run with "
                   "--mpi=pmix, or give the job's etcd with SINEW_ETCD (docs/ha.md)");
     }
     joinSlurmStep(*step, options, ctx, co);
-  } else if (mpiRank() >= 0 && env("SINEW_HA") && std::string(env("SINEW_HA")) == "1") {
+  } else if (mpiRank() >= 0 && haRequested()) {
 #if SINEW_WITH_MPI
     etcd = joinMpiHa(argc, argv, options, ctx, co, &job);
 #else

@@ -17,15 +17,13 @@
 
 #include "sinew/base/error.h"
 #include "sinew/base/parse.h"
+#include "sinew/base/private_file.h"
 
 namespace sinew {
 namespace runtime {
 namespace {
 
-const char* env(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' ? v : nullptr;
-}
+using ::sinew::detail::env;
 
 // $name, which a step must have.
 std::string required(const char* name) {
@@ -151,13 +149,7 @@ SlurmRendezvous slurmRendezvous(const SlurmStep& step) {
   } else if (step.nodes.size() <= 1) {
     r.host = "127.0.0.1";
   }
-  if (const char* t = env("SINEW_TOKEN")) {
-    auto token = ::sinew::detail::tryParseToken(t);
-    if (!token) {
-      SINEW_THROW(InvalidArgument, "SINEW_TOKEN='", t, "' is not a non-zero hexadecimal job token");
-    }
-    r.token = *token;
-  }
+  if (const char* t = env("SINEW_TOKEN")) r.token = ::sinew::detail::parseToken(t, "SINEW_TOKEN");
   if (const char* p = env("SINEW_COORDINATOR_PORT")) {
     r.port =
         static_cast<uint16_t>(::sinew::detail::parseInt(p, "SINEW_COORDINATOR_PORT", 1, 65535));
@@ -207,31 +199,11 @@ std::string ownAddress() {
 }
 
 void writeRendezvousFile(const std::string& path, const RendezvousRecord& record) {
-  const std::string dir = path.substr(0, path.rfind('/'));
-  for (size_t slash = dir.find('/', 1); !dir.empty(); slash = dir.find('/', slash + 1)) {
-    const std::string part = dir.substr(0, slash);  // Each missing folder, made for this user.
-    if (::mkdir(part.c_str(), 0700) != 0 && errno != EEXIST) {
-      SINEW_THROW(IoError, "cannot make the rendezvous folder ", part, ": ", std::strerror(errno));
-    }
-    if (slash == std::string::npos) break;
-  }
-  const std::string tmp = path + ".tmp-" + std::to_string(::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (fd < 0) {
-    SINEW_THROW(IoError, "cannot write the rendezvous file ", tmp, ": ", std::strerror(errno));
-  }
-  char text[400];
-  const int n = std::snprintf(text, sizeof(text), "%s %u %016llx\n", record.host.c_str(),
-                              static_cast<unsigned>(record.port),
-                              static_cast<unsigned long long>(record.token));
-  const bool ok =
-      n > 0 && n < static_cast<int>(sizeof(text)) && ::write(fd, text, n) == n && ::fsync(fd) == 0;
-  ::close(fd);
-  if (!ok || ::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int e = errno;
-    ::unlink(tmp.c_str());
-    SINEW_THROW(IoError, "cannot write the rendezvous file ", path, ": ", std::strerror(e));
-  }
+  ::sinew::detail::makePrivateDirs(path.substr(0, path.rfind('/')));
+  char token[17];
+  std::snprintf(token, sizeof(token), "%016llx", static_cast<unsigned long long>(record.token));
+  ::sinew::detail::writePrivateFile(
+      path, record.host + " " + std::to_string(record.port) + " " + token + "\n");
 }
 
 RendezvousRecord readRendezvousFile(const std::string& path, std::chrono::milliseconds timeout) {

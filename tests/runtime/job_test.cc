@@ -16,6 +16,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <random>
@@ -288,7 +289,7 @@ TEST(JobTest, UnderSrunSigtermToEveryProcessDrainsTheJob) {
   const std::string dir = logDir("srun-term");
   const std::string ckpt = logDir("srun-term-ckpt");
   const std::string job = std::to_string(700000 + ::getpid());
-  ASSERT_EQ(::system(("mkdir -p " + dir).c_str()), 0);
+  std::filesystem::create_directories(dir);
   std::vector<Child> tasks;
   for (int r = 0; r < 3; ++r) {
     auto env = srunTask(job, r, 3, dir);

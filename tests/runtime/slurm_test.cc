@@ -65,6 +65,12 @@ class SlurmJobTest : public ::testing::Test {
     return argv;
   }
 
+  // Runs srun `args` train_dp `program` with the client environment of `dir` to its end.
+  static JobRun runSrun(const std::string& dir, const std::vector<std::string>& args,
+                        const std::vector<std::string>& program) {
+    return finish(start(srun(args, program), clientEnv(dir)), 240s);
+  }
+
   static std::string* state_;
   static std::string* skip_;
 };
@@ -77,11 +83,9 @@ std::string* SlurmJobTest::skip_ = nullptr;
 // worst task of a step.
 TEST_F(SlurmJobTest, ATaskOfAThreeNodeStepKilled) {
   const std::string dir = logDir("slurm-kill");
-  JobRun run = finish(start(srun({"-N", "3", "-n", "3",
-                                  "--export=ALL,SINEW_INJECT=kill:worker=1:step=20:phase=backward"},
-                                 {"--steps", "40"}),
-                            clientEnv(dir)),
-                      240s);
+  JobRun run = runSrun(
+      dir, {"-N", "3", "-n", "3", "--export=ALL,SINEW_INJECT=kill:worker=1:step=20:phase=backward"},
+      {"--steps", "40"});
   SCOPED_TRACE(run.output);
   EXPECT_FALSE(run.timedOut);
   EXPECT_EQ(run.exitCode, 128 + SIGKILL);
@@ -97,12 +101,10 @@ TEST_F(SlurmJobTest, ATaskOfAThreeNodeStepKilled) {
 // with the reference's parameters. (Under srun --mpi=pmix, Slurm cancels the whole step.)
 TEST_F(SlurmJobTest, ATaskThatSharesItsNodeKilled) {
   const std::string dir = logDir("slurm-shared");
-  JobRun run =
-      finish(start(srun({"-N", "2", "-n", "4", "--ntasks-per-node=2", "--distribution=block",
-                         "--export=ALL,SINEW_INJECT=kill:worker=1:step=20:phase=backward"},
-                        {"--steps", "40"}),
-                   clientEnv(dir)),
-             240s);
+  JobRun run = runSrun(dir,
+                       {"-N", "2", "-n", "4", "--ntasks-per-node=2", "--distribution=block",
+                        "--export=ALL,SINEW_INJECT=kill:worker=1:step=20:phase=backward"},
+                       {"--steps", "40"});
   SCOPED_TRACE(run.output);
   EXPECT_FALSE(run.timedOut);
   EXPECT_NE(run.output.find("worker 0 declared dead: node n1 of worker 1 failed"),
@@ -155,9 +157,7 @@ TEST_F(SlurmJobTest, ScancelTermDrainsAndTwoTasksResume) {
       << slurp(ckpt + "/LATEST");
 
   JobRun resumed =
-      finish(start(srun({"-N", "2", "-n", "2"}, {"--steps", "150", "--checkpoint-dir", ckpt}),
-                   clientEnv(dir)),
-             240s);
+      runSrun(dir, {"-N", "2", "-n", "2"}, {"--steps", "150", "--checkpoint-dir", ckpt});
   SCOPED_TRACE(resumed.output);
   EXPECT_EQ(resumed.exitCode, 0);
   EXPECT_NE(resumed.output.find("resumed from the durable checkpoint of step " + last),

@@ -30,6 +30,7 @@
 #include <string>
 #include <thread>
 
+#include "../env_support.h"
 #include "sinew/base/error.h"
 #include "sinew/data.h"
 #include "sinew/init.h"
@@ -453,35 +454,8 @@ TEST(SlurmBootstrapTest, ThePortIsTheSameForEveryTaskOfAStepAndInItsRange) {
   }
 }
 
-// Sets environment variables for the scope, restoring what was there.
-using EnvVars = std::map<std::string, std::string>;
-
-class ScopedEnv {
- public:
-  explicit ScopedEnv(const std::map<std::string, std::string>& vars) {
-    for (const auto& [k, v] : vars) {
-      const char* old = std::getenv(k.c_str());
-      saved_.emplace_back(k, old ? std::optional<std::string>(old) : std::nullopt);
-      if (v.empty()) {
-        ::unsetenv(k.c_str());
-      } else {
-        ::setenv(k.c_str(), v.c_str(), 1);
-      }
-    }
-  }
-  ~ScopedEnv() {
-    for (const auto& [k, v] : saved_) {
-      if (v) {
-        ::setenv(k.c_str(), v->c_str(), 1);
-      } else {
-        ::unsetenv(k.c_str());
-      }
-    }
-  }
-
- private:
-  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
-};
+using EnvVars = sinew::testing::ScopedEnv::Vars;
+using sinew::testing::ScopedEnv;
 
 std::map<std::string, std::string> srunTask(int rank) {
   return {{"SLURM_JOB_ID", "77"},

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "../env_support.h"
 #include "../tool_support.h"
 #include "sinew/base/error.h"
 #include "sinew/base/parse.h"
@@ -93,29 +94,7 @@ TEST(FailureInjectionValidationTest, NanInfNegativeAndOutOfRangeNumbersAreReject
   EXPECT_DOUBLE_EQ(ok.faults()[1].milliseconds, 2.5);
 }
 
-// Sets environment variables for one scope.
-class ScopedEnv {
- public:
-  explicit ScopedEnv(const std::map<std::string, std::string>& vars) {
-    for (const auto& kv : vars) {
-      const char* old = std::getenv(kv.first.c_str());
-      saved_[kv.first] = old ? std::make_pair(true, std::string(old)) : std::make_pair(false, "");
-      ::setenv(kv.first.c_str(), kv.second.c_str(), 1);
-    }
-  }
-  ~ScopedEnv() {
-    for (const auto& kv : saved_) {
-      if (kv.second.first) {
-        ::setenv(kv.first.c_str(), kv.second.second.c_str(), 1);
-      } else {
-        ::unsetenv(kv.first.c_str());
-      }
-    }
-  }
-
- private:
-  std::map<std::string, std::pair<bool, std::string>> saved_;
-};
+using sinew::testing::ScopedEnv;
 
 TEST(InitValidationTest, BadEnvironmentVariablesNameTheVariableAndValue) {
   struct Bad {
