@@ -282,9 +282,10 @@ TEST(JobTest, UnderSrunWithoutMpiATaskKilled) {
 
 // scancel --signal=TERM (and Slurm's time limit or preemption) signals every process of the
 // step, mpirun rank 0's process group: the coordinator rank 0 forked must outlive the signal,
-// so that the workers drain at a step boundary into a durable checkpoint. Then a step of two
-// tasks resumes from it and ends equal to the reference. (Before, the coordinator died of the
-// signal and every task exited 3: "the coordinator closed the connection".)
+// so that the workers drain at a step boundary into a durable checkpoint of the step the job
+// stopped after. Then a step of two tasks resumes from it and ends equal to the reference.
+// (Before, the coordinator died of the signal and every task exited 3: "the coordinator
+// closed the connection".)
 TEST(JobTest, UnderSrunSigtermToEveryProcessDrainsTheJob) {
   const std::string dir = logDir("srun-term");
   const std::string ckpt = logDir("srun-term-ckpt");
@@ -308,7 +309,13 @@ TEST(JobTest, UnderSrunSigtermToEveryProcessDrainsTheJob) {
     ::kill(-c.pid, SIGTERM);  // Each task's group: rank 0's has the coordinator.
   std::vector<JobRun> runs;
   for (const Child& c : tasks) runs.push_back(finish(c, 240s));
-  int last = -1;
+  // The signal reaches the tasks a moment apart, so one may train a step more than another;
+  // the job stops after the last step any of them trained (rank 0's coordinator says which),
+  // and that step is durable.
+  std::smatch stop;
+  ASSERT_TRUE(std::regex_search(runs[0].output, stop, std::regex("job stopped after step (\\d+)")))
+      << runs[0].output;
+  const int last = std::stoi(stop[1]);
   for (int r = 0; r < 3; ++r) {
     SCOPED_TRACE("task " + std::to_string(r) + ": " + runs[r].output);
     EXPECT_FALSE(runs[r].timedOut);
@@ -316,8 +323,8 @@ TEST(JobTest, UnderSrunSigtermToEveryProcessDrainsTheJob) {
     std::smatch m;
     ASSERT_TRUE(std::regex_search(runs[r].output, m,
                                   std::regex("left the job \\(preempted\\) after step (\\d+)")));
-    if (last < 0) last = std::stoi(m[1]);
-    EXPECT_EQ(std::stoi(m[1]), last) << "the tasks left after different steps";
+    EXPECT_LE(std::stoi(m[1]), last);
+    EXPECT_GE(std::stoi(m[1]), last - 1);
   }
   EXPECT_GE(last, 10);
   EXPECT_LT(last, 119);

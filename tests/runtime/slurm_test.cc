@@ -117,8 +117,9 @@ TEST_F(SlurmJobTest, ATaskThatSharesItsNodeKilled) {
 }
 
 // scancel --signal=TERM signals every process of the step, the coordinator rank 0 forked
-// included: the job drains into a durable checkpoint (every task leaves after the same step,
-// srun exits 0), and a step of two tasks resumes there and ends equal to the reference.
+// included: the job drains into a durable checkpoint of the step it stopped after (every task
+// leaves at a step boundary, srun exits 0), and a step of two tasks resumes there and ends
+// equal to the reference.
 TEST_F(SlurmJobTest, ScancelTermDrainsAndTwoTasksResume) {
   const std::string dir = logDir("slurm-term");
   const std::string ckpt = logDir("slurm-term-ckpt");
@@ -143,15 +144,19 @@ TEST_F(SlurmJobTest, ScancelTermDrainsAndTwoTasksResume) {
   SCOPED_TRACE(stopped.output);
   EXPECT_FALSE(stopped.timedOut);
   EXPECT_EQ(stopped.exitCode, 0);
+  // The signal reaches the tasks a moment apart, so one may train a step more than another;
+  // the job stops after the last step any of them trained, and that step is durable.
   std::smatch m;
-  ASSERT_TRUE(std::regex_search(stopped.output, m,
-                                std::regex("left the job \\(preempted\\) after step (\\d+)")));
+  ASSERT_TRUE(std::regex_search(stopped.output, m, std::regex("job stopped after step (\\d+)")));
   const std::string last = m[1];
   for (int w = 0; w < 3; ++w) {
-    EXPECT_NE(stopped.output.find("worker " + std::to_string(w) +
-                                  " left the job (preempted) after step " + last),
-              std::string::npos)
+    std::smatch left;
+    ASSERT_TRUE(std::regex_search(stopped.output, left,
+                                  std::regex("worker " + std::to_string(w) +
+                                             " left the job \\(preempted\\) after step (\\d+)")))
         << "worker " << w;
+    EXPECT_LE(std::stoi(left[1]), std::stoi(last)) << "worker " << w;
+    EXPECT_GE(std::stoi(left[1]), std::stoi(last) - 1) << "worker " << w;
   }
   EXPECT_NE(slurp(ckpt + "/LATEST").find("\"step\":" + last), std::string::npos)
       << slurp(ckpt + "/LATEST");
