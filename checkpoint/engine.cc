@@ -59,6 +59,12 @@ CheckpointEngine::CheckpointEngine(const ShardState& like, CheckpointEngineOptio
       stats_.lastError = what;
       if (!flushError_) flushError_ = error;  // Rethrown by waitDurable().
     };
+    fo.onSuperseded = [this](int64_t step, int64_t newer, const std::string&) {
+      std::fprintf(stderr,
+                   "sinew checkpoint: worker %d: version %lld was written but not made the "
+                   "latest: version %lld is already durable (a late writer's; nothing is lost)\n",
+                   options_.self, static_cast<long long>(step), static_cast<long long>(newer));
+    };
     flusher_ = std::make_unique<VersionFlusher>(std::move(fo));
   }
   arena_->setOnComplete([this](std::shared_ptr<const HostShard> s) { onSnapshot(std::move(s)); });

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 
 #include "sinew/base/error.h"
 #include "sinew/base/parse.h"
@@ -123,14 +124,24 @@ void VersionFlusher::loop() {
     lock.unlock();
     const auto t0 = Clock::now();
     std::exception_ptr error;
+    bool superseded = false;
     try {
       if (options_.beforeWrite) options_.beforeWrite(job.shard->step);
       write(job);
+    } catch (const StaleVersion& e) {
+      superseded = true;
+      if (options_.onSuperseded) {
+        options_.onSuperseded(e.step(), e.newer(), e.what());
+      } else {
+        std::fprintf(stderr, "sinew checkpoint: worker %d: %s\n", options_.self, e.what());
+      }
     } catch (...) {
       error = std::current_exception();
     }
     const double took = std::chrono::duration<double>(Clock::now() - t0).count();
-    if (!error) {
+    if (superseded) {
+      // Neither written nor failed: a newer version is durable.
+    } else if (!error) {
       if (options_.onFlushed) {
         options_.onFlushed({job.shard->step, job.role.how, took,
                             static_cast<int64_t>(job.shard->capacity()), job.shared});
@@ -139,7 +150,7 @@ void VersionFlusher::loop() {
       options_.onFailed(job.shard->step, "write", "'" + options_.persist.dir + "'", error);
     }
     lock.lock();
-    if (!error) flushed_++;
+    if (!error && !superseded) flushed_++;
     outstanding_--;
     cv_.notify_all();
   }
@@ -189,7 +200,12 @@ void VersionFlusher::write(const Job& job) {
     records.push_back(
         ShardFileRecord::fromJson(collectives::toString(store.get(k, options_.timeout))));
   }
-  writer_->commitVersion(shard.step, records);
+  try {
+    writer_->commitVersion(shard.step, records);
+  } catch (const StaleVersion&) {
+    for (const std::string& k : keys) store.deleteKey(k);  // Nobody completes it now.
+    throw;
+  }
   advanceStoredStep(store, durableKey(), shard.step);
   for (const std::string& k : keys) store.deleteKey(k);
 }

@@ -13,7 +13,8 @@
 //            advances <prefix>/durable and deletes the records.
 // A version is counted from reserve() (a copy is on its way) until it is written or failed,
 // so finish() also waits for copies still in flight. A failed flush is reported through
-// onFailed and the next version is written as usual.
+// onFailed and the next version is written as usual. A version refused because LATEST already
+// names a newer one (StaleVersion: a late writer's, correctly) is no failure: onSuperseded.
 //
 // Thread safety: every method may be called from any thread; the hooks run on the flush
 // thread (onFailed also on the thread that calls fail()).
@@ -90,6 +91,9 @@ struct VersionFlusherOptions {
   std::function<void(int64_t step, const std::string& verb, const std::string& where,
                      std::exception_ptr error)>
       onFailed;
+  // A version written but not named durable because `newer` already is (StaleVersion).
+  // Unset: one line on stderr.
+  std::function<void(int64_t step, int64_t newer, const std::string& what)> onSuperseded;
 };
 
 class VersionFlusher {

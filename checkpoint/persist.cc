@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <set>
+#include <sstream>
 
 #include "sinew/base/crc32c.h"
 #include "sinew/base/error.h"
@@ -518,10 +519,12 @@ void CheckpointWriter::commitVersion(int64_t step, const std::vector<ShardFileRe
     current = -1;
   }
   if (current > step) {
-    SINEW_THROW(InvalidArgument, "checkpoint ", options_.dir, ": version ", step,
-                " is older than version ", current,
-                " that LATEST names; a stale writer (paused or preempted) does not move LATEST "
-                "backwards");
+    std::ostringstream what;
+    what << "checkpoint " << options_.dir << ": version " << step << " is older than version "
+         << current
+         << " that LATEST names; a stale writer (paused or preempted) does not move LATEST "
+            "backwards";
+    throw StaleVersion(step, current, what.str());
   }
   writeLatest(env_, options_.dir, step);
   if (options_.onPoint) options_.onPoint("latest-durable");

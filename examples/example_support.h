@@ -236,9 +236,11 @@ inline std::unique_ptr<sinew::Context> join(const char* program, int* argc, char
 }
 
 // Trains `spec` with `o` on this worker into *trainer and *result. Returns the program's exit
-// status when it must stop here, having said why: 3 when the job expelled this worker, 1 on
-// another error, 0 when it was preempted (it left the job cleanly); nothing when it trained to
-// the end, after saying so if it resumed from a durable checkpoint.
+// status when it must stop here, having said why and left the job (Context::finishJob()): 3
+// when the job expelled this worker, 1 on another error (e.g. its last checkpoint could not be
+// written; at least the job's status if that is worse), 0 when it was preempted and the job
+// goes on, 75 when the whole job stopped; nothing when it trained to the end, after saying so
+// if it resumed from a durable checkpoint.
 // With --eval-every N it runs its own loop over Trainer::step() and evaluates `heldOut`
 // (--eval-samples of it) after every N-th step, printing each result; `beforeFinish` (which
 // also makes it run its own loop) is called after the last step, before Trainer::finish().
@@ -273,15 +275,16 @@ inline std::optional<int> train(const char* program, sinew::Context& ctx,
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   } catch (const sinew::Expelled& e) {
     std::fprintf(stderr, "%s: worker %d left the job: %s\n", program, ctx.worker(), e.what());
-    return 3;
+    return std::max(3, ctx.finishJob());  // Rank 0 under mpirun/srun waits for the job's end.
   } catch (const sinew::Error& e) {
     std::fprintf(stderr, "%s: worker %d failed: %s\n", program, ctx.worker(), e.what());
-    return 1;
+    return std::max(1, ctx.finishJob());  // Rank 0 under mpirun/srun waits for the job's end.
   }
   if (result->preempted) {
     std::printf("%s: worker %d left the job (preempted) after step %lld\n", program, ctx.worker(),
                 static_cast<long long>(result->steps - 1));
-    return 0;
+    std::fflush(stdout);
+    return ctx.finishJob();  // 0, or 75 when the whole job stopped there
   }
   if (result->startStep > 0) {
     std::printf("%s: worker %d resumed from the durable checkpoint of step %lld\n", program,

@@ -510,7 +510,7 @@ int main(int argc, char** argv) {
       ctx->worker(), static_cast<long long>(r.steps), r.pipeline, r.pipelines, r.stage,
       r.layers.size(), static_cast<long long>(r.parameterCount), r.finalLoss);
   std::fflush(stdout);
-  if (gathered.is_empty() || gathered->size() == 0) return 0;
+  if (gathered.is_empty() || gathered->size() == 0) return ctx->finishJob();
   int64_t parameters = 0;  // The model's, the tied tensor once.
   for (const auto& np : gathered->named_parameters(/*recurse=*/true)) {
     if (np.key() != "head.lm.weight") parameters += np.value().numel();
@@ -527,5 +527,5 @@ int main(int argc, char** argv) {
       c.outputsRel, static_cast<long long>(parameters), r.lossScale,
       static_cast<long long>(tokensSeen));
   std::fflush(stdout);
-  return 0;
+  return ctx->finishJob();  // Rank 0 under mpirun/srun: how the job ended, said last.
 }

@@ -8,11 +8,13 @@
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "sinew/init.h"
 #include "sinew/runtime/coordinator.h"
 #include "sinew/runtime/coordinator_client.h"
+#include "sinew/runtime/coordinator_process.h"
 #include "sinew/runtime/failure_injection.h"
 #include "sinew/store.h"
 
@@ -33,6 +35,10 @@ struct ContextState {
   // skips it (under mpirun --enable-recovery).
   bool memberLost = false;
   std::unique_ptr<Coordinator> localCoordinator;
+  // Rank 0 under mpirun and srun: the coordinator process it forked (pid -1: none).
+  CoordinatorProcess coordinatorProcess;
+  // Set by Context::finishJob(): the status it returned.
+  std::optional<int> exitStatus;
   // SINEW_HA=1 under mpirun: the helper process this rank forked (docs/ha.md); 0 if none.
   int haHelper = 0;
   std::string rendezvousFile;  // srun without MPI, rank 0: the file it wrote (removed at the end)

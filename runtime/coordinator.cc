@@ -138,6 +138,11 @@ class Coordinator::Impl : public control::Backend, public EventFeed {
     return state_->coordinatorStatus();
   }
 
+  json outcome() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return state_->outcome();
+  }
+
   bool waitFinished(std::chrono::milliseconds timeout) {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait_for(lock, timeout, [&] { return state_->over(); });
@@ -394,6 +399,7 @@ uint16_t Coordinator::storePort() const { return impl_->store_->port(); }
 uint64_t Coordinator::token() const { return impl_->options_.token; }
 const std::string& Coordinator::host() const { return impl_->options_.host; }
 CoordinatorStatus Coordinator::status() const { return impl_->coordinatorStatus(); }
+nlohmann::json Coordinator::outcome() const { return impl_->outcome(); }
 bool Coordinator::waitFinished(std::chrono::milliseconds timeout) {
   return impl_->waitFinished(timeout);
 }

@@ -123,6 +123,7 @@ struct CoordinatorStatus {
   std::vector<int> releasedRunning;  // released, and their process has not ended yet
   bool failed = false;               // the job failed (e.g. no plan fits its workers)
   bool deposed = false;              // HA: this coordinator's term ended; it serves no more
+  int connected = 0;                 // workers whose connection is still open
 };
 
 class Coordinator {
@@ -139,6 +140,9 @@ class Coordinator {
   const std::string& host() const;
 
   CoordinatorStatus status() const;
+  // How the job ended (runtime/job_outcome.h): finished, stopped or failed and why; "running"
+  // before it has.
+  nlohmann::json outcome() const;
 
   // Blocks until every member of the current epoch is done, or no member is left alive, or
   // the timeout passes. Returns whether the job finished with at least one member done.

@@ -39,7 +39,12 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
   explicit Impl(CoordinatorClientOptions options) : options_(std::move(options)), heartbeat_(io_) {}
 
   // Flushes queued messages (e.g. done), for at most a second, then closes.
-  ~Impl() override {
+  ~Impl() override { shutdown(); }
+
+  // Closes the connection (after what is queued is written, at most 1 s) and joins the
+  // threads; later waits fail at once. Idempotent.
+  void shutdown() {
+    if (shutDown_.exchange(true)) return;
     asio::post(io_, [this] {
       stopping_ = true;
       heartbeat_.cancel();
@@ -55,6 +60,11 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
     }
     haCv_.notify_all();
     if (watcher_.joinable()) watcher_.join();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (gone_.empty()) gone_ = "it left the job (its connection is closed)";
+    }
+    cv_.notify_all();
   }
 
   void closeNow() {
@@ -257,6 +267,18 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
   int worker_ = -1;
   std::string storeHost_;
   uint16_t storePort_ = 0;
+
+  void markDone() {
+    std::lock_guard<std::mutex> lock(mu_);
+    doneSent_ = true;
+  }
+
+  Standing standing() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (released_) return jobStopped_ ? Standing::kJobStopped : Standing::kReleased;
+    if (doneSent_) return Standing::kDone;
+    return gone_.empty() ? Standing::kIn : Standing::kExpelled;
+  }
 
  private:
   [[noreturn]] void throwGone() const {
@@ -468,6 +490,7 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
         case wire::Type::kReleased:
           gone_ = "released by the coordinator: " + body.value("reason", std::string("?"));
           released_ = true;
+          jobStopped_ = body.value("job_stopped", false);
           announce = -1;
           // The connection stays open until this worker ends: it may still report the
           // checkpoint of its last step (durable), and heartbeats keep it from timing out.
@@ -529,7 +552,10 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
   std::condition_variable cv_;
   // Guarded by mu_.
   bool welcomed_ = false;
+  std::atomic<bool> shutDown_{false};
   bool released_ = false;
+  bool jobStopped_ = false;  // released because every member left (the job stopped)
+  bool doneSent_ = false;
   std::string gone_;  // why this worker left the job; empty while it is in
   EpochInfo epoch_;
   int64_t committed_ = -1;
@@ -602,8 +628,11 @@ void CoordinatorClient::leave(int64_t step) {
   impl_->post(wire::Type::kLeave, impl_->latestEpoch().epoch, json{{"step", step}});
 }
 void CoordinatorClient::done(int64_t step) {
+  impl_->markDone();
   impl_->post(wire::Type::kDone, impl_->latestEpoch().epoch, json{{"step", step}});
 }
+CoordinatorClient::Standing CoordinatorClient::standing() const { return impl_->standing(); }
+void CoordinatorClient::close() { impl_->shutdown(); }
 void CoordinatorClient::setProgress(int64_t step, bool waiting) {
   impl_->setProgress(step, waiting);
 }

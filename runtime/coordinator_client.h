@@ -147,6 +147,15 @@ class CoordinatorClient {
   void requestRollback(int64_t epoch, int64_t step);
   // Reports that this worker finished every step.
   void done(int64_t step);
+  // Where this worker stands with the job, for its exit status (Context::finishJob): still in
+  // it, done with every step, released while the job goes on, released because the whole job
+  // stopped at a step boundary, or expelled (also: the coordinator is gone).
+  enum class Standing { kIn, kDone, kReleased, kJobStopped, kExpelled };
+  Standing standing() const;
+  // Leaves: closes the connection once what is queued is written (the coordinator counts this
+  // worker as gone) and joins the client's threads; later waits throw Expelled at once, other
+  // calls do nothing. The destructor does the same.
+  void close();
   // Asks to leave the job at the next step boundary (preemption); the coordinator answers
   // by releasing it right after the next committed step (waitEpochAfter then throws
   // Released).

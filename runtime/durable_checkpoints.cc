@@ -204,6 +204,19 @@ void DurableCheckpoints::makeFlusher() {
     std::lock_guard<std::mutex> lock(mu_);
     recordFailureLocked(step, error, verb, where);
   };
+  // A late writer's version refused because a newer one is durable: correct, and no error
+  // (the job's newest durable state is the newer one).
+  fo.onSuperseded = [this](int64_t step, int64_t newer, const std::string& what) {
+    std::fprintf(stderr,
+                 "sinew: worker %d: checkpoint %lld was written but not made the latest: "
+                 "version %lld is already durable (a late writer's version; nothing is lost)\n",
+                 s_.worker(), static_cast<long long>(step), static_cast<long long>(newer));
+    s_.event({{"event", "checkpoint_superseded"},
+              {"step", step},
+              {"newer", newer},
+              {"dir", dir_},
+              {"what", what}});
+  };
   flusher_ = std::make_unique<checkpoint::VersionFlusher>(std::move(fo));
 }
 

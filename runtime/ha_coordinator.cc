@@ -1,5 +1,7 @@
 #include "sinew/runtime/ha_coordinator.h"
 
+#include "sinew/runtime/job_outcome.h"
+
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
@@ -137,20 +139,26 @@ int runHaCoordinator(const HaCoordinatorOptions& options) {
         break;
       }
       if (st.failed || st.finished) {
-        // Released workers may still report their last checkpoint: serve until they exit.
-        const auto until = Clock::now() + std::chrono::seconds(60);
-        while (!coordinator->status().releasedRunning.empty() && Clock::now() < until &&
-               election.leads()) {
+        // Workers may still use the job's store, released ones report their last checkpoint:
+        // serve until every worker has left (or the term ends).
+        while (coordinator->status().connected > 0 && election.leads()) {
           std::this_thread::sleep_for(std::chrono::milliseconds(50));
         }
-        std::this_thread::sleep_for(std::chrono::milliseconds(200));  // The last words out.
+        const json outcome = coordinator->outcome();
+        if (!options.outcomePath.empty()) {
+          try {
+            writeOutcomeFile(outcome, options.outcomePath);
+          } catch (const Error& e) {
+            log(e.what());
+          }
+        }
         coordinator.reset();
         try {
           election.resign();
         } catch (const Error&) {
         }
-        log(std::string("the job ") + (st.failed ? "failed" : "finished"));
-        return st.failed ? 1 : 0;
+        log(outcomeLine(outcome));
+        return outcomeExitStatus(outcome);
       }
     }
     coordinator.reset();

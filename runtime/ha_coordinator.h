@@ -40,13 +40,18 @@ struct HaCoordinatorOptions {
   // This candidate's name in logs and in the leader key.
   std::string name;
   std::function<void(const std::string&)> log;
+  // Where the leader that sees the job end writes its outcome (runtime/job_outcome.h); empty:
+  // nowhere.
+  std::string outcomePath;
 };
 
 // Runs one coordinator candidate of a job until the job ends: campaigns; while it leads,
 // serves as the job's coordinator, taking over the state its predecessor stored; when its
 // term ends (lease lost, write refused, etcd unreachable past the TTL) it stops serving and
-// campaigns again. Returns 0 when the job finished (every member done, or stopped), 1 when it
-// failed. Throws InvalidArgument for bad options.
+// campaigns again. The leader that sees the job end serves until every worker has left it,
+// writes the outcome and returns its status (0 finished, 75 stopped, 1 failed); another
+// candidate returns 0 when the job finished or stopped, 1 when it failed. Throws
+// InvalidArgument for bad options.
 int runHaCoordinator(const HaCoordinatorOptions& options);
 
 // For workers: the CoordinatorClientOptions::awaitLeader that reads and watches the job's

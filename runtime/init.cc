@@ -28,7 +28,9 @@
 #include "sinew/config.h"
 #include "sinew/runtime/context_state.h"
 #include "sinew/runtime/coordinator.h"
+#include "sinew/runtime/coordinator_process.h"
 #include "sinew/runtime/ha_coordinator.h"
+#include "sinew/runtime/job_outcome.h"
 #include "sinew/runtime/slurm_bootstrap.h"
 
 #if SINEW_WITH_MPI
@@ -45,6 +47,7 @@ volatile std::sig_atomic_t gSigtermReceived = 0;
 
 void onSigterm(int) { gSigtermReceived = 1; }
 
+using runtime::controlApiFromEnv;
 using runtime::Coordinator;
 using runtime::CoordinatorClientOptions;
 using runtime::CoordinatorOptions;
@@ -87,98 +90,6 @@ int mpiRank() {
     if (const char* v = env(name)) return static_cast<int>(parseInt(name, v));
   }
   return -1;
-}
-
-// The control API's address from SINEW_CONTROL_PORT (0: a free port) and SINEW_CONTROL_HOST
-// (docs/control_api.md), for the built-in coordinator and for HA mode's candidates alike.
-void controlApiFromEnv(CoordinatorOptions& c) {
-  if (const char* port = env("SINEW_CONTROL_PORT")) {
-    c.controlPort = static_cast<int>(parseInt("SINEW_CONTROL_PORT", port, 0, 65535));
-  }
-  if (const char* host = env("SINEW_CONTROL_HOST")) c.controlHost = host;
-}
-
-// Forks the coordinator process (before MPI_Init, so the child is no MPI process) and
-// returns "port token" as it reports them through a pipe (on `host` and `port` when given, else
-// SINEW_COORDINATOR_HOST or 127.0.0.1 and a free port; with `token` unless 0). The child serves
-// until the job finishes, every member is gone, or nobody said hello within the connect timeout.
-std::string forkCoordinator(int expected, const InitOptions& o, const std::string& host = "",
-                            uint16_t port = 0, uint64_t token = 0) {
-  int fds[2];
-  if (::pipe(fds) != 0) SINEW_THROW(IoError, "pipe: ", std::strerror(errno));
-  pid_t pid = ::fork();
-  if (pid < 0) SINEW_THROW(IoError, "fork: ", std::strerror(errno));
-  if (pid == 0) {
-    ::close(fds[0]);
-    // The workers decide. A ^C reaches them; so does SIGTERM (and the drain signal) when
-    // Slurm signals every process of the step (scancel, the time limit, preemption) or mpirun
-    // rank 0's process group: the coordinator outlives it, so that the workers can drain into
-    // a durable checkpoint, and ends when the job does (SIGKILL still ends it).
-    ::signal(SIGINT, SIG_IGN);
-    ::signal(SIGTERM, SIG_IGN);
-    int rc = 0;
-    bool reported = false;
-    try {
-      if (const char* name = env("SINEW_DRAIN_SIGNAL")) {
-        ::signal(runtime::signalNumber("SINEW_DRAIN_SIGNAL", name), SIG_IGN);
-      }
-      CoordinatorOptions c;
-      if (const char* h = env("SINEW_COORDINATOR_HOST")) c.host = h;
-      if (!host.empty()) c.host = host;
-      c.port = port;
-      c.token = token;
-      c.expectedWorkers = expected;
-      c.heartbeatInterval = o.heartbeatInterval;
-      c.deadAfter = o.deadAfter;
-      c.progressFloor = o.stepDeadlineFloor;
-      c.progressFactor = o.stepDeadlineFactor;
-      c.startTimeout = o.connectTimeout;
-      if (const char* dir = env("SINEW_LOG_DIR")) {
-        c.eventLogPath = std::string(dir) + "/coordinator-events.jsonl";
-      }
-      controlApiFromEnv(c);
-      Coordinator coord(c);
-      if (const char* dir = env("SINEW_LOG_DIR")) {
-        runtime::writeCoordinatorJson(coord, std::string(dir) + "/coordinator.json");
-      }
-      std::string line = std::to_string(coord.port()) + " " + std::to_string(coord.token()) + "\n";
-      if (::write(fds[1], line.data(), line.size()) < 0) _exit(1);
-      ::close(fds[1]);
-      reported = true;
-      auto start = std::chrono::steady_clock::now();
-      while (!coord.waitFinished(std::chrono::seconds(1))) {
-        auto st = coord.status();
-        if (st.epoch >= 0 && st.members.empty()) break;
-        if (st.epoch < 0 && std::chrono::steady_clock::now() - start > o.connectTimeout) break;
-      }
-      // Released workers (a stop, a drain) may still be writing the checkpoint of their last
-      // step through the store: serve until their processes end (at most 60 s).
-      const auto released = std::chrono::steady_clock::now();
-      while (!coord.status().releasedRunning.empty() &&
-             std::chrono::steady_clock::now() - released < std::chrono::seconds(60)) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(200));  // Let the last words out.
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "sinew coordinator: %s\n", e.what());
-      // Before it reported its port, the reason goes to the process that forked it.
-      const std::string line = std::string("! ") + e.what() + "\n";
-      if (!reported && ::write(fds[1], line.data(), line.size()) < 0) _exit(1);
-      rc = 1;
-    }
-    std::fflush(nullptr);
-    _exit(rc);
-  }
-  ::close(fds[1]);
-  std::string line;
-  char c;
-  while (::read(fds[0], &c, 1) == 1 && c != '\n') line.push_back(c);
-  ::close(fds[0]);
-  if (line.empty() || line[0] == '!') {
-    SINEW_THROW(IoError, "the coordinator process (pid ", pid, ") failed to start",
-                line.empty() ? std::string() : ": " + line.substr(2));
-  }
-  return line;
 }
 
 #if SINEW_WITH_MPI
@@ -435,7 +346,10 @@ void joinMpi(int* argc, char*** argv, const InitOptions& options, runtime::Conte
              CoordinatorClientOptions& co) {
   int rank = mpiRank();
   std::string announced;
-  if (rank == 0) announced = forkCoordinator(mpiSize(), options);
+  if (rank == 0) {
+    ctx->coordinatorProcess = runtime::forkCoordinator(mpiSize(), options);
+    announced = ctx->coordinatorProcess.announced;
+  }
   int provided = 0;
   MPI_Init_thread(argc, argv, MPI_THREAD_SINGLE, &provided);
   ctx->mpi = true;
@@ -505,7 +419,9 @@ void joinSlurmStep(const runtime::SlurmStep& step, const InitOptions& options,
     }
     std::string announced;  // "port token": the token SINEW_TOKEN's, or one it drew
     try {
-      announced = forkCoordinator(step.size, options, where.host, where.port, where.token);
+      ctx->coordinatorProcess =
+          runtime::forkCoordinator(step.size, options, where.host, where.port, where.token);
+      announced = ctx->coordinatorProcess.announced;
     } catch (const IoError& e) {
       SINEW_THROW(IoError, "rank 0 of srun step ", step.jobId, ".", step.stepId,
                   " could not start the coordinator on ", where.host, ":", where.port, " (",
@@ -551,7 +467,51 @@ const std::string& Context::launchMode() const { return state_->mode; }
 bool Context::joined() const { return state_->joined; }
 const std::shared_ptr<collectives::Store>& Context::store() const { return state_->store; }
 
+namespace {
+
+// Context::finishJob(); from the destructor (`explicitCall` false) a job of one worker is not
+// waited for and says nothing: only a launch's host of the coordinator process does.
+int endJob(runtime::ContextState& st, bool explicitCall) {
+  if (st.exitStatus) return *st.exitStatus;
+  using Standing = runtime::CoordinatorClient::Standing;
+  const Standing standing = st.client ? st.client->standing() : Standing::kExpelled;
+  // This worker leaves: its connection closes (the client object stays for a Trainer that
+  // outlives this call).
+  if (st.client) st.client->close();
+  int status = 1;
+  nlohmann::json outcome;
+  if (st.coordinatorProcess.pid > 0) {
+    outcome = runtime::awaitOutcome(st.coordinatorProcess);
+  } else if (st.localCoordinator && explicitCall) {
+    // A job of one worker: its coordinator is in this process and hears the connection close.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (st.localCoordinator->status().connected > 0 &&
+           std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    outcome = st.localCoordinator->outcome();
+  }
+  if (outcome.is_object()) {
+    status = runtime::outcomeExitStatus(outcome);
+    std::fflush(stderr);
+    std::printf("%s\n", runtime::outcomeLine(outcome).c_str());
+    std::fflush(stdout);
+  } else {
+    status = standing == Standing::kDone || standing == Standing::kReleased ? 0
+             : standing == Standing::kJobStopped                            ? 75
+             : standing == Standing::kExpelled                              ? 3
+                                                                            : 1;
+  }
+  st.exitStatus = status;
+  return status;
+}
+
+}  // namespace
+
+int Context::finishJob() { return endJob(*state_, true); }
+
 Context::~Context() {
+  endJob(*state_, false);
   state_->client.reset();
   if (!state_->rendezvousFile.empty()) ::unlink(state_->rendezvousFile.c_str());
   state_->localCoordinator.reset();

@@ -38,6 +38,7 @@ CoordinatorStatus JobState::coordinatorStatus() const {
   s.pids = pids_;
   s.failed = jobFailed_;
   s.deposed = deposed_;
+  s.connected = static_cast<int>(sessionWorker_.size());
   for (const auto& [id, r] : releasedWorkers_) {
     if (!r.exited) s.releasedRunning.push_back(id);
   }
@@ -715,6 +716,7 @@ JobState::EpochPlan JobState::pipelinePlan() const {
 void JobState::failJob(const std::string& why) {
   log("job failed: " + why);
   jobFailed_ = true;
+  failReason_ = why;
   if (!persistState()) return;
   event({{"event", "job_failed"}, {"epoch", epoch_}, {"reason", why}});
   for (auto& [id, w] : workers_) {
@@ -759,10 +761,17 @@ void JobState::onVote(int worker, int64_t epoch, int64_t step) {
     for (int id : old) sendCommit(id, step, true);
     std::vector<int> leaving(leaving_.begin(), leaving_.end());
     leaving_.clear();
+    bool jobStops = true;  // No member stays: the job stops here (resumable).
+    for (int id : old) {
+      jobStops = jobStops && (workers_.count(id) == 0 ||
+                              std::find(leaving.begin(), leaving.end(), id) != leaving.end());
+    }
     for (int id : leaving) {
       auto why = leaveReason_.find(id);
-      release(id, (why != leaveReason_.end() ? why->second : std::string("preempted")) +
-                      "; left after step " + std::to_string(step));
+      release(id,
+              (why != leaveReason_.end() ? why->second : std::string("preempted")) +
+                  "; left after step " + std::to_string(step),
+              jobStops);
     }
     bool anyLeft = false;
     for (int id : old) anyLeft = anyLeft || workers_.count(id) > 0;
@@ -800,13 +809,14 @@ void JobState::onLeave(int worker, int64_t step) {
   event({{"event", "leave"}, {"worker", worker}, {"step", step}});
 }
 
-void JobState::release(int worker, const std::string& why) {
+void JobState::release(int worker, const std::string& why, bool jobStops) {
   auto it = workers_.find(worker);
   if (it == workers_.end()) return;
   if (it->second.session != 0) {
     // The connection stays open: the worker may still report its checkpoint, and its closing
     // says the process is gone (docs/control_api.md, drains).
-    write(it->second.session, wire::Type::kReleased, json{{"reason", why}, {"step", committed_}});
+    write(it->second.session, wire::Type::kReleased,
+          json{{"reason", why}, {"step", committed_}, {"job_stopped", jobStops}});
     ReleasedWorker r;
     r.step = committed_;
     r.node = it->second.node;
@@ -874,6 +884,7 @@ void JobState::declareDead(int worker, const std::string& why) {
     std::string reason =
         id == worker ? why : "node " + node + " of worker " + std::to_string(worker) + " failed";
     log("worker " + std::to_string(id) + " declared dead: " + reason);
+    lastLoss_ = "worker " + std::to_string(id) + " (node " + node + "): " + reason;
     event({{"event", "failure"},
            {"worker", id},
            {"node", node},

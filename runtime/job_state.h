@@ -153,6 +153,8 @@ class JobState {
   std::string metrics(Clock::time_point now);
 
   CoordinatorStatus coordinatorStatus() const;
+  // How the job ended (runtime/job_outcome.h); "running" while it has not.
+  json outcome() const;
   // Whether the job finished (or every member left), for waitFinished.
   bool over() const { return finished_ || (epoch_ >= 0 && members_.empty()); }
   bool finishedWithWork() const { return finished_ && (!done_.empty() || stopped_); }
@@ -221,7 +223,8 @@ class JobState {
   void onLeave(int worker, int64_t step);
   void onDurable(int worker, const json& body);
   void onVoteStats(Worker& w, const json& body);
-  void release(int worker, const std::string& why);
+  // Sends `worker` its release; `jobStops`: every member leaves at this boundary.
+  void release(int worker, const std::string& why, bool jobStops = false);
   void sendCommit(int worker, int64_t step, bool nextEpoch);
   // A drain is done with its workers once each was released or declared dead.
   void updateDrains();
@@ -324,6 +327,8 @@ class JobState {
   int64_t totalSteps_ = 0;
   bool checkpointsOn_ = false;
   bool jobFailed_ = false;
+  std::string failReason_;  // failJob's
+  std::string lastLoss_;    // the last worker declared dead and why ("worker 3: ...")
   // Commits: how many, when the first was, time between commits of one epoch (per member
   // count, at most 50 each), their sum (effective training time).
   int64_t commits_ = 0;

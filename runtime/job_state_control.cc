@@ -101,6 +101,27 @@ std::string JobState::state() const {
   return "running";
 }
 
+json JobState::outcome() const {
+  const bool failed = state() == "failed" || epoch_ < 0;
+  const char* outcome = failed       ? "failed"
+                        : !finished_ ? "running"
+                        : stopped_   ? "stopped"
+                                     : "finished";
+  json o{{"outcome", outcome},    {"step", committed_},    {"epoch", epoch_},
+         {"workers_lost", dead_}, {"released", released_}, {"last_durable", durableJson()}};
+  o["exit_status"] = failed ? 1 : finished_ ? (stopped_ ? 75 : 0) : -1;
+  if (!failed) return o;
+  if (jobFailed_) {
+    o["reason"] = failReason_;
+  } else if (epoch_ < 0) {
+    o["reason"] = "it never started: " + std::to_string(hellos_.size()) + " of " +
+                  std::to_string(options_.expectedWorkers) + " workers said hello";
+  } else {
+    o["reason"] = "every member was lost before the last step; the last: " + lastLoss_;
+  }
+  return o;
+}
+
 std::vector<std::string> JobState::nodesOf(const std::vector<int>& workers) const {
   std::vector<std::string> nodes;
   for (int id : workers) {

@@ -47,6 +47,7 @@ std::string JobState::stateJson() const {
              {"finished", finished_},
              {"stopped", stopped_},
              {"failed", jobFailed_},
+             {"fail_reason", failReason_},
              {"durable_step", durable_.step},
              {"durable_path", durable_.path},
              {"shape",
@@ -106,6 +107,7 @@ void JobState::restoreState(const std::string& text) {
     dead_.push_back(static_cast<int>(jsonInt(id, "dead[]", 0, 1 << 24)));
   }
   jobFailed_ = st.value("failed", false);
+  failReason_ = st.value("fail_reason", std::string());
   finished_ = st.value("finished", false);
   stopped_ = st.value("stopped", false);
   durable_.step = st.value("durable_step", int64_t(-1));

@@ -7,6 +7,7 @@
 //
 // Thread safety: exception objects are immutable after construction.
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -77,6 +78,21 @@ class Expelled : public Error {
 class Released : public Error {
  public:
   explicit Released(const std::string& what) : Error(what) {}
+};
+
+// A checkpoint version that was written but not named durable because a newer one already is:
+// LATEST never moves backwards (docs/failure_semantics.md, rule 8). Only a late writer (paused
+// or preempted past its epoch) meets it; the refusal is correct and loses nothing committed.
+class StaleVersion : public Error {
+ public:
+  StaleVersion(int64_t step, int64_t newer, const std::string& what)
+      : Error(what), step_(step), newer_(newer) {}
+  int64_t step() const { return step_; }    // the version that was refused
+  int64_t newer() const { return newer_; }  // the version LATEST names
+
+ private:
+  int64_t step_;
+  int64_t newer_;
 };
 
 }  // namespace sinew

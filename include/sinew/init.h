@@ -77,6 +77,18 @@ class Context {
   // Whether preemption was requested (by requestPreemption() or SIGTERM).
   bool preemptionRequested() const;
 
+  // Ends this worker's part in the job and returns the status the program should exit with
+  // (`return ctx->finishJob();` at the end of main). The worker leaves the job's store. Where it
+  // hosts the job's coordinator (rank 0 under mpirun and srun; a job of one worker), it then
+  // waits until every other worker has left too, prints the job's outcome as its last line
+  // ("sinew: job finished at step 60, epoch 3; ...") and returns the job's status: 0 finished,
+  // 75 stopped at a step boundary (a drain, a stop, every worker preempted; resumable from its
+  // checkpoint folder), 1 failed. Elsewhere it returns this worker's: 0 it trained to the end
+  // or left a job that goes on, 75 the whole job stopped, 3 it was expelled (declared dead),
+  // 1 it stopped before any of these (an error). Later calls return the same status; the
+  // destructor does the same when it was not called (docs/runtime.md, "How a job ends").
+  int finishJob();
+
  private:
   friend std::unique_ptr<Context> init(int* argc, char*** argv, const InitOptions& options);
   friend struct runtime::ContextAccess;

@@ -14,7 +14,9 @@
 // token in hex as the bearer token; the leader key in etcd names it (control_host,
 // control_port), so `sinewctl --etcd EPS --job NAME` finds whichever candidate leads.
 //
-// Exit status: 0 when the job finished, 1 when it failed, 2 for bad arguments.
+// Exit status: 0 when the job finished, 75 when it stopped (the leader that saw it; the others
+// 0), 1 when it failed, 2 for bad arguments. The leader that sees the end writes
+// DIR/outcome.json (docs/runtime.md, "How a job ends").
 
 #include <unistd.h>
 
@@ -126,6 +128,7 @@ int main(int argc, char** argv) {
           std::chrono::milliseconds(number("--control-timeout-ms", controlTimeout, 100, 1 << 30));
     }
     if (!logDir.empty()) c.eventLogPath = logDir + "/coordinator-" + o.name + ".jsonl";
+    if (!logDir.empty()) o.outcomePath = logDir + "/outcome.json";
     return sinew::runtime::runHaCoordinator(o);
   } catch (const sinew::InvalidArgument& e) {
     usage(e.what());

@@ -44,6 +44,7 @@
 #include "sinew/base/parse.h"
 #include "sinew/runtime/coordinator.h"
 #include "sinew/runtime/failure_injection.h"
+#include "sinew/runtime/job_outcome.h"
 
 namespace {
 
@@ -568,18 +569,39 @@ int main(int argc, char** argv) {
     bool declaredDead = std::find(dead.begin(), dead.end(), w) != dead.end();
     std::string how = WIFEXITED(s) ? "exited " + std::to_string(WEXITSTATUS(s))
                                    : "killed by signal " + std::to_string(WTERMSIG(s));
-    bool clean = WIFEXITED(s) && WEXITSTATUS(s) == 0;
+    // A second SIGTERM or SIGINT killed every worker: say so, and not that the job went on.
+    if (gSignals >= 2) declaredDead = false;
+    // 75: the worker left a job that stopped at a step boundary (Context::finishJob()).
+    bool clean = WIFEXITED(s) && (WEXITSTATUS(s) == 0 || (WEXITSTATUS(s) == 75 && st.stopped));
     if (!clean && !declaredDead) ok = false;
     if (!clean) {
       std::printf("sinew-run: worker %d (pid %d) %s%s\n", w, static_cast<int>(gChildren[i]),
-                  how.c_str(), declaredDead ? " (declared dead; the job went on without it)" : "");
+                  how.c_str(),
+                  declaredDead    ? " (declared dead; the job went on without it)"
+                  : gSignals >= 2 ? " (sinew-run killed it: a second SIGTERM or SIGINT)"
+                                  : "");
     }
+  }
+  // The job's outcome as its coordinator saw it, failed too when a worker it did not declare
+  // dead exited badly or the launcher had to kill the job; in <log-dir>/outcome.json.
+  if (deadlineKilled) ok = false;
+  nlohmann::json outcome = coordinator.outcome();
+  if (!ok && outcome.value("outcome", std::string()) != "failed") {
+    outcome["outcome"] = "failed";
+    outcome["reason"] = gSignals >= 2 ? "a second SIGTERM or SIGINT: sinew-run killed every worker"
+                        : deadlineKilled ? "it did not stop within 60 s of its deadline"
+                                         : "a worker it did not declare dead exited badly";
+  }
+  outcome["exit_status"] = !ok ? 1 : st.stopped ? 75 : 0;
+  try {
+    sinew::runtime::writeOutcomeFile(outcome, a.logDir + "/" + sinew::runtime::kOutcomeFile);
+  } catch (const std::exception& e) {
+    std::printf("sinew-run: %s\n", e.what());
   }
   std::string deadList;
   for (int d : dead) deadList += (deadList.empty() ? "" : ",") + std::to_string(d);
   std::string releasedList;
   for (int r : st.released) releasedList += (releasedList.empty() ? "" : ",") + std::to_string(r);
-  if (deadlineKilled) ok = false;
   const char* verdict = !ok          ? "FAILED"
                         : st.stopped ? "stopped (every worker preempted or stopped)"
                                      : "finished";

@@ -12,9 +12,13 @@
 //   sinewctl ... checkpoint
 //   sinewctl ... stop [--deadline-s T]
 //   sinewctl ... events [--count N]
+//   sinewctl --log-dir DIR outcome
 //
 // Exit status: 0 when the API answered 200, 1 when it answered an error (printed) or could not
-// be reached, 2 for bad arguments.
+// be reached, 2 for bad arguments. `outcome` reads how an ended job ended from DIR/outcome.json
+// (no API: the job is over), prints its line and exits with the job's status: 0 finished, 75
+// stopped (resumable), 1 failed; 2 when there is no outcome (the job has not ended). It is the
+// honest status of a job under `mpirun --enable-recovery`, which exits 0 whatever happened.
 
 #include <boost/asio/connect.hpp>
 #include <boost/asio/ip/tcp.hpp>
@@ -40,6 +44,7 @@
 
 #include "sinew/base/parse.h"
 #include "sinew/collectives/etcd_client.h"
+#include "sinew/runtime/job_outcome.h"
 
 namespace {
 
@@ -341,10 +346,22 @@ int main(int argc, char** argv) {
   int count = 0;
   auto* events = app.add_subcommand("events", "follow the job's events");
   events->add_option("--count", count, "stop after this many events");
+  auto* outcome = app.add_subcommand("outcome", "how the ended job ended (exit: its status)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
+  }
+  if (outcome->parsed()) {
+    const std::string path =
+        (logDir.empty() ? std::string(".") : logDir) + "/" + sinew::runtime::kOutcomeFile;
+    try {
+      const json o = sinew::runtime::readOutcomeFile(path);
+      std::printf("%s\n", asJson ? o.dump(2).c_str() : sinew::runtime::outcomeLine(o).c_str());
+      return sinew::runtime::outcomeExitStatus(o);
+    } catch (const std::exception& e) {
+      fail(2, e.what());
+    }
   }
   if (!etcdEndpoints.empty() && (!logDir.empty() || !url.empty())) {
     fail(2, "give one of --log-dir, --etcd and --url");

@@ -554,6 +554,7 @@ struct FlushLog {
   std::mutex mu;
   std::vector<FlushedVersion> flushed;
   std::vector<std::pair<int64_t, std::string>> failed;  // step, "verb where: error"
+  std::vector<std::pair<int64_t, int64_t>> superseded;  // step, the newer durable one
 
   VersionFlusherOptions options(int self, const std::string& dir,
                                 std::shared_ptr<collectives::Store> store) {
@@ -576,6 +577,10 @@ struct FlushLog {
       }
       std::lock_guard<std::mutex> lock(mu);
       failed.emplace_back(step, verb + " " + where + ": " + what);
+    };
+    o.onSuperseded = [this](int64_t step, int64_t newer, const std::string&) {
+      std::lock_guard<std::mutex> lock(mu);
+      superseded.emplace_back(step, newer);
     };
     return o;
   }
@@ -643,6 +648,43 @@ TEST(FlusherTest, TwoWritersCompleteAVersionAndALeaverFailsTheNextAtOnce) {
   EXPECT_EQ(reader.latestStep(), 7);
   expectLayersEqual(a, reader.load(7));
   EXPECT_EQ(collectives::toString(store->get(f0.durableKey())), "7");
+  removeTree(dir);
+}
+
+// A late writer's version, older than the one LATEST names, is refused (LATEST never moves
+// back) and reported as superseded, not as a failure: alone, and as the committer of two
+// writers (whose records are then deleted). Before, each was an onFailed, which the trainer's
+// finish() turned into an error exit.
+TEST(FlusherTest, AVersionOlderThanLatestIsSupersededNotFailed) {
+  const std::string dir = tempDir("ckpt-flusher-stale");
+  auto store = std::make_shared<collectives::HashStore>();
+  FlushLog log0, log1;
+  VersionFlusher f0(log0.options(0, dir, store)), f1(log1.options(1, dir, store));
+  const ShardState a = makeState(2, 8, 1, "a."), b = makeState(3, 8, 2, "b.");
+  f0.reserve();
+  f0.submit(snap(a, 0, 7), FlushRole{});
+  f0.waitIdle();
+  f0.reserve();
+  f0.submit(snap(a, 0, 5), FlushRole{});
+  f0.waitIdle();
+  CheckpointReader reader(dir);
+  EXPECT_EQ(reader.latestStep(), 7);
+  EXPECT_TRUE(log0.failed.empty()) << log0.failed[0].second;
+  ASSERT_EQ(log0.superseded.size(), 1u);
+  EXPECT_EQ(log0.superseded[0], (std::pair<int64_t, int64_t>{5, 7}));
+  EXPECT_EQ(f0.flushed(), 1);
+
+  f0.reserve();
+  f1.reserve();
+  f1.submit(snap(b, 1, 6), FlushRole{FlushRole::How::kPost, {}});
+  f0.submit(snap(a, 0, 6), FlushRole{FlushRole::How::kCommit, {1}});
+  f0.waitIdle();
+  f1.waitIdle();
+  EXPECT_EQ(reader.latestStep(), 7);
+  EXPECT_TRUE(log0.failed.empty()) << log0.failed[0].second;
+  ASSERT_EQ(log0.superseded.size(), 2u);
+  EXPECT_EQ(log0.superseded[1], (std::pair<int64_t, int64_t>{6, 7}));
+  EXPECT_FALSE(store->check({f0.recordKey(6, 1)})) << "the refused version's record was kept";
   removeTree(dir);
 }
 

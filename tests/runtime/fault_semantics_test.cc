@@ -317,6 +317,12 @@ TEST(FaultSemanticsTest, SecondSigtermEndsTheJobAtOnce) {
   EXPECT_FALSE(run.timedOut);
   EXPECT_EQ(run.exitCode, 1) << run.output;
   EXPECT_NE(run.output.find("killed by signal 9"), std::string::npos) << run.output;
+  // It says that it killed them, never that the job went on without them.
+  EXPECT_NE(run.output.find("(sinew-run killed it: a second SIGTERM or SIGINT)"), std::string::npos)
+      << run.output;
+  EXPECT_EQ(run.output.find("the job went on without it"), std::string::npos) << run.output;
+  EXPECT_NE(slurp(dir + "/outcome.json").find("\"outcome\":\"failed\""), std::string::npos)
+      << slurp(dir + "/outcome.json");
 }
 
 // A flush that fails is reported with the worker, the version and the folder, and training

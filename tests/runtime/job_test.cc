@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <chrono>
 #include <cstdlib>
@@ -316,20 +317,31 @@ TEST(JobTest, UnderSrunSigtermToEveryProcessDrainsTheJob) {
   ASSERT_TRUE(std::regex_search(runs[0].output, stop, std::regex("job stopped after step (\\d+)")))
       << runs[0].output;
   const int last = std::stoi(stop[1]);
+  // Exit status 75 (stopped, resumable) for every task that left with the job, 0 for one that
+  // left a step earlier while the job went on; rank 0 hosts the coordinator and says the job's:
+  // 75, with the outcome as its last line and in outcome.json.
   for (int r = 0; r < 3; ++r) {
     SCOPED_TRACE("task " + std::to_string(r) + ": " + runs[r].output);
     EXPECT_FALSE(runs[r].timedOut);
-    EXPECT_EQ(runs[r].exitCode, 0);
     std::smatch m;
     ASSERT_TRUE(std::regex_search(runs[r].output, m,
                                   std::regex("left the job \\(preempted\\) after step (\\d+)")));
     EXPECT_LE(std::stoi(m[1]), last);
     EXPECT_GE(std::stoi(m[1]), last - 1);
+    EXPECT_EQ(runs[r].exitCode, r == 0 || std::stoi(m[1]) == last ? 75 : 0);
   }
   EXPECT_GE(last, 10);
   EXPECT_LT(last, 119);
   EXPECT_NE(slurp(ckpt + "/LATEST").find("\"step\":" + std::to_string(last)), std::string::npos)
       << "the drained job's last step is not the durable version: " << slurp(ckpt + "/LATEST");
+  EXPECT_NE(runs[0].output.find("sinew: job stopped after step " + std::to_string(last) +
+                                "; workers lost: []"),
+            std::string::npos);
+  const nlohmann::json outcome = nlohmann::json::parse(slurp(dir + "/outcome.json"));
+  EXPECT_EQ(outcome.value("outcome", ""), "stopped") << outcome;
+  EXPECT_EQ(outcome.value("step", -2), last) << outcome;
+  EXPECT_EQ(outcome.value("exit_status", -1), 75) << outcome;
+  EXPECT_EQ(outcome["last_durable"].value("step", -2), last) << outcome;
 
   std::vector<Child> resumed;
   for (int r = 0; r < 2; ++r) {
@@ -384,11 +396,22 @@ TEST(JobTest, UnderSrunATakenPortIsNamed) {
 }
 
 #ifdef MPIEXEC_PATH
-// Rank 0 forked the coordinator; killing rank 0 must not take the coordinator with it.
+nlohmann::json outcomeIn(const std::string& dir) {
+  const std::string text = slurp(dir + "/outcome.json");
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+  EXPECT_TRUE(j.is_object()) << "no outcome in " << dir << ": '" << text << "'";
+  return j.is_object() ? j : nlohmann::json::object();
+}
+
+// Rank 0 forked the coordinator; killing rank 0 must not take the coordinator with it. The
+// job finishes; with rank 0 gone, the coordinator says how, itself.
 TEST(JobTest, UnderMpirunRankZeroKilled) {
+  const std::string dir = logDir("mpirun-rank0");
+  std::filesystem::create_directories(dir);
   JobRun run = finish(start({MPIEXEC_PATH, "--allow-run-as-root", "--oversubscribe",
                              "--enable-recovery", "-np", "4", "-x", "SINEW_NODE=node{rank}", "-x",
-                             "SINEW_INJECT=kill:worker=0:step=25:phase=backward", TRAIN_DP_PATH},
+                             "SINEW_INJECT=kill:worker=0:step=25:phase=backward", "-x",
+                             "SINEW_LOG_DIR=" + dir, TRAIN_DP_PATH},
                             {}),
                       240s);
   SCOPED_TRACE(run.output);
@@ -399,6 +422,54 @@ TEST(JobTest, UnderMpirunRankZeroKilled) {
   EXPECT_LT(r.recoveryMax, 2.0);
   EXPECT_EQ(r.recoveries, 1);
   EXPECT_NE(run.output.find("worker 0 declared dead"), std::string::npos);
+  EXPECT_NE(run.output.find("sinew: job finished at step 80, epoch 1; workers lost: [0]"),
+            std::string::npos);
+  const nlohmann::json o = outcomeIn(dir);
+  EXPECT_EQ(o.value("outcome", ""), "finished") << o;
+  EXPECT_EQ(o.value("step", -2), 79) << o;
+  EXPECT_EQ(o.value("workers_lost", nlohmann::json()), nlohmann::json::array({0})) << o;
+}
+
+// mpirun --enable-recovery exits 0 whatever the ranks do; a job that lost every worker is
+// still said to have failed, and why: in rank 0's last line and outcome.json.
+TEST(JobTest, UnderMpirunAJobThatLosesEveryWorkerSaysItFailed) {
+  const std::string dir = logDir("mpirun-all-lost");
+  std::filesystem::create_directories(dir);
+  JobRun run = finish(
+      start(
+          {MPIEXEC_PATH, "--allow-run-as-root", "--oversubscribe", "--enable-recovery", "-np", "2",
+           "-x", "SINEW_NODE=node{rank}", "-x",
+           "SINEW_INJECT=kill:worker=1:step=15:phase=backward;kill:worker=0:step=20:phase=backward",
+           "-x", "SINEW_LOG_DIR=" + dir, TRAIN_DP_PATH, "--steps", "40"},
+          {}),
+      240s);
+  SCOPED_TRACE(run.output);
+  EXPECT_FALSE(run.timedOut);
+  EXPECT_NE(run.output.find("sinew: job FAILED after step 19: every member was lost before the "
+                            "last step; the last: worker 0 (node node0)"),
+            std::string::npos);
+  const nlohmann::json o = outcomeIn(dir);
+  EXPECT_EQ(o.value("outcome", ""), "failed") << o;
+  EXPECT_EQ(o.value("exit_status", -1), 1) << o;
+  EXPECT_EQ(o.value("step", -2), 19) << o;
+  EXPECT_EQ(o.value("workers_lost", nlohmann::json()), nlohmann::json::array({1, 0})) << o;
+}
+
+// A program that uses the job's store after training (workers put keys 0, 0.7 and 1.4 s
+// after the job finished; the first reads them all): the coordinator rank 0 forked serves
+// until every worker has left. Before, it ended 200 ms after the job and the late workers'
+// store calls failed.
+TEST(JobTest, UnderMpirunTheStoreOutlivesTraining) {
+  const std::string dir = logDir("mpirun-store-after");
+  std::filesystem::create_directories(dir);
+  JobRun run = finish(start({MPIEXEC_PATH, "--allow-run-as-root", "--oversubscribe", "-np", "3",
+                             "-x", "SINEW_LOG_DIR=" + dir, STORE_AFTER_TRAINING_PATH},
+                            {}),
+                      120s);
+  SCOPED_TRACE(run.output);
+  EXPECT_EQ(run.exitCode, 0);
+  EXPECT_NE(run.output.find("store after training: 3 keys"), std::string::npos);
+  EXPECT_EQ(outcomeIn(dir).value("outcome", ""), "finished");
 }
 
 TEST(JobTest, UnderMpirunWithoutFailures) {

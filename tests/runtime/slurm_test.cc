@@ -118,7 +118,7 @@ TEST_F(SlurmJobTest, ATaskThatSharesItsNodeKilled) {
 
 // scancel --signal=TERM signals every process of the step, the coordinator rank 0 forked
 // included: the job drains into a durable checkpoint of the step it stopped after (every task
-// leaves at a step boundary, srun exits 0), and a step of two tasks resumes there and ends
+// leaves at a step boundary, srun exits 75), and a step of two tasks resumes there and ends
 // equal to the reference.
 TEST_F(SlurmJobTest, ScancelTermDrainsAndTwoTasksResume) {
   const std::string dir = logDir("slurm-term");
@@ -143,7 +143,7 @@ TEST_F(SlurmJobTest, ScancelTermDrainsAndTwoTasksResume) {
   JobRun stopped = finish(job, 240s);
   SCOPED_TRACE(stopped.output);
   EXPECT_FALSE(stopped.timedOut);
-  EXPECT_EQ(stopped.exitCode, 0);
+  EXPECT_EQ(stopped.exitCode, 75) << "srun: the drain status (stopped, resumable)";
   // The signal reaches the tasks a moment apart, so one may train a step more than another;
   // the job stops after the last step any of them trained, and that step is durable.
   std::smatch m;
@@ -160,6 +160,9 @@ TEST_F(SlurmJobTest, ScancelTermDrainsAndTwoTasksResume) {
   }
   EXPECT_NE(slurp(ckpt + "/LATEST").find("\"step\":" + last), std::string::npos)
       << slurp(ckpt + "/LATEST");
+  EXPECT_NE(slurp(dir + "/outcome.json").find("\"outcome\":\"stopped\""), std::string::npos)
+      << slurp(dir + "/outcome.json");
+  EXPECT_NE(stopped.output.find("sinew: job stopped after step " + last), std::string::npos);
 
   JobRun resumed =
       runSrun(dir, {"-N", "2", "-n", "2"}, {"--steps", "150", "--checkpoint-dir", ckpt});
