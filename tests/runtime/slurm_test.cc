@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <regex>
 #include <string>
@@ -171,6 +172,139 @@ TEST_F(SlurmJobTest, ScancelTermDrainsAndTwoTasksResume) {
   EXPECT_NE(resumed.output.find("resumed from the durable checkpoint of step " + last),
             std::string::npos);
   Result r = parseResult(resumed.output);
+  ASSERT_TRUE(r.found);
+  EXPECT_LE(r.maxRel, 1e-5);
+}
+
+// Slurm's answer about job `id` (scontrol show job), one "Key=Value" line.
+std::string showJob(const std::string& conf, const std::string& id) {
+  return finish(start({"scontrol", "--oneliner", "show", "job", id}, {{"SLURM_CONF", conf}}), 30s)
+      .output;
+}
+
+// `key`=value in a line of scontrol's, or "".
+std::string fieldOf(const std::string& line, const std::string& key) {
+  std::smatch m;
+  if (!std::regex_search(line, m, std::regex("(^| )" + key + "=(\\S*)"))) return "";
+  return m[2];
+}
+
+// A batch job whose step is sinew-run, as HPC users write it: sbatch --signal=B:USR1@100 sends
+// the batch shell USR1 ahead of the two-minute time limit; the script forwards it to sinew-run
+// (--drain-signal USR1), which stops the job at a step boundary into a durable checkpoint and
+// exits 75; the script then asks Slurm to requeue the job. Requeued (its start moved to now:
+// Slurm delays a requeued job by two minutes), the job resumes from that checkpoint with three
+// workers instead of two and ends equal to the reference; Slurm says COMPLETED, Restarts=1.
+TEST_F(SlurmJobTest, SbatchWarningSignalDrainsSinewRunAndARequeueResumes) {
+  const std::string dir = logDir("slurm-sbatch");
+  const std::string ckpt = dir + "/ckpt";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string script = dir + "/job.sh";
+  {
+    std::ofstream f(script);
+    f << "#!/bin/bash\n"
+         "restart=${SLURM_RESTART_COUNT:-0}\n"
+         "pid=0; pending=0\n"
+         "if [ $restart = 0 ]; then\n"
+         "  trap 'if [ $pid -gt 0 ]; then kill -USR1 $pid; else pending=1; fi' USR1\n"
+         "  slow=slow:worker=*:ms=60\n"
+         "else\n"
+         "  trap '' USR1; slow=\n"
+         "fi\n"
+      << SINEW_RUN_PATH << " -n $((2 + restart)) --drain-signal USR1 --log-dir " << dir
+      << "/run-$restart --inject \"$slow\" " << TRAIN_DP_PATH << " --steps 600 --checkpoint-dir "
+      << ckpt
+      << " --checkpoint-every 100 &\n"
+         "pid=$!\n"
+         "[ $pending = 1 ] && kill -USR1 $pid\n"
+         "while wait $pid; rc=$?; kill -0 $pid 2>/dev/null; do :; done\n"
+         "echo \"batch: sinew-run exited $rc (restart $restart)\"\n"
+         "if [ $rc = 75 ]; then scontrol requeue $SLURM_JOB_ID; fi\n"
+         "exit $rc\n";
+  }
+  std::filesystem::permissions(script, std::filesystem::perms::owner_all);
+  const std::string conf = *state_ + "/slurm.conf";
+  JobRun submitted =
+      finish(start({"sbatch", "--parsable", "--requeue", "-N", "1", "--time=2",
+                    "--signal=B:USR1@100", "-o", dir + "/batch.out", "--open-mode=append", script},
+                   {{"SLURM_CONF", conf}}),
+             30s);
+  ASSERT_EQ(submitted.exitCode, 0) << submitted.output;
+  const std::string id = std::regex_replace(submitted.output, std::regex("[^0-9]"), "");
+  // Wait for the requeue, make the job eligible at once, then for its end.
+  const auto deadline = Clock::now() + 200s;
+  bool moved = false;
+  std::string job;
+  while (Clock::now() < deadline) {
+    job = showJob(conf, id);
+    const std::string state = fieldOf(job, "JobState");
+    if (!moved && fieldOf(job, "Restarts") == "1" && state == "PENDING") {
+      finish(start({"scontrol", "update", "JobId=" + id, "StartTime=now"}, {{"SLURM_CONF", conf}}),
+             30s);
+      moved = true;
+    }
+    if (state == "COMPLETED" || state == "FAILED" || state == "CANCELLED" || state == "TIMEOUT") {
+      break;
+    }
+    std::this_thread::sleep_for(500ms);
+  }
+  const std::string out = slurp(dir + "/batch.out");
+  SCOPED_TRACE(out + "\n" + job);
+  EXPECT_TRUE(moved) << "the job was not requeued";
+  EXPECT_EQ(fieldOf(job, "JobState"), "COMPLETED");
+  EXPECT_EQ(fieldOf(job, "Restarts"), "1");
+  EXPECT_NE(out.find("batch: sinew-run exited 75 (restart 0)"), std::string::npos);
+  EXPECT_NE(out.find("batch: sinew-run exited 0 (restart 1)"), std::string::npos);
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(out, m, std::regex("job stopped after step (\\d+)")));
+  const std::string last = m[1];
+  const std::string stopped = slurp(dir + "/run-0/outcome.json");
+  EXPECT_NE(stopped.find("\"outcome\":\"stopped\""), std::string::npos) << stopped;
+  EXPECT_NE(stopped.find("\"step\":" + last + ","), std::string::npos) << stopped;
+  EXPECT_NE(out.find("resumed from the durable checkpoint of step " + last), std::string::npos);
+  EXPECT_NE(slurp(dir + "/run-1/outcome.json").find("\"outcome\":\"finished\""), std::string::npos);
+  Result r = parseResult(out);
+  ASSERT_TRUE(r.found);
+  EXPECT_LE(r.maxRel, 1e-5);
+  EXPECT_NE(out.find("600 steps, epoch 0, 3 workers"), std::string::npos);
+}
+
+// A job grows by a second allocation: a step of two tasks trains; a second job's task joins it
+// through the coordinator's address and token (SINEW_COORDINATOR, SINEW_TOKEN, from
+// coordinator.json in the first job's log folder), enters at a step boundary, and the three
+// end equal to the reference.
+TEST_F(SlurmJobTest, ASecondAllocationJoinsARunningJob) {
+  const std::string dir = logDir("slurm-grow");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  auto env = clientEnv(dir);
+  env["SINEW_LOG_DIR"] = dir;
+  env["SINEW_INJECT"] = "slow:worker=*:ms=30";
+  Child first = start(srun({"-N", "2", "-n", "2"}, {"--steps", "300"}), env);
+  const auto deadline = Clock::now() + 120s;
+  while (Clock::now() < deadline &&
+         slurp(dir + "/worker-0-events.jsonl").find("\"step\":10,") == std::string::npos) {
+    std::this_thread::sleep_for(50ms);
+  }
+  const std::string endpoint = slurp(dir + "/coordinator.json");
+  std::smatch host, port, token;
+  ASSERT_TRUE(std::regex_search(endpoint, host, std::regex("\"host\":\"([^\"]+)\"")) &&
+              std::regex_search(endpoint, port, std::regex("\"port\":(\\d+)")) &&
+              std::regex_search(endpoint, token, std::regex("\"token\":\"([0-9a-f]+)\"")))
+      << endpoint;
+  auto joinEnv = clientEnv(dir + "-joiner");
+  joinEnv["SINEW_COORDINATOR"] = std::string(host[1]) + ":" + std::string(port[1]);
+  joinEnv["SINEW_TOKEN"] = token[1];
+  joinEnv["SINEW_INJECT"] = "slow:worker=*:ms=30";
+  JobRun joiner = finish(start(srun({"-N", "1", "-n", "1"}, {"--steps", "300"}), joinEnv), 240s);
+  JobRun run = finish(first, 240s);
+  SCOPED_TRACE(run.output + "\njoiner: " + joiner.output);
+  EXPECT_EQ(joiner.exitCode, 0);
+  EXPECT_EQ(run.exitCode, 0);
+  EXPECT_NE(joiner.output.find("worker 2 done: 300 steps, epoch 1, 3 workers"), std::string::npos);
+  EXPECT_NE(run.output.find("worker 0 done: 300 steps, epoch 1, 3 workers"), std::string::npos);
+  Result r = parseResult(run.output);
   ASSERT_TRUE(r.found);
   EXPECT_LE(r.maxRel, 1e-5);
 }
