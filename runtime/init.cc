@@ -209,6 +209,9 @@ class HeldPort {
     h.coordinator.progressFloor = o.stepDeadlineFloor;
     h.coordinator.progressFactor = o.stepDeadlineFactor;
     controlApiFromEnv(h.coordinator);  // The control API moves with the leader (docs/ha.md).
+    if (const char* dir = env("SINEW_LOG_DIR")) {
+      h.outcomePath = std::string(dir) + "/" + runtime::kOutcomeFile;  // Whoever leads at the end.
+    }
     if (const char* ttl = env("SINEW_HA_LEASE_TTL_S")) {
       h.leaseTtlSeconds = parseInt("SINEW_HA_LEASE_TTL_S", ttl, 1, 3600);
     }

@@ -558,6 +558,12 @@ void killNodeUnderMpirun(bool leadersNode) {
             std::string::npos);
   EXPECT_NE(run.output.find("worker " + std::to_string(victim) + " declared dead"),
             std::string::npos);
+  // The candidate that led at the end wrote how the job ended.
+  const json outcome = json::parse(slurp(dir + "/outcome.json"), nullptr, false);
+  ASSERT_TRUE(outcome.is_object()) << slurp(dir + "/outcome.json");
+  EXPECT_EQ(outcome.value("outcome", ""), "finished") << outcome;
+  EXPECT_EQ(outcome.value("step", -2), 199) << outcome;
+  EXPECT_EQ(outcome.value("workers_lost", json()), json::array({victim})) << outcome;
 }
 
 TEST(HaMpirunTest, EveryProcessOfNodeZeroKilled) { killNodeUnderMpirun(false); }

@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -306,10 +307,16 @@ TEST(JobTest, UnderSrunSigtermToEveryProcessDrainsTheJob) {
          slurp(dir + "/worker-0-events.jsonl").find("\"step\":10,") == std::string::npos) {
     std::this_thread::sleep_for(20ms);
   }
+  const auto signalled = Clock::now();
   for (const Child& c : tasks)
     ::kill(-c.pid, SIGTERM);  // Each task's group: rank 0's has the coordinator.
   std::vector<JobRun> runs;
   for (const Child& c : tasks) runs.push_back(finish(c, 240s));
+  // From the signal to every task gone, the last step durable: a step (20 ms) and a flush of
+  // a small model, with room for a loaded machine.
+  const double drainSeconds = std::chrono::duration<double>(Clock::now() - signalled).count();
+  std::printf("drain: signal to every task exited, last step durable: %.3f s\n", drainSeconds);
+  EXPECT_LT(drainSeconds, 10.0);
   // The signal reaches the tasks a moment apart, so one may train a step more than another;
   // the job stops after the last step any of them trained (rank 0's coordinator says which),
   // and that step is durable.
