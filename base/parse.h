@@ -127,6 +127,65 @@ inline double parseFinite(const std::string& text, const std::string& what, doub
   return v;
 }
 
+// A short description of a JSON value for an error message, without formatting the whole of
+// it (nlohmann's dump() recurses per level and is as long as the value): a scalar as JSON (a
+// string cut to 40 characters), a container as "an array of N" or "an object of N fields".
+inline std::string jsonPreview(const nlohmann::json& j) {
+  if (j.is_array()) return "an array of " + std::to_string(j.size());
+  if (j.is_object()) return "an object of " + std::to_string(j.size()) + " fields";
+  if (j.is_string()) {
+    const std::string& s = j.get_ref<const std::string&>();
+    return s.size() <= 40 ? nlohmann::json(s).dump()
+                          : nlohmann::json(s.substr(0, 40)).dump() + "...";
+  }
+  return j.dump();
+}
+
+// The deepest nesting of arrays and objects Sinew reads in any JSON document from outside
+// (coordinator and replica messages, manifests, control requests, profiles, plans, etcd
+// values). Checked on the text before it is parsed: formatting or walking a value nested
+// hundreds of thousands deep recurses that deep and crashes the process.
+constexpr int kMaxJsonDepth = 64;
+
+// Whether `text` nests arrays and objects deeper than `limit` (brackets inside strings do not
+// count). One pass, no recursion; stops at the first level past the limit.
+inline bool jsonTooDeep(const char* begin, const char* end, int limit = kMaxJsonDepth) {
+  int depth = 0;
+  bool inString = false;
+  for (const char* p = begin; p < end; ++p) {
+    const char c = *p;
+    if (inString) {
+      if (c == '\\') {
+        ++p;
+      } else if (c == '"') {
+        inString = false;
+      }
+    } else if (c == '"') {
+      inString = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > limit) return true;
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return false;
+}
+inline bool jsonTooDeep(const std::string& text, int limit = kMaxJsonDepth) {
+  return jsonTooDeep(text.data(), text.data() + text.size(), limit);
+}
+
+// json::parse of untrusted `text`, throwing E naming `what`: "<what> nests JSON deeper than 64
+// levels" or "<what> does not parse: <the parser's reason>".
+template <typename E = InvalidArgument>
+nlohmann::json parseJson(const std::string& text, const std::string& what) {
+  if (jsonTooDeep(text)) SINEW_THROW(E, what, " nests JSON deeper than ", kMaxJsonDepth, " levels");
+  try {
+    return nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    SINEW_THROW(E, what, " does not parse: ", e.what());
+  }
+}
+
 // The JSON integer j in [min, max] (a signed or unsigned JSON integer; floats, strings,
 // bools and null are rejected). Throws E (InvalidArgument, Corruption):
 //   "<what> must be an integer in [min, max], got <j as JSON>".
@@ -143,8 +202,7 @@ int64_t jsonInt(const nlohmann::json& j, const std::string& what, int64_t min, i
     v = j.get<int64_t>();
   }
   if (!ok || v < min || v > max) {
-    SINEW_THROW(E, what, " must be an integer in [", min, ", ", max, "], got ",
-                j.dump().substr(0, 80));
+    SINEW_THROW(E, what, " must be an integer in [", min, ", ", max, "], got ", jsonPreview(j));
   }
   return v;
 }
@@ -152,7 +210,7 @@ int64_t jsonInt(const nlohmann::json& j, const std::string& what, int64_t min, i
 // The JSON string j. Throws E: "<what> must be a string, got <j as JSON>".
 template <typename E = InvalidArgument>
 std::string jsonString(const nlohmann::json& j, const std::string& what) {
-  if (!j.is_string()) SINEW_THROW(E, what, " must be a string, got ", j.dump().substr(0, 80));
+  if (!j.is_string()) SINEW_THROW(E, what, " must be a string, got ", jsonPreview(j));
   return j.get<std::string>();
 }
 
@@ -160,7 +218,7 @@ std::string jsonString(const nlohmann::json& j, const std::string& what) {
 // "<what> must be a JSON object" when j is not one).
 template <typename E = InvalidArgument>
 const nlohmann::json& jsonField(const nlohmann::json& j, const char* key, const std::string& what) {
-  if (!j.is_object()) SINEW_THROW(E, what, " must be a JSON object, got ", j.dump().substr(0, 80));
+  if (!j.is_object()) SINEW_THROW(E, what, " must be a JSON object, got ", jsonPreview(j));
   auto it = j.find(key);
   if (it == j.end()) SINEW_THROW(E, what, " has no field '", key, "'");
   return *it;

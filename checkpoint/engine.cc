@@ -222,7 +222,7 @@ std::optional<CommitRecord> CheckpointEngine::commitRecordIn(collectives::Store&
   if (!store.check({k})) return std::nullopt;
   const std::string text = toString(store.get(k));
   try {
-    auto j = nlohmann::json::parse(text);
+    auto j = ::sinew::detail::parseJson<Corruption>(text, "commit record " + k);
     CommitRecord r;
     r.step = j.at("step").get<int64_t>();
     r.workers = j.at("workers").get<std::vector<int>>();

@@ -87,7 +87,7 @@ class PosixRandomAccessFile : public RandomAccessFile {
 class PosixEnv : public Env {
  public:
   std::unique_ptr<WritableFile> newWritableFile(const std::string& path) override {
-    int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     if (fd < 0) throwErrno("open for writing", path);
     return std::make_unique<PosixWritableFile>(path, fd);
   }
@@ -118,7 +118,7 @@ class PosixEnv : public Env {
     if (::rmdir(dir.c_str()) != 0 && errno != ENOENT) throwErrno("rmdir", dir);
   }
   void createDir(const std::string& dir) override {
-    if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) throwErrno("mkdir", dir);
+    if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) throwErrno("mkdir", dir);
   }
   bool fileExists(const std::string& path) override { return ::access(path.c_str(), F_OK) == 0; }
   std::vector<std::string> listDir(const std::string& dir) override {
@@ -150,7 +150,7 @@ class PosixFileLock : public Env::FileLock {
 }  // namespace
 
 std::unique_ptr<Env::FileLock> Env::lockFile(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
   if (fd < 0) throwErrno("open lock file", path);
   while (::flock(fd, LOCK_EX) != 0) {
     if (errno == EINTR) continue;

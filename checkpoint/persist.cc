@@ -92,14 +92,14 @@ TensorRecord tensorEntryFromJson(const json& j, const std::string& what) {
   const json& shape = jsonField<Corruption>(j, "shape", what);
   if (!shape.is_array() || shape.size() > 64) {
     SINEW_THROW(Corruption, what, " shape must be an array of at most 64 dimensions, got ",
-                shape.dump().substr(0, 80));
+                detail::jsonPreview(shape));
   }
   for (const json& d : shape)
     t.shape.push_back(jsonInt<Corruption>(d, what + " shape", 0, kMaxInt64));
   const json& off = jsonField<Corruption>(j, "data_offsets", what);
   if (!off.is_array() || off.size() != 2) {
     SINEW_THROW(Corruption, what, " data_offsets must be [begin, end], got ",
-                off.dump().substr(0, 80));
+                detail::jsonPreview(off));
   }
   const uint64_t begin = jsonInt<Corruption>(off[0], what + " data_offsets[0]", 0, kMaxInt64);
   const uint64_t end = jsonInt<Corruption>(off[1], what + " data_offsets[1]", 0, kMaxInt64);
@@ -179,7 +179,7 @@ std::map<std::string, TensorRecord> parseSafetensorsHeader(const json& header, u
       for (auto m = it.value().begin(); m != it.value().end(); ++m) {
         if (!m.value().is_string()) {
           SINEW_THROW(Corruption, what, ": __metadata__ value '", m.key().substr(0, 80),
-                      "' must be a string, got ", m.value().dump().substr(0, 80));
+                      "' must be a string, got ", detail::jsonPreview(m.value()));
         }
       }
       continue;
@@ -248,12 +248,7 @@ std::string ShardFileRecord::toJson() const {
 
 ShardFileRecord ShardFileRecord::fromJson(const std::string& text) {
   ShardFileRecord r;
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    SINEW_THROW(Corruption, "shard file record does not parse: ", e.what());
-  }
+  json j = detail::parseJson<Corruption>(text, "shard file record");
   std::string what = "shard file record";
   r.owner = static_cast<int>(
       jsonInt<Corruption>(jsonField<Corruption>(j, "owner", what), what + " owner", -1, kMaxInt32));
@@ -292,12 +287,7 @@ std::string Manifest::toJson() const {
 
 Manifest Manifest::fromJson(const std::string& text, const std::string& path) {
   Manifest m;
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    SINEW_THROW(Corruption, "checkpoint manifest ", path, " does not parse: ", e.what());
-  }
+  json j = detail::parseJson<Corruption>(text, "checkpoint manifest " + path);
   std::string what = "checkpoint manifest " + path;
   const std::string format =
       jsonString<Corruption>(jsonField<Corruption>(j, "format", what), what + " format");
@@ -583,12 +573,7 @@ int64_t CheckpointReader::latestStep() const {
   const std::string path = joinPath(dir_, kLatest);
   if (!env_->fileExists(path)) return -1;
   const std::string text = env_->readFile(path);
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    SINEW_THROW(Corruption, "checkpoint pointer ", path, " does not parse: ", e.what());
-  }
+  json j = detail::parseJson<Corruption>(text, "checkpoint pointer " + path);
   const std::string what = "checkpoint pointer " + path;
   const int64_t step =
       jsonInt<Corruption>(jsonField<Corruption>(j, "step", what), what + " step", 0, kMaxInt64);
@@ -667,13 +652,8 @@ std::map<std::string, RestoredLayer> CheckpointReader::load(
       }
       std::string header(hl, '\0');
       if (hl > 0) of.file->read(8, hl, &header[0]);
-      json parsed;
-      try {
-        parsed = json::parse(header);
-      } catch (const json::exception& e) {
-        SINEW_THROW(Corruption, "checkpoint file ", path, " (layer ", layer,
-                    "): safetensors header does not parse: ", e.what());
-      }
+      json parsed = detail::parseJson<Corruption>(
+          header, "checkpoint file " + path + " (layer " + layer + "): safetensors header");
       of.dataStart = 8 + hl;
       of.header = parseSafetensorsHeader(parsed, size - of.dataStart,
                                          "checkpoint file " + path + " safetensors header");

@@ -8,6 +8,7 @@
 
 #include "sinew/base/error.h"
 #include "sinew/base/little_endian.h"
+#include "sinew/base/parse.h"
 
 namespace sinew {
 namespace checkpoint {
@@ -124,6 +125,11 @@ std::vector<uint8_t> encodeList(const std::vector<ShardEntry>& shards) {
 
 std::vector<ShardEntry> decodeList(const std::vector<uint8_t>& payload, const std::string& from) {
   using nlohmann::json;
+  const char* text = reinterpret_cast<const char*>(payload.data());
+  if (::sinew::detail::jsonTooDeep(text, text + payload.size())) {
+    SINEW_THROW(Corruption, "replica list from ", from, " nests JSON deeper than ",
+                ::sinew::detail::kMaxJsonDepth, " levels");
+  }
   json j = json::parse(payload.begin(), payload.end(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) SINEW_THROW(Corruption, "replica list from ", from, " does not parse");
   if (!j.is_array()) SINEW_THROW(Corruption, "replica list from ", from, " is not a JSON array");
@@ -131,8 +137,8 @@ std::vector<ShardEntry> decodeList(const std::vector<uint8_t>& payload, const st
   for (const auto& e : j) {
     const auto field = [&](const char* name) -> const json& {
       if (!e.is_object() || !e.contains(name)) {
-        SINEW_THROW(Corruption, "replica list from ", from, ": entry ", e.dump().substr(0, 80),
-                    " has no field '", name, "'");
+        SINEW_THROW(Corruption, "replica list from ", from, ": entry ",
+                    ::sinew::detail::jsonPreview(e), " has no field '", name, "'");
       }
       return e.at(name);
     };
@@ -141,12 +147,12 @@ std::vector<ShardEntry> decodeList(const std::vector<uint8_t>& payload, const st
     const json& layout = field("layout");
     if (!owner.is_number_integer() || owner.get<int64_t>() < 0 ||
         owner.get<int64_t>() > INT32_MAX) {
-      SINEW_THROW(Corruption, "replica list from ", from, ": owner ", owner.dump().substr(0, 40),
-                  " is not an integer in [0, 2^31)");
+      SINEW_THROW(Corruption, "replica list from ", from, ": owner ",
+                  ::sinew::detail::jsonPreview(owner), " is not an integer in [0, 2^31)");
     }
     if (!step.is_number_integer() || step.get<int64_t>() < 0) {
-      SINEW_THROW(Corruption, "replica list from ", from, ": step ", step.dump().substr(0, 40),
-                  " is not an integer >= 0");
+      SINEW_THROW(Corruption, "replica list from ", from, ": step ",
+                  ::sinew::detail::jsonPreview(step), " is not an integer >= 0");
     }
     if (!layout.is_string()) {
       SINEW_THROW(Corruption, "replica list from ", from, ": layout of worker ",

@@ -249,12 +249,7 @@ ShardLayout ShardLayout::fromJson(const std::string& text) {
   using ::sinew::detail::jsonString;
   constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
   ShardLayout out;
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    SINEW_THROW(Corruption, "shard layout does not parse: ", e.what());
-  }
+  json j = detail::parseJson<Corruption>(text, "shard layout");
   const std::string what = "shard layout";
   out.totalBytes = jsonInt<Corruption>(jsonField<Corruption>(j, "total_bytes", what),
                                        what + " total_bytes", 0, kMax);
@@ -270,7 +265,7 @@ ShardLayout ShardLayout::fromJson(const std::string& text) {
     const json& shape = jsonField<Corruption>(t, "shape", where);
     if (!shape.is_array() || shape.size() > 64) {
       SINEW_THROW(Corruption, where, " shape must be an array of at most 64 dimensions, got ",
-                  shape.dump().substr(0, 80));
+                  detail::jsonPreview(shape));
     }
     for (const json& d : shape)
       r.shape.push_back(jsonInt<Corruption>(d, where + " shape", 0, kMax));

@@ -103,7 +103,8 @@ int64_t num(const json& j, const char* field) {
     auto v = ::sinew::detail::tryParseInt(it->get<std::string>());
     if (v) return *v;
   }
-  SINEW_THROW(Corruption, "etcd answered a non-integer ", field, ": ", it->dump());
+  SINEW_THROW(Corruption, "etcd answered a non-integer ", field, ": ",
+              ::sinew::detail::jsonPreview(*it));
 }
 
 EtcdKeyValue parseKv(const json& j) {
@@ -201,6 +202,10 @@ std::vector<json> takeObjects(std::string& buffer) {
       inString = true;
     } else if (c == '{') {
       if (depth++ == 0) start = i;
+      if (depth > ::sinew::detail::kMaxJsonDepth) {
+        SINEW_THROW(Corruption, "etcd's watch stream nests JSON deeper than ",
+                    ::sinew::detail::kMaxJsonDepth, " levels");
+      }
     } else if (c == '}' && depth > 0 && --depth == 0) {
       out.push_back(json::parse(buffer.begin() + start, buffer.begin() + i + 1));
       consumed = i + 1;
@@ -215,7 +220,7 @@ std::string endpointName(const EtcdEndpoint& e) { return e.host + ":" + std::to_
 // Why a gateway answer is not a result: its "error"/"message" and gRPC code.
 std::string gatewayError(const json& body) {
   std::string message = body.value("message", body.value("error", std::string()));
-  if (message.empty()) message = body.dump();
+  if (message.empty()) message = ::sinew::detail::jsonPreview(body);
   return message + " (code " + std::to_string(body.value("code", 0)) + ")";
 }
 
@@ -298,7 +303,9 @@ class EtcdClient::Impl {
       std::string text;
       beast::error_code ec = exchange(ep, path, payload, attemptDeadline, &status, &text);
       if (!ec) {
-        json answer = json::parse(text, nullptr, /*allow_exceptions=*/false);
+        json answer = ::sinew::detail::jsonTooDeep(text)
+                          ? json()
+                          : json::parse(text, nullptr, /*allow_exceptions=*/false);
         if (status == 200 && answer.is_object()) return answer;
         if (!retryable(status, answer)) {
           SINEW_THROW(IoError, "etcd at ", endpointName(ep), " refused ", path, ": HTTP ", status,
@@ -558,7 +565,8 @@ EtcdTxnResult EtcdClient::txn(const std::vector<EtcdCompare>& compares,
 int64_t EtcdClient::grantLease(int64_t ttlSeconds, int64_t* grantedTtl) {
   json r = impl_->request("/v3/lease/grant", json{{"TTL", std::to_string(ttlSeconds)}});
   if (r.contains("error") && !r.at("error").get<std::string>().empty()) {
-    SINEW_THROW(IoError, "etcd refused a lease of ", ttlSeconds, " s: ", r.at("error").dump());
+    SINEW_THROW(IoError, "etcd refused a lease of ", ttlSeconds,
+                " s: ", ::sinew::detail::jsonPreview(r.at("error")));
   }
   if (grantedTtl) *grantedTtl = num(r, "TTL");
   return num(r, "ID");

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "sinew/base/error.h"
+#include "sinew/base/parse.h"
 
 namespace sinew {
 namespace pipeline {
@@ -119,6 +120,9 @@ std::string planToJson(const Plan& plan) {
 }
 
 Plan planFromJson(const std::string& text) {
+  if (detail::jsonTooDeep(text)) {
+    bad("text", "nests JSON deeper than " + std::to_string(detail::kMaxJsonDepth) + " levels");
+  }
   json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) bad("text", "is not a JSON object");
   Plan plan;

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "sinew/base/error.h"
+#include "sinew/base/parse.h"
 
 namespace sinew {
 namespace pipeline {
@@ -35,11 +36,13 @@ const json& requireField(const json& object, const char* key, const char* where)
 double readNumber(const json& object, const char* key, const std::string& where) {
   const json& v = requireField(object, key, where.c_str());
   if (!v.is_number()) {
-    SINEW_THROW(InvalidArgument, "profile: ", where, key, " must be a number, got ", v.dump());
+    SINEW_THROW(InvalidArgument, "profile: ", where, key, " must be a number, got ",
+                detail::jsonPreview(v));
   }
   double d = v.get<double>();
   if (!std::isfinite(d)) {
-    SINEW_THROW(InvalidArgument, "profile: ", where, key, " must be finite, got ", v.dump());
+    SINEW_THROW(InvalidArgument, "profile: ", where, key, " must be finite, got ",
+                detail::jsonPreview(v));
   }
   return d;
 }
@@ -59,7 +62,8 @@ int64_t readInteger(const json& object, const char* key, const std::string& wher
   if (v.is_number_unsigned()) {
     uint64_t u = v.get<uint64_t>();
     if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-      SINEW_THROW(InvalidArgument, "profile: ", where, key, " is too large: ", v.dump());
+      SINEW_THROW(InvalidArgument, "profile: ", where, key,
+                  " is too large: ", detail::jsonPreview(v));
     }
     return static_cast<int64_t>(u);
   }
@@ -73,7 +77,8 @@ int64_t readInteger(const json& object, const char* key, const std::string& wher
       return static_cast<int64_t>(d);
     }
   }
-  SINEW_THROW(InvalidArgument, "profile: ", where, key, " must be an integer, got ", v.dump());
+  SINEW_THROW(InvalidArgument, "profile: ", where, key, " must be an integer, got ",
+              detail::jsonPreview(v));
 }
 
 int64_t readBytes(const json& object, const char* key, const std::string& where) {
@@ -87,7 +92,7 @@ int64_t readBytes(const json& object, const char* key, const std::string& where)
 void requireObject(const json& v, const std::string& what) {
   if (!v.is_object()) {
     SINEW_THROW(InvalidArgument, "profile: ", what, " must be a JSON object, got ",
-                v.dump().substr(0, 80));
+                detail::jsonPreview(v));
   }
 }
 
@@ -164,6 +169,10 @@ void validateProfile(const Profile& profile) {
 }
 
 Profile parseProfileJson(const std::string& text) {
+  if (detail::jsonTooDeep(text)) {
+    SINEW_THROW(InvalidArgument, "profile: the document nests JSON deeper than ",
+                detail::kMaxJsonDepth, " levels");
+  }
   json root;
   try {
     root = json::parse(text);
@@ -200,7 +209,7 @@ Profile parseProfileJson(const std::string& text) {
     const json& algo = ar["algorithm"];
     if (!algo.is_string() || algo.get<std::string>() != "ring") {
       SINEW_THROW(InvalidArgument, "profile: job.allreduce.algorithm must be \"ring\", got ",
-                  algo.dump());
+                  detail::jsonPreview(algo));
     }
   }
   p.job.allreduce.bandwidth_gbps = readNumber(ar, "bandwidth_gbps", "job.allreduce.");
@@ -209,7 +218,7 @@ Profile parseProfileJson(const std::string& text) {
   const json& layers = requireField(root, "layers", "");
   if (!layers.is_array()) {
     SINEW_THROW(InvalidArgument, "profile: layers must be a JSON array, got ",
-                layers.dump().substr(0, 80));
+                detail::jsonPreview(layers));
   }
   p.layers.reserve(layers.size());
   for (size_t i = 0; i < layers.size(); ++i) {
@@ -220,7 +229,7 @@ Profile parseProfileJson(const std::string& text) {
     if (l.contains("name")) {
       if (!l["name"].is_string()) {
         SINEW_THROW(InvalidArgument, "profile: ", where, "name must be a string, got ",
-                    l["name"].dump());
+                    detail::jsonPreview(l["name"]));
       }
       c.name = l["name"].get<std::string>();
     } else {

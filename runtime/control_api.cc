@@ -8,6 +8,7 @@
 #include <set>
 
 #include "sinew/base/error.h"
+#include "sinew/base/parse.h"
 
 namespace sinew {
 namespace runtime {
@@ -67,12 +68,13 @@ void onlyFields(const json& body, std::initializer_list<const char*> known, cons
 
 double deadlineOf(const json& v, const char* what) {
   if (!v.is_number()) {
-    SINEW_THROW(InvalidArgument, what, ": 'deadline_s' = ", v.dump(), " is not a number");
+    SINEW_THROW(InvalidArgument, what, ": 'deadline_s' = ", detail::jsonPreview(v),
+                " is not a number");
   }
   double d = v.get<double>();
   if (!(d > 0) || !(d <= kMaxDeadlineSeconds)) {
-    SINEW_THROW(InvalidArgument, what, ": 'deadline_s' = ", v.dump(), " must be in (0, ",
-                kMaxDeadlineSeconds, "] seconds");
+    SINEW_THROW(InvalidArgument, what, ": 'deadline_s' = ", detail::jsonPreview(v),
+                " must be in (0, ", kMaxDeadlineSeconds, "] seconds");
   }
   return d;
 }
@@ -87,10 +89,12 @@ Answer jsonAnswer(const ControlReply& r) {
 }  // namespace
 
 bool authorized(std::string_view authorization, const std::string& token) {
-  constexpr std::string_view kBearer = "Bearer ";
-  if (token.empty() || authorization.size() != kBearer.size() + token.size() ||
-      authorization.substr(0, kBearer.size()) != kBearer) {
-    return false;
+  // The scheme is case-insensitive (RFC 9110, section 11.1): "bearer" and "BEARER" too.
+  constexpr std::string_view kBearer = "bearer ";
+  if (token.empty() || authorization.size() != kBearer.size() + token.size()) return false;
+  for (size_t i = 0; i < kBearer.size(); ++i) {
+    const char c = authorization[i];
+    if ((c >= 'A' && c <= 'Z' ? static_cast<char>(c - 'A' + 'a') : c) != kBearer[i]) return false;
   }
   unsigned diff = 0;
   for (size_t i = 0; i < token.size(); ++i) {
@@ -109,6 +113,10 @@ Answer errorAnswer(int status, const std::string& message) {
 
 json parseObject(std::string_view body) {
   if (body.empty()) return json::object();
+  if (detail::jsonTooDeep(body.data(), body.data() + body.size())) {
+    SINEW_THROW(InvalidArgument, "the request body nests JSON deeper than ", detail::kMaxJsonDepth,
+                " levels");
+  }
   json v = json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
   if (v.is_discarded()) SINEW_THROW(InvalidArgument, "the request body is not valid JSON");
   if (!v.is_object()) {
@@ -124,8 +132,8 @@ int64_t parseResize(const json& body) {
   if (!v.is_number_integer() ||
       (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(kMaxNodes)) || v.get<int64_t>() < 1 ||
       v.get<int64_t>() > kMaxNodes) {
-    SINEW_THROW(InvalidArgument, "resize: 'nodes' = ", v.dump(), " must be an integer in [1, ",
-                kMaxNodes, "]");
+    SINEW_THROW(InvalidArgument, "resize: 'nodes' = ", detail::jsonPreview(v),
+                " must be an integer in [1, ", kMaxNodes, "]");
   }
   return v.get<int64_t>();
 }
@@ -146,14 +154,15 @@ DrainRequest parseDrain(const json& body) {
   for (const json& e : list) {
     if (nodes) {
       if (!e.is_string() || e.get<std::string>().empty() || e.get<std::string>().size() > 255) {
-        SINEW_THROW(InvalidArgument, "drain: 'nodes' holds ", e.dump(),
+        SINEW_THROW(InvalidArgument, "drain: 'nodes' holds ", detail::jsonPreview(e),
                     ", not a node name of 1 to 255 characters");
       }
       r.nodes.push_back(e.get<std::string>());
     } else {
       if (!e.is_number_integer() || (e.is_number_unsigned() && e.get<uint64_t>() > INT32_MAX) ||
           e.get<int64_t>() < 0 || e.get<int64_t>() > INT32_MAX) {
-        SINEW_THROW(InvalidArgument, "drain: 'workers' holds ", e.dump(), ", not a worker id");
+        SINEW_THROW(InvalidArgument, "drain: 'workers' holds ", detail::jsonPreview(e),
+                    ", not a worker id");
       }
       r.workers.push_back(e.get<int>());
     }
@@ -170,7 +179,8 @@ void parseCheckpoint(const json& body) {
   if (body.contains("durable")) {
     const json& v = body.at("durable");
     if (!v.is_boolean()) {
-      SINEW_THROW(InvalidArgument, "checkpoint: 'durable' = ", v.dump(), " is not true or false");
+      SINEW_THROW(InvalidArgument, "checkpoint: 'durable' = ", detail::jsonPreview(v),
+                  " is not true or false");
     }
     if (!v.get<bool>()) {
       SINEW_THROW(InvalidArgument,

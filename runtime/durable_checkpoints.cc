@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <optional>
 
+#include "sinew/base/private_file.h"
 #include "sinew/pipeline/stage_executor.h"
 #include "sinew/runtime/optimizer_state.h"
 
@@ -29,13 +30,17 @@ void DurableCheckpoints::checkDir() {
     SINEW_THROW(InvalidArgument, "worker ", s_.worker(), " cannot write checkpoints to '", dir_,
                 "' (TrainerOptions::checkpointDir): ", why);
   };
+  // Weights and optimizer state are this user's only: folders 0700, files 0600.
+  try {
+    detail::makePrivateDirs(dir_);
+  } catch (const Error& e) {
+    fail(std::string("creating it failed: ") + e.what());
+  }
   std::error_code ec;
-  std::filesystem::create_directories(dir_, ec);
-  if (ec) fail("creating it failed: " + ec.message());
   if (!std::filesystem::is_directory(dir_, ec)) fail("it is not a directory");
   const std::string probe = dir_ + "/.probe-w" + std::to_string(s_.worker()) + "-" +
                             std::to_string(static_cast<long long>(::getpid()));
-  int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (fd < 0) fail(std::string("creating a file in it failed: ") + std::strerror(errno));
   const char byte = 0;
   const bool wrote = ::write(fd, &byte, 1) == 1;

@@ -1,7 +1,5 @@
 #include "sinew/runtime/ha_coordinator.h"
 
-#include "sinew/runtime/job_outcome.h"
-
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
@@ -10,6 +8,8 @@
 #include <thread>
 
 #include "sinew/base/error.h"
+#include "sinew/base/parse.h"
+#include "sinew/runtime/job_outcome.h"
 #include "sinew/runtime/leader_election.h"
 
 namespace sinew {
@@ -37,6 +37,7 @@ namespace {
 
 // The job's end as a stored state says it: 0 finished, 1 failed, -1 still running.
 int jobEndOf(const std::string& state) {
+  if (::sinew::detail::jsonTooDeep(state)) return -1;
   json st = json::parse(state, nullptr, false);
   if (!st.is_object()) return -1;
   if (st.value("failed", false)) return 1;
@@ -180,7 +181,8 @@ etcdLeaderFinder(std::shared_ptr<EtcdClient> etcd, const std::string& job) {
       int64_t revision = 0;
       auto kv = etcd->get(key, &revision);
       if (kv && kv->createRevision != otherThan) {
-        json v = json::parse(kv->value, nullptr, false);
+        json v = ::sinew::detail::jsonTooDeep(kv->value) ? json()
+                                                         : json::parse(kv->value, nullptr, false);
         // A leader serves once its value names its port.
         if (v.is_object() && v.contains("port") && v.at("port").is_number_integer()) {
           CoordinatorClientOptions::Leader leader;

@@ -88,8 +88,12 @@ bool JobState::persistThrottled() {
 }
 
 void JobState::restoreState(const std::string& text) {
-  json st = json::parse(text, nullptr, /*allow_exceptions=*/false);
   const std::string what = "the job state to take over";
+  if (detail::jsonTooDeep(text)) {
+    SINEW_THROW(InvalidArgument, what, " nests JSON deeper than ", detail::kMaxJsonDepth,
+                " levels");
+  }
+  json st = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (!st.is_object()) SINEW_THROW(InvalidArgument, what, " is not a JSON object");
   using sinew::detail::jsonField;
   using sinew::detail::jsonInt;

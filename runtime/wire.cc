@@ -1,6 +1,7 @@
 #include "sinew/runtime/detail/wire.h"
 
 #include "sinew/base/error.h"
+#include "sinew/base/parse.h"
 
 namespace sinew {
 namespace runtime {
@@ -197,12 +198,12 @@ void checkFields(const char* name, const json& body, const std::vector<Field>& f
     switch (f.kind) {
       case Kind::kInt: {
         if (!isInt(v)) {
-          SINEW_THROW(Corruption, name, " message: field '", field, "' = ", v.dump(),
+          SINEW_THROW(Corruption, name, " message: field '", field, "' = ", detail::jsonPreview(v),
                       " is not an integer");
         }
         int64_t x = intValue(v);
         if (x < f.min || x > f.max) {
-          SINEW_THROW(Corruption, name, " message: field '", field, "' = ", v.dump(),
+          SINEW_THROW(Corruption, name, " message: field '", field, "' = ", detail::jsonPreview(v),
                       " is outside [", f.min, ", ", f.max, "]");
         }
         break;
@@ -220,7 +221,7 @@ void checkFields(const char* name, const json& body, const std::vector<Field>& f
         break;
       case Kind::kBool:
         if (!v.is_boolean()) {
-          SINEW_THROW(Corruption, name, " message: field '", field, "' = ", v.dump(),
+          SINEW_THROW(Corruption, name, " message: field '", field, "' = ", detail::jsonPreview(v),
                       " is not a boolean");
         }
         break;
@@ -231,8 +232,8 @@ void checkFields(const char* name, const json& body, const std::vector<Field>& f
         }
         for (const json& e : v) {
           if (!isInt(e) || intValue(e) < 0 || intValue(e) >= kMaxWorkerId) {
-            SINEW_THROW(Corruption, name, " message: field '", field, "' holds ", e.dump(),
-                        ", not a worker id in [0, ", kMaxWorkerId, ")");
+            SINEW_THROW(Corruption, name, " message: field '", field, "' holds ",
+                        detail::jsonPreview(e), ", not a worker id in [0, ", kMaxWorkerId, ")");
           }
         }
         break;
@@ -325,6 +326,11 @@ std::vector<uint8_t> encodeBody(const json& body) {
 json decodeBody(uint8_t type, const std::vector<uint8_t>& payload) {
   const Message* m = find(type);
   if (m == nullptr) SINEW_THROW(Corruption, "coordinator message of unknown type ", int(type));
+  const char* text = reinterpret_cast<const char*>(payload.data());
+  if (detail::jsonTooDeep(text, text + payload.size())) {
+    SINEW_THROW(Corruption, m->name, " message: payload nests JSON deeper than ",
+                detail::kMaxJsonDepth, " levels");
+  }
   json body = json::parse(payload.begin(), payload.end(), nullptr, /*allow_exceptions=*/false);
   if (body.is_discarded() || !body.is_object()) {
     SINEW_THROW(Corruption, m->name, " message: payload is not a JSON object");

@@ -66,6 +66,35 @@ Channel::Channel(tcp::socket socket, ChannelOptions options,
 
 Channel::~Channel() = default;
 
+bool LogThrottle::admit(const std::string& key, int64_t* withheld) {
+  const auto now = std::chrono::steady_clock::now();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (entries_.size() >= 4096 && entries_.count(key) == 0) entries_.clear();
+  Entry& e = entries_[key];
+  if (e.last != std::chrono::steady_clock::time_point{} && now - e.last < interval_) {
+    ++e.withheld;
+    return false;
+  }
+  *withheld = e.withheld;
+  e.withheld = 0;
+  e.last = now;
+  return true;
+}
+
+// The address of "address:port" (IPv6 addresses keep their colons).
+static std::string hostOf(const std::string& peer) {
+  const size_t colon = peer.rfind(':');
+  return colon == std::string::npos ? peer : peer.substr(0, colon);
+}
+
+void Channel::logDrop(const std::string& line) {
+  int64_t withheld = 0;
+  if (options_.dropLog && !options_.dropLog->admit(hostOf(peer_), &withheld)) return;
+  log(withheld == 0 ? line
+                    : line + " (and " + std::to_string(withheld) + " more from " + hostOf(peer_) +
+                          " since its last logged one, not logged)");
+}
+
 void Channel::log(const std::string& line) {
   std::string full = options_.name + ": " + line;
   if (options_.log) {
@@ -131,7 +160,7 @@ void Channel::readPayload() {
     if (ec) {
       std::string why = "connection from " + peer_ + " closed in the middle of a " +
                         frameName(options_.rules, h_.type) + " message";
-      log(why);
+      logDrop(why);
       return finish(CloseReason::kPeerClosed, why);
     }
     ++readSerial_;            // Disarms the frame timer.
@@ -209,7 +238,7 @@ void Channel::finish(CloseReason reason, const std::string& why) {
   if (closed_) return;
   closed_ = true;
   if (reason == CloseReason::kViolation || reason == CloseReason::kTimeout) {
-    log("dropping connection from " + peer_ + ": " + why);
+    logDrop("dropping connection from " + peer_ + ": " + why);
   }
   error_code ec;
   timer_.cancel();
@@ -228,8 +257,20 @@ void Channel::finish(CloseReason reason, const std::string& why) {
 
 // ---------------------------------------------------------------------------------------
 
+namespace {
+
+ListenerOptions withDropLog(ListenerOptions o) {
+  if (!o.channel.dropLog) o.channel.dropLog = std::make_shared<LogThrottle>();
+  return o;
+}
+
+}  // namespace
+
 Listener::Listener(asio::io_context& io, ListenerOptions options, MakeHandler makeHandler)
-    : io_(io), options_(std::move(options)), makeHandler_(std::move(makeHandler)), acceptor_(io) {
+    : io_(io),
+      options_(withDropLog(std::move(options))),
+      makeHandler_(std::move(makeHandler)),
+      acceptor_(io) {
   error_code ec;
   auto address = asio::ip::make_address(options_.host, ec);
   if (ec) {

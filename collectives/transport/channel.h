@@ -24,7 +24,9 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <set>
 #include <string>
 #include <vector>
@@ -37,6 +39,27 @@ namespace transport {
 
 using Bytes = std::vector<uint8_t>;
 
+// At most one log line per key (a peer's address) per interval: a flood of bad connections
+// from one host costs a line every interval, and the next line it admits says how many were
+// withheld. Thread-safe; remembers at most 4,096 keys (then starts over).
+class LogThrottle {
+ public:
+  explicit LogThrottle(std::chrono::milliseconds interval = std::chrono::seconds(10))
+      : interval_(interval) {}
+  // Whether to log a line about `key` now; if so, *withheld is how many lines about it were
+  // not logged since its last logged one.
+  bool admit(const std::string& key, int64_t* withheld);
+
+ private:
+  struct Entry {
+    std::chrono::steady_clock::time_point last{};
+    int64_t withheld = 0;
+  };
+  const std::chrono::milliseconds interval_;
+  std::mutex mu_;
+  std::map<std::string, Entry> entries_;
+};
+
 struct ChannelOptions {
   FrameRules rules;  // what incoming frames must be
   // Close the connection when no frame starts within this while no request is in progress
@@ -48,6 +71,9 @@ struct ChannelOptions {
   std::function<void(const std::string&)> log;
   // Prefix of log lines, e.g. "sinew tcp store 127.0.0.1:4000".
   std::string name = "sinew";
+  // Lines about dropped connections go through it, keyed by the peer's address (a Listener
+  // gives its channels one, of 10 s, unless set); null: every one is logged.
+  std::shared_ptr<LogThrottle> dropLog;
 };
 
 enum class CloseReason {
@@ -120,6 +146,8 @@ class Channel : public std::enable_shared_from_this<Channel> {
   void writeNext();
   void finish(CloseReason reason, const std::string& why);
   void log(const std::string& line);
+  // A line about a dropped connection, through options_.dropLog when set.
+  void logDrop(const std::string& line);
 
   boost::asio::ip::tcp::socket socket_;
   const ChannelOptions options_;

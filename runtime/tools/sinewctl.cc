@@ -197,7 +197,7 @@ std::string bytes(int64_t b) {
   return buf;
 }
 
-void printStatus(const json& s) {
+void printStatus(json s) {  // A copy: a missing field reads as null.
   std::printf("state %s   step %s/%s   epoch %s   nodes %s   samples/s %s (average %s)\n",
               s.value("state", "?").c_str(), num(s["step"]).c_str(), num(s["steps"]).c_str(),
               num(s["epoch"]).c_str(), num(s["nodes"]).c_str(),
@@ -238,7 +238,7 @@ void printStatus(const json& s) {
   }
 }
 
-void printScaling(const json& s) {
+void printScaling(json s) {
   std::printf("model: %s\n", s.value("model", "?").c_str());
   std::printf("%-6s %-8s %-9s %-12s %s\n", "NODES", "WORKERS", "FEASIBLE", "MEASURED",
               "PREDICTED (samples/s)");
@@ -414,16 +414,27 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "sinewctl: %s answered %d: %s\n", path.c_str(), code, why.c_str());
     return 1;
   }
-  if (asJson || j.is_discarded()) {
-    std::printf("%s\n", j.is_discarded() ? text.c_str() : j.dump(2).c_str());
-  } else if (status->parsed()) {
-    printStatus(j);
-  } else if (scaling->parsed()) {
-    printScaling(j);
-  } else {
-    for (auto it = j.begin(); it != j.end(); ++it) {
-      std::printf("%s: %s\n", it.key().c_str(), it.value().dump().c_str());
+  try {
+    if (asJson || j.is_discarded()) {
+      std::printf("%s\n", j.is_discarded() ? text.c_str() : j.dump(2).c_str());
+    } else if (status->parsed()) {
+      printStatus(j);
+    } else if (scaling->parsed()) {
+      printScaling(j);
+    } else if (j.is_object()) {
+      for (auto it = j.begin(); it != j.end(); ++it) {
+        std::printf("%s: %s\n", it.key().c_str(), it.value().dump().c_str());
+      }
+    } else {
+      std::printf("%s\n", j.dump().c_str());
     }
+  } catch (const std::exception& e) {
+    // An answer without the fields it should have (another program on the port, a newer or
+    // older coordinator): said, never an abort.
+    std::fflush(stdout);
+    std::fprintf(stderr, "sinewctl: %s answered 200 with a body it cannot show (%s): %s\n",
+                 path.c_str(), e.what(), text.substr(0, 200).c_str());
+    return 1;
   }
   return 0;
 }

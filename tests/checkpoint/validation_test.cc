@@ -367,6 +367,54 @@ TEST(LatestValidationTest, PointerFieldsAreChecked) {
   removeTree(w.dir);
 }
 
+// A manifest, LATEST, a safetensors header, a peer's record or layout nested 200,000 deep (or
+// deep inside an otherwise valid document) is Corruption naming the limit, before it is
+// parsed: the restore then falls back to the version before, as for any other damage. Before,
+// the error message's dump() of the deep manifest recursed 200,000 deep and crashed.
+TEST(DeepJsonValidationTest, EveryCheckpointDocumentRefusesDeepNesting) {
+  Written w = writeVersion("deep");
+  const std::string deep = std::string(200000, '[') + std::string(200000, ']');
+  const std::vector<std::string> says = {"nests JSON deeper than 64 levels"};
+  writeAll(w.manifestPath, deep);
+  expectError([&] { CheckpointReader(w.dir).load(120); }, says, "manifest");
+  expectError(
+      [&] {
+        loadWithManifest(w, [&](json& m) {
+          m["format"] = json::parse(std::string(70, '[') + std::string(70, ']'));
+        });
+      },
+      says, "manifest field");
+  writeAll(w.manifestPath, w.manifest.dump(1));
+  const std::string latest = readAll(w.dir + "/LATEST");
+  writeAll(w.dir + "/LATEST", deep);
+  expectError([&] { CheckpointReader(w.dir).latestStep(); }, says, "LATEST");
+  writeAll(w.dir + "/LATEST", latest);
+  Safetensors st = splitFile(readAll(w.shardPath));
+  expectError([&] { loadWithFile(w, joinFile(deep, st.data)); }, says, "safetensors header");
+  expectError([&] { ShardFileRecord::fromJson(deep); }, says, "record");
+  expectError([&] { ShardLayout::fromJson(deep); }, says, "layout");
+  removeTree(w.dir);
+}
+
+// Weights and optimizer state are the writer's only: a version's folder is 0700, its files and
+// LATEST (and its lock) 0600, whatever the umask lets through. Before, 0755 and 0644.
+TEST(CheckpointModeTest, VersionsAreReadableByTheirOwnerOnly) {
+  const mode_t old = ::umask(022);
+  Written w = writeVersion("modes");
+  ::umask(old);
+  const auto mode = [](const std::string& path) {
+    struct stat st {};
+    EXPECT_EQ(::stat(path.c_str(), &st), 0) << path;
+    return st.st_mode & 0777;
+  };
+  EXPECT_EQ(mode(w.dir + "/step-00000120"), 0700u);
+  EXPECT_EQ(mode(w.manifestPath), 0600u);
+  EXPECT_EQ(mode(w.shardPath), 0600u);
+  EXPECT_EQ(mode(w.dir + "/LATEST"), 0600u);
+  EXPECT_EQ(mode(w.dir + "/LATEST.lock"), 0600u);
+  removeTree(w.dir);
+}
+
 TEST(ShardFileRecordValidationTest, RecordsFromPeersAreChecked) {
   Written w = writeVersion("record");
   ShardFileRecord r;

@@ -192,8 +192,8 @@ std::string fieldOf(const std::string& line, const std::string& key) {
 // A batch job whose step is sinew-run, as HPC users write it: sbatch --signal=B:USR1@100 sends
 // the batch shell USR1 ahead of the two-minute time limit; the script forwards it to sinew-run
 // (--drain-signal USR1), which stops the job at a step boundary into a durable checkpoint and
-// exits 75; the script then asks Slurm to requeue the job. Requeued (its start moved to now:
-// Slurm delays a requeued job by two minutes), the job resumes from that checkpoint with three
+// exits 75; the script then asks Slurm to requeue the job. Requeued (started at once on another
+// node: Slurm would hold it for two minutes), the job resumes from that checkpoint with three
 // workers instead of two and ends equal to the reference; Slurm says COMPLETED, Restarts=1.
 TEST_F(SlurmJobTest, SbatchWarningSignalDrainsSinewRunAndARequeueResumes) {
   const std::string dir = logDir("slurm-sbatch");
@@ -232,15 +232,20 @@ TEST_F(SlurmJobTest, SbatchWarningSignalDrainsSinewRunAndARequeueResumes) {
              30s);
   ASSERT_EQ(submitted.exitCode, 0) << submitted.output;
   const std::string id = std::regex_replace(submitted.output, std::regex("[^0-9]"), "");
-  // Wait for the requeue, make the job eligible at once, then for its end.
+  // Wait for the requeue, then make the job eligible at once on another node (as when the
+  // node it ran on is being taken back): Slurm holds a requeued job for the credential
+  // lifetime (two minutes), and the node it ran on refuses it until then ("Job credential
+  // revoked").
   const auto deadline = Clock::now() + 200s;
   bool moved = false;
-  std::string job;
+  std::string job, ranOn;
   while (Clock::now() < deadline) {
     job = showJob(conf, id);
     const std::string state = fieldOf(job, "JobState");
-    if (!moved && fieldOf(job, "Restarts") == "1" && state == "PENDING") {
-      finish(start({"scontrol", "update", "JobId=" + id, "StartTime=now"}, {{"SLURM_CONF", conf}}),
+    if (state == "RUNNING" && ranOn.empty()) ranOn = fieldOf(job, "BatchHost");
+    if (!moved && fieldOf(job, "Restarts") == "1" && state == "PENDING" && !ranOn.empty()) {
+      finish(start({"scontrol", "update", "JobId=" + id, "StartTime=now", "ExcNodeList=" + ranOn},
+                   {{"SLURM_CONF", conf}}),
              30s);
       moved = true;
     }

@@ -23,6 +23,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <map>
 #include <optional>
@@ -32,8 +33,12 @@
 
 #include "../env_support.h"
 #include "sinew/base/error.h"
+#include "sinew/base/parse.h"
 #include "sinew/data.h"
 #include "sinew/init.h"
+#include "sinew/pipeline/plan.h"
+#include "sinew/pipeline/profile.h"
+#include "sinew/runtime/control_api.h"
 #include "sinew/runtime/detail/wire.h"
 #include "sinew/runtime/job_tensors.h"
 #include "sinew/runtime/layer_copy_manifest.h"
@@ -862,6 +867,58 @@ TEST(WireTest, TheProtocolDocShowsTheMessageTable) {
 
 // Every message type of the table decodes a body with its required fields and names a field
 // of a nested object by its path when it is wrong.
+// JSON nested deeper than sinew::detail::kMaxJsonDepth (64) is refused before it is parsed:
+// formatting or walking a value nested 200,000 deep recursed that deep (an error message's
+// dump()) and crashed the process. Brackets inside strings do not count.
+TEST(DeepJsonTest, DepthIsCountedOutsideStringsUpToTheLimit) {
+  using sinew::detail::jsonTooDeep;
+  const auto nested = [](int n) { return std::string(n, '[') + std::string(n, ']'); };
+  EXPECT_FALSE(jsonTooDeep(nested(64)));
+  EXPECT_TRUE(jsonTooDeep(nested(65)));
+  EXPECT_TRUE(jsonTooDeep(std::string(65, '{')));  // Unbalanced: still too deep.
+  EXPECT_FALSE(jsonTooDeep("[\"" + std::string(1000, '[') + "\"]"));
+  EXPECT_FALSE(
+      jsonTooDeep(R"(["\"[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["])"));
+  EXPECT_TRUE(jsonTooDeep(R"([{"a": "\\"}, )" + nested(64) + "]"));  // The string ends at \\".
+  EXPECT_FALSE(jsonTooDeep(nested(20), 20));
+  EXPECT_TRUE(jsonTooDeep(nested(21), 20));
+}
+
+// Every parser of text from outside the process: a coordinator message, a control request, a
+// profile, a plan; each one a document 200,000 deep, and one nested inside an otherwise valid
+// document. Each is the parser's own error type naming the limit. (Before, the deep hello
+// message crashed the test process in the error message's dump().)
+TEST(DeepJsonTest, EveryParserRefusesDeepDocumentsNamingTheLimit) {
+  const std::string deep = std::string(200000, '[') + std::string(200000, ']');
+  const std::string deepObject = [] {
+    std::string s;
+    for (int i = 0; i < 100000; ++i) s += "{\"a\":";
+    s += "1";
+    for (int i = 0; i < 100000; ++i) s += "}";
+    return s;
+  }();
+  const auto says = [](const std::function<void()>& f, const std::string& label) {
+    try {
+      f();
+      ADD_FAILURE() << label << ": accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("nests JSON deeper than 64 levels"), std::string::npos)
+          << label << ": " << e.what();
+    }
+  };
+  const auto bytes = [](const std::string& t) { return std::vector<uint8_t>(t.begin(), t.end()); };
+  const uint8_t hello = static_cast<uint8_t>(wire::Type::kHello);
+  says([&] { wire::decodeBody(hello, bytes(deep)); }, "hello, deep array");
+  says([&] { wire::decodeBody(hello, bytes(R"({"worker": 1, "node": )" + deepObject + "}")); },
+       "hello, deep node");
+  EXPECT_THROW(wire::decodeBody(hello, bytes(deep)), Corruption);
+  says([&] { runtime::control::parseObject(deep); }, "control request");
+  EXPECT_THROW(runtime::control::parseObject(deepObject), InvalidArgument);
+  says([&] { pipeline::parseProfileJson(deep); }, "profile");
+  says([&] { pipeline::parseProfileJson(R"({"layers": )" + deepObject + "}"); }, "profile field");
+  says([&] { pipeline::planFromJson(deepObject); }, "plan");
+}
+
 TEST(WireTest, DecodeChecksNestedFields) {
   const auto bytes = [](const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); };
   const uint8_t hello = static_cast<uint8_t>(wire::Type::kHello);
