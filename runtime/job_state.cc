@@ -915,6 +915,29 @@ void JobState::declareDead(int worker, const std::string& why) {
     event({{"event", "checkpoint_abandoned"}, {"step", checkpointStep_}, {"reason", why}});
     checkpointStep_ = -1;
   }
+  // A writer of the last durable version among the dead (data parallel: the epoch's first
+  // member; pipelines: every member) needs the next epoch's writer to write it.
+  const bool writerDied = checkpointsOn_ && !members_.empty() &&
+                          (pipelineJob_ || std::find(victims.begin(), victims.end(),
+                                                     members_.front()) != victims.end());
+  if (epoch_ >= 0 && wasMember && !finished_ && totalSteps_ > 0 && committed_ + 1 >= totalSteps_ &&
+      !writerDied) {
+    // Every step is committed: the members that live have applied the last one (or will: a
+    // commit is only sent once every member voted) and need no new epoch. The dead leave the
+    // member list; the job finishes once the others are done (some may be gone already).
+    std::vector<int> staying;
+    for (int id : members_) {
+      if (std::find(victims.begin(), victims.end(), id) == victims.end()) staying.push_back(id);
+    }
+    if (!staying.empty()) {
+      log("worker " + std::to_string(worker) + " died after the last step was committed; the " +
+          "job does not need it");
+      members_ = staying;
+      checkFinished();
+      effects_.changed = true;
+      return;
+    }
+  }
   if (epoch_ >= 0 && wasMember && !finished_) {
     if (!recovering_) {
       recovering_ = true;

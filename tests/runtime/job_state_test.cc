@@ -345,6 +345,35 @@ TEST(JobStateTest, JobFinishesWhenEveryMemberIsDone) {
   EXPECT_FALSE(m.hasEvent("failure"));
 }
 
+// A member that dies after the last step was committed (here after the others are done and
+// gone) does not fail the job: every step is committed and the others applied it. Before, a new
+// epoch of no members followed and the job was reported failed ("every member was lost before
+// the last step"; seen with sinew-run and a kill at the last step's optimizer phase). The
+// outcome says finished, with the dead worker lost.
+TEST(JobStateTest, ADeathAfterTheLastCommitDoesNotFailTheJob) {
+  Machine m(3);
+  for (int id = 0; id < 3; ++id) {
+    m.hello(id + 1, id, "n" + std::to_string(id));
+    m.frame(id + 1, Type::kReady, -1,
+            json{{"resume_step", 0}, {"global_batch", 6}, {"microbatch", 2}, {"steps", 2}});
+  }
+  for (int64_t step = 0; step < 2; ++step) {
+    for (int id = 0; id < 3; ++id) m.vote(id, 0, step);
+  }
+  ASSERT_EQ(m.state->committed(), 1);
+  m.frame(1, Type::kDone, 0, json{{"step", 2}});
+  m.frame(2, Type::kDone, 0, json{{"step", 2}});
+  m.closed(1);
+  m.closed(2);
+  m.closed(3);  // Worker 2 dies before its done.
+  EXPECT_TRUE(m.state->over());
+  EXPECT_TRUE(m.state->finishedWithWork());
+  EXPECT_EQ(m.state->epoch(), 0) << "no new epoch after the last commit";
+  const json outcome = m.state->outcome();
+  EXPECT_EQ(outcome.value("outcome", ""), "finished") << outcome;
+  EXPECT_EQ(outcome["workers_lost"], json::array({2})) << outcome;
+}
+
 // Rule 1 of docs/failure_semantics.md: with step times measured, a member that computes on
 // while the others have waited past the step deadline is declared dead; a member that was
 // waiting moments ago (its neighbour's stall just ended) is not blamed.
