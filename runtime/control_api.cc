@@ -104,6 +104,17 @@ bool authorized(std::string_view authorization, const std::string& token) {
   return diff == 0;
 }
 
+Role roleOf(std::string_view authorization, const std::string& controlToken,
+            const std::string& readToken) {
+  if (authorized(authorization, controlToken)) return Role::kControl;
+  if (!readToken.empty() && authorized(authorization, readToken)) return Role::kRead;
+  return Role::kNone;
+}
+
+bool allows(Role role, std::string_view method) {
+  return role == Role::kControl || (role == Role::kRead && method == "GET");
+}
+
 Answer errorAnswer(int status, const std::string& message) {
   ControlReply r;
   r.status = status;

@@ -78,6 +78,14 @@ struct Answer {
 // time independent of where they differ).
 bool authorized(std::string_view authorization, const std::string& token);
 
+// What a request's token lets it do: the control token everything, the read token (a scrape
+// or dashboard credential) only GET (status, scaling, metrics, events).
+enum class Role { kNone, kRead, kControl };
+Role roleOf(std::string_view authorization, const std::string& controlToken,
+            const std::string& readToken);
+// Whether `role` may send a request of `method`.
+bool allows(Role role, std::string_view method);
+
 // The answer to a request whose token was checked: method and target as sent, the body as
 // read. Never throws: a bad path, method or body is a 4xx answer naming what was wrong.
 Answer route(Backend& backend, std::string_view method, std::string_view target,

@@ -147,8 +147,18 @@ class Session : public SessionBase, public std::enable_shared_from_this<Session>
     version_ = req.version();
     // The token before anything else: no body is read for a stranger.
     auto auth = req[http::field::authorization];
-    if (!control::authorized(std::string_view(auth.data(), auth.size()), shared_->options.token)) {
+    const control::Role role = control::roleOf(std::string_view(auth.data(), auth.size()),
+                                               shared_->options.token, shared_->options.readToken);
+    if (role == control::Role::kNone) {
       refuseUnauthorized();
+      return;
+    }
+    const auto method = req.method_string();
+    if (!control::allows(role, std::string_view(method.data(), method.size()))) {
+      respond(control::errorAnswer(403,
+                                   "the read token may only GET (status, scaling, metrics, "
+                                   "events); this needs the control token"),
+              false, version_);
       return;
     }
     if (parser_->is_done()) return onRequest();

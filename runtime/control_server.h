@@ -37,8 +37,10 @@ class EventFeed {
 struct ControlServerOptions {
   std::string host = "127.0.0.1";
   uint16_t port = 0;
-  // The bearer token every request must carry.
+  // The bearer token every request must carry: `token` for anything, `readToken` (if set)
+  // for GET only; another method with the read token is 403, before any body is read.
   std::string token;
+  std::string readToken;
   // A request's headers and body must arrive within this; a keep-alive connection idle this
   // long is closed; an event stream whose client reads nothing for this long is dropped.
   std::chrono::milliseconds requestTimeout{10000};

@@ -103,7 +103,14 @@ class Coordinator::Impl : public control::Backend, public EventFeed {
       if (options_.controlHost.empty()) options_.controlHost = "127.0.0.1";
       cs.host = options_.controlHost;
       cs.port = static_cast<uint16_t>(options_.controlPort);
+      if (options_.controlReadToken.empty()) {
+        std::random_device rd;
+        char hex[32];
+        std::snprintf(hex, sizeof(hex), "%08x%08x", rd(), rd());
+        options_.controlReadToken = hex;
+      }
       cs.token = options_.controlToken;
+      cs.readToken = options_.controlReadToken;
       cs.requestTimeout = options_.controlTimeout;
       cs.maxConnections = options_.controlMaxConnections;
       cs.log = [this](const std::string& line) { logLine(line); };
@@ -438,11 +445,15 @@ void writeCoordinatorJson(const Coordinator& coordinator, const std::string& pat
     j["control_host"] = coordinator.controlHost();
     j["control_port"] = coordinator.controlPort();
     j["control_token"] = coordinator.controlToken();
+    j["control_read_token"] = coordinator.controlReadToken();
   }
   // Readable by this user only, from the moment it exists; replaced whole (rename).
   ::sinew::detail::writePrivateFile(path, j.dump() + "\n");
 }
 const std::string& Coordinator::controlToken() const { return impl_->options_.controlToken; }
+const std::string& Coordinator::controlReadToken() const {
+  return impl_->options_.controlReadToken;
+}
 
 }  // namespace runtime
 }  // namespace sinew

@@ -77,6 +77,9 @@ struct CoordinatorOptions {
   int controlPort = -1;
   std::string controlHost;
   std::string controlToken;
+  // A token for GET only (status, scaling, metrics, events: what Prometheus and dashboards
+  // need); empty: one is drawn (16 hex digits). In coordinator.json as control_read_token.
+  std::string controlReadToken;
   // A request must arrive within this; idle keep-alive connections are closed after it.
   std::chrono::milliseconds controlTimeout{10000};
   size_t controlMaxConnections = 128;
@@ -162,6 +165,7 @@ class Coordinator {
   const std::string& controlHost() const;
   uint16_t controlPort() const;
   const std::string& controlToken() const;
+  const std::string& controlReadToken() const;
 
  private:
   class Impl;

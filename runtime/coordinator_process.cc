@@ -127,6 +127,9 @@ void controlApiFromEnv(CoordinatorOptions& c) {
     c.controlPort = static_cast<int>(detail::parseInt(port, "SINEW_CONTROL_PORT", 0, 65535));
   }
   if (const char* host = env("SINEW_CONTROL_HOST")) c.controlHost = host;
+  // A scheduler may give the tokens (otherwise: the job token, and a drawn read token).
+  if (const char* token = env("SINEW_CONTROL_TOKEN")) c.controlToken = token;
+  if (const char* token = env("SINEW_CONTROL_READ_TOKEN")) c.controlReadToken = token;
 }
 
 CoordinatorProcess forkCoordinator(int expected, const InitOptions& o, const std::string& host,

@@ -269,6 +269,9 @@ int main(int argc, char** argv) {
     co.controlPort = a.controlPort;
     co.controlHost = a.controlHost;
     co.controlTimeout = std::chrono::milliseconds(a.controlTimeoutMs);
+    // A scheduler may give the tokens (docs/control_api.md); its child processes never see them.
+    if (const char* t = std::getenv("SINEW_CONTROL_TOKEN")) co.controlToken = t;
+    if (const char* t = std::getenv("SINEW_CONTROL_READ_TOKEN")) co.controlReadToken = t;
     co.startWorkers = [&](int count) {
       const int room = a.maxWorkers - a.workers - joinersGranted.load();
       const int n = std::max(0, std::min(count, room));
@@ -318,7 +321,8 @@ int main(int argc, char** argv) {
       const std::string kv = *e;
       const std::string key = kv.substr(0, kv.find('='));
       if (key == "SINEW_COORDINATOR" || key == "SINEW_TOKEN" || key == "SINEW_WORKER_ID" ||
-          key == "SINEW_LOG_DIR" || (key == "SINEW_INJECT" && !a.inject.empty()) ||
+          key == "SINEW_LOG_DIR" || key == "SINEW_CONTROL_TOKEN" ||
+          key == "SINEW_CONTROL_READ_TOKEN" || (key == "SINEW_INJECT" && !a.inject.empty()) ||
           (key == "SINEW_MAX_WORKERS" && a.maxWorkersGiven)) {
         continue;
       }

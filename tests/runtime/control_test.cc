@@ -153,6 +153,21 @@ TEST(ControlApiTest, TokenMustMatchExactly) {
   EXPECT_FALSE(control::authorized("Bearer ", ""));
 }
 
+// Tokens by role: the read token (for Prometheus and dashboards) may GET and nothing else; the
+// control token may do everything; anything else is nobody.
+TEST(ControlApiTest, TheReadTokenOnlyReads) {
+  using control::Role;
+  EXPECT_EQ(control::roleOf("Bearer c0ffee", "c0ffee", "5ca1ab1e"), Role::kControl);
+  EXPECT_EQ(control::roleOf("Bearer 5ca1ab1e", "c0ffee", "5ca1ab1e"), Role::kRead);
+  EXPECT_EQ(control::roleOf("Bearer 5ca1ab1e", "c0ffee", ""), Role::kNone);
+  EXPECT_EQ(control::roleOf("Bearer other", "c0ffee", "5ca1ab1e"), Role::kNone);
+  EXPECT_TRUE(control::allows(Role::kRead, "GET"));
+  EXPECT_FALSE(control::allows(Role::kRead, "POST"));
+  EXPECT_FALSE(control::allows(Role::kRead, "DELETE"));
+  EXPECT_TRUE(control::allows(Role::kControl, "POST"));
+  EXPECT_FALSE(control::allows(Role::kNone, "GET"));
+}
+
 TEST(ControlApiTest, SignalNames) {
   EXPECT_EQ(runtime::signalNumber("x", "USR1"), SIGUSR1);
   EXPECT_EQ(runtime::signalNumber("x", "SIGUSR2"), SIGUSR2);
@@ -462,6 +477,18 @@ TEST(ControlJobTest, EveryEndpointAndBadClients) {
   EXPECT_EQ(h.status, 401) << h.body;
   h = curl({"-H", "Authorization: Bearer 1234", api.url + "/v1/status"});
   EXPECT_EQ(h.status, 401);
+  // The read token (coordinator.json's control_read_token) reads, and may not act: 403.
+  {
+    const json cj = json::parse(slurp(dir + "/coordinator.json"));
+    const std::string read = cj.value("control_read_token", std::string());
+    ASSERT_FALSE(read.empty()) << cj.dump();
+    EXPECT_NE(read, api.token);
+    EXPECT_EQ(curl({"-H", "Authorization: Bearer " + read, api.url + "/metrics"}).status, 200);
+    EXPECT_EQ(curl({"-H", "Authorization: Bearer " + read, api.url + "/v1/status"}).status, 200);
+    h = curl({"-H", "Authorization: Bearer " + read, "-d", "{}", api.url + "/v1/stop"});
+    EXPECT_EQ(h.status, 403) << h.body;
+    EXPECT_NE(h.body.find("the read token may only GET"), std::string::npos) << h.body;
+  }
   h = curl(
       {"-H", "Authorization: Bearer " + api.token, "-d", R"({"nodes": 1})", api.url + "/v1/resiz"});
   EXPECT_EQ(h.status, 404);
