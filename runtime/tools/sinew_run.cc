@@ -30,6 +30,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -235,6 +236,116 @@ struct Stream {
   std::FILE* log;
 };
 
+// Echoes every worker's output, each line prefixed with its label unless `quiet`, and appends
+// it to the worker's log, until every pipe has closed and no more workers will start.
+void echoOutputs(std::vector<Stream>& streams, std::mutex& streamsMu,
+                 const std::atomic<bool>& noMoreWorkers, bool quiet) {
+  while (true) {
+    std::vector<pollfd> pfds;
+    {
+      std::lock_guard<std::mutex> lock(streamsMu);
+      size_t open = 0;
+      for (auto& s : streams) {
+        pfds.push_back({s.fd, POLLIN, 0});  // fd -1: ignored
+        open += s.fd >= 0;
+      }
+      if (open == 0 && noMoreWorkers.load()) break;
+    }
+    if (::poll(pfds.data(), pfds.size(), 200) < 0 && errno != EINTR) break;
+    std::lock_guard<std::mutex> lock(streamsMu);
+    for (size_t i = 0; i < pfds.size(); ++i) {
+      Stream& s = streams[i];
+      if (s.fd < 0 || !(pfds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      char buf[8192];
+      ssize_t n = ::read(s.fd, buf, sizeof(buf));
+      if (n <= 0) {
+        if (n < 0 && errno == EINTR) continue;
+        if (!s.pending.empty() && !quiet) {
+          std::printf("[%s] %s\n", s.label.c_str(), s.pending.c_str());
+        }
+        ::close(s.fd);
+        s.fd = -1;
+        continue;
+      }
+      if (s.log) {
+        std::fwrite(buf, 1, n, s.log);
+        std::fflush(s.log);
+      }
+      s.pending.append(buf, n);
+      size_t nl;
+      while ((nl = s.pending.find('\n')) != std::string::npos) {
+        if (!quiet) std::printf("[%s] %s\n", s.label.c_str(), s.pending.substr(0, nl).c_str());
+        s.pending.erase(0, nl + 1);
+      }
+      std::fflush(stdout);
+    }
+  }
+}
+
+// Says how the job ended, from the coordinator's view and each worker's exit status (`status`,
+// by PID), in its last line and <log-dir>/outcome.json, and returns sinew-run's exit status: 0
+// finished, 75 stopped (resumable), 1 failed (also when a worker the job did not declare dead
+// exited badly, or the launcher had to kill the job at its deadline).
+int reportJob(const Args& a, sinew::runtime::Coordinator& coordinator,
+              const std::map<pid_t, int>& statusByPid,
+              const std::function<int(size_t, const sinew::runtime::CoordinatorStatus&)>& workerOf,
+              bool deadlineKilled) {
+  const auto st = coordinator.status();
+  std::vector<int> dead = st.dead;
+  bool ok = st.finished;
+  for (size_t i = 0; i < gChildren.size(); ++i) {
+    const auto found = statusByPid.find(gChildren[i]);
+    const int s = found == statusByPid.end() ? 0 : found->second;
+    const int w = workerOf(i, st);
+    bool declaredDead = std::find(dead.begin(), dead.end(), w) != dead.end();
+    std::string how = WIFEXITED(s) ? "exited " + std::to_string(WEXITSTATUS(s))
+                                   : "killed by signal " + std::to_string(WTERMSIG(s));
+    // A second SIGTERM or SIGINT killed every worker: say so, and not that the job went on.
+    if (gSignals >= 2) declaredDead = false;
+    // 75: the worker left a job that stopped at a step boundary (Context::finishJob()).
+    bool clean = WIFEXITED(s) && (WEXITSTATUS(s) == 0 || (WEXITSTATUS(s) == 75 && st.stopped));
+    if (!clean && !declaredDead) ok = false;
+    if (!clean) {
+      std::printf("sinew-run: worker %d (pid %d) %s%s\n", w, static_cast<int>(gChildren[i]),
+                  how.c_str(),
+                  declaredDead    ? " (declared dead; the job went on without it)"
+                  : gSignals >= 2 ? " (sinew-run killed it: a second SIGTERM or SIGINT)"
+                                  : "");
+    }
+  }
+  // The job's outcome as its coordinator saw it, failed too when a worker it did not declare
+  // dead exited badly or the launcher had to kill the job; in <log-dir>/outcome.json.
+  if (deadlineKilled) ok = false;
+  nlohmann::json outcome = coordinator.outcome();
+  if (!ok && outcome.value("outcome", std::string()) != "failed") {
+    outcome["outcome"] = "failed";
+    outcome["reason"] = gSignals >= 2 ? "a second SIGTERM or SIGINT: sinew-run killed every worker"
+                        : deadlineKilled ? "it did not stop within 60 s of its deadline"
+                                         : "a worker it did not declare dead exited badly";
+  }
+  outcome["exit_status"] = !ok ? 1 : st.stopped ? 75 : 0;
+  try {
+    sinew::runtime::writeOutcomeFile(outcome, a.logDir + "/" + sinew::runtime::kOutcomeFile);
+  } catch (const std::exception& e) {
+    std::printf("sinew-run: %s\n", e.what());
+  }
+  std::string deadList;
+  for (int d : dead) deadList += (deadList.empty() ? "" : ",") + std::to_string(d);
+  std::string releasedList;
+  for (int r : st.released) releasedList += (releasedList.empty() ? "" : ",") + std::to_string(r);
+  const char* verdict = !ok          ? "FAILED"
+                        : st.stopped ? "stopped (every worker preempted or stopped)"
+                                     : "finished";
+  std::printf(
+      "sinew-run: job %s at step %lld, epoch %lld; workers lost: [%s]; released: [%s]; "
+      "logs in %s\n",
+      verdict, static_cast<long long>(st.committedStep + 1), static_cast<long long>(st.epoch),
+      deadList.c_str(), releasedList.c_str(), a.logDir.c_str());
+  std::fflush(stdout);
+  // 75 (EX_TEMPFAIL): stopped cleanly before the last step; rerun to resume.
+  return !ok ? 1 : st.stopped ? 75 : 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -392,48 +503,7 @@ int main(int argc, char** argv) {
 
   // Echo and log every worker's output until all pipes close and no more workers start.
   std::atomic<bool> noMoreWorkers{false};
-  std::thread reader([&] {
-    while (true) {
-      std::vector<pollfd> pfds;
-      {
-        std::lock_guard<std::mutex> lock(streamsMu);
-        size_t open = 0;
-        for (auto& s : streams) {
-          pfds.push_back({s.fd, POLLIN, 0});  // fd -1: ignored
-          open += s.fd >= 0;
-        }
-        if (open == 0 && noMoreWorkers.load()) break;
-      }
-      if (::poll(pfds.data(), pfds.size(), 200) < 0 && errno != EINTR) break;
-      std::lock_guard<std::mutex> lock(streamsMu);
-      for (size_t i = 0; i < pfds.size(); ++i) {
-        Stream& s = streams[i];
-        if (s.fd < 0 || !(pfds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-        char buf[8192];
-        ssize_t n = ::read(s.fd, buf, sizeof(buf));
-        if (n <= 0) {
-          if (n < 0 && errno == EINTR) continue;
-          if (!s.pending.empty() && !a.quiet) {
-            std::printf("[%s] %s\n", s.label.c_str(), s.pending.c_str());
-          }
-          ::close(s.fd);
-          s.fd = -1;
-          continue;
-        }
-        if (s.log) {
-          std::fwrite(buf, 1, n, s.log);
-          std::fflush(s.log);
-        }
-        s.pending.append(buf, n);
-        size_t nl;
-        while ((nl = s.pending.find('\n')) != std::string::npos) {
-          if (!a.quiet) std::printf("[%s] %s\n", s.label.c_str(), s.pending.substr(0, nl).c_str());
-          s.pending.erase(0, nl + 1);
-        }
-        std::fflush(stdout);
-      }
-    }
-  });
+  std::thread reader([&] { echoOutputs(streams, streamsMu, noMoreWorkers, a.quiet); });
 
   // The worker id of child i: its launch rank, or the id the coordinator gave the joiner.
   auto workerOf = [&](size_t i, const sinew::runtime::CoordinatorStatus& cs) {
@@ -564,57 +634,8 @@ int main(int argc, char** argv) {
     if (s.log) std::fclose(s.log);
   }
 
-  auto st = coordinator.status();
-  std::vector<int> dead = st.dead;
-  bool ok = st.finished;
-  for (size_t i = 0; i < gChildren.size(); ++i) {
-    int s = status[gChildren[i]];
-    const int w = workerOf(i, st);
-    bool declaredDead = std::find(dead.begin(), dead.end(), w) != dead.end();
-    std::string how = WIFEXITED(s) ? "exited " + std::to_string(WEXITSTATUS(s))
-                                   : "killed by signal " + std::to_string(WTERMSIG(s));
-    // A second SIGTERM or SIGINT killed every worker: say so, and not that the job went on.
-    if (gSignals >= 2) declaredDead = false;
-    // 75: the worker left a job that stopped at a step boundary (Context::finishJob()).
-    bool clean = WIFEXITED(s) && (WEXITSTATUS(s) == 0 || (WEXITSTATUS(s) == 75 && st.stopped));
-    if (!clean && !declaredDead) ok = false;
-    if (!clean) {
-      std::printf("sinew-run: worker %d (pid %d) %s%s\n", w, static_cast<int>(gChildren[i]),
-                  how.c_str(),
-                  declaredDead    ? " (declared dead; the job went on without it)"
-                  : gSignals >= 2 ? " (sinew-run killed it: a second SIGTERM or SIGINT)"
-                                  : "");
-    }
-  }
-  // The job's outcome as its coordinator saw it, failed too when a worker it did not declare
-  // dead exited badly or the launcher had to kill the job; in <log-dir>/outcome.json.
-  if (deadlineKilled) ok = false;
-  nlohmann::json outcome = coordinator.outcome();
-  if (!ok && outcome.value("outcome", std::string()) != "failed") {
-    outcome["outcome"] = "failed";
-    outcome["reason"] = gSignals >= 2 ? "a second SIGTERM or SIGINT: sinew-run killed every worker"
-                        : deadlineKilled ? "it did not stop within 60 s of its deadline"
-                                         : "a worker it did not declare dead exited badly";
-  }
-  outcome["exit_status"] = !ok ? 1 : st.stopped ? 75 : 0;
-  try {
-    sinew::runtime::writeOutcomeFile(outcome, a.logDir + "/" + sinew::runtime::kOutcomeFile);
-  } catch (const std::exception& e) {
-    std::printf("sinew-run: %s\n", e.what());
-  }
-  std::string deadList;
-  for (int d : dead) deadList += (deadList.empty() ? "" : ",") + std::to_string(d);
-  std::string releasedList;
-  for (int r : st.released) releasedList += (releasedList.empty() ? "" : ",") + std::to_string(r);
-  const char* verdict = !ok          ? "FAILED"
-                        : st.stopped ? "stopped (every worker preempted or stopped)"
-                                     : "finished";
-  std::printf(
-      "sinew-run: job %s at step %lld, epoch %lld; workers lost: [%s]; released: [%s]; "
-      "logs in %s\n",
-      verdict, static_cast<long long>(st.committedStep + 1), static_cast<long long>(st.epoch),
-      deadList.c_str(), releasedList.c_str(), a.logDir.c_str());
-  std::fflush(stdout);
-  // 75 (EX_TEMPFAIL): stopped cleanly before the last step; rerun to resume.
-  return !ok ? 1 : st.stopped ? 75 : 0;
+  return reportJob(
+      a, coordinator, status,
+      [&](size_t i, const sinew::runtime::CoordinatorStatus& cs) { return workerOf(i, cs); },
+      deadlineKilled);
 }

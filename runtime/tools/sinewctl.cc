@@ -305,6 +305,19 @@ int streamEvents(const Target& t, bool asJson, int count) {
   }
 }
 
+// `outcome`: how the ended job ended, from <logDir>/outcome.json; exits with its status.
+int showOutcome(const std::string& logDir, bool asJson) {
+  const std::string path =
+      (logDir.empty() ? std::string(".") : logDir) + "/" + sinew::runtime::kOutcomeFile;
+  try {
+    const json o = sinew::runtime::readOutcomeFile(path);
+    std::printf("%s\n", asJson ? o.dump(2).c_str() : sinew::runtime::outcomeLine(o).c_str());
+    return sinew::runtime::outcomeExitStatus(o);
+  } catch (const std::exception& e) {
+    fail(2, e.what());
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -352,17 +365,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
   }
-  if (outcome->parsed()) {
-    const std::string path =
-        (logDir.empty() ? std::string(".") : logDir) + "/" + sinew::runtime::kOutcomeFile;
-    try {
-      const json o = sinew::runtime::readOutcomeFile(path);
-      std::printf("%s\n", asJson ? o.dump(2).c_str() : sinew::runtime::outcomeLine(o).c_str());
-      return sinew::runtime::outcomeExitStatus(o);
-    } catch (const std::exception& e) {
-      fail(2, e.what());
-    }
-  }
+  if (outcome->parsed()) return showOutcome(logDir, asJson);
   if (!etcdEndpoints.empty() && (!logDir.empty() || !url.empty())) {
     fail(2, "give one of --log-dir, --etcd and --url");
   }
