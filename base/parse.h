@@ -135,8 +135,10 @@ inline std::string jsonPreview(const nlohmann::json& j) {
   if (j.is_object()) return "an object of " + std::to_string(j.size()) + " fields";
   if (j.is_string()) {
     const std::string& s = j.get_ref<const std::string&>();
-    return s.size() <= 40 ? nlohmann::json(s).dump()
-                          : nlohmann::json(s.substr(0, 40)).dump() + "...";
+    // Invalid UTF-8 (or a character cut at 40 bytes) is replaced, never thrown.
+    const auto replace = nlohmann::json::error_handler_t::replace;
+    return s.size() <= 40 ? nlohmann::json(s).dump(-1, ' ', false, replace)
+                          : nlohmann::json(s.substr(0, 40)).dump(-1, ' ', false, replace) + "...";
   }
   return j.dump();
 }

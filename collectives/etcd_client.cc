@@ -207,6 +207,10 @@ std::vector<json> takeObjects(std::string& buffer) {
                     ::sinew::detail::kMaxJsonDepth, " levels");
       }
     } else if (c == '}' && depth > 0 && --depth == 0) {
+      if (::sinew::detail::jsonTooDeep(buffer.data() + start, buffer.data() + i + 1)) {
+        SINEW_THROW(Corruption, "etcd's watch stream nests JSON deeper than ",
+                    ::sinew::detail::kMaxJsonDepth, " levels");
+      }
       out.push_back(json::parse(buffer.begin() + start, buffer.begin() + i + 1));
       consumed = i + 1;
     }

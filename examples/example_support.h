@@ -275,10 +275,12 @@ inline std::optional<int> train(const char* program, sinew::Context& ctx,
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   } catch (const sinew::Expelled& e) {
     std::fprintf(stderr, "%s: worker %d left the job: %s\n", program, ctx.worker(), e.what());
-    return std::max(3, ctx.finishJob());  // Rank 0 under mpirun/srun waits for the job's end.
+    const int job = ctx.finishJob();  // Rank 0 under mpirun/srun waits for the job's end.
+    return job == 0 || job == 75 ? 3 : job;
   } catch (const sinew::Error& e) {
     std::fprintf(stderr, "%s: worker %d failed: %s\n", program, ctx.worker(), e.what());
-    return std::max(1, ctx.finishJob());  // Rank 0 under mpirun/srun waits for the job's end.
+    const int job = ctx.finishJob();  // Rank 0 under mpirun/srun waits for the job's end.
+    return job == 0 || job == 75 ? 1 : job;
   }
   if (result->preempted) {
     std::printf("%s: worker %d left the job (preempted) after step %lld\n", program, ctx.worker(),

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <thread>
 
 #include "sinew/base/error.h"
@@ -35,14 +36,29 @@ bool writeAll(int fd, const std::string& text) {
 }
 
 // The child's life once it listens: serve until the job has ended (or never started within the
-// connect timeout) and no worker is connected any more; returns the outcome.
+// connect timeout) and no worker is connected any more, or SINEW_END_GRACE_S (default 300)
+// after the end while some still are (a worker hung after training keeps its heartbeats);
+// returns the outcome.
 json serveUntilEveryWorkerLeft(Coordinator& coord, const InitOptions& o) {
   const auto start = std::chrono::steady_clock::now();
+  std::chrono::seconds grace(300);
+  if (const char* g = env("SINEW_END_GRACE_S")) {
+    grace = std::chrono::seconds(detail::parseInt(g, "SINEW_END_GRACE_S", 0, 86400));
+  }
+  std::optional<std::chrono::steady_clock::time_point> endedAt;
   for (;;) {
     coord.waitFinished(std::chrono::milliseconds(200));
     const CoordinatorStatus st = coord.status();
     const bool ended = st.finished || st.failed || (st.epoch >= 0 && st.members.empty());
     if (ended && st.connected == 0) break;
+    if (ended && !endedAt) endedAt = std::chrono::steady_clock::now();
+    if (endedAt && std::chrono::steady_clock::now() - *endedAt > grace) {
+      std::fprintf(stderr,
+                   "sinew coordinator: %d worker(s) still connected %lld s after the job ended; "
+                   "ending (SINEW_END_GRACE_S)\n",
+                   st.connected, static_cast<long long>(grace.count()));
+      break;
+    }
     if (st.epoch < 0 && std::chrono::steady_clock::now() - start > o.connectTimeout) break;
     if (ended) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
@@ -137,7 +153,12 @@ CoordinatorProcess forkCoordinator(int expected, const InitOptions& o, const std
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC) != 0) SINEW_THROW(IoError, "pipe: ", std::strerror(errno));
   const pid_t pid = ::fork();
-  if (pid < 0) SINEW_THROW(IoError, "fork: ", std::strerror(errno));
+  if (pid < 0) {
+    const int e = errno;
+    ::close(fds[0]);
+    ::close(fds[1]);
+    SINEW_THROW(IoError, "fork: ", std::strerror(e));
+  }
   if (pid == 0) {
     ::close(fds[0]);
     runChild(fds[1], expected, o, host, port, token);

@@ -141,8 +141,10 @@ int runHaCoordinator(const HaCoordinatorOptions& options) {
       }
       if (st.failed || st.finished) {
         // Workers may still use the job's store, released ones report their last checkpoint:
-        // serve until every worker has left (or the term ends).
-        while (coordinator->status().connected > 0 && election.leads()) {
+        // serve until every worker has left (or the term ends, or 300 s passed).
+        const auto endedAt = Clock::now();
+        while (coordinator->status().connected > 0 && election.leads() &&
+               Clock::now() - endedAt < std::chrono::seconds(300)) {
           std::this_thread::sleep_for(std::chrono::milliseconds(50));
         }
         const json outcome = coordinator->outcome();

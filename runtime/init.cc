@@ -483,6 +483,10 @@ int endJob(runtime::ContextState& st, bool explicitCall) {
   if (st.client) st.client->close();
   int status = 1;
   nlohmann::json outcome;
+  if (st.coordinatorProcess.pid > 0 && !st.client) {
+    // init() failed after it forked the coordinator: nobody will use it (it ignores SIGTERM).
+    ::kill(st.coordinatorProcess.pid, SIGKILL);  // Our own child, by PID.
+  }
   if (st.coordinatorProcess.pid > 0) {
     outcome = runtime::awaitOutcome(st.coordinatorProcess);
   } else if (st.localCoordinator && explicitCall) {
@@ -514,7 +518,11 @@ int endJob(runtime::ContextState& st, bool explicitCall) {
 int Context::finishJob() { return endJob(*state_, true); }
 
 Context::~Context() {
-  endJob(*state_, false);
+  try {
+    endJob(*state_, false);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "sinew: ending the job's part of this worker failed: %s\n", e.what());
+  }
   state_->client.reset();
   if (!state_->rendezvousFile.empty()) ::unlink(state_->rendezvousFile.c_str());
   state_->localCoordinator.reset();

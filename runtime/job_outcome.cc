@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "sinew/base/error.h"
+#include "sinew/base/parse.h"
 #include "sinew/base/private_file.h"
 
 namespace sinew {
@@ -68,7 +69,9 @@ json readOutcomeFile(const std::string& path) {
   }
   std::stringstream text;
   text << in.rdbuf();
-  json j = json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  json j = detail::jsonTooDeep(text.str())
+               ? json()
+               : json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
   if (!j.is_object() || !j.contains("outcome") || !j.at("outcome").is_string()) {
     SINEW_THROW(Corruption, "'", path, "' is not a job outcome (no \"outcome\" string in it)");
   }

@@ -138,8 +138,11 @@ const std::vector<Message>& messages() {
       {Type::kReleased,
        "released",
        From::kCoordinator,
-       {{"step", Kind::kInt, true, -1, kMaxStep}, {"reason", Kind::kString, false, 0, kMaxText}},
-       "left cleanly after `step`; the coordinator closes the connection after it"},
+       {{"step", Kind::kInt, true, -1, kMaxStep},
+        {"reason", Kind::kString, false, 0, kMaxText},
+        {"job_stopped", Kind::kBool, false}},
+       "left cleanly after `step`; the coordinator closes the connection after it; "
+       "`job_stopped`: every member left with it (the job stopped, resumable)"},
       {Type::kPipeline,
        "pipeline",
        From::kWorker,

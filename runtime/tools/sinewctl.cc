@@ -120,7 +120,9 @@ Target findLeader(const std::string& endpoints, const std::string& job, const st
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     while (true) {
       auto kv = etcd.get(key);
-      if (kv) leader = json::parse(kv->value, nullptr, false);
+      if (kv && !sinew::detail::jsonTooDeep(kv->value)) {
+        leader = json::parse(kv->value, nullptr, false);
+      }
       if (leader.is_object() && leader.contains("port")) break;  // It serves.
       if (std::chrono::steady_clock::now() >= deadline) {
         fail(1, "job '" + job + "' has no serving leader in etcd (" + key + ")");
@@ -284,7 +286,8 @@ int streamEvents(const Target& t, bool asJson, int count) {
         break;
       }
       if (line.rfind("data: ", 0) != 0) continue;
-      json e = json::parse(line.substr(6), nullptr, false);
+      const std::string data = line.substr(6);
+      json e = sinew::detail::jsonTooDeep(data) ? json() : json::parse(data, nullptr, false);
       if (asJson) {
         std::printf("%s\n", line.substr(6).c_str());
       } else if (!e.is_discarded()) {
@@ -409,7 +412,9 @@ int main(int argc, char** argv) {
     std::fputs(text.c_str(), code == 200 ? stdout : stderr);
     return code == 200 ? 0 : 1;
   }
-  json j = json::parse(text, nullptr, false);
+  // An answer nested too deep is shown as text: formatting it would recurse that deep.
+  json j = sinew::detail::jsonTooDeep(text) ? json(json::value_t::discarded)
+                                            : json::parse(text, nullptr, false);
   if (code != 200) {
     const std::string why = !j.is_discarded() && j.is_object() && j.contains("error")
                                 ? j["error"].get<std::string>()
