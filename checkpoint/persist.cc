@@ -126,7 +126,38 @@ void sortByOffset(std::vector<TensorRecord>& tensors) {
 json layerJson(const LayerLocation& l) {
   json tensors = json::object();
   for (const auto& t : l.tensors) tensors[t.name] = tensorJson(t);
-  return {{"owner", l.owner}, {"file", l.file}, {"digest", hex32(l.digest)}, {"tensors", tensors}};
+  json j = {
+      {"owner", l.owner}, {"file", l.file}, {"digest", hex32(l.digest)}, {"tensors", tensors}};
+  if (!l.sameAs.empty()) j["same_as"] = l.sameAs;
+  return j;
+}
+
+// "<layer>/<tensor>" split at its first '/' (layer names contain none); Corruption naming
+// `what` when either part is empty.
+std::pair<std::string, std::string> splitTensorKey(const std::string& key,
+                                                   const std::string& what) {
+  const size_t slash = key.find('/');
+  if (slash == std::string::npos || slash == 0 || slash + 1 == key.size()) {
+    SINEW_THROW(Corruption, what, " must be '<layer>/<tensor>', got '", key.substr(0, 200), "'");
+  }
+  return {key.substr(0, slash), key.substr(slash + 1)};
+}
+
+// The optional "same_as" of a layer entry: tensor name -> "<layer>/<tensor>".
+void sameAsFromJson(const json& j, const std::string& where, LayerLocation& l) {
+  auto it = j.find("same_as");
+  if (it == j.end()) return;
+  if (!it->is_object()) SINEW_THROW(Corruption, where, " same_as must be a JSON object");
+  for (auto a = it->begin(); a != it->end(); ++a) {
+    const std::string aw = where + " same_as '" + a.key().substr(0, 200) + "'";
+    if (a.key().empty()) SINEW_THROW(Corruption, aw, ": tensor name is empty");
+    const std::string target = jsonString<Corruption>(a.value(), aw);
+    splitTensorKey(target, aw);
+    for (const auto& t : l.tensors) {
+      if (t.name == a.key()) SINEW_THROW(Corruption, aw, ": the layer also stores that tensor");
+    }
+    l.sameAs[a.key()] = target;
+  }
 }
 
 // what: "checkpoint manifest <path> (version s)" or "shard file record ...".
@@ -149,6 +180,7 @@ LayerLocation layerFromJson(const std::string& name, const json& j, const std::s
     t.crc32c = parseHex32(jsonField<Corruption>(it.value(), "crc32c", tw), tw + " crc32c");
     l.tensors.push_back(std::move(t));
   }
+  sameAsFromJson(j, where, l);
   // JSON objects come back sorted by name; data order is by offset. A layer's tensors were
   // written back to back.
   sortByOffset(l.tensors);
@@ -222,6 +254,23 @@ std::string safetensorsHeader(const std::vector<TensorRecord>& tensors, int64_t 
   std::string s = h.dump();
   while (s.size() % 8 != 0) s.push_back(' ');
   return s;
+}
+
+// The tensor `name` of `layer` is stored as (PersistOptions::sameAs), or "" when it is stored
+// itself: the target of "layer/P" for name P or P.<field>.
+std::string storedAs(const std::map<std::string, std::string>& sameAs, const std::string& layer,
+                     const std::string& name) {
+  const std::string prefix = layer + "/";
+  for (auto it = sameAs.lower_bound(prefix); it != sameAs.end(); ++it) {
+    if (it->first.compare(0, prefix.size(), prefix) != 0) break;
+    const std::string param = it->first.substr(prefix.size());
+    if (name == param) return it->second;
+    if (name.size() > param.size() && name.compare(0, param.size(), param) == 0 &&
+        name[param.size()] == '.') {
+      return it->second + name.substr(param.size());
+    }
+  }
+  return "";
 }
 
 }  // namespace
@@ -315,6 +364,20 @@ Manifest Manifest::fromJson(const std::string& text, const std::string& path) {
   for (auto it = layers.begin(); it != layers.end(); ++it) {
     m.layers[it.key()] = layerFromJson(it.key(), it.value(), what);
   }
+  // A tensor stored once names a tensor the version stores, of its dtype and shape (the
+  // target is never itself stored elsewhere: it is among its layer's `tensors`).
+  for (const auto& kv : m.layers) {
+    for (const auto& [name, target] : kv.second.sameAs) {
+      const std::string aw = what + ": layer '" + kv.first + "' tensor '" + name + "' same_as '" +
+                             target.substr(0, 200) + "'";
+      const auto [layer, tensor] = splitTensorKey(target, aw);
+      auto owner = m.layers.find(layer);
+      const bool found = owner != m.layers.end() &&
+                         std::any_of(owner->second.tensors.begin(), owner->second.tensors.end(),
+                                     [&](const TensorRecord& t) { return t.name == tensor; });
+      if (!found) SINEW_THROW(Corruption, aw, ": the version stores no such tensor");
+    }
+  }
   // Every layer's file is listed, and the tensors that share a file neither overlap nor lie
   // past its end (holes are fine: incremental versions use a subset of an older file).
   std::map<std::string, std::vector<TensorRecord>> byFile;
@@ -380,6 +443,7 @@ ShardFileRecord CheckpointWriter::writeShard(const HostShard& shard) {
   std::vector<TensorRecord> written;                  // Offsets relative to the new file.
   std::vector<std::pair<uint64_t, uint64_t>> ranges;  // (offset in shard, bytes) to write.
   uint64_t fileOffset = 0;
+  bool anyNew = false;  // A layer not taken from the previous version.
   for (const auto& layer : shard.layout.layers()) {
     const uint32_t digest = shard.layout.layerDigest(layer);
     auto prev = previous.find(layer);
@@ -388,11 +452,17 @@ ShardFileRecord CheckpointWriter::writeShard(const HostShard& shard) {
       rec.layers[layer] = prev->second;
       continue;
     }
+    anyNew = true;
     LayerLocation loc;
     loc.owner = shard.owner;
     loc.digest = digest;
     for (const auto& t : shard.layout.tensors) {
       if (t.layer != layer) continue;
+      const std::string target = storedAs(options_.sameAs, layer, t.name);
+      if (!target.empty()) {
+        loc.sameAs[t.name] = target;
+        continue;
+      }
       TensorRecord r = t;
       r.offset = fileOffset;
       fileOffset += t.nbytes;
@@ -402,7 +472,7 @@ ShardFileRecord CheckpointWriter::writeShard(const HostShard& shard) {
     }
     rec.layers[layer] = std::move(loc);
   }
-  if (written.empty() && !shard.layout.tensors.empty()) return rec;  // Nothing changed.
+  if (!anyNew && !shard.layout.tensors.empty()) return rec;  // Nothing changed.
 
   const std::string vdir = joinPath(options_.dir, versionDirName(shard.step));
   env_->createDir(vdir);
@@ -625,6 +695,64 @@ std::map<std::string, RestoredLayer> CheckpointReader::load(
     std::map<std::string, TensorRecord> header;  // Validated against the file's size.
   };
   std::map<std::string, OpenFile> open;
+  // Opens (once) the file of `layer` at `loc` and checks its size and header.
+  auto openFile = [&](const std::string& layer, const LayerLocation& loc) -> OpenFile& {
+    const std::string path = joinPath(dir_, loc.file);
+    auto& of = open[loc.file];
+    if (of.file) return of;
+    of.file = env_->newRandomAccessFile(path);
+    const auto expect = m.files.at(loc.file);  // Manifest::fromJson checked it is listed.
+    const uint64_t size = of.file->size();
+    if (size != expect.first) {
+      SINEW_THROW(Corruption, "checkpoint file ", path, " (layer ", layer, "): ", size,
+                  " bytes, manifest says ", expect.first, " (truncated or overwritten)");
+    }
+    uint8_t len[8];
+    of.file->read(0, 8, len);  // size >= 8: the manifest's bytes are.
+    const uint64_t hl = ::sinew::detail::loadLe(len, 8);
+    if (hl > size - 8 || hl > kMaxHeaderBytes) {
+      SINEW_THROW(Corruption, "checkpoint file ", path, " (layer ", layer, "): header length ", hl,
+                  " exceeds the file's ", size, " bytes or the ", kMaxHeaderBytes, "-byte limit");
+    }
+    std::string header(hl, '\0');
+    if (hl > 0) of.file->read(8, hl, &header[0]);
+    json parsed = detail::parseJson<Corruption>(
+        header, "checkpoint file " + path + " (layer " + layer + "): safetensors header");
+    of.dataStart = 8 + hl;
+    of.header = parseSafetensorsHeader(parsed, size - of.dataStart,
+                                       "checkpoint file " + path + " safetensors header");
+    return of;
+  };
+  // Reads tensor t of `layer` (at `loc`) and checks it against the header and its crc32c.
+  auto readTensor = [&](const std::string& layer, const LayerLocation& loc, const TensorRecord& t) {
+    OpenFile& of = openFile(layer, loc);
+    const std::string path = joinPath(dir_, loc.file);
+    auto h = of.header.find(layer + "/" + t.name);
+    if (h == of.header.end() || h->second.offset != t.offset || h->second.nbytes != t.nbytes ||
+        h->second.dtype != t.dtype || h->second.shape != t.shape) {
+      SINEW_THROW(Corruption, "checkpoint file ", path, ": layer ", layer, " tensor ", t.name,
+                  " in the safetensors header disagrees with the manifest");
+    }
+    // Both checked above: the header covers exactly the data section, and t.nbytes is
+    // numel * element size of t.shape.
+    if (of.dataStart + t.offset + t.nbytes > of.file->size()) {
+      SINEW_THROW(Corruption, "checkpoint file ", path, ": layer ", layer, " tensor ", t.name,
+                  " lies past the end of the file");
+    }
+    at::Tensor x = at::empty(t.shape, at::TensorOptions().dtype(scalarTypeOf(t.dtype)));
+    if (static_cast<uint64_t>(x.nbytes()) != t.nbytes) {
+      SINEW_THROW(Corruption, "checkpoint file ", path, ": layer ", layer, " tensor ", t.name, ": ",
+                  t.nbytes, " bytes but shape ", shapeString(t.shape), " x ", t.dtype, " needs ",
+                  x.nbytes());
+    }
+    if (t.nbytes > 0) of.file->read(of.dataStart + t.offset, t.nbytes, x.data_ptr());
+    uint32_t actual = ::sinew::detail::crc32c(x.data_ptr(), t.nbytes);
+    if (actual != t.crc32c) {
+      SINEW_THROW(Corruption, "checkpoint file ", path, ": layer ", layer, " tensor ", t.name,
+                  " of version ", step, ": crc32c ", hex32(actual), " expected ", hex32(t.crc32c));
+    }
+    return x;
+  };
   std::map<std::string, RestoredLayer> out;
   for (const auto& layer : wanted) {
     auto it = m.layers.find(layer);
@@ -632,60 +760,17 @@ std::map<std::string, RestoredLayer> CheckpointReader::load(
       SINEW_THROW(InvalidArgument, "checkpoint version ", step, " has no layer ", layer);
     }
     const LayerLocation& loc = it->second;
-    const std::string path = joinPath(dir_, loc.file);
-    auto& of = open[loc.file];
-    if (!of.file) {
-      of.file = env_->newRandomAccessFile(path);
-      const auto expect = m.files.at(loc.file);  // Manifest::fromJson checked it is listed.
-      const uint64_t size = of.file->size();
-      if (size != expect.first) {
-        SINEW_THROW(Corruption, "checkpoint file ", path, " (layer ", layer, "): ", size,
-                    " bytes, manifest says ", expect.first, " (truncated or overwritten)");
-      }
-      uint8_t len[8];
-      of.file->read(0, 8, len);  // size >= 8: the manifest's bytes are.
-      const uint64_t hl = ::sinew::detail::loadLe(len, 8);
-      if (hl > size - 8 || hl > kMaxHeaderBytes) {
-        SINEW_THROW(Corruption, "checkpoint file ", path, " (layer ", layer, "): header length ",
-                    hl, " exceeds the file's ", size, " bytes or the ", kMaxHeaderBytes,
-                    "-byte limit");
-      }
-      std::string header(hl, '\0');
-      if (hl > 0) of.file->read(8, hl, &header[0]);
-      json parsed = detail::parseJson<Corruption>(
-          header, "checkpoint file " + path + " (layer " + layer + "): safetensors header");
-      of.dataStart = 8 + hl;
-      of.header = parseSafetensorsHeader(parsed, size - of.dataStart,
-                                         "checkpoint file " + path + " safetensors header");
-    }
     RestoredLayer restored;
-    for (const auto& t : loc.tensors) {
-      auto h = of.header.find(layer + "/" + t.name);
-      if (h == of.header.end() || h->second.offset != t.offset || h->second.nbytes != t.nbytes ||
-          h->second.dtype != t.dtype || h->second.shape != t.shape) {
-        SINEW_THROW(Corruption, "checkpoint file ", path, ": layer ", layer, " tensor ", t.name,
-                    " in the safetensors header disagrees with the manifest");
+    for (const auto& t : loc.tensors) restored[t.name] = readTensor(layer, loc, t);
+    // Tensors stored once: Manifest::fromJson checked that each target is stored.
+    for (const auto& [name, target] : loc.sameAs) {
+      const size_t slash = target.find('/');
+      const std::string ownerLayer = target.substr(0, slash);
+      const std::string ownerTensor = target.substr(slash + 1);
+      const LayerLocation& ownerLoc = m.layers.at(ownerLayer);
+      for (const auto& t : ownerLoc.tensors) {
+        if (t.name == ownerTensor) restored[name] = readTensor(ownerLayer, ownerLoc, t);
       }
-      // Both checked above: the header covers exactly the data section, and t.nbytes is
-      // numel * element size of t.shape.
-      if (of.dataStart + t.offset + t.nbytes > of.file->size()) {
-        SINEW_THROW(Corruption, "checkpoint file ", path, ": layer ", layer, " tensor ", t.name,
-                    " lies past the end of the file");
-      }
-      at::Tensor x = at::empty(t.shape, at::TensorOptions().dtype(scalarTypeOf(t.dtype)));
-      if (static_cast<uint64_t>(x.nbytes()) != t.nbytes) {
-        SINEW_THROW(Corruption, "checkpoint file ", path, ": layer ", layer, " tensor ", t.name,
-                    ": ", t.nbytes, " bytes but shape ", shapeString(t.shape), " x ", t.dtype,
-                    " needs ", x.nbytes());
-      }
-      if (t.nbytes > 0) of.file->read(of.dataStart + t.offset, t.nbytes, x.data_ptr());
-      uint32_t actual = ::sinew::detail::crc32c(x.data_ptr(), t.nbytes);
-      if (actual != t.crc32c) {
-        SINEW_THROW(Corruption, "checkpoint file ", path, ": layer ", layer, " tensor ", t.name,
-                    " of version ", step, ": crc32c ", hex32(actual), " expected ",
-                    hex32(t.crc32c));
-      }
-      restored[t.name] = x;
     }
     out[layer] = std::move(restored);
   }

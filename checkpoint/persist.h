@@ -35,6 +35,13 @@ struct PersistOptions {
   Env* env = nullptr;  // Null: posixEnv().
   int keep = 2;        // Newest durable versions kept, at least 1.
   bool incremental = false;
+  // Tensors stored once (parameters tied across layers, ModelSpec::tied): "layer/param" ->
+  // "layer/param". A tensor of a shard's layer F named P, or P.<field> (its optimizer state,
+  // docs/checkpoint_format.md), where sameAs has "F/P" -> "O/Q", is not written: the manifest
+  // records that it is tensor Q (Q.<field>) of layer O of the same version, and a reader gets
+  // that tensor's bytes (the manifest reader checks that the version stores the target). The
+  // caller promises that the two are one tensor: the same dtype, shape and values.
+  std::map<std::string, std::string> sameAs;
   // Test hook, called at named points of a flush ("shard-durable", "manifest-durable",
   // "latest-durable"), e.g. to kill the writer between the shard file and the manifest.
   std::function<void(const std::string& point)> onPoint;
@@ -46,6 +53,9 @@ struct LayerLocation {
   std::string file;                   // Relative to the checkpoint folder.
   uint32_t digest = 0;                // ShardLayout::layerDigest.
   std::vector<TensorRecord> tensors;  // offset = data_offsets[0] within that file's data.
+  // Tensors of this layer stored once elsewhere in the version (PersistOptions::sameAs):
+  // tensor name -> "<layer>/<tensor>" of a tensor in that layer's `tensors`.
+  std::map<std::string, std::string> sameAs;
 };
 
 // A shard written for one version: the manifest entries it contributes.

@@ -17,8 +17,12 @@
 namespace sinew {
 namespace runtime {
 
-DurableCheckpoints::DurableCheckpoints(const TrainerServices& services, bool pipelineMode)
-    : s_(services), pipelineMode_(pipelineMode), dir_(services.options.checkpointDir) {}
+DurableCheckpoints::DurableCheckpoints(const TrainerServices& services, bool pipelineMode,
+                                       std::map<std::string, std::string> storedOnce)
+    : s_(services),
+      pipelineMode_(pipelineMode),
+      dir_(services.options.checkpointDir),
+      storedOnce_(std::move(storedOnce)) {}
 
 DurableCheckpoints::~DurableCheckpoints() {
   arena_.reset();    // Joins the copy thread, whose completion submits to the flusher.
@@ -171,6 +175,7 @@ void DurableCheckpoints::makeFlusher() {
   fo.persist.dir = dir_;
   fo.persist.keep = o.checkpointKeep;
   fo.persist.incremental = o.incrementalCheckpoints;
+  fo.persist.sameAs = storedOnce_;
   fo.persist.env = s_.state.checkpointEnv;
   fo.store = s_.ctx.store();
   fo.prefix = "sinew/durable";

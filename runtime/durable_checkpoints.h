@@ -55,7 +55,11 @@ class DurableCheckpoints {
                      const pipeline::Plan& plan);
 
   // REQUIRES: services outlive this object. `pipelineMode`: several writers per version.
-  DurableCheckpoints(const TrainerServices& services, bool pipelineMode);
+  // `storedOnce`: the tied parameters, "follower layer/param" -> "owner layer/param", whose
+  // follower (and its optimizer state) the versions store once, as the owner's
+  // (checkpoint::PersistOptions::sameAs).
+  DurableCheckpoints(const TrainerServices& services, bool pipelineMode,
+                     std::map<std::string, std::string> storedOnce = {});
   // Waits for the copy in flight, then joins the flusher after the versions queued are written.
   ~DurableCheckpoints();
   DurableCheckpoints(const DurableCheckpoints&) = delete;
@@ -131,6 +135,7 @@ class DurableCheckpoints {
   const TrainerServices& s_;  // The trainer's; outlives this object.
   const bool pipelineMode_;
   const std::string dir_;
+  const std::map<std::string, std::string> storedOnce_;
   int64_t lastSnapshot_ = -1;
   // The version newestRestorable() read back whole, kept for load().
   std::map<std::string, checkpoint::RestoredLayer> validated_;

@@ -157,5 +157,14 @@ double squaredNormCountingTiesOnce(const torch::nn::Sequential& held, int heldFi
   return squaredGradientNorm(counted);
 }
 
+std::map<std::string, std::string> storedOnce(const ModelSpec& spec, const std::vector<Tie>& ties) {
+  std::map<std::string, std::string> out;
+  for (const Tie& t : ties) {
+    out[spec.layers[t.followerLayer].name + "/" + t.followerParam] =
+        spec.layers[t.ownerLayer].name + "/" + t.ownerParam;
+  }
+  return out;
+}
+
 }  // namespace runtime
 }  // namespace sinew

@@ -13,6 +13,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/modules/container/sequential.h>
 
+#include <map>
 #include <string>
 #include <unordered_set>
 #include <vector>
@@ -58,6 +59,10 @@ void copyOwnersIntoFollowers(const ModelSpec& spec, const std::vector<Tie>& ties
 // held->size()); undefined when the layer is not among them. Throws as tiedParameter().
 at::Tensor heldParameter(const torch::nn::Sequential& held, int heldFirst, int layer,
                          const std::string& name);
+
+// The ties as checkpoints store them once: "follower layer/param" -> "owner layer/param", by
+// the layers' names in `spec` (checkpoint::PersistOptions::sameAs).
+std::map<std::string, std::string> storedOnce(const ModelSpec& spec, const std::vector<Tie>& ties);
 
 // Data parallel mode: sets the gradients of both parameters of every tie to their sum (an
 // undefined gradient counts as zeros). `model` holds every layer.

@@ -198,7 +198,8 @@ class Trainer::Impl {
     if (pipelineMode_) pipelineGloo_ = collectives::GlooOptions::fromEnvironment(4 << 20);
     microbatches_ = {&spec_.dataset, o_.microbatch, o_.dtype, device_};
     progress_ = std::make_unique<runtime::ProgressReporter>(services_, pipelineMode_);
-    durable_ = std::make_unique<runtime::DurableCheckpoints>(services_, pipelineMode_);
+    durable_ = std::make_unique<runtime::DurableCheckpoints>(services_, pipelineMode_,
+                                                             runtime::storedOnce(spec_, ties_));
     peers_ = std::make_unique<runtime::PeerVersions>(services_, *durable_,
                                                      pipelineMode_ && o_.peerCheckpointEvery > 0);
     relayout_ = std::make_unique<runtime::LayerRelayout>(services_, spec_, device_, *peers_);

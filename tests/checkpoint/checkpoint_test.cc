@@ -920,6 +920,68 @@ TEST(PersistTest, IncrementalVersionsWriteOnlyChangedLayers) {
   removeTree(dir);
 }
 
+// Parameters tied across layers of two writers' shards (a token embedding and the head that
+// shares its weight) are written once: the follower's parameter and its optimizer state are
+// named in the manifest as the owner's, are absent from its file, and load back as the
+// owner's bytes; the follower's own bias is stored as usual.
+TEST(PersistTest, TiedTensorsAreStoredOnceAndLoadAsTheOwners) {
+  const std::string dir = tempDir("ckpt-tied");
+  PersistOptions o;
+  o.dir = dir;
+  o.sameAs = {{"head/weight", "emb/weight"}};
+  const at::Tensor w = randomBits(at::kFloat, {64, 16}, 1);
+  const at::Tensor m = randomBits(at::kFloat, {64, 16}, 2);
+  const at::Tensor step = at::tensor({int64_t{7}}, at::kLong);
+  const at::Tensor bias = randomBits(at::kFloat, {64}, 3);
+  ShardState first = {{"emb", {{"weight", w}, {"weight.exp_avg", m}, {"weight.step", step}}}};
+  ShardState second = {{"head",
+                        {{"weight", w.clone()},
+                         {"weight.exp_avg", m.clone()},
+                         {"weight.step", step.clone()},
+                         {"bias", bias}}}};
+  CheckpointWriter writer(o);
+  std::vector<ShardFileRecord> records = {writer.writeShard(*snap(first, 0, 5)),
+                                          writer.writeShard(*snap(second, 1, 5))};
+  writer.commitVersion(5, records);
+  CheckpointReader reader(dir);
+  const Manifest manifest = reader.manifest(5);
+  const LayerLocation& head = manifest.layers.at("head");
+  EXPECT_EQ(head.sameAs,
+            (std::map<std::string, std::string>{{"weight", "emb/weight"},
+                                                {"weight.exp_avg", "emb/weight.exp_avg"},
+                                                {"weight.step", "emb/weight.step"}}));
+  ASSERT_EQ(head.tensors.size(), 1u);
+  EXPECT_EQ(head.tensors[0].name, "bias");
+  // The follower's file holds its bias alone: 64 floats after the header.
+  const std::string file = posixEnv()->readFile(dir + "/step-00000005/shard-w1.safetensors");
+  uint64_t headerBytes = 0;
+  std::memcpy(&headerBytes, file.data(), 8);
+  EXPECT_EQ(file.size(), 8 + headerBytes + 64 * 4);
+  const auto loaded = reader.load(5, {"head"});
+  const RestoredLayer& got = loaded.at("head");
+  ASSERT_EQ(got.size(), 4u);
+  EXPECT_TRUE(sameBytes(got.at("weight"), w));
+  EXPECT_TRUE(sameBytes(got.at("weight.exp_avg"), m));
+  EXPECT_TRUE(sameBytes(got.at("weight.step"), step));
+  EXPECT_TRUE(sameBytes(got.at("bias"), bias));
+  // A damaged owner tensor is found when the follower is read.
+  const std::string ownerPath = dir + "/step-00000005/shard-w0.safetensors";
+  std::string bytes = posixEnv()->readFile(ownerPath);
+  bytes[bytes.size() - 100] ^= 1;  // Within emb's weight or exp_avg.
+  {
+    auto f = posixEnv()->newWritableFile(ownerPath);
+    f->append(bytes.data(), bytes.size());
+    f->close();
+  }
+  try {
+    reader.load(5, {"head"});
+    ADD_FAILURE() << "a damaged owner tensor was read for the follower";
+  } catch (const Corruption& e) {
+    EXPECT_NE(std::string(e.what()).find("layer emb tensor weight"), std::string::npos) << e.what();
+  }
+  removeTree(dir);
+}
+
 // ---------------------------------------------------------------------------------------
 
 // The replica service checks a shard's checksums chunk by chunk as it arrives

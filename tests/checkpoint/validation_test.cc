@@ -253,6 +253,35 @@ TEST(ManifestValidationTest, EveryFieldIsRangeCheckedAndNamed) {
        [&](json& m) { m["layers"]["layers.0"]["tensors"] = json::array(); },
        {"tensors must be a JSON object"}},
       {"missing field", [&](json& m) { tensor(m).erase("shape"); }, {"has no field 'shape'"}},
+      {"stored once as a tensor the version lacks",
+       [&](json& m) {
+         m["layers"]["layers.0"]["same_as"] = {{"extra", "layers.1/nope"}};
+       },
+       {"layer 'layers.0' tensor 'extra' same_as 'layers.1/nope'",
+        "the version stores no such tensor"}},
+      {"stored once in a layer the version lacks",
+       [&](json& m) {
+         m["layers"]["layers.0"]["same_as"] = {{"extra", "gone/bias"}};
+       },
+       {"same_as 'gone/bias'", "the version stores no such tensor"}},
+      {"stored once without a layer",
+       [&](json& m) {
+         m["layers"]["layers.0"]["same_as"] = {{"extra", "bias"}};
+       },
+       {"layer 'layers.0' same_as 'extra' must be '<layer>/<tensor>', got 'bias'"}},
+      {"stored once and stored",
+       [&](json& m) {
+         m["layers"]["layers.1"]["same_as"] = {{"bias", "layers.0/bias"}};
+       },
+       {"layer 'layers.1' same_as 'bias': the layer also stores that tensor"}},
+      {"same_as not an object",
+       [&](json& m) { m["layers"]["layers.0"]["same_as"] = json::array(); },
+       {"layer 'layers.0' same_as must be a JSON object"}},
+      {"same_as target not a string",
+       [&](json& m) {
+         m["layers"]["layers.0"]["same_as"] = {{"extra", 7}};
+       },
+       {"same_as 'extra' must be a string"}},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.label);

@@ -725,6 +725,49 @@ TEST(TrainerTest, TiedParametersTrainAsOneTensor) {
   trainer.finish();
 }
 
+// A durable checkpoint stores a tied tensor once: the follower's weight and its AdamW state are
+// named in the manifest as the owner's and take no bytes of their own; the checkpoint still
+// loads into a plain model with both layers equal, and a job that resumes from it ends equal,
+// bit for bit, to one that never stopped.
+TEST(TrainerTest, TiedParametersAreStoredOnceAndAJobResumesFromThemExactly) {
+  const ModelSpec spec = tiedModel();
+  auto train = [&](const std::string& dir, int64_t steps) {
+    auto ctx = init(nullptr, nullptr);
+    TrainerOptions o = recipeOptions(steps);
+    o.checkpointDir = dir;
+    o.checkpointEvery = 4;
+    Trainer trainer(*ctx, spec, o);
+    trainer.run();
+    std::map<std::string, at::Tensor> out;
+    for (const auto& p : trainer.model()->named_parameters()) out[p.key()] = p.value().clone();
+    return out;
+  };
+  const std::string dir = tempDir(), reference = tempDir();
+  train(dir, 8);
+  const std::string manifestPath = dir + "/step-00000007/manifest.json";
+  std::ifstream in(manifestPath);
+  const auto manifest = nlohmann::json::parse(in);
+  const auto& out = manifest["layers"]["out"];
+  EXPECT_EQ(out["same_as"]["weight"], "in/weight") << out.dump();
+  EXPECT_EQ(out["same_as"]["weight.exp_avg"], "in/weight.exp_avg") << out.dump();
+  EXPECT_EQ(out["same_as"]["weight.exp_avg_sq"], "in/weight.exp_avg_sq") << out.dump();
+  EXPECT_TRUE(out["tensors"].empty()) << out.dump();
+  EXPECT_TRUE(manifest["layers"]["in"]["tensors"].contains("weight")) << manifest.dump();
+  torch::nn::Sequential plain = buildModel(spec, /*seed=*/99, at::kDouble);
+  EXPECT_EQ(CheckpointReader::open(dir)->loadInto(*plain), 2);
+  auto loaded = plain->named_parameters();
+  EXPECT_TRUE(at::equal(loaded["in.weight"], loaded["out.weight"]));
+  const auto resumed = train(dir, 12);  // From version 7: steps 8..11.
+  const auto whole = train(reference, 12);
+  for (const auto& [name, value] : whole) {
+    EXPECT_TRUE(at::equal(resumed.at(name), value)) << name;
+  }
+  EXPECT_TRUE(at::equal(resumed.at("in.weight"), resumed.at("out.weight")));
+  EXPECT_FALSE(at::equal(whole.at("in.weight"), loaded["in.weight"])) << "nothing trained after";
+  sinew::testing::removeTree(dir);
+  sinew::testing::removeTree(reference);
+}
+
 // Ties that name no layer or parameter, tie a parameter to itself, follow twice, chain, or
 // disagree in shape are refused with errors naming them; a follower built without its owner's
 // layer starts as the owner's copy.
