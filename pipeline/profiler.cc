@@ -56,6 +56,10 @@ void checkArguments(const std::vector<ProfiledLayer>& layers, const Activation& 
                 "profileLayers: need warmup >= 0 and repeats >= 1, got warmup=", options.warmup,
                 " repeats=", options.repeats);
   }
+  if (!(std::isfinite(options.time_budget_s) && options.time_budget_s >= 0)) {
+    SINEW_THROW(InvalidArgument, "profileLayers: time_budget_s must be >= 0, got ",
+                options.time_budget_s);
+  }
   if (!(std::isfinite(options.optimizer_state_factor) && options.optimizer_state_factor >= 0)) {
     SINEW_THROW(InvalidArgument, "profileLayers: optimizer_state_factor must be >= 0, got ",
                 options.optimizer_state_factor);
@@ -99,11 +103,20 @@ class ProfileRuns {
     metered_ = meter_ && meter_->installed();
   }
 
+  // Warm-up runs, then timed ones; with a time budget, once the runs so far took it, the
+  // warm-up stops and the timed runs stop after the third (or `repeats`, if fewer).
   Profile run() {
-    for (int run = 0; run < options_.warmup + options_.repeats; ++run) {
-      const bool timed = run >= options_.warmup;
-      const at::Tensor loss = forward(timed, run + 1 == options_.warmup + options_.repeats);
-      backward(timed, loss);
+    const auto start = Clock::now();
+    auto overBudget = [&] {
+      return options_.time_budget_s > 0 &&
+             std::chrono::duration<double>(Clock::now() - start).count() >= options_.time_budget_s;
+    };
+    for (int w = 0; w < options_.warmup && !(w > 0 && overBudget()); ++w) {
+      backward(false, forward(false, false));
+    }
+    const int least = std::min(options_.repeats, 3);
+    for (int r = 0; r < options_.repeats && !(r >= least && overBudget()); ++r) {
+      backward(true, forward(true, r == 0));
     }
     resetGradients();
     return result();
@@ -150,9 +163,9 @@ class ProfileRuns {
     return loss;
   }
 
-  // Every layer's forward in order (timed when `timed`; its memory measured in the last run);
+  // Every layer's forward in order (timed when `timed`; its memory measured when `metered`);
   // returns the last layer's loss if the options give one.
-  at::Tensor forward(bool timed, bool lastRun) {
+  at::Tensor forward(bool timed, bool metered) {
     Activation x = input_.detached();
     at::Tensor loss;
     for (size_t l = 0; l < L_; ++l) {
@@ -173,7 +186,7 @@ class ProfileRuns {
       }
       if (withLoss) loss = lossOf(l, y);
       if (timed) fwd_[l].push_back(nsSince(t0));
-      if (metered_ && lastRun) retained_[l] = std::max<int64_t>(0, meter_->live() - liveBefore);
+      if (metered_ && metered) retained_[l] = std::max<int64_t>(0, meter_->live() - liveBefore);
       ins_[l] = in;
       outs_[l] = y;
       x = y;

@@ -25,7 +25,7 @@
 // Bytes: param_bytes = sum of the parameters' bytes, optimizer_bytes = optimizer_state_factor
 // x param_bytes, output_bytes = bytes of y, activation_bytes = the layer's own figure if it
 // gives one (>= 0), else, on the CPU, bytes of x + the bytes the layer's forward left
-// allocated in the last run (measured by counting libtorch's CPU allocations,
+// allocated in the first timed run (measured by counting libtorch's CPU allocations,
 // pipeline/memory_meter.h: y, everything autograd saved for backward such as attention
 // scores, and for the last layer what the loss saved), else (a CUDA input, or
 // measure_memory false) bytes of x + bytes of y, a lower bound for layers that save larger
@@ -65,6 +65,10 @@ struct ProfilerOptions {
   int warmup = 2;
   // Timed runs per layer; the median is kept. >= 1.
   int repeats = 5;
+  // Seconds the runs may take (0: no limit): once the runs so far took this long, the
+  // warm-up ends (after its first run) and the timed runs end after their third, so that a
+  // large model is profiled in a few of its microbatches instead of warmup + repeats. >= 0.
+  double time_budget_s = 0;
   // Optimizer state bytes per parameter byte (2 for Adam's two moments in the parameters'
   // dtype). >= 0.
   double optimizer_state_factor = 2.0;

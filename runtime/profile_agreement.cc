@@ -131,9 +131,11 @@ pipeline::Profile ProfileAgreement::measure() {
   po.microbatch_size = o.microbatch;
   po.measure_memory = o.measureActivationMemory;
   // Medians over many whole-microbatch runs: a short profile on a busy machine can be off
-  // by half, and the plan and its predicted iteration time rest on it.
+  // by half, and the plan and its predicted iteration time rest on it. A model whose
+  // microbatch takes seconds gets a few runs within a minute instead (three or more).
   po.warmup = 3;
   po.repeats = 21;
+  po.time_budget_s = 60;
   // The last stage computes the loss after its layers: its time is the last layer's.
   auto [input, target] = data_();
   po.loss = [this](const at::Tensor& y, const at::Tensor& t) {

@@ -194,7 +194,8 @@ struct TrainerOptions {
   int64_t maxWorkers = 0;
   // The layer profile the planner uses: a JSON file (docs/profile_format.md) with one entry
   // per layer of the model, in order; empty: measured at start by every member of the first
-  // epoch at once (pipeline/profiler.h, whole microbatches of step 0, medians of 21 runs; each
+  // epoch at once (pipeline/profiler.h, whole microbatches of step 0, medians of 21 runs, or of
+  // 3 or more within 60 s for a large model; each
   // worker builds every layer for it, one at a time), the first member publishing the
   // per-layer median of everyone's times, which the coordinator plans from.
   std::string profilePath;

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <memory>
 #include <stdexcept>
 #include <thread>
 
@@ -80,6 +81,42 @@ ProfiledLayer attentionLayer() {
 // The profiler measures what a layer keeps for backward (the attention weights included),
 // where the input + output estimate is 8x too low; measure_memory = false gives the estimate,
 // and a layer's own figure wins over both.
+// A model whose microbatch takes long is profiled within the time budget: the first warm-up
+// run, then the timed runs until the budget is spent, at least three; without a budget every
+// warm-up and timed run happens. (A 124 M-parameter GPT took over eight minutes per worker for
+// its 24 runs on this machine.)
+TEST(ProfilerTest, ATimeBudgetEndsTheRunsOfASlowModelAfterThreeTimedOnes) {
+  auto runsWith = [](double budget) {
+    auto runs = std::make_shared<int>(0);
+    ProfiledLayer slow = linearLayer("slow", 8, 8, false);
+    auto inner = slow.forward;
+    slow.forward = [inner, runs](const Activation& x) {
+      ++*runs;
+      std::this_thread::sleep_for(std::chrono::milliseconds(40));
+      return inner(x);
+    };
+    ProfilerOptions o;
+    o.warmup = 3;
+    o.repeats = 21;
+    o.time_budget_s = budget;
+    o.job.device_memory_bytes = 1 << 30;
+    Profile p = profileLayers({slow}, at::randn({4, 8}), o);
+    EXPECT_GE(p.layers.at(0).forward_ns, 40 * 1000 * 1000);
+    return *runs;
+  };
+  EXPECT_EQ(runsWith(0), 24);
+  // 40 ms a run, a budget of 0.1 s: three warm-up runs would take 0.12 s, so the warm-up ends
+  // after two or three, then exactly three timed runs (the budget is spent by then).
+  const int budgeted = runsWith(0.1);
+  EXPECT_GE(budgeted, 2 + 3);
+  EXPECT_LE(budgeted, 3 + 3);
+  ProfilerOptions bad;
+  bad.time_budget_s = -1;
+  bad.job.device_memory_bytes = 1 << 30;
+  EXPECT_THROW(profileLayers({linearLayer("a", 2, 2, false)}, at::randn({1, 2}), bad),
+               InvalidArgument);
+}
+
 TEST(ProfilerTest, MeasuresTheActivationsALayerKeepsForBackward) {
   at::set_num_threads(1);
   const int64_t b = 4, T = 128, E = 8;
