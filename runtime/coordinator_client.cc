@@ -145,7 +145,9 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
     return epoch_;
   }
 
-  VoteResult vote(int64_t epoch, int64_t step, std::chrono::milliseconds timeout, StepStats stats) {
+  VoteResult vote(int64_t epoch, int64_t step, std::chrono::milliseconds timeout, StepStats stats,
+                  std::chrono::milliseconds withdrawalTimeout) {
+    if (withdrawalTimeout.count() <= 0) withdrawalTimeout = timeout;
     auto us = [](double s) { return static_cast<int64_t>(std::max(0.0, s) * 1e6); };
     json body{{"step", step},
               {"compute_us", us(stats.computeSeconds)},
@@ -153,16 +155,29 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
     if (stats.replicatedBytes > 0) body["replicated_bytes"] = stats.replicatedBytes;
     post(wire::Type::kVote, epoch, body);
     std::unique_lock<std::mutex> lock(mu_);
-    bool ok = waitFor(lock, timeout,
-                      [&] { return committed_ >= step || epoch_.epoch > epoch || !gone_.empty(); });
+    auto decided = [&] { return committed_ >= step || epoch_.epoch > epoch || !gone_.empty(); };
+    bool ok = waitFor(lock, timeout, decided);
     // A commit precedes any later epoch on the connection, so check it first.
     if (committed_ >= step) {
       return reshapeAfter_ == step ? VoteResult::kCommittedThenReshape : VoteResult::kCommitted;
     }
     if (!gone_.empty()) throwGone();
     if (!ok) {
-      SINEW_THROW(Timeout, "worker ", worker_, ": no verdict on step ", step, " of epoch ", epoch,
-                  " within ", timeout.count(), " ms");
+      // No verdict in time. The vote may still be in the coordinator's socket (a paused
+      // coordinator): withdraw it and wait for what the coordinator decides, so that this
+      // worker applies `step` exactly when the coordinator committed it (the commit, if any,
+      // precedes the answer to the withdrawal on the connection).
+      post(wire::Type::kWithdraw, epoch, json{{"step", step}});
+      ok = waitFor(lock, withdrawalTimeout, decided);
+      if (committed_ >= step) {
+        return reshapeAfter_ == step ? VoteResult::kCommittedThenReshape : VoteResult::kCommitted;
+      }
+      if (!gone_.empty()) throwGone();
+      if (!ok) {
+        SINEW_THROW(Timeout, "worker ", worker_, ": no verdict on step ", step, " of epoch ", epoch,
+                    " within ", timeout.count(), " ms, nor on its withdrawal within ",
+                    withdrawalTimeout.count(), " ms more");
+      }
     }
     return VoteResult::kSuperseded;
   }
@@ -583,8 +598,9 @@ EpochInfo CoordinatorClient::waitEpochAfter(int64_t epoch, std::chrono::millisec
 }
 CoordinatorClient::VoteResult CoordinatorClient::vote(int64_t epoch, int64_t step,
                                                       std::chrono::milliseconds timeout,
-                                                      StepStats stats) {
-  return impl_->vote(epoch, step, timeout, stats);
+                                                      StepStats stats,
+                                                      std::chrono::milliseconds withdrawalTimeout) {
+  return impl_->vote(epoch, step, timeout, stats, withdrawalTimeout);
 }
 std::chrono::milliseconds CoordinatorClient::stepDeadline() const { return impl_->stepDeadline(); }
 bool CoordinatorClient::checkpointRequested(int64_t step) const {

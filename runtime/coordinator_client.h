@@ -111,9 +111,13 @@ class CoordinatorClient {
     kSuperseded,            // a new epoch began first: do not apply; recover
   };
   // Votes that this worker finished the reduction of `step` in `epoch`, and waits for the
-  // verdict. Throws Expelled, or Timeout.
+  // verdict. Without one within `timeout` (e.g. the coordinator is paused with the vote in its
+  // socket) it withdraws the vote and waits up to `withdrawalTimeout` (0: `timeout`) more for
+  // the coordinator's answer: the commit if it committed `step` before reading the withdrawal,
+  // else the next epoch (docs/failure_semantics.md, rule 14). Throws Expelled, or Timeout.
   VoteResult vote(int64_t epoch, int64_t step, std::chrono::milliseconds timeout,
-                  StepStats stats = StepStats());
+                  StepStats stats = StepStats(),
+                  std::chrono::milliseconds withdrawalTimeout = std::chrono::milliseconds(0));
   // Whether the commit of `step` asked for a durable checkpoint of it (a scheduler's
   // checkpoint, drain or stop request).
   bool checkpointRequested(int64_t step) const;

@@ -354,6 +354,8 @@ void JobState::onMessage(SessionId s, uint8_t rawType, int64_t epoch, const json
       log("worker " + std::to_string(worker) + " could not build epoch " + std::to_string(epoch_) +
           "'s communicator; rebuilding");
       return newEpoch("rebuild requested by worker " + std::to_string(worker), {});
+    case wire::Type::kWithdraw:
+      return onWithdraw(worker, body.at("step").get<int64_t>());
     default:
       throwViolation(std::string("a worker may not send ") + wire::typeName(rawType));
   }
@@ -559,6 +561,27 @@ json JobState::epochBody(const std::vector<int>& joined, bool sync) const {
                {"source", source}, {"joined", joined},    {"sync", sync}};
   if (options_.progressFloor.count() > 0) body["step_deadline_ms"] = stepDeadline().count();
   return body;
+}
+
+// A member waited longer than its deadline for the verdict on its vote for `step` (e.g. this
+// coordinator was paused with the votes in its socket) and withdraws it, then waits on. Messages
+// of one connection arrive in order, so if `step` is committed the commit was sent before this
+// was read and the member applies it; otherwise the vote is dropped and the next epoch, which
+// every member enters holding the state after committed_, resumes at `step`
+// (docs/failure_semantics.md, rule 14).
+void JobState::onWithdraw(int worker, int64_t step) {
+  if (step != committed_ + 1) {
+    log("worker " + std::to_string(worker) + " withdrew its vote for step " + std::to_string(step) +
+        ", already " + (step <= committed_ ? "committed" : "not the next step") +
+        "; nothing to do");
+    return;
+  }
+  auto v = votes_.find(step);
+  if (v != votes_.end()) v->second.erase(worker);
+  event({{"event", "vote_withdrawn"}, {"epoch", epoch_}, {"step", step}, {"worker", worker}});
+  newEpoch("worker " + std::to_string(worker) + " had no verdict on step " + std::to_string(step) +
+               " in time and withdrew its vote",
+           {});
 }
 
 // A worker of a pipeline job found a layer that no member holds live after this epoch's

@@ -252,6 +252,7 @@ class JobState {
   json epochBody(const std::vector<int>& joined, bool sync) const;
   void onPipeline(int worker, const json& body);
   void onRollback(int worker, int64_t step);
+  void onWithdraw(int worker, int64_t step);
   // A plan for members_ and how it was made (pipelinePlan).
   struct EpochPlan {
     pipeline::Plan plan;

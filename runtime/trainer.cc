@@ -566,7 +566,7 @@ class Trainer::Impl {
       stats.replicatedBytes = peers_->replicatedBytes() - replicatedReported_;
       replicatedReported_ += stats.replicatedBytes;
       WaitingOnOthers waiting(client_, step_, &stepWaited_);
-      verdict = client_.vote(epoch_, step_, opTimeout(), stats);
+      verdict = client_.vote(epoch_, step_, opTimeout(), stats, recoveryTimeout());
     }
     if (verdict == CoordinatorClient::VoteResult::kSuperseded) {
       SINEW_THROW(EpochChanged, "step ", step_, " was not committed in epoch ", epoch_);

@@ -167,6 +167,13 @@ const std::vector<Message>& messages() {
        {{"step", Kind::kInt, true, -1, kMaxStep}},
        "(pipelines) some layer has no live copy after the epoch's resume step: resume after the "
        "older version `step` (docs/pipeline.md, \"Rollback\")"},
+      {Type::kWithdraw,
+       "withdraw",
+       From::kWorker,
+       {{"step", Kind::kInt, true, 0, kMaxStep}},
+       "no verdict on its vote for `step` came in time: count it only if `step` is already "
+       "committed (then the commit is on its way), else drop it and start the next epoch, which "
+       "resumes at `step`"},
   };
   return table;
 }

@@ -43,6 +43,7 @@ enum class Type : uint8_t {
   kPipeline = 14,
   kDurable = 15,
   kRollback = 16,
+  kWithdraw = 17,
 };
 
 // Largest profile (JSON) a worker may send, and largest plan (JSON) an epoch may carry.

@@ -73,22 +73,27 @@ TEST(CoordinatorTest, StepIsCommittedOnlyWhenEveryMemberVoted) {
   EXPECT_EQ(e.source, 0);
   EXPECT_EQ(b->waitEpochAfter(-1, 5s).epoch, 0);
 
-  // A alone: no verdict.
-  EXPECT_THROW(a->vote(0, 0, 200ms), Timeout);
-  auto fb = std::async(std::launch::async, [&] { return b->vote(0, 0, 5s); });
+  // A alone: no verdict within its wait, so A withdraws its vote and the coordinator starts
+  // epoch 1, which resumes at step 0 (docs/failure_semantics.md, rule 14).
+  EXPECT_EQ(a->vote(0, 0, 200ms), CoordinatorClient::VoteResult::kSuperseded);
+  EpochInfo again = b->waitEpochAfter(0, 5s);
+  EXPECT_EQ(again.epoch, 1);
+  EXPECT_EQ(again.resumeStep, 0);
+  EXPECT_EQ(coord.status().committedStep, -1);
+  auto fb = std::async(std::launch::async, [&] { return b->vote(1, 0, 5s); });
+  EXPECT_EQ(a->vote(1, 0, 5s), CoordinatorClient::VoteResult::kCommitted);
   EXPECT_EQ(fb.get(), CoordinatorClient::VoteResult::kCommitted);
-  EXPECT_EQ(a->vote(0, 0, 5s), CoordinatorClient::VoteResult::kCommitted);
   EXPECT_EQ(coord.status().committedStep, 0);
 
   // A votes for step 1, then B dies before voting: step 1 is never committed, and the new
   // epoch resumes at step 1 without B.
   // (JobStateTest.StepCommitsOnlyWhenEveryMemberVoted has the exact order: A's vote is in
   // when B dies.)
-  auto fa = std::async(std::launch::async, [&] { return a->vote(0, 1, 5s); });
+  auto fa = std::async(std::launch::async, [&] { return a->vote(1, 1, 5s); });
   b.reset();
   EXPECT_EQ(fa.get(), CoordinatorClient::VoteResult::kSuperseded);
-  EpochInfo e1 = a->waitEpochAfter(0, 5s);
-  EXPECT_EQ(e1.epoch, 1);
+  EpochInfo e1 = a->waitEpochAfter(1, 5s);
+  EXPECT_EQ(e1.epoch, 2);
   EXPECT_EQ(e1.members, std::vector<int>{0});
   EXPECT_EQ(e1.resumeStep, 1);
   EXPECT_FALSE(e1.sync);

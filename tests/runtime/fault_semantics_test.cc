@@ -58,6 +58,29 @@ TEST(FaultSemanticsTest, PausedCoordinatorExpelsNobody) {
   EXPECT_NE(run.output.find("the coordinator did not run for"), std::string::npos);
 }
 
+// Issue 39, item 2: the launcher (the coordinator) paused for 12 s, longer than the workers'
+// wait for a step's verdict (10 s): their votes for step s wait in its socket while each worker
+// gives up on s. A worker that gives up withdraws its vote and waits on: the coordinator, once
+// it runs again, either committed s from the queued votes first (then every worker applies s)
+// or drops the vote and starts an epoch that resumes at s. Before, it committed s and then
+// started an epoch resuming at s + 1 for workers that held s - 1, and every worker exited
+// ("holds the state after step 17 but epoch 1 resumes at step 19 without a state copy").
+TEST(FaultSemanticsTest, CoordinatorPausedLongerThanTheVoteWaitLosesNothing) {
+  const std::string dir = logDir("coord-long-pause");
+  Child job = start({SINEW_RUN_PATH, "-n", "2", "--log-dir", dir, "--inject", "slow:worker=*:ms=20",
+                     TRAIN_DP_PATH, "--steps", "60"},
+                    {});
+  ASSERT_TRUE(waitForLog(dir, "sinew: step 10 ")) << "the job did not reach step 10";
+  ::kill(job.pid, SIGSTOP);  // The launcher this test started.
+  std::this_thread::sleep_for(12000ms);
+  ::kill(job.pid, SIGCONT);
+  JobRun run = finish(job, 240s);
+  SCOPED_TRACE(run.output);
+  expectExact(run, "");
+  EXPECT_EQ(run.output.find("declared dead"), std::string::npos);
+  EXPECT_EQ(run.output.find("without a state copy"), std::string::npos);
+}
+
 // The step LATEST names.
 int64_t latestStep(const std::string& dir) {
   std::string latest = slurp(dir + "/LATEST");

@@ -189,6 +189,46 @@ TEST(JobStateTest, StepCommitsOnlyWhenEveryMemberVoted) {
   EXPECT_EQ(m.state->committed(), 0);
 }
 
+// A member that had no verdict on its vote in time withdraws it (issue 39, item 2). If the step
+// is already committed (a paused coordinator read every vote first), the withdrawal changes
+// nothing: the commit was sent before it was read. Otherwise the vote is dropped and the next
+// epoch, with the same members and no state copy, resumes at that step; the other member's
+// vote for it, sent in the old epoch, is ignored.
+TEST(JobStateTest, AWithdrawnVoteCountsOnlyIfItsStepIsAlreadyCommitted) {
+  Machine m(2);
+  m.join(0, "a");
+  m.join(1, "b");
+  m.clear();
+  m.vote(0, 0, 0);
+  m.vote(1, 0, 0);
+  m.frame(1, Type::kWithdraw, 0, json{{"step", 0}});
+  m.frame(2, Type::kWithdraw, 0, json{{"step", 0}});
+  EXPECT_EQ(m.state->committed(), 0);
+  EXPECT_EQ(m.state->epoch(), 0) << "a withdrawal of a committed step started an epoch";
+  EXPECT_EQ(m.sent(1, Type::kCommit).size(), 1u);
+  m.clear();
+  m.vote(0, 0, 1);
+  m.frame(1, Type::kWithdraw, 0, json{{"step", 1}});
+  EXPECT_EQ(m.state->committed(), 0);
+  EXPECT_EQ(m.state->epoch(), 1);
+  EXPECT_TRUE(m.hasEvent("vote_withdrawn", 0));
+  for (JobState::SessionId s : {1, 2}) {
+    auto epochs = m.sent(s, Type::kEpoch);
+    ASSERT_EQ(epochs.size(), 1u) << "session " << s;
+    EXPECT_EQ(epochs[0].at("resume_step"), 1);
+    EXPECT_EQ(epochs[0].at("members"), (std::vector<int>{0, 1}));
+    EXPECT_FALSE(epochs[0].at("sync").get<bool>());
+  }
+  m.vote(1, 0, 1);  // Crossed the epoch change: ignored.
+  m.frame(2, Type::kWithdraw, 0, json{{"step", 1}});
+  EXPECT_EQ(m.state->committed(), 0);
+  EXPECT_EQ(m.state->epoch(), 1);
+  m.vote(0, 1, 1);
+  m.vote(1, 1, 1);
+  EXPECT_EQ(m.state->committed(), 1);
+  EXPECT_TRUE(m.state->coordinatorStatus().dead.empty());
+}
+
 // The metrics of a job that committed steps, lost a worker and recovered.
 std::string metricsAfterARecovery() {
   Machine m(3);

@@ -942,7 +942,8 @@ TEST(WireTest, DecodeChecksNestedFields) {
   EXPECT_EQ(wire::coordinatorTypeName(hello), nullptr);
   EXPECT_STREQ(wire::coordinatorTypeName(static_cast<uint8_t>(wire::Type::kEpoch)), "epoch");
   EXPECT_EQ(wire::typeName(0), nullptr);
-  EXPECT_EQ(wire::typeName(17), nullptr);
+  EXPECT_STREQ(wire::typeName(17), "withdraw");
+  EXPECT_EQ(wire::typeName(18), nullptr);
 }
 
 }  // namespace
