@@ -4,8 +4,10 @@
 //
 //   sinew-run -n 6 build/examples/train_pp
 //
-// Each worker may use 2 MB (--memory-bytes) and the model needs 2.5 MB for its parameters and
-// Adam state alone, so no worker can hold it: the job trains as pipelines. Consecutive workers
+// Each worker may use 4.4 MB (--memory-bytes) and the model needs 3.4 MB for its parameters,
+// gradients and Adam state alone, plus about 0.3 MB of activations per block for each
+// microbatch in flight (measured by the profiler, attention weights and all), so no worker can
+// hold it: the job trains as pipelines. Consecutive workers
 // form nodes of two (--devices-per-node 2), as on a cluster of two-GPU nodes: a node is what
 // the planner places, and a stage may run on both of a node's workers, each taking half of
 // every microbatch. Under `sinew-run -n 6` the three nodes run two pipelines
@@ -56,9 +58,10 @@ struct Args : sinew_example::CommonArgs {
   int64_t width = 32;  // features per token; a multiple of the 4 attention heads
   bool ragged = false;
   std::string profile;
-  // A worker may use 2 MB for its layers: the model's parameters and Adam state alone are
-  // 2.5 MB, so no worker can hold it and the job trains as pipelines (0: unlimited).
-  int64_t memoryBytes = 2000000;
+  // A worker may use 4.4 MB for its layers: the model's parameters, gradients and Adam state
+  // alone are 3.4 MB and its activations about 3 MB per microbatch in flight, so no worker can
+  // hold it and the job trains as pipelines (0: unlimited).
+  int64_t memoryBytes = 4400000;
   // Workers per node: 2, as on a cluster of two-GPU nodes (see the comment at the top).
   int devicesPerNode = 2;
 

@@ -202,6 +202,21 @@ void captureParameterState(const std::string& name, const at::Tensor& param,
                        out);
 }
 
+double stateBytesPerParameterByte(const torch::optim::Optimizer& optimizer) {
+  const OptimizerStateCodec& codec = optimizerStateCodec(optimizer, "the optimizer");
+  const torch::optim::OptimizerOptions& options = optimizer.param_groups().at(0).options();
+  // SGD without momentum keeps no state at all (required() is what a state must have when a
+  // parameter has one).
+  const auto* sgd = dynamic_cast<const torch::optim::SGDOptions*>(&options);
+  if (sgd != nullptr && sgd->momentum() == 0) return 1;
+  const int64_t required = codec.required(options);
+  double factor = 1;  // The gradient.
+  for (size_t i = 0; i < codec.layout().fields.size(); ++i) {
+    if ((required >> i & 1) && !codec.layout().isCount(i)) factor += 1;
+  }
+  return factor;
+}
+
 checkpoint::ShardState captureState(const torch::nn::Sequential& layers,
                                     torch::optim::Optimizer& optimizer) {
   checkpoint::ShardState out;

@@ -66,6 +66,12 @@ const OptimizerStateCodec* findOptimizerStateCodec(const torch::optim::Optimizer
 const OptimizerStateCodec& optimizerStateCodec(const torch::optim::Optimizer& optimizer,
                                                const std::string& what);
 
+// The memory a trained parameter costs besides itself, in its own bytes: its gradient and the
+// state tensors `optimizer`'s first parameter group needs (Adam 1 + 2, Adam with AMSGrad
+// 1 + 3, SGD without momentum 1), for the planner's memory model. REQUIRES: the optimizer has
+// a codec and at least one parameter group.
+double stateBytesPerParameterByte(const torch::optim::Optimizer& optimizer);
+
 // Whether captureState() and loadState() know this optimizer's state.
 bool optimizerStateSupported(const torch::optim::Optimizer& optimizer);
 

@@ -13,6 +13,7 @@
 
 #include "sinew/model.h"
 #include "sinew/pipeline/plan.h"
+#include "sinew/pipeline/profile.h"
 #include "sinew/runtime/trainer_services.h"
 
 namespace sinew {
@@ -24,16 +25,20 @@ struct PlanReport {
 };
 
 // The report of `plan` in `epoch`; `predictedSeconds` is the cost model's 1F1B time of its
-// slowest pipeline. REQUIRES: the plan's layer ranges are within spec.layers.
+// slowest pipeline. With `profile` (the one the plan was made from), each worker's entry also
+// has `memory_bytes`, the cost model's memory for its stage: its layers' parameters,
+// gradients and optimizer state, and the activations of the microbatches 1F1B keeps in flight
+// at its position (docs/planner.md). REQUIRES: the plan's layer ranges are within spec.layers
+// and the profile's layers.
 PlanReport reportPlan(const pipeline::Plan& plan, const ModelSpec& spec, int64_t epoch,
-                      double predictedSeconds);
+                      double predictedSeconds, const pipeline::Profile* profile = nullptr);
 
-// Logs the report of epoch `epoch`'s `plan` as an event and, on the epoch's first member (of
-// `members`), prints it. The predicted time is the plan's iteration ticks (nanoseconds per
-// device of a node of `devicesPerNode`).
+// Logs the report of epoch `epoch`'s `plan`, made from `profile`, as an event and, on the
+// epoch's first member (of `members`), prints it. The predicted time is the plan's iteration
+// ticks (nanoseconds per device of a node of the profile's devices_per_node).
 void announcePlan(const TrainerServices& services, const pipeline::Plan& plan,
                   const ModelSpec& spec, int64_t epoch, const std::vector<int>& members,
-                  int devicesPerNode);
+                  const pipeline::Profile& profile);
 
 }  // namespace runtime
 }  // namespace sinew

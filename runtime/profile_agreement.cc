@@ -10,6 +10,7 @@
 #include "sinew/pipeline/profiler.h"
 #include "sinew/runtime/layer_calls.h"
 #include "sinew/runtime/mixed_precision.h"
+#include "sinew/runtime/optimizer_state.h"
 #include "sinew/runtime/trainer_options.h"
 
 namespace sinew {
@@ -130,6 +131,10 @@ pipeline::Profile ProfileAgreement::measure() {
   po.job.allreduce.latency_us = 50;
   po.microbatch_size = o.microbatch;
   po.measure_memory = o.measureActivationMemory;
+  // optimizer_bytes: each parameter's gradient and its optimizer's state tensors.
+  std::vector<at::Tensor> all;
+  for (const auto& l : layers) all.insert(all.end(), l.parameters.begin(), l.parameters.end());
+  po.optimizer_state_factor = stateBytesPerParameterByte(*spec_.optimizer(all));
   // Medians over many whole-microbatch runs: a short profile on a busy machine can be off
   // by half, and the plan and its predicted iteration time rest on it. A model whose
   // microbatch takes seconds gets a few runs within a minute instead (three or more).

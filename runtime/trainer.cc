@@ -1,5 +1,7 @@
 #include "sinew/trainer.h"
 
+#include <sys/resource.h>
+
 #include <ATen/ATen.h>
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
@@ -414,7 +416,8 @@ class Trainer::Impl {
     } else {
       durable_->finish();
       client_.done(step_);
-      event({{"event", "done"}, {"step", step_}, {"loss", lastLoss_}});
+      event(
+          {{"event", "done"}, {"step", step_}, {"loss", lastLoss_}, {"peak_rss_bytes", peakRss()}});
     }
     TrainResult r = result(preempted);
     comms_->close();
@@ -628,6 +631,13 @@ class Trainer::Impl {
   }
 
   std::chrono::milliseconds opTimeout() const { return services_.opTimeout(); }
+
+  // The most resident memory this process has used, in bytes.
+  static int64_t peakRss() {
+    struct rusage u {};
+    getrusage(RUSAGE_SELF, &u);
+    return static_cast<int64_t>(u.ru_maxrss) * 1024;  // Linux reports KiB.
+  }
   std::chrono::milliseconds recoveryTimeout() const { return services_.recoveryTimeout(); }
 
   // Leaves epoch `from` (aborting its communicator) and enters the next one the coordinator
@@ -769,8 +779,7 @@ class Trainer::Impl {
       comms_->setExecutor(
           std::make_unique<pipeline::StageExecutor>(plan_, self, comms_->world(), eo));
     }
-    runtime::announcePlan(services_, plan_, spec_, epoch_, members_,
-                          profiles_->profile().job.devices_per_node);
+    runtime::announcePlan(services_, plan_, spec_, epoch_, members_, profiles_->profile());
   }
 
   // Makes `r` this worker's layers (after every copy of the epoch succeeded).

@@ -26,7 +26,7 @@ if [[ "${1:-}" == "--dp" ]]; then
 else
   build/runtime/sinew-run -n 8 --log-dir build/demo-logs --exit-grace-s 120 \
     --inject "kill:worker=2:step=25:phase=forward;kill:worker=3:step=25:phase=forward" \
-    build/examples/train_gpt --devices-per-node 2 --memory-bytes 3000000 --float64 "$@" ||
+    build/examples/train_gpt --devices-per-node 2 --memory-bytes 8000000 --float64 "$@" ||
     status=$?
 fi
 runtime/tools/sinew-timeline build/demo-logs -o build/demo-logs/run.png || true

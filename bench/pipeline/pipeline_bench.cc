@@ -482,7 +482,7 @@ int main(int argc, char** argv) {
   std::printf("  Sinew exchange (lanes)  %8.3f ms  %6.2f GB/s\n", sinew * 1e3,
               kBytes / sinew / 1e9);
 
-  JobStats pp = runJob("pp", {"--fault-tolerance", "0", "--memory-bytes", "2000000"}, steps);
+  JobStats pp = runJob("pp", {"--fault-tolerance", "0", "--memory-bytes", "4400000"}, steps);
   JobStats dp = runJob("dp", {"--data-parallel"}, steps);
   auto ratio = [](const JobStats& j) {
     return j.predictedIterationS > 0 ? j.measuredIterationS / j.predictedIterationS : 0;
@@ -493,7 +493,7 @@ int main(int argc, char** argv) {
   for (int i = 0; i < 3; ++i) {
     bares.push_back(runJob(
         "pp-bare",
-        {"--fault-tolerance", "0", "--memory-bytes", "2000000", "--peer-checkpoint-every", "0"},
+        {"--fault-tolerance", "0", "--memory-bytes", "4400000", "--peer-checkpoint-every", "0"},
         steps));
   }
   std::sort(bares.begin(), bares.end(),

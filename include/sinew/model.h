@@ -32,9 +32,9 @@ struct LayerSpec {
   std::string name;
   std::function<torch::nn::AnyModule()> build;
   // Bytes the layer keeps for backward per microbatch (its input, its output and what autograd
-  // saves), when the program knows better than the profiler, which estimates them as input +
-  // output bytes or, with TrainerOptions::measureActivationMemory, measures them on the CPU
-  // (docs/pipeline.md, "Profiles"); -1: the profiler's figure.
+  // saves), when the program knows better than the profiler, which measures them on the CPU
+  // (TrainerOptions::measureActivationMemory, the default) or estimates them as input + output
+  // bytes (docs/pipeline.md, "Profiles"); -1: the profiler's figure.
   int64_t activationBytes = -1;
 };
 

@@ -204,11 +204,10 @@ struct TrainerOptions {
   int64_t deviceMemoryBytes = 0;
   // For a measured profile: each layer's activation bytes (what it keeps for backward per
   // microbatch) measured by counting libtorch's CPU allocations during a forward, attention
-  // scores and all, instead of estimated as its input + output bytes (which is several times
-  // too low for attention blocks). Off by default while the examples' and tests' memory budgets
-  // are sized on the estimate; a GPU worker always estimates. LayerSpec::activationBytes
-  // overrides either.
-  bool measureActivationMemory = false;
+  // scores and all (on by default), instead of estimated as its input + output bytes (which is
+  // several times too low for attention blocks). A GPU worker always estimates.
+  // LayerSpec::activationBytes overrides either.
+  bool measureActivationMemory = true;
   // For a measured profile: G, the workers (devices) of one node (a profile file sets its own
   // devices_per_node). In every epoch the planner's node k is the epoch's members [kG, kG + G)
   // in ascending id order (members beyond the last full node stay idle), and a stage may be up

@@ -295,7 +295,7 @@ TEST_F(HaJobTest, PipelineJobLeaderKilledMidStep) {
   GTEST_SKIP() << "examples/train_pp is not built";
 #else
   startCoordinators();
-  startWorkers(60, 50, TRAIN_PP_PATH, {"--memory-bytes", "2000000", "--devices-per-node", "1"});
+  startWorkers(60, 50, TRAIN_PP_PATH, {"--memory-bytes", "4400000", "--devices-per-node", "1"});
   ASSERT_TRUE(waitCommitted(15, 180s));
   auto st = readJson("state");
   ASSERT_TRUE(st);

@@ -43,6 +43,7 @@
 #include "sinew/runtime/job_tensors.h"
 #include "sinew/runtime/layer_copy_manifest.h"
 #include "sinew/runtime/optimizer_state.h"
+#include "sinew/runtime/plan_report.h"
 #include "sinew/runtime/slurm_bootstrap.h"
 #include "sinew/runtime/step_update.h"
 #include "sinew/schedule.h"
@@ -944,6 +945,50 @@ TEST(WireTest, DecodeChecksNestedFields) {
   EXPECT_EQ(wire::typeName(0), nullptr);
   EXPECT_STREQ(wire::typeName(17), "withdraw");
   EXPECT_EQ(wire::typeName(18), nullptr);
+}
+
+// The plan event gives each worker the cost model's memory for its stage: parameters,
+// gradients and optimizer state of its layers, and the activations of the microbatches 1F1B
+// keeps in flight at its position, split over the stage's width. The optimizer bytes of a
+// measured profile count the gradient and the optimizer's state tensors.
+TEST(PlanReportTest, EachWorkerHasItsStagesPredictedMemory) {
+  pipeline::Profile profile;
+  profile.job.devices_per_node = 2;
+  profile.job.device_memory_bytes = 1 << 20;
+  for (int64_t act : {12, 20}) {
+    pipeline::LayerCost c;
+    c.name = "l" + std::to_string(act);
+    c.forward_ns = c.backward_ns = 1000;
+    c.param_bytes = 100;
+    c.optimizer_bytes = 300;
+    c.activation_bytes = act;
+    c.output_bytes = 8;
+    profile.layers.push_back(c);
+  }
+  pipeline::Plan plan;
+  plan.numLayers = 2;
+  plan.microbatchesPerStep = 4;
+  plan.pipelines = {pipeline::PipelinePlan{2, {0, 1}, 4, 0}};
+  plan.workers = {{0, 0, 0, 0, 0, 0, 1, {}}, {1, 0, 1, 0, 0, 0, 1, {}}, {2, 1, 0, 0, 1, 1, 2, {}}};
+  ModelSpec spec;
+  spec.layers = {{"l12", nullptr}, {"l20", nullptr}};
+  const PlanReport r = reportPlan(plan, spec, 3, 0.5, &profile);
+  const auto& stages = r.event.at("pipelines").at(0).at("stages");
+  ASSERT_EQ(stages.size(), 3u);
+  EXPECT_EQ(stages[0].at("memory_bytes"), 400 + 2 * 6);  // Width 2, two microbatches in flight.
+  EXPECT_EQ(stages[1].at("memory_bytes"), 400 + 2 * 6);
+  EXPECT_EQ(stages[2].at("memory_bytes"), 400 + 1 * 20);  // The last stage keeps one.
+  EXPECT_FALSE(reportPlan(plan, spec, 3, 0.5)
+                   .event.at("pipelines")[0]["stages"][0]
+                   .contains("memory_bytes"));
+  auto adamw = torch::optim::AdamW({at::zeros({2}, at::kFloat)});
+  EXPECT_EQ(stateBytesPerParameterByte(adamw), 3);
+  auto amsgrad = torch::optim::Adam({at::zeros({2})}, torch::optim::AdamOptions(0.1).amsgrad(true));
+  EXPECT_EQ(stateBytesPerParameterByte(amsgrad), 4);
+  auto sgd = torch::optim::SGD({at::zeros({2})}, torch::optim::SGDOptions(0.1));
+  EXPECT_EQ(stateBytesPerParameterByte(sgd), 1);
+  auto momentum = torch::optim::SGD({at::zeros({2})}, torch::optim::SGDOptions(0.1).momentum(0.9));
+  EXPECT_EQ(stateBytesPerParameterByte(momentum), 2);
 }
 
 }  // namespace
