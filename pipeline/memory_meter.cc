@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstring>
 #include <mutex>
+#include <unordered_map>
 
 // libtorch 2.3 made Allocator::allocate non-const and added copy_data().
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
@@ -24,17 +25,24 @@ namespace pipeline {
 namespace {
 
 // The counting allocator: one per process, never destroyed (tensors it allocated may outlive
-// every meter).
+// every meter). Each allocation's context is its data pointer, as libtorch's raw_allocate()
+// requires (it asserts get() == get_context(): large CPU matmuls allocate that way); the
+// allocator it forwarded to is found by that pointer.
 class CountingAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t n) SINEW_ALLOCATE_CONST override {
     c10::DataPtr inner = base_->allocate(n);
     void* data = inner.get();
+    if (data == nullptr) return inner;  // Zero bytes: nothing to count.
     const c10::Device device = inner.device();
-    auto* ctx = new Context{std::move(inner), n};
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      live_.emplace(data, Entry{std::move(inner), n});
+    }
     add(static_cast<int64_t>(n));
-    return {data, ctx, &CountingAllocator::release, device};
+    return {data, data, &CountingAllocator::release, device};
   }
+  c10::DeleterFnPtr raw_deleter() const override { return &CountingAllocator::release; }
 #if SINEW_ALLOCATOR_HAS_COPY_DATA
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     std::memcpy(dest, src, count);
@@ -45,9 +53,9 @@ class CountingAllocator final : public c10::Allocator {
   void setBase(c10::Allocator* base) { base_ = base; }
   c10::Allocator* base() const { return base_; }
 
-  int64_t live() const { return live_.load(); }
+  int64_t live() const { return liveBytes_.load(); }
   int64_t peak() const { return peak_.load(); }
-  void resetPeak() { peak_.store(live_.load()); }
+  void resetPeak() { peak_.store(liveBytes_.load()); }
 
   static CountingAllocator& instance() {
     static CountingAllocator* a = new CountingAllocator();  // Never destroyed.
@@ -55,26 +63,36 @@ class CountingAllocator final : public c10::Allocator {
   }
 
  private:
-  struct Context {
+  struct Entry {
     c10::DataPtr inner;  // Frees the memory through the allocator that made it.
-    size_t bytes;
+    size_t bytes = 0;
   };
 
-  static void release(void* p) {
-    auto* ctx = static_cast<Context*>(p);
-    instance().add(-static_cast<int64_t>(ctx->bytes));
-    delete ctx;
+  static void release(void* data) {
+    CountingAllocator& self = instance();
+    Entry entry;
+    {
+      std::lock_guard<std::mutex> lock(self.mu_);
+      auto it = self.live_.find(data);
+      if (it == self.live_.end()) return;  // Not ours (cannot happen: only ours use this).
+      entry = std::move(it->second);
+      self.live_.erase(it);
+    }
+    self.add(-static_cast<int64_t>(entry.bytes));
+    // entry.inner frees the memory here, outside the lock.
   }
 
   void add(int64_t delta) const {
-    const int64_t now = live_.fetch_add(delta) + delta;
+    const int64_t now = liveBytes_.fetch_add(delta) + delta;
     int64_t seen = peak_.load();
     while (now > seen && !peak_.compare_exchange_weak(seen, now)) {
     }
   }
 
   c10::Allocator* base_ = nullptr;
-  mutable std::atomic<int64_t> live_{0};
+  mutable std::mutex mu_;
+  mutable std::unordered_map<void*, Entry> live_;  // Guarded by mu_.
+  mutable std::atomic<int64_t> liveBytes_{0};
   mutable std::atomic<int64_t> peak_{0};
 };
 

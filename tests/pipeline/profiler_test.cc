@@ -2,15 +2,18 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <thread>
 
 #include "sinew/base/error.h"
+#include "sinew/pipeline/memory_meter.h"
 #include "sinew/pipeline/template_planner.h"
 
 namespace sinew {
@@ -115,6 +118,28 @@ TEST(ProfilerTest, ATimeBudgetEndsTheRunsOfASlowModelAfterThreeTimedOnes) {
   bad.job.device_memory_bytes = 1 << 30;
   EXPECT_THROW(profileLayers({linearLayer("a", 2, 2, false)}, at::randn({1, 2}), bad),
                InvalidArgument);
+}
+
+// libtorch's raw_allocate() (used by large CPU matmuls, e.g. a GPT-2 small block) asserts that
+// an allocation's context is its data pointer: the meter's allocations keep that, are counted
+// and freed through raw_deallocate. (The first meter failed it: "dptr.get() ==
+// dptr.get_context() INTERNAL ASSERT FAILED" profiling GPT-2 small.)
+TEST(ProfilerTest, TheMeterCountsRawAllocations) {
+  CpuMemoryMeter meter;
+  ASSERT_TRUE(meter.installed());
+  const int64_t before = meter.live();
+  c10::Allocator* cpu = c10::GetCPUAllocator();
+  void* p = cpu->raw_allocate(1 << 20);
+  ASSERT_NE(p, nullptr);
+  std::memset(p, 1, 1 << 20);
+  EXPECT_EQ(meter.live() - before, 1 << 20);
+  EXPECT_GE(meter.peak() - before, 1 << 20);
+  cpu->raw_deallocate(p);
+  EXPECT_EQ(meter.live(), before);
+  at::Tensor t = at::ones({256, 256});
+  EXPECT_EQ(meter.live() - before, 256 * 256 * 4);
+  t.reset();
+  EXPECT_EQ(meter.live(), before);
 }
 
 TEST(ProfilerTest, MeasuresTheActivationsALayerKeepsForBackward) {
