@@ -170,7 +170,8 @@ std::string CheckpointEngine::peerAddress(int worker, std::chrono::milliseconds 
   }
 }
 
-void CheckpointEngine::replicate(const HostShard& shard) {
+uint64_t CheckpointEngine::replicate(const HostShard& shard) {
+  uint64_t sent = 0;
   for (int peer : placement_.peersOf(options_.self)) {
     auto& client = clients_[peer];
     if (!client) {
@@ -183,8 +184,9 @@ void CheckpointEngine::replicate(const HostShard& shard) {
       };
       client = std::make_unique<ReplicaClient>(peer, peerAddress(peer, options_.timeout), co);
     }
-    client->put(shard);
+    sent += client->put(shard);
   }
+  return sent;
 }
 
 void CheckpointEngine::reportHeld(int64_t step) {
@@ -251,15 +253,14 @@ void CheckpointEngine::replicationLoop() {
     try {
       if (options_.beforeReplicate) options_.beforeReplicate(step);
       auto start = Clock::now();
-      replicate(*shard);
+      const uint64_t sent = replicate(*shard);
       double secs = std::chrono::duration<double>(Clock::now() - start).count();
       reportHeld(step);
       {
         std::lock_guard<std::mutex> lock(mu_);
         stats_.replicated++;
         stats_.replicationSeconds += secs;
-        stats_.bytesReplicated +=
-            shard->layout.totalBytes * placement_.peersOf(options_.self).size();
+        stats_.bytesReplicated += sent;
       }
       // Wait (briefly, and only until a newer version is ready) for the other workers'
       // reports; protect the newest committed version from reuse.

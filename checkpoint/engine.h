@@ -95,7 +95,7 @@ struct EngineStats {
   SnapshotStats snapshot;
   int64_t replicated = 0;  // Versions acknowledged by every peer.
   int64_t replicationFailures = 0;
-  uint64_t bytesReplicated = 0;
+  uint64_t bytesReplicated = 0;   // Shard bytes sent to peers (a delta: its changed bytes).
   double replicationSeconds = 0;  // Time spent sending (to all peers).
   int64_t flushed = 0;
   std::string lastError;
@@ -167,7 +167,8 @@ class CheckpointEngine {
   void onSnapshot(std::shared_ptr<const HostShard> shard);
   void onSnapshotFailed(int64_t step, std::exception_ptr error);
   void replicationLoop();
-  void replicate(const HostShard& shard);
+  // Sends the shard to every peer of the placement; returns the bytes sent.
+  uint64_t replicate(const HostShard& shard);
   void reportHeld(int64_t step);
   // This worker's part in flushing the engine's own versions.
   FlushRole flushRole() const;

@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <future>
 
 #include "sinew/base/crc32c.h"
@@ -238,24 +239,39 @@ class ReplicaService::Impl::Session : public transport::ChannelHandler {
 
   uint8_t* payloadSink(transport::Channel& channel, const transport::FrameHeader& h) override {
     if (static_cast<Type>(h.type) != Type::kChunk) return nullptr;
+    if (delta_) {
+      // The next bytes of the current changed range (a chunk never crosses one).
+      if (incoming_ && range_ < ranges_.size() && h.length <= ranges_[range_].second - inRange_) {
+        uint8_t* p = incoming_->data() + ranges_[range_].first + inRange_;
+        inRange_ += h.length;
+        if (inRange_ == ranges_[range_].second) {
+          ++range_;
+          inRange_ = 0;
+        }
+        return p;
+      }
+      if (incomingError_.empty()) incomingError_ = "chunk outside the changed ranges";
+      dropIncoming();
+      return nullptr;
+    }
     if (incoming_ && h.length <= incoming_->layout.totalBytes - nextOffset_) {
       uint8_t* p = incoming_->data() + nextOffset_;
       nextOffset_ += h.length;
       return p;
     }
     if (incomingError_.empty()) incomingError_ = "chunk outside the announced shard";
-    incoming_.reset();
-    verify_.reset();
+    dropIncoming();
     return nullptr;  // Read into a scratch buffer and dropped; refused at end.
   }
 
   void onFrame(transport::Channel& channel, const transport::FrameHeader& h,
                std::vector<uint8_t> payload) override {
     switch (static_cast<Type>(h.type)) {
+      case Type::kBeginDelta:
+        return beginDelta(payload);
       case Type::kBegin: {
         if (incoming_) service_->abandon(incoming_);
-        incoming_.reset();
-        verify_.reset();
+        dropIncoming();
         incomingError_.clear();
         nextOffset_ = 0;
         auto r = replica_wire::decodeBegin(payload, service_->options_.maxShardBytes);
@@ -271,27 +287,32 @@ class ReplicaService::Impl::Session : public transport::ChannelHandler {
       case Type::kChunk:
         if (incoming_) {
           service_->service_->bytesReceived_.fetch_add(h.length);
-          verify_->advance(nextOffset_);  // Checksums this chunk while it is in cache.
+          if (verify_) verify_->advance(nextOffset_);  // Checksums this chunk while in cache.
         }
         return;
       case Type::kEnd: {
         std::string result;
         if (!incoming_) {
           result = incomingError_.empty() ? "end of a shard that was not begun" : incomingError_;
-        } else if (nextOffset_ != incoming_->layout.totalBytes) {
+        } else if (delta_ && range_ != ranges_.size()) {
+          result = "delta ended after " + std::to_string(range_) + " of its " +
+                   std::to_string(ranges_.size()) + " changed ranges";
+          service_->abandon(incoming_);
+        } else if (!delta_ && nextOffset_ != incoming_->layout.totalBytes) {
           result = "shard ended after " + std::to_string(nextOffset_) + " of " +
                    std::to_string(incoming_->layout.totalBytes) + " bytes";
           service_->abandon(incoming_);
         } else {
-          result = verify_->result();  // What incoming_->verify() says, without a re-read.
+          // A delta's bytes did not arrive in order: its every tensor is checked now, the
+          // ones copied from the base included.
+          result = delta_ ? incoming_->verify() : verify_->result();
           if (result.empty()) {
             service_->markComplete(incoming_);
           } else {
             service_->abandon(incoming_);
           }
         }
-        incoming_.reset();
-        verify_.reset();
+        dropIncoming();
         channel.send(static_cast<uint8_t>(Type::kAck), 0,
                      std::vector<uint8_t>(result.begin(), result.end()));
         return;
@@ -338,16 +359,75 @@ class ReplicaService::Impl::Session : public transport::ChannelHandler {
       service_->dropped_++;
     }
     if (incoming_) service_->abandon(incoming_);
-    incoming_.reset();
-    verify_.reset();
+    dropIncoming();
   }
 
  private:
+  // Forgets the version being received (the caller abandons its slot where it must).
+  void dropIncoming() {
+    incoming_.reset();
+    verify_.reset();
+    base_.reset();
+    delta_ = false;
+    ranges_.clear();
+    range_ = 0;
+    inRange_ = 0;
+  }
+
+  // An incremental version: the bytes of the tensors unchanged since `base` are copied from
+  // this service's replica of it, the changed ones arrive as chunks. Without that replica (or
+  // with one of another layout) the version is refused at end with kNoBase, and the client
+  // sends it whole.
+  void beginDelta(const std::vector<uint8_t>& payload) {
+    if (incoming_) service_->abandon(incoming_);
+    dropIncoming();
+    incomingError_.clear();
+    nextOffset_ = 0;
+    int64_t base = -1;
+    auto r = replica_wire::decodeBeginDelta(payload, service_->options_.maxShardBytes, &base);
+    delta_ = true;  // Chunks are drained against the ranges (none when refused).
+    base_ = service_->find(r.owner, base);
+    if (!base_ || !base_->layout.sameShape(r.layout)) {
+      incomingError_ = std::string(replica_wire::kNoBase) + "worker " +
+                       std::to_string(service_->self_) + " holds no replica of worker " +
+                       std::to_string(r.owner) + " at version " + std::to_string(base) +
+                       (base_ ? " of that layout" : "");
+      base_.reset();
+      return;
+    }
+    // base_ is held, so claimSlot does not pick its slot (with versionsKept 1 there is none
+    // other, and the version comes whole).
+    incoming_ = service_->claimSlot(r.owner, r.step, r.layout);
+    if (!incoming_) {
+      incomingError_ = std::string(replica_wire::kNoBase) + "no free replica slot for worker " +
+                       std::to_string(r.owner) + " besides its version " + std::to_string(base);
+      base_.reset();
+      return;
+    }
+    ranges_ = r.layout.changedSince(base_->layout);
+    uint64_t at = 0;
+    auto copyUpTo = [&](uint64_t end) {
+      if (end > at) std::memcpy(incoming_->data() + at, base_->data() + at, end - at);
+    };
+    for (const auto& [first, bytes] : ranges_) {
+      copyUpTo(first);
+      at = first + bytes;
+    }
+    copyUpTo(r.layout.totalBytes);
+    base_.reset();
+  }
+
   Impl* const service_;  // Outlives its sessions: ~Impl closes them and joins the io thread.
   std::shared_ptr<HostShard> incoming_;
-  std::unique_ptr<IncrementalVerify> verify_;  // Of incoming_; reset with it.
+  std::unique_ptr<IncrementalVerify> verify_;  // Of incoming_ (whole versions); reset with it.
   uint64_t nextOffset_ = 0;
   std::string incomingError_;
+  // A delta version: its changed ranges (offset, bytes), the one being filled and how far.
+  bool delta_ = false;
+  std::shared_ptr<const HostShard> base_;
+  std::vector<std::pair<uint64_t, uint64_t>> ranges_;
+  size_t range_ = 0;
+  uint64_t inRange_ = 0;
 };
 
 std::shared_ptr<transport::ChannelHandler> ReplicaService::Impl::makeSession() {
@@ -457,41 +537,77 @@ std::string text(const std::vector<uint8_t>& b) { return std::string(b.begin(), 
 
 }  // namespace
 
-void ReplicaClient::put(const HostShard& shard) {
-  std::lock_guard<std::mutex> lock(mu_);
+std::string ReplicaClient::send(const HostShard& shard,
+                                const std::vector<std::pair<uint64_t, uint64_t>>* ranges,
+                                int64_t base, uint64_t* sent) {
   const std::string what = "replicating worker " + std::to_string(shard.owner) +
                            "'s shard of version " + std::to_string(shard.step);
-  std::string ack =
-      talk([this] { conn_.reset(); }, peer_, address_, what,
-           [&] {
-             transport::Connection& c = connection().get();
-             auto deadline = [&] { return Clock::now() + options_.timeout; };
-             std::vector<uint8_t> begin = replica_wire::encodeShardId(shard.owner, shard.step);
-             std::string layout = shard.layout.toJson();
-             begin.insert(begin.end(), layout.begin(), layout.end());
-             c.send(static_cast<uint8_t>(Type::kBegin), 0, begin, deadline());
-             const uint64_t total = shard.layout.totalBytes;
-             int64_t index = 0;
-             for (uint64_t off = 0; off < total; off += options_.chunkBytes, ++index) {
-               if (options_.beforeChunk) options_.beforeChunk();
-               const size_t n =
-                   static_cast<size_t>(std::min<uint64_t>(options_.chunkBytes, total - off));
-               c.send(static_cast<uint8_t>(Type::kChunk), 0, {{shard.data() + off, n}}, deadline());
-               if (options_.afterChunk) options_.afterChunk(index);
-             }
-             c.send(static_cast<uint8_t>(Type::kEnd), 0, std::vector<uint8_t>(), deadline());
-             transport::FrameHeader h = c.readHeader(deadline());
-             if (static_cast<Type>(h.type) != Type::kAck) {
-               c.close();
-               SINEW_THROW(Corruption, c.name(), " answered a shard with a ",
-                           replica_wire::answerName(h.type), " message");
-             }
-             return text(c.readPayload(h, deadline()));
-           });
+  *sent = 0;
+  return talk(
+      [this] { conn_.reset(); }, peer_, address_, what,
+      [&] {
+        transport::Connection& c = connection().get();
+        auto deadline = [&] { return Clock::now() + options_.timeout; };
+        if (ranges != nullptr) {
+          c.send(static_cast<uint8_t>(Type::kBeginDelta), 0,
+                 replica_wire::encodeBeginDelta(shard.owner, shard.step, base, shard.layout),
+                 deadline());
+        } else {
+          std::vector<uint8_t> begin = replica_wire::encodeShardId(shard.owner, shard.step);
+          std::string layout = shard.layout.toJson();
+          begin.insert(begin.end(), layout.begin(), layout.end());
+          c.send(static_cast<uint8_t>(Type::kBegin), 0, begin, deadline());
+        }
+        const std::vector<std::pair<uint64_t, uint64_t>> whole = {{0, shard.layout.totalBytes}};
+        int64_t index = 0;
+        // Each chunk lies within one range: the service maps them onto the ranges in order.
+        for (const auto& [first, bytes] : ranges != nullptr ? *ranges : whole) {
+          for (uint64_t off = 0; off < bytes; off += options_.chunkBytes, ++index) {
+            if (options_.beforeChunk) options_.beforeChunk();
+            const size_t n =
+                static_cast<size_t>(std::min<uint64_t>(options_.chunkBytes, bytes - off));
+            c.send(static_cast<uint8_t>(Type::kChunk), 0, {{shard.data() + first + off, n}},
+                   deadline());
+            *sent += n;
+            if (options_.afterChunk) options_.afterChunk(index);
+          }
+        }
+        c.send(static_cast<uint8_t>(Type::kEnd), 0, std::vector<uint8_t>(), deadline());
+        transport::FrameHeader h = c.readHeader(deadline());
+        if (static_cast<Type>(h.type) != Type::kAck) {
+          c.close();
+          SINEW_THROW(Corruption, c.name(), " answered a shard with a ",
+                      replica_wire::answerName(h.type), " message");
+        }
+        return text(c.readPayload(h, deadline()));
+      });
+}
+
+uint64_t ReplicaClient::put(const HostShard& shard) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::optional<Acked> base = std::move(acked_);
+  acked_.reset();  // Set again only once this version is acknowledged.
+  const bool delta = options_.incremental && base && base->owner == shard.owner &&
+                     base->step < shard.step && shard.layout.sameShape(base->layout);
+  uint64_t sent = 0, total = 0;
+  std::string ack;
+  if (delta) {
+    const auto ranges = shard.layout.changedSince(base->layout);
+    ack = send(shard, &ranges, base->step, &sent);
+    if (ack.rfind(replica_wire::kNoBase, 0) == 0) {  // The peer lost it: send it whole.
+      total += sent;
+      ack = send(shard, nullptr, -1, &sent);
+    }
+  } else {
+    ack = send(shard, nullptr, -1, &sent);
+  }
+  total += sent;
   if (!ack.empty()) {
     SINEW_THROW(Corruption, "worker ", peer_, " rejected the replica of worker ", shard.owner,
                 "'s shard of version ", shard.step, ": ", ack);
   }
+  acked_ = Acked{shard.owner, shard.step, shard.layout};
+  return total;
 }
 
 std::vector<ReplicaInfo> ReplicaClient::list() {

@@ -27,6 +27,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -116,6 +117,12 @@ struct ReplicaClientOptions {
   std::function<void()> beforeChunk;
   // Test hook: called after each chunk is sent with its index (a kill mid-transfer).
   std::function<void(int64_t chunk)> afterChunk;
+  // Incremental versions (Check-N-Run): after the peer acknowledged a version of a shard, the
+  // next version of the same layout is sent as a delta, only the tensors whose checksum
+  // changed (ShardLayout::changedSince), and the peer copies the rest from its replica of the
+  // acknowledged one; whole when the peer no longer holds it. A changed tensor whose crc32c
+  // happens to equal the old one's (odds 2^-32 per changed tensor) is not sent.
+  bool incremental = false;
 };
 
 struct ReplicaInfo {
@@ -130,9 +137,10 @@ class ReplicaClient {
   ReplicaClient(int peer, std::string address, ReplicaClientOptions options);
   ~ReplicaClient();
 
-  // Sends shard and waits for the peer's acknowledgement. Throws PeerLost naming the peer
-  // if the connection fails, Timeout, or Corruption if the peer's checksums disagreed.
-  void put(const HostShard& shard);
+  // Sends shard (with options.incremental, perhaps as a delta) and waits for the peer's
+  // acknowledgement; returns the shard bytes sent. Throws PeerLost naming the peer if the
+  // connection fails, Timeout, or Corruption if the peer's checksums disagreed.
+  uint64_t put(const HostShard& shard);
   std::vector<ReplicaInfo> list();
   // Fetches owner's shard at step into new host memory. Throws IoError if the peer does
   // not hold it; the caller verifies checksums (HostShard::verify).
@@ -146,7 +154,18 @@ class ReplicaClient {
   const ReplicaClientOptions options_;
   std::mutex mu_;
   std::unique_ptr<Conn> conn_;  // Guarded by mu_; reconnected after an error.
+  // The last version the peer acknowledged (guarded by mu_): an incremental put's base.
+  struct Acked {
+    int owner = -1;
+    int64_t step = -1;
+    ShardLayout layout;
+  };
+  std::optional<Acked> acked_;
   Conn& connection();
+  // One put: begin (a delta from `base` when `ranges` is given: only those bytes follow),
+  // chunks, end; returns the ack's text (empty: accepted). *sent: the bytes sent.
+  std::string send(const HostShard& shard, const std::vector<std::pair<uint64_t, uint64_t>>* ranges,
+                   int64_t base, uint64_t* sent);
 };
 
 }  // namespace checkpoint

@@ -17,6 +17,7 @@ namespace replica_wire {
 
 using sinew::detail::appendLe;
 using sinew::detail::loadLe;
+using sinew::detail::storeLe;
 namespace transport = collectives::transport;
 
 const char* requestName(uint8_t type) {
@@ -31,6 +32,8 @@ const char* requestName(uint8_t type) {
       return "list";
     case Type::kGet:
       return "get";
+    case Type::kBeginDelta:
+      return "begin delta";
     default:
       return nullptr;
   }
@@ -83,6 +86,33 @@ BeginRequest decodeBegin(const std::vector<uint8_t>& payload, uint64_t maxShardB
   return r;
 }
 
+std::vector<uint8_t> encodeBeginDelta(int owner, int64_t step, int64_t base,
+                                      const ShardLayout& layout) {
+  std::vector<uint8_t> b = encodeShardId(owner, step);
+  b.resize(20);
+  storeLe(b.data() + 12, static_cast<uint64_t>(base), 8);
+  const std::string json = layout.toJson();
+  b.insert(b.end(), json.begin(), json.end());
+  return b;
+}
+
+BeginRequest decodeBeginDelta(const std::vector<uint8_t>& payload, uint64_t maxShardBytes,
+                              int64_t* base) {
+  if (payload.size() < 20) {
+    SINEW_THROW(Corruption, "replica begin delta message: ", payload.size(),
+                " bytes cannot hold an owner, a step and a base step");
+  }
+  std::vector<uint8_t> rest(payload.begin(), payload.begin() + 12);
+  rest.insert(rest.end(), payload.begin() + 20, payload.end());
+  BeginRequest r = decodeBegin(rest, maxShardBytes);
+  *base = static_cast<int64_t>(loadLe(payload.data() + 12, 8));
+  if (*base < 0 || *base >= r.step) {
+    SINEW_THROW(Corruption, "replica begin delta message: base step ", *base,
+                " is not in [0, step ", r.step, ")");
+  }
+  return r;
+}
+
 transport::FrameRules serviceRules(uint64_t token, uint32_t maxChunk) {
   transport::FrameRules r;
   r.service = transport::Service::kReplica;
@@ -94,6 +124,7 @@ transport::FrameRules serviceRules(uint64_t token, uint32_t maxChunk) {
       case Type::kChunk:
         return UINT32_MAX;  // bounded by maxPayloadBytes
       case Type::kBegin:
+      case Type::kBeginDelta:
         return 16u << 20;  // a layout's JSON
       case Type::kEnd:
       case Type::kList:

@@ -202,6 +202,21 @@ bool ShardLayout::sameShape(const ShardLayout& o) const {
   return true;
 }
 
+std::vector<std::pair<uint64_t, uint64_t>> ShardLayout::changedSince(
+    const ShardLayout& base) const {
+  std::vector<std::pair<uint64_t, uint64_t>> out;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const TensorRecord& t = tensors[i];
+    if (t.crc32c == base.tensors.at(i).crc32c || t.nbytes == 0) continue;
+    if (!out.empty() && out.back().first + out.back().second == t.offset) {
+      out.back().second += t.nbytes;
+    } else {
+      out.emplace_back(t.offset, t.nbytes);
+    }
+  }
+  return out;
+}
+
 std::vector<std::string> ShardLayout::layers() const {
   std::vector<std::string> out;
   for (const auto& t : tensors) {

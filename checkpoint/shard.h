@@ -58,6 +58,10 @@ struct ShardLayout {
   static ShardLayout of(const ShardState& state);
   // Same tensors, dtypes, shapes and offsets (checksums ignored).
   bool sameShape(const ShardLayout& other) const;
+  // The byte ranges (offset, bytes) of the tensors whose checksum differs from `base`'s, in
+  // order, adjacent ones merged: what an incremental replica of this version must send to a
+  // holder of `base` (unchanged up to crc32c collisions). REQUIRES: sameShape(base).
+  std::vector<std::pair<uint64_t, uint64_t>> changedSince(const ShardLayout& base) const;
   std::vector<std::string> layers() const;  // In order, each once.
   bool hasLayer(const std::string& layer) const;
   // A digest of the layer's tensor checksums, dtypes and shapes: equal digests mean

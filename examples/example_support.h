@@ -51,6 +51,7 @@ struct CommonArgs {
   int progress = 10;
   std::string checkpointDir;
   int checkpointEvery = 0;
+  bool incremental = false;  // TrainerOptions::incrementalCheckpoints
   std::string device = "cpu";
   sinew::CommBackend backend = sinew::CommBackend::kAuto;
 };
@@ -61,7 +62,8 @@ constexpr const char* kCommonUsage =
     "[--clip C] [--sampling replacement|epochs] [--dataset-size N] [--eval-every N] "
     "[--eval-samples K] [--float32] [--progress N] [--checkpoint-dir "
     "DIR] "
-    "[--checkpoint-every K] [--no-reference] [--device cpu|cuda|cuda:N] "
+    "[--checkpoint-every K] [--incremental-checkpoints] [--no-reference] "
+    "[--device cpu|cuda|cuda:N] "
     "[--backend auto|gloo|nccl]";
 
 // Walks argv flag by flag. `usage` is the program's usage after its name: fail() prints the
@@ -168,6 +170,8 @@ inline bool parseCommon(ArgReader& r, CommonArgs& a) {
     a.checkpointDir = r.value();
   } else if (s == "--checkpoint-every") {
     a.checkpointEvery = static_cast<int>(r.integer(kMaxInt));
+  } else if (s == "--incremental-checkpoints") {
+    a.incremental = true;
   } else if (s == "--no-reference") {
     a.reference = false;
   } else if (s == "--device") {
@@ -217,6 +221,7 @@ inline sinew::TrainerOptions trainerOptions(const CommonArgs& a) {
   o.dtype = a.float32 ? at::kFloat : at::kDouble;
   o.checkpointDir = a.checkpointDir;
   o.checkpointEvery = a.checkpointEvery;
+  o.incrementalCheckpoints = a.incremental;
   o.device = a.device;
   o.backend = a.backend;
   o.lrSchedule = lrSchedule(a);

@@ -25,7 +25,10 @@ double recoverIntoNextEpoch(const TrainerServices& s, EpochCommunicators& comms,
     s.state.memberLost = true;  // MPI_Finalize would wait for the lost member forever.
     s.event({{"event", "failure_noticed"}, {"epoch", from}, {"step", step}, {"reason", why}});
   }
-  const auto deadline = t0 + s.recoveryTimeout();
+  // The deadline bounds the waits for an epoch; an attempt to enter one that a newer epoch
+  // then superseded (the job's first epoch, in which the members measure their profile, for
+  // minutes on a large model) extends it by its duration.
+  auto deadline = t0 + s.recoveryTimeout();
   int64_t waitFrom = from;
   while (true) {
     if (failure) s.state.injector.fire(self, step, Phase::kRecovery, &s.client);
@@ -46,6 +49,7 @@ double recoverIntoNextEpoch(const TrainerServices& s, EpochCommunicators& comms,
     }
     // A new epoch after the first: the worker is reconfiguring (docs/architecture.md section 8).
     if (from >= 0) s.state.injector.fire(self, step, Phase::kReconfiguration, &s.client);
+    const auto entering = TrainerClock::now();
     try {
       enter(info);
       break;
@@ -55,6 +59,7 @@ double recoverIntoNextEpoch(const TrainerServices& s, EpochCommunicators& comms,
       s.client.requestRebuild(info.epoch);
     } catch (const Aborted&) {
       // Superseded while building: the next epoch is already on its way.
+      deadline += TrainerClock::now() - entering;
     } catch (const IoError&) {
       s.client.requestRebuild(info.epoch);
     } catch (const LayerCopyDamaged& e) {

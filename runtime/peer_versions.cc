@@ -73,6 +73,7 @@ bool PeerVersions::maybeSnapshot(int64_t step, int64_t epoch, const pipeline::Pl
     // engine being dropped never waits long for its replication thread.
     eo.client.timeout = s_.opTimeout();
     eo.client.connectTimeout = std::min(s_.opTimeout(), std::chrono::milliseconds(5000));
+    eo.client.incremental = s_.options.incrementalCheckpoints;
     eo.timeout = s_.recoveryTimeout();
     eo.beforeReplicate = [this](int64_t v) {
       s_.state.injector.fire(s_.worker(), v, Phase::kReplication, nullptr);

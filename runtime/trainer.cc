@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -416,8 +417,11 @@ class Trainer::Impl {
     } else {
       durable_->finish();
       client_.done(step_);
-      event(
-          {{"event", "done"}, {"step", step_}, {"loss", lastLoss_}, {"peak_rss_bytes", peakRss()}});
+      event({{"event", "done"},
+             {"step", step_},
+             {"loss", lastLoss_},
+             {"peak_rss_bytes", peakRss()},
+             {"training_peak_rss_bytes", peakReset_ ? highWaterRss() : -1}});
     }
     TrainResult r = result(preempted);
     comms_->close();
@@ -458,6 +462,8 @@ class Trainer::Impl {
     }
     durable_->releaseKept();  // Only the first epoch's source restores from it.
     startStep_ = step_;
+    // The memory of training, without the profile's (every layer of the model, built once).
+    peakReset_ = resetPeakRss();
   }
 
  private:
@@ -636,7 +642,26 @@ class Trainer::Impl {
   static int64_t peakRss() {
     struct rusage u {};
     getrusage(RUSAGE_SELF, &u);
-    return static_cast<int64_t>(u.ru_maxrss) * 1024;  // Linux reports KiB.
+    // Linux reports KiB; the kernel's own high-water mark may be a page or two ahead of it.
+    return std::max(static_cast<int64_t>(u.ru_maxrss) * 1024, highWaterRss());
+  }
+  // Makes the kernel's high-water mark of this process's resident memory (VmHWM) its current
+  // resident memory (Linux's clear_refs 5), so that highWaterRss() measures from now on;
+  // false where it cannot.
+  static bool resetPeakRss() {
+    std::ofstream f("/proc/self/clear_refs");
+    f << "5";
+    f.flush();
+    return static_cast<bool>(f);
+  }
+  // VmHWM in bytes, or -1.
+  static int64_t highWaterRss() {
+    std::ifstream f("/proc/self/status");
+    std::string line;
+    while (std::getline(f, line)) {
+      if (line.rfind("VmHWM:", 0) == 0) return std::atoll(line.c_str() + 6) * 1024;
+    }
+    return -1;
   }
   std::chrono::milliseconds recoveryTimeout() const { return services_.recoveryTimeout(); }
 
@@ -895,6 +920,7 @@ class Trainer::Impl {
   std::unique_ptr<torch::optim::Optimizer> opt_;
   bool pipelineMode_ = false;
   std::vector<runtime::Tie> ties_;  // ModelSpec::tied, resolved
+  bool peakReset_ = false;          // the RSS high-water mark was reset when training began
   runtime::MicrobatchReader microbatches_;
   at::Device device_{at::kCPU};  // Where this worker's layers live (TrainerOptions::device).
   // The units the trainer delegates to; destroyed in ~Impl in reverse dependency order.

@@ -12,7 +12,9 @@
 //
 // Throughput: tokens/s between the first and the last step's progress events (step 0, with the
 // profile and the first allocations, left out). Memory: each pipeline worker's `done` event's
-// peak_rss_bytes against its `plan` event's memory_bytes (the cost model's parameters,
+// training_peak_rss_bytes (the resident high-water mark since training began, after the
+// profile, which builds every layer of the model in every worker) against its `plan` event's
+// memory_bytes (the cost model's parameters,
 // gradients, optimizer state and activations in flight) plus the resident memory of a
 // train_gpt process that has built nothing (`base_rss`: libtorch, the program, the token
 // file's pages; the peak RSS of `train_gpt --help`, measured here).
@@ -79,7 +81,8 @@ double tokensPerSecond(const std::string& logDir, int context) {
 
 struct WorkerMemory {
   int64_t predicted = -1;  // the plan's memory_bytes for its stage
-  int64_t peak = -1;       // its done event's peak_rss_bytes
+  int64_t peak = -1;       // its done event's training_peak_rss_bytes (since training began)
+  int64_t lifePeak = -1;   // its done event's peak_rss_bytes (the profile's included)
 };
 
 WorkerMemory memoryOf(const std::string& logDir, int worker) {
@@ -93,7 +96,8 @@ WorkerMemory memoryOf(const std::string& logDir, int worker) {
         }
       }
     } else if (name == "done") {
-      m.peak = e.value("peak_rss_bytes", int64_t{-1});
+      m.peak = e.value("training_peak_rss_bytes", int64_t{-1});
+      m.lifePeak = e.value("peak_rss_bytes", int64_t{-1});
     }
   }
   if (m.predicted < 0 || m.peak < 0) {
@@ -180,8 +184,10 @@ int main(int argc, char** argv) {
     for (int w = 0; w < 2; ++w) {
       const WorkerMemory m = memoryOf(pp, w);
       const int64_t predicted = m.predicted + baseline;
-      std::printf("worker %d: peak RSS %.0f MB; planner %.0f MB + base %.0f MB = %.0f MB\n", w,
-                  mb(m.peak), mb(m.predicted), mb(baseline), mb(predicted));
+      std::printf(
+          "worker %d: peak RSS while training %.0f MB (%.0f MB with the profile before it); "
+          "planner %.0f MB + base %.0f MB = %.0f MB\n",
+          w, mb(m.peak), mb(m.lifePeak), mb(m.predicted), mb(baseline), mb(predicted));
       char buf[160];
       std::snprintf(buf, sizeof(buf),
                     " w%d_rss_mb=%.0f w%d_predicted_mb=%.0f w%d_rss_vs_predicted=%.3f", w,

@@ -24,7 +24,15 @@ enum class Type : uint8_t {
   kGetReply = 8,   // <- service: layout JSON
   kData = 9,       // <- service: the next bytes of the shard
   kError = 10,     // <- service: why not
+  // -> service: owner i32, step i64, base step i64, layout JSON: an incremental version,
+  // followed by chunks of only the ranges ShardLayout::changedSince(base) names, in order,
+  // none crossing a range; the service copies the rest from its replica of `base`.
+  kBeginDelta = 11,
 };
+
+// The service's answer (an ack's text) to a delta version whose base it does not hold; the
+// client then sends the version whole.
+constexpr const char* kNoBase = "no base version: ";
 
 const char* requestName(uint8_t type);  // types a client sends; null for others
 const char* answerName(uint8_t type);   // types the service sends; null for others
@@ -49,6 +57,11 @@ using BeginRequest = ShardEntry;
 // Decodes a begin payload; the layout is checked by ShardLayout::fromJson and against
 // maxShardBytes. Throws Corruption.
 BeginRequest decodeBegin(const std::vector<uint8_t>& payload, uint64_t maxShardBytes);
+// A begin-delta payload: owner and step, the base step (>= 0, < step), then the layout.
+std::vector<uint8_t> encodeBeginDelta(int owner, int64_t step, int64_t base,
+                                      const ShardLayout& layout);
+BeginRequest decodeBeginDelta(const std::vector<uint8_t>& payload, uint64_t maxShardBytes,
+                              int64_t* base);
 
 // A list reply: the JSON array [{owner, step, layout}] of the shards a service holds.
 std::vector<uint8_t> encodeList(const std::vector<ShardEntry>& shards);

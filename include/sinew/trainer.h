@@ -166,9 +166,11 @@ struct TrainerOptions {
   // digest (a crc32c of each tensor, its dtype and shape) changed since the previous durable
   // version, and the manifest points at older files for the rest, so a frozen base
   // (requires_grad false: no gradient, no optimizer state, no update) is written once.
-  // Retention keeps every file a kept manifest reads. A changed layer whose digest collides
-  // with its old one (about 1 in 2^32 per layer and version) would not be written: off by
-  // default.
+  // Retention keeps every file a kept manifest reads. Peer-RAM versions (pipeline mode) are
+  // incremental too: each replica holder gets only the tensors whose crc32c changed since the
+  // version it acknowledged last and copies the rest from its replica of that one. A changed
+  // layer or tensor whose checksum collides with its old one (about 1 in 2^32 each time)
+  // would not be written: off by default.
   bool incrementalCheckpoints = false;
 
   // ---- Pipeline parallelism (parallelism = kPipeline; docs/pipeline.md) ----

@@ -1046,6 +1046,83 @@ TEST(ReplicaTest, PutListGetOverLoopbackAndRejectsBadChecksums) {
   EXPECT_NE(service.find(0, 2), nullptr);
 }
 
+// Incremental versions (ReplicaClientOptions::incremental): once the peer acknowledged a
+// version, the next one sends only the tensors whose checksum changed, and the peer's replica
+// of it equals the shard byte for byte. A model of a frozen base (three layers that never
+// change) under a trained head: every version after the first sends the head alone. A peer
+// that lost the base (a new service) gets the version whole; a delta whose bytes disagree with
+// its checksums is refused like any replica; without the option every version goes whole.
+TEST(ReplicaTest, IncrementalVersionsSendOnlyTheTensorsThatChanged) {
+  ShardState frozen = makeState(3, 64, 1, "base.");
+  ShardState head = makeState(1, 16, 1, "head.");
+  auto state = [&](int64_t step) {
+    ShardState s = frozen;
+    ShardState h = makeState(1, 16, step + 1, "head.");
+    s.insert(s.end(), h.begin(), h.end());
+    return s;
+  };
+  auto full = snap(state(0), 0, 0);
+  const uint64_t total = full->layout.totalBytes;
+  const uint64_t headBytes = ShardLayout::of(makeState(1, 16, 1, "head.")).totalBytes;
+  auto run = [&](bool incremental, std::vector<uint64_t>* sent) {
+    ReplicaService service(1, replicaServiceOptions());
+    ReplicaClientOptions co = replicaClientOptions();
+    co.chunkBytes = 1000;  // Ranges of several chunks, chunks that end within a tensor.
+    co.incremental = incremental;
+    ReplicaClient client(1, service.address(), co);
+    for (int64_t step = 0; step < 4; ++step) {
+      auto shard = snap(state(step), 0, step);
+      const uint64_t before = service.bytesReceived();
+      sent->push_back(client.put(*shard));
+      EXPECT_EQ(service.bytesReceived() - before, sent->back()) << "step " << step;
+      ASSERT_NE(service.find(0, step), nullptr) << "step " << step;
+      EXPECT_EQ(std::memcmp(service.find(0, step)->data(), shard->data(), total), 0)
+          << "step " << step << ": the replica differs from the shard";
+    }
+  };
+  std::vector<uint64_t> whole, delta;
+  run(false, &whole);
+  run(true, &delta);
+  EXPECT_EQ(whole, std::vector<uint64_t>(4, total));
+  ASSERT_EQ(delta.size(), 4u);
+  EXPECT_EQ(delta[0], total);
+  for (int i = 1; i < 4; ++i) {
+    // The head's tensors, less its step count's 8 bytes when they did not change.
+    EXPECT_LE(delta[i], headBytes) << "version " << i;
+    EXPECT_GE(delta[i], headBytes - 8) << "version " << i;
+  }
+  EXPECT_LT(delta[1] * 10, total);
+
+  ReplicaClientOptions co = replicaClientOptions();
+  co.incremental = true;
+  // Same client, a service that restarted: its base is gone.
+  auto restartable = std::make_unique<ReplicaService>(1, replicaServiceOptions());
+  const std::string address = restartable->address();
+  ReplicaClient sticky(1, address, co);
+  EXPECT_EQ(sticky.put(*snap(state(0), 0, 0)), total);
+  restartable.reset();
+  ReplicaServiceOptions same = replicaServiceOptions();
+  same.port = static_cast<uint16_t>(std::stoi(address.substr(address.rfind(':') + 1)));
+  ReplicaService restarted(1, same);
+  const uint64_t resent = sticky.put(*snap(state(1), 0, 1));
+  EXPECT_GT(resent, total) << "the delta then the whole version";
+  ASSERT_NE(restarted.find(0, 1), nullptr);
+  EXPECT_EQ(restarted.find(0, 1)->verify(), "");
+
+  // A delta whose bytes disagree with its checksums is refused; the newest version stays.
+  auto bad = snap(state(2), 0, 2);
+  auto& mutableBad = const_cast<HostShard&>(*bad);
+  mutableBad.layout.tensors.back().crc32c ^= 1;  // The head's step count: changed, sent.
+  try {
+    sticky.put(*bad);
+    ADD_FAILURE() << "a corrupt delta was accepted";
+  } catch (const Corruption& e) {
+    EXPECT_NE(std::string(e.what()).find("crc32c"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(restarted.find(0, 2), nullptr);
+  EXPECT_NE(restarted.find(0, 1), nullptr);
+}
+
 // Stray bytes on the replica port (an HTTP probe, a header with a bad magic, a header that
 // claims an absurd size) cost only that connection; replicas already held and later puts
 // are unaffected.

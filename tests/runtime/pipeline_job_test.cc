@@ -1010,6 +1010,21 @@ TEST(PipelineGptTest, ATiedHeadOnAnotherStageTrainsExactlyThroughAKill) {
   EXPECT_NE(run.output.find(" copied from worker"), std::string::npos);
 }
 
+// Incremental peer-RAM versions (--incremental-checkpoints), one every step: each version
+// after a holder's first goes to it as a delta of the one it acknowledged, and the rollback
+// that brings the head back from a peer's RAM ends as exact as with whole versions.
+TEST(PipelineGptTest, IncrementalPeerVersionsRestoreTheTiedHeadExactly) {
+  JobRun run =
+      trainGpt("gpt-incremental",
+               "kill:worker=2:step=10:phase=forward;kill:worker=4:step=9:phase=reconfiguration",
+               {"--peer-checkpoint-every", "1", "--incremental-checkpoints"});
+  SCOPED_TRACE(run.output);
+  expectGptMatchesReference(run);
+  EXPECT_TRUE(std::regex_search(run.output, std::regex("now holds layers [a-z0-9.]*head \\(epoch "
+                                                       "\\d+; \\d+ restored from [^\\n]*RAM")))
+      << "the head did not come back from RAM";
+}
+
 // Both holders of the head die (w2 in a forward, w4 as it reconfigures): the head, and with it
 // the follower of the tied tensor, has no live copy and comes back from a peer-RAM version.
 // Peer-RAM versions every 4 steps: the newest is that of step 7, so the job rolls back and

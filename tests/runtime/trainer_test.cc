@@ -9,6 +9,7 @@
 #include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/lbfgs.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -16,6 +17,7 @@
 #include <fstream>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -932,6 +934,51 @@ TEST(TrainerTest, MeasuredActivationMemoryCountsAttentionWeights) {
   const int64_t io = 2 * 4 * 64 * 4 * 8, weights = 4 * 64 * 64 * 8;
   EXPECT_EQ(profiledActivationBytes(false, 1), io);
   EXPECT_GE(profiledActivationBytes(true, 1), io / 2 + weights);
+}
+
+// A layer that takes 30 ms per forward.
+struct SlowImpl : torch::nn::Module {
+  at::Tensor forward(const at::Tensor& x) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    return x * 2;
+  }
+};
+TORCH_MODULE(Slow);
+
+// The members measure their profile inside the job's first epoch, which a large model makes
+// last minutes (GPT-2 small: 155 s per worker on this machine); that is not a recovery that
+// failed to find an epoch. Here the profile's 24 runs take over 0.7 s against a recovery
+// timeout of 0.3 s (before: "worker 0 could not recover within 300 ms (start)"). The done event
+// reports the process's peak resident memory and the peak since training began.
+TEST(TrainerTest, AProfileLongerThanTheRecoveryTimeoutDoesNotFailTheStart) {
+  const std::string dir = tempDir();
+  auto ctx = init(nullptr, nullptr);
+  ModelSpec spec = tinyModel();
+  spec.layers.insert(spec.layers.begin() + 1,
+                     {"slow", [] { return torch::nn::AnyModule(Slow()); }});
+  TrainerOptions o = tinyOptions();
+  o.parallelism = Parallelism::kPipeline;
+  o.faultTolerance = 0;
+  o.recoveryTimeout = std::chrono::milliseconds(300);
+  o.eventLog = dir + "/events.jsonl";
+  Trainer trainer(*ctx, spec, o);
+  TrainResult r = trainer.run();
+  EXPECT_EQ(r.steps, o.steps);
+  std::ifstream in(o.eventLog);
+  double profiled = -1;
+  int64_t peak = -1, trainingPeak = -1;
+  for (std::string line; std::getline(in, line);) {
+    auto e = nlohmann::json::parse(line);
+    if (e.value("event", "") == "profiled") profiled = e.at("duration_s").get<double>();
+    if (e.value("event", "") == "done") {
+      peak = e.at("peak_rss_bytes").get<int64_t>();
+      trainingPeak = e.at("training_peak_rss_bytes").get<int64_t>();
+    }
+  }
+  EXPECT_GT(profiled, 0.3) << "the profile was shorter than the recovery timeout";
+  EXPECT_GT(trainingPeak, 10 << 20);
+  EXPECT_GE(peak, trainingPeak);
+  sinew::testing::removeTree(dir);
 }
 
 }  // namespace
