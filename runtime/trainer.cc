@@ -739,6 +739,10 @@ class Trainer::Impl {
     const int64_t e = info.epoch;
     auto store = epochStore(e);
     Plan plan = profiles_->planOf(info, *store);
+    // Its predicted step time scales the deadlines until a step was measured (opTimeout()).
+    services_.plannedStepMs.store(
+        plan.iterationTicks /
+        (int64_t{1000000} * std::max(1, profiles_->profile().job.devices_per_node)));
     const pipeline::WorkerAssignment* mine = mineIn(plan);
     const int first = mine ? mine->firstLayer : 0;
     const int end = mine ? mine->endLayer : 0;

@@ -9,6 +9,7 @@
 // thread-safe. The scopes are used by the training thread.
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <exception>
 #include <functional>
@@ -42,6 +43,10 @@ struct TrainerServices {
   EventLog& events;
   const TrainerOptions& options;
 
+  // The step time the current pipeline plan predicts (its cost model's 1F1B time of the
+  // slowest pipeline), in milliseconds; 0 in data parallel mode and before the first plan.
+  mutable std::atomic<int64_t> plannedStepMs{0};
+
   int worker() const { return ctx.worker(); }
   void event(nlohmann::json e) const { events.write(std::move(e)); }
 
@@ -49,12 +54,17 @@ struct TrainerServices {
   // deadline, derived from the measured step time, is the first to expire, so that it, not a
   // timeout in some collective, decides who is stuck; an operation's deadline is at least
   // twice it and a recovery's four times (each at least its TrainerOptions value); the job's
-  // is the launcher's (--deadline-s).
+  // is the launcher's (--deadline-s). Before a step was measured, the plan's predicted step
+  // time stands in for it: a stage of a large model may compute one microbatch for longer
+  // than opTimeout, and its neighbour waits that long.
+  std::chrono::milliseconds stepScale() const {
+    return std::max(client.stepDeadline(), std::chrono::milliseconds(plannedStepMs.load()));
+  }
   std::chrono::milliseconds opTimeout() const {
-    return std::max(options.opTimeout, 2 * client.stepDeadline());
+    return std::max(options.opTimeout, 2 * stepScale());
   }
   std::chrono::milliseconds recoveryTimeout() const {
-    return std::max(options.recoveryTimeout, 4 * client.stepDeadline());
+    return std::max(options.recoveryTimeout, 4 * stepScale());
   }
 };
 

@@ -274,10 +274,11 @@ TEST(PipelineJobTest, RestartFromDiskOntoOtherPlansAndDataParallel) {
   std::filesystem::remove_all(dir);
 }
 
-// A profile of train_pp's ten layers, each 100 kB of parameters, 1 ms forward and 2 ms backward,
-// with `devicesPerNode` workers per node of `memoryBytes` each and layer l's activations.
+// A profile of train_pp's ten layers, each 100 kB of parameters, `forwardMs` (1 ms) forward
+// and twice that backward, with `devicesPerNode` workers per node of `memoryBytes` each and
+// layer l's activations.
 std::string layerProfile(const std::string& path, int devicesPerNode, int64_t memoryBytes,
-                         int64_t (*activationBytes)(int)) {
+                         int64_t (*activationBytes)(int), double forwardMs = 1.0) {
   std::ofstream out(path);
   out << R"({"version": 1, "microbatch_size": 4, "job": {"devices_per_node": )" << devicesPerNode
       << R"(, "device_memory_bytes": )" << memoryBytes << R"(, "inter_stage_gbps": 10.0,
@@ -285,13 +286,37 @@ std::string layerProfile(const std::string& path, int devicesPerNode, int64_t me
     "layers": [)";
   for (int l = 0; l < 10; ++l) {
     std::string name = l == 0 ? "embed" : l == 9 ? "head" : "block" + std::to_string(l - 1);
-    out << (l ? ", " : "") << R"({"name": ")" << name
-        << R"(", "forward_ms": 1.0, "backward_ms": 2.0, "param_bytes": 100000,
-      "optimizer_bytes": 0, "activation_bytes": )"
+    out << (l ? ", " : "") << R"({"name": ")" << name << R"(", "forward_ms": )" << forwardMs
+        << R"(, "backward_ms": )" << 2 * forwardMs
+        << R"(, "param_bytes": 100000, "optimizer_bytes": 0, "activation_bytes": )"
         << activationBytes(l) << R"(, "output_bytes": 16384})";
   }
   out << "]}\n";
   return path;
+}
+
+// Before a step was measured, the plan's predicted step time scales the workers' deadlines: a
+// first stage that computes its first step for 12 s (a large model on a slow machine: GPT-2
+// small's first stage took over 10 s per microbatch here) is waited for, not timed out. The
+// profile predicts about 15 s a step (100 ms forward, 200 ms backward per layer, 8
+// microbatches, two stages), so the second stage's exchange waits up to twice that. Before,
+// it gave up after opTimeout's 10 s and every epoch's step 0 failed the same way (the fault
+// here fires once, so the job then recovered; with GPT-2 small it never did).
+TEST(PipelineJobTest, AFirstStepLongerThanTheOperationTimeoutIsWaitedFor) {
+  const std::string profile = layerProfile(
+      logDir("pp-slow-first") + "-profile.json", 1, 700000, [](int) -> int64_t { return 1000; },
+      100.0);
+  // A step deadline floor of 2 s leaves opTimeout at its 10 s before a step was measured.
+  JobRun run = sinew::testing::runJob(
+      "pp-slow-first", 2, TRAIN_PP_PATH,
+      {"--devices-per-node", "1", "--profile", profile, "--steps", "30", "--fault-tolerance", "0"},
+      "slow:worker=0:step=0:phase=forward:ms=12000", std::chrono::seconds(300),
+      {"--step-deadline-ms", "2000", "--exit-grace-s", kExitGrace});
+  SCOPED_TRACE(run.output);
+  expectMatchesReference(run);
+  EXPECT_NE(run.output.find("recoveries=0"), std::string::npos) << "step 0 timed out";
+  EXPECT_EQ(run.output.find("timed out"), std::string::npos);
+  std::filesystem::remove(profile);
 }
 
 // A profile of train_pp's layers with 2 devices (workers) per node and 600 kB per device:
