@@ -61,7 +61,9 @@ std::vector<std::string> CheckpointReader::layers() const {
 
 std::vector<std::string> CheckpointReader::tensorNames(const std::string& layer) const {
   std::vector<std::string> out;
-  for (const auto& t : impl_->layer(layer).tensors) out.push_back(t.name);
+  const checkpoint::LayerLocation& loc = impl_->layer(layer);
+  for (const auto& t : loc.tensors) out.push_back(t.name);
+  for (const auto& kv : loc.sameAs) out.push_back(kv.first);  // Stored once, with the owner.
   return out;
 }
 

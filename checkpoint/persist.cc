@@ -562,8 +562,12 @@ void CheckpointWriter::commitVersion(int64_t step, const std::vector<ShardFileRe
     }
   }
   const std::string vdir = joinPath(options_.dir, versionDirName(step));
+  // What every reader will check (e.g. that each same_as names a tensor the version stores):
+  // a manifest that fails it is never written, so LATEST never names one.
+  const std::string manifestJson = m.toJson();
+  Manifest::fromJson(manifestJson, joinPath(vdir, kManifest));
   env_->createDir(vdir);
-  env_->writeFileDurably(joinPath(vdir, kManifest), m.toJson());
+  env_->writeFileDurably(joinPath(vdir, kManifest), manifestJson);
   if (options_.onPoint) options_.onPoint("manifest-durable");
   // LATEST never moves backwards (docs/failure_semantics.md, rule 8): under a lock shared by
   // every writer of the folder, a version older than the one LATEST names is left unnamed. Only
@@ -764,9 +768,7 @@ std::map<std::string, RestoredLayer> CheckpointReader::load(
     for (const auto& t : loc.tensors) restored[t.name] = readTensor(layer, loc, t);
     // Tensors stored once: Manifest::fromJson checked that each target is stored.
     for (const auto& [name, target] : loc.sameAs) {
-      const size_t slash = target.find('/');
-      const std::string ownerLayer = target.substr(0, slash);
-      const std::string ownerTensor = target.substr(slash + 1);
+      const auto [ownerLayer, ownerTensor] = splitTensorKey(target, "same_as");
       const LayerLocation& ownerLoc = m.layers.at(ownerLayer);
       for (const auto& t : ownerLoc.tensors) {
         if (t.name == ownerTensor) restored[name] = readTensor(ownerLayer, ownerLoc, t);

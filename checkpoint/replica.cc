@@ -587,7 +587,7 @@ uint64_t ReplicaClient::put(const HostShard& shard) {
   std::lock_guard<std::mutex> lock(mu_);
   std::optional<Acked> base = std::move(acked_);
   acked_.reset();  // Set again only once this version is acknowledged.
-  const bool delta = options_.incremental && base && base->owner == shard.owner &&
+  const bool delta = options_.incremental && noBase_ < 2 && base && base->owner == shard.owner &&
                      base->step < shard.step && shard.layout.sameShape(base->layout);
   uint64_t sent = 0, total = 0;
   std::string ack;
@@ -595,8 +595,11 @@ uint64_t ReplicaClient::put(const HostShard& shard) {
     const auto ranges = shard.layout.changedSince(base->layout);
     ack = send(shard, &ranges, base->step, &sent);
     if (ack.rfind(replica_wire::kNoBase, 0) == 0) {  // The peer lost it: send it whole.
+      ++noBase_;
       total += sent;
       ack = send(shard, nullptr, -1, &sent);
+    } else {
+      noBase_ = 0;
     }
   } else {
     ack = send(shard, nullptr, -1, &sent);

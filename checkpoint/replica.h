@@ -161,6 +161,9 @@ class ReplicaClient {
     ShardLayout layout;
   };
   std::optional<Acked> acked_;
+  // Deltas this peer refused in a row for want of their base (guarded by mu_): after two (a
+  // service that keeps one version has no slot for a delta) versions go to it whole.
+  int noBase_ = 0;
   Conn& connection();
   // One put: begin (a delta from `base` when `ranges` is given: only those bytes follow),
   // chunks, end; returns the ack's text (empty: accepted). *sent: the bytes sent.

@@ -245,9 +245,13 @@ class ProfileRuns {
       c.name = layer.name.empty() ? "layer" + std::to_string(l) : layer.name;
       c.forward_ns = median(fwd_[l]);
       c.backward_ns = median(bwd_[l]);
-      for (const at::Tensor& p : layer.parameters) c.param_bytes += tensorBytes(p);
+      int64_t trained = 0;  // A frozen parameter has no gradient and no optimizer state.
+      for (const at::Tensor& p : layer.parameters) {
+        c.param_bytes += tensorBytes(p);
+        if (p.requires_grad()) trained += tensorBytes(p);
+      }
       c.optimizer_bytes =
-          std::llround(static_cast<double>(c.param_bytes) * options_.optimizer_state_factor);
+          std::llround(static_cast<double>(trained) * options_.optimizer_state_factor);
       c.output_bytes = outs_[l].bytes();
       c.activation_bytes = layer.activation_bytes >= 0 ? layer.activation_bytes
                            : retained_[l] >= 0         ? ins_[l].bytes() + retained_[l]

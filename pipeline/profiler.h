@@ -69,8 +69,9 @@ struct ProfilerOptions {
   // warm-up ends (after its first run) and the timed runs end after their third, so that a
   // large model is profiled in a few of its microbatches instead of warmup + repeats. >= 0.
   double time_budget_s = 0;
-  // Optimizer state bytes per parameter byte (2 for Adam's two moments in the parameters'
-  // dtype). >= 0.
+  // Optimizer state bytes per byte of a trained parameter (requires_grad; a frozen one has
+  // none): 2 for Adam's two moments in the parameters' dtype, 3 with its gradient (the
+  // trainer's measured profiles count the gradient). >= 0.
   double optimizer_state_factor = 2.0;
   // Copied into the profile (machines are not measured here).
   JobSpec job;

@@ -156,30 +156,30 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
     post(wire::Type::kVote, epoch, body);
     std::unique_lock<std::mutex> lock(mu_);
     auto decided = [&] { return committed_ >= step || epoch_.epoch > epoch || !gone_.empty(); };
-    bool ok = waitFor(lock, timeout, decided);
-    // A commit precedes any later epoch on the connection, so check it first.
-    if (committed_ >= step) {
-      return reshapeAfter_ == step ? VoteResult::kCommittedThenReshape : VoteResult::kCommitted;
-    }
-    if (!gone_.empty()) throwGone();
-    if (!ok) {
-      // No verdict in time. The vote may still be in the coordinator's socket (a paused
-      // coordinator): withdraw it and wait for what the coordinator decides, so that this
-      // worker applies `step` exactly when the coordinator committed it (the commit, if any,
-      // precedes the answer to the withdrawal on the connection).
-      post(wire::Type::kWithdraw, epoch, json{{"step", step}});
-      ok = waitFor(lock, withdrawalTimeout, decided);
+    // Waits up to `wait` for the verdict: true with *result set when there is one. A commit
+    // precedes any later epoch on the connection, so it is checked first.
+    VoteResult result = VoteResult::kSuperseded;
+    auto verdict = [&](std::chrono::milliseconds wait) {
+      const bool ok = waitFor(lock, wait, decided);
       if (committed_ >= step) {
-        return reshapeAfter_ == step ? VoteResult::kCommittedThenReshape : VoteResult::kCommitted;
+        result = reshapeAfter_ == step ? VoteResult::kCommittedThenReshape : VoteResult::kCommitted;
+        return true;
       }
       if (!gone_.empty()) throwGone();
-      if (!ok) {
-        SINEW_THROW(Timeout, "worker ", worker_, ": no verdict on step ", step, " of epoch ", epoch,
-                    " within ", timeout.count(), " ms, nor on its withdrawal within ",
-                    withdrawalTimeout.count(), " ms more");
-      }
+      return ok;
+    };
+    if (verdict(timeout)) return result;
+    // No verdict in time. The vote may still be in the coordinator's socket (a paused
+    // coordinator): withdraw it and wait for what the coordinator decides, so that this worker
+    // applies `step` exactly when the coordinator committed it (the commit, if any, precedes
+    // the answer to the withdrawal on the connection).
+    post(wire::Type::kWithdraw, epoch, json{{"step", step}});
+    if (!verdict(withdrawalTimeout)) {
+      SINEW_THROW(Timeout, "worker ", worker_, ": no verdict on step ", step, " of epoch ", epoch,
+                  " within ", timeout.count(), " ms, nor on its withdrawal within ",
+                  withdrawalTimeout.count(), " ms more");
     }
-    return VoteResult::kSuperseded;
+    return result;
   }
 
   // cv_.wait_for, except in HA mode when the leader was lost during the wait: then the

@@ -25,9 +25,9 @@ double recoverIntoNextEpoch(const TrainerServices& s, EpochCommunicators& comms,
     s.state.memberLost = true;  // MPI_Finalize would wait for the lost member forever.
     s.event({{"event", "failure_noticed"}, {"epoch", from}, {"step", step}, {"reason", why}});
   }
-  // The deadline bounds the waits for an epoch; an attempt to enter one that a newer epoch
-  // then superseded (the job's first epoch, in which the members measure their profile, for
-  // minutes on a large model) extends it by its duration.
+  // The deadline bounds the waits for an epoch. At the start, an attempt to enter one that a
+  // newer epoch then superseded (the job's first epoch, in which the members measure their
+  // profile, for minutes on a large model) extends it by its duration.
   auto deadline = t0 + s.recoveryTimeout();
   int64_t waitFrom = from;
   while (true) {
@@ -59,7 +59,7 @@ double recoverIntoNextEpoch(const TrainerServices& s, EpochCommunicators& comms,
       s.client.requestRebuild(info.epoch);
     } catch (const Aborted&) {
       // Superseded while building: the next epoch is already on its way.
-      deadline += TrainerClock::now() - entering;
+      if (from < 0) deadline += TrainerClock::now() - entering;
     } catch (const IoError&) {
       s.client.requestRebuild(info.epoch);
     } catch (const LayerCopyDamaged& e) {

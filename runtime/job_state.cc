@@ -577,7 +577,11 @@ void JobState::onWithdraw(int worker, int64_t step) {
     return;
   }
   auto v = votes_.find(step);
-  if (v != votes_.end()) v->second.erase(worker);
+  if (v == votes_.end() || v->second.erase(worker) == 0) {
+    log("worker " + std::to_string(worker) + " withdrew a vote for step " + std::to_string(step) +
+        " it did not give; ignored");
+    return;
+  }
   event({{"event", "vote_withdrawn"}, {"epoch", epoch_}, {"step", step}, {"worker", worker}});
   newEpoch("worker " + std::to_string(worker) + " had no verdict on step " + std::to_string(step) +
                " in time and withdrew its vote",

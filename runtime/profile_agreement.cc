@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <vector>
@@ -71,7 +73,15 @@ pipeline::Profile ProfileAgreement::agree(const EpochInfo& info, collectives::St
   const std::string key = "sinew/pipeline/profile";
   if (!store.check({key})) {
     auto t0 = TrainerClock::now();
-    if (mine_.layers.empty()) mine_ = measure();  // Once, even on retries.
+    if (mine_.layers.empty()) {
+      mine_ = measure();  // Once, even on retries.
+      // The profile built every layer of the model and its gradients; glibc keeps such freed
+      // memory (tensors below its mmap threshold, 32 MiB at most) resident unless told to
+      // return it, which a worker that holds one stage of a large model needs.
+#ifdef __GLIBC__
+      malloc_trim(0);
+#endif
+    }
     const std::string prefix = key + "/e" + std::to_string(info.epoch) + "/w";
     store.set(prefix + std::to_string(s_.worker()),
               collectives::toBytes(pipeline::profileToJson(mine_)));

@@ -420,7 +420,7 @@ class Trainer::Impl {
       event({{"event", "done"},
              {"step", step_},
              {"loss", lastLoss_},
-             {"peak_rss_bytes", peakRss()},
+             {"peak_rss_bytes", std::max(lifePeakRss_, peakRss())},
              {"training_peak_rss_bytes", peakReset_ ? highWaterRss() : -1}});
     }
     TrainResult r = result(preempted);
@@ -463,6 +463,7 @@ class Trainer::Impl {
     durable_->releaseKept();  // Only the first epoch's source restores from it.
     startStep_ = step_;
     // The memory of training, without the profile's (every layer of the model, built once).
+    lifePeakRss_ = peakRss();  // The reset below also resets getrusage's figure.
     peakReset_ = resetPeakRss();
   }
 
@@ -925,6 +926,7 @@ class Trainer::Impl {
   bool pipelineMode_ = false;
   std::vector<runtime::Tie> ties_;  // ModelSpec::tied, resolved
   bool peakReset_ = false;          // the RSS high-water mark was reset when training began
+  int64_t lifePeakRss_ = 0;         // the peak resident memory before that reset
   runtime::MicrobatchReader microbatches_;
   at::Device device_{at::kCPU};  // Where this worker's layers live (TrainerOptions::device).
   // The units the trainer delegates to; destroyed in ~Impl in reverse dependency order.

@@ -3,7 +3,7 @@
 //  1. Activation transfers: a 16 MiB float64 activation bounced between two processes with
 //     Communicator::exchange (what the stages use), against the same bytes over a raw
 //     loopback TCP socket. The ratio is raw time / Sinew time, so > 1 means Sinew is faster.
-//  2. The cost model: examples/train_pp as one 2-stage pipeline on 2 workers (memory budget 2 MB,
+//  2. The cost model: examples/train_pp as one 2-stage pipeline on 2 workers (memory budget 4.4 MB,
 //     f = 0) under sinew-run. The measured 1F1B time per step (the slowest stage's median
 //     `schedule_s`, from the progress events) is compared with the plan's
 //     `predicted_iteration_s`, which the cost model computes from the profile measured at start.

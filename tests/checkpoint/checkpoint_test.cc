@@ -1109,6 +1109,22 @@ TEST(ReplicaTest, IncrementalVersionsSendOnlyTheTensorsThatChanged) {
   ASSERT_NE(restarted.find(0, 1), nullptr);
   EXPECT_EQ(restarted.find(0, 1)->verify(), "");
 
+  // A service that keeps one version has no slot for a delta besides its base: each delta is
+  // refused, then sent whole, and after two such refusals the client sends versions whole.
+  ReplicaServiceOptions one = replicaServiceOptions();
+  one.versionsKept = 1;
+  ReplicaService single(1, one);
+  ReplicaClient toSingle(1, single.address(), co);
+  std::vector<uint64_t> sentToSingle;
+  for (int64_t step = 0; step < 4; ++step) {
+    sentToSingle.push_back(toSingle.put(*snap(state(step), 0, step)));
+    ASSERT_NE(single.find(0, step), nullptr) << "step " << step;
+  }
+  EXPECT_EQ(sentToSingle[0], total);
+  EXPECT_GT(sentToSingle[1], total);
+  EXPECT_GT(sentToSingle[2], total);
+  EXPECT_EQ(sentToSingle[3], total) << "the client kept sending deltas it knew were refused";
+
   // A delta whose bytes disagree with its checksums is refused; the newest version stays.
   auto bad = snap(state(2), 0, 2);
   auto& mutableBad = const_cast<HostShard&>(*bad);

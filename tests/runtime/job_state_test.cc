@@ -208,6 +208,8 @@ TEST(JobStateTest, AWithdrawnVoteCountsOnlyIfItsStepIsAlreadyCommitted) {
   EXPECT_EQ(m.sent(1, Type::kCommit).size(), 1u);
   m.clear();
   m.vote(0, 0, 1);
+  m.frame(2, Type::kWithdraw, 0, json{{"step", 1}});  // Worker 1 gave no vote: ignored.
+  EXPECT_EQ(m.state->epoch(), 0);
   m.frame(1, Type::kWithdraw, 0, json{{"step", 1}});
   EXPECT_EQ(m.state->committed(), 0);
   EXPECT_EQ(m.state->epoch(), 1);
