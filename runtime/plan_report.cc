@@ -14,8 +14,9 @@ namespace runtime {
 
 PlanReport reportPlan(const pipeline::Plan& plan, const ModelSpec& spec, int64_t epoch,
                       double predictedSeconds, const pipeline::Profile* profile) {
+  // A joiner plans nothing and holds no profile (it enters with the plan of its epoch).
   std::optional<pipeline::CostModel> costs;
-  if (profile != nullptr) costs.emplace(*profile);
+  if (profile != nullptr && profile->layers.size() == spec.layers.size()) costs.emplace(*profile);
   // Per (pipeline, stage): its workers (the stage's width) and the pipeline's stages.
   std::map<std::pair<int, int>, int> width;
   std::map<int, int> stagesOf;

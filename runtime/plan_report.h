@@ -25,7 +25,8 @@ struct PlanReport {
 };
 
 // The report of `plan` in `epoch`; `predictedSeconds` is the cost model's 1F1B time of its
-// slowest pipeline. With `profile` (the one the plan was made from), each worker's entry also
+// slowest pipeline. With `profile` (the one the plan was made from; a joiner's is empty and
+// ignored), each worker's entry also
 // has `memory_bytes`, the cost model's memory for its stage: its layers' parameters,
 // gradients and optimizer state, and the activations of the microbatches 1F1B keeps in flight
 // at its position (docs/planner.md). REQUIRES: the plan's layer ranges are within spec.layers

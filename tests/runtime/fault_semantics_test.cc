@@ -39,19 +39,26 @@ void expectExact(const JobRun& run, const std::string& lostList) {
   sinew::testing::expectFinishedExact(run, lostList);
 }
 
-// Item 2: SIGSTOP of the launcher (which hosts the coordinator) for longer than the heartbeat
-// timeout, then SIGCONT, as Ctrl-Z/fg, a Slurm suspend or a VM pause do. The silence was the
+// A train_dp job of `workers` under sinew-run whose launcher (which hosts the coordinator) this
+// test SIGSTOPs at step 10 for `pause`, then SIGCONTs, as Ctrl-Z/fg, a Slurm suspend or a VM
+// pause do; the job as it ended.
+JobRun pausedLauncherJob(const std::string& name, int workers, int steps,
+                         std::chrono::milliseconds pause) {
+  const std::string dir = logDir(name);
+  Child job = start({SINEW_RUN_PATH, "-n", std::to_string(workers), "--log-dir", dir, "--inject",
+                     "slow:worker=*:ms=20", TRAIN_DP_PATH, "--steps", std::to_string(steps)},
+                    {});
+  if (!waitForLog(dir, "sinew: step 10 ")) ADD_FAILURE() << "the job did not reach step 10";
+  ::kill(job.pid, SIGSTOP);  // The launcher this test started.
+  std::this_thread::sleep_for(pause);
+  ::kill(job.pid, SIGCONT);
+  return finish(job, 240s);
+}
+
+// Item 2: the launcher paused for longer than the heartbeat timeout. The silence was the
 // coordinator's own: no worker is expelled and the job ends exact.
 TEST(FaultSemanticsTest, PausedCoordinatorExpelsNobody) {
-  const std::string dir = logDir("coord-pause");
-  Child job = start({SINEW_RUN_PATH, "-n", "3", "--log-dir", dir, "--inject", "slow:worker=*:ms=20",
-                     TRAIN_DP_PATH, "--steps", "80"},
-                    {});
-  ASSERT_TRUE(waitForLog(dir, "sinew: step 10 ")) << "the job did not reach step 10";
-  ::kill(job.pid, SIGSTOP);  // The launcher this test started.
-  std::this_thread::sleep_for(5000ms);
-  ::kill(job.pid, SIGCONT);
-  JobRun run = finish(job, 240s);
+  JobRun run = pausedLauncherJob("coord-pause", 3, 80, 5000ms);
   SCOPED_TRACE(run.output);
   expectExact(run, "");
   EXPECT_EQ(run.output.find("declared dead"), std::string::npos);
@@ -64,17 +71,9 @@ TEST(FaultSemanticsTest, PausedCoordinatorExpelsNobody) {
 // it runs again, either committed s from the queued votes first (then every worker applies s)
 // or drops the vote and starts an epoch that resumes at s. Before, it committed s and then
 // started an epoch resuming at s + 1 for workers that held s - 1, and every worker exited
-// ("holds the state after step 17 but epoch 1 resumes at step 19 without a state copy").
+// ("holds the state after step 9 but epoch 1 resumes at step 11 without a state copy").
 TEST(FaultSemanticsTest, CoordinatorPausedLongerThanTheVoteWaitLosesNothing) {
-  const std::string dir = logDir("coord-long-pause");
-  Child job = start({SINEW_RUN_PATH, "-n", "2", "--log-dir", dir, "--inject", "slow:worker=*:ms=20",
-                     TRAIN_DP_PATH, "--steps", "60"},
-                    {});
-  ASSERT_TRUE(waitForLog(dir, "sinew: step 10 ")) << "the job did not reach step 10";
-  ::kill(job.pid, SIGSTOP);  // The launcher this test started.
-  std::this_thread::sleep_for(12000ms);
-  ::kill(job.pid, SIGCONT);
-  JobRun run = finish(job, 240s);
+  JobRun run = pausedLauncherJob("coord-long-pause", 2, 60, 12000ms);
   SCOPED_TRACE(run.output);
   expectExact(run, "");
   EXPECT_EQ(run.output.find("declared dead"), std::string::npos);
