@@ -417,11 +417,13 @@ class Trainer::Impl {
     } else {
       durable_->finish();
       client_.done(step_);
+      // The training peak first: the lifetime peak read after it is at least as high.
+      const int64_t trainingPeak = peakReset_ ? highWaterRss() : -1;
       event({{"event", "done"},
              {"step", step_},
              {"loss", lastLoss_},
-             {"peak_rss_bytes", std::max(lifePeakRss_, peakRss())},
-             {"training_peak_rss_bytes", peakReset_ ? highWaterRss() : -1}});
+             {"peak_rss_bytes", std::max({lifePeakRss_, peakRss(), trainingPeak})},
+             {"training_peak_rss_bytes", trainingPeak}});
     }
     TrainResult r = result(preempted);
     comms_->close();
