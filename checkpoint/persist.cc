@@ -370,8 +370,10 @@ Manifest Manifest::fromJson(const std::string& text, const std::string& path) {
     for (const auto& [name, target] : kv.second.sameAs) {
       const std::string aw = what + ": layer '" + kv.first + "' tensor '" + name + "' same_as '" +
                              target.substr(0, 200) + "'";
-      const auto [layer, tensor] = splitTensorKey(target, aw);
-      auto owner = m.layers.find(layer);
+      // Named, not bound: a lambda may not capture a structured binding in C++17 (clang).
+      const std::pair<std::string, std::string> key = splitTensorKey(target, aw);
+      const std::string& tensor = key.second;
+      auto owner = m.layers.find(key.first);
       const bool found = owner != m.layers.end() &&
                          std::any_of(owner->second.tensors.begin(), owner->second.tensors.end(),
                                      [&](const TensorRecord& t) { return t.name == tensor; });
