@@ -29,11 +29,9 @@ PlanReport reportPlan(const pipeline::Plan& plan, const ModelSpec& spec, int64_t
   os << "sinew: epoch " << epoch << " plan: " << plan.pipelines.size() << " pipelines";
   for (size_t p = 0; p < plan.pipelines.size(); ++p) {
     nlohmann::json stages = nlohmann::json::array();
-    int nstages = 0;
     std::ostringstream ps;
     for (const auto& w : plan.workers) {
       if (w.pipeline != static_cast<int>(p)) continue;
-      nstages = std::max(nstages, w.stage + 1);
       nlohmann::json entry = {{"worker", w.worker},
                               {"stage", w.stage},
                               {"first_layer", w.firstLayer},
@@ -51,8 +49,9 @@ PlanReport reportPlan(const pipeline::Plan& plan, const ModelSpec& spec, int64_t
                      {"stages", stages},
                      {"microbatches", plan.pipelines[p].microbatches}});
     const int nodes = plan.pipelines[p].nodes;
-    os << "\n  pipeline " << p << ": " << nodes << (nodes == 1 ? " node, " : " nodes, ") << nstages
-       << " stages, " << plan.pipelines[p].microbatches << " microbatches:" << ps.str();
+    os << "\n  pipeline " << p << ": " << nodes << (nodes == 1 ? " node, " : " nodes, ")
+       << stagesOf[static_cast<int>(p)] << " stages, " << plan.pipelines[p].microbatches
+       << " microbatches:" << ps.str();
   }
   PlanReport r;
   r.event = {{"event", "plan"},
