@@ -51,7 +51,8 @@ struct CommonArgs {
   int progress = 10;
   std::string checkpointDir;
   int checkpointEvery = 0;
-  bool incremental = false;  // TrainerOptions::incrementalCheckpoints
+  bool incremental = false;    // TrainerOptions::incrementalCheckpoints
+  bool memoryByPhase = false;  // TrainerOptions::memoryByPhase
   std::string device = "cpu";
   sinew::CommBackend backend = sinew::CommBackend::kAuto;
 };
@@ -62,7 +63,7 @@ constexpr const char* kCommonUsage =
     "[--clip C] [--sampling replacement|epochs] [--dataset-size N] [--eval-every N] "
     "[--eval-samples K] [--float32] [--progress N] [--checkpoint-dir "
     "DIR] "
-    "[--checkpoint-every K] [--incremental-checkpoints] [--no-reference] "
+    "[--checkpoint-every K] [--incremental-checkpoints] [--memory-by-phase] [--no-reference] "
     "[--device cpu|cuda|cuda:N] "
     "[--backend auto|gloo|nccl]";
 
@@ -172,6 +173,8 @@ inline bool parseCommon(ArgReader& r, CommonArgs& a) {
     a.checkpointEvery = static_cast<int>(r.integer(kMaxInt));
   } else if (s == "--incremental-checkpoints") {
     a.incremental = true;
+  } else if (s == "--memory-by-phase") {
+    a.memoryByPhase = true;
   } else if (s == "--no-reference") {
     a.reference = false;
   } else if (s == "--device") {
@@ -222,6 +225,7 @@ inline sinew::TrainerOptions trainerOptions(const CommonArgs& a) {
   o.checkpointDir = a.checkpointDir;
   o.checkpointEvery = a.checkpointEvery;
   o.incrementalCheckpoints = a.incremental;
+  o.memoryByPhase = a.memoryByPhase;
   o.device = a.device;
   o.backend = a.backend;
   o.lrSchedule = lrSchedule(a);

@@ -29,7 +29,8 @@ bool sameProfile(const sinew::pipeline::Profile& a, const sinew::pipeline::Profi
     const auto& y = b.layers[i];
     if (x.name != y.name || x.forward_ns != y.forward_ns || x.backward_ns != y.backward_ns ||
         x.param_bytes != y.param_bytes || x.optimizer_bytes != y.optimizer_bytes ||
-        x.activation_bytes != y.activation_bytes || x.output_bytes != y.output_bytes) {
+        x.activation_bytes != y.activation_bytes || x.output_bytes != y.output_bytes ||
+        x.workspace_bytes != y.workspace_bytes) {
       return false;
     }
   }

@@ -99,6 +99,21 @@ CostModel::CostModel(const Profile& profile) {
     static_bytes_[l + 1] = static_bytes_[l] + c.param_bytes + c.optimizer_bytes;
     activation_bytes_[l + 1] = activation_bytes_[l] + c.activation_bytes;
   }
+  workspace_max_.assign(1, std::vector<int64_t>(L));
+  for (int l = 0; l < L; ++l) workspace_max_[0][l] = profile.layers[l].workspace_bytes;
+  for (int k = 1; (1 << k) <= L; ++k) {
+    const std::vector<int64_t>& prev = workspace_max_[k - 1];
+    std::vector<int64_t> level(L - (1 << k) + 1);
+    for (size_t i = 0; i < level.size(); ++i) {
+      level[i] = std::max(prev[i], prev[i + (size_t{1} << (k - 1))]);
+    }
+    workspace_max_.push_back(std::move(level));
+  }
+}
+
+int64_t CostModel::workspaceBytes(int first, int end) const {
+  const int k = 63 - __builtin_clzll(static_cast<unsigned long long>(end - first));
+  return std::max(workspace_max_[k][first], workspace_max_[k][end - (1 << k)]);
 }
 
 int CostModel::widthIndex(int width) const {
@@ -110,7 +125,8 @@ int CostModel::widthIndex(int width) const {
 
 int64_t CostModel::memoryBytes(int first, int end, int w, int64_t in_flight) const {
   __int128 m = static_cast<__int128>(staticBytes(first, end)) +
-               static_cast<__int128>(in_flight) * activationBytesPerDevice(first, end, w);
+               static_cast<__int128>(in_flight) * activationBytesPerDevice(first, end, w) +
+               workspaceBytes(first, end);
   if (m > std::numeric_limits<int64_t>::max()) return std::numeric_limits<int64_t>::max();
   return static_cast<int64_t>(m);
 }

@@ -14,6 +14,7 @@
 //   transfer(end)           = end < L ? 2 * G * transferNs(output_bytes of layer end-1) : 0
 //   fill(first, end, d)     = compute + allreduce + transfer
 //   memory(first, end, d, k) = params + optimizer + k * ceil(activations / d)
+//                              + max over its layers of workspace
 // and a pipeline of stages s = 1..S running M microbatches under 1F1B takes
 //   iteration(M) = sum_s fill_s + (M - 1) * max_s compute_s      (M >= 1; 0 for M = 0).
 // It is feasible when every stage's memory, at its position, fits device_memory_bytes.
@@ -66,12 +67,15 @@ class CostModel {
     int64_t d = widths_[w];
     return (a + d - 1) / d;
   }
+  // The largest workspace_bytes of layers [first, end): O(1).
+  int64_t workspaceBytes(int first, int end) const;
   // Whether the stage fits a device when `in_flight` (>= 1) microbatches are in flight.
   bool fits(int first, int end, int w, int64_t in_flight) const {
-    int64_t free_bytes = device_memory_bytes_ - staticBytes(first, end);
+    int64_t free_bytes =
+        device_memory_bytes_ - staticBytes(first, end) - workspaceBytes(first, end);
     return free_bytes >= 0 && activationBytesPerDevice(first, end, w) <= free_bytes / in_flight;
   }
-  // params + optimizer + in_flight * activations/d, saturating at INT64_MAX.
+  // params + optimizer + in_flight * activations/d + workspace, saturating at INT64_MAX.
   int64_t memoryBytes(int first, int end, int w, int64_t in_flight) const;
 
   // Per layer: time to send its output to the next stage, and one ring allreduce of its
@@ -98,6 +102,8 @@ class CostModel {
   std::vector<int64_t> boundary_;
   std::vector<int64_t> static_bytes_;
   std::vector<int64_t> activation_bytes_;
+  // workspace_max_[k][i]: the largest workspace_bytes of layers [i, i + 2^k) (a sparse table).
+  std::vector<std::vector<int64_t>> workspace_max_;
   int64_t max_fill_ticks_ = 0;
 };
 

@@ -143,7 +143,8 @@ void validateProfile(const Profile& profile) {
                                                       {"param_bytes", l.param_bytes},
                                                       {"optimizer_bytes", l.optimizer_bytes},
                                                       {"activation_bytes", l.activation_bytes},
-                                                      {"output_bytes", l.output_bytes}};
+                                                      {"output_bytes", l.output_bytes},
+                                                      {"workspace_bytes", l.workspace_bytes}};
     for (const auto& f : fields) {
       if (f.second < 0) {
         SINEW_THROW(InvalidArgument, "profile: layers[", i, "].", f.first, " (layer '", l.name,
@@ -158,7 +159,8 @@ void validateProfile(const Profile& profile) {
       }
       total_ns += ns;
     }
-    for (int64_t b : {l.param_bytes, l.optimizer_bytes, l.activation_bytes, l.output_bytes}) {
+    for (int64_t b : {l.param_bytes, l.optimizer_bytes, l.activation_bytes, l.output_bytes,
+                      l.workspace_bytes}) {
       if (b > kMaxTotalBytes - total_bytes) {
         SINEW_THROW(InvalidArgument, "profile: the layers' byte counts exceed 2^56 at layers[", i,
                     "] ('", l.name, "')");
@@ -241,6 +243,7 @@ Profile parseProfileJson(const std::string& text) {
     c.optimizer_bytes = readBytes(l, "optimizer_bytes", where);
     c.activation_bytes = readBytes(l, "activation_bytes", where);
     c.output_bytes = readBytes(l, "output_bytes", where);
+    if (l.contains("workspace_bytes")) c.workspace_bytes = readBytes(l, "workspace_bytes", where);
     p.layers.push_back(std::move(c));
   }
   validateProfile(p);
@@ -282,7 +285,8 @@ std::string profileToJson(const Profile& profile) {
                       {"param_bytes", l.param_bytes},
                       {"optimizer_bytes", l.optimizer_bytes},
                       {"activation_bytes", l.activation_bytes},
-                      {"output_bytes", l.output_bytes}});
+                      {"output_bytes", l.output_bytes},
+                      {"workspace_bytes", l.workspace_bytes}});
   }
   root["layers"] = layers;
   return root.dump(2) + "\n";

@@ -33,6 +33,12 @@ struct LayerCost {
   // Bytes of the layer's output; sent to the next stage when the layer ends a stage (and the
   // same number of gradient bytes comes back in the backward).
   int64_t output_bytes = 0;
+  // The most memory the layer needs for a moment beyond what it keeps: temporaries of its
+  // forward and backward (attention scores freed within the layer, an embedding's dense
+  // gradient before it is added to the kept one) and of its optimizer step (e.g. AdamW's
+  // square root and quotient, twice its largest parameter). Only one layer runs at a time, so a
+  // stage needs the largest of its layers' workspaces once, not their sum.
+  int64_t workspace_bytes = 0;
 };
 
 // In-node gradient allreduce among the d devices of a stage: a ring allreduce of each layer's

@@ -64,6 +64,10 @@ void checkArguments(const std::vector<ProfiledLayer>& layers, const Activation& 
     SINEW_THROW(InvalidArgument, "profileLayers: optimizer_state_factor must be >= 0, got ",
                 options.optimizer_state_factor);
   }
+  if (!(std::isfinite(options.update_workspace_factor) && options.update_workspace_factor >= 0)) {
+    SINEW_THROW(InvalidArgument, "profileLayers: update_workspace_factor must be >= 0, got ",
+                options.update_workspace_factor);
+  }
   if (input.tensors.empty()) {
     SINEW_THROW(InvalidArgument, "profileLayers: the input has no tensor");
   }
@@ -98,7 +102,8 @@ class ProfileRuns {
         bwd_(L_),
         ins_(L_),
         outs_(L_),
-        retained_(L_, -1) {
+        retained_(L_, -1),
+        transient_(L_, -1) {
     if (options.measure_memory && input.tensors[0].device().is_cpu()) meter_.emplace();
     metered_ = meter_ && meter_->installed();
   }
@@ -112,11 +117,11 @@ class ProfileRuns {
              std::chrono::duration<double>(Clock::now() - start).count() >= options_.time_budget_s;
     };
     for (int w = 0; w < options_.warmup && !(w > 0 && overBudget()); ++w) {
-      backward(false, forward(false, false));
+      backward(false, false, forward(false, false));
     }
     const int least = std::min(options_.repeats, 3);
     for (int r = 0; r < options_.repeats && !(r >= least && overBudget()); ++r) {
-      backward(true, forward(true, r == 0));
+      backward(true, r == 0, forward(true, r == 0));
     }
     resetGradients();
     return result();
@@ -174,6 +179,7 @@ class ProfileRuns {
         if (at::isFloatingType(t.scalar_type())) t.requires_grad_(true);
       }
       const int64_t liveBefore = metered_ ? meter_->live() : 0;
+      if (metered_ && metered) meter_->resetPeak();
       auto t0 = Clock::now();
       const bool withLoss = l + 1 == L_ && static_cast<bool>(options_.loss);
       Activation y;
@@ -186,7 +192,11 @@ class ProfileRuns {
       }
       if (withLoss) loss = lossOf(l, y);
       if (timed) fwd_[l].push_back(nsSince(t0));
-      if (metered_ && metered) retained_[l] = std::max<int64_t>(0, meter_->live() - liveBefore);
+      if (metered_ && metered) {
+        const int64_t live = meter_->live();
+        retained_[l] = std::max<int64_t>(0, live - liveBefore);
+        transient_[l] = std::max<int64_t>(0, meter_->peak() - live);
+      }
       ins_[l] = in;
       outs_[l] = y;
       x = y;
@@ -196,7 +206,7 @@ class ProfileRuns {
 
   // Every layer's backward in reverse, each from the next layer's input gradients (ones where
   // it has none of the output's shape), or from `loss` for the last layer.
-  void backward(bool timed, const at::Tensor& loss) {
+  void backward(bool timed, bool metered, const at::Tensor& loss) {
     std::vector<at::Tensor> g;  // gradients of the next layer's input tensors
     for (size_t i = L_; i-- > 0;) {
       const Activation& y = outs_[i];
@@ -210,6 +220,8 @@ class ProfileRuns {
         gs.push_back(fits ? g[j] : at::ones_like(t));
       }
       int64_t ns = 0;
+      const int64_t liveBefore = metered_ ? meter_->live() : 0;
+      if (metered_ && metered) meter_->resetPeak();
       if (fromLoss || !ys.empty()) {
         try {
           auto t1 = Clock::now();
@@ -228,6 +240,9 @@ class ProfileRuns {
         }
       }
       if (timed) bwd_[i].push_back(ns);
+      if (metered_ && metered) {
+        transient_[i] = std::max(transient_[i], meter_->peak() - liveBefore);
+      }
       g.clear();
       for (const at::Tensor& t : ins_[i].tensors) {
         g.push_back(t.requires_grad() && t.grad().defined() ? t.grad() : at::Tensor());
@@ -246,9 +261,13 @@ class ProfileRuns {
       c.forward_ns = median(fwd_[l]);
       c.backward_ns = median(bwd_[l]);
       int64_t trained = 0;  // A frozen parameter has no gradient and no optimizer state.
+      int64_t largest = 0;  // the largest trained parameter
       for (const at::Tensor& p : layer.parameters) {
         c.param_bytes += tensorBytes(p);
-        if (p.requires_grad()) trained += tensorBytes(p);
+        if (p.requires_grad()) {
+          trained += tensorBytes(p);
+          largest = std::max(largest, tensorBytes(p));
+        }
       }
       c.optimizer_bytes =
           std::llround(static_cast<double>(trained) * options_.optimizer_state_factor);
@@ -256,6 +275,11 @@ class ProfileRuns {
       c.activation_bytes = layer.activation_bytes >= 0 ? layer.activation_bytes
                            : retained_[l] >= 0         ? ins_[l].bytes() + retained_[l]
                                                        : ins_[l].bytes() + outs_[l].bytes();
+      const int64_t step =
+          std::llround(static_cast<double>(largest) * options_.update_workspace_factor);
+      c.workspace_bytes = layer.workspace_bytes >= 0
+                              ? layer.workspace_bytes
+                              : std::max<int64_t>(step, std::max<int64_t>(0, transient_[l]));
       profile.layers.push_back(std::move(c));
     }
     validateProfile(profile);
@@ -271,6 +295,10 @@ class ProfileRuns {
   // Bytes each layer's forward left allocated (its output, what autograd saved for backward,
   // and for the last layer the loss's), in the last run; -1 where not measured.
   std::vector<int64_t> retained_;
+  // The most a layer's forward or backward allocated beyond what it left allocated (its
+  // temporaries, and in the backward its new gradients before they are added to the kept
+  // ones), in the last run; -1 where not measured.
+  std::vector<int64_t> transient_;
   std::optional<CpuMemoryMeter> meter_;
   bool metered_ = false;
 };

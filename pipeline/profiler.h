@@ -29,7 +29,12 @@
 // pipeline/memory_meter.h: y, everything autograd saved for backward such as attention
 // scores, and for the last layer what the loss saved), else (a CUDA input, or
 // measure_memory false) bytes of x + bytes of y, a lower bound for layers that save larger
-// intermediates. Temporaries freed within a forward or a backward are not counted.
+// intermediates. workspace_bytes = the layer's own figure if it gives one (>= 0), else the
+// largest of: update_workspace_factor x its largest trained parameter's bytes (the optimizer
+// step's temporaries), and on the CPU what its forward allocated beyond what it left allocated
+// and what its backward allocated beyond what was allocated when it began (temporaries such
+// as attention scores and softmax gradients, and gradients before they are added to the kept
+// ones), in the first timed run.
 //
 // Thread safety: profileLayers() runs the layers on the calling thread; callers must not run
 // the same layers concurrently. Blocking: it takes (warmup + repeats) x the layers' time.
@@ -58,6 +63,8 @@ struct ProfiledLayer {
   // Bytes kept for backward per microbatch, if the layer knows better than the profiler's
   // measurement (or its estimate); -1: measure (estimate).
   int64_t activation_bytes = -1;
+  // LayerCost::workspace_bytes, if the layer knows better; -1: measure (see above).
+  int64_t workspace_bytes = -1;
 };
 
 struct ProfilerOptions {
@@ -73,6 +80,10 @@ struct ProfilerOptions {
   // none): 2 for Adam's two moments in the parameters' dtype, 3 with its gradient (the
   // trainer's measured profiles count the gradient). >= 0.
   double optimizer_state_factor = 2.0;
+  // Temporary bytes of the optimizer's step per byte of a parameter, for the largest trained
+  // parameter of each layer (AdamW: 2, its square root and its quotient; the trainer measures
+  // it: runtime/optimizer_state.h). >= 0.
+  double update_workspace_factor = 0;
   // Copied into the profile (machines are not measured here).
   JobSpec job;
   // Measure each layer's activation bytes on the CPU (see above) instead of estimating them.

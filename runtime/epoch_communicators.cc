@@ -177,19 +177,35 @@ void EpochCommunicators::reduceTies(torch::nn::Sequential& held, int heldFirst,
     // This worker's copies of the two parameters (undefined where it holds the layer not).
     at::Tensor owner = heldParameter(held, heldFirst, t.ownerLayer, t.ownerParam);
     at::Tensor follower = heldParameter(held, heldFirst, t.followerLayer, t.followerParam);
-    const at::Tensor& any = owner.defined() ? owner : follower;
-    if (!any.requires_grad()) continue;  // Frozen: neither is stepped.
-    at::Tensor sum = at::zeros_like(any);
-    auto add = [&sum](const at::Tensor& p) {
-      if (p.defined() && p.grad().defined()) sum.add_(p.grad());
-    };
-    if (g.ownerFirst == self) add(owner);
-    if (g.followerFirst == self) add(follower);
+    at::Tensor& base = owner.defined() ? owner : follower;   // the side whose gradient sums
+    if (!base.requires_grad()) continue;                     // Frozen: neither is stepped.
+    at::Tensor& other = owner.defined() ? follower : owner;  // undefined unless both are held
+    const bool baseCounts = owner.defined() ? g.ownerFirst == self : g.followerFirst == self;
+    const bool otherCounts = owner.defined() ? g.followerFirst == self : false;
+    // The sum is made in base's own gradient, in place: no copy of a tensor that may be a
+    // model's largest (a GPT's token embedding).
+    at::Tensor sum = base.grad();
+    if (!sum.defined()) {
+      sum = at::zeros_like(base);
+      base.mutable_grad() = sum;
+    } else if (!baseCounts) {
+      sum.zero_();  // Another holder's copy of the same gradient counts.
+    }
+    if (!sum.is_contiguous()) {
+      sum = sum.contiguous();
+      base.mutable_grad() = sum;
+    }
+    if (otherCounts && other.grad().defined()) sum.add_(other.grad());
     if (g.comm) {
       around([&] { g.comm->allreduce(sum, collectives::ReduceOp::kSum, s_.opTimeout()); });
     }
-    if (owner.defined()) owner.mutable_grad() = sum.clone();
-    if (follower.defined()) follower.mutable_grad() = sum;
+    if (other.defined()) {
+      if (other.grad().defined()) {
+        other.mutable_grad().copy_(sum);
+      } else {
+        other.mutable_grad() = sum.clone();
+      }
+    }
   }
 }
 

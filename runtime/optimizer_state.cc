@@ -9,6 +9,7 @@
 #include <torch/optim/sgd.h>
 #include <torch/serialize/archive.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include <functional>
@@ -17,6 +18,7 @@
 #include <typeinfo>
 
 #include "sinew/base/error.h"
+#include "sinew/pipeline/memory_meter.h"
 
 namespace sinew {
 namespace runtime {
@@ -215,6 +217,24 @@ double stateBytesPerParameterByte(const torch::optim::Optimizer& optimizer) {
     if ((required >> i & 1) && !codec.layout().isCount(i)) factor += 1;
   }
   return factor;
+}
+
+double measureStepWorkspacePerParameterByte(
+    const std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>& make,
+    at::ScalarType dtype) {
+  pipeline::CpuMemoryMeter meter;
+  if (!meter.installed()) return 0;
+  constexpr int64_t kElements = int64_t{1} << 18;
+  const auto options = at::TensorOptions().dtype(dtype);
+  at::Tensor p = at::full({kElements}, 0.25, options).requires_grad_(true);
+  p.mutable_grad() = at::full({kElements}, 0.5, options);
+  std::unique_ptr<torch::optim::Optimizer> optimizer = make({p});
+  optimizer->step();  // Makes the state.
+  const int64_t before = meter.live();
+  meter.resetPeak();
+  optimizer->step();
+  const int64_t extra = std::max<int64_t>(0, meter.peak() - before);
+  return static_cast<double>(extra) / static_cast<double>(p.numel() * p.element_size());
 }
 
 checkpoint::ShardState captureState(const torch::nn::Sequential& layers,

@@ -26,6 +26,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -71,6 +72,16 @@ const OptimizerStateCodec& optimizerStateCodec(const torch::optim::Optimizer& op
 // 1 + 3, SGD without momentum 1), for the planner's memory model. REQUIRES: the optimizer has
 // a codec and at least one parameter group.
 double stateBytesPerParameterByte(const torch::optim::Optimizer& optimizer);
+
+// The temporaries of one optimizer step in a parameter's own bytes, measured: an optimizer
+// from `make` over one CPU tensor of `dtype` with a gradient steps twice, and what the second
+// step allocated beyond what it kept is counted through libtorch's CPU allocator (AdamW 2:
+// the square root of its second moment and the quotient; SGD without momentum 0). 0 where
+// the counting allocator cannot be installed. For the planner's workspace
+// (pipeline/profile.h).
+double measureStepWorkspacePerParameterByte(
+    const std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>& make,
+    at::ScalarType dtype);
 
 // Whether captureState() and loadState() know this optimizer's state.
 bool optimizerStateSupported(const torch::optim::Optimizer& optimizer);

@@ -129,7 +129,8 @@ pipeline::Profile ProfileAgreement::measure() {
                         AutocastScope autocast(device_, s_.options.computeDtype);
                         return runLayers(m, x);
                       },
-                      m->parameters(), spec_.layers[i].activationBytes});
+                      m->parameters(), spec_.layers[i].activationBytes,
+                      spec_.layers[i].workspaceBytes});
   }
   pipeline::ProfilerOptions po;
   po.job.devices_per_node = o.devicesPerNode;
@@ -145,6 +146,11 @@ pipeline::Profile ProfileAgreement::measure() {
   std::vector<at::Tensor> all;
   for (const auto& l : layers) all.insert(all.end(), l.parameters.begin(), l.parameters.end());
   po.optimizer_state_factor = stateBytesPerParameterByte(*spec_.optimizer(all));
+  // workspace_bytes: the optimizer step's temporaries, measured once on the CPU (the same
+  // algorithm allocates the same temporaries on a device).
+  if (o.measureActivationMemory) {
+    po.update_workspace_factor = measureStepWorkspacePerParameterByte(spec_.optimizer, o.dtype);
+  }
   // Medians over many whole-microbatch runs: a short profile on a busy machine can be off
   // by half, and the plan and its predicted iteration time rest on it. A model whose
   // microbatch takes seconds gets a few runs within a minute instead (three or more).

@@ -130,10 +130,15 @@ void sumTiedGradients(const torch::nn::Sequential& model, const std::vector<Tie>
     at::Tensor owner = heldParameter(model, 0, t.ownerLayer, t.ownerParam);
     at::Tensor follower = heldParameter(model, 0, t.followerLayer, t.followerParam);
     if (!owner.requires_grad()) continue;  // Frozen: neither is stepped.
-    at::Tensor sum = owner.grad().defined() ? owner.grad().clone() : at::zeros_like(owner);
+    // In the owner's gradient, in place: no copy of what may be the model's largest tensor.
+    if (!owner.grad().defined()) owner.mutable_grad() = at::zeros_like(owner);
+    at::Tensor sum = owner.grad();
     if (follower.grad().defined()) sum.add_(follower.grad());
-    owner.mutable_grad() = sum;
-    follower.mutable_grad() = sum.clone();
+    if (follower.grad().defined()) {
+      follower.mutable_grad().copy_(sum);
+    } else {
+      follower.mutable_grad() = sum.clone();
+    }
   }
 }
 

@@ -1,7 +1,5 @@
 #include "sinew/trainer.h"
 
-#include <sys/resource.h>
-
 #include <ATen/ATen.h>
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
@@ -15,7 +13,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
-#include <fstream>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -50,6 +47,7 @@
 #include "sinew/runtime/plan_report.h"
 #include "sinew/runtime/profile_agreement.h"
 #include "sinew/runtime/progress_reporter.h"
+#include "sinew/runtime/resident_memory.h"
 #include "sinew/runtime/step_update.h"
 #include "sinew/runtime/tied_parameters.h"
 #include "sinew/runtime/trainer_options.h"
@@ -300,6 +298,7 @@ class Trainer::Impl {
     const int64_t first = step_;
     const int recoveriesBefore = recoveries_;
     while (!preempted_ && !recovering([&] {
+      rss_.phase("evaluation");
       std::vector<std::pair<int64_t, at::Tensor>> outputs;
       r.loss = evaluationLossSum(data, count, keepOutputs ? &outputs : nullptr) /
                static_cast<double>(count);
@@ -322,6 +321,7 @@ class Trainer::Impl {
     if (finished_) SINEW_THROW(InvalidArgument, "Trainer::gatherModel() after finish()");
     if (!started_) start();
     torch::nn::Sequential whole;
+    rss_.phase("gather");
     while (!preempted_ && !recovering([&] { whole = gatherOnce(); })) {
     }
     return whole;  // Without modules if this worker was released first.
@@ -418,12 +418,14 @@ class Trainer::Impl {
       durable_->finish();
       client_.done(step_);
       // The training peak first: the lifetime peak read after it is at least as high.
-      const int64_t trainingPeak = peakReset_ ? highWaterRss() : -1;
-      event({{"event", "done"},
-             {"step", step_},
-             {"loss", lastLoss_},
-             {"peak_rss_bytes", std::max({lifePeakRss_, peakRss(), trainingPeak})},
-             {"training_peak_rss_bytes", trainingPeak}});
+      const int64_t trainingPeak = rss_.trainingPeak();
+      nlohmann::json done = {{"event", "done"},
+                             {"step", step_},
+                             {"loss", lastLoss_},
+                             {"peak_rss_bytes", std::max(rss_.lifetimePeak(), trainingPeak)},
+                             {"training_peak_rss_bytes", trainingPeak}};
+      if (o_.memoryByPhase) done["peak_rss_by_phase_bytes"] = rss_.byPhase();
+      event(std::move(done));
     }
     TrainResult r = result(preempted);
     comms_->close();
@@ -465,8 +467,7 @@ class Trainer::Impl {
     durable_->releaseKept();  // Only the first epoch's source restores from it.
     startStep_ = step_;
     // The memory of training, without the profile's (every layer of the model, built once).
-    lifePeakRss_ = peakRss();  // The reset below also resets getrusage's figure.
-    peakReset_ = resetPeakRss();
+    rss_.startTraining();
   }
 
  private:
@@ -518,6 +519,7 @@ class Trainer::Impl {
     stepStart_ = Clock::now();
     stepWaited_ = 0;
     stepLr_ = o_.lrSchedule ? runtime::scheduledRate(o_.lrSchedule, step_) : -1.0;
+    rss_.phase("schedule");
     if (pipelineMode_) return runPipelineStep();
     const int self = ctx_.worker();
     auto& inj = state_.injector;
@@ -544,6 +546,7 @@ class Trainer::Impl {
       (loss * (scale * lossScale)).backward();
       lossSum += loss.item<double>() * static_cast<double>(o_.microbatch);
     }
+    rss_.phase("reduce");
     // One flat buffer: every gradient, then the loss sum.
     at::Tensor flat = runtime::flatGradients(params_, at::full({1}, lossSum, onDevice(o_.dtype)));
     inj.fire(self, step_, Phase::kReduce, &client_);
@@ -554,6 +557,7 @@ class Trainer::Impl {
     inj.fire(self, step_, Phase::kAfterReduce, &client_);
     const int64_t offset = runtime::setGradients(params_, flat);
     double loss = flat[offset].item<double>() / static_cast<double>(o_.globalBatch);
+    rss_.phase("clip");
     if (ties_.empty()) {
       // The whole gradient is the flat buffer's head: one norm, not one per parameter.
       const double norm = flat.narrow(0, 0, offset).norm().item<double>();
@@ -584,6 +588,7 @@ class Trainer::Impl {
       SINEW_THROW(EpochChanged, "step ", step_, " was not committed in epoch ", epoch_);
     }
     inj.fire(self, step_, Phase::kOptimizer, &client_);
+    rss_.phase("optimizer");
     lastStall_ = 0;
     {
       auto t0 = Clock::now();
@@ -611,6 +616,7 @@ class Trainer::Impl {
       opt_->step();
     }
     applied_ = step_;
+    rss_.phase("checkpoint");
     // A scheduler's checkpoint, drain or stop may ask for this step to be durable. When the
     // peer-RAM engine takes the step's version, its copy is flushed; otherwise this worker's
     // own.
@@ -641,36 +647,12 @@ class Trainer::Impl {
 
   std::chrono::milliseconds opTimeout() const { return services_.opTimeout(); }
 
-  // The most resident memory this process has used, in bytes.
-  static int64_t peakRss() {
-    struct rusage u {};
-    getrusage(RUSAGE_SELF, &u);
-    // Linux reports KiB; the kernel's own high-water mark may be a page or two ahead of it.
-    return std::max(static_cast<int64_t>(u.ru_maxrss) * 1024, highWaterRss());
-  }
-  // Makes the kernel's high-water mark of this process's resident memory (VmHWM) its current
-  // resident memory (Linux's clear_refs 5), so that highWaterRss() measures from now on;
-  // false where it cannot.
-  static bool resetPeakRss() {
-    std::ofstream f("/proc/self/clear_refs");
-    f << "5";
-    f.flush();
-    return static_cast<bool>(f);
-  }
-  // VmHWM in bytes, or -1.
-  static int64_t highWaterRss() {
-    std::ifstream f("/proc/self/status");
-    std::string line;
-    while (std::getline(f, line)) {
-      if (line.rfind("VmHWM:", 0) == 0) return std::atoll(line.c_str() + 6) * 1024;
-    }
-    return -1;
-  }
   std::chrono::milliseconds recoveryTimeout() const { return services_.recoveryTimeout(); }
 
   // Leaves epoch `from` (aborting its communicator) and enters the next one the coordinator
   // announces, retrying until one can be built (docs/architecture.md section 6, steps 2-3).
   void recoverInto(int64_t from, bool failure, const std::string& why) {
+    rss_.phase("recovery");
     const double took =
         runtime::recoverIntoNextEpoch(services_, *comms_, from, failure, why, step_,
                                       [this](const EpochInfo& info) { enter(info); });
@@ -890,6 +872,7 @@ class Trainer::Impl {
       progress_->addSchedule(seconds(Clock::now() - t0), done.waitSeconds);
     }
     inj.fire(self, step_, Phase::kReduce, &client_);
+    rss_.phase("reduce");
     // The squares of the gradients of the layers this worker is the first holder of (so that
     // every layer counts once in the global norm, however many pipelines hold it).
     const double squares = comms_->reduceGradients(model_, heldFirst_, ties_, trainingExchange());
@@ -901,6 +884,7 @@ class Trainer::Impl {
     }
     inj.fire(self, step_, Phase::kAfterReduce, &client_);
     const at::Tensor host = sums.cpu();
+    rss_.phase("clip");
     scaling_.unscaleAndClip(params_, host[1].item<double>());
     return commitAndApply(host[0].item<double>() / static_cast<double>(o_.globalBatch));
   }
@@ -927,8 +911,7 @@ class Trainer::Impl {
   std::unique_ptr<torch::optim::Optimizer> opt_;
   bool pipelineMode_ = false;
   std::vector<runtime::Tie> ties_;  // ModelSpec::tied, resolved
-  bool peakReset_ = false;          // the RSS high-water mark was reset when training began
-  int64_t lifePeakRss_ = 0;         // the peak resident memory before that reset
+  runtime::ResidentMemory rss_{o_.memoryByPhase};
   runtime::MicrobatchReader microbatches_;
   at::Device device_{at::kCPU};  // Where this worker's layers live (TrainerOptions::device).
   // The units the trainer delegates to; destroyed in ~Impl in reverse dependency order.

@@ -1,8 +1,9 @@
 // sinew-bench-gpt-small: GPT-2 small (examples/train_gpt --preset small: 12 blocks of width 768,
 // 12 heads, vocabulary 50257, 124 M parameters, the head tied to the token embedding; AdamW,
 // warm-up + cosine, clipping, float32) trained by Sinew on 2 workers under sinew-run, as
-//   pipeline: --memory-bytes M (by default 1.6 GB, less than the model's parameters, gradients
-//             and AdamW state, 2 GB, so that no worker can hold it) and --fault-tolerance 0:
+//   pipeline: --memory-bytes M (by default 1.8 GB, less than the model's parameters, gradients
+//             and AdamW state, 2 GB, with the optimizer step's 0.3 GB of temporaries, so that
+//             no worker can hold it) and --fault-tolerance 0:
 //             one pipeline of two stages, the global batch in microbatches of 1 (1F1B);
 //   data parallel: the same global batch, each worker's half in one microbatch;
 // with the same token windows (a token file made from the licence texts), context T (default
@@ -11,13 +12,15 @@
 // outside the planner's device memory; docs/pipeline.md).
 //
 // Throughput: tokens/s between the first and the last step's progress events (step 0, with the
-// profile and the first allocations, left out). Memory: each pipeline worker's `done` event's
-// training_peak_rss_bytes (the resident high-water mark since training began, after the
-// profile, which builds every layer of the model in every worker) against its `plan` event's
-// memory_bytes (the cost model's parameters,
-// gradients, optimizer state and activations in flight) plus the resident memory of a
-// train_gpt process that has built nothing (`base_rss`: libtorch, the program, the token
-// file's pages; the peak RSS of `train_gpt --help`, measured here).
+// profile and the first allocations, left out). Memory: each pipeline worker's peak resident
+// memory while it trained (the largest of its `done` event's peak_rss_by_phase_bytes over the
+// phases of a step: schedule, reduce, clip, optimizer, checkpoint; --memory-by-phase; the
+// profile before them, which builds every layer of the model in every worker, and the gather
+// of the trained model onto worker 0 after them are left out) against its `plan` event's
+// memory_bytes (the cost model's parameters, gradients, optimizer state, activations in flight
+// and the largest workspace) plus the resident memory of a train_gpt process that has built
+// nothing (`base_rss`: libtorch, the program, the token file's pages; the peak RSS of
+// `train_gpt --help`, measured here).
 //
 // usage: sinew-bench-gpt-small [steps] [context] [memory-bytes]
 // Last line: RESULT pp_tokens_per_s=<t> dp_tokens_per_s=<t> pp_vs_dp=<r>
@@ -29,6 +32,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -81,9 +85,16 @@ double tokensPerSecond(const std::string& logDir, int context) {
 
 struct WorkerMemory {
   int64_t predicted = -1;  // the plan's memory_bytes for its stage
-  int64_t peak = -1;       // its done event's training_peak_rss_bytes (since training began)
+  int64_t peak = -1;       // the largest peak of a step's phases
   int64_t lifePeak = -1;   // its done event's peak_rss_bytes (the profile's included)
+  std::map<std::string, int64_t> phases;  // its done event's peak_rss_by_phase_bytes
 };
+
+// The phases of a training step (runtime/resident_memory.h).
+bool stepPhase(const std::string& phase) {
+  return phase == "schedule" || phase == "reduce" || phase == "clip" || phase == "optimizer" ||
+         phase == "checkpoint";
+}
 
 WorkerMemory memoryOf(const std::string& logDir, int worker) {
   WorkerMemory m;
@@ -96,13 +107,18 @@ WorkerMemory memoryOf(const std::string& logDir, int worker) {
         }
       }
     } else if (name == "done") {
-      m.peak = e.value("training_peak_rss_bytes", int64_t{-1});
       m.lifePeak = e.value("peak_rss_bytes", int64_t{-1});
+      if (e.contains("peak_rss_by_phase_bytes")) {
+        m.phases = e.at("peak_rss_by_phase_bytes").get<std::map<std::string, int64_t>>();
+      }
+      for (const auto& [phase, bytes] : m.phases) {
+        if (stepPhase(phase)) m.peak = std::max(m.peak, bytes);
+      }
     }
   }
   if (m.predicted < 0 || m.peak < 0) {
     throw std::runtime_error("worker " + std::to_string(worker) + " of " + logDir +
-                             " logged no plan memory or no peak RSS");
+                             " logged no plan memory or no peak RSS of a step's phases");
   }
   return m;
 }
@@ -130,7 +146,7 @@ double mb(int64_t bytes) { return static_cast<double>(bytes) / 1e6; }
 int main(int argc, char** argv) {
   const int steps = argc > 1 ? std::atoi(argv[1]) : 4;
   const int context = argc > 2 ? std::atoi(argv[2]) : 128;
-  const std::string memory = argc > 3 ? argv[3] : "1600000000";
+  const std::string memory = argc > 3 ? argv[3] : "1800000000";
   if (steps < 3 || context < 8 || context > 1024) {
     std::fprintf(stderr,
                  "usage: sinew-bench-gpt-small [steps >= 3] [context in [8, 1024]] "
@@ -156,6 +172,7 @@ int main(int argc, char** argv) {
                                            "1",
                                            "--peer-checkpoint-every",
                                            "0",
+                                           "--memory-by-phase",
                                            "--tokens",
                                            tokens};
   auto job = [&](const std::string& name, std::vector<std::string> extra) {
@@ -184,10 +201,15 @@ int main(int argc, char** argv) {
     for (int w = 0; w < 2; ++w) {
       const WorkerMemory m = memoryOf(pp, w);
       const int64_t predicted = m.predicted + baseline;
+      std::string phases;
+      for (const auto& [phase, bytes] : m.phases) {
+        phases += " " + phase + " " + std::to_string(std::llround(mb(bytes)));
+      }
       std::printf(
-          "worker %d: peak RSS while training %.0f MB (%.0f MB with the profile before it); "
-          "planner %.0f MB + base %.0f MB = %.0f MB\n",
-          w, mb(m.peak), mb(m.lifePeak), mb(m.predicted), mb(baseline), mb(predicted));
+          "worker %d: peak RSS while training %.0f MB (%.0f MB with the profile before it and "
+          "the gather after it; by phase, MB:%s); planner %.0f MB + base %.0f MB = %.0f MB\n",
+          w, mb(m.peak), mb(m.lifePeak), phases.c_str(), mb(m.predicted), mb(baseline),
+          mb(predicted));
       char buf[160];
       std::snprintf(buf, sizeof(buf),
                     " w%d_rss_mb=%.0f w%d_predicted_mb=%.0f w%d_rss_vs_predicted=%.3f", w,

@@ -36,6 +36,10 @@ struct LayerSpec {
   // (TrainerOptions::measureActivationMemory, the default) or estimates them as input + output
   // bytes (docs/pipeline.md, "Profiles"); -1: the profiler's figure.
   int64_t activationBytes = -1;
+  // The most memory the layer needs for a moment beyond what it keeps (temporaries of its
+  // forward, backward and optimizer step), when the program knows better than the profiler;
+  // -1: the profiler's figure.
+  int64_t workspaceBytes = -1;
 };
 
 // Loss of one microbatch: the mean over its samples.

@@ -172,6 +172,12 @@ struct TrainerOptions {
   // layer or tensor whose checksum collides with its old one (about 1 in 2^32 each time)
   // would not be written: off by default.
   bool incrementalCheckpoints = false;
+  // The `done` event gets `peak_rss_by_phase_bytes`: the peak resident memory of each phase
+  // of a step (schedule: forward and backward; reduce: gradient sums; clip; optimizer; the
+  // checkpoint after it; evaluation; recovery), measured by resetting Linux's high-water mark
+  // at each phase (about a millisecond per GB resident each time). The whole training's peak
+  // (`training_peak_rss_bytes`) is reported either way.
+  bool memoryByPhase = false;
 
   // ---- Pipeline parallelism (parallelism = kPipeline; docs/pipeline.md) ----
   Parallelism parallelism = Parallelism::kData;
@@ -207,8 +213,10 @@ struct TrainerOptions {
   // For a measured profile: each layer's activation bytes (what it keeps for backward per
   // microbatch) measured by counting libtorch's CPU allocations during a forward, attention
   // scores and all (on by default), instead of estimated as its input + output bytes (which is
-  // several times too low for attention blocks). A GPU worker always estimates.
-  // LayerSpec::activationBytes overrides either.
+  // several times too low for attention blocks), and each layer's workspace (the temporaries
+  // of its forward, backward and optimizer step; docs/pipeline.md, "Profiles"). A GPU worker
+  // always estimates activations and counts only the optimizer step's workspace.
+  // LayerSpec::activationBytes overrides the activations.
   bool measureActivationMemory = true;
   // For a measured profile: G, the workers (devices) of one node (a profile file sets its own
   // devices_per_node). In every epoch the planner's node k is the epoch's members [kG, kG + G)

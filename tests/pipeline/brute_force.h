@@ -43,6 +43,7 @@ inline Profile randomProfile(std::mt19937_64& rng, int layers, int G) {
     c.optimizer_bytes = 2 * c.param_bytes;
     c.activation_bytes = bytes(rng);
     c.output_bytes = out(rng);
+    c.workspace_bytes = rng() % 3 == 0 ? bytes(rng) / 4 : 0;
     total += c.param_bytes + c.optimizer_bytes + c.activation_bytes;
     p.layers.push_back(c);
   }
@@ -73,7 +74,7 @@ inline BruteStage bruteStage(const Profile& p, int first, int end, int d, int64_
   const int64_t ar_bps = bitsPerSecond(p.job.allreduce.bandwidth_gbps);
   const int64_t lat_ns = static_cast<int64_t>(p.job.allreduce.latency_us * 1000 + 0.5);
   const int L = static_cast<int>(p.layers.size());
-  int64_t compute = 0, allreduce = 0, stat = 0, act = 0;
+  int64_t compute = 0, allreduce = 0, stat = 0, act = 0, workspace = 0;
   for (int l = first; l < end; ++l) {
     const LayerCost& x = p.layers[l];
     compute += (x.forward_ns + x.backward_ns) * G / d;
@@ -84,6 +85,7 @@ inline BruteStage bruteStage(const Profile& p, int first, int end, int d, int64_
     }
     stat += x.param_bytes + x.optimizer_bytes;
     act += x.activation_bytes;
+    workspace = std::max(workspace, x.workspace_bytes);
   }
   int64_t transfer = 0;
   if (end < L) {
@@ -92,7 +94,7 @@ inline BruteStage bruteStage(const Profile& p, int first, int end, int d, int64_
         ceilDiv(static_cast<__int128>(p.layers[end - 1].output_bytes) * 8 * 1000000000, inter);
   }
   BruteStage st;
-  if (stat + in_flight * ceilDiv(act, d) > p.job.device_memory_bytes) return st;
+  if (stat + workspace + in_flight * ceilDiv(act, d) > p.job.device_memory_bytes) return st;
   st.fits = true;
   st.compute = compute;
   st.fill = compute + allreduce + transfer;

@@ -51,6 +51,19 @@ TEST(ProfileTest, ParsesTheDocumentedFormat) {
   EXPECT_EQ(p.layers[1].param_bytes, 1000);  // integral floats are accepted
 }
 
+TEST(ProfileTest, WorkspaceBytesAreOptionalAndRoundTrip) {
+  json d = validDoc();
+  d["layers"][0]["workspace_bytes"] = 123456;
+  Profile p = parseProfileJson(d.dump());
+  EXPECT_EQ(p.layers[0].workspace_bytes, 123456);
+  EXPECT_EQ(p.layers[1].workspace_bytes, 0);  // absent: none
+  EXPECT_EQ(parseProfileJson(profileToJson(p)).layers[0].workspace_bytes, 123456);
+  d["layers"][1]["workspace_bytes"] = -1;
+  EXPECT_NE(parseError(d.dump()).find("layers[1].workspace_bytes must be >= 0, got -1"),
+            std::string::npos)
+      << parseError(d.dump());
+}
+
 TEST(ProfileTest, RoundTripsByteForByte) {
   Profile p = parseProfileJson(validDoc().dump());
   std::string once = profileToJson(p);

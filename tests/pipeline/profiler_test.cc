@@ -163,6 +163,40 @@ TEST(ProfilerTest, MeasuresTheActivationsALayerKeepsForBackward) {
   EXPECT_EQ(profileLayers({given}, at::randn({b, T, E}), o).layers[0].activation_bytes, 12345);
 }
 
+// A layer whose forward makes a [b, k, W] product and sums it away: nothing keeps the product
+// (mul saves its inputs, a view of x and the weight), so its bytes are workspace, not
+// activations; the backward makes two products of that size (the gradients of x's view and of
+// the weight before their reductions). The optimizer step's share is update_workspace_factor x
+// the layer's largest trained parameter, and a layer's own figure overrides both.
+TEST(ProfilerTest, MeasuresTheTemporariesOfALayerAsItsWorkspace) {
+  at::set_num_threads(1);
+  const int64_t b = 4, k = 64, W = 1024;
+  const int64_t product = b * k * W * 4;
+  at::Tensor w = at::randn({k, W}).requires_grad_(true);
+  ProfiledLayer wide;
+  wide.name = "wide";
+  wide.parameters = {w};
+  wide.forward = [w](const Activation& a) { return a.tensors[0].unsqueeze(-1).mul(w).sum(-1); };
+  ProfilerOptions o;
+  o.repeats = 2;
+  o.warmup = 1;
+  o.job.device_memory_bytes = 1 << 30;
+  const LayerCost measured = profileLayers({wide}, at::randn({b, k}), o).layers[0];
+  EXPECT_GE(measured.workspace_bytes, product);
+  EXPECT_LE(measured.workspace_bytes, 4 * product);
+  EXPECT_LT(measured.activation_bytes, product / 8);
+  o.update_workspace_factor = 64;  // 64 x the weight's 256 KiB dominates the temporaries
+  EXPECT_EQ(profileLayers({wide}, at::randn({b, k}), o).layers[0].workspace_bytes, 64 * k * W * 4);
+  o.update_workspace_factor = 0;
+  o.measure_memory = false;
+  EXPECT_EQ(profileLayers({wide}, at::randn({b, k}), o).layers[0].workspace_bytes, 0);
+  wide.workspace_bytes = 777;
+  o.measure_memory = true;
+  EXPECT_EQ(profileLayers({wide}, at::randn({b, k}), o).layers[0].workspace_bytes, 777);
+  o.update_workspace_factor = -1;
+  EXPECT_THROW(profileLayers({wide}, at::randn({b, k}), o), InvalidArgument);
+}
+
 TEST(ProfilerTest, ReportsTheFailingLayerAndBadOptions) {
   at::set_num_threads(1);
   std::vector<ProfiledLayer> layers = {linearLayer("fc1", 8, 8, true)};

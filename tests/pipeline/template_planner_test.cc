@@ -277,6 +277,44 @@ TEST(TemplatePlannerTest, MemoryDecidesTheFewestNodes) {
   EXPECT_EQ(set.find(1), nullptr);
 }
 
+// A stage needs the largest workspace of its layers once (one layer runs at a time), on top of
+// its static bytes and its activations in flight: the layers of MemoryDecidesTheFewestNodes
+// with 5 workspace bytes each still fit two to a stage (200 + 2 x 20 + 5 <= 250; their sum,
+// 10, would not), and one layer of 40 keeps the two-node split from fitting.
+TEST(TemplatePlannerTest, AStageNeedsItsLargestWorkspaceOnce) {
+  Profile p;
+  p.job.devices_per_node = 1;
+  p.job.device_memory_bytes = 250;
+  for (int l = 0; l < 4; ++l) {
+    LayerCost c;
+    c.forward_ns = 1000;
+    c.backward_ns = 2000;
+    c.param_bytes = 50;
+    c.optimizer_bytes = 50;
+    c.activation_bytes = 10;
+    c.workspace_bytes = 5;
+    p.layers.push_back(c);
+  }
+  const CostModel model(p);
+  EXPECT_EQ(model.workspaceBytes(0, 4), 5);
+  EXPECT_EQ(model.memoryBytes(0, 2, 0, 2), 200 + 2 * 20 + 5);
+  TemplateSet set = planTemplates(p, {5, 1, 8});
+  EXPECT_EQ(set.min_nodes, 2);
+  p.layers[1].workspace_bytes = 40;
+  const CostModel wide(p);
+  EXPECT_EQ(wide.workspaceBytes(0, 4), 40);
+  EXPECT_EQ(wide.workspaceBytes(2, 4), 5);
+  EXPECT_EQ(wide.workspaceBytes(1, 2), 40);
+  EXPECT_FALSE(wide.fits(0, 2, 0, 2));  // 200 + 40 + 40 > 250
+  EXPECT_TRUE(wide.fits(2, 4, 0, 1));
+  set = planTemplates(p, {6, 1, 8});
+  EXPECT_EQ(set.min_nodes, 3);
+  ASSERT_NE(set.find(3), nullptr);
+  for (const auto& s : set.find(3)->stages) {
+    EXPECT_LE(s.memory_bytes, 250);
+  }
+}
+
 // max_nodes (joins) extends the templates up to max_nodes - f * n_min and changes none of
 // those the starting nodes have: the same splits and costs for every count up to N - f * n_min.
 TEST(TemplatePlannerTest, MaxNodesAddsTemplatesForJoinsAndKeepsTheOthers) {

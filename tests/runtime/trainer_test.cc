@@ -949,7 +949,8 @@ TORCH_MODULE(Slow);
 // last minutes (GPT-2 small: 155 s per worker on this machine); that is not a recovery that
 // failed to find an epoch. Here the profile's 24 runs take over 0.7 s against a recovery
 // timeout of 0.3 s (before: "worker 0 could not recover within 300 ms (start)"). The done event
-// reports the process's peak resident memory and the peak since training began.
+// reports the process's peak resident memory, the peak since training began and, asked for,
+// the peak of each phase of a step.
 TEST(TrainerTest, AProfileLongerThanTheRecoveryTimeoutDoesNotFailTheStart) {
   const std::string dir = tempDir();
   auto ctx = init(nullptr, nullptr);
@@ -961,23 +962,31 @@ TEST(TrainerTest, AProfileLongerThanTheRecoveryTimeoutDoesNotFailTheStart) {
   o.faultTolerance = 0;
   o.recoveryTimeout = std::chrono::milliseconds(300);
   o.eventLog = dir + "/events.jsonl";
+  o.memoryByPhase = true;
   Trainer trainer(*ctx, spec, o);
   TrainResult r = trainer.run();
   EXPECT_EQ(r.steps, o.steps);
   std::ifstream in(o.eventLog);
   double profiled = -1;
   int64_t peak = -1, trainingPeak = -1;
+  std::map<std::string, int64_t> phases;
   for (std::string line; std::getline(in, line);) {
     auto e = nlohmann::json::parse(line);
     if (e.value("event", "") == "profiled") profiled = e.at("duration_s").get<double>();
     if (e.value("event", "") == "done") {
       peak = e.at("peak_rss_bytes").get<int64_t>();
       trainingPeak = e.at("training_peak_rss_bytes").get<int64_t>();
+      phases = e.at("peak_rss_by_phase_bytes").get<std::map<std::string, int64_t>>();
     }
   }
   EXPECT_GT(profiled, 0.3) << "the profile was shorter than the recovery timeout";
   EXPECT_GT(trainingPeak, 10 << 20);
   EXPECT_GE(peak, trainingPeak);
+  for (const char* phase : {"schedule", "reduce", "clip", "optimizer", "checkpoint"}) {
+    ASSERT_EQ(phases.count(phase), 1u) << phase;
+    EXPECT_GT(phases[phase], 10 << 20) << phase;
+    EXPECT_LE(phases[phase], trainingPeak) << phase;
+  }
   sinew::testing::removeTree(dir);
 }
 
