@@ -13,6 +13,7 @@
 #include "sinew/base/crc32c.h"
 #include "sinew/base/error.h"
 #include "sinew/base/little_endian.h"
+#include "sinew/base/open_files.h"
 #include "sinew/checkpoint/detail/replica_wire.h"
 #include "sinew/collectives/transport/channel.h"
 #include "sinew/collectives/transport/connection.h"
@@ -74,7 +75,24 @@ class ReplicaService::Impl {
     transport::ListenerOptions lo;
     lo.host = options_.host;
     lo.port = options_.port;
-    lo.maxConnections = options_.maxConnections;
+    // A worker's other files: its store and coordinator connections, a communicator's pairs,
+    // checkpoint files.
+    constexpr int64_t kReserve = 512;
+    const std::vector<int64_t> caps = {static_cast<int64_t>(options_.maxConnections),
+                                       static_cast<int64_t>(options_.maxPending)};
+    const int64_t limit = raiseOpenFileLimit(caps[0] + caps[1] + kReserve);
+    const std::vector<int64_t> fit = capsWithin(caps, limit, kReserve);
+    if (fit != caps) {
+      std::fprintf(stderr,
+                   "sinew replica service %d: the open-file limit is %lld and cannot be raised; "
+                   "connection caps lowered from %lld + %lld to %lld + %lld\n",
+                   self, static_cast<long long>(limit), static_cast<long long>(caps[0]),
+                   static_cast<long long>(caps[1]), static_cast<long long>(fit[0]),
+                   static_cast<long long>(fit[1]));
+    }
+    lo.maxConnections = static_cast<size_t>(fit[0]);
+    lo.maxPending = static_cast<size_t>(fit[1]);
+    lo.maxPendingPerPeer = std::min<size_t>(lo.maxPendingPerPeer, lo.maxPending);
     lo.channel.rules = replica_wire::serviceRules(options_.token, options_.maxChunkBytes);
     lo.channel.idleTimeout = options_.idleTimeout;
     lo.channel.frameTimeout = options_.frameTimeout;

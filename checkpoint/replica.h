@@ -61,7 +61,11 @@ struct ReplicaServiceOptions {
   uint16_t port = 0;  // 0 picks a free port.
   // The job token every request must carry. Required (non-zero).
   uint64_t token = 0;
+  // Authenticated connections; those that have not shown the token yet are at most
+  // maxPending (docs/transport.md, "Connection slots"). Both are lowered, and said so on
+  // stderr, where the process's open-file limit cannot be raised to hold them.
   size_t maxConnections = 256;
+  size_t maxPending = 256;
   // A connection with no request for this long is closed (clients reconnect).
   std::chrono::milliseconds idleTimeout{120000};
   // A frame's payload (a chunk of at most maxChunkBytes) must arrive within this.

@@ -61,6 +61,7 @@ class TcpStoreServer::Impl {
     lo.host = options_.host;
     lo.port = options_.port;
     lo.maxConnections = options_.maxConnections;
+    lo.maxPending = options_.maxPending;
     lo.channel.rules = store_wire::requestRules(token_, options_.maxMessageBytes);
     lo.channel.idleTimeout = options_.idleTimeout;
     lo.channel.frameTimeout = options_.frameTimeout;

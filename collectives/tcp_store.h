@@ -47,8 +47,10 @@ struct TcpStoreServerOptions {
   uint64_t token = 0;
   // Largest request accepted; a longer one drops the connection.
   uint32_t maxMessageBytes = 64u << 20;
-  // Connections beyond this many are closed at once.
+  // Authenticated connections beyond this many are closed; connections that have not shown
+  // the token yet are at most maxPending (docs/transport.md, "Connection slots").
   size_t maxConnections = 1024;
+  size_t maxPending = 1024;
   // A connection with no request in progress that sends no complete request for this long
   // is closed (clients reconnect transparently).
   std::chrono::milliseconds idleTimeout{120000};

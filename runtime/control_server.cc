@@ -9,7 +9,9 @@
 #include <algorithm>
 #include <array>
 #include <deque>
+#include <map>
 #include <optional>
+#include <vector>
 
 #include "sinew/base/error.h"
 #include "sinew/collectives/transport/channel.h"
@@ -23,11 +25,15 @@ namespace http = boost::beast::http;
 using asio::ip::tcp;
 using boost::system::error_code;
 
-// What close() needs of a session.
+// What close() and the unauthenticated pool need of a session.
 class SessionBase {
  public:
   virtual ~SessionBase() = default;
   virtual void close() = 0;
+  virtual bool closing() const = 0;
+  bool authenticated = false;  // a request of it carried a valid token
+  std::string host;            // the peer's address
+  std::chrono::steady_clock::time_point since = std::chrono::steady_clock::now();
 };
 
 // What the sessions share with the server: it outlives the server while a session or a
@@ -41,8 +47,9 @@ struct ControlServer::Shared {
   // Every session, so that close() can end them (an event stream never ends by itself).
   std::vector<std::weak_ptr<SessionBase>> sessions;
   bool closed = false;
-  size_t connections = 0;
   size_t streams = 0;
+  // Evictions from the unauthenticated pool, logged once per address per 10 s.
+  collectives::transport::LogThrottle evictionLog;
 
   void log(const std::string& line) const {
     if (options.log) options.log("sinew control API: " + line);
@@ -58,15 +65,13 @@ class Session : public SessionBase, public std::enable_shared_from_this<Session>
  public:
   Session(tcp::socket socket, std::shared_ptr<ControlServer::Shared> shared)
       : stream_(std::move(socket)), deadline_(stream_.get_executor()), shared_(std::move(shared)) {
-    shared_->connections++;
     error_code ec;
     auto ep = stream_.socket().remote_endpoint(ec);
-    peer_ = ec ? std::string("an unknown peer")
-               : ep.address().to_string() + ":" + std::to_string(ep.port());
+    host = ec ? std::string("an unknown peer") : ep.address().to_string();
+    peer_ = ec ? host : host + ":" + std::to_string(ep.port());
   }
 
   ~Session() {
-    shared_->connections--;
     if (subscription_ >= 0) {
       shared_->streams--;
       if (!shared_->closed) shared_->feed->unsubscribe(subscription_);
@@ -78,10 +83,7 @@ class Session : public SessionBase, public std::enable_shared_from_this<Session>
     readHeader();
   }
 
-  // Sends a refusal and closes (a connection over the cap).
-  void refuse(int status, const std::string& why) {
-    respond(control::errorAnswer(status, why), /*keepAlive=*/false, 11);
-  }
+  bool closing() const override { return closing_; }
 
  private:
   void readHeader() {
@@ -93,7 +95,13 @@ class Session : public SessionBase, public std::enable_shared_from_this<Session>
     // socket): a late request still hears 408.
     stream_.expires_never();
     timedOut_ = false;
-    deadline_.expires_after(shared_->options.requestTimeout);
+    // Until a request shows the token, what is left of the authentication deadline.
+    if (authenticated) {
+      deadline_.expires_after(shared_->options.requestTimeout);
+    } else {
+      deadline_.expires_at(since +
+                           std::min(shared_->options.requestTimeout, shared_->options.authTimeout));
+    }
     deadline_.async_wait([self = shared_from_this()](error_code ec) {
       // A completion queued just before a cancel() still runs: believe the clock.
       if (ec || self->closing_ ||
@@ -114,11 +122,13 @@ class Session : public SessionBase, public std::enable_shared_from_this<Session>
     deadline_.cancel();
     if (timedOut_ && ec == asio::error::operation_aborted && !shared_->closed) {
       if (!parser_->got_some()) return close();  // An idle keep-alive connection.
+      const auto limit =
+          authenticated ? shared_->options.requestTimeout
+                        : std::min(shared_->options.requestTimeout, shared_->options.authTimeout);
       shared_->log("request from " + peer_ + " did not arrive within " +
-                   std::to_string(shared_->options.requestTimeout.count()) + " ms; closing");
-      return respond(control::errorAnswer(
-                         408, "the request did not arrive within " +
-                                  std::to_string(shared_->options.requestTimeout.count()) + " ms"),
+                   std::to_string(limit.count()) + " ms; closing");
+      return respond(control::errorAnswer(408, "the request did not arrive within " +
+                                                   std::to_string(limit.count()) + " ms"),
                      false, 11);
     }
     if (ec == http::error::end_of_stream || ec == asio::error::connection_reset ||
@@ -152,6 +162,24 @@ class Session : public SessionBase, public std::enable_shared_from_this<Session>
     if (role == control::Role::kNone) {
       refuseUnauthorized();
       return;
+    }
+    if (!authenticated) {
+      // A member's slot is taken only by a connection that showed a token.
+      size_t members = 0;
+      for (const auto& w : shared_->sessions) {
+        auto s = w.lock();
+        if (s && s.get() != this && !s->closing() && s->authenticated) ++members;
+      }
+      if (members >= shared_->options.maxConnections) {
+        shared_->log("refusing a connection from " + peer_ + ": " +
+                     std::to_string(shared_->options.maxConnections) +
+                     " authenticated connections are open");
+        return respond(
+            control::errorAnswer(503, "too many connections (at most " +
+                                          std::to_string(shared_->options.maxConnections) + ")"),
+            false, version_);
+      }
+      authenticated = true;
     }
     const auto method = req.method_string();
     if (!control::allows(role, std::string_view(method.data(), method.size()))) {
@@ -301,6 +329,42 @@ class Session : public SessionBase, public std::enable_shared_from_this<Session>
   std::array<char, 512> sink_{};
 };
 
+// Makes room for one more connection from `host` among those that have not shown a token:
+// over the per-address limit its own oldest one goes, over the pool's limit the oldest one of
+// the address with the most (logged once per address per 10 s, with a count).
+void evictPending(ControlServer::Shared& shared, const std::string& host) {
+  std::map<std::string, std::vector<std::shared_ptr<SessionBase>>> pending;
+  size_t total = 0;
+  for (const auto& w : shared.sessions) {
+    auto s = w.lock();
+    if (s && !s->closing() && !s->authenticated) {
+      pending[s->host].push_back(s);
+      ++total;
+    }
+  }
+  std::string from;
+  if (pending[host].size() >= shared.options.maxPendingPerPeer) {
+    from = host;
+  } else if (total >= shared.options.maxPending) {
+    for (const auto& [h, list] : pending) {
+      if (from.empty() || list.size() > pending[from].size()) from = h;
+    }
+  }
+  if (from.empty()) return;
+  const auto& list = pending[from];
+  auto oldest = *std::min_element(list.begin(), list.end(),
+                                  [](const auto& a, const auto& b) { return a->since < b->since; });
+  int64_t withheld = 0;
+  if (shared.evictionLog.admit(from, &withheld)) {
+    shared.log("evicting the oldest of " + std::to_string(list.size()) + " connections from " +
+               from + " that sent no request with a token (" + std::to_string(total) +
+               " such in all)" +
+               (withheld > 0 ? " (and " + std::to_string(withheld) + " more evictions since)"
+                             : std::string()));
+  }
+  oldest->close();
+}
+
 void accept(const std::shared_ptr<ControlServer::Shared>& shared) {
   shared->acceptor->async_accept([shared](error_code ec, tcp::socket socket) {
     if (shared->closed) return;
@@ -319,18 +383,10 @@ void accept(const std::shared_ptr<ControlServer::Shared>& shared) {
       v.erase(std::remove_if(v.begin(), v.end(), [](const auto& w) { return w.expired(); }),
               v.end());
     }
-    {
-      collectives::transport::setCloseOnExec(socket.native_handle());
-      auto session = std::make_shared<Session>(std::move(socket), shared);
-      if (shared->connections > shared->options.maxConnections) {
-        shared->log("refusing a connection: " + std::to_string(shared->options.maxConnections) +
-                    " are open");
-        session->refuse(503, "too many connections (at most " +
-                                 std::to_string(shared->options.maxConnections) + ")");
-      } else {
-        session->start();
-      }
-    }
+    collectives::transport::setCloseOnExec(socket.native_handle());
+    auto session = std::make_shared<Session>(std::move(socket), shared);
+    evictPending(*shared, session->host);
+    session->start();
     accept(shared);
   });
 }

@@ -44,7 +44,16 @@ struct ControlServerOptions {
   // A request's headers and body must arrive within this; a keep-alive connection idle this
   // long is closed; an event stream whose client reads nothing for this long is dropped.
   std::chrono::milliseconds requestTimeout{10000};
+  // Connections whose requests showed a token (either): more are answered 503.
   size_t maxConnections = 128;
+  // Connections that have not yet sent a request with a token: at most maxPending, and
+  // maxPendingPerPeer from one address; a new one beyond either evicts the oldest of its own
+  // address (per address) or of the address with the most (the pool's). The first request
+  // must arrive within authTimeout (or requestTimeout if shorter), else 408. So a flood of
+  // idle or slow connections never takes a slot from sinewctl or a scheduler.
+  size_t maxPending = 256;
+  size_t maxPendingPerPeer = 32;
+  std::chrono::milliseconds authTimeout{2000};
   size_t maxBodyBytes = control::kDefaultMaxBodyBytes;
   size_t maxEventStreams = 16;
   std::function<void(const std::string&)> log;

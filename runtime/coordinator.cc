@@ -26,6 +26,7 @@
 #include <thread>
 
 #include "sinew/base/error.h"
+#include "sinew/base/open_files.h"
 #include "sinew/base/private_file.h"
 #include "sinew/collectives/tcp_store.h"
 #include "sinew/collectives/transport/channel.h"
@@ -64,15 +65,50 @@ class Coordinator::Impl : public control::Backend, public EventFeed {
       events_.open(options_.eventLogPath, {{"source", "coordinator"}});
     }
     collectives::TcpStoreServerOptions so;
+    collectives::transport::ListenerOptions lo;
+    ControlServerOptions cs;
+    // One process serves three ports: every connection cap (members' and strangers') must fit
+    // its open-file limit, raised for them where the hard limit allows, else lowered to it.
+    {
+      const int64_t control = options_.controlPort >= 0 ? 1 : 0;
+      const std::vector<int64_t> caps = {
+          static_cast<int64_t>(options_.maxConnections),
+          static_cast<int64_t>(lo.maxPending),
+          static_cast<int64_t>(so.maxConnections),
+          static_cast<int64_t>(so.maxPending),
+          control * static_cast<int64_t>(options_.controlMaxConnections),
+          control * static_cast<int64_t>(cs.maxPending)};
+      constexpr int64_t kReserve = 256;  // event logs, etcd, the launcher's pipes
+      int64_t needed = kReserve;
+      for (int64_t c : caps) needed += c;
+      const int64_t limit = raiseOpenFileLimit(needed);
+      const std::vector<int64_t> fit = capsWithin(caps, limit, kReserve);
+      if (fit != caps) {
+        logLine("sinew coordinator: the open-file limit is " + std::to_string(limit) +
+                " and cannot be raised to the " + std::to_string(needed) +
+                " its connection caps need; caps lowered to coordinator " + std::to_string(fit[0]) +
+                " + " + std::to_string(fit[1]) + ", store " + std::to_string(fit[2]) + " + " +
+                std::to_string(fit[3]) + ", control API " + std::to_string(fit[4]) + " + " +
+                std::to_string(fit[5]) + " (members + unauthenticated)");
+      }
+      lo.maxConnections = static_cast<size_t>(fit[0]);
+      lo.maxPending = static_cast<size_t>(fit[1]);
+      so.maxConnections = static_cast<size_t>(fit[2]);
+      so.maxPending = static_cast<size_t>(fit[3]);
+      if (control) {
+        options_.controlMaxConnections = static_cast<size_t>(fit[4]);
+        cs.maxPending = static_cast<size_t>(fit[5]);
+      }
+      lo.maxPendingPerPeer = std::min(lo.maxPendingPerPeer, lo.maxPending);
+      cs.maxPendingPerPeer = std::min(cs.maxPendingPerPeer, cs.maxPending);
+    }
     so.host = options_.host;
     so.token = options_.token;
     so.log = options_.log;
     store_ = std::make_unique<collectives::TcpStoreServer>(so);
 
-    collectives::transport::ListenerOptions lo;
     lo.host = options_.host;
     lo.port = options_.port;
-    lo.maxConnections = options_.maxConnections;
     lo.channel.rules = wire::coordinatorRules(options_.token, options_.maxMessageBytes);
     // Workers heartbeat far more often; this only ends connections that never say anything.
     lo.channel.idleTimeout = std::max(options_.idleTimeout, 2 * options_.deadAfter);
@@ -97,7 +133,6 @@ class Coordinator::Impl : public control::Backend, public EventFeed {
         std::snprintf(hex, sizeof(hex), "%llx", static_cast<unsigned long long>(options_.token));
         options_.controlToken = hex;
       }
-      ControlServerOptions cs;
       // Loopback unless configured (docs/architecture.md section 7), whatever the coordinator binds
       // to.
       if (options_.controlHost.empty()) options_.controlHost = "127.0.0.1";

@@ -13,7 +13,18 @@ namespace runtime {
 namespace {
 // How long a wait for the next epoch lasts before the worker asks for one itself.
 constexpr std::chrono::milliseconds kNudge{3000};
+// After an epoch that could not be entered, the next rebuild request waits this long, doubled
+// for every further one, at most kMaxBackoff: members that keep failing (a port flooded by
+// strangers, a peer that hangs) ask for a few epochs a second, not hundreds.
+constexpr std::chrono::milliseconds kFirstBackoff{50};
+constexpr std::chrono::milliseconds kMaxBackoff{2000};
 }  // namespace
+
+std::chrono::milliseconds rebuildBackoff(int failedEnters) {
+  if (failedEnters <= 1) return std::chrono::milliseconds(0);
+  const int doublings = std::min(failedEnters - 2, 16);
+  return std::min(kMaxBackoff, kFirstBackoff * (int64_t{1} << doublings));
+}
 
 double recoverIntoNextEpoch(const TrainerServices& s, EpochCommunicators& comms, int64_t from,
                             bool failure, const std::string& why, int64_t step,
@@ -30,6 +41,22 @@ double recoverIntoNextEpoch(const TrainerServices& s, EpochCommunicators& comms,
   // profile, for minutes on a large model) extends it by its duration.
   auto deadline = t0 + s.recoveryTimeout();
   int64_t waitFrom = from;
+  int failedEnters = 0;
+  // Asks for a fresh epoch after `epoch` failed, once the backoff has passed (unless a newer
+  // epoch arrives meanwhile: then that one is tried without asking).
+  auto rebuild = [&](int64_t epoch) {
+    const auto pause = std::min(
+        rebuildBackoff(++failedEnters),
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - TrainerClock::now()));
+    if (pause.count() > 0) {
+      try {
+        s.client.waitEpochAfter(epoch, pause);
+        return;
+      } catch (const Timeout&) {
+      }
+    }
+    s.client.requestRebuild(epoch);
+  };
   while (true) {
     if (failure) s.state.injector.fire(self, step, Phase::kRecovery, &s.client);
     const auto left =
@@ -56,18 +83,18 @@ double recoverIntoNextEpoch(const TrainerServices& s, EpochCommunicators& comms,
     } catch (const PeerLost& e) {
       s.client.reportLost(info.epoch, e.worker());
     } catch (const Timeout&) {
-      s.client.requestRebuild(info.epoch);
+      rebuild(info.epoch);
     } catch (const Aborted&) {
       // Superseded while building: the next epoch is already on its way.
       if (from < 0) deadline += TrainerClock::now() - entering;
     } catch (const IoError&) {
-      s.client.requestRebuild(info.epoch);
+      rebuild(info.epoch);
     } catch (const LayerCopyDamaged& e) {
       // Nothing of the copy was adopted; the same members try the epoch again and copy it
       // anew. Other corruption (every restore source damaged) ends the worker.
       s.event({{"event", "copy_damaged"}, {"epoch", info.epoch}, {"reason", e.what()}});
       std::fprintf(stderr, "sinew: worker %d: %s; trying the epoch again\n", self, e.what());
-      s.client.requestRebuild(info.epoch);
+      rebuild(info.epoch);
     }
     comms.drop();
     waitFrom = info.epoch;

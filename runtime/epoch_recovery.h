@@ -9,6 +9,7 @@
 //
 // Thread safety: used by the training thread.
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -27,9 +28,15 @@ namespace runtime {
 // "failure_noticed" with `why`); `step` is the step it was at. Returns the seconds it took.
 // Throws Timeout naming the worker and `why` after services.recoveryTimeout(), and whatever
 // `enter` throws besides PeerLost, Timeout, Aborted, IoError and LayerCopyDamaged.
+// After the first epoch that cannot be entered, each rebuild request waits
+// rebuildBackoff(failures so far) first (or less, to the deadline; a newer epoch announced
+// meanwhile is tried without a request).
 double recoverIntoNextEpoch(const TrainerServices& services, EpochCommunicators& comms,
                             int64_t from, bool failure, const std::string& why, int64_t step,
                             const std::function<void(const EpochInfo&)>& enter);
+
+// 0 for the first failed entry, then 50 ms doubling per failure up to 2 s.
+std::chrono::milliseconds rebuildBackoff(int failedEnters);
 
 }  // namespace runtime
 }  // namespace sinew

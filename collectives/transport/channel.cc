@@ -6,7 +6,9 @@
 #include <boost/asio/read.hpp>
 #include <boost/asio/write.hpp>
 
+#include <algorithm>
 #include <cstdio>
+#include <map>
 
 #include "sinew/base/error.h"
 
@@ -45,6 +47,12 @@ std::string endpointName(const tcp::socket& s) {
   return ep.address().to_string() + ":" + std::to_string(ep.port());
 }
 
+// The address of "address:port" (IPv6 addresses keep their colons).
+std::string hostOf(const std::string& peer) {
+  const size_t colon = peer.rfind(':');
+  return colon == std::string::npos ? peer : peer.substr(0, colon);
+}
+
 bool isPeerGone(const error_code& ec) {
   return ec == asio::error::eof || ec == asio::error::connection_reset ||
          ec == asio::error::broken_pipe;
@@ -59,6 +67,8 @@ Channel::Channel(tcp::socket socket, ChannelOptions options,
       handler_(std::move(handler)),
       timer_(socket_.get_executor()) {
   peer_ = endpointName(socket_);
+  peerHost_ = hostOf(peer_);
+  since_ = std::chrono::steady_clock::now();
   error_code ignored;
   socket_.set_option(tcp::no_delay(true), ignored);
   setCloseOnExec(socket_.native_handle());
@@ -81,17 +91,11 @@ bool LogThrottle::admit(const std::string& key, int64_t* withheld) {
   return true;
 }
 
-// The address of "address:port" (IPv6 addresses keep their colons).
-static std::string hostOf(const std::string& peer) {
-  const size_t colon = peer.rfind(':');
-  return colon == std::string::npos ? peer : peer.substr(0, colon);
-}
-
 void Channel::logDrop(const std::string& line) {
   int64_t withheld = 0;
-  if (options_.dropLog && !options_.dropLog->admit(hostOf(peer_), &withheld)) return;
+  if (options_.dropLog && !options_.dropLog->admit(peerHost_, &withheld)) return;
   log(withheld == 0 ? line
-                    : line + " (and " + std::to_string(withheld) + " more from " + hostOf(peer_) +
+                    : line + " (and " + std::to_string(withheld) + " more from " + peerHost_ +
                           " since its last logged one, not logged)");
 }
 
@@ -107,13 +111,28 @@ void Channel::log(const std::string& line) {
 void Channel::start() { readHeader(); }
 
 void Channel::armIdle() {
-  if (options_.idleTimeout.count() <= 0) return;
+  // Until its first header, a connection has what is left of its authentication deadline.
+  const bool pending = !authenticated_ && options_.authTimeout.count() > 0;
+  std::chrono::steady_clock::duration limit = options_.idleTimeout;
+  if (pending) {
+    const auto left = options_.authTimeout - (std::chrono::steady_clock::now() - since_);
+    limit = options_.idleTimeout.count() > 0 ? std::min(limit, left) : left;
+  } else if (options_.idleTimeout.count() <= 0) {
+    return;
+  }
   const uint64_t serial = readSerial_;
   auto self = shared_from_this();
-  timer_.expires_after(options_.idleTimeout);
-  timer_.async_wait([this, self, serial](error_code ec) {
+  timer_.expires_after(std::max(limit, std::chrono::steady_clock::duration::zero()));
+  timer_.async_wait([this, self, serial, pending](error_code ec) {
     if (ec || closed_ || serial != readSerial_) return;
     if (busy_) return armIdle();
+    if (pending && (options_.idleTimeout.count() <= 0 ||
+                    std::chrono::steady_clock::now() - since_ < options_.idleTimeout)) {
+      return finish(CloseReason::kTimeout,
+                    "no frame header carrying the job token within the authentication deadline "
+                    "of " +
+                        std::to_string(options_.authTimeout.count()) + " ms");
+    }
     finish(CloseReason::kTimeout, "no complete frame within the idle timeout of " +
                                       std::to_string(options_.idleTimeout.count()) + " ms");
   });
@@ -131,6 +150,11 @@ void Channel::readHeader() {
     }
     try {
       h_ = parseFrameHeader(header_.data(), options_.rules);
+      if (!authenticated_) {
+        authenticated_ = true;
+        const std::string refused = admit_ ? admit_(*this) : std::string();
+        if (!refused.empty()) return drop(refused);
+      }
       auto handler = handler_;  // Stays alive even if the handler closes the channel.
       sink_ = h_.length > 0 ? handler->payloadSink(*this, h_) : nullptr;
     } catch (const std::exception& e) {  // Corruption from the header; anything from a sink.
@@ -234,6 +258,12 @@ void Channel::writeNext() {
 
 void Channel::close(const std::string& why) { finish(CloseReason::kLocal, why); }
 
+void Channel::drop(const std::string& why) {
+  if (closed_) return;
+  logDrop("dropping connection from " + peer_ + ": " + why);
+  finish(CloseReason::kLocal, why);
+}
+
 void Channel::finish(CloseReason reason, const std::string& why) {
   if (closed_) return;
   closed_ = true;
@@ -261,6 +291,8 @@ namespace {
 
 ListenerOptions withDropLog(ListenerOptions o) {
   if (!o.channel.dropLog) o.channel.dropLog = std::make_shared<LogThrottle>();
+  o.channel.authTimeout = o.authTimeout;
+  o.maxPendingPerPeer = std::min(o.maxPendingPerPeer, o.maxPending);
   return o;
 }
 
@@ -302,21 +334,55 @@ Listener::~Listener() {
 }
 
 size_t Listener::open() {
-  for (auto it = channels_.begin(); it != channels_.end();) {
+  auto& channels = pool_->channels;
+  for (auto it = channels.begin(); it != channels.end();) {
     auto c = it->lock();
     if (!c || c->closed()) {
-      it = channels_.erase(it);
+      it = channels.erase(it);
     } else {
       ++it;
     }
   }
-  return channels_.size();
+  return channels.size();
+}
+
+void Listener::evictPending(const std::string& host) {
+  open();
+  std::map<std::string, std::vector<std::shared_ptr<Channel>>> pending;
+  size_t total = 0;
+  for (const auto& w : pool_->channels) {
+    auto c = w.lock();
+    if (c && !c->authenticated()) {
+      pending[c->peerHost()].push_back(c);
+      ++total;
+    }
+  }
+  std::string from;  // whose oldest unauthenticated connection goes
+  std::string why;
+  if (pending[host].size() >= options_.maxPendingPerPeer) {
+    from = host;
+    why = std::to_string(pending[host].size()) + " connections from " + host +
+          " have not authenticated (the limit per address)";
+  } else if (total >= options_.maxPending) {
+    for (const auto& [h, list] : pending) {
+      if (from.empty() || list.size() > pending[from].size()) from = h;
+    }
+    why = std::to_string(total) + " connections have not authenticated (the limit), " +
+          std::to_string(pending[from].size()) + " of them from " + from;
+  }
+  if (from.empty()) return;
+  const auto& list = pending[from];
+  auto oldest = *std::min_element(list.begin(), list.end(), [](const auto& a, const auto& b) {
+    return a->since() < b->since();
+  });
+  pool_->evicted++;
+  oldest->drop("evicted by a newer connection: " + why);
 }
 
 void Listener::forEach(const std::function<void(Channel&)>& fn) {
   open();
   std::vector<std::shared_ptr<Channel>> live;
-  for (const auto& w : channels_) {
+  for (const auto& w : pool_->channels) {
     if (auto c = w.lock()) live.push_back(c);
   }
   for (auto& c : live) fn(*c);
@@ -326,7 +392,7 @@ void Listener::close() {
   error_code ec;
   acceptor_.close(ec);
   forEach([](Channel& c) { c.close("server stopping"); });
-  channels_.clear();
+  pool_->channels.clear();
 }
 
 void Listener::accept() {
@@ -343,24 +409,22 @@ void Listener::accept() {
       return;
     }
     setCloseOnExec(socket.native_handle());
-    if (open() >= options_.maxConnections) {
-      if (refused_++ % 100 == 0) {
-        std::string line = options_.channel.name +
-                           ": refusing a connection: " + std::to_string(options_.maxConnections) +
-                           " are open (the cap)";
-        if (options_.channel.log) {
-          options_.channel.log(line);
-        } else {
-          std::fprintf(stderr, "%s\n", line.c_str());
-        }
+    auto channel = std::make_shared<Channel>(std::move(socket), options_.channel, makeHandler_());
+    evictPending(channel->peerHost());  // Room in the unauthenticated pool for one more.
+    // A connection takes a member's slot only once it shows the job token.
+    const size_t cap = options_.maxConnections;
+    channel->setAdmission([pool = pool_, cap](Channel& self) -> std::string {
+      size_t members = 0;
+      for (const auto& w : pool->channels) {
+        auto c = w.lock();
+        if (c && c.get() != &self && !c->closed() && c->authenticated()) ++members;
       }
-      error_code ignored;
-      socket.close(ignored);
-    } else {
-      auto channel = std::make_shared<Channel>(std::move(socket), options_.channel, makeHandler_());
-      channels_.insert(channel);
-      channel->start();
-    }
+      if (members < cap) return "";
+      pool->refused++;
+      return std::to_string(cap) + " authenticated connections are open (the cap)";
+    });
+    pool_->channels.insert(channel);
+    channel->start();
     accept();
   });
 }

@@ -74,6 +74,9 @@ struct ChannelOptions {
   // Lines about dropped connections go through it, keyed by the peer's address (a Listener
   // gives its channels one, of 10 s, unless set); null: every one is logged.
   std::shared_ptr<LogThrottle> dropLog;
+  // The first frame's header (which carries the job token) must arrive within this of the
+  // connection's start; 0: only idleTimeout applies (a Listener sets its own).
+  std::chrono::milliseconds authTimeout{0};
 };
 
 enum class CloseReason {
@@ -123,6 +126,8 @@ class Channel : public std::enable_shared_from_this<Channel> {
   // Closes now (idempotent); the handler's onClose runs later with kLocal, and the channel
   // lets go of the handler (which breaks handler -> channel reference cycles).
   void close(const std::string& why = "closed locally");
+  // close(), with a line "dropping connection from <peer>: <why>" through the drop log.
+  void drop(const std::string& why);
 
   bool closed() const { return closed_; }
   const std::string& peer() const { return peer_; }
@@ -131,6 +136,16 @@ class Channel : public std::enable_shared_from_this<Channel> {
   // A number the owner hangs on the connection (e.g. the worker id); -1 until set.
   int64_t tag() const { return tag_; }
   void setTag(int64_t tag) { tag_ = tag; }
+
+  // Whether a frame header carrying the token has arrived (the peer holds the job token).
+  bool authenticated() const { return authenticated_; }
+  // The peer's address without its port.
+  const std::string& peerHost() const { return peerHost_; }
+  // When the channel was made.
+  std::chrono::steady_clock::time_point since() const { return since_; }
+  // Called at the first frame header that carries the token: "" admits the connection, a
+  // reason closes it (logged, throttled per address). REQUIRES: before start().
+  void setAdmission(std::function<std::string(Channel&)> admit) { admit_ = std::move(admit); }
 
  private:
   struct Out {
@@ -154,6 +169,10 @@ class Channel : public std::enable_shared_from_this<Channel> {
   std::shared_ptr<ChannelHandler> handler_;
   boost::asio::steady_timer timer_;
   std::string peer_;
+  std::string peerHost_;
+  std::chrono::steady_clock::time_point since_;
+  std::function<std::string(Channel&)> admit_;
+  bool authenticated_ = false;
   std::array<uint8_t, kFrameHeaderBytes> header_{};
   FrameHeader h_;
   Bytes payload_;
@@ -169,8 +188,20 @@ class Channel : public std::enable_shared_from_this<Channel> {
 struct ListenerOptions {
   std::string host = "127.0.0.1";
   uint16_t port = 0;  // 0 picks a free port
-  // Connections beyond this many open ones are closed at once (logged).
+  // Authenticated connections (whose first frame header carried the job token) beyond this
+  // many open ones are closed when they authenticate (logged).
   size_t maxConnections = 256;
+  // Connections that have not authenticated yet live in a pool of their own and never count
+  // against maxConnections: at most maxPending of them, and maxPendingPerPeer from one
+  // address. A new connection beyond either evicts the oldest unauthenticated connection of
+  // its own address (over the per-address limit) or of the address with the most of them
+  // (over the pool's), so a flood of strangers costs at most those sockets and never keeps a
+  // member out: a member authenticates within a millisecond of connecting, a stranger's
+  // connection is gone after authTimeout or when newer ones arrive.
+  size_t maxPending = 1024;
+  size_t maxPendingPerPeer = 64;
+  // A connection's first frame header must arrive within this (the channel's authTimeout).
+  std::chrono::milliseconds authTimeout{2000};
   ChannelOptions channel;
 };
 
@@ -186,22 +217,34 @@ class Listener {
   uint16_t port() const { return port_; }
   // Stops accepting and closes every open channel. Io thread only.
   void close();
-  // Open channels (io thread only) and connections refused for the cap so far.
+  // Open channels (io thread only), and connections refused for the cap or evicted from the
+  // unauthenticated pool so far.
   size_t open();
-  int64_t refused() const { return refused_; }
+  int64_t refused() const { return pool_->refused; }
+  int64_t evicted() const { return pool_->evicted; }
   // Calls fn for every open channel (io thread only).
   void forEach(const std::function<void(Channel&)>& fn);
 
  private:
   void accept();
+  // The unauthenticated connections of one address evict their oldest one; over the pool's
+  // limit, the address with the most of them does. Io thread only.
+  void evictPending(const std::string& host);
+
+  // The channels and what the admission of a newly authenticated one needs; shared with the
+  // channels' admission callbacks, which may outlive the Listener.
+  struct Pool {
+    std::set<std::weak_ptr<Channel>, std::owner_less<std::weak_ptr<Channel>>> channels;
+    int64_t refused = 0;
+    int64_t evicted = 0;
+  };
 
   boost::asio::io_context& io_;
   const ListenerOptions options_;
   MakeHandler makeHandler_;
   boost::asio::ip::tcp::acceptor acceptor_;
   uint16_t port_ = 0;
-  std::set<std::weak_ptr<Channel>, std::owner_less<std::weak_ptr<Channel>>> channels_;
-  int64_t refused_ = 0;
+  std::shared_ptr<Pool> pool_ = std::make_shared<Pool>();
 };
 
 // Sets FD_CLOEXEC on a descriptor (Asio does not for accepted sockets).

@@ -563,6 +563,29 @@ TEST(ControlJobTest, EveryEndpointAndBadClients) {
     EXPECT_GT(stepOf(api.status()), before) << "training stalled";
     EXPECT_GT(stepOf(mid), 0);
   }
+  // 300 connections that each send one byte (the review's flood: 130 of them, reopened every
+  // 10 s, kept every sinewctl call at 503): strangers never take a member's slot, so the API
+  // answers at once while they are open, and they are gone after the 2 s deadline.
+  {
+    std::vector<int> fds;
+    for (int i = 0; i < 300; ++i) {
+      int fd = connectTo(api.url);
+      ASSERT_GE(fd, 0);
+      (void)::send(fd, "G", 1, MSG_NOSIGNAL);
+      fds.push_back(fd);
+    }
+    const auto t0 = Clock::now();
+    for (int i = 0; i < 5; ++i) EXPECT_EQ(api.get("/v1/status").status, 200);
+    EXPECT_LT(Clock::now() - t0, 3s);
+    JobRun ctl = finish(start({SINEWCTL_PATH, "--log-dir", dir, "status"}, {}), 60s);
+    EXPECT_EQ(ctl.exitCode, 0) << ctl.output;
+    int closed = 0;
+    for (int fd : fds) {
+      closed += closedWithin(fd, 4s);
+      ::close(fd);
+    }
+    EXPECT_EQ(closed, 300) << "strangers outlived the authentication deadline";
+  }
   // A stray binary message on the port: a 400, and the server goes on.
   {
     int fd = connectTo(api.url);

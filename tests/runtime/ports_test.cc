@@ -5,6 +5,9 @@
 // port goes on serving its real clients.
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/post.hpp>
@@ -21,6 +24,7 @@
 #include <vector>
 
 #include "../support.h"
+#include "sinew/base/open_files.h"
 #include "sinew/checkpoint/replica.h"
 #include "sinew/collectives/tcp_store.h"
 #include "sinew/collectives/transport/channel.h"
@@ -52,6 +56,8 @@ struct Port {
   uint8_t service = 0;
   uint8_t requestType = 0;  // a type the port accepts
   std::function<void()> stillServes;
+  // A client that opens a new connection is served (null: stillServes).
+  std::function<void()> newClientServes;
   std::function<int64_t()> dropped;
   std::shared_ptr<void> keep;  // the server and its clients
 };
@@ -77,6 +83,11 @@ Port storePort() {
     std::string v = std::to_string(++*counter);
     client->set("k", collectives::toBytes(v));
     EXPECT_EQ(collectives::toString(client->get("k", 2s)), v);
+  };
+  p.newClientServes = [server] {
+    collectives::TcpStore fresh("127.0.0.1", server->port(), testing::storeOptions());
+    fresh.set("fresh", collectives::toBytes("yes"));
+    EXPECT_EQ(collectives::toString(fresh.get("fresh", 2s)), "yes");
   };
   p.dropped = [server] { return server->droppedConnections(); };
   p.keep = std::make_shared<std::pair<decltype(server), decltype(client)>>(server, client);
@@ -130,6 +141,12 @@ Port replicaPort() {
   p.service = 3;
   p.requestType = 5;  // list
   p.stillServes = [client] { EXPECT_TRUE(client->list().empty()); };
+  p.newClientServes = [service] {
+    checkpoint::ReplicaClientOptions co;
+    co.token = kTestToken;
+    checkpoint::ReplicaClient fresh(1, service->address(), co);
+    EXPECT_TRUE(fresh.list().empty());
+  };
   p.dropped = [service] { return service->droppedConnections(); };
   p.keep = std::make_shared<std::pair<decltype(service), decltype(client)>>(service, client);
   return p;
@@ -243,7 +260,8 @@ TEST_P(PortTest, HundredIdleConnectionsAreCappedAndTimedOut) {
     ASSERT_GE(fd, 0);
     fds.push_back(fd);
   }
-  // Those beyond the cap are closed at once; the others when their idle timeout passes.
+  // Those beyond the unauthenticated pool's 64 per address are evicted at once (oldest
+  // first); the others go when their deadline passes.
   int closedSoon = 0;
   for (int fd : fds) closedSoon += closedByPeer(fd, 10ms) ? 1 : 0;
   int stillOpen = 0;
@@ -253,9 +271,35 @@ TEST_P(PortTest, HundredIdleConnectionsAreCappedAndTimedOut) {
   }
   EXPECT_EQ(stillOpen, 0) << "idle connections outlived the idle timeout on the " << GetParam();
   EXPECT_GE(closedSoon, 100 - static_cast<int>(kCap))
-      << "the connection cap of " << kCap << " did not refuse the rest at once";
+      << "the pool of " << kCap << " strangers per address did not evict the rest at once";
   const int64_t grown = rssBytes() - before;
   EXPECT_LT(grown, 16 << 20) << "100 idle connections grew the server by " << grown << " bytes";
+  port_.stillServes();
+}
+
+// Connections that have not shown the job token live in a pool of their own (at most 64 from
+// one address here): 300 idle strangers evict each other oldest first, never take a member's
+// slot (the cap of 64 members is the one that, before, the strangers filled: a joiner then
+// failed with "Connection reset by peer"), and a new member gets in at once while they are open.
+TEST_P(PortTest, AFloodOfStrangersNeverKeepsAMemberOut) {
+  std::vector<int> fds;
+  for (int i = 0; i < 300; ++i) {
+    int fd = connectLoopback(port_.port);
+    ASSERT_GE(fd, 0);
+    fds.push_back(fd);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  port_.stillServes();
+  if (port_.newClientServes) port_.newClientServes();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s)
+      << "a member waited behind the strangers on the " << GetParam();
+  int open = 0;
+  for (int fd : fds) open += closedByPeer(fd, 1ms) ? 0 : 1;
+  EXPECT_LE(open, 64) << "more strangers than the pool holds stayed on the " << GetParam();
+  for (int fd : fds) {
+    EXPECT_TRUE(closedByPeer(fd, 3s)) << "a stranger outlived its deadline on the " << GetParam();
+    ::close(fd);
+  }
   port_.stillServes();
 }
 
@@ -320,6 +364,78 @@ TEST(IoThreadTest, AnExceptionOutOfAHandlerIsReportedAndTheThreadGoesOn) {
   ASSERT_EQ(errors.size(), 2u);
   EXPECT_EQ(errors[0], "handler bug one");
   EXPECT_NE(errors[1].find("not a std::exception"), std::string::npos) << errors[1];
+}
+
+// A rendezvous store with the default idle timeout (120 s): a stranger must show the token
+// within the 2 s authentication deadline, not the idle timeout (before, 1,100 idle connections
+// held the store's 1,024 slots for 120 s each); the oldest strangers are evicted first when
+// the pool (16 here) is full; only connections that showed the token count against the cap of
+// members (4 here), and the fifth member is refused with a logged reason.
+TEST(ConnectionSlotsTest, StrangersGoOldestFirstAndMembersHaveTheirOwnCap) {
+  testing::LogSink logs;
+  collectives::TcpStoreServerOptions o = testing::serverOptions();
+  o.maxConnections = 4;
+  o.maxPending = 16;
+  o.log = logs.fn();
+  collectives::TcpStoreServer server(o);
+  std::vector<int> fds;
+  for (int i = 0; i < 40; ++i) {
+    int fd = connectLoopback(server.port());
+    ASSERT_GE(fd, 0);
+    fds.push_back(fd);
+  }
+  // The 24 oldest go as the newer ones arrive; the 16 newest wait for their deadline.
+  for (int i = 0; i < 24; ++i) EXPECT_TRUE(closedByPeer(fds[i], 2s)) << "stranger " << i;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 24; i < 40; ++i) {
+    EXPECT_FALSE(closedByPeer(fds[i], 1ms)) << "stranger " << i << " went before older ones";
+  }
+  std::vector<std::unique_ptr<collectives::TcpStore>> members;
+  for (int m = 0; m < 4; ++m) {
+    members.push_back(std::make_unique<collectives::TcpStore>("127.0.0.1", server.port(),
+                                                              testing::storeOptions()));
+    members.back()->set("m" + std::to_string(m), collectives::toBytes("x"));
+  }
+  for (int i = 24; i < 40; ++i) {
+    EXPECT_TRUE(closedByPeer(fds[i], 3s)) << "stranger " << i << " outlived the deadline";
+    ::close(fds[i]);
+  }
+  for (int i = 0; i < 24; ++i) ::close(fds[i]);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 3s);
+  // One line for the whole flood from 127.0.0.1 (the drop log's 10 s interval): the first.
+  EXPECT_TRUE(
+      logs.contains("evicted by a newer connection: 16 connections from 127.0.0.1 have "
+                    "not authenticated (the limit per address)"));
+  // A fifth member is over the members' cap: refused; the four go on.
+  collectives::TcpStoreOptions so = testing::storeOptions();
+  so.connectTimeout = 1s;
+  collectives::TcpStore fifth("127.0.0.1", server.port(), so);
+  EXPECT_ANY_THROW(fifth.set("m4", collectives::toBytes("x")));
+  for (auto& m : members) EXPECT_EQ(collectives::toString(m->get("m0", 2s)), "x");
+}
+
+TEST(OpenFilesTest, TheLimitIsRaisedToWhatTheCapsNeedOrTheCapsShrinkToIt) {
+  // In a child, so that this process keeps its limit.
+  pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    struct rlimit r {};
+    ::getrlimit(RLIMIT_NOFILE, &r);
+    if (r.rlim_max != RLIM_INFINITY && r.rlim_max < 5000) _exit(2);  // cannot test here
+    r.rlim_cur = 256;
+    if (::setrlimit(RLIMIT_NOFILE, &r) != 0) _exit(3);
+    if (raiseOpenFileLimit(5000) != 5000) _exit(4);
+    ::getrlimit(RLIMIT_NOFILE, &r);
+    _exit(r.rlim_cur == 5000 ? 0 : 5);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  if (WEXITSTATUS(status) == 2) GTEST_SKIP() << "the hard open-file limit is below 5000";
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  EXPECT_EQ(capsWithin({4096, 1024, 128}, 100000, 256), (std::vector<int64_t>{4096, 1024, 128}));
+  // 1,024 files, 256 kept: 768 shared in proportion, none below 8.
+  EXPECT_EQ(capsWithin({4096, 1024, 16}, 1024, 256), (std::vector<int64_t>{612, 153, 8}));
 }
 
 INSTANTIATE_TEST_SUITE_P(Ports, PortTest, ::testing::Values("store", "coordinator", "replica"),

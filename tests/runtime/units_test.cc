@@ -36,16 +36,21 @@
 #include "sinew/base/parse.h"
 #include "sinew/data.h"
 #include "sinew/init.h"
+#include "sinew/model.h"
+#include "sinew/pipeline/memory_meter.h"
 #include "sinew/pipeline/plan.h"
 #include "sinew/pipeline/profile.h"
 #include "sinew/runtime/control_api.h"
 #include "sinew/runtime/detail/wire.h"
+#include "sinew/runtime/epoch_recovery.h"
 #include "sinew/runtime/job_tensors.h"
 #include "sinew/runtime/layer_copy_manifest.h"
 #include "sinew/runtime/optimizer_state.h"
 #include "sinew/runtime/plan_report.h"
+#include "sinew/runtime/resident_memory.h"
 #include "sinew/runtime/slurm_bootstrap.h"
 #include "sinew/runtime/step_update.h"
+#include "sinew/runtime/tied_parameters.h"
 #include "sinew/schedule.h"
 #include "sinew/store.h"
 
@@ -989,6 +994,90 @@ TEST(PlanReportTest, EachWorkerHasItsStagesPredictedMemory) {
   EXPECT_EQ(stateBytesPerParameterByte(sgd), 1);
   auto momentum = torch::optim::SGD({at::zeros({2})}, torch::optim::SGDOptions(0.1).momentum(0.9));
   EXPECT_EQ(stateBytesPerParameterByte(momentum), 2);
+}
+
+// A member whose epochs keep failing to build asks for the next one ever more slowly: none
+// before its first retry, then 50 ms doubling to 2 s (before: at once, every time; a flooded
+// store made 6,805 epochs in 60 s).
+TEST(EpochRecoveryTest, RebuildRequestsBackOffFrom50MsTo2S) {
+  using std::chrono::milliseconds;
+  EXPECT_EQ(rebuildBackoff(0), milliseconds(0));
+  EXPECT_EQ(rebuildBackoff(1), milliseconds(0));
+  EXPECT_EQ(rebuildBackoff(2), milliseconds(50));
+  EXPECT_EQ(rebuildBackoff(3), milliseconds(100));
+  EXPECT_EQ(rebuildBackoff(7), milliseconds(1600));
+  EXPECT_EQ(rebuildBackoff(8), milliseconds(2000));
+  EXPECT_EQ(rebuildBackoff(1000000), milliseconds(2000));
+}
+
+// The optimizer step's temporaries, measured through the CPU allocator: libtorch's AdamW makes
+// the square root of its second moment and the quotient (2 x the parameter), plain SGD
+// updates in place (0).
+TEST(OptimizerStateTest, TheStepsTemporariesAreMeasuredPerParameterByte) {
+  const double adamw = measureStepWorkspacePerParameterByte(sinew::adamw(0.01), at::kFloat);
+  EXPECT_GE(adamw, 1.99);
+  EXPECT_LE(adamw, 2.1);
+  EXPECT_LE(measureStepWorkspacePerParameterByte(sinew::sgd(0.1), at::kFloat), 0.05);
+  const double f64 = measureStepWorkspacePerParameterByte(sinew::adamw(0.01), at::kDouble);
+  EXPECT_GE(f64, 1.99);
+}
+
+// Data parallel sums a tied pair's gradients into the owner's gradient in place and copies
+// the sum into the follower's: for a model whose largest tensor is a tied embedding, no
+// second or third copy of it (before: a clone for the sum and one for the follower, 2 x the
+// tensor in flight).
+TEST(TiedParametersTest, SummingTiedGradientsAllocatesNothingWhenBothHaveGradients) {
+  ModelSpec spec;
+  spec.layers = {{"embed", [] { return torch::nn::AnyModule(torch::nn::Linear(256, 512)); }},
+                 {"head", [] { return torch::nn::AnyModule(torch::nn::Linear(256, 512)); }}};
+  spec.tied = {{"embed.weight", "head.weight"}};
+  const std::vector<Tie> ties = resolveTies(spec);
+  torch::nn::Sequential model = buildUntiedLayers(spec, 1, at::kFloat, 0, 2);
+  at::Tensor owner = tiedParameter(*model[0], "weight", 0, "embed");
+  at::Tensor follower = tiedParameter(*model[1], "weight", 1, "head");
+  owner.mutable_grad() = at::full_like(owner, 1.5);
+  follower.mutable_grad() = at::full_like(follower, 0.25);
+  const void* ownerGrad = owner.grad().data_ptr();
+  pipeline::CpuMemoryMeter meter;
+  ASSERT_TRUE(meter.installed());
+  const int64_t before = meter.live();
+  meter.resetPeak();
+  sumTiedGradients(model, ties);
+  EXPECT_LT(meter.peak() - before, owner.numel() * 4 / 4) << "a copy of the tied gradient";
+  EXPECT_EQ(owner.grad().data_ptr(), ownerGrad);
+  EXPECT_TRUE(owner.grad().equal(at::full_like(owner, 1.75)));
+  EXPECT_TRUE(follower.grad().equal(at::full_like(follower, 1.75)));
+  EXPECT_NE(follower.grad().data_ptr(), owner.grad().data_ptr());
+  // A follower without a gradient gets its own copy of the sum.
+  follower.mutable_grad().reset();
+  sumTiedGradients(model, ties);
+  EXPECT_TRUE(follower.grad().equal(owner.grad()));
+  EXPECT_NE(follower.grad().data_ptr(), owner.grad().data_ptr());
+}
+
+// With phases, each phase's peak is what was resident at its highest while it ran: 64 MiB
+// touched and freed in one phase show in that phase and in the training peak, not in the next.
+TEST(ResidentMemoryTest, EachPhaseGetsItsOwnPeak) {
+  ResidentMemory rss(/*byPhase=*/true);
+  rss.startTraining();
+  if (rss.trainingPeak() < 0) GTEST_SKIP() << "/proc/self/clear_refs cannot be written here";
+  constexpr size_t kBytes = size_t{64} << 20;
+  rss.phase("small");
+  rss.phase("big");
+  {
+    std::vector<char> touched(kBytes, 1);  // value-initialised: every page written
+    ASSERT_EQ(touched[kBytes - 1], 1);
+  }
+  rss.phase("after");
+  const std::map<std::string, int64_t> phases = rss.byPhase();
+  ASSERT_EQ(phases.size(), 3u);
+  EXPECT_GE(phases.at("big") - phases.at("small"), static_cast<int64_t>(kBytes) * 3 / 4);
+  EXPECT_GE(phases.at("big") - phases.at("after"), static_cast<int64_t>(kBytes) * 3 / 4);
+  EXPECT_GE(rss.trainingPeak(), phases.at("big"));
+  EXPECT_GE(rss.lifetimePeak(), rss.trainingPeak());
+  ResidentMemory off(/*byPhase=*/false);
+  off.phase("ignored");
+  EXPECT_TRUE(off.byPhase().empty());
 }
 
 }  // namespace
