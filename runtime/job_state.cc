@@ -467,10 +467,11 @@ void JobState::formFirstEpoch(const std::string& why) {
   for (int id : hellos_) {
     if (!ready_.count(id)) notReady.push_back(id);
   }
+  std::vector<SessionId> leftOut;  // told once the first epoch is stored (fenced)
   for (int id : notReady) {
     // Only this worker: its node's other workers may well be ready.
     log("worker " + std::to_string(id) + " left out: not ready when the first epoch formed");
-    send(id, wire::Type::kExpelled, json{{"reason", "not ready when the first epoch formed"}});
+    if (workers_[id].session != 0) leftOut.push_back(workers_[id].session);
     dead_.push_back(id);
     workers_.erase(id);
     hellos_.erase(std::remove(hellos_.begin(), hellos_.end(), id), hellos_.end());
@@ -479,6 +480,10 @@ void JobState::formFirstEpoch(const std::string& why) {
   std::vector<int> none;
   epoch_ = -1;
   newEpoch("first epoch (" + why + ")", none);
+  if (deposed_) return;
+  for (SessionId s : leftOut) {
+    write(s, wire::Type::kExpelled, json{{"reason", "not ready when the first epoch formed"}});
+  }
 }
 
 void JobState::newEpoch(const std::string& why, std::vector<int> joiners) {
@@ -905,6 +910,7 @@ void JobState::declareDead(int worker, const std::string& why) {
   }
   if (std::find(victims.begin(), victims.end(), worker) == victims.end()) victims.push_back(worker);
   bool wasMember = false;
+  std::vector<std::pair<SessionId, std::string>> expelled;  // told once the deaths are stored
   for (int id : victims) {
     auto wit = workers_.find(id);
     if (wit == workers_.end()) continue;
@@ -918,9 +924,7 @@ void JobState::declareDead(int worker, const std::string& why) {
            {"reason", reason},
            {"epoch", epoch_},
            {"committed_step", committed_}});
-    if (wit->second.session != 0) {
-      write(wit->second.session, wire::Type::kExpelled, json{{"reason", reason}}, true);
-    }
+    if (wit->second.session != 0) expelled.emplace_back(wit->second.session, reason);
     wasMember = wasMember || std::find(members_.begin(), members_.end(), id) != members_.end();
     pendingJoin_.erase(std::remove(pendingJoin_.begin(), pendingJoin_.end(), id),
                        pendingJoin_.end());
@@ -931,6 +935,12 @@ void JobState::declareDead(int worker, const std::string& why) {
     workers_.erase(wit);
   }
   failures_ += static_cast<int64_t>(victims.size());
+  // Fenced (docs/ha.md): the deaths are stored under this leader's term before anyone hears
+  // of them; a leader whose term is over stores nothing, expels nobody and steps down.
+  if (!persistState()) return;
+  for (const auto& [session, reason] : expelled) {
+    write(session, wire::Type::kExpelled, json{{"reason", reason}}, /*closeAfter=*/true);
+  }
   updateDrains();
   // A checkpoint asked for and not yet durable is lost with its writer (data parallel: the
   // epoch's first member; pipelines: any member): status stops saying "checkpointing".

@@ -179,6 +179,15 @@ void LeaderElection::renewLoop() {
       if (options_.etcd->keepAlive(lease) <= 0) {
         return lose("etcd says the lease ended");
       }
+      // The term is the key's, not the lease's: a key deleted or made anew (by another
+      // candidate after a deletion) ends this term though the lease lives on.
+      const auto key = options_.etcd->get(options_.key);
+      if (!key || key->createRevision != term_.load()) {
+        return lose("the leader key '" + options_.key + "' " +
+                    (key ? "belongs to term " + std::to_string(key->createRevision)
+                         : std::string("was deleted")) +
+                    " (this term: " + std::to_string(term_.load()) + ")");
+      }
       renewedAtNs_.store(asked);
     } catch (const Error& e) {
       if (!leads()) {

@@ -6,7 +6,9 @@
 // transaction that runs only while the leader key still has this create revision (etcd's
 // own election recipe). A leader that was paused or cut off past its lease's TTL therefore
 // cannot change anything: its writes fail with NotLeader, and leads() turns false as soon as
-// its own clock says the lease may have ended, before it hears from etcd.
+// its own clock says the lease may have ended, before it hears from etcd, and at the next
+// renewal (every quarter TTL) after the key was deleted or made anew by another candidate,
+// though its lease lives on.
 //
 // Thread safety: every method may be called from any thread. One background thread renews
 // the lease while this candidate leads.

@@ -240,6 +240,39 @@ TEST(HaCoordinatorTest, ALeaderWhoseLeaseMayHaveEndedSendsNothing) {
   EXPECT_TRUE(sink.contains("lease may have ended"));
 }
 
+// Declaring a worker dead changes the job: it is stored under the leader's term before the
+// worker hears "expelled". When the store is refused (another leader's term), the worker
+// hears nothing of it and this coordinator steps down. Before, expelled went out first and
+// the death was stored with the next epoch: in the review, a leader whose key was deleted
+// expelled worker 0 while the new leader took over.
+TEST(HaCoordinatorTest, AWorkerIsExpelledOnlyOnceItsDeathIsStored) {
+  FakeEtcd etcd;
+  LogSink sink;
+  Coordinator coord(options(2, etcd, &sink));
+  etcd.setLeader(coord, 1);
+  auto a = client(etcd, 0, nullptr, 1s);
+  auto b = client(etcd, 1, nullptr, 1s);
+  ASSERT_EQ(a->waitEpochAfter(-1, 5s).epoch, 0);
+  ASSERT_EQ(b->waitEpochAfter(-1, 5s).epoch, 0);
+  ASSERT_EQ(voteBoth(*a, *b, 0, 0).first, CoordinatorClient::VoteResult::kCommitted);
+  {
+    std::lock_guard<std::mutex> lock(etcd.mu);
+    etcd.failAtCommitted = 0;  // the next store (worker 1's death) is refused
+  }
+  b->muteHeartbeats(5s);
+  EXPECT_TRUE(eventually([&] { return coord.status().deposed; }, 5s));
+  EXPECT_TRUE(sink.contains("its state could not be stored"));
+  try {
+    b->waitEpochAfter(0, 2s);
+    FAIL() << "worker 1 saw a new epoch";
+  } catch (const Expelled& e) {
+    FAIL() << "a leader whose term was over expelled worker 1: " << e.what();
+  } catch (const Error&) {
+    // The connection closed with the term, and no other leader is known: no verdict.
+  }
+  EXPECT_EQ(json::parse(etcd.stored()).at("dead"), json::array());
+}
+
 TEST(HaCoordinatorTest, ABadStateIsRefusedByName) {
   FakeEtcd etcd;
   CoordinatorOptions o = options(1, etcd, nullptr);

@@ -31,6 +31,7 @@
 #include "job_support.h"
 #include "sinew/base/error.h"
 #include "sinew/collectives/etcd_client.h"
+#include "sinew/runtime/leader_election.h"
 
 namespace {
 
@@ -271,6 +272,39 @@ class HaJobTest : public ::testing::Test {
   std::vector<Proc> coordinators_;
   std::vector<Proc> workers_;
 };
+
+// A leader's term is its key's, not its lease's: when the leader key is deleted behind its
+// back (its lease alive and renewed), leads() turns false at the next renewal (a quarter TTL)
+// and every fenced write is refused; a candidate that creates the key anew gets a new term.
+// Before, leads() looked only at the lease's age and stayed true: in the review, a leader
+// whose key was deleted went on expelling workers while the next one took over.
+TEST(LeaderElectionTest, ALeaderWhoseKeyIsDeletedStopsLeadingThoughItsLeaseLives) {
+  if (sinew::testing::etcdPath().empty()) GTEST_SKIP() << "etcd is not installed";
+  EtcdCluster cluster(1);
+  auto etcd = std::make_shared<EtcdClient>(cluster.options());
+  sinew::runtime::LeaderElectionOptions o;
+  o.etcd = etcd;
+  o.key = "/sinew/fence/leader";
+  o.ttlSeconds = 4;
+  sinew::runtime::LeaderElection a(o);
+  ASSERT_TRUE(a.campaign("a", 20s, [] { return false; }));
+  const int64_t term = a.term();
+  ASSERT_TRUE(a.leads());
+  etcd->deleteKey(o.key);
+  const auto t0 = Clock::now();
+  while (a.leads() && Clock::now() - t0 < 5s) std::this_thread::sleep_for(10ms);
+  EXPECT_FALSE(a.leads()) << "a leader whose key was deleted still leads";
+  EXPECT_LT(Clock::now() - t0, 3s);
+  EXPECT_THROW(a.fencedWrite({sinew::collectives::EtcdOp::put("/sinew/fence/state", "x")}),
+               sinew::runtime::NotLeader);
+  EXPECT_FALSE(etcd->get("/sinew/fence/state").has_value());
+  sinew::runtime::LeaderElection b(o);
+  ASSERT_TRUE(b.campaign("b", 20s, [] { return false; }));
+  EXPECT_NE(b.term(), term);
+  EXPECT_FALSE(a.leads());
+  b.fencedWrite({sinew::collectives::EtcdOp::put("/sinew/fence/state", "y")});
+  EXPECT_EQ(etcd->get("/sinew/fence/state")->value, "y");
+}
 
 TEST_F(HaJobTest, LeaderKilledMidStep) {
   startCoordinators();
