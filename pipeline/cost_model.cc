@@ -112,6 +112,7 @@ CostModel::CostModel(const Profile& profile) {
 }
 
 int64_t CostModel::workspaceBytes(int first, int end) const {
+  if (end <= first) return 0;
   const int k = 63 - __builtin_clzll(static_cast<unsigned long long>(end - first));
   return std::max(workspace_max_[k][first], workspace_max_[k][end - (1 << k)]);
 }

@@ -67,7 +67,7 @@ class CostModel {
     int64_t d = widths_[w];
     return (a + d - 1) / d;
   }
-  // The largest workspace_bytes of layers [first, end): O(1).
+  // The largest workspace_bytes of layers [first, end) (0 for an empty range): O(1).
   int64_t workspaceBytes(int first, int end) const;
   // Whether the stage fits a device when `in_flight` (>= 1) microbatches are in flight.
   bool fits(int first, int end, int w, int64_t in_flight) const {

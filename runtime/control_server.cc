@@ -96,12 +96,25 @@ class Session : public SessionBase, public std::enable_shared_from_this<Session>
     stream_.expires_never();
     timedOut_ = false;
     // Until a request shows the token, what is left of the authentication deadline.
-    if (authenticated) {
-      deadline_.expires_after(shared_->options.requestTimeout);
-    } else {
-      deadline_.expires_at(since +
-                           std::min(shared_->options.requestTimeout, shared_->options.authTimeout));
-    }
+    armDeadline(authenticated
+                    ? asio::steady_timer::clock_type::now() + shared_->options.requestTimeout
+                    : since + firstRequestLimit());
+    http::async_read_header(
+        stream_, buffer_, *parser_,
+        [self = shared_from_this()](error_code ec, size_t) { self->onHeader(ec); });
+  }
+
+  // The first request's headers must arrive within this of the connection (authTimeout 0:
+  // only the request timeout).
+  std::chrono::milliseconds firstRequestLimit() const {
+    const auto& o = shared_->options;
+    return o.authTimeout.count() > 0 ? std::min(o.requestTimeout, o.authTimeout) : o.requestTimeout;
+  }
+
+  // The request deadline is a timer of ours, not the stream's (which would close the socket):
+  // a late request still hears 408.
+  void armDeadline(asio::steady_timer::time_point at) {
+    deadline_.expires_at(at);
     deadline_.async_wait([self = shared_from_this()](error_code ec) {
       // A completion queued just before a cancel() still runs: believe the clock.
       if (ec || self->closing_ ||
@@ -112,9 +125,6 @@ class Session : public SessionBase, public std::enable_shared_from_this<Session>
       error_code ignored;
       self->stream_.socket().cancel(ignored);
     });
-    http::async_read_header(
-        stream_, buffer_, *parser_,
-        [self = shared_from_this()](error_code ec, size_t) { self->onHeader(ec); });
   }
 
   // A failed read: answer what was wrong when the client can still hear it, then close.
@@ -180,6 +190,9 @@ class Session : public SessionBase, public std::enable_shared_from_this<Session>
             false, version_);
       }
       authenticated = true;
+      // The body (if any) gets the whole request timeout from here, not what is left of the
+      // authentication deadline.
+      armDeadline(asio::steady_timer::clock_type::now() + shared_->options.requestTimeout);
     }
     const auto method = req.method_string();
     if (!control::allows(role, std::string_view(method.data(), method.size()))) {
@@ -342,23 +355,34 @@ void evictPending(ControlServer::Shared& shared, const std::string& host) {
       ++total;
     }
   }
-  std::string from;
-  if (pending[host].size() >= shared.options.maxPendingPerPeer) {
-    from = host;
-  } else if (total >= shared.options.maxPending) {
+  auto oldestOf = [](const std::vector<std::shared_ptr<SessionBase>>& list) {
+    return *std::min_element(list.begin(), list.end(),
+                             [](const auto& a, const auto& b) { return a->since < b->since; });
+  };
+  const size_t perPeer = std::max<size_t>(1, shared.options.maxPendingPerPeer);
+  std::shared_ptr<SessionBase> oldest;
+  const auto& mine = pending[host];
+  if (!mine.empty() && mine.size() >= perPeer) {
+    oldest = oldestOf(mine);
+  } else if (total > 0 && total >= std::max<size_t>(1, shared.options.maxPending)) {
+    // The address with the most; among equals, the one whose oldest connection is oldest.
     for (const auto& [h, list] : pending) {
-      if (from.empty() || list.size() > pending[from].size()) from = h;
+      if (list.empty()) continue;
+      auto candidate = oldestOf(list);
+      const size_t most = oldest ? pending[oldest->host].size() : 0;
+      if (!oldest || list.size() > most ||
+          (list.size() == most && candidate->since < oldest->since)) {
+        oldest = candidate;
+      }
     }
   }
-  if (from.empty()) return;
-  const auto& list = pending[from];
-  auto oldest = *std::min_element(list.begin(), list.end(),
-                                  [](const auto& a, const auto& b) { return a->since < b->since; });
+  if (!oldest) return;
+  const std::string from = oldest->host;
   int64_t withheld = 0;
   if (shared.evictionLog.admit(from, &withheld)) {
-    shared.log("evicting the oldest of " + std::to_string(list.size()) + " connections from " +
-               from + " that sent no request with a token (" + std::to_string(total) +
-               " such in all)" +
+    shared.log("evicting the oldest of " + std::to_string(pending[from].size()) +
+               " connections from " + from + " that sent no request with a token (" +
+               std::to_string(total) + " such in all)" +
                (withheld > 0 ? " (and " + std::to_string(withheld) + " more evictions since)"
                              : std::string()));
   }

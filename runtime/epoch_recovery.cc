@@ -45,6 +45,7 @@ double recoverIntoNextEpoch(const TrainerServices& s, EpochCommunicators& comms,
   // Asks for a fresh epoch after `epoch` failed, once the backoff has passed (unless a newer
   // epoch arrives meanwhile: then that one is tried without asking).
   auto rebuild = [&](int64_t epoch) {
+    comms.drop();  // Not held through the pause.
     const auto pause = std::min(
         rebuildBackoff(++failedEnters),
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - TrainerClock::now()));

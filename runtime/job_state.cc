@@ -894,7 +894,9 @@ void JobState::checkFinished() {
     log("job finished at step " + std::to_string(committed_) + " in epoch " +
         std::to_string(epoch_));
     event({{"event", "finished"}, {"step", committed_}, {"epoch", epoch_}});
-    for (int id : pendingJoin_) declareDead(id, "the job has finished");
+    // A copy: declareDead erases from pendingJoin_.
+    const std::vector<int> joiners = pendingJoin_;
+    for (int id : joiners) declareDead(id, "the job has finished");
     effects_.changed = true;
   }
 }
@@ -936,8 +938,9 @@ void JobState::declareDead(int worker, const std::string& why) {
   }
   failures_ += static_cast<int64_t>(victims.size());
   // Fenced (docs/ha.md): the deaths are stored under this leader's term before anyone hears
-  // of them; a leader whose term is over stores nothing, expels nobody and steps down.
-  if (!persistState()) return;
+  // of them; a leader whose term is over stores nothing, expels nobody and steps down. (Before
+  // the first epoch nothing is stored: a successor starts such a job afresh.)
+  if (deposed_ || (epoch_ >= 0 && !persistState())) return;
   for (const auto& [session, reason] : expelled) {
     write(session, wire::Type::kExpelled, json{{"reason", reason}}, /*closeAfter=*/true);
   }

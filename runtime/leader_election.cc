@@ -179,6 +179,7 @@ void LeaderElection::renewLoop() {
       if (options_.etcd->keepAlive(lease) <= 0) {
         return lose("etcd says the lease ended");
       }
+      renewedAtNs_.store(asked);
       // The term is the key's, not the lease's: a key deleted or made anew (by another
       // candidate after a deletion) ends this term though the lease lives on.
       const auto key = options_.etcd->get(options_.key);
@@ -188,7 +189,6 @@ void LeaderElection::renewLoop() {
                          : std::string("was deleted")) +
                     " (this term: " + std::to_string(term_.load()) + ")");
       }
-      renewedAtNs_.store(asked);
     } catch (const Error& e) {
       if (!leads()) {
         return lose(std::string("no renewal of the lease for a TTL: ") + e.what());

@@ -292,7 +292,8 @@ namespace {
 ListenerOptions withDropLog(ListenerOptions o) {
   if (!o.channel.dropLog) o.channel.dropLog = std::make_shared<LogThrottle>();
   o.channel.authTimeout = o.authTimeout;
-  o.maxPendingPerPeer = std::min(o.maxPendingPerPeer, o.maxPending);
+  o.maxPending = std::max<size_t>(o.maxPending, 1);
+  o.maxPendingPerPeer = std::max<size_t>(std::min(o.maxPendingPerPeer, o.maxPending), 1);
   return o;
 }
 
@@ -357,26 +358,36 @@ void Listener::evictPending(const std::string& host) {
       ++total;
     }
   }
-  std::string from;  // whose oldest unauthenticated connection goes
+  // The oldest connection of a list.
+  auto oldestOf = [](const std::vector<std::shared_ptr<Channel>>& list) {
+    return *std::min_element(list.begin(), list.end(),
+                             [](const auto& a, const auto& b) { return a->since() < b->since(); });
+  };
+  std::shared_ptr<Channel> victim;
   std::string why;
-  if (pending[host].size() >= options_.maxPendingPerPeer) {
-    from = host;
-    why = std::to_string(pending[host].size()) + " connections from " + host +
+  const auto& mine = pending[host];
+  if (!mine.empty() && mine.size() >= options_.maxPendingPerPeer) {
+    victim = oldestOf(mine);
+    why = std::to_string(mine.size()) + " connections from " + host +
           " have not authenticated (the limit per address)";
-  } else if (total >= options_.maxPending) {
+  } else if (total > 0 && total >= options_.maxPending) {
+    // The address with the most; among equals, the one whose oldest connection is oldest.
     for (const auto& [h, list] : pending) {
-      if (from.empty() || list.size() > pending[from].size()) from = h;
+      if (list.empty()) continue;
+      auto candidate = oldestOf(list);
+      const size_t most = victim ? pending[victim->peerHost()].size() : 0;
+      if (!victim || list.size() > most ||
+          (list.size() == most && candidate->since() < victim->since())) {
+        victim = candidate;
+      }
     }
     why = std::to_string(total) + " connections have not authenticated (the limit), " +
-          std::to_string(pending[from].size()) + " of them from " + from;
+          std::to_string(pending[victim->peerHost()].size()) + " of them from " +
+          victim->peerHost();
   }
-  if (from.empty()) return;
-  const auto& list = pending[from];
-  auto oldest = *std::min_element(list.begin(), list.end(), [](const auto& a, const auto& b) {
-    return a->since() < b->since();
-  });
+  if (!victim) return;
   pool_->evicted++;
-  oldest->drop("evicted by a newer connection: " + why);
+  victim->drop("evicted by a newer connection: " + why);
 }
 
 void Listener::forEach(const std::function<void(Channel&)>& fn) {
