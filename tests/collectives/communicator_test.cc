@@ -725,8 +725,11 @@ TEST(CommunicatorTest, LanesMatchMessagesByTagInSendOrderAndNameMismatches) {
       comm = make(epoch);
       std::string got;
       if (r != 1) {
-        if (r == 0 && sendTag >= 0) comm->send(a, 1, static_cast<uint32_t>(sendTag));
-        got = outcomeOf([&] { comm->barrier(); });
+        // The send too: rank 1 may abort (on the mismatch) before rank 0's send completes.
+        got = outcomeOf([&] {
+          if (r == 0 && sendTag >= 0) comm->send(a, 1, static_cast<uint32_t>(sendTag));
+          comm->barrier();
+        });
       } else {
         at::Tensor x = at::zeros({numel}, type);
         got = outcomeOf([&] { comm->recv(x, 0, recvTag); });
