@@ -418,13 +418,16 @@ class Trainer::Impl {
       durable_->finish();
       client_.done(step_);
       // The training peak first: the lifetime peak read after it is at least as high.
+      // Read in this order, each figure at least the one before (the high-water mark only
+      // grows): the phases, the training peak, the lifetime peak.
+      const std::map<std::string, int64_t> phases = rss_.byPhase();
       const int64_t trainingPeak = rss_.trainingPeak();
       nlohmann::json done = {{"event", "done"},
                              {"step", step_},
                              {"loss", lastLoss_},
                              {"peak_rss_bytes", std::max(rss_.lifetimePeak(), trainingPeak)},
                              {"training_peak_rss_bytes", trainingPeak}};
-      if (o_.memoryByPhase) done["peak_rss_by_phase_bytes"] = rss_.byPhase();
+      if (o_.memoryByPhase) done["peak_rss_by_phase_bytes"] = phases;
       event(std::move(done));
     }
     TrainResult r = result(preempted);
