@@ -254,9 +254,9 @@ TEST(TemplatePlannerTest, DeterministicAcrossRuns) {
   }
 }
 
-TEST(TemplatePlannerTest, MemoryDecidesTheFewestNodes) {
-  // Four identical layers of 100 static bytes and 10 activation bytes, 250 bytes per device,
-  // one device per node: a stage holds at most two layers, so the model needs two nodes.
+// Four identical layers of 100 static bytes, 10 activation bytes and `workspace` workspace
+// bytes, 250 bytes per device, one device per node.
+Profile fourSmallLayers(int64_t workspace) {
   Profile p;
   p.job.devices_per_node = 1;
   p.job.device_memory_bytes = 250;
@@ -267,8 +267,15 @@ TEST(TemplatePlannerTest, MemoryDecidesTheFewestNodes) {
     c.param_bytes = 50;
     c.optimizer_bytes = 50;
     c.activation_bytes = 10;
+    c.workspace_bytes = workspace;
     p.layers.push_back(c);
   }
+  return p;
+}
+
+TEST(TemplatePlannerTest, MemoryDecidesTheFewestNodes) {
+  // A stage holds at most two of the layers, so the model needs two nodes.
+  Profile p = fourSmallLayers(0);
   TemplateSet set = planTemplates(p, {5, 1, 8});
   EXPECT_EQ(set.min_nodes, 2);
   EXPECT_EQ(set.max_nodes, 3);  // N - f * n_min
@@ -282,19 +289,7 @@ TEST(TemplatePlannerTest, MemoryDecidesTheFewestNodes) {
 // with 5 workspace bytes each still fit two to a stage (200 + 2 x 20 + 5 <= 250; their sum,
 // 10, would not), and one layer of 40 keeps the two-node split from fitting.
 TEST(TemplatePlannerTest, AStageNeedsItsLargestWorkspaceOnce) {
-  Profile p;
-  p.job.devices_per_node = 1;
-  p.job.device_memory_bytes = 250;
-  for (int l = 0; l < 4; ++l) {
-    LayerCost c;
-    c.forward_ns = 1000;
-    c.backward_ns = 2000;
-    c.param_bytes = 50;
-    c.optimizer_bytes = 50;
-    c.activation_bytes = 10;
-    c.workspace_bytes = 5;
-    p.layers.push_back(c);
-  }
+  Profile p = fourSmallLayers(5);
   const CostModel model(p);
   EXPECT_EQ(model.workspaceBytes(0, 4), 5);
   EXPECT_EQ(model.memoryBytes(0, 2, 0, 2), 200 + 2 * 20 + 5);
