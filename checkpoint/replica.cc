@@ -92,7 +92,6 @@ class ReplicaService::Impl {
     }
     lo.maxConnections = static_cast<size_t>(fit[0]);
     lo.maxPending = static_cast<size_t>(fit[1]);
-    lo.maxPendingPerPeer = std::min<size_t>(lo.maxPendingPerPeer, lo.maxPending);
     lo.channel.rules = replica_wire::serviceRules(options_.token, options_.maxChunkBytes);
     lo.channel.idleTimeout = options_.idleTimeout;
     lo.channel.frameTimeout = options_.frameTimeout;

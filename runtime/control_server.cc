@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <array>
 #include <deque>
-#include <map>
 #include <optional>
 #include <vector>
 
@@ -132,9 +131,7 @@ class Session : public SessionBase, public std::enable_shared_from_this<Session>
     deadline_.cancel();
     if (timedOut_ && ec == asio::error::operation_aborted && !shared_->closed) {
       if (!parser_->got_some()) return close();  // An idle keep-alive connection.
-      const auto limit =
-          authenticated ? shared_->options.requestTimeout
-                        : std::min(shared_->options.requestTimeout, shared_->options.authTimeout);
+      const auto limit = authenticated ? shared_->options.requestTimeout : firstRequestLimit();
       shared_->log("request from " + peer_ + " did not arrive within " +
                    std::to_string(limit.count()) + " ms; closing");
       return respond(control::errorAnswer(408, "the request did not arrive within " +
@@ -346,47 +343,30 @@ class Session : public SessionBase, public std::enable_shared_from_this<Session>
 // over the per-address limit its own oldest one goes, over the pool's limit the oldest one of
 // the address with the most (logged once per address per 10 s, with a count).
 void evictPending(ControlServer::Shared& shared, const std::string& host) {
-  std::map<std::string, std::vector<std::shared_ptr<SessionBase>>> pending;
-  size_t total = 0;
+  std::vector<std::shared_ptr<SessionBase>> sessions;
+  std::vector<collectives::transport::PendingConnection> pending;
   for (const auto& w : shared.sessions) {
     auto s = w.lock();
     if (s && !s->closing() && !s->authenticated) {
-      pending[s->host].push_back(s);
-      ++total;
+      sessions.push_back(s);
+      pending.push_back({s->host, s->since});
     }
   }
-  auto oldestOf = [](const std::vector<std::shared_ptr<SessionBase>>& list) {
-    return *std::min_element(list.begin(), list.end(),
-                             [](const auto& a, const auto& b) { return a->since < b->since; });
-  };
-  const size_t perPeer = std::max<size_t>(1, shared.options.maxPendingPerPeer);
-  std::shared_ptr<SessionBase> oldest;
-  const auto& mine = pending[host];
-  if (!mine.empty() && mine.size() >= perPeer) {
-    oldest = oldestOf(mine);
-  } else if (total > 0 && total >= std::max<size_t>(1, shared.options.maxPending)) {
-    // The address with the most; among equals, the one whose oldest connection is oldest.
-    for (const auto& [h, list] : pending) {
-      if (list.empty()) continue;
-      auto candidate = oldestOf(list);
-      const size_t most = oldest ? pending[oldest->host].size() : 0;
-      if (!oldest || list.size() > most ||
-          (list.size() == most && candidate->since < oldest->since)) {
-        oldest = candidate;
-      }
-    }
-  }
-  if (!oldest) return;
-  const std::string from = oldest->host;
+  const int64_t v = collectives::transport::pendingToEvict(pending, host, shared.options.maxPending,
+                                                           shared.options.maxPendingPerPeer);
+  if (v < 0) return;
+  const std::string& from = pending[v].host;
   int64_t withheld = 0;
   if (shared.evictionLog.admit(from, &withheld)) {
-    shared.log("evicting the oldest of " + std::to_string(pending[from].size()) +
-               " connections from " + from + " that sent no request with a token (" +
-               std::to_string(total) + " such in all)" +
+    const auto fromCount = std::count_if(pending.begin(), pending.end(),
+                                         [&](const auto& p) { return p.host == from; });
+    shared.log("evicting the oldest of " + std::to_string(fromCount) + " connections from " + from +
+               " that sent no request with a token (" + std::to_string(pending.size()) +
+               " such in all)" +
                (withheld > 0 ? " (and " + std::to_string(withheld) + " more evictions since)"
                              : std::string()));
   }
-  oldest->close();
+  sessions[v]->close();
 }
 
 void accept(const std::shared_ptr<ControlServer::Shared>& shared) {

@@ -99,8 +99,6 @@ class Coordinator::Impl : public control::Backend, public EventFeed {
         options_.controlMaxConnections = static_cast<size_t>(fit[4]);
         cs.maxPending = static_cast<size_t>(fit[5]);
       }
-      lo.maxPendingPerPeer = std::min(lo.maxPendingPerPeer, lo.maxPending);
-      cs.maxPendingPerPeer = std::min(cs.maxPendingPerPeer, cs.maxPending);
     }
     so.host = options_.host;
     so.token = options_.token;

@@ -347,47 +347,57 @@ size_t Listener::open() {
   return channels.size();
 }
 
+int64_t pendingToEvict(const std::vector<PendingConnection>& pending, const std::string& host,
+                       size_t maxPending, size_t maxPerPeer) {
+  struct Address {
+    size_t count = 0;
+    int64_t oldest = -1;  // index into pending
+  };
+  std::map<std::string, Address> byHost;
+  for (size_t i = 0; i < pending.size(); ++i) {
+    Address& a = byHost[pending[i].host];
+    ++a.count;
+    if (a.oldest < 0 || pending[i].since < pending[a.oldest].since) a.oldest = int64_t(i);
+  }
+  auto mine = byHost.find(host);
+  if (mine != byHost.end() && mine->second.count >= std::max<size_t>(maxPerPeer, 1)) {
+    return mine->second.oldest;
+  }
+  if (pending.empty() || pending.size() < std::max<size_t>(maxPending, 1)) return -1;
+  const Address* most = nullptr;
+  for (const auto& [h, a] : byHost) {
+    if (!most || a.count > most->count ||
+        (a.count == most->count && pending[a.oldest].since < pending[most->oldest].since)) {
+      most = &a;
+    }
+  }
+  return most->oldest;
+}
+
 void Listener::evictPending(const std::string& host) {
   open();
-  std::map<std::string, std::vector<std::shared_ptr<Channel>>> pending;
-  size_t total = 0;
+  std::vector<std::shared_ptr<Channel>> channels;
+  std::vector<PendingConnection> pending;
   for (const auto& w : pool_->channels) {
     auto c = w.lock();
     if (c && !c->authenticated()) {
-      pending[c->peerHost()].push_back(c);
-      ++total;
+      channels.push_back(c);
+      pending.push_back({c->peerHost(), c->since()});
     }
   }
-  // The oldest connection of a list.
-  auto oldestOf = [](const std::vector<std::shared_ptr<Channel>>& list) {
-    return *std::min_element(list.begin(), list.end(),
-                             [](const auto& a, const auto& b) { return a->since() < b->since(); });
-  };
-  std::shared_ptr<Channel> victim;
-  std::string why;
-  const auto& mine = pending[host];
-  if (!mine.empty() && mine.size() >= options_.maxPendingPerPeer) {
-    victim = oldestOf(mine);
-    why = std::to_string(mine.size()) + " connections from " + host +
-          " have not authenticated (the limit per address)";
-  } else if (total > 0 && total >= options_.maxPending) {
-    // The address with the most; among equals, the one whose oldest connection is oldest.
-    for (const auto& [h, list] : pending) {
-      if (list.empty()) continue;
-      auto candidate = oldestOf(list);
-      const size_t most = victim ? pending[victim->peerHost()].size() : 0;
-      if (!victim || list.size() > most ||
-          (list.size() == most && candidate->since() < victim->since())) {
-        victim = candidate;
-      }
-    }
-    why = std::to_string(total) + " connections have not authenticated (the limit), " +
-          std::to_string(pending[victim->peerHost()].size()) + " of them from " +
-          victim->peerHost();
-  }
-  if (!victim) return;
+  const int64_t v = pendingToEvict(pending, host, options_.maxPending, options_.maxPendingPerPeer);
+  if (v < 0) return;
+  const std::string& from = pending[v].host;
+  const size_t fromCount = static_cast<size_t>(std::count_if(
+      pending.begin(), pending.end(), [&](const PendingConnection& p) { return p.host == from; }));
+  const std::string why = from == host && fromCount >= options_.maxPendingPerPeer
+                              ? std::to_string(fromCount) + " connections from " + from +
+                                    " have not authenticated (the limit per address)"
+                              : std::to_string(pending.size()) +
+                                    " connections have not authenticated (the limit), " +
+                                    std::to_string(fromCount) + " of them from " + from;
   pool_->evicted++;
-  victim->drop("evicted by a newer connection: " + why);
+  channels[v]->drop("evicted by a newer connection: " + why);
 }
 
 void Listener::forEach(const std::function<void(Channel&)>& fn) {

@@ -247,6 +247,20 @@ class Listener {
   std::shared_ptr<Pool> pool_ = std::make_shared<Pool>();
 };
 
+// A connection that has not authenticated yet: its peer's address and when it was made.
+struct PendingConnection {
+  std::string host;
+  std::chrono::steady_clock::time_point since;
+};
+
+// The rule of ListenerOptions::maxPending (shared with the control API): which of `pending`
+// goes to make room for one more connection from `host`: over `maxPerPeer` from `host`, its
+// oldest; else, over `maxPending` in all, the oldest of the address with the most (among
+// equals, the one whose oldest connection is oldest). Its index, or -1 when there is room.
+// Limits below 1 count as 1.
+int64_t pendingToEvict(const std::vector<PendingConnection>& pending, const std::string& host,
+                       size_t maxPending, size_t maxPerPeer);
+
 // Sets FD_CLOEXEC on a descriptor (Asio does not for accepted sockets).
 void setCloseOnExec(int fd);
 
