@@ -5,6 +5,8 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
+#include <functional>
+#include <optional>
 #include <thread>
 
 #include "sinew/base/error.h"
@@ -31,6 +33,28 @@ std::string haPrefix(const std::string& job) {
     }
   }
   return "/sinew/" + job + "/";
+}
+
+std::optional<std::string> newestSealedState(EtcdClient& etcd, const std::string& key,
+                                             uint64_t token,
+                                             const std::function<void(const std::string&)>& log) {
+  auto kv = etcd.get(key);
+  bool skipped = false;
+  for (int i = 0; kv && i < 1000; ++i) {
+    std::string why;
+    if (auto opened = collectives::openEtcdValue(key, kv->value, token, &why)) return opened;
+    if (log) {
+      log("the job's state at etcd revision " + std::to_string(kv->modRevision) +
+          " is not one its leaders wrote (" + why + "); reading the version before it");
+    }
+    skipped = true;
+    kv = etcd.getAt(key, kv->modRevision - 1);
+  }
+  if (skipped) {
+    SINEW_THROW(InvalidArgument, "the job's state in etcd (", key,
+                ") has no version sealed with the job token: it was written by someone else");
+  }
+  return std::nullopt;
 }
 
 namespace {
@@ -69,13 +93,18 @@ int runHaCoordinator(const HaCoordinatorOptions& options) {
   eo.key = leaderKey;
   eo.ttlSeconds = options.leaseTtlSeconds;
   LeaderElection election(eo);
-  const std::string candidate =
-      json{{"candidate", options.name}, {"pid", static_cast<int64_t>(::getpid())}}.dump();
+  const uint64_t token = options.coordinator.token;
+  const std::string candidate = collectives::sealEtcdValue(
+      leaderKey,
+      json{{"candidate", options.name}, {"pid", static_cast<int64_t>(::getpid())}}.dump(), token);
   int ended = -1;
   auto jobEnded = [&] {
     try {
+      // Only a state sealed with the job token ends it (a forged "finished" does not).
       auto state = etcd->get(stateKey);
-      ended = state ? jobEndOf(state->value) : -1;
+      auto opened = state ? collectives::openEtcdValue(stateKey, state->value, token)
+                          : std::optional<std::string>();
+      ended = opened ? jobEndOf(*opened) : -1;
     } catch (const Error&) {
       // etcd unreachable: the job is not known to have ended.
     }
@@ -92,29 +121,36 @@ int runHaCoordinator(const HaCoordinatorOptions& options) {
     std::unique_ptr<Coordinator> coordinator;
     try {
       // Read after winning: every state a previous leader stored is visible (linearizable).
-      auto state = etcd->get(stateKey);
-      if (state && jobEndOf(state->value) >= 0) {
+      auto state = newestSealedState(*etcd, stateKey, token, log);
+      if (state && jobEndOf(*state) >= 0) {
         election.resign();
         continue;  // The loop's check exits.
       }
       CoordinatorOptions co = options.coordinator;
-      if (state) co.takeoverState = state->value;
-      // Each state says which leader wrote it, in which term (docs/ha.md, rule 3).
-      co.persist = [&election, &options, stateKey](const std::string& stateJson) {
+      if (state) co.takeoverState = *state;
+      // Each state says which leader wrote it, in which term (docs/ha.md, rule 3), sealed.
+      co.persist = [&election, &options, stateKey, token](const std::string& stateJson) {
         json st = json::parse(stateJson);
         st["leader"] = options.name;
         st["term"] = election.term();
-        election.fencedWrite({EtcdOp::put(stateKey, st.dump())});
+        election.fencedWrite(
+            {EtcdOp::put(stateKey, collectives::sealEtcdValue(stateKey, st.dump(), token))});
       };
       co.mayWrite = [&election] { return election.leads(); };
       coordinator = std::make_unique<Coordinator>(co);
-      election.setValue(json{{"candidate", options.name},
-                             {"pid", static_cast<int64_t>(::getpid())},
-                             {"host", coordinator->host()},
-                             {"port", coordinator->port()},
-                             {"control_host", coordinator->controlHost()},
-                             {"control_port", coordinator->controlPort()}}
-                            .dump());
+      // Sealed, and bound to this term: a reader connects (and sends the job token) only to
+      // an address a leader of this job named in the term the key was created in.
+      election.setValue(
+          collectives::sealEtcdValue(leaderKey,
+                                     json{{"candidate", options.name},
+                                          {"pid", static_cast<int64_t>(::getpid())},
+                                          {"term", election.term()},
+                                          {"host", coordinator->host()},
+                                          {"port", coordinator->port()},
+                                          {"control_host", coordinator->controlHost()},
+                                          {"control_port", coordinator->controlPort()}}
+                                         .dump(),
+                                     token));
       log("serves at " + coordinator->host() + ":" + std::to_string(coordinator->port()) + " " +
           std::to_string(
               std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - wonAt).count()) +
@@ -173,9 +209,9 @@ int runHaCoordinator(const HaCoordinatorOptions& options) {
 }
 
 std::function<std::optional<CoordinatorClientOptions::Leader>(int64_t, std::chrono::milliseconds)>
-etcdLeaderFinder(std::shared_ptr<EtcdClient> etcd, const std::string& job) {
+etcdLeaderFinder(std::shared_ptr<EtcdClient> etcd, const std::string& job, uint64_t token) {
   const std::string key = haPrefix(job) + "leader";
-  return [etcd, key](
+  return [etcd, key, token](
              int64_t otherThan,
              std::chrono::milliseconds timeout) -> std::optional<CoordinatorClientOptions::Leader> {
     const auto deadline = Clock::now() + timeout;
@@ -183,10 +219,11 @@ etcdLeaderFinder(std::shared_ptr<EtcdClient> etcd, const std::string& job) {
       int64_t revision = 0;
       auto kv = etcd->get(key, &revision);
       if (kv && kv->createRevision != otherThan) {
-        json v = ::sinew::detail::jsonTooDeep(kv->value) ? json()
-                                                         : json::parse(kv->value, nullptr, false);
-        // A leader serves once its value names its port.
-        if (v.is_object() && v.contains("port") && v.at("port").is_number_integer()) {
+        // A leader serves once its value names its port; only a value sealed with the job
+        // token for this term is believed (the job token goes to the address it names).
+        auto opened = collectives::openServingLeader(*kv, token, nullptr);
+        json v = opened ? json::parse(*opened, nullptr, false) : json();
+        if (v.is_object() && v.at("port").is_number_integer()) {
           CoordinatorClientOptions::Leader leader;
           leader.host = v.value("host", std::string("127.0.0.1"));
           leader.port = static_cast<uint16_t>(v.at("port").get<int>());

@@ -5,15 +5,18 @@
 //
 // Keys, under /sinew/<job>/:
 //   leader   the election key, bound to the leader's lease: {"candidate", "pid"} when it wins,
-//            then {"host", "port", ...} once it serves (workers connect there)
+//            then {"term", "host", "port", ...} once it serves (workers connect there)
 //   state    the coordinator's durable state (epoch, members, committed step, ...), written
 //            only by the leader and only fenced by its term
+// Both values are sealed with the job token (collectives::sealEtcdValue): readers skip a
+// value without a valid seal.
 //   store/   the job's rendezvous store (collectives::EtcdStore)
 //
 // Thread safety: runHaCoordinator runs on the calling thread; the leader finder may be called
 // from any thread.
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -28,6 +31,14 @@ namespace runtime {
 // The etcd prefix of a job's keys: "/sinew/<job>/". Throws InvalidArgument for a job name
 // that is empty, longer than 128 characters, or not [A-Za-z0-9._-].
 std::string haPrefix(const std::string& job);
+
+// The newest state a leader of the job stored at `key` (its text without the seal), nullopt
+// when there is none. A version whose seal does not hold (not written with the job token) is
+// skipped for the version before it in etcd's history, with a line to `log`. Throws
+// InvalidArgument when the key has versions but none of them is sealed by the job.
+std::optional<std::string> newestSealedState(collectives::EtcdClient& etcd, const std::string& key,
+                                             uint64_t token,
+                                             const std::function<void(const std::string&)>& log);
 
 struct HaCoordinatorOptions {
   collectives::EtcdOptions etcd;
@@ -55,9 +66,11 @@ struct HaCoordinatorOptions {
 int runHaCoordinator(const HaCoordinatorOptions& options);
 
 // For workers: the CoordinatorClientOptions::awaitLeader that reads and watches the job's
-// leader key.
+// leader key. It believes only a value sealed with the job's token (collectives::
+// sealEtcdValue) that names the term of the key it is in; others are waited past.
 std::function<std::optional<CoordinatorClientOptions::Leader>(int64_t, std::chrono::milliseconds)>
-etcdLeaderFinder(std::shared_ptr<collectives::EtcdClient> etcd, const std::string& job);
+etcdLeaderFinder(std::shared_ptr<collectives::EtcdClient> etcd, const std::string& job,
+                 uint64_t token);
 
 }  // namespace runtime
 }  // namespace sinew

@@ -394,7 +394,7 @@ std::shared_ptr<collectives::EtcdClient> joinMpiHa(int* argc, char*** argv,
   auto etcd = std::make_shared<collectives::EtcdClient>(eo);
   *job = jobName;
   co.token = token;
-  co.awaitLeader = runtime::etcdLeaderFinder(etcd, *job);
+  co.awaitLeader = runtime::etcdLeaderFinder(etcd, *job, token);
   co.worker = rank;
   ctx->mode = "mpi-ha";
   if (const char* dir = env("SINEW_LOG_DIR")) {
@@ -586,16 +586,15 @@ std::unique_ptr<Context> init(int* argc, char*** argv, const InitOptions& option
   if (const char* list = env("SINEW_ETCD")) {
     // High availability (docs/ha.md): the leader, the job's state and the store are in etcd;
     // coordinators run elsewhere (sinew-coordinator), so neither mode below starts one.
-    collectives::EtcdOptions eo;
-    eo.endpoints = collectives::parseEtcdEndpoints(list, "SINEW_ETCD");
-    etcd = std::make_shared<collectives::EtcdClient>(eo);
+    // Credentials and TLS: SINEW_ETCD_USER, SINEW_ETCD_PASSWORD(_FILE), SINEW_ETCD_CA, ...
+    etcd = std::make_shared<collectives::EtcdClient>(collectives::etcdOptionsFromEnvironment(list));
     const char* token = env("SINEW_TOKEN");
     if (!token) SINEW_THROW(InvalidArgument, "SINEW_ETCD is set but SINEW_TOKEN is not");
     co.token = parseToken(token);
     const char* jobName = env("SINEW_JOB");
     if (!jobName) SINEW_THROW(InvalidArgument, "SINEW_ETCD is set but SINEW_JOB is not");
     job = jobName;
-    co.awaitLeader = runtime::etcdLeaderFinder(etcd, job);
+    co.awaitLeader = runtime::etcdLeaderFinder(etcd, job, co.token);
     int rank = mpiRank();
     if (const char* id = env("SINEW_WORKER_ID")) {
       rank = static_cast<int>(parseInt("SINEW_WORKER_ID", id, -1));

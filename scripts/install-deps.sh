@@ -12,6 +12,7 @@ PACKAGES=(
   libtorch-dev
   libopenmpi-dev openmpi-bin
   libboost-dev libboost-system-dev
+  libssl-dev openssl
   libgloo-dev
   libgtest-dev
   nlohmann-json3-dev

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -71,6 +72,38 @@ inline uint16_t freeLoopbackPort() {
   return ntohs(a.sin_port);
 }
 
+// Certificates for a TLS test cluster, made with the openssl command in `dir`: a CA, the
+// members' certificate (IP SAN 127.0.0.1) and a client certificate, both signed by the CA,
+// and a second CA that signed nothing here. Throws when openssl fails.
+struct TestPki {
+  std::string ca, serverCert, serverKey, clientCert, clientKey, otherCa;
+};
+inline TestPki makeTestPki(const std::string& dir) {
+  auto run = [&](const std::string& cmd) {
+    const std::string full = "cd '" + dir + "' && " + cmd + " >>openssl.log 2>&1";
+    if (std::system(full.c_str()) != 0) throw std::runtime_error("openssl failed: " + cmd);
+  };
+  const std::string days = " -days 2";
+  run("openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -subj /CN=sinew-ca" +
+      days);
+  run("openssl req -x509 -newkey rsa:2048 -nodes -keyout other.key -out other.pem "
+      "-subj /CN=other-ca" +
+      days);
+  std::ofstream(dir + "/server.ext") << "subjectAltName=IP:127.0.0.1\n"
+                                     << "extendedKeyUsage=serverAuth,clientAuth\n";
+  run("openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj /CN=etcd");
+  run("openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial "
+      "-out server.pem -extfile server.ext" +
+      days);
+  std::ofstream(dir + "/client.ext") << "extendedKeyUsage=clientAuth\n";
+  run("openssl req -newkey rsa:2048 -nodes -keyout client.key -out client.csr -subj /CN=root");
+  run("openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial "
+      "-out client.pem -extfile client.ext" +
+      days);
+  return {dir + "/ca.pem",     dir + "/server.pem", dir + "/server.key",
+          dir + "/client.pem", dir + "/client.key", dir + "/other.pem"};
+}
+
 class EtcdCluster {
  public:
   struct Member {
@@ -81,8 +114,9 @@ class EtcdCluster {
     bool stopped = false;
   };
 
-  // Starts `size` members and waits until the cluster answers (throws after 30 s).
-  explicit EtcdCluster(int size = 3) {
+  // Starts `size` members and waits until the cluster answers (throws after 30 s). With
+  // `tls`, clients must use https, trust its CA and present a certificate it signed.
+  explicit EtcdCluster(int size = 3, bool tls = false) : tls_(tls) {
     // Data on tmpfs where there is one: etcd fsyncs its log on every write and election, and
     // on a disk still writing back a build a single fsync took seconds (a put after losing a
     // member then missed its 3 s deadline). The tests are about Sinew over etcd, not etcd's
@@ -98,36 +132,58 @@ class EtcdCluster {
       m.peer = freeLoopbackPort();
       members_.push_back(m);
     }
+    if (tls_) pki_ = makeTestPki(dir_);
     for (int i = 0; i < size; ++i) launch(i, /*fresh=*/true);
-    if (!waitHealthy(std::chrono::seconds(30))) throw std::runtime_error("etcd did not start");
+    if (!waitHealthy(std::chrono::seconds(30))) {
+      stopAll();  // the destructor does not run after a throw
+      throw std::runtime_error("etcd did not start (logs in " + dir_ + ")");
+    }
   }
 
   ~EtcdCluster() {
+    stopAll();
+    removeTree(dir_);
+  }
+
+  void stopAll() {
     for (auto& m : members_) {
       if (m.pid > 0) {
         ::kill(m.pid, SIGKILL);
         ::waitpid(m.pid, nullptr, 0);
+        m.pid = -1;
       }
     }
-    removeTree(dir_);
   }
 
   int size() const { return static_cast<int>(members_.size()); }
   const Member& member(int i) const { return members_.at(i); }
   const std::string& dir() const { return dir_; }
+  const TestPki& pki() const { return pki_; }
 
-  // "127.0.0.1:p0,127.0.0.1:p1,..." (all members, dead or alive).
+  // "127.0.0.1:p0,127.0.0.1:p1,..." (all members, dead or alive; https:// with TLS).
   std::string endpoints() const {
     std::string out;
     for (const auto& m : members_) {
-      out += (out.empty() ? "" : ",") + std::string("127.0.0.1:") + std::to_string(m.client);
+      out += (out.empty() ? "" : ",") + std::string(tls_ ? "https://" : "") +
+             std::string("127.0.0.1:") + std::to_string(m.client);
     }
     return out;
   }
+  // With TLS: the CA and the client certificate too.
   collectives::EtcdOptions options() const {
     collectives::EtcdOptions o;
     o.endpoints = collectives::parseEtcdEndpoints(endpoints(), "test cluster");
+    if (tls_) {
+      o.caFile = pki_.ca;
+      o.certFile = pki_.clientCert;
+      o.keyFile = pki_.clientKey;
+    }
     return o;
+  }
+  // Credentials for the cluster's requests from now on (after EtcdClient::enableAuth).
+  void setCredentials(const std::string& user, const std::string& password) {
+    user_ = user;
+    password_ = password;
   }
 
   void kill(int i) {
@@ -151,6 +207,8 @@ class EtcdCluster {
   // Whether a write goes through within the timeout.
   bool waitHealthy(std::chrono::milliseconds timeout) {
     auto o = options();
+    o.user = user_;
+    o.password = password_;
     o.timeout = std::chrono::milliseconds(1000);
     collectives::EtcdClient c(o);
     const auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -173,7 +231,8 @@ class EtcdCluster {
       cluster +=
           (cluster.empty() ? "" : ",") + o.name + "=http://127.0.0.1:" + std::to_string(o.peer);
     }
-    const std::string clientUrl = "http://127.0.0.1:" + std::to_string(m.client);
+    const std::string clientUrl =
+        std::string(tls_ ? "https" : "http") + "://127.0.0.1:" + std::to_string(m.client);
     const std::string peerUrl = "http://127.0.0.1:" + std::to_string(m.peer);
     std::vector<std::string> argv = {
         etcdPath(),
@@ -190,11 +249,21 @@ class EtcdCluster {
         "--election-timeout=500",
         "--logger=zap",
         "--log-level=error"};
+    if (tls_) {
+      for (const std::string& flag :
+           {"--cert-file=" + pki_.serverCert, "--key-file=" + pki_.serverKey,
+            "--trusted-ca-file=" + pki_.ca, std::string("--client-cert-auth")}) {
+        argv.push_back(flag);
+      }
+    }
     m.pid = spawnLogged(argv, {}, dir_ + "/" + m.name + ".log");
   }
 
   std::string dir_;
   std::vector<Member> members_;
+  bool tls_ = false;
+  TestPki pki_;
+  std::string user_, password_;
 };
 
 }  // namespace testing

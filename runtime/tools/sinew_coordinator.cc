@@ -106,7 +106,8 @@ int main(int argc, char** argv) {
   const uint64_t t = *parsed;
   try {
     sinew::runtime::HaCoordinatorOptions o;
-    o.etcd.endpoints = sinew::collectives::parseEtcdEndpoints(etcd, "--etcd");
+    // Credentials and TLS: SINEW_ETCD_USER, SINEW_ETCD_PASSWORD(_FILE), SINEW_ETCD_CA, ...
+    o.etcd = sinew::collectives::etcdOptionsFromEnvironment(etcd);
     o.job = job;
     sinew::runtime::haPrefix(job);  // Checks the name.
     o.leaseTtlSeconds = number("--lease-ttl-s", ttl, 1, 3600);

@@ -101,31 +101,38 @@ Target findLeader(const std::string& endpoints, const std::string& job, const st
   Target t;
   if (job.empty()) fail(2, "--etcd needs --job");
   t.token = token;
+  // The job token (SINEW_TOKEN), when this shell has it: the leader's value must be sealed with
+  // it, so the bearer token goes only to an address a leader of this job named.
+  const char* env = std::getenv("SINEW_TOKEN");
+  const auto jobToken = sinew::detail::tryParseToken(env ? env : "");
   if (t.token.empty()) {
     // The control API's default token is the job token in hex, as sinew-coordinator prints it.
-    const char* env = std::getenv("SINEW_TOKEN");
-    const auto v = sinew::detail::tryParseToken(env ? env : "");
-    if (!v) fail(2, "--etcd needs --token, or SINEW_TOKEN set to the job token (hexadecimal)");
+    if (!jobToken)
+      fail(2, "--etcd needs --token, or SINEW_TOKEN set to the job token (hexadecimal)");
     char hex[32];
-    std::snprintf(hex, sizeof(hex), "%llx", static_cast<unsigned long long>(*v));
+    std::snprintf(hex, sizeof(hex), "%llx", static_cast<unsigned long long>(*jobToken));
     t.token = hex;
   }
   const std::string key = "/sinew/" + job + "/leader";
   json leader;
   try {
-    sinew::collectives::EtcdOptions o;
-    o.endpoints = sinew::collectives::parseEtcdEndpoints(endpoints, "--etcd");
+    // Credentials and TLS from SINEW_ETCD_USER, SINEW_ETCD_PASSWORD(_FILE), SINEW_ETCD_CA, ...
+    sinew::collectives::EtcdOptions o = sinew::collectives::etcdOptionsFromEnvironment(endpoints);
     o.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(timeout);
     sinew::collectives::EtcdClient etcd(o);
     const auto deadline = std::chrono::steady_clock::now() + timeout;
+    std::string why = "no leader key";
     while (true) {
       auto kv = etcd.get(key);
-      if (kv && !sinew::detail::jsonTooDeep(kv->value)) {
-        leader = json::parse(kv->value, nullptr, false);
+      if (kv && jobToken) {
+        auto opened = sinew::collectives::openServingLeader(*kv, *jobToken, &why);
+        if (opened) leader = json::parse(*opened, nullptr, false);
+      } else if (kv && !sinew::detail::jsonTooDeep(kv->value)) {
+        leader = json::parse(kv->value, nullptr, false);  // not checked: no job token here
       }
       if (leader.is_object() && leader.contains("port")) break;  // It serves.
       if (std::chrono::steady_clock::now() >= deadline) {
-        fail(1, "job '" + job + "' has no serving leader in etcd (" + key + ")");
+        fail(1, "job '" + job + "' has no serving leader in etcd (" + key + "; " + why + ")");
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }

@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <functional>
 #include <thread>
 
 #include "../etcd_support.h"
@@ -274,6 +276,130 @@ TEST(EtcdFaultTest, OneMemberLostIsNothingTwoPauseAndNothingWrittenIsLost) {
   EXPECT_EQ(toString(s.get("before", 5s)), "1");
   EXPECT_EQ(toString(s.get("one-lost", 5s)), "2");
   EXPECT_EQ(s.add("n", 1), 2);
+}
+
+}  // namespace
+}  // namespace collectives
+}  // namespace sinew
+
+namespace sinew {
+namespace collectives {
+namespace {
+
+std::string messageOf(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+// etcd's authentication: once it is on (enableAuth, as for the members a job starts itself),
+// a client without credentials is refused with an error that says what to set, a wrong
+// password is refused naming the user, the right one reads, writes and watches; a token that
+// the member's restart made invalid is replaced without the caller noticing; and nobody can
+// set up authentication a second time (a root user exists).
+TEST(EtcdAuthTest, OnlyTheJobsCredentialsReadOrWrite) {
+  SKIP_WITHOUT_ETCD();
+  EtcdCluster cluster(1);
+  EtcdOptions o = cluster.options();
+  o.timeout = 3s;
+  EtcdClient admin(o);
+  admin.put("/before", "open");
+  admin.enableAuth("pw-of-this-job");
+  cluster.setCredentials("root", "pw-of-this-job");
+  EXPECT_EQ(admin.get("/before")->value, "open");  // as root from now on
+  admin.put("/after", "closed");
+
+  EtcdClient stranger(o);
+  std::string why = messageOf([&] { stranger.get("/after"); });
+  EXPECT_NE(why.find("without authentication"), std::string::npos) << why;
+  EXPECT_NE(why.find("SINEW_ETCD_USER"), std::string::npos) << why;
+  why = messageOf([&] { stranger.put("/after", "forged"); });
+  EXPECT_NE(why.find("without authentication"), std::string::npos) << why;
+  why = messageOf([&] { stranger.deleteKey("/after"); });
+  EXPECT_NE(why.find("without authentication"), std::string::npos) << why;
+
+  EtcdOptions wrong = o;
+  wrong.user = "root";
+  wrong.password = "a guess";
+  EtcdClient guesser(wrong);
+  why = messageOf([&] { guesser.get("/after"); });
+  EXPECT_NE(why.find("refused to authenticate user 'root'"), std::string::npos) << why;
+
+  EtcdOptions right = o;
+  right.user = "root";
+  right.password = "pw-of-this-job";
+  EtcdClient member(right);
+  int64_t revision = 0;
+  EXPECT_EQ(member.get("/after", &revision)->value, "closed");
+  std::thread writer([&] {
+    std::this_thread::sleep_for(200ms);
+    admin.put("/after", "changed");
+  });
+  auto events = member.watch("/after", false, revision + 1, 5s);
+  writer.join();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].kv.value, "changed");
+
+  // etcd's simple tokens do not survive the member's restart: the client authenticates again.
+  cluster.kill(0);
+  cluster.restart(0);
+  ASSERT_TRUE(cluster.waitHealthy(30s));
+  EXPECT_EQ(member.get("/after")->value, "changed");
+  EXPECT_EQ(member.watch("/after", false, 1, 2s).size(), 2u);
+
+  why = messageOf([&] { member.enableAuth("another password"); });
+  EXPECT_NE(why.find("has a root user already"), std::string::npos) << why;
+  EXPECT_EQ(member.get("/after")->value, "changed");
+}
+
+// TLS: members that present a certificate of the job's CA and require one from the client
+// (etcd --client-cert-auth). The client checks the member's certificate against the CA and
+// the endpoint's IP; without its own certificate, with another CA, or in plain HTTP it gets
+// nothing, and the error says why.
+TEST(EtcdTlsTest, MembersAndClientsProveWhoTheyAre) {
+  SKIP_WITHOUT_ETCD();
+  if (std::system("openssl version >/dev/null 2>&1") != 0) GTEST_SKIP() << "no openssl command";
+  EtcdCluster cluster(1, /*tls=*/true);
+  EtcdClient good(cluster.options());
+  good.put("/tls", "yes");
+  int64_t revision = 0;
+  EXPECT_EQ(good.get("/tls", &revision)->value, "yes");
+  std::thread writer([&] {
+    std::this_thread::sleep_for(200ms);
+    good.put("/tls", "still");
+  });
+  auto events = good.watch("/tls", false, revision + 1, 5s);
+  writer.join();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].kv.value, "still");
+
+  EtcdOptions otherCa = cluster.options();
+  otherCa.caFile = cluster.pki().otherCa;
+  otherCa.timeout = 1500ms;
+  std::string why = messageOf([&] { EtcdClient(otherCa).get("/tls"); });
+  EXPECT_NE(why.find("certificate verify failed"), std::string::npos) << why;
+
+  EtcdOptions noCert = cluster.options();
+  noCert.certFile.clear();
+  noCert.keyFile.clear();
+  noCert.timeout = 1500ms;
+  why = messageOf([&] { EtcdClient(noCert).get("/tls"); });
+  EXPECT_NE(why.find("TLS: sslv3 alert bad certificate"), std::string::npos) << why;
+  EXPECT_EQ(why.find("(no error)"), std::string::npos) << why;
+
+  EtcdOptions plain = cluster.options();
+  plain.endpoints[0].tls = false;
+  plain.timeout = 1500ms;
+  why = messageOf([&] { EtcdClient(plain).get("/tls"); });
+  EXPECT_EQ(why.find("(no error)"), std::string::npos) << why;
+
+  EtcdOptions badFiles = cluster.options();
+  badFiles.caFile = cluster.dir() + "/missing.pem";
+  why = messageOf([&] { EtcdClient c(badFiles); });
+  EXPECT_NE(why.find("missing.pem"), std::string::npos) << why;
 }
 
 }  // namespace

@@ -31,6 +31,7 @@
 #include "job_support.h"
 #include "sinew/base/error.h"
 #include "sinew/collectives/etcd_client.h"
+#include "sinew/runtime/ha_coordinator.h"
 #include "sinew/runtime/leader_election.h"
 
 namespace {
@@ -125,15 +126,19 @@ class HaJobTest : public ::testing::Test {
                                        "--step-deadline-ms",
                                        "10000"};
       argv.insert(argv.end(), extra.begin(), extra.end());
-      coordinators_.push_back(spawn(argv, {{"SINEW_TOKEN", token_}},
-                                    dir_ + "/coordinator-" + std::to_string(i) + ".log"));
+      std::map<std::string, std::string> env = etcdEnv_;
+      env["SINEW_TOKEN"] = token_;
+      coordinators_.push_back(
+          spawn(argv, env, dir_ + "/coordinator-" + std::to_string(i) + ".log"));
     }
   }
 
   // sinewctl --etcd ... --job ... <args>, with the job token in SINEW_TOKEN.
   sinew::testing::ToolRun sinewctl(const std::string& args) {
+    std::string env = "SINEW_TOKEN=" + token_ + " ";
+    for (const auto& [k, v] : etcdEnv_) env += k + "=" + v + " ";
     return sinew::testing::runTool(
-        "SINEW_TOKEN=" + token_ + " " + SINEWCTL_PATH,
+        env + SINEWCTL_PATH,
         "--etcd " + cluster_->endpoints() + " --job " + job_ + " --timeout-s 20 " + args);
   }
 
@@ -144,14 +149,14 @@ class HaJobTest : public ::testing::Test {
     for (int w = 0; w < kWorkers; ++w) {
       std::vector<std::string> argv = {program, "--steps", std::to_string(steps)};
       argv.insert(argv.end(), args.begin(), args.end());
-      workers_.push_back(spawn(argv,
-                               {{"SINEW_ETCD", cluster_->endpoints()},
-                                {"SINEW_JOB", job_},
-                                {"SINEW_TOKEN", token_},
-                                {"SINEW_WORKER_ID", std::to_string(w)},
-                                {"SINEW_NODE", "node" + std::to_string(w)},
-                                {"SINEW_INJECT", "slow:worker=*:ms=" + std::to_string(stepMs)}},
-                               dir_ + "/worker-" + std::to_string(w) + ".log"));
+      std::map<std::string, std::string> env = etcdEnv_;
+      env.insert({{"SINEW_ETCD", cluster_->endpoints()},
+                  {"SINEW_JOB", job_},
+                  {"SINEW_TOKEN", token_},
+                  {"SINEW_WORKER_ID", std::to_string(w)},
+                  {"SINEW_NODE", "node" + std::to_string(w)},
+                  {"SINEW_INJECT", "slow:worker=*:ms=" + std::to_string(stepMs)}});
+      workers_.push_back(spawn(argv, env, dir_ + "/worker-" + std::to_string(w) + ".log"));
     }
   }
 
@@ -271,6 +276,8 @@ class HaJobTest : public ::testing::Test {
   std::unique_ptr<EtcdClient> etcd_;
   std::vector<Proc> coordinators_;
   std::vector<Proc> workers_;
+  // SINEW_ETCD_USER and SINEW_ETCD_PASSWORD for every process, once etcd requires them.
+  std::map<std::string, std::string> etcdEnv_;
 };
 
 // A leader's term is its key's, not its lease's: when the leader key is deleted behind its
@@ -304,6 +311,99 @@ TEST(LeaderElectionTest, ALeaderWhoseKeyIsDeletedStopsLeadingThoughItsLeaseLives
   EXPECT_FALSE(a.leads());
   b.fencedWrite({sinew::collectives::EtcdOp::put("/sinew/fence/state", "y")});
   EXPECT_EQ(etcd->get("/sinew/fence/state")->value, "y");
+}
+
+// Values in etcd are believed only when sealed with the job token: a leader value without a
+// seal, with another job's seal, or naming another term than its key's is waited past (a
+// worker never connects to, and so never sends the token to, the address it names), and a
+// job state that someone without the token wrote is skipped for the newest one a leader of
+// the job stored. Before, the leader finder took any JSON with a port, and a garbage state
+// made every candidate exit.
+TEST(EtcdSealTest, ReadersBelieveOnlyValuesSealedWithTheJobToken) {
+  if (sinew::testing::etcdPath().empty()) GTEST_SKIP() << "etcd is not installed";
+  using sinew::collectives::openEtcdValue;
+  using sinew::collectives::sealEtcdValue;
+  const uint64_t token = 0x5eed, other = 0xbad;
+  const std::string sealed = sealEtcdValue("/k", R"({"b":1,"a":"x"})", token);
+  EXPECT_EQ(openEtcdValue("/k", sealed, token).value_or("none"), R"({"a":"x","b":1})");
+  std::string why;
+  EXPECT_FALSE(openEtcdValue("/k", sealed, other, &why));
+  EXPECT_NE(why.find("seal is wrong"), std::string::npos) << why;
+  EXPECT_FALSE(openEtcdValue("/other", sealed, token)) << "a seal binds the value to its key";
+  json tampered = json::parse(sealed);
+  tampered["b"] = 2;
+  EXPECT_FALSE(openEtcdValue("/k", tampered.dump(), token));
+  EXPECT_FALSE(openEtcdValue("/k", R"({"a":"x"})", token, &why));
+  EXPECT_NE(why.find("no seal"), std::string::npos) << why;
+  EXPECT_THROW(sealEtcdValue("/k", "[1]", token), sinew::InvalidArgument);
+
+  EtcdCluster cluster(1);
+  auto etcd = std::make_shared<EtcdClient>(cluster.options());
+  const std::string key = sinew::runtime::haPrefix("sealed") + "leader";
+  auto finder = sinew::runtime::etcdLeaderFinder(etcd, "sealed", token);
+  etcd->put(key, R"({"host":"127.0.0.1","port":4242,"term":0})");
+  const int64_t term = etcd->get(key)->createRevision;
+  EXPECT_FALSE(finder(-1, 300ms)) << "an unsealed leader value was believed";
+  const std::string value =
+      R"({"host":"127.0.0.1","port":4242,"term":)" + std::to_string(term) + "}";
+  etcd->put(key, sealEtcdValue(key, value, other));
+  EXPECT_FALSE(finder(-1, 300ms)) << "another token's seal was believed";
+  etcd->put(key, sealEtcdValue(key, R"({"host":"127.0.0.1","port":4242,"term":1})", token));
+  EXPECT_FALSE(finder(-1, 300ms)) << "a value of another term was believed";
+  etcd->put(key, sealEtcdValue(key, value, token));
+  auto leader = finder(-1, 300ms);
+  ASSERT_TRUE(leader);
+  EXPECT_EQ(leader->port, 4242);
+  EXPECT_EQ(leader->term, term);
+
+  const std::string stateKey = sinew::runtime::haPrefix("sealed") + "state";
+  etcd->put(stateKey, sealEtcdValue(stateKey, R"({"committed":5})", token));
+  etcd->put(stateKey, R"({"committed":999,"failed":true})");
+  etcd->put(stateKey, sealEtcdValue(stateKey, R"({"committed":1000})", other));
+  std::vector<std::string> lines;
+  auto state = sinew::runtime::newestSealedState(*etcd, stateKey, token,
+                                                 [&](const std::string& l) { lines.push_back(l); });
+  ASSERT_TRUE(state);
+  EXPECT_EQ(json::parse(*state).value("committed", -1), 5);
+  EXPECT_EQ(lines.size(), 2u);
+  const std::string forgedOnly = sinew::runtime::haPrefix("forged") + "state";
+  etcd->put(forgedOnly, R"({"finished":true})");
+  try {
+    sinew::runtime::newestSealedState(*etcd, forgedOnly, token, nullptr);
+    ADD_FAILURE() << "a state nobody of the job wrote was used";
+  } catch (const sinew::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("no version sealed"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(sinew::runtime::newestSealedState(*etcd, stateKey + "-none", token, nullptr));
+}
+
+// A job on an etcd whose authentication is on (every process has the password, as the
+// members a job starts itself are set up): a stranger without it can neither forge the state
+// nor delete the leader key; a forged "failed" state written with etcd's password but
+// without the job token ends nothing (before, every standby candidate read it and exited 1);
+// the leader is killed and the next one takes over; the job ends equal to the reference.
+TEST_F(HaJobTest, AuthenticatedEtcdAndAForgedStateStopNothing) {
+  etcd_->enableAuth("job-secret");
+  cluster_->setCredentials("root", "job-secret");
+  etcdEnv_ = {{"SINEW_ETCD_USER", "root"}, {"SINEW_ETCD_PASSWORD", "job-secret"}};
+  startCoordinators();
+  startWorkers(160);
+  ASSERT_TRUE(waitCommitted(30, 120s));
+  auto o = cluster_->options();
+  o.timeout = 2s;
+  EtcdClient stranger(o);
+  EXPECT_THROW(stranger.put("/sinew/" + job_ + "/state", "garbage"), sinew::IoError);
+  EXPECT_THROW(stranger.deleteKey("/sinew/" + job_ + "/leader"), sinew::IoError);
+  etcd_->put("/sinew/" + job_ + "/state", R"({"failed":true,"finished":true})");
+  std::this_thread::sleep_for(1s);  // the candidates poll the state every 500 ms
+  for (auto& c : coordinators_) EXPECT_FALSE(reap(c, false)) << c.log << " ended on a forgery";
+  auto ctl = sinewctl("status");
+  EXPECT_EQ(ctl.out.find("cannot read"), std::string::npos) << ctl.out;
+  killLeaderAndTimeFailover();
+  expectExact({});
+  for (auto& c : coordinators_) {
+    if (c.status != 128 + SIGKILL) EXPECT_EQ(c.status, 0) << c.log;
+  }
 }
 
 TEST_F(HaJobTest, LeaderKilledMidStep) {
