@@ -23,6 +23,7 @@
 
 #include "sinew/base/error.h"
 #include "sinew/base/parse.h"
+#include "sinew/base/private_file.h"
 #include "sinew/collectives/etcd_store.h"
 #include "sinew/collectives/tcp_store.h"
 #include "sinew/config.h"
@@ -154,6 +155,25 @@ class HeldPort {
   uint16_t port_ = 0;
 };
 
+// The first member's helper turns on the job's etcd authentication as soon as the cluster
+// answers (within 60 s): until then, every client of the job (they all have the password)
+// works without a token; after, etcd refuses anyone without the password. An etcd that has a
+// root user already was set up by someone else: the helper refuses it (throws IoError).
+void enableJobEtcdAuth(collectives::EtcdOptions o) {
+  o.timeout = std::chrono::milliseconds(2000);
+  collectives::EtcdClient etcd(o);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (true) {
+    try {
+      etcd.enableAuth(o.password);
+      return;
+    } catch (const Timeout& e) {
+      // The members are still forming their cluster.
+      if (std::chrono::steady_clock::now() > deadline) throw;
+    }
+  }
+}
+
 // The helper: reads one JSON line of instructions; {"run": false} ends it, else it starts etcd
 // and runs a coordinator candidate until the job ends, then stops etcd.
 [[noreturn]] void haHelperMain(int fd, const InitOptions& o) {
@@ -199,6 +219,10 @@ class HeldPort {
     runtime::HaCoordinatorOptions h;
     h.etcd.endpoints = collectives::parseEtcdEndpoints(in.at("endpoints").get<std::string>(),
                                                        "the job's etcd members");
+    // The job's etcd requires its root password, drawn per job (docs/ha.md, "Security").
+    h.etcd.user = "root";
+    h.etcd.password = in.at("etcd_password").get<std::string>();
+    if (in.value("enable_auth", false)) enableJobEtcdAuth(h.etcd);
     h.job = in.at("job").get<std::string>();
     h.name = in.at("name").get<std::string>();
     h.coordinator.host = in.at("host").get<std::string>();
@@ -257,22 +281,28 @@ std::pair<pid_t, int> forkHaHelper(const InitOptions& o) {
 // helper what to do.
 std::pair<std::string, std::string> haBootstrap(int rank, int size, const std::string& node,
                                                 const std::string& host, int helperFd,
-                                                uint64_t* token) {
+                                                uint64_t* token, std::string* etcdPassword) {
   // {token, job id}. SINEW_TOKEN, when given, is the job's token (a scheduler that set it can
   // then use the control API, which takes the token as its bearer token); otherwise rank 0
   // draws one. The job id, which names the job in etcd, is drawn apart from the token: the
   // name is no secret (it is in etcd's keys, logs and files), the token is.
-  unsigned long long drawn[2] = {0, 0};
+  // drawn[2..3]: the password of etcd's root user, a secret of this launch alone.
+  unsigned long long drawn[4] = {0, 0, 0, 0};
   if (rank == 0) {
     std::random_device rd;
     auto draw = [&rd] { return (static_cast<unsigned long long>(rd()) << 32) ^ rd(); };
     const char* given = env("SINEW_TOKEN");
     drawn[0] = given ? parseToken(given) : (draw() | 1);
     drawn[1] = draw() & 0xffffffffffULL;
+    drawn[2] = draw();
+    drawn[3] = draw();
   }
-  MPI_Bcast(drawn, 2, MPI_UNSIGNED_LONG_LONG, 0, MPI_COMM_WORLD);
+  MPI_Bcast(drawn, 4, MPI_UNSIGNED_LONG_LONG, 0, MPI_COMM_WORLD);
   const unsigned long long t = drawn[0];
   *token = t;
+  char password[40];
+  std::snprintf(password, sizeof(password), "%016llx%016llx", drawn[2], drawn[3]);
+  *etcdPassword = password;
   HaPeer mine{};
   std::snprintf(mine.node, sizeof(mine.node), "%s", node.c_str());
   std::snprintf(mine.host, sizeof(mine.host), "%s", host.c_str());
@@ -318,6 +348,8 @@ std::pair<std::string, std::string> haBootstrap(int rank, int size, const std::s
     const std::string clientUrl = "http://" + host + ":" + std::to_string(mine.client);
     const std::string peerUrl = "http://" + host + ":" + std::to_string(mine.peer);
     out = {{"run", true},
+           {"etcd_password", *etcdPassword},
+           {"enable_auth", rank == hosts.front()},
            {"name", name},
            {"job", job},
            {"token", t},
@@ -388,9 +420,13 @@ std::shared_ptr<collectives::EtcdClient> joinMpiHa(int* argc, char*** argv,
   MPI_Init_thread(argc, argv, MPI_THREAD_SINGLE, &provided);
   ctx->mpi = true;
   uint64_t token = 0;
-  auto [endpoints, jobName] = haBootstrap(rank, mpiSize(), ctx->node, ctx->host, helperFd, &token);
+  std::string password;
+  auto [endpoints, jobName] =
+      haBootstrap(rank, mpiSize(), ctx->node, ctx->host, helperFd, &token, &password);
   collectives::EtcdOptions eo;
   eo.endpoints = collectives::parseEtcdEndpoints(endpoints, "the job's etcd members");
+  eo.user = "root";
+  eo.password = password;
   auto etcd = std::make_shared<collectives::EtcdClient>(eo);
   *job = jobName;
   co.token = token;
@@ -399,10 +435,18 @@ std::shared_ptr<collectives::EtcdClient> joinMpiHa(int* argc, char*** argv,
   ctx->mode = "mpi-ha";
   if (const char* dir = env("SINEW_LOG_DIR")) {
     // Which processes are this node's, for tests and operators (docs/ha.md).
+    // The etcd password goes to a file only this user can read, named in the record.
+    const std::string passwordFile = std::string(dir) + "/etcd-password-" + std::to_string(rank);
+    ::sinew::detail::writePrivateFile(passwordFile, password + "\n");
     std::ofstream f(std::string(dir) + "/ha-rank-" + std::to_string(rank) + ".json");
-    f << nlohmann::json{{"rank", rank},      {"node", ctx->node},
-                        {"pid", ::getpid()}, {"helper_pid", helperPid},
-                        {"etcd", endpoints}, {"job", *job}}
+    f << nlohmann::json{{"rank", rank},
+                        {"node", ctx->node},
+                        {"pid", ::getpid()},
+                        {"helper_pid", helperPid},
+                        {"etcd", endpoints},
+                        {"etcd_user", "root"},
+                        {"etcd_password_file", passwordFile},
+                        {"job", *job}}
              .dump()
       << "\n";
   }

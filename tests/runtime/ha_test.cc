@@ -8,6 +8,7 @@
 // single-process reference (max_param_rel_diff <= 1e-5) and no hang. Skipped without etcd.
 
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -609,7 +610,7 @@ void killNodeUnderMpirun(bool leadersNode) {
   std::string killed;
   int victim = -1;
   int controlPort = 0;
-  std::string jobName, victimDataDir;
+  std::string jobName, victimDataDir, passwordFile, anonymousRefusal;
   sinew::testing::ToolRun status;
   std::thread killer([&] {
     const auto deadline = Clock::now() + 120s;
@@ -622,8 +623,14 @@ void killNodeUnderMpirun(bool leadersNode) {
       std::this_thread::sleep_for(20ms);
     }
     if (!any) return;
+    // The job's etcd requires the password the launch drew (in a file only we may read).
     auto o = sinew::collectives::EtcdOptions();
     o.endpoints = sinew::collectives::parseEtcdEndpoints(any->at("etcd"), "test");
+    EtcdClient anonymous(o);
+    passwordFile = any->value("etcd_password_file", std::string());
+    o.user = any->value("etcd_user", std::string());
+    o.password = slurp(passwordFile);
+    if (!o.password.empty() && o.password.back() == '\n') o.password.pop_back();
     EtcdClient etcd(o);
     jobName = any->at("job").get<std::string>();
     const std::string prefix = "/sinew/" + jobName + "/";
@@ -635,6 +642,15 @@ void killNodeUnderMpirun(bool leadersNode) {
       }
       std::this_thread::sleep_for(20ms);
     }
+    // Someone without the password can neither read nor write the job's keys.
+    for (int i = 0; i < 100 && anonymousRefusal.empty(); ++i) {
+      try {
+        anonymous.put(prefix + "state", "garbage");
+        std::this_thread::sleep_for(100ms);  // authentication not on yet
+      } catch (const sinew::IoError& e) {
+        anonymousRefusal = e.what();
+      }
+    }
     victim = 0;
     // The serving leader's control API (SINEW_CONTROL_PORT=0: a free port), found through etcd
     // and answering with the job token given in SINEW_TOKEN.
@@ -642,7 +658,8 @@ void killNodeUnderMpirun(bool leadersNode) {
     const json leader = leaderKv ? json::parse(leaderKv->value) : json::object();
     controlPort = leader.value("control_port", 0);
     status = sinew::testing::runTool(
-        std::string("SINEW_TOKEN=") + kMpirunToken + " " + SINEWCTL_PATH,
+        std::string("SINEW_TOKEN=") + kMpirunToken + " SINEW_ETCD_USER=root " +
+            "SINEW_ETCD_PASSWORD_FILE=" + passwordFile + " " + SINEWCTL_PATH,
         "--etcd " + any->at("etcd").get<std::string>() + " --job " + jobName + " --json status");
     if (leadersNode) {
       if (!leaderKv) return;
@@ -664,6 +681,11 @@ void killNodeUnderMpirun(bool leadersNode) {
   ASSERT_FALSE(killed.empty()) << "the node's processes were never found";
   EXPECT_GT(controlPort, 0) << "the leader serves no control API under SINEW_CONTROL_PORT=0";
   EXPECT_EQ(jobName.find(kMpirunToken), std::string::npos) << "the job's name shows its token";
+  EXPECT_NE(anonymousRefusal.find("without authentication"), std::string::npos)
+      << "the job's etcd took a write without its password: " << anonymousRefusal;
+  struct stat st {};
+  ASSERT_EQ(::stat(passwordFile.c_str(), &st), 0) << passwordFile;
+  EXPECT_EQ(st.st_mode & 0777, 0600u) << passwordFile;
   EXPECT_EQ(status.status, 0) << status.out;
   EXPECT_NE(status.out.find("\"epoch\""), std::string::npos) << status.out;
   std::cout << "killed node " << victim << ": " << killed << std::endl;
