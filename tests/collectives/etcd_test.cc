@@ -286,6 +286,21 @@ namespace sinew {
 namespace collectives {
 namespace {
 
+// `reader` watches `key` from after its current value while `writer` puts `value` there.
+void expectWatchSeesPut(EtcdClient& reader, EtcdClient& writer, const std::string& key,
+                        const std::string& value) {
+  int64_t revision = 0;
+  ASSERT_TRUE(reader.get(key, &revision));
+  std::thread put([&] {
+    std::this_thread::sleep_for(200ms);
+    writer.put(key, value);
+  });
+  auto events = reader.watch(key, false, revision + 1, 5s);
+  put.join();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].kv.value, value);
+}
+
 std::string messageOf(const std::function<void()>& f) {
   try {
     f();
@@ -332,16 +347,8 @@ TEST(EtcdAuthTest, OnlyTheJobsCredentialsReadOrWrite) {
   right.user = "root";
   right.password = "pw-of-this-job";
   EtcdClient member(right);
-  int64_t revision = 0;
-  EXPECT_EQ(member.get("/after", &revision)->value, "closed");
-  std::thread writer([&] {
-    std::this_thread::sleep_for(200ms);
-    admin.put("/after", "changed");
-  });
-  auto events = member.watch("/after", false, revision + 1, 5s);
-  writer.join();
-  ASSERT_EQ(events.size(), 1u);
-  EXPECT_EQ(events[0].kv.value, "changed");
+  EXPECT_EQ(member.get("/after")->value, "closed");
+  expectWatchSeesPut(member, admin, "/after", "changed");
 
   // etcd's simple tokens do not survive the member's restart: the client authenticates again.
   cluster.kill(0);
@@ -365,16 +372,8 @@ TEST(EtcdTlsTest, MembersAndClientsProveWhoTheyAre) {
   EtcdCluster cluster(1, /*tls=*/true);
   EtcdClient good(cluster.options());
   good.put("/tls", "yes");
-  int64_t revision = 0;
-  EXPECT_EQ(good.get("/tls", &revision)->value, "yes");
-  std::thread writer([&] {
-    std::this_thread::sleep_for(200ms);
-    good.put("/tls", "still");
-  });
-  auto events = good.watch("/tls", false, revision + 1, 5s);
-  writer.join();
-  ASSERT_EQ(events.size(), 1u);
-  EXPECT_EQ(events[0].kv.value, "still");
+  EXPECT_EQ(good.get("/tls")->value, "yes");
+  expectWatchSeesPut(good, good, "/tls", "still");
 
   EtcdOptions otherCa = cluster.options();
   otherCa.caFile = cluster.pki().otherCa;
