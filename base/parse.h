@@ -176,6 +176,13 @@ inline bool jsonTooDeep(const std::string& text, int limit = kMaxJsonDepth) {
   return jsonTooDeep(text.data(), text.data() + text.size(), limit);
 }
 
+// json::parse of untrusted `text` that never throws: a discarded value (is_discarded()) when
+// the text nests deeper than kMaxJsonDepth or is not JSON.
+inline nlohmann::json tryParseJson(const std::string& text) {
+  if (jsonTooDeep(text)) return nlohmann::json(nlohmann::json::value_t::discarded);
+  return nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+}
+
 // json::parse of untrusted `text`, throwing E naming `what`: "<what> nests JSON deeper than 64
 // levels" or "<what> does not parse: <the parser's reason>".
 template <typename E = InvalidArgument>

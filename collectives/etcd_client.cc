@@ -272,15 +272,16 @@ std::string readFirstLine(const std::string& path, const char* what) {
 
 }  // namespace
 
-EtcdOptions etcdOptionsFromEnvironment(const std::string& endpoints) {
+EtcdOptions etcdOptionsFromEnvironment(const std::string& endpoints,
+                                       const std::string& endpointsName) {
   auto env = [](const char* name) -> std::string {
-    const char* v = std::getenv(name);
+    const char* v = ::sinew::detail::env(name);
     return v ? v : "";
   };
   EtcdOptions o;
   const std::string list = endpoints.empty() ? env("SINEW_ETCD") : endpoints;
   if (list.empty()) SINEW_THROW(InvalidArgument, "SINEW_ETCD is not set");
-  o.endpoints = parseEtcdEndpoints(list, endpoints.empty() ? "SINEW_ETCD" : "the etcd endpoints");
+  o.endpoints = parseEtcdEndpoints(list, endpoints.empty() ? "SINEW_ETCD" : endpointsName);
   o.user = env("SINEW_ETCD_USER");
   o.password = env("SINEW_ETCD_PASSWORD");
   const std::string passwordFile = env("SINEW_ETCD_PASSWORD_FILE");
@@ -339,9 +340,7 @@ std::string sealOf(const std::string& key, const std::string& canonical, uint64_
 }  // namespace
 
 std::string sealEtcdValue(const std::string& key, const std::string& objectJson, uint64_t token) {
-  json j = ::sinew::detail::jsonTooDeep(objectJson)
-               ? json()
-               : json::parse(objectJson, nullptr, /*allow_exceptions=*/false);
+  json j = ::sinew::detail::tryParseJson(objectJson);
   if (!j.is_object()) SINEW_THROW(InvalidArgument, "only a JSON object can be sealed for ", key);
   j.erase(kSealField);
   const std::string seal = sealOf(key, j.dump(), token);
@@ -349,9 +348,12 @@ std::string sealEtcdValue(const std::string& key, const std::string& objectJson,
   return j.dump();
 }
 
-std::optional<std::string> openEtcdValue(const std::string& key, const std::string& text,
-                                         uint64_t token, std::string* why) {
-  auto refuse = [&](const std::string& reason) -> std::optional<std::string> {
+namespace {
+
+// openEtcdValue's object itself (without its seal), for readers that go on to look inside.
+std::optional<json> openSealedObject(const std::string& key, const std::string& text,
+                                     uint64_t token, std::string* why) {
+  auto refuse = [&](const std::string& reason) -> std::optional<json> {
     if (why) *why = reason;
     return std::nullopt;
   };
@@ -362,21 +364,29 @@ std::optional<std::string> openEtcdValue(const std::string& key, const std::stri
   if (it == j.end() || !it->is_string()) return refuse("it has no seal");
   const std::string given = it->get<std::string>();
   j.erase(kSealField);
-  const std::string canonical = j.dump();
-  const std::string expected = sealOf(key, canonical, token);
+  const std::string expected = sealOf(key, j.dump(), token);
   if (given.size() != expected.size() ||
       CRYPTO_memcmp(given.data(), expected.data(), expected.size()) != 0) {
     return refuse("its seal is wrong (not written with the job token)");
   }
-  return canonical;
+  return j;
+}
+
+}  // namespace
+
+std::optional<std::string> openEtcdValue(const std::string& key, const std::string& text,
+                                         uint64_t token, std::string* why) {
+  auto opened = openSealedObject(key, text, token, why);
+  if (!opened) return std::nullopt;
+  return opened->dump();
 }
 
 std::optional<std::string> openServingLeader(const EtcdKeyValue& kv, uint64_t token,
                                              std::string* why) {
-  auto opened = openEtcdValue(kv.key, kv.value, token, why);
+  auto opened = openSealedObject(kv.key, kv.value, token, why);
   if (!opened) return std::nullopt;
-  json v = json::parse(*opened, nullptr, false);
-  if (!v.is_object() || !v.contains("port") || !v.at("port").is_number_integer()) {
+  const json& v = *opened;
+  if (!v.contains("port") || !v.at("port").is_number_integer()) {
     if (why) *why = "the leader does not serve yet";
     return std::nullopt;
   }
@@ -387,7 +397,7 @@ std::optional<std::string> openServingLeader(const EtcdKeyValue& kv, uint64_t to
     }
     return std::nullopt;
   }
-  return opened;
+  return v.dump();
 }
 
 std::vector<EtcdEndpoint> parseEtcdEndpoints(const std::string& list, const std::string& what) {
@@ -492,9 +502,7 @@ class EtcdClient::Impl {
       beast::error_code ec = ensureToken(ep, attemptDeadline, &lastError);
       if (!ec) ec = exchange(ep, path, payload, token_, attemptDeadline, &status, &text);
       if (!ec) {
-        json answer = ::sinew::detail::jsonTooDeep(text)
-                          ? json()
-                          : json::parse(text, nullptr, /*allow_exceptions=*/false);
+        json answer = ::sinew::detail::tryParseJson(text);
         if (status == 200 && answer.is_object()) return answer;
         if (authError(answer)) {
           if (user_.empty()) {
@@ -577,7 +585,7 @@ class EtcdClient::Impl {
       member = current_;
     }
     bool reauthenticated = false;
-    for (size_t tried = 0; tried < options_.endpoints.size(); ++tried, ++member) {
+    for (size_t tried = 0; tried < options_.endpoints.size();) {
       const auto& ep = options_.endpoints[member % options_.endpoints.size()];
       const std::string token = watchToken();
       asio::io_context io;
@@ -627,8 +635,6 @@ class EtcdClient::Impl {
                 forgetToken(token);
                 ec = asio::error::no_permission;
                 lastError = gatewayError(msg.at("error"));
-                --tried;  // the same member again, with a new token
-                --member;
                 break;
               }
               SINEW_THROW(IoError, "etcd at ", endpointName(ep), " ended the watch of '", key,
@@ -655,13 +661,15 @@ class EtcdClient::Impl {
         if (!events.empty()) return events;
       }
       conn.close();
-      if (ec == asio::error::no_permission) continue;
+      if (ec == asio::error::no_permission) continue;  // the same member, with a new token
       if (ec) lastError = describe(ec);
       if (established) return events;  // The watch ran to its deadline.
       if (Clock::now() >= deadline) break;
       lastError = endpointName(ep) + ": " + lastError;
       std::lock_guard<std::mutex> lock(mu_);
       if (current_ == member) ++current_;
+      ++tried;
+      ++member;
     }
     SINEW_THROW(Timeout, "etcd: no member accepted a watch of '", key, "' (last: ", lastError, ")");
   }
@@ -770,9 +778,7 @@ class EtcdClient::Impl {
       *why = describe(ec);
       return ec;
     }
-    json answer = ::sinew::detail::jsonTooDeep(text)
-                      ? json()
-                      : json::parse(text, nullptr, /*allow_exceptions=*/false);
+    json answer = ::sinew::detail::tryParseJson(text);
     if (status == 200 && answer.is_object() && answer.contains("token") &&
         answer.at("token").is_string()) {
       token_ = answer.at("token").get<std::string>();
@@ -843,18 +849,25 @@ EtcdClient::EtcdClient(EtcdOptions options) : impl_(std::make_unique<Impl>(std::
 EtcdClient::~EtcdClient() = default;
 const EtcdOptions& EtcdClient::options() const { return impl_->options_; }
 
-std::optional<EtcdKeyValue> EtcdClient::get(const std::string& key, int64_t* revision) {
-  json r = impl_->request("/v3/kv/range", json{{"key", base64(key)}});
-  if (revision) *revision = num(r.value("header", json::object()), "revision");
+namespace {
+
+// The one key a range answer holds, nullopt when none.
+std::optional<EtcdKeyValue> firstKv(const json& r) {
   if (!r.contains("kvs") || r.at("kvs").empty()) return std::nullopt;
   return parseKv(r.at("kvs").at(0));
 }
 
+}  // namespace
+
+std::optional<EtcdKeyValue> EtcdClient::get(const std::string& key, int64_t* revision) {
+  json r = impl_->request("/v3/kv/range", json{{"key", base64(key)}});
+  if (revision) *revision = num(r.value("header", json::object()), "revision");
+  return firstKv(r);
+}
+
 std::optional<EtcdKeyValue> EtcdClient::getAt(const std::string& key, int64_t revision) {
-  json r = impl_->request("/v3/kv/range",
-                          json{{"key", base64(key)}, {"revision", std::to_string(revision)}});
-  if (!r.contains("kvs") || r.at("kvs").empty()) return std::nullopt;
-  return parseKv(r.at("kvs").at(0));
+  return firstKv(impl_->request(
+      "/v3/kv/range", json{{"key", base64(key)}, {"revision", std::to_string(revision)}}));
 }
 
 std::vector<EtcdKeyValue> EtcdClient::getPrefix(const std::string& prefix, int64_t* revision) {

@@ -59,8 +59,10 @@ struct EtcdOptions {
 // SINEW_ETCD_PASSWORD_FILE, whose first line is the password), SINEW_ETCD_CA, SINEW_ETCD_CERT,
 // SINEW_ETCD_KEY. Throws InvalidArgument naming the variable that is wrong (a user without a
 // password, a certificate without its key, a file that cannot be read).
-// `endpoints`, when given, is used instead of SINEW_ETCD (e.g. sinewctl's --etcd).
-EtcdOptions etcdOptionsFromEnvironment(const std::string& endpoints = "");
+// `endpoints`, when given, is used instead of SINEW_ETCD, and errors about it name it
+// `endpointsName` (e.g. sinewctl's "--etcd").
+EtcdOptions etcdOptionsFromEnvironment(const std::string& endpoints = "",
+                                       const std::string& endpointsName = "SINEW_ETCD");
 
 struct EtcdKeyValue {
   std::string key;

@@ -61,8 +61,7 @@ namespace {
 
 // The job's end as a stored state says it: 0 finished, 1 failed, -1 still running.
 int jobEndOf(const std::string& state) {
-  if (::sinew::detail::jsonTooDeep(state)) return -1;
-  json st = json::parse(state, nullptr, false);
+  json st = ::sinew::detail::tryParseJson(state);
   if (!st.is_object()) return -1;
   if (st.value("failed", false)) return 1;
   if (st.value("finished", false)) return 0;
@@ -222,8 +221,8 @@ etcdLeaderFinder(std::shared_ptr<EtcdClient> etcd, const std::string& job, uint6
         // A leader serves once its value names its port; only a value sealed with the job
         // token for this term is believed (the job token goes to the address it names).
         auto opened = collectives::openServingLeader(*kv, token, nullptr);
-        json v = opened ? json::parse(*opened, nullptr, false) : json();
-        if (v.is_object() && v.at("port").is_number_integer()) {
+        if (opened) {
+          const json v = json::parse(*opened);
           CoordinatorClientOptions::Leader leader;
           leader.host = v.value("host", std::string("127.0.0.1"));
           leader.port = static_cast<uint16_t>(v.at("port").get<int>());

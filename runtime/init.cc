@@ -167,7 +167,7 @@ void enableJobEtcdAuth(collectives::EtcdOptions o) {
     try {
       etcd.enableAuth(o.password);
       return;
-    } catch (const Timeout& e) {
+    } catch (const Timeout&) {
       // The members are still forming their cluster.
       if (std::chrono::steady_clock::now() > deadline) throw;
     }

@@ -69,9 +69,7 @@ json readOutcomeFile(const std::string& path) {
   }
   std::stringstream text;
   text << in.rdbuf();
-  json j = detail::jsonTooDeep(text.str())
-               ? json()
-               : json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  json j = detail::tryParseJson(text.str());
   if (!j.is_object() || !j.contains("outcome") || !j.at("outcome").is_string()) {
     SINEW_THROW(Corruption, "'", path, "' is not a job outcome (no \"outcome\" string in it)");
   }

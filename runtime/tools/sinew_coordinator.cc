@@ -107,7 +107,7 @@ int main(int argc, char** argv) {
   try {
     sinew::runtime::HaCoordinatorOptions o;
     // Credentials and TLS: SINEW_ETCD_USER, SINEW_ETCD_PASSWORD(_FILE), SINEW_ETCD_CA, ...
-    o.etcd = sinew::collectives::etcdOptionsFromEnvironment(etcd);
+    o.etcd = sinew::collectives::etcdOptionsFromEnvironment(etcd, "--etcd");
     o.job = job;
     sinew::runtime::haPrefix(job);  // Checks the name.
     o.leaseTtlSeconds = number("--lease-ttl-s", ttl, 1, 3600);

@@ -117,7 +117,8 @@ Target findLeader(const std::string& endpoints, const std::string& job, const st
   json leader;
   try {
     // Credentials and TLS from SINEW_ETCD_USER, SINEW_ETCD_PASSWORD(_FILE), SINEW_ETCD_CA, ...
-    sinew::collectives::EtcdOptions o = sinew::collectives::etcdOptionsFromEnvironment(endpoints);
+    sinew::collectives::EtcdOptions o =
+        sinew::collectives::etcdOptionsFromEnvironment(endpoints, "--etcd");
     o.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(timeout);
     sinew::collectives::EtcdClient etcd(o);
     const auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -126,9 +127,9 @@ Target findLeader(const std::string& endpoints, const std::string& job, const st
       auto kv = etcd.get(key);
       if (kv && jobToken) {
         auto opened = sinew::collectives::openServingLeader(*kv, *jobToken, &why);
-        if (opened) leader = json::parse(*opened, nullptr, false);
-      } else if (kv && !sinew::detail::jsonTooDeep(kv->value)) {
-        leader = json::parse(kv->value, nullptr, false);  // not checked: no job token here
+        if (opened) leader = json::parse(*opened);
+      } else if (kv) {
+        leader = sinew::detail::tryParseJson(kv->value);  // not checked: no job token here
       }
       if (leader.is_object() && leader.contains("port")) break;  // It serves.
       if (std::chrono::steady_clock::now() >= deadline) {
@@ -420,8 +421,7 @@ int main(int argc, char** argv) {
     return code == 200 ? 0 : 1;
   }
   // An answer nested too deep is shown as text: formatting it would recurse that deep.
-  json j = sinew::detail::jsonTooDeep(text) ? json(json::value_t::discarded)
-                                            : json::parse(text, nullptr, false);
+  json j = sinew::detail::tryParseJson(text);
   if (code != 200) {
     const std::string why = !j.is_discarded() && j.is_object() && j.contains("error")
                                 ? j["error"].get<std::string>()

@@ -301,6 +301,12 @@ void expectWatchSeesPut(EtcdClient& reader, EtcdClient& writer, const std::strin
   EXPECT_EQ(events[0].kv.value, value);
 }
 
+EtcdOptions withUser(EtcdOptions o, const std::string& user, const std::string& password) {
+  o.user = user;
+  o.password = password;
+  return o;
+}
+
 std::string messageOf(const std::function<void()>& f) {
   try {
     f();
@@ -336,17 +342,11 @@ TEST(EtcdAuthTest, OnlyTheJobsCredentialsReadOrWrite) {
   why = messageOf([&] { stranger.deleteKey("/after"); });
   EXPECT_NE(why.find("without authentication"), std::string::npos) << why;
 
-  EtcdOptions wrong = o;
-  wrong.user = "root";
-  wrong.password = "a guess";
-  EtcdClient guesser(wrong);
+  EtcdClient guesser(withUser(o, "root", "a guess"));
   why = messageOf([&] { guesser.get("/after"); });
   EXPECT_NE(why.find("refused to authenticate user 'root'"), std::string::npos) << why;
 
-  EtcdOptions right = o;
-  right.user = "root";
-  right.password = "pw-of-this-job";
-  EtcdClient member(right);
+  EtcdClient member(withUser(o, "root", "pw-of-this-job"));
   EXPECT_EQ(member.get("/after")->value, "closed");
   expectWatchSeesPut(member, admin, "/after", "changed");
 

@@ -403,7 +403,9 @@ TEST_F(HaJobTest, AuthenticatedEtcdAndAForgedStateStopNothing) {
   killLeaderAndTimeFailover();
   expectExact({});
   for (auto& c : coordinators_) {
-    if (c.status != 128 + SIGKILL) EXPECT_EQ(c.status, 0) << c.log;
+    if (c.status != 128 + SIGKILL) {
+      EXPECT_EQ(c.status, 0) << c.log;
+    }
   }
 }
 
