@@ -295,16 +295,20 @@ int streamEvents(const Target& t, bool asJson, int count) {
       }
       if (line.rfind("data: ", 0) != 0) continue;
       const std::string data = line.substr(6);
-      json e = sinew::detail::jsonTooDeep(data) ? json() : json::parse(data, nullptr, false);
+      // An event that is no object (or is nested too deep to parse) is not shown.
+      const json e = sinew::detail::tryParseJson(data);
       if (asJson) {
-        std::printf("%s\n", line.substr(6).c_str());
-      } else if (!e.is_discarded()) {
+        std::printf("%s\n", data.c_str());
+      } else if (e.is_object()) {
         std::string rest;
         for (auto it = e.begin(); it != e.end(); ++it) {
           if (it.key() == "event" || it.key() == "time") continue;
           rest += " " + it.key() + "=" + it.value().dump();
         }
-        std::printf("%.3f %s%s\n", e.value("time", 0.0), e.value("event", "?").c_str(),
+        const auto time = e.find("time");
+        const auto name = e.find("event");
+        std::printf("%.3f %s%s\n", time != e.end() && time->is_number() ? time->get<double>() : 0.0,
+                    name != e.end() && name->is_string() ? name->get<std::string>().c_str() : "?",
                     rest.c_str());
       }
       std::fflush(stdout);

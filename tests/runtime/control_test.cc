@@ -323,6 +323,22 @@ TEST(SinewctlTest, AnAnswerWithoutItsFieldsIsAnErrorNotAnAbort) {
   }
 }
 
+// `sinewctl events` shows what it can of a stream and skips the rest: an event that is a JSON
+// array, or nested deeper than the limit, is not shown (with --json it is passed on as text);
+// an event whose name or time has another type is shown with "?" or 0.
+// Before, either one aborted sinewctl (an uncaught nlohmann::type_error from value()).
+TEST(SinewctlTest, AnEventThatIsNoObjectIsSkippedNotAnAbort) {
+  const std::string deep = std::string(100, '[') + std::string(100, ']');
+  CannedHttp server({"data: [1, 2]\n\ndata: " + deep +
+                     "\n\ndata: {\"event\": 5, \"time\": \"x\"}"
+                     "\n\ndata: {\"event\": \"shown\", \"time\": 1.5}\n\n"});
+  const std::string url = "http://127.0.0.1:" + std::to_string(server.port());
+  JobRun r = finish(start({SINEWCTL_PATH, "--url", url, "--token", "t", "events"}, {}), 30s);
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("1.500 shown"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("0.000 ?"), std::string::npos) << r.output;
+}
+
 TEST(SinewctlTest, EtcdArgumentsAreCheckedAndAnUnreachableEtcdIsAnError) {
   auto ctl = [](const std::vector<std::string>& env, const std::vector<std::string>& args) {
     std::vector<std::string> argv = {"/usr/bin/env", "-u", "SINEW_TOKEN"};
