@@ -70,6 +70,90 @@ int jobEndOf(const std::string& state) {
 
 }  // namespace
 
+namespace {
+
+void resignQuietly(LeaderElection& election) {
+  try {
+    election.resign();
+  } catch (const Error&) {
+  }
+}
+
+// The coordinator a leader serves in its term: it takes over `state` (the newest sealed one),
+// stores each state sealed and fenced by the term (docs/ha.md, rule 3), and the leader key
+// then names it, sealed and bound to the term: a reader connects (and sends the job token)
+// only to an address a leader of this job named in the term the key was created in.
+std::unique_ptr<Coordinator> serveTerm(const HaCoordinatorOptions& options,
+                                       LeaderElection& election, const std::string& leaderKey,
+                                       const std::string& stateKey,
+                                       const std::optional<std::string>& state) {
+  const uint64_t token = options.coordinator.token;
+  CoordinatorOptions co = options.coordinator;
+  if (state) co.takeoverState = *state;
+  co.persist = [&election, &options, stateKey, token](const std::string& stateJson) {
+    json st = json::parse(stateJson);
+    st["leader"] = options.name;
+    st["term"] = election.term();
+    election.fencedWrite(
+        {EtcdOp::put(stateKey, collectives::sealEtcdValue(stateKey, st.dump(), token))});
+  };
+  co.mayWrite = [&election] { return election.leads(); };
+  auto coordinator = std::make_unique<Coordinator>(co);
+  election.setValue(collectives::sealEtcdValue(leaderKey,
+                                               json{{"candidate", options.name},
+                                                    {"pid", static_cast<int64_t>(::getpid())},
+                                                    {"term", election.term()},
+                                                    {"host", coordinator->host()},
+                                                    {"port", coordinator->port()},
+                                                    {"control_host", coordinator->controlHost()},
+                                                    {"control_port", coordinator->controlPort()}}
+                                                   .dump(),
+                                               token));
+  return coordinator;
+}
+
+// Serves until the term ends (nullopt; the coordinator is gone and the term resigned) or the
+// job ends: then serves until every worker has left, writes the outcome, resigns and returns
+// the exit status.
+std::optional<int> serveUntilEnd(const HaCoordinatorOptions& options,
+                                 std::unique_ptr<Coordinator>& coordinator,
+                                 LeaderElection& election,
+                                 const std::function<void(const std::string&)>& log) {
+  while (true) {
+    coordinator->waitFinished(std::chrono::milliseconds(100));
+    auto st = coordinator->status();
+    if (st.deposed || !election.leads()) {
+      log("its term is over; it stops serving");
+      coordinator.reset();
+      resignQuietly(election);
+      return std::nullopt;
+    }
+    if (st.failed || st.finished) {
+      // Workers may still use the job's store, released ones report their last checkpoint:
+      // serve until every worker has left (or the term ends, or 300 s passed).
+      const auto endedAt = Clock::now();
+      while (coordinator->status().connected > 0 && election.leads() &&
+             Clock::now() - endedAt < std::chrono::seconds(300)) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+      const json outcome = coordinator->outcome();
+      if (!options.outcomePath.empty()) {
+        try {
+          writeOutcomeFile(outcome, options.outcomePath);
+        } catch (const Error& e) {
+          log(e.what());
+        }
+      }
+      coordinator.reset();
+      resignQuietly(election);
+      log(outcomeLine(outcome));
+      return outcomeExitStatus(outcome);
+    }
+  }
+}
+
+}  // namespace
+
 int runHaCoordinator(const HaCoordinatorOptions& options) {
   const std::string prefix = haPrefix(options.job);
   const std::string leaderKey = prefix + "leader";
@@ -125,31 +209,7 @@ int runHaCoordinator(const HaCoordinatorOptions& options) {
         election.resign();
         continue;  // The loop's check exits.
       }
-      CoordinatorOptions co = options.coordinator;
-      if (state) co.takeoverState = *state;
-      // Each state says which leader wrote it, in which term (docs/ha.md, rule 3), sealed.
-      co.persist = [&election, &options, stateKey, token](const std::string& stateJson) {
-        json st = json::parse(stateJson);
-        st["leader"] = options.name;
-        st["term"] = election.term();
-        election.fencedWrite(
-            {EtcdOp::put(stateKey, collectives::sealEtcdValue(stateKey, st.dump(), token))});
-      };
-      co.mayWrite = [&election] { return election.leads(); };
-      coordinator = std::make_unique<Coordinator>(co);
-      // Sealed, and bound to this term: a reader connects (and sends the job token) only to
-      // an address a leader of this job named in the term the key was created in.
-      election.setValue(
-          collectives::sealEtcdValue(leaderKey,
-                                     json{{"candidate", options.name},
-                                          {"pid", static_cast<int64_t>(::getpid())},
-                                          {"term", election.term()},
-                                          {"host", coordinator->host()},
-                                          {"port", coordinator->port()},
-                                          {"control_host", coordinator->controlHost()},
-                                          {"control_port", coordinator->controlPort()}}
-                                         .dump(),
-                                     token));
+      coordinator = serveTerm(options, election, leaderKey, stateKey, state);
       log("serves at " + coordinator->host() + ":" + std::to_string(coordinator->port()) + " " +
           std::to_string(
               std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - wonAt).count()) +
@@ -161,49 +221,10 @@ int runHaCoordinator(const HaCoordinatorOptions& options) {
     } catch (const Error& e) {
       log(std::string("lost the term before serving: ") + e.what());
       coordinator.reset();
-      try {
-        election.resign();
-      } catch (const Error&) {
-      }
+      resignQuietly(election);
       continue;
     }
-    while (true) {
-      coordinator->waitFinished(std::chrono::milliseconds(100));
-      auto st = coordinator->status();
-      if (st.deposed || !election.leads()) {
-        log("its term is over; it stops serving");
-        break;
-      }
-      if (st.failed || st.finished) {
-        // Workers may still use the job's store, released ones report their last checkpoint:
-        // serve until every worker has left (or the term ends, or 300 s passed).
-        const auto endedAt = Clock::now();
-        while (coordinator->status().connected > 0 && election.leads() &&
-               Clock::now() - endedAt < std::chrono::seconds(300)) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(50));
-        }
-        const json outcome = coordinator->outcome();
-        if (!options.outcomePath.empty()) {
-          try {
-            writeOutcomeFile(outcome, options.outcomePath);
-          } catch (const Error& e) {
-            log(e.what());
-          }
-        }
-        coordinator.reset();
-        try {
-          election.resign();
-        } catch (const Error&) {
-        }
-        log(outcomeLine(outcome));
-        return outcomeExitStatus(outcome);
-      }
-    }
-    coordinator.reset();
-    try {
-      election.resign();
-    } catch (const Error&) {
-    }
+    if (auto status = serveUntilEnd(options, coordinator, election, log)) return *status;
   }
 }
 
