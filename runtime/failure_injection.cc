@@ -69,12 +69,12 @@ double parseDuration(const std::string& fault, const std::string& key, const std
 Phase parsePhase(const std::string& fault, const std::string& v) {
   for (Phase p : {Phase::kForward, Phase::kBackward, Phase::kReduce, Phase::kAfterReduce,
                   Phase::kOptimizer, Phase::kSnapshot, Phase::kReplication, Phase::kRecovery,
-                  Phase::kReconfiguration, Phase::kCopy, Phase::kFlush}) {
+                  Phase::kReconfiguration, Phase::kCopy, Phase::kRelease, Phase::kFlush}) {
     if (v == phaseName(p)) return p;
   }
   SINEW_THROW(InvalidArgument, "fault '", fault, "': unknown phase '", v,
               "' (expected forward, backward, reduce, after-reduce, optimizer, snapshot, "
-              "replication, recovery, reconfiguration, copy or flush)");
+              "replication, recovery, reconfiguration, copy, release or flush)");
 }
 
 }  // namespace
@@ -101,6 +101,8 @@ const char* phaseName(Phase p) {
       return "reconfiguration";
     case Phase::kCopy:
       return "copy";
+    case Phase::kRelease:
+      return "release";
     case Phase::kFlush:
       return "flush";
   }
@@ -194,7 +196,7 @@ void FailureInjector::fireSlow(int worker, int64_t step, Phase phase, Coordinato
     bool everyStep = f.kind == Fault::Kind::kSlow && f.step < 0;
     const bool atOrAfter = phase == Phase::kSnapshot || phase == Phase::kReplication ||
                            phase == Phase::kRecovery || phase == Phase::kReconfiguration ||
-                           phase == Phase::kCopy;
+                           phase == Phase::kCopy || phase == Phase::kRelease;
     bool due = everyStep || (atOrAfter ? step >= f.step : step == f.step);
     if (!due) continue;
     if (!everyStep) {

@@ -19,16 +19,18 @@
 //                                           8 bytes overwritten (its own state stays intact):
 //                                           the receiver must notice and the copy be tried again
 // worker is the launch rank (or `*` for every worker); phase is one of forward, backward,
-// reduce, after-reduce, optimizer, snapshot, replication, recovery, reconfiguration, copy, flush
-// (default forward). forward to optimizer fire at exactly `step`; the others fire at the first
-// occasion at or after `step`, since a writer may skip a version (its previous flush still
-// running) and a failure may come at any step: `snapshot` while a checkpoint writer copies a
+// reduce, after-reduce, optimizer, snapshot, replication, recovery, reconfiguration, copy,
+// release, flush (default forward). forward to optimizer fire at exactly `step`; the others fire at
+// the first occasion at or after `step`, since a writer may skip a version (its previous flush
+// still running) and a failure may come at any step: `snapshot` while a checkpoint writer copies a
 // version to host memory; `replication` on a pipeline worker's replication thread before it
 // sends a peer-RAM version; `recovery` in the first recovery after a failure; `reconfiguration`
 // when an epoch after the first is announced (a failure, a join, a leave), before the worker
 // builds its communicator; `copy` in a pipeline relayout between the layer manifests and the
-// tensors; `flush` on the checkpoint flush thread before it writes version `step` (exactly),
-// or every version when a slow has no step. Each fault except an every-step slow fires once.
+// tensors; `release` once this worker has left the job at its word (released by a resize or
+// a drain, or the job stopped), before it writes its last checkpoint and exits; `flush` on the
+// checkpoint flush thread before it writes version `step` (exactly), or every version when a slow
+// has no step. Each fault except an every-step slow fires once.
 //
 // With no faults, fire() is one inlined emptiness check: zero cost when unset.
 //
@@ -62,7 +64,8 @@ enum class Phase {
   kReplication,  // on the replication thread, before a peer-RAM version is sent (pipelines)
   kRecovery,
   kReconfiguration,
-  kCopy,  // pipelines: between a layer copy's manifests and its tensors (sender and receiver)
+  kCopy,     // pipelines: between a layer copy's manifests and its tensors (sender and receiver)
+  kRelease,  // left the job at its word, before its last checkpoint and its exit
   kFlush
 };
 

@@ -402,6 +402,7 @@ class Trainer::Impl {
     finished_ = true;
     const bool preempted = preempted_;
     if (preempted) {
+      state_.injector.fire(ctx_.worker(), step_, Phase::kRelease, &client_);
       // The last step this worker applied is the job's newest: make it durable if this
       // worker writes the checkpoints (when the whole job is preempted, it is the last word).
       // (Pipeline mode: a version needs every writer's shard, so one leaving worker cannot

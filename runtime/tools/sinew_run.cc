@@ -284,8 +284,8 @@ void echoOutputs(std::vector<Stream>& streams, std::mutex& streamsMu,
 
 // Says how the job ended, from the coordinator's view and each worker's exit status (`status`,
 // by PID), in its last line and <log-dir>/outcome.json, and returns sinew-run's exit status: 0
-// finished, 75 stopped (resumable), 1 failed (also when a worker the job did not declare dead
-// exited badly, or the launcher had to kill the job at its deadline).
+// finished, 75 stopped (resumable), 1 failed (also when a worker the job neither declared dead
+// nor released exited badly, or the launcher had to kill the job at its deadline).
 int reportJob(const Args& a, sinew::runtime::Coordinator& coordinator,
               const std::map<pid_t, int>& statusByPid,
               const std::function<int(size_t, const sinew::runtime::CoordinatorStatus&)>& workerOf,
@@ -298,18 +298,22 @@ int reportJob(const Args& a, sinew::runtime::Coordinator& coordinator,
     const int s = found == statusByPid.end() ? 0 : found->second;
     const int w = workerOf(i, st);
     bool declaredDead = std::find(dead.begin(), dead.end(), w) != dead.end();
+    // A worker the job released (a resize, a drain) had left it: how its process ended later
+    // changes nothing the job committed.
+    const bool released = std::find(st.released.begin(), st.released.end(), w) != st.released.end();
     std::string how = WIFEXITED(s) ? "exited " + std::to_string(WEXITSTATUS(s))
                                    : "killed by signal " + std::to_string(WTERMSIG(s));
     // A second SIGTERM or SIGINT killed every worker: say so, and not that the job went on.
     if (gSignals >= 2) declaredDead = false;
     // 75: the worker left a job that stopped at a step boundary (Context::finishJob()).
     bool clean = WIFEXITED(s) && (WEXITSTATUS(s) == 0 || (WEXITSTATUS(s) == 75 && st.stopped));
-    if (!clean && !declaredDead) ok = false;
+    if (!clean && !declaredDead && !released) ok = false;
     if (!clean) {
       std::printf("sinew-run: worker %d (pid %d) %s%s\n", w, static_cast<int>(gChildren[i]),
                   how.c_str(),
                   declaredDead    ? " (declared dead; the job went on without it)"
                   : gSignals >= 2 ? " (sinew-run killed it: a second SIGTERM or SIGINT)"
+                  : released      ? " (released by the job before; the job went on without it)"
                                   : "");
     }
   }
@@ -320,8 +324,9 @@ int reportJob(const Args& a, sinew::runtime::Coordinator& coordinator,
   if (!ok && outcome.value("outcome", std::string()) != "failed") {
     outcome["outcome"] = "failed";
     outcome["reason"] = gSignals >= 2 ? "a second SIGTERM or SIGINT: sinew-run killed every worker"
-                        : deadlineKilled ? "it did not stop within 60 s of its deadline"
-                                         : "a worker it did not declare dead exited badly";
+                        : deadlineKilled
+                            ? "it did not stop within 60 s of its deadline"
+                            : "a worker it neither declared dead nor released exited badly";
   }
   outcome["exit_status"] = !ok ? 1 : st.stopped ? 75 : 0;
   try {

@@ -790,6 +790,30 @@ TEST(ControlJobTest, ScriptedSchedulerGrowsShrinksDrainsAndStops) {
 // Slurm-style advance warnings: --drain-signal USR1 to the launcher stops the whole job with
 // its last step durable (exit 75); SINEW_DRAIN_SIGNAL=USR1 makes that signal to one worker
 // release it at a step boundary, and the job goes on without it.
+// A worker released by a resize and killed before it exits (here by itself: SIGKILL at phase
+// release, before its last checkpoint) fails nothing: the job commits every step and finishes,
+// and sinew-run names the worker as one the job had released. Before, any unclean exit of a
+// worker the job did not declare dead turned the finished job into FAILED (exit 1).
+TEST(ControlJobTest, AReleasedWorkerKilledBeforeItExitsFailsNothing) {
+  const std::string dir = logDir("released-killed");
+  Child job = start({SINEW_RUN_PATH, "-n", "3", "--log-dir", dir, "--quiet", "--inject",
+                     "slow:worker=*:ms=10;kill:worker=*:step=0:phase=release", TRAIN_DP_PATH,
+                     "--steps", "400", "--no-reference"},
+                    {});
+  Api api = waitForApi(dir);
+  api.waitFor([](const json& s) { return stepOf(s) >= 20; }, "step 20 with 3 workers");
+  Http h = api.post("/v1/resize", R"({"nodes": 2})");
+  ASSERT_EQ(h.status, 200) << h.body;
+  ASSERT_EQ(json::parse(h.body)["release"].size(), 1u) << h.body;
+  JobRun run = finish(job, 180s);
+  EXPECT_FALSE(run.timedOut);
+  EXPECT_EQ(run.exitCode, 0) << run.output;
+  EXPECT_NE(run.output.find("killed by signal 9 (released by the job before"), std::string::npos)
+      << run.output;
+  EXPECT_NE(run.output.find("sinew-run: job finished at step 400"), std::string::npos)
+      << run.output;
+}
+
 TEST(ControlJobTest, DrainSignalsStopTheJobOrReleaseAWorker) {
   const std::string dir = logDir("drain-signal");
   const std::string ckpt = logDir("drain-signal-ckpt");
