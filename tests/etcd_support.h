@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -115,8 +116,11 @@ class EtcdCluster {
   };
 
   // Starts `size` members and waits until the cluster answers (throws after 30 s). With
-  // `tls`, clients must use https, trust its CA and present a certificate it signed.
-  explicit EtcdCluster(int size = 3, bool tls = false) : tls_(tls) {
+  // `tls`, clients must use https, trust its CA and present a certificate it signed; `pki`
+  // makes the certificates in the cluster's folder.
+  explicit EtcdCluster(int size = 3, bool tls = false,
+                       const std::function<TestPki(const std::string&)>& pki = makeTestPki)
+      : tls_(tls) {
     // Data on tmpfs where there is one: etcd fsyncs its log on every write and election, and
     // on a disk still writing back a build a single fsync took seconds (a put after losing a
     // member then missed its 3 s deadline). The tests are about Sinew over etcd, not etcd's
@@ -132,7 +136,7 @@ class EtcdCluster {
       m.peer = freeLoopbackPort();
       members_.push_back(m);
     }
-    if (tls_) pki_ = makeTestPki(dir_);
+    if (tls_) pki_ = pki(dir_);
     for (int i = 0; i < size; ++i) launch(i, /*fresh=*/true);
     if (!waitHealthy(std::chrono::seconds(30))) {
       stopAll();  // the destructor does not run after a throw

@@ -8,12 +8,14 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <thread>
 
 #include "../etcd_support.h"
 #include "sinew/base/error.h"
 #include "sinew/collectives/etcd_client.h"
+#include "sinew/collectives/etcd_pki.h"
 #include "sinew/collectives/etcd_store.h"
 
 namespace sinew {
@@ -399,6 +401,45 @@ TEST(EtcdTlsTest, MembersAndClientsProveWhoTheyAre) {
   badFiles.caFile = cluster.dir() + "/missing.pem";
   why = messageOf([&] { EtcdClient c(badFiles); });
   EXPECT_NE(why.find("missing.pem"), std::string::npos) << why;
+}
+
+// The certificates a job makes for the etcd members it starts (collectives/etcd_pki.h): a
+// member with a certificate issued for 127.0.0.1 by a fresh authority serves a client that
+// trusts that authority (and presents a certificate of it); a client that trusts another
+// authority gets nothing ("certificate verify failed"); a damaged authority is refused.
+TEST(EtcdTlsTest, CertificatesMadeForAJobWork) {
+  SKIP_WITHOUT_ETCD();
+  auto jobPki = [](const std::string& dir) {
+    const PemCertificate ca = makeCertificateAuthority("sinew job test");
+    const PemCertificate member = issueCertificate(ca, "127.0.0.1");
+    const PemCertificate client = issueCertificate(ca, "127.0.0.1");
+    const PemCertificate other = makeCertificateAuthority("another job");
+    sinew::testing::TestPki p{dir + "/ca.pem",     dir + "/server.pem", dir + "/server.key",
+                              dir + "/client.pem", dir + "/client.key", dir + "/other.pem"};
+    std::ofstream(p.ca) << ca.cert;
+    std::ofstream(p.serverCert) << member.cert;
+    std::ofstream(p.serverKey) << member.key;
+    std::ofstream(p.clientCert) << client.cert;
+    std::ofstream(p.clientKey) << client.key;
+    std::ofstream(p.otherCa) << other.cert;
+    return p;
+  };
+  EtcdCluster cluster(1, /*tls=*/true, jobPki);
+  EtcdClient good(cluster.options());
+  good.put("/job-tls", "yes");
+  EXPECT_EQ(good.get("/job-tls")->value, "yes");
+
+  EtcdOptions otherCa = cluster.options();
+  otherCa.caFile = cluster.pki().otherCa;
+  otherCa.timeout = 1500ms;
+  const std::string why = messageOf([&] { EtcdClient(otherCa).get("/job-tls"); });
+  EXPECT_NE(why.find("certificate verify failed"), std::string::npos) << why;
+
+  PemCertificate damaged = makeCertificateAuthority("x");
+  damaged.key = "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n";
+  EXPECT_THROW(issueCertificate(damaged, "127.0.0.1"), InvalidArgument);
+  EXPECT_NE(issueCertificate(makeCertificateAuthority("y"), "etcd.example").cert.find("BEGIN"),
+            std::string::npos);
 }
 
 }  // namespace
