@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <csignal>
 #include <cstdio>
@@ -24,6 +25,7 @@
 #include "sinew/base/error.h"
 #include "sinew/base/parse.h"
 #include "sinew/base/private_file.h"
+#include "sinew/collectives/etcd_pki.h"
 #include "sinew/collectives/etcd_store.h"
 #include "sinew/collectives/tcp_store.h"
 #include "sinew/config.h"
@@ -105,13 +107,14 @@ int mpiSize() {
 //
 // 1. Before MPI_Init every rank forks a helper (no MPI, no libtorch threads yet) that waits on
 //    a pipe for what to do.
-// 2. After MPI_Init, rank 0 takes SINEW_TOKEN or draws the job token, draws the job's id, and
-//    broadcasts both; every rank picks two free ports on its host and all ranks exchange
+// 2. After MPI_Init, rank 0 takes SINEW_TOKEN or draws the job token, draws the job's id and
+//    etcd's root password, makes the launch's certificate authority, and broadcasts them; every
+//    rank picks two free ports on its host and all ranks exchange
 //    (node, host, ports) with one allgather: the last MPI calls.
 // 3. The lowest rank of each of the first three nodes (fewer if the job has fewer) hosts an
-//    etcd member and a coordinator candidate: its helper starts etcd (a new data directory on
-//    local disk, under SINEW_ETCD_DIR or /tmp) and then runs the candidate until the job ends; the
-//    other helpers exit at once.
+//    etcd member and a coordinator candidate: its helper starts etcd (a new directory on local
+//    disk, under SINEW_ETCD_DIR or /tmp, with the member's certificate; TLS to clients and
+//    peers) and then runs the candidate until the job ends; the other helpers exit at once.
 // 4. Every worker then runs as with SINEW_ETCD (the members' client endpoints) and
 //    SINEW_JOB (mpi-<a 40-bit id rank 0 draws with the token>).
 // A node's loss takes its worker, candidate and etcd member: the job keeps its leader and its
@@ -219,9 +222,11 @@ void enableJobEtcdAuth(collectives::EtcdOptions o) {
     runtime::HaCoordinatorOptions h;
     h.etcd.endpoints = collectives::parseEtcdEndpoints(in.at("endpoints").get<std::string>(),
                                                        "the job's etcd members");
-    // The job's etcd requires its root password, drawn per job (docs/ha.md, "Security").
+    // The job's etcd requires its root password, drawn per job, and speaks TLS with the job's
+    // own certificates (docs/ha.md, "Security").
     h.etcd.user = "root";
     h.etcd.password = in.at("etcd_password").get<std::string>();
+    h.etcd.caFile = in.at("etcd_ca").get<std::string>();
     if (in.value("enable_auth", false)) enableJobEtcdAuth(h.etcd);
     h.job = in.at("job").get<std::string>();
     h.name = in.at("name").get<std::string>();
@@ -277,11 +282,93 @@ std::pair<pid_t, int> forkHaHelper(const InitOptions& o) {
   return {pid, fds[1]};
 }
 
+// Rank 0 makes the launch's certificate authority (collectives/etcd_pki.h) and broadcasts
+// it, certificate and key; every rank returns it.
+collectives::PemCertificate broadcastCertificateAuthority(int rank) {
+  std::array<char, 8192> buf{};
+  if (rank == 0) {
+    const collectives::PemCertificate ca =
+        collectives::makeCertificateAuthority("sinew etcd of one launch");
+    if (ca.cert.size() + ca.key.size() + 2 > buf.size()) {
+      SINEW_THROW(IoError, "the launch's certificate authority does not fit ", buf.size(),
+                  " bytes");
+    }
+    std::memcpy(buf.data(), ca.cert.data(), ca.cert.size());
+    std::memcpy(buf.data() + ca.cert.size() + 1, ca.key.data(), ca.key.size());
+  }
+  MPI_Bcast(buf.data(), static_cast<int>(buf.size()), MPI_CHAR, 0, MPI_COMM_WORLD);
+  collectives::PemCertificate ca;
+  ca.cert = std::string(buf.data());
+  ca.key = std::string(buf.data() + ca.cert.size() + 1);
+  return ca;
+}
+
+// What the helper of a rank that hosts an etcd member does: a new directory for the member
+// (its data, and its TLS files, mode 0600: the launch's authority and a certificate issued
+// for this host, for clients and peers alike), the etcd command line, and the candidate's
+// settings. `first`: this member's helper turns etcd's authentication on.
+nlohmann::json memberInstructions(int rank, bool first, int size, const std::string& host,
+                                  const HaPeer& mine, const std::string& job,
+                                  const std::string& cluster, const std::string& endpoints,
+                                  uint64_t token, const std::string& password,
+                                  const collectives::PemCertificate& ca) {
+  const char* base = env("SINEW_ETCD_DIR");
+  const std::string name = "m" + std::to_string(rank);
+  // A new directory for each launch: a member killed with its node leaves its directory
+  // behind, and a later job with the same token (so the same name) must not start from it.
+  std::string pattern =
+      std::string(base ? base : "/tmp") + "/sinew-etcd-" + job + "-" + name + "-XXXXXX";
+  if (::mkdtemp(pattern.data()) == nullptr) {
+    SINEW_THROW(IoError, "cannot create the etcd member's data directory ", pattern, ": ",
+                std::strerror(errno));
+  }
+  const std::string dir = pattern;
+  const collectives::PemCertificate member = collectives::issueCertificate(ca, host);
+  ::sinew::detail::writePrivateFile(dir + "/ca.pem", ca.cert);
+  ::sinew::detail::writePrivateFile(dir + "/member.pem", member.cert);
+  ::sinew::detail::writePrivateFile(dir + "/member.key", member.key);
+  const std::string clientUrl = "https://" + host + ":" + std::to_string(mine.client);
+  const std::string peerUrl = "https://" + host + ":" + std::to_string(mine.peer);
+  return {{"run", true},
+          {"etcd_password", password},
+          {"etcd_ca", dir + "/ca.pem"},
+          {"enable_auth", first},
+          {"name", name},
+          {"job", job},
+          {"token", token},
+          {"host", host},
+          {"workers", size},
+          {"endpoints", endpoints},
+          {"data_dir", dir},
+          {"etcd_args",
+           {"etcd",
+            "--name=" + name,
+            "--data-dir=" + dir + "/data",
+            "--listen-client-urls=" + clientUrl,
+            "--advertise-client-urls=" + clientUrl,
+            "--listen-peer-urls=" + peerUrl,
+            "--initial-advertise-peer-urls=" + peerUrl,
+            "--initial-cluster=" + cluster,
+            "--initial-cluster-state=new",
+            "--initial-cluster-token=" + job,
+            "--cert-file=" + dir + "/member.pem",
+            "--key-file=" + dir + "/member.key",
+            "--peer-cert-file=" + dir + "/member.pem",
+            "--peer-key-file=" + dir + "/member.key",
+            "--peer-trusted-ca-file=" + dir + "/ca.pem",
+            "--peer-client-cert-auth",
+            "--heartbeat-interval=50",
+            "--election-timeout=500",
+            "--logger=zap",
+            "--log-level=error"}}};
+}
+
 // Steps 2-4 above, after MPI_Init. Returns the etcd endpoints and the job name, and tells the
 // helper what to do.
 std::pair<std::string, std::string> haBootstrap(int rank, int size, const std::string& node,
                                                 const std::string& host, int helperFd,
-                                                uint64_t* token, std::string* etcdPassword) {
+                                                uint64_t* token, std::string* etcdPassword,
+                                                collectives::PemCertificate* ca) {
   // {token, job id}. SINEW_TOKEN, when given, is the job's token (a scheduler that set it can
   // then use the control API, which takes the token as its bearer token); otherwise rank 0
   // draws one. The job id, which names the job in etcd, is drawn apart from the token: the
@@ -303,6 +390,7 @@ std::pair<std::string, std::string> haBootstrap(int rank, int size, const std::s
   char password[40];
   std::snprintf(password, sizeof(password), "%016llx%016llx", drawn[2], drawn[3]);
   *etcdPassword = password;
+  *ca = broadcastCertificateAuthority(rank);
   HaPeer mine{};
   std::snprintf(mine.node, sizeof(mine.node), "%s", node.c_str());
   std::snprintf(mine.host, sizeof(mine.host), "%s", host.c_str());
@@ -328,42 +416,15 @@ std::pair<std::string, std::string> haBootstrap(int rank, int size, const std::s
   std::string endpoints, cluster;
   for (int r : hosts) {
     const std::string h = all[r].host;
-    endpoints += (endpoints.empty() ? "" : ",") + h + ":" + std::to_string(all[r].client);
-    cluster += (cluster.empty() ? "" : ",") + std::string("m") + std::to_string(r) + "=http://" +
+    endpoints += (endpoints.empty() ? "" : ",") + std::string("https://") + h + ":" +
+                 std::to_string(all[r].client);
+    cluster += (cluster.empty() ? "" : ",") + std::string("m") + std::to_string(r) + "=https://" +
                h + ":" + std::to_string(all[r].peer);
   }
   nlohmann::json out = {{"run", false}};
   if (std::find(hosts.begin(), hosts.end(), rank) != hosts.end()) {
-    const char* base = env("SINEW_ETCD_DIR");
-    const std::string name = "m" + std::to_string(rank);
-    // A new directory for each launch: a member killed with its node leaves its directory
-    // behind, and a later job with the same token (so the same name) must not start from it.
-    std::string pattern =
-        std::string(base ? base : "/tmp") + "/sinew-etcd-" + job + "-" + name + "-XXXXXX";
-    if (::mkdtemp(pattern.data()) == nullptr) {
-      SINEW_THROW(IoError, "cannot create the etcd member's data directory ", pattern, ": ",
-                  std::strerror(errno));
-    }
-    const std::string dataDir = pattern;
-    const std::string clientUrl = "http://" + host + ":" + std::to_string(mine.client);
-    const std::string peerUrl = "http://" + host + ":" + std::to_string(mine.peer);
-    out = {{"run", true},
-           {"etcd_password", *etcdPassword},
-           {"enable_auth", rank == hosts.front()},
-           {"name", name},
-           {"job", job},
-           {"token", t},
-           {"host", host},
-           {"workers", size},
-           {"endpoints", endpoints},
-           {"data_dir", dataDir},
-           {"etcd_args",
-            {"etcd", "--name=" + name, "--data-dir=" + dataDir, "--listen-client-urls=" + clientUrl,
-             "--advertise-client-urls=" + clientUrl, "--listen-peer-urls=" + peerUrl,
-             "--initial-advertise-peer-urls=" + peerUrl, "--initial-cluster=" + cluster,
-             "--initial-cluster-state=new", "--initial-cluster-token=" + job,
-             "--heartbeat-interval=50", "--election-timeout=500", "--logger=zap",
-             "--log-level=error"}}};
+    out = memberInstructions(rank, rank == hosts.front(), size, host, all[rank], job, cluster,
+                             endpoints, t, *etcdPassword, *ca);
   }
   const std::string line = out.dump() + "\n";
   if (::write(helperFd, line.data(), line.size()) < 0) {
@@ -421,13 +482,31 @@ std::shared_ptr<collectives::EtcdClient> joinMpiHa(int* argc, char*** argv,
   ctx->mpi = true;
   uint64_t token = 0;
   std::string password;
+  collectives::PemCertificate ca;
   auto [endpoints, jobName] =
-      haBootstrap(rank, mpiSize(), ctx->node, ctx->host, helperFd, &token, &password);
+      haBootstrap(rank, mpiSize(), ctx->node, ctx->host, helperFd, &token, &password, &ca);
   collectives::EtcdOptions eo;
   eo.endpoints = collectives::parseEtcdEndpoints(endpoints, "the job's etcd members");
   eo.user = "root";
   eo.password = password;
-  auto etcd = std::make_shared<collectives::EtcdClient>(eo);
+  // The client reads the authority's certificate when it is made; the file goes right after.
+  const char* base = env("SINEW_ETCD_DIR");
+  std::string caDir = std::string(base ? base : "/tmp") + "/sinew-etcd-ca-XXXXXX";
+  if (::mkdtemp(caDir.data()) == nullptr) {
+    SINEW_THROW(IoError, "cannot create ", caDir, ": ", std::strerror(errno));
+  }
+  eo.caFile = caDir + "/ca.pem";
+  ::sinew::detail::writePrivateFile(eo.caFile, ca.cert);
+  std::shared_ptr<collectives::EtcdClient> etcd;
+  try {
+    etcd = std::make_shared<collectives::EtcdClient>(eo);
+  } catch (...) {
+    ::unlink(eo.caFile.c_str());
+    ::rmdir(caDir.c_str());
+    throw;
+  }
+  ::unlink(eo.caFile.c_str());
+  ::rmdir(caDir.c_str());
   *job = jobName;
   co.token = token;
   co.awaitLeader = runtime::etcdLeaderFinder(etcd, *job, token);
@@ -435,9 +514,12 @@ std::shared_ptr<collectives::EtcdClient> joinMpiHa(int* argc, char*** argv,
   ctx->mode = "mpi-ha";
   if (const char* dir = env("SINEW_LOG_DIR")) {
     // Which processes are this node's, for tests and operators (docs/ha.md).
-    // The etcd password goes to a file only this user can read, named in the record.
+    // The etcd password and the authority's certificate go to files only this user can read,
+    // named in the record.
     const std::string passwordFile = std::string(dir) + "/etcd-password-" + std::to_string(rank);
     ::sinew::detail::writePrivateFile(passwordFile, password + "\n");
+    const std::string caFile = std::string(dir) + "/etcd-ca-" + std::to_string(rank) + ".pem";
+    ::sinew::detail::writePrivateFile(caFile, ca.cert);
     std::ofstream f(std::string(dir) + "/ha-rank-" + std::to_string(rank) + ".json");
     f << nlohmann::json{{"rank", rank},
                         {"node", ctx->node},
@@ -446,6 +528,7 @@ std::shared_ptr<collectives::EtcdClient> joinMpiHa(int* argc, char*** argv,
                         {"etcd", endpoints},
                         {"etcd_user", "root"},
                         {"etcd_password_file", passwordFile},
+                        {"etcd_ca_file", caFile},
                         {"job", *job}}
              .dump()
       << "\n";

@@ -612,7 +612,8 @@ void killNodeUnderMpirun(bool leadersNode) {
   std::string killed;
   int victim = -1;
   int controlPort = 0;
-  std::string jobName, victimDataDir, passwordFile, anonymousRefusal;
+  std::string jobName, victimDataDir, passwordFile, caFile, anonymousRefusal;
+  bool tls = false;
   sinew::testing::ToolRun status;
   std::thread killer([&] {
     const auto deadline = Clock::now() + 120s;
@@ -625,9 +626,13 @@ void killNodeUnderMpirun(bool leadersNode) {
       std::this_thread::sleep_for(20ms);
     }
     if (!any) return;
-    // The job's etcd requires the password the launch drew (in a file only we may read).
+    // The job's etcd speaks TLS with the launch's certificate authority and requires the
+    // password the launch drew (each in a file only we may read).
     auto o = sinew::collectives::EtcdOptions();
     o.endpoints = sinew::collectives::parseEtcdEndpoints(any->at("etcd"), "test");
+    tls = !o.endpoints.empty() && o.endpoints[0].tls;
+    caFile = any->value("etcd_ca_file", std::string());
+    o.caFile = caFile;
     EtcdClient anonymous(o);
     passwordFile = any->value("etcd_password_file", std::string());
     o.user = any->value("etcd_user", std::string());
@@ -661,7 +666,8 @@ void killNodeUnderMpirun(bool leadersNode) {
     controlPort = leader.value("control_port", 0);
     status = sinew::testing::runTool(
         std::string("SINEW_TOKEN=") + kMpirunToken + " SINEW_ETCD_USER=root " +
-            "SINEW_ETCD_PASSWORD_FILE=" + passwordFile + " " + SINEWCTL_PATH,
+            "SINEW_ETCD_PASSWORD_FILE=" + passwordFile + " SINEW_ETCD_CA=" + caFile + " " +
+            SINEWCTL_PATH,
         "--etcd " + any->at("etcd").get<std::string>() + " --job " + jobName + " --json status");
     if (leadersNode) {
       if (!leaderKv) return;
@@ -683,6 +689,7 @@ void killNodeUnderMpirun(bool leadersNode) {
   ASSERT_FALSE(killed.empty()) << "the node's processes were never found";
   EXPECT_GT(controlPort, 0) << "the leader serves no control API under SINEW_CONTROL_PORT=0";
   EXPECT_EQ(jobName.find(kMpirunToken), std::string::npos) << "the job's name shows its token";
+  EXPECT_TRUE(tls) << "the job's etcd members do not speak TLS";
   EXPECT_NE(anonymousRefusal.find("without authentication"), std::string::npos)
       << "the job's etcd took a write without its password: " << anonymousRefusal;
   struct stat st {};
