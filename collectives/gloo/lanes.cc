@@ -10,8 +10,10 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <array>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <sstream>
 
@@ -35,9 +37,11 @@ using transport::Service;
 constexpr uint8_t kHello = 1;
 constexpr uint8_t kWelcome = 2;
 constexpr uint32_t kHelloBytes = 16;  // the connector's rank, which direction (i64 each)
-// A connection must complete its hello within this (bounded by the overall deadline), so each
-// stranger that connects and stays silent delays the set-up by at most this much.
+// A connection must complete its hello within this (bounded by the overall deadline). Hellos
+// are read side by side, so a stranger that connects and stays silent delays no one; at most
+// kMaxPendingHellos connections wait for theirs at once.
 constexpr std::chrono::milliseconds kHandshakeBound{2000};
+constexpr size_t kMaxPendingHellos = 64;
 
 uint32_t laneMaxPayload(uint8_t type) { return type == kHello ? kHelloBytes : 0; }
 
@@ -253,21 +257,100 @@ int Lanes::usableSocketBufferBytes(int requested) {
   return requested;
 }
 
+namespace {
+
+// A connection the listener accepted, reading its hello (at most until `bound`).
+struct PendingHello {
+  Fd fd;
+  Clock::time_point bound;
+  std::array<uint8_t, kFrameHeaderBytes + kHelloBytes> buf{};
+  size_t got = 0;
+};
+
+// A whole, valid hello: its connection, who sent it and for which direction.
+struct Hello {
+  Fd fd;
+  int from = -1;
+  int dir = -1;
+};
+
+// Reads what `p` has sent without waiting: the hello once it is whole and valid, nullopt
+// while more is to come. Throws Corruption saying why the connection is refused (the header
+// is checked, token first, before its payload is read).
+std::optional<Hello> readHello(PendingHello& p, uint64_t nonce, int64_t epoch, int rank, int size,
+                               const std::vector<int>& send, const std::vector<int>& recv) {
+  auto fill = [&](size_t want) {
+    while (p.got < want) {
+      const ssize_t rv = ::recv(p.fd.get(), p.buf.data() + p.got, want - p.got, MSG_DONTWAIT);
+      if (rv > 0) {
+        p.got += static_cast<size_t>(rv);
+      } else if (rv == 0) {
+        SINEW_THROW(Corruption, "no hello: connection closed");
+      } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        return false;
+      } else if (errno != EINTR) {
+        SINEW_THROW(Corruption, "no hello: ", errnoText("recv"));
+      }
+    }
+    return true;
+  };
+  if (!fill(kFrameHeaderBytes)) return std::nullopt;
+  FrameHeader h = transport::parseFrameHeader(p.buf.data(), laneRules(nonce));
+  if (h.type != kHello || h.length != kHelloBytes || h.epoch != epoch) {
+    SINEW_THROW(Corruption, "expected a hello of epoch ", epoch, " with ", kHelloBytes,
+                " payload bytes, got ", laneFrameTypeName(h.type), " of epoch ", h.epoch, " with ",
+                h.length);
+  }
+  if (!fill(p.buf.size())) return std::nullopt;
+  const uint64_t r = ::sinew::detail::loadLe(p.buf.data() + kFrameHeaderBytes, 8);
+  const uint64_t d = ::sinew::detail::loadLe(p.buf.data() + kFrameHeaderBytes + 8, 8);
+  if (r <= uint64_t(rank) || r >= uint64_t(size) || d > 1) {
+    SINEW_THROW(Corruption, "hello from rank ", r, " for direction ", d,
+                ", which may not connect here");
+  }
+  Hello hello;
+  hello.from = static_cast<int>(r);
+  hello.dir = static_cast<int>(d);
+  // The connector sends on its direction 0, so this rank receives on it.
+  if ((hello.dir == 0 ? recv : send)[hello.from] >= 0) {
+    SINEW_THROW(Corruption, "a second hello from rank ", hello.from, " for direction ", hello.dir);
+  }
+  hello.fd = std::move(p.fd);
+  return hello;
+}
+
+}  // namespace
+
+// What the steps of the set-up share.
+struct Lanes::SetUp {
+  Store& store;
+  int rank;
+  int size;
+  int64_t epoch;
+  Clock::time_point deadline;
+  const std::string& describe;
+  const std::function<int(int)>& workerOf;
+  int buffers;     // socket buffer bytes (0: the kernel's autotuning)
+  uint64_t nonce;  // this rank's, as published
+  std::function<void()> tick;
+
+  std::string peerName(int r) const {
+    std::ostringstream os;
+    os << describe << ": lane to worker " << workerOf(r) << " (rank " << r << ")";
+    return os.str();
+  }
+  std::chrono::milliseconds left() const {
+    return std::max(std::chrono::milliseconds(1),
+                    std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+  }
+};
+
 Lanes::Lanes(Store& store, int rank, int size, const std::string& host, int64_t epoch,
              Clock::time_point deadline, const std::string& describe,
              const std::function<int(int)>& workerOf, const std::function<bool()>& cancelled,
              int socketBufferBytes)
     : send_(size, -1), recv_(size, -1) {
   const int buffers = usableSocketBufferBytes(socketBufferBytes);
-  auto peerName = [&](int r) {
-    std::ostringstream os;
-    os << describe << ": lane to worker " << workerOf(r) << " (rank " << r << ")";
-    return os.str();
-  };
-  auto left = [&] {
-    return std::max(std::chrono::milliseconds(1),
-                    std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
-  };
   try {
     wake_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (wake_ < 0) SINEW_THROW(IoError, describe, ": lanes: ", errnoText("eventfd"));
@@ -299,136 +382,176 @@ Lanes::Lanes(Store& store, int rank, int size, const std::string& host, int64_t 
     store.set(ownKey, Bytes(entry.begin(), entry.end()));
     // Between the slices of every wait: give up when the owner has failed (a watcher saw the
     // peer die), and let a store that gives up when its epoch is over do so (its wait checks).
-    const Tick tick = [&] {
-      if (cancelled && cancelled()) {
-        SINEW_THROW(Aborted, describe, ": lane set-up given up: the communicator failed");
-      }
-      store.wait({ownKey}, std::chrono::milliseconds(1));
-    };
-
-    // 2. Connect to every lower rank (they accept in step 3 of their own set-up; the kernel
-    //    completes the connection before that, and the welcome waits for it).
-    for (int q = 0; q < rank; ++q) {
-      const std::string what = peerName(q);
-      const std::string key = "lane/" + std::to_string(q);
-      for (;;) {
-        try {
-          store.wait({key}, std::min<std::chrono::milliseconds>(left(), kSlice));
-          break;
-        } catch (const Timeout&) {
-          if (Clock::now() >= deadline) {
-            SINEW_THROW(Timeout, what, ": the member did not publish its lane in time");
-          }
-        }
-        tick();
-      }
-      Bytes raw = store.get(key, left());
-      Entry e = parseEntry(raw, what);
-      Resolved addr = resolve(e.host, e.port, what);
-      for (int dir = 0; dir < 2; ++dir) {  // 0: this rank sends on it, 1: it receives
-        Fd s(::socket(addr.family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-        if (s.get() < 0) SINEW_THROW(IoError, what, ": ", errnoText("socket"));
-        sizeBuffers(s.get(), buffers, what);
-        if (::connect(s.get(), reinterpret_cast<sockaddr*>(&addr.addr), addr.len) != 0 &&
-            errno != EINPROGRESS) {
-          SINEW_THROW(IoError, what, ": connecting to ", e.host, ":", e.port, ": ",
-                      errnoText("connect"));
-        }
-        if (!waitFor(s.get(), POLLOUT, deadline, tick)) {
-          SINEW_THROW(Timeout, what, ": connecting to ", e.host, ":", e.port, " timed out");
-        }
-        int soerr = 0;
-        socklen_t soerrLen = sizeof(soerr);
-        ::getsockopt(s.get(), SOL_SOCKET, SO_ERROR, &soerr, &soerrLen);
-        if (soerr != 0) {
-          SINEW_THROW(IoError, what, ": connecting to ", e.host, ":", e.port, ": ",
-                      std::strerror(soerr));
-        }
-        setNoDelay(s.get());
-        uint8_t payload[kHelloBytes];
-        ::sinew::detail::storeLe(payload, static_cast<uint64_t>(rank), 8);
-        ::sinew::detail::storeLe(payload + 8, static_cast<uint64_t>(dir), 8);
-        sendFrame(s.get(), kHello, e.nonce, epoch, payload, kHelloBytes, deadline, what, tick);
-        uint8_t answer[kFrameHeaderBytes];
-        std::string err = readAll(s.get(), answer, sizeof(answer), deadline, tick);
-        if (!err.empty()) SINEW_THROW(IoError, what, ": waiting for its welcome: ", err);
-        FrameHeader h = transport::parseFrameHeader(answer, laneRules(nonce));
-        if (h.type != kWelcome || h.epoch != epoch) {
-          SINEW_THROW(Corruption, what, ": expected a welcome of epoch ", epoch, ", got ",
-                      laneFrameTypeName(h.type), " of epoch ", h.epoch);
-        }
-        (dir == 0 ? send_ : recv_)[q] = s.release();
-      }
-    }
-
-    // 3. Accept every higher rank. A connection that is not a valid hello is closed.
-    int missing = 2 * (size - 1 - rank);
-    std::string lastRefusal;
-    while (missing > 0) {
-      if (!waitFor(listener.get(), POLLIN, deadline, tick)) {
-        std::ostringstream os;
-        os << describe << ": lanes: workers";
-        for (int r = rank + 1; r < size; ++r) {
-          if (send_[r] < 0 || recv_[r] < 0) os << " " << workerOf(r);
-        }
-        os << " did not connect in time";
-        if (!lastRefusal.empty()) os << " (last refused connection: " << lastRefusal << ")";
-        SINEW_THROW(Timeout, os.str());
-      }
-      Fd s(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-      if (s.get() < 0) {
-        // Nothing to take after all, or a connection reset before we took it; anything else
-        // (out of descriptors) would come back at once and spin until the deadline.
-        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED ||
-            errno == EPROTO) {
-          continue;
-        }
-        SINEW_THROW(IoError, describe, ": lanes: ", errnoText("accept"));
-      }
-      auto bound = std::min(deadline, Clock::now() + kHandshakeBound);
-      uint8_t hello[kFrameHeaderBytes + kHelloBytes];
-      std::string err = readAll(s.get(), hello, kFrameHeaderBytes, bound, tick);
-      if (!err.empty()) {
-        lastRefusal = "no hello: " + err;
-        continue;
-      }
-      int from = -1;
-      int dir = -1;
-      try {
-        FrameHeader h = transport::parseFrameHeader(hello, laneRules(nonce));
-        if (h.type != kHello || h.length != kHelloBytes || h.epoch != epoch) {
-          SINEW_THROW(Corruption, "expected a hello of epoch ", epoch, " with ", kHelloBytes,
-                      " payload bytes, got ", laneFrameTypeName(h.type), " of epoch ", h.epoch,
-                      " with ", h.length);
-        }
-        err = readAll(s.get(), hello + kFrameHeaderBytes, kHelloBytes, bound, tick);
-        if (!err.empty()) SINEW_THROW(Corruption, "hello payload: ", err);
-        const uint64_t r = ::sinew::detail::loadLe(hello + kFrameHeaderBytes, 8);
-        const uint64_t d = ::sinew::detail::loadLe(hello + kFrameHeaderBytes + 8, 8);
-        if (r <= uint64_t(rank) || r >= uint64_t(size) || d > 1) {
-          SINEW_THROW(Corruption, "hello from rank ", r, " for direction ", d,
-                      ", which may not connect here");
-        }
-        from = static_cast<int>(r);
-        dir = static_cast<int>(d);
-        // The connector sends on its direction 0, so this rank receives on it.
-        if ((dir == 0 ? recv_ : send_)[from] >= 0) {
-          SINEW_THROW(Corruption, "a second hello from rank ", from, " for direction ", dir);
-        }
-      } catch (const Corruption& c) {
-        lastRefusal = c.what();
-        continue;
-      }
-      const std::string what = peerName(from);
-      Entry e = parseEntry(store.get("lane/" + std::to_string(from), left()), what);
-      sendFrame(s.get(), kWelcome, e.nonce, epoch, nullptr, 0, deadline, what, tick);
-      setNoDelay(s.get());
-      (dir == 0 ? recv_ : send_)[from] = s.release();
-      missing--;
-    }
+    const SetUp setUp{store, rank, size, epoch, deadline, describe, workerOf, buffers, nonce, [&] {
+                        if (cancelled && cancelled()) {
+                          SINEW_THROW(Aborted, describe,
+                                      ": lane set-up given up: the communicator failed");
+                        }
+                        store.wait({ownKey}, std::chrono::milliseconds(1));
+                      }};
+    connectLower(setUp);
+    acceptHigher(setUp, listener.get());
   } catch (...) {
     closeAll();
     throw;
+  }
+}
+
+// 2. Connect to every lower rank (they accept in step 3 of their own set-up; the kernel
+//    completes the connection before that, and the welcome waits for it).
+void Lanes::connectLower(const SetUp& setUp) {
+  Store& store = setUp.store;
+  const int rank = setUp.rank;
+  const int64_t epoch = setUp.epoch;
+  const Clock::time_point deadline = setUp.deadline;
+  const std::function<void()>& tick = setUp.tick;
+  auto peerName = [&](int r) { return setUp.peerName(r); };
+  auto left = [&] { return setUp.left(); };
+  const int buffers = setUp.buffers;
+  const uint64_t nonce = setUp.nonce;
+  for (int q = 0; q < rank; ++q) {
+    const std::string what = peerName(q);
+    const std::string key = "lane/" + std::to_string(q);
+    for (;;) {
+      try {
+        store.wait({key}, std::min<std::chrono::milliseconds>(left(), kSlice));
+        break;
+      } catch (const Timeout&) {
+        if (Clock::now() >= deadline) {
+          SINEW_THROW(Timeout, what, ": the member did not publish its lane in time");
+        }
+      }
+      tick();
+    }
+    Bytes raw = store.get(key, left());
+    Entry e = parseEntry(raw, what);
+    Resolved addr = resolve(e.host, e.port, what);
+    for (int dir = 0; dir < 2; ++dir) {  // 0: this rank sends on it, 1: it receives
+      Fd s(::socket(addr.family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+      if (s.get() < 0) SINEW_THROW(IoError, what, ": ", errnoText("socket"));
+      sizeBuffers(s.get(), buffers, what);
+      if (::connect(s.get(), reinterpret_cast<sockaddr*>(&addr.addr), addr.len) != 0 &&
+          errno != EINPROGRESS) {
+        SINEW_THROW(IoError, what, ": connecting to ", e.host, ":", e.port, ": ",
+                    errnoText("connect"));
+      }
+      if (!waitFor(s.get(), POLLOUT, deadline, tick)) {
+        SINEW_THROW(Timeout, what, ": connecting to ", e.host, ":", e.port, " timed out");
+      }
+      int soerr = 0;
+      socklen_t soerrLen = sizeof(soerr);
+      ::getsockopt(s.get(), SOL_SOCKET, SO_ERROR, &soerr, &soerrLen);
+      if (soerr != 0) {
+        SINEW_THROW(IoError, what, ": connecting to ", e.host, ":", e.port, ": ",
+                    std::strerror(soerr));
+      }
+      setNoDelay(s.get());
+      uint8_t payload[kHelloBytes];
+      ::sinew::detail::storeLe(payload, static_cast<uint64_t>(rank), 8);
+      ::sinew::detail::storeLe(payload + 8, static_cast<uint64_t>(dir), 8);
+      sendFrame(s.get(), kHello, e.nonce, epoch, payload, kHelloBytes, deadline, what, tick);
+      uint8_t answer[kFrameHeaderBytes];
+      std::string err = readAll(s.get(), answer, sizeof(answer), deadline, tick);
+      if (!err.empty()) SINEW_THROW(IoError, what, ": waiting for its welcome: ", err);
+      FrameHeader h = transport::parseFrameHeader(answer, laneRules(nonce));
+      if (h.type != kWelcome || h.epoch != epoch) {
+        SINEW_THROW(Corruption, what, ": expected a welcome of epoch ", epoch, ", got ",
+                    laneFrameTypeName(h.type), " of epoch ", h.epoch);
+      }
+      (dir == 0 ? send_ : recv_)[q] = s.release();
+    }
+  }
+}
+
+// 3. Accept every higher rank. The hellos are read side by side, each within
+//    kHandshakeBound, so a stranger that connects and stays silent costs the others nothing;
+//    at most kMaxPendingHellos wait at once (a new connection evicts the oldest). A connection
+//    that is not a valid hello is closed.
+void Lanes::acceptHigher(const SetUp& setUp, int listener) {
+  Store& store = setUp.store;
+  const int rank = setUp.rank;
+  const int64_t epoch = setUp.epoch;
+  const Clock::time_point deadline = setUp.deadline;
+  const std::function<void()>& tick = setUp.tick;
+  auto peerName = [&](int r) { return setUp.peerName(r); };
+  auto left = [&] { return setUp.left(); };
+  const int size = setUp.size;
+  const std::string& describe = setUp.describe;
+  const std::function<int(int)>& workerOf = setUp.workerOf;
+  const uint64_t nonce = setUp.nonce;
+  std::vector<PendingHello> pending;
+  int missing = 2 * (size - 1 - rank);
+  std::string lastRefusal;
+  while (missing > 0) {
+    if (Clock::now() >= deadline) {
+      std::ostringstream os;
+      os << describe << ": lanes: workers";
+      for (int r = rank + 1; r < size; ++r) {
+        if (send_[r] < 0 || recv_[r] < 0) os << " " << workerOf(r);
+      }
+      os << " did not connect in time";
+      if (!lastRefusal.empty()) os << " (last refused connection: " << lastRefusal << ")";
+      SINEW_THROW(Timeout, os.str());
+    }
+    std::vector<pollfd> fds{{listener, POLLIN, 0}};
+    Clock::time_point wake = std::min(deadline, Clock::now() + kSlice);
+    for (const PendingHello& p : pending) {
+      fds.push_back({p.fd.get(), POLLIN, 0});
+      wake = std::min(wake, p.bound);
+    }
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(wake - Clock::now());
+    if (::poll(fds.data(), fds.size(), static_cast<int>(std::max<int64_t>(0, ms.count() + 1))) <
+            0 &&
+        errno != EINTR) {
+      SINEW_THROW(IoError, describe, ": lanes: ", errnoText("poll"));
+    }
+    tick();
+    std::vector<PendingHello> kept;
+    for (size_t i = 0; i < pending.size(); ++i) {
+      PendingHello& p = pending[i];
+      try {
+        std::optional<Hello> hello;
+        if (fds[i + 1].revents != 0) hello = readHello(p, nonce, epoch, rank, size, send_, recv_);
+        if (hello) {
+          const std::string what = peerName(hello->from);
+          Entry e = parseEntry(store.get("lane/" + std::to_string(hello->from), left()), what);
+          sendFrame(hello->fd.get(), kWelcome, e.nonce, epoch, nullptr, 0, deadline, what, tick);
+          setNoDelay(hello->fd.get());
+          // The connector sends on its direction 0, so this rank receives on it.
+          (hello->dir == 0 ? recv_ : send_)[hello->from] = hello->fd.release();
+          missing--;
+        } else if (Clock::now() >= p.bound) {
+          SINEW_THROW(Corruption, "no hello within ", kHandshakeBound.count(), " ms");
+        } else {
+          kept.push_back(std::move(p));
+        }
+      } catch (const Corruption& c) {
+        lastRefusal = c.what();
+      }
+    }
+    pending = std::move(kept);
+    if ((fds[0].revents & POLLIN) == 0) continue;
+    for (;;) {  // everything queued on the listener
+      Fd s(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+      if (s.get() < 0) {
+        // Nothing (more) to take, or a connection reset before we took it; anything else
+        // (out of descriptors) would come back at once and spin until the deadline.
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED ||
+            errno == EPROTO) {
+          break;
+        }
+        SINEW_THROW(IoError, describe, ": lanes: ", errnoText("accept"));
+      }
+      if (pending.size() >= kMaxPendingHellos) {
+        lastRefusal = "evicted by a newer connection: " + std::to_string(pending.size()) +
+                      " connections had not sent their hello";
+        pending.erase(pending.begin());
+      }
+      PendingHello p;
+      p.fd = std::move(s);
+      p.bound = std::min(deadline, Clock::now() + kHandshakeBound);
+      pending.push_back(std::move(p));
+    }
   }
 }
 

@@ -15,7 +15,9 @@
 // the direction as payload), once for each direction; the listener checks the header before it
 // allocates anything, answers with a welcome frame carrying the connector's nonce, and the
 // connector checks that. A connection that fails the check is closed and the listener keeps
-// accepting until its deadline.
+// accepting until its deadline. The listener reads hellos side by side, each within 2 s, at
+// most 64 waiting at once (a newer connection evicts the oldest): a silent stranger delays no
+// member.
 //
 // Thread safety: fd() and the set-up are for the owner; wake() may be called from any thread.
 
@@ -73,6 +75,11 @@ class Lanes {
   void wake();
 
  private:
+  struct SetUp;  // what the steps of the set-up share (lanes.cc)
+  // Step 2: connects to every lower rank, both directions.
+  void connectLower(const SetUp& setUp);
+  // Step 3: accepts both directions of every higher rank on `listener`.
+  void acceptHigher(const SetUp& setUp, int listener);
   void closeAll();
 
   std::vector<int> send_;

@@ -19,6 +19,7 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <mutex>
 #include <sstream>
 #include <thread>
 
@@ -933,6 +934,58 @@ TEST(LanesTest, RefusesStrangersAndConnectsTheMembers) {
   ASSERT_EQ(::poll(&p, 1, 5000), 1);
   ASSERT_EQ(::recv(a->recvFd(1), &got, 1, 0), 1);
   EXPECT_EQ(got, pong);
+}
+
+// Hellos are read side by side: 30 strangers that connect to a lane listener and say nothing
+// cost the set-up nothing (each is dropped after 2 s, none holds the others up), and a stranger
+// that floods the listener evicts only other waiting connections. Before, the listener read one
+// connection at a time, 2 s for each silent one: 30 of them held the set-up past its 20 s
+// deadline.
+TEST(LanesTest, SilentStrangersDelayNoOne) {
+  auto store = std::make_shared<HashStore>();
+  auto workerOf = [](int r) { return 10 + r; };
+  std::unique_ptr<Lanes> a, b;
+  std::string errors;
+  std::mutex mu;
+  auto setUp = [&](std::unique_ptr<Lanes>& lanes, int rank) {
+    try {
+      lanes = std::make_unique<Lanes>(*store, rank, 2, "127.0.0.1", 7,
+                                      std::chrono::steady_clock::now() + 20s, "test", workerOf);
+    } catch (const std::exception& e) {
+      std::lock_guard<std::mutex> lock(mu);
+      errors += std::string(e.what()) + "\n";
+    }
+  };
+  std::thread ta([&] { setUp(a, 0); });
+  std::istringstream is(toString(store->get("lane/0", 10s)));
+  std::string host;
+  unsigned port = 0;
+  is >> host >> port;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  ::inet_pton(AF_INET, host.c_str(), &addr.sin_addr);
+  std::vector<int> silent;
+  for (int i = 0; i < 30; ++i) {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    silent.push_back(fd);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  std::thread tb([&] { setUp(b, 1); });
+  ta.join();
+  tb.join();
+  const auto took = std::chrono::steady_clock::now() - t0;
+  for (int fd : silent) ::close(fd);
+  ASSERT_TRUE(a && b) << "the set-up failed behind the silent strangers: " << errors;
+  EXPECT_LT(took, 3s) << "30 silent strangers delayed the set-up";
+  const char ping = 'p';
+  char got = 0;
+  ASSERT_EQ(::send(a->sendFd(1), &ping, 1, MSG_NOSIGNAL), 1);
+  pollfd p{b->recvFd(0), POLLIN, 0};
+  ASSERT_EQ(::poll(&p, 1, 5000), 1);
+  ASSERT_EQ(::recv(b->recvFd(0), &got, 1, 0), 1);
+  EXPECT_EQ(got, ping);
 }
 
 // A /proc/sys number, read here independently of the library; 0 if unreadable.
