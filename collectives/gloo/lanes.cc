@@ -482,6 +482,28 @@ void Lanes::acceptHigher(const SetUp& setUp, int listener) {
   std::vector<PendingHello> pending;
   int missing = 2 * (size - 1 - rank);
   std::string lastRefusal;
+  // Reads what `p` sent (when `readable`) and welcomes a whole, valid hello. Returns whether
+  // `p` still waits for its hello; false once it was welcomed or refused (and closed).
+  auto progress = [&](PendingHello& p, bool readable) {
+    try {
+      std::optional<Hello> hello;
+      if (readable) hello = readHello(p, nonce, epoch, rank, size, send_, recv_);
+      if (!hello) {
+        if (Clock::now() < p.bound) return true;
+        SINEW_THROW(Corruption, "no hello within ", kHandshakeBound.count(), " ms");
+      }
+      const std::string what = peerName(hello->from);
+      Entry e = parseEntry(store.get("lane/" + std::to_string(hello->from), left()), what);
+      sendFrame(hello->fd.get(), kWelcome, e.nonce, epoch, nullptr, 0, deadline, what, tick);
+      setNoDelay(hello->fd.get());
+      // The connector sends on its direction 0, so this rank receives on it.
+      (hello->dir == 0 ? recv_ : send_)[hello->from] = hello->fd.release();
+      missing--;
+    } catch (const Corruption& c) {
+      lastRefusal = c.what();
+    }
+    return false;
+  };
   while (missing > 0) {
     if (Clock::now() >= deadline) {
       std::ostringstream os;
@@ -508,32 +530,14 @@ void Lanes::acceptHigher(const SetUp& setUp, int listener) {
     tick();
     std::vector<PendingHello> kept;
     for (size_t i = 0; i < pending.size(); ++i) {
-      PendingHello& p = pending[i];
-      try {
-        std::optional<Hello> hello;
-        if (fds[i + 1].revents != 0) hello = readHello(p, nonce, epoch, rank, size, send_, recv_);
-        if (hello) {
-          const std::string what = peerName(hello->from);
-          Entry e = parseEntry(store.get("lane/" + std::to_string(hello->from), left()), what);
-          sendFrame(hello->fd.get(), kWelcome, e.nonce, epoch, nullptr, 0, deadline, what, tick);
-          setNoDelay(hello->fd.get());
-          // The connector sends on its direction 0, so this rank receives on it.
-          (hello->dir == 0 ? recv_ : send_)[hello->from] = hello->fd.release();
-          missing--;
-        } else if (Clock::now() >= p.bound) {
-          SINEW_THROW(Corruption, "no hello within ", kHandshakeBound.count(), " ms");
-        } else {
-          kept.push_back(std::move(p));
-        }
-      } catch (const Corruption& c) {
-        lastRefusal = c.what();
-      }
+      if (progress(pending[i], fds[i + 1].revents != 0)) kept.push_back(std::move(pending[i]));
     }
     pending = std::move(kept);
     if ((fds[0].revents & POLLIN) == 0) continue;
     for (;;) {  // everything queued on the listener
-      Fd s(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-      if (s.get() < 0) {
+      PendingHello p;
+      p.fd = Fd(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+      if (p.fd.get() < 0) {
         // Nothing (more) to take, or a connection reset before we took it; anything else
         // (out of descriptors) would come back at once and spin until the deadline.
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED ||
@@ -542,14 +546,14 @@ void Lanes::acceptHigher(const SetUp& setUp, int listener) {
         }
         SINEW_THROW(IoError, describe, ": lanes: ", errnoText("accept"));
       }
+      p.bound = std::min(deadline, Clock::now() + kHandshakeBound);
+      // A member's hello is there with its connection: served at once, it waits behind no one.
+      if (!progress(p, true)) continue;
       if (pending.size() >= kMaxPendingHellos) {
         lastRefusal = "evicted by a newer connection: " + std::to_string(pending.size()) +
                       " connections had not sent their hello";
         pending.erase(pending.begin());
       }
-      PendingHello p;
-      p.fd = std::move(s);
-      p.bound = std::min(deadline, Clock::now() + kHandshakeBound);
       pending.push_back(std::move(p));
     }
   }
