@@ -400,42 +400,33 @@ Lanes::Lanes(Store& store, int rank, int size, const std::string& host, int64_t 
 // 2. Connect to every lower rank (they accept in step 3 of their own set-up; the kernel
 //    completes the connection before that, and the welcome waits for it).
 void Lanes::connectLower(const SetUp& setUp) {
-  Store& store = setUp.store;
-  const int rank = setUp.rank;
-  const int64_t epoch = setUp.epoch;
-  const Clock::time_point deadline = setUp.deadline;
-  const std::function<void()>& tick = setUp.tick;
-  auto peerName = [&](int r) { return setUp.peerName(r); };
-  auto left = [&] { return setUp.left(); };
-  const int buffers = setUp.buffers;
-  const uint64_t nonce = setUp.nonce;
-  for (int q = 0; q < rank; ++q) {
-    const std::string what = peerName(q);
+  for (int q = 0; q < setUp.rank; ++q) {
+    const std::string what = setUp.peerName(q);
     const std::string key = "lane/" + std::to_string(q);
     for (;;) {
       try {
-        store.wait({key}, std::min<std::chrono::milliseconds>(left(), kSlice));
+        setUp.store.wait({key}, std::min<std::chrono::milliseconds>(setUp.left(), kSlice));
         break;
       } catch (const Timeout&) {
-        if (Clock::now() >= deadline) {
+        if (Clock::now() >= setUp.deadline) {
           SINEW_THROW(Timeout, what, ": the member did not publish its lane in time");
         }
       }
-      tick();
+      setUp.tick();
     }
-    Bytes raw = store.get(key, left());
+    Bytes raw = setUp.store.get(key, setUp.left());
     Entry e = parseEntry(raw, what);
     Resolved addr = resolve(e.host, e.port, what);
     for (int dir = 0; dir < 2; ++dir) {  // 0: this rank sends on it, 1: it receives
       Fd s(::socket(addr.family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
       if (s.get() < 0) SINEW_THROW(IoError, what, ": ", errnoText("socket"));
-      sizeBuffers(s.get(), buffers, what);
+      sizeBuffers(s.get(), setUp.buffers, what);
       if (::connect(s.get(), reinterpret_cast<sockaddr*>(&addr.addr), addr.len) != 0 &&
           errno != EINPROGRESS) {
         SINEW_THROW(IoError, what, ": connecting to ", e.host, ":", e.port, ": ",
                     errnoText("connect"));
       }
-      if (!waitFor(s.get(), POLLOUT, deadline, tick)) {
+      if (!waitFor(s.get(), POLLOUT, setUp.deadline, setUp.tick)) {
         SINEW_THROW(Timeout, what, ": connecting to ", e.host, ":", e.port, " timed out");
       }
       int soerr = 0;
@@ -447,15 +438,16 @@ void Lanes::connectLower(const SetUp& setUp) {
       }
       setNoDelay(s.get());
       uint8_t payload[kHelloBytes];
-      ::sinew::detail::storeLe(payload, static_cast<uint64_t>(rank), 8);
+      ::sinew::detail::storeLe(payload, static_cast<uint64_t>(setUp.rank), 8);
       ::sinew::detail::storeLe(payload + 8, static_cast<uint64_t>(dir), 8);
-      sendFrame(s.get(), kHello, e.nonce, epoch, payload, kHelloBytes, deadline, what, tick);
+      sendFrame(s.get(), kHello, e.nonce, setUp.epoch, payload, kHelloBytes, setUp.deadline, what,
+                setUp.tick);
       uint8_t answer[kFrameHeaderBytes];
-      std::string err = readAll(s.get(), answer, sizeof(answer), deadline, tick);
+      std::string err = readAll(s.get(), answer, sizeof(answer), setUp.deadline, setUp.tick);
       if (!err.empty()) SINEW_THROW(IoError, what, ": waiting for its welcome: ", err);
-      FrameHeader h = transport::parseFrameHeader(answer, laneRules(nonce));
-      if (h.type != kWelcome || h.epoch != epoch) {
-        SINEW_THROW(Corruption, what, ": expected a welcome of epoch ", epoch, ", got ",
+      FrameHeader h = transport::parseFrameHeader(answer, laneRules(setUp.nonce));
+      if (h.type != kWelcome || h.epoch != setUp.epoch) {
+        SINEW_THROW(Corruption, what, ": expected a welcome of epoch ", setUp.epoch, ", got ",
                     laneFrameTypeName(h.type), " of epoch ", h.epoch);
       }
       (dir == 0 ? send_ : recv_)[q] = s.release();
@@ -468,33 +460,26 @@ void Lanes::connectLower(const SetUp& setUp) {
 //    at most kMaxPendingHellos wait at once (a new connection evicts the oldest). A connection
 //    that is not a valid hello is closed.
 void Lanes::acceptHigher(const SetUp& setUp, int listener) {
-  Store& store = setUp.store;
-  const int rank = setUp.rank;
-  const int64_t epoch = setUp.epoch;
-  const Clock::time_point deadline = setUp.deadline;
-  const std::function<void()>& tick = setUp.tick;
-  auto peerName = [&](int r) { return setUp.peerName(r); };
-  auto left = [&] { return setUp.left(); };
-  const int size = setUp.size;
-  const std::string& describe = setUp.describe;
-  const std::function<int(int)>& workerOf = setUp.workerOf;
-  const uint64_t nonce = setUp.nonce;
   std::vector<PendingHello> pending;
-  int missing = 2 * (size - 1 - rank);
+  int missing = 2 * (setUp.size - 1 - setUp.rank);
   std::string lastRefusal;
   // Reads what `p` sent (when `readable`) and welcomes a whole, valid hello. Returns whether
   // `p` still waits for its hello; false once it was welcomed or refused (and closed).
   auto progress = [&](PendingHello& p, bool readable) {
     try {
       std::optional<Hello> hello;
-      if (readable) hello = readHello(p, nonce, epoch, rank, size, send_, recv_);
+      if (readable) {
+        hello = readHello(p, setUp.nonce, setUp.epoch, setUp.rank, setUp.size, send_, recv_);
+      }
       if (!hello) {
         if (Clock::now() < p.bound) return true;
         SINEW_THROW(Corruption, "no hello within ", kHandshakeBound.count(), " ms");
       }
-      const std::string what = peerName(hello->from);
-      Entry e = parseEntry(store.get("lane/" + std::to_string(hello->from), left()), what);
-      sendFrame(hello->fd.get(), kWelcome, e.nonce, epoch, nullptr, 0, deadline, what, tick);
+      const std::string what = setUp.peerName(hello->from);
+      Entry e =
+          parseEntry(setUp.store.get("lane/" + std::to_string(hello->from), setUp.left()), what);
+      sendFrame(hello->fd.get(), kWelcome, e.nonce, setUp.epoch, nullptr, 0, setUp.deadline, what,
+                setUp.tick);
       setNoDelay(hello->fd.get());
       // The connector sends on its direction 0, so this rank receives on it.
       (hello->dir == 0 ? recv_ : send_)[hello->from] = hello->fd.release();
@@ -505,18 +490,18 @@ void Lanes::acceptHigher(const SetUp& setUp, int listener) {
     return false;
   };
   while (missing > 0) {
-    if (Clock::now() >= deadline) {
+    if (Clock::now() >= setUp.deadline) {
       std::ostringstream os;
-      os << describe << ": lanes: workers";
-      for (int r = rank + 1; r < size; ++r) {
-        if (send_[r] < 0 || recv_[r] < 0) os << " " << workerOf(r);
+      os << setUp.describe << ": lanes: workers";
+      for (int r = setUp.rank + 1; r < setUp.size; ++r) {
+        if (send_[r] < 0 || recv_[r] < 0) os << " " << setUp.workerOf(r);
       }
       os << " did not connect in time";
       if (!lastRefusal.empty()) os << " (last refused connection: " << lastRefusal << ")";
       SINEW_THROW(Timeout, os.str());
     }
     std::vector<pollfd> fds{{listener, POLLIN, 0}};
-    Clock::time_point wake = std::min(deadline, Clock::now() + kSlice);
+    Clock::time_point wake = std::min(setUp.deadline, Clock::now() + kSlice);
     for (const PendingHello& p : pending) {
       fds.push_back({p.fd.get(), POLLIN, 0});
       wake = std::min(wake, p.bound);
@@ -525,9 +510,9 @@ void Lanes::acceptHigher(const SetUp& setUp, int listener) {
     if (::poll(fds.data(), fds.size(), static_cast<int>(std::max<int64_t>(0, ms.count() + 1))) <
             0 &&
         errno != EINTR) {
-      SINEW_THROW(IoError, describe, ": lanes: ", errnoText("poll"));
+      SINEW_THROW(IoError, setUp.describe, ": lanes: ", errnoText("poll"));
     }
-    tick();
+    setUp.tick();
     std::vector<PendingHello> kept;
     for (size_t i = 0; i < pending.size(); ++i) {
       if (progress(pending[i], fds[i + 1].revents != 0)) kept.push_back(std::move(pending[i]));
@@ -544,9 +529,9 @@ void Lanes::acceptHigher(const SetUp& setUp, int listener) {
             errno == EPROTO) {
           break;
         }
-        SINEW_THROW(IoError, describe, ": lanes: ", errnoText("accept"));
+        SINEW_THROW(IoError, setUp.describe, ": lanes: ", errnoText("accept"));
       }
-      p.bound = std::min(deadline, Clock::now() + kHandshakeBound);
+      p.bound = std::min(setUp.deadline, Clock::now() + kHandshakeBound);
       // A member's hello is there with its connection: served at once, it waits behind no one.
       if (!progress(p, true)) continue;
       if (pending.size() >= kMaxPendingHellos) {

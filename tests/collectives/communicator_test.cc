@@ -838,6 +838,35 @@ TEST(CommunicatorTest, BarrierOnLanesReleasesEveryMemberOnceTheLastArrived) {
   EXPECT_LE(lastLeft - firstLeft, 50000);
 }
 
+// Rank 0's lane to rank 1 carries a byte, and rank 1's lane to rank 0 another.
+void expectLanesCarry(Lanes& a, Lanes& b) {
+  const char ping = 'p', pong = 'q';
+  char got = 0;
+  ASSERT_EQ(::send(a.sendFd(1), &ping, 1, MSG_NOSIGNAL), 1);
+  pollfd p{b.recvFd(0), POLLIN, 0};
+  ASSERT_EQ(::poll(&p, 1, 5000), 1);
+  ASSERT_EQ(::recv(b.recvFd(0), &got, 1, 0), 1);
+  EXPECT_EQ(got, ping);
+  ASSERT_EQ(::send(b.sendFd(0), &pong, 1, MSG_NOSIGNAL), 1);
+  p = {a.recvFd(1), POLLIN, 0};
+  ASSERT_EQ(::poll(&p, 1, 5000), 1);
+  ASSERT_EQ(::recv(a.recvFd(1), &got, 1, 0), 1);
+  EXPECT_EQ(got, pong);
+}
+
+// The address rank `rank` published for its lanes in `store` ("lane/<rank>").
+sockaddr_in laneAddress(Store& store, int rank) {
+  std::istringstream is(toString(store.get("lane/" + std::to_string(rank), 10s)));
+  std::string host;
+  unsigned port = 0;
+  is >> host >> port;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  ::inet_pton(AF_INET, host.c_str(), &addr.sin_addr);
+  return addr;
+}
+
 // A stranger on a lane port (a wrong token, then the right token with another epoch) is
 // refused, named in the set-up's timeout, and does not stop the members from connecting; the
 // lanes then carry bytes both ways.
@@ -903,17 +932,8 @@ TEST(LanesTest, RefusesStrangersAndConnectsTheMembers) {
   stranger(0, 6);
   // A stranger that connects and says nothing holds the listener for at most 2 s.
   int silent = ::socket(AF_INET, SOCK_STREAM, 0);
-  {
-    std::istringstream is(toString(store->get("lane/0", 10s)));
-    std::string host;
-    unsigned port = 0;
-    is >> host >> port;
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    ::inet_pton(AF_INET, host.c_str(), &addr.sin_addr);
-    EXPECT_EQ(::connect(silent, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  }
+  const sockaddr_in addr = laneAddress(*store, 0);
+  EXPECT_EQ(::connect(silent, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
   std::thread tb([&] {
     b = std::make_unique<Lanes>(*store, 1, 2, "127.0.0.1", 5,
                                 std::chrono::steady_clock::now() + 20s, "test", workerOf);
@@ -922,18 +942,7 @@ TEST(LanesTest, RefusesStrangersAndConnectsTheMembers) {
   tb.join();
   ::close(silent);
   ASSERT_TRUE(a && b);
-  const char ping = 'p', pong = 'q';
-  char got = 0;
-  ASSERT_EQ(::send(a->sendFd(1), &ping, 1, MSG_NOSIGNAL), 1);
-  pollfd p{b->recvFd(0), POLLIN, 0};
-  ASSERT_EQ(::poll(&p, 1, 5000), 1);
-  ASSERT_EQ(::recv(b->recvFd(0), &got, 1, 0), 1);
-  EXPECT_EQ(got, ping);
-  ASSERT_EQ(::send(b->sendFd(0), &pong, 1, MSG_NOSIGNAL), 1);
-  p = {a->recvFd(1), POLLIN, 0};
-  ASSERT_EQ(::poll(&p, 1, 5000), 1);
-  ASSERT_EQ(::recv(a->recvFd(1), &got, 1, 0), 1);
-  EXPECT_EQ(got, pong);
+  expectLanesCarry(*a, *b);
 }
 
 // Hellos are read side by side: 100 strangers that connect to a lane listener and say nothing
@@ -957,18 +966,11 @@ TEST(LanesTest, SilentStrangersDelayNoOne) {
     }
   };
   std::thread ta([&] { setUp(a, 0); });
-  std::istringstream is(toString(store->get("lane/0", 10s)));
-  std::string host;
-  unsigned port = 0;
-  is >> host >> port;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  ::inet_pton(AF_INET, host.c_str(), &addr.sin_addr);
+  const sockaddr_in addr = laneAddress(*store, 0);
   std::vector<int> silent;
   for (int i = 0; i < 100; ++i) {
     int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
     silent.push_back(fd);
   }
   const auto t0 = std::chrono::steady_clock::now();
@@ -979,13 +981,7 @@ TEST(LanesTest, SilentStrangersDelayNoOne) {
   for (int fd : silent) ::close(fd);
   ASSERT_TRUE(a && b) << "the set-up failed behind the silent strangers: " << errors;
   EXPECT_LT(took, 3s) << "100 silent strangers delayed the set-up";
-  const char ping = 'p';
-  char got = 0;
-  ASSERT_EQ(::send(a->sendFd(1), &ping, 1, MSG_NOSIGNAL), 1);
-  pollfd p{b->recvFd(0), POLLIN, 0};
-  ASSERT_EQ(::poll(&p, 1, 5000), 1);
-  ASSERT_EQ(::recv(b->recvFd(0), &got, 1, 0), 1);
-  EXPECT_EQ(got, ping);
+  expectLanesCarry(*a, *b);
 }
 
 // A /proc/sys number, read here independently of the library; 0 if unreadable.
