@@ -16,6 +16,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -129,14 +130,23 @@ class EtcdCluster {
     tmpl += "/sinew-etcd-XXXXXX";
     if (!::mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp failed");
     dir_ = tmpl;
+    // The certificates first: making them takes a second or two, and a port picked before
+    // that can be taken by then (CI saw etcd fail with "address already in use").
+    if (tls_) pki_ = pki(dir_);
+    // Distinct ports: the kernel may hand out a port it just handed out and saw closed.
+    std::set<uint16_t> taken;
+    auto distinctPort = [&taken] {
+      uint16_t port = freeLoopbackPort();
+      while (!taken.insert(port).second) port = freeLoopbackPort();
+      return port;
+    };
     for (int i = 0; i < size; ++i) {
       Member m;
       m.name = "m" + std::to_string(i);
-      m.client = freeLoopbackPort();
-      m.peer = freeLoopbackPort();
+      m.client = distinctPort();
+      m.peer = distinctPort();
       members_.push_back(m);
     }
-    if (tls_) pki_ = pki(dir_);
     for (int i = 0; i < size; ++i) launch(i, /*fresh=*/true);
     if (!waitHealthy(std::chrono::seconds(30))) {
       stopAll();  // the destructor does not run after a throw
