@@ -44,6 +44,7 @@ struct CommonArgs {
   sinew::Sampling sampling = sinew::Sampling::kWithReplacement;
   int64_t datasetSize = 0;  // 0: the example's own
   bool stepLoop = false;    // a loop over Trainer::step() even without --eval-every
+  std::string sampleLog;    // with a step loop: each committed step's samples, to PATH.<worker>
   int64_t evalEvery = 0;    // evaluate after every N-th step; 0: never
   int64_t evalSamples = 0;  // held-out samples per evaluation; 0: one global batch
   bool reference = true;
@@ -61,7 +62,8 @@ constexpr const char* kCommonUsage =
     "[--steps N] [--global-batch B] [--microbatch b] [--seed S] [--lr LR] "
     "[--optimizer adam|adamw|sgd|rmsprop|adagrad] [--schedule none|cosine|step] [--warmup N] "
     "[--clip C] [--sampling replacement|epochs] [--dataset-size N] [--eval-every N] "
-    "[--eval-samples K] [--float32] [--progress N] [--checkpoint-dir "
+    "[--eval-samples K] [--step-loop] [--sample-log PATH] [--float32] [--progress N] "
+    "[--checkpoint-dir "
     "DIR] "
     "[--checkpoint-every K] [--incremental-checkpoints] [--memory-by-phase] [--no-reference] "
     "[--device cpu|cuda|cuda:N] "
@@ -158,6 +160,9 @@ inline bool parseCommon(ArgReader& r, CommonArgs& a) {
     a.datasetSize = r.integer(int64_t{1} << 40);
     if (a.datasetSize == 0) r.fail("--dataset-size must be positive");
   } else if (s == "--step-loop") {
+    a.stepLoop = true;
+  } else if (s == "--sample-log") {
+    a.sampleLog = r.value();
     a.stepLoop = true;
   } else if (s == "--eval-every") {
     a.evalEvery = r.integer(int64_t{1} << 40);
@@ -267,7 +272,29 @@ inline std::optional<int> train(const char* program, sinew::Context& ctx,
     } else {
       sinew::Trainer& t = **trainer;
       const int64_t count = a.evalSamples > 0 ? a.evalSamples : a.globalBatch;
+      std::unique_ptr<std::FILE, int (*)(std::FILE*)> sampleLog(nullptr, &std::fclose);
+      if (!a.sampleLog.empty()) {
+        const std::string path = a.sampleLog + "." + std::to_string(ctx.worker());
+        sampleLog.reset(std::fopen(path.c_str(), "a"));
+        if (!sampleLog) throw sinew::IoError("cannot open the sample log " + path);
+      }
       for (sinew::StepResult s; !(s = t.step()).done;) {
+        if (s.rolledBackTo >= 0) {
+          std::printf("%s: worker %d's loop moved back to step %lld and committed step %lld\n",
+                      program, ctx.worker(), static_cast<long long>(s.rolledBackTo),
+                      static_cast<long long>(s.step));
+        }
+        if (sampleLog) {
+          // "step S: position:index ...", flushed at once: a worker killed later keeps it.
+          std::fprintf(sampleLog.get(), "step %lld:", static_cast<long long>(s.step));
+          for (size_t i = 0; i < s.samples.size(); ++i) {
+            std::fprintf(sampleLog.get(), " %lld:%lld",
+                         static_cast<long long>(s.samplePositions[i]),
+                         static_cast<long long>(s.samples[i]));
+          }
+          std::fprintf(sampleLog.get(), "\n");
+          std::fflush(sampleLog.get());
+        }
         if (a.evalEvery <= 0 || (s.step + 1) % a.evalEvery != 0) continue;
         sinew::EvalResult e = t.evaluate(heldOut, count);
         if (e.done) break;
@@ -275,6 +302,7 @@ inline std::optional<int> train(const char* program, sinew::Context& ctx,
                     program, ctx.worker(), static_cast<long long>(e.afterStep), e.loss,
                     s.learningRate, s.gradNorm);
       }
+      sampleLog.reset();
       if (beforeFinish) beforeFinish(t);
       *result = t.finish();
     }

@@ -827,6 +827,8 @@ TEST(PersistTest, CrashAtEveryIoOperationLeavesLatestOnACompleteVersion) {
   EXPECT_GT(sawNew, 0);
 }
 
+// A reader in another language (Python's standard library) reads every tensor byte-exact and
+// recomputes every layer's digest from the manifest as docs/checkpoint_format.md defines it.
 TEST(PersistTest, PythonStandardLibraryReadsTheSafetensorsFileByteExact) {
   const std::string dir = tempDir("ckpt-python");
   PersistOptions o;
@@ -847,7 +849,22 @@ assert manifest["step"] == 11, manifest["step"]
 os.makedirs(os.path.join(root, "py"))
 sizes = {"F32": 4, "F64": 8, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
          "U8": 1, "BOOL": 1}
+def crc32c(data, crc=0):  # docs/checkpoint_format.md's parameters, bit by bit
+    crc ^= 0xFFFFFFFF
+    for b in data:
+        crc ^= b
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+assert crc32c(b"123456789") == 0xE3069283
 for layer, loc in manifest["layers"].items():
+    # The layer digest as the format doc defines it, from the manifest alone.
+    digest = 0
+    for name, t in sorted(loc["tensors"].items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        key = name + "|" + t["dtype"] + "|" + "".join(str(d) + "," for d in t["shape"])
+        digest = crc32c(key.encode(), digest)
+        digest = crc32c(struct.pack("<I", int(t["crc32c"], 16)), digest)
+    assert loc["digest"] == "0x%08x" % digest, (layer, loc["digest"], "0x%08x" % digest)
     with open(os.path.join(root, loc["file"]), "rb") as f:
         data = f.read()
     (n,) = struct.unpack("<Q", data[:8])

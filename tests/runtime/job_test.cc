@@ -102,14 +102,45 @@ TEST(JobTest, SigstopLongerThanTheHeartbeatTimeout) {
       << "the stopped worker did not learn it was expelled";
 }
 
+// The samples every worker logged (train_dp --sample-log PREFIX: PREFIX.<worker>, a line
+// "step S: position:index ..." per committed step), by global position S * batch + position;
+// a position logged twice is a test failure.
+std::map<int64_t, int64_t> loggedSamples(const std::string& dir, const std::string& prefix,
+                                         int64_t batch) {
+  std::map<int64_t, int64_t> byPosition;
+  for (const auto& f : std::filesystem::directory_iterator(dir)) {
+    const std::string name = f.path().filename().string();
+    if (name.rfind(prefix + ".", 0) != 0) continue;
+    std::ifstream in(f.path());
+    std::string line;
+    while (std::getline(in, line)) {
+      std::istringstream words(line);
+      std::string word;
+      words >> word >> word;  // "step", "S:"
+      const int64_t step = std::stoll(word);
+      while (words >> word) {
+        const size_t colon = word.find(':');
+        const int64_t position = step * batch + std::stoll(word.substr(0, colon));
+        const bool fresh = byPosition.emplace(position, std::stoll(word.substr(colon + 1))).second;
+        EXPECT_TRUE(fresh) << name << ": position " << position << " of step " << step
+                           << " was already trained by another worker";
+      }
+    }
+  }
+  return byPosition;
+}
+
 // A join and two kills with epoch sampling over 200 samples (a new epoch every 3.125 steps):
-// the job ends equal to a single process that trained on epochBatchIndices, which visits every
-// sample exactly once per epoch (DataTest), so no sample was trained on twice in an epoch or
-// skipped, across the join and the losses. The joiner ends with the job's parameters.
+// the job ends equal to a single process that trained on epochBatchIndices, and the samples
+// the workers read in the steps that committed (StepResult::samples, logged by train_dp) cover
+// every position of the 150 steps once and, in each of the 48 whole epochs, every one of the
+// 200 samples exactly once, across the join and the losses. The joiner ends with the job's
+// parameters.
 TEST(JobTest, AJoinAndTwoKillsKeepEpochSamplingExact) {
   std::string dir = logDir("join");
-  const std::vector<std::string> data = {"--steps",        "150", "--sampling", "epochs",
-                                         "--dataset-size", "200"};
+  std::filesystem::create_directories(dir);
+  const std::vector<std::string> data = {"--steps",        "150", "--sampling",   "epochs",
+                                         "--dataset-size", "200", "--sample-log", dir + "/samples"};
   // Slowed steps keep the job running while the joiner starts.
   std::vector<std::string> argv = {SINEW_RUN_PATH,
                                    "-n",
@@ -142,6 +173,17 @@ TEST(JobTest, AJoinAndTwoKillsKeepEpochSamplingExact) {
       << joined.output;
   // The joiner ends with the same parameters as the job's workers.
   EXPECT_NE(run.output.find("param_checksum " + m[1].str()), std::string::npos);
+  const std::map<int64_t, int64_t> trained = loggedSamples(dir, "samples", 64);
+  ASSERT_EQ(trained.size(), 150u * 64u) << "positions trained by no worker";
+  for (int64_t epoch = 0; epoch < 48; ++epoch) {
+    std::map<int64_t, int> seen;
+    for (int64_t p = epoch * 200; p < (epoch + 1) * 200; ++p) ++seen[trained.at(p)];
+    ASSERT_EQ(seen.size(), 200u) << "epoch " << epoch << " missed a sample";
+    for (const auto& [sample, times] : seen) {
+      EXPECT_EQ(times, 1) << "epoch " << epoch << " trained sample " << sample << " " << times
+                          << " times";
+    }
+  }
 }
 
 // The whole job dies after a durable checkpoint; a new job of 2 workers resumes from the

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "../fs_support.h"
+#include "../tool_support.h"
 #include "job_support.h"
 
 namespace {
@@ -569,9 +570,12 @@ void expectReconfiguredExact(const JobRun& run, const std::string& lost, int sur
       << "a layer came from disk although live copies existed";
 }
 
+// With RMSprop: its square averages and step counts travel with the copied layers.
 TEST(PipelineRecoveryTest, KillInForwardMovesLayersFromLiveWorkers) {
-  JobRun run = trainPp("pp-kill-forward", 6, {"--memory-bytes", kBudget, "--steps", "30"},
-                       "kill:worker=2:step=10:phase=forward");
+  JobRun run = trainPp(
+      "pp-kill-forward", 6,
+      {"--memory-bytes", kBudget, "--steps", "30", "--optimizer", "rmsprop", "--lr", "0.005"},
+      "kill:worker=2:step=10:phase=forward");
   SCOPED_TRACE(run.output);
   expectReconfiguredExact(run, "2", 5);
   expectEachPlanHeld(logDir("pp-kill-forward"));
@@ -862,23 +866,32 @@ int expectEvaluationsMatchTheReference(const std::string& out) {
   return lines;
 }
 
-// A recipe as users write it: AdamW (weight decay 0.1), warm-up + cosine, clipping at 0.5, and
-// an evaluation on held-out samples every 5 steps, in a loop of the program's own over
-// Trainer::step(). The optimizer's moments and step counts are in every version, so the
-// rollback restores them from RAM; the job ends equal to its reference, and every evaluation,
-// those redone after the rollback included, equals the reference's after the same step.
+// A recipe as users write it: RMSprop, warm-up + cosine, clipping at 0.5, and an evaluation on
+// held-out samples every 5 steps, in a loop of the program's own over Trainer::step(). The
+// optimizer's square averages and step counts are in every version, so the rollback restores
+// them from RAM (AdamW's moments: PipelineGptTest.LosingEveryCopyOfTheTiedHeadRestoresItFromRam);
+// the job ends equal to its reference, and every evaluation, those redone after the rollback
+// included, equals the reference's after the same step.
 TEST(PipelineRollbackTest, LosingEveryLiveCopyRestoresTheCommittedVersionFromRam) {
   const std::string profile = fourStageProfile(logDir("pp-rollback-ram") + "-profile.json");
   JobRun run = trainPp("pp-rollback-ram", 8,
-                       {"--profile", profile, "--steps", "20", "--optimizer", "adamw", "--schedule",
-                        "cosine", "--warmup", "4", "--lr", "0.01", "--clip", "0.5", "--eval-every",
-                        "5", "--eval-samples", "128"},
+                       {"--profile", profile, "--steps", "20", "--optimizer", "rmsprop",
+                        "--schedule", "cosine", "--warmup", "4", "--lr", "0.003", "--clip", "0.5",
+                        "--eval-every", "5", "--eval-samples", "128"},
                        kKillBothHoldersOfEmbed);
   SCOPED_TRACE(run.output);
   expectMatchesReference(run);
   // 4 evaluations on each of the 6 survivors, at least; those of steps 4 and 9 also on the
   // two that died, and again after a rollback.
   EXPECT_GE(expectEvaluationsMatchTheReference(run.output), 24);
+  // The clipping acted: some step's whole gradient (summed over the stages) was above 0.5.
+  double largestNorm = 0;
+  std::regex normRe("eval after step \\d+: loss \\S+ \\(lr \\S+, grad norm ([0-9.e+-]+)\\)");
+  for (std::sregex_iterator it(run.output.begin(), run.output.end(), normRe), end; it != end;
+       ++it) {
+    largestNorm = std::max(largestNorm, std::stod((*it)[1]));
+  }
+  EXPECT_GT(largestNorm, 0.5) << "no step was clipped";
   EXPECT_TRUE(run.output.find("workers lost: [0,5]") != std::string::npos ||
               run.output.find("workers lost: [5,0]") != std::string::npos);
   std::vector<WorkerLine> lines = workerLines(run.output);
@@ -901,6 +914,9 @@ TEST(PipelineRollbackTest, LosingEveryLiveCopyRestoresTheCommittedVersionFromRam
   // the previous one committed, and worker 0 had snapshotted 9.
   EXPECT_NE(run.output.find("layer embed has no live copy after step 9"), std::string::npos);
   EXPECT_EQ(version, 8);
+  // The program's own loop sees its step counter move back (StepResult::rolledBackTo).
+  EXPECT_NE(run.output.find("'s loop moved back to step 9 and committed step 9"),
+            std::string::npos);
   // Every survivor restored its layers of that version from RAM (its own or a peer's):
   // nothing from disk (there is none), nothing from the seeds.
   EXPECT_EQ(restored.size(), 6u);
@@ -925,13 +941,13 @@ TEST(PipelineRollbackTest, LosingEveryLiveCopyRestoresTheCommittedVersionFromRam
 
 TEST(PipelineRollbackTest, WithNoCommittedPeerVersionTheDurableOneIsRestored) {
   // Peer-RAM versions only every 100 steps: none exists when w0 and w5 die, so the job rolls
-  // back to the newest durable version (every step is written). With RMSprop: its square
-  // averages and step counts go to disk and come back.
+  // back to the newest durable version (every step is written). With AdamW: its moments and
+  // step counts go to disk and come back.
   const std::string ckpt = logDir("pp-rollback-disk-dir");
   JobRun run = trainPp(
       "pp-rollback-disk", 8,
       {"--profile", fourStageProfile(ckpt + "-profile.json"), "--steps", "20", "--checkpoint-dir",
-       ckpt, "--checkpoint-every", "1", "--peer-checkpoint-every", "100", "--optimizer", "rmsprop"},
+       ckpt, "--checkpoint-every", "1", "--peer-checkpoint-every", "100", "--optimizer", "adamw"},
       kKillBothHoldersOfEmbed);
   SCOPED_TRACE(run.output);
   expectMatchesReference(run);
@@ -1071,9 +1087,28 @@ TEST(PipelineGptTest, LosingEveryCopyOfTheTiedHeadRestoresItFromRam) {
   ASSERT_TRUE(std::regex_search(run.output, scale, std::regex("tokens_seen=(\\d+)")));
   EXPECT_EQ(std::stoll(scale[1]), 20 * 16 * 32);
   EXPECT_NE(run.output.find("rolling back to version 7"), std::string::npos);
+  // The program's own loop sees its step counter move back (StepResult::rolledBackTo).
+  EXPECT_NE(run.output.find("'s loop moved back to step 8 and committed step 8"),
+            std::string::npos);
   EXPECT_TRUE(run.output.find("workers lost: [2,4]") != std::string::npos ||
               run.output.find("workers lost: [4,2]") != std::string::npos);
   EXPECT_TRUE(std::regex_search(run.output, std::regex("now holds layers [a-z0-9.]*head \\(epoch "
                                                        "\\d+; \\d+ restored from [^\\n]*RAM")))
       << "the head did not come back from RAM";
+}
+
+// Every example answers --help (and -h) with its usage on stdout and exit status 0, and an
+// unknown flag with the usage and exit status 2.
+TEST(ExampleHelpTest, EveryExamplePrintsItsUsageAndExitsZero) {
+  for (const char* program : {TRAIN_DP_PATH, TRAIN_PP_PATH, TRAIN_GPT_PATH}) {
+    for (const char* flag : {"--help", "-h"}) {
+      sinew::testing::ToolRun r = sinew::testing::runTool(program, flag);
+      EXPECT_EQ(r.status, 0) << program << " " << flag << ": " << r.out;
+      EXPECT_NE(r.out.find("usage: "), std::string::npos) << program << ": " << r.out;
+      EXPECT_NE(r.out.find("--steps N"), std::string::npos) << program << ": " << r.out;
+    }
+    sinew::testing::ToolRun bad = sinew::testing::runTool(program, "--no-such-flag");
+    EXPECT_EQ(bad.status, 2) << program << ": " << bad.out;
+    EXPECT_NE(bad.out.find("--no-such-flag"), std::string::npos) << program << ": " << bad.out;
+  }
 }

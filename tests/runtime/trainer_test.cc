@@ -563,10 +563,15 @@ TEST(TrainerTest, Bf16ComputeKeepsFloat32MastersAndTheFloat32LossCurve) {
     return Sample{x, at::stack({x.sum() / 4, x.mean()})};
   };
   spec.datasetSize = 68;
+  const std::string dir = tempDir();
   auto curve = [&](at::ScalarType compute, at::ScalarType* seen) {
     TrainerOptions o = recipeOptions(30);
     o.dtype = at::kFloat;
     o.computeDtype = compute;
+    if (compute == at::kBFloat16) {
+      o.checkpointDir = dir;
+      o.checkpointEvery = 10;
+    }
     Trainer trainer(*ctx, spec, o);
     std::vector<double> losses;
     for (StepResult r; !(r = trainer.step()).done;) losses.push_back(r.loss);
@@ -590,6 +595,19 @@ TEST(TrainerTest, Bf16ComputeKeepsFloat32MastersAndTheFloat32LossCurve) {
   }
   EXPECT_TRUE(differs) << "bfloat16 gave the float32 losses bit for bit: autocast did not engage";
   EXPECT_LT(f32.back(), 0.5 * f32.front()) << "the model did not learn";
+  // The bfloat16 run's checkpoints hold the float32 masters and float32 optimizer state.
+  auto reader = CheckpointReader::open(dir);
+  EXPECT_EQ(reader->step(), 29);
+  int tensors = 0;
+  for (const std::string& layer : reader->layers()) {
+    for (const auto& [name, t] : reader->loadLayer(layer)) {
+      if (name.rfind("@", 0) == 0 || !t.is_floating_point()) continue;  // step counts
+      EXPECT_EQ(t.scalar_type(), at::kFloat) << layer << "/" << name;
+      ++tensors;
+    }
+  }
+  EXPECT_GE(tensors, 6) << "out's weight and bias, each with AdamW's two moments";
+  sinew::testing::removeTree(dir);
 }
 
 // Bad mixed-precision options are refused before training, naming the option.
