@@ -4,6 +4,7 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <unordered_map>
 #include <utility>
 
 #include "sinew/base/error.h"
@@ -244,26 +245,36 @@ std::vector<LiveLayerCopy> liveLayerCopies(const Plan& next,
   }
   std::vector<WorkerAssignment> ws = next.workers;
   std::sort(ws.begin(), ws.end(), [](const auto& a, const auto& b) { return a.worker < b.worker; });
-  auto holdsLive = [&](int w, int l) {
-    return std::find(live[l].begin(), live[l].end(), w) != live[l].end();
-  };
+  // The workers of each layer in increasing id order: O(sum of the ranges), not O(L * W).
+  std::vector<std::vector<int>> holders(static_cast<size_t>(L));
+  for (const auto& w : ws) {
+    for (int l = std::max(0, w.firstLayer); l < std::min(L, w.endLayer); ++l) {
+      holders[static_cast<size_t>(l)].push_back(w.worker);
+    }
+  }
   // What each worker receives here, known before any source is chosen.
-  std::map<int, int64_t> traffic;
+  std::unordered_map<int, int64_t> traffic;
   std::vector<LiveLayerCopy> copies;
   for (int l = 0; l < L; ++l) {
     if (live[l].empty()) continue;
-    for (const auto& w : ws) {
-      if (l >= w.firstLayer && l < w.endLayer && !holdsLive(w.worker, l)) {
-        copies.push_back({l, -1, w.worker});
-        traffic[w.worker] += layer_bytes[l];
+    const bool sorted = std::is_sorted(live[l].begin(), live[l].end());
+    for (int w : holders[static_cast<size_t>(l)]) {
+      const bool held = sorted ? std::binary_search(live[l].begin(), live[l].end(), w)
+                               : std::find(live[l].begin(), live[l].end(), w) != live[l].end();
+      if (!held) {
+        copies.push_back({l, -1, w});
+        traffic[w] += layer_bytes[l];
       }
     }
   }
   for (auto& c : copies) {
     int best = -1;
+    int64_t bestTraffic = 0;
     for (int w : live[c.layer]) {
-      if (best < 0 || traffic[w] < traffic[best] || (traffic[w] == traffic[best] && w < best)) {
+      const int64_t t = traffic[w];
+      if (best < 0 || t < bestTraffic || (t == bestTraffic && w < best)) {
         best = w;
+        bestTraffic = t;
       }
     }
     c.from = best;

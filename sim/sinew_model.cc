@@ -86,11 +86,27 @@ class SinewRun {
  private:
   enum class Mode { kTraining, kRecovering, kDown };
 
-  Plan makePlan(const std::vector<int>& nodes) const {
-    pipeline::PlanOptions po;
-    po.fault_tolerance = job_.fault_tolerance;
-    po.global_microbatches = job_.global_microbatches;
-    return bind(pipeline::makePlanLoweringFaultTolerance(templates_, nodes, po));
+  // makePlanLoweringFaultTolerance(nodes): the plan for ids 0..n-1, made once per n, with its
+  // ids renamed (makePlan gives the nodes to the pipelines in the order given, so the plan of
+  // any n nodes is that of 0..n-1 renamed).
+  Plan makePlan(const std::vector<int>& nodes) {
+    const int n = static_cast<int>(nodes.size());
+    auto it = plans_.find(n);
+    if (it == plans_.end()) {
+      std::vector<int> ids(nodes.size());
+      for (int i = 0; i < n; ++i) ids[static_cast<size_t>(i)] = i;
+      pipeline::PlanOptions po;
+      po.fault_tolerance = job_.fault_tolerance;
+      po.global_microbatches = job_.global_microbatches;
+      it = plans_.emplace(n, pipeline::makePlanLoweringFaultTolerance(templates_, ids, po)).first;
+    }
+    Plan p = it->second;
+    for (auto& pp : p.pipelines) {
+      for (int& id : pp.nodeIds) id = nodes[static_cast<size_t>(id)];
+    }
+    for (int& id : p.idleNodeIds) id = nodes[static_cast<size_t>(id)];
+    for (auto& w : p.workers) w.node = nodes[static_cast<size_t>(w.node)];
+    return bind(std::move(p));
   }
   // Worker ids node * G + device, as a launcher of G workers a node numbers them.
   Plan bind(Plan p) const {
@@ -148,6 +164,7 @@ class SinewRun {
   pipeline::TemplateSet templates_;
   std::vector<int64_t> layerBytes_;
   std::map<int, double> throughput_;
+  std::map<int, Plan> plans_;  // makePlan's plan for ids 0..n-1, by n
 
   Ledger ledger_;
   SimResult r_;

@@ -9,6 +9,7 @@
 // 2 for bad command-line arguments.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -40,7 +41,7 @@ struct Args {
   double mtbfHours = 0, hours = 0, returnAfterMin = 0;
   bool measuredStep = false, asJson = false;
   double reconfigurationS = -1, durationS = 0, bucketS = 0;
-  int64_t checkpointEvery = 100;
+  int64_t checkpointEvery = 0;  // 0: Young's interval for the trace
   double checkpointS = 10, restartS = 60;
 };
 
@@ -76,7 +77,9 @@ Args parseArgs(int argc, char** argv) {
                  "microbatch_size)");
   app.add_option("--reconfiguration-s", a.reconfigurationS,
                  "fixed-cost pause per lost node (default: Sinew's detection + epoch)");
-  app.add_option("--checkpoint-every", a.checkpointEvery, "restart model: K (default 100)");
+  app.add_option("--checkpoint-every", a.checkpointEvery,
+                 "restart model: K steps (default 0: Young's interval sqrt(2 C M) for the "
+                 "trace's mean time between losses M)");
   app.add_option("--checkpoint-s", a.checkpointS, "restart model: C seconds (default 10)");
   app.add_option("--restart-s", a.restartS, "restart model: R seconds (default 60)");
   app.add_option("--duration-s", a.durationS, "end of the run (default: the trace's last event)");
@@ -183,6 +186,24 @@ void writeTimeline(std::ofstream& out, const std::string& trace, const SimResult
   }
 }
 
+// Young's checkpoint interval sqrt(2 C M), C the checkpoint's cost and M the trace's mean time
+// between losses, in steps at the starting size (at least 1).
+int64_t youngInterval(const std::vector<TraceEvent>& events, const ThroughputTable& table,
+                      const Args& a, int64_t batch) {
+  int present = 0, removes = 0;
+  for (const auto& e : events) {
+    if (e.time_ms == events.front().time_ms) present += e.add ? 1 : -1;
+    removes += e.add ? 0 : 1;
+  }
+  const double wall =
+      a.durationS > 0 ? a.durationS : static_cast<double>(events.back().time_ms) / 1e3;
+  const double mtbf = wall / std::max(1, removes);
+  const double rate = table.at(present);
+  if (rate <= 0) return 1;
+  const double stepS = static_cast<double>(batch) / rate;
+  return std::max<int64_t>(1, std::llround(std::sqrt(2 * a.checkpointS * mtbf) / stepS));
+}
+
 int run(const Args& a) {
   SinewJobModel job;
   std::optional<ThroughputTable> table;
@@ -230,7 +251,14 @@ int run(const Args& a) {
         results.push_back(simulateFixedCost(t.events, f, so));
         fixed = results.back().goodput();
       } else if (m == "restart") {
-        RestartModel r{refTable, a.checkpointEvery, a.checkpointS, a.restartS, batch};
+        RestartModel r{
+            refTable,
+            a.checkpointEvery > 0 ? a.checkpointEvery : youngInterval(t.events, refTable, a, batch),
+            a.checkpointS, a.restartS, batch};
+        if (!a.asJson) {
+          std::printf("restart model: a checkpoint every %lld steps\n",
+                      static_cast<long long>(r.checkpoint_every));
+        }
         results.push_back(simulateRestart(t.events, r, so));
         restart = results.back().goodput();
       } else {
