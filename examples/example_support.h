@@ -45,6 +45,9 @@ struct CommonArgs {
   int64_t datasetSize = 0;  // 0: the example's own
   bool stepLoop = false;    // a loop over Trainer::step() even without --eval-every
   std::string sampleLog;    // with a step loop: each committed step's samples, to PATH.<worker>
+  // The reference skips a step whose gradient is not finite, as a job with dynamic loss
+  // scaling does (set by programs that offer it).
+  bool skipNonFinite = false;
   int64_t evalEvery = 0;    // evaluate after every N-th step; 0: never
   int64_t evalSamples = 0;  // held-out samples per evaluation; 0: one global batch
   bool reference = true;
@@ -279,6 +282,10 @@ inline std::optional<int> train(const char* program, sinew::Context& ctx,
         if (!sampleLog) throw sinew::IoError("cannot open the sample log " + path);
       }
       for (sinew::StepResult s; !(s = t.step()).done;) {
+        if (s.skipped) {
+          std::printf("%s: worker %d skipped step %lld (loss scale %g)\n", program, ctx.worker(),
+                      static_cast<long long>(s.step), s.lossScale);
+        }
         if (s.rolledBackTo >= 0) {
           std::printf("%s: worker %d's loop moved back to step %lld and committed step %lld\n",
                       program, ctx.worker(), static_cast<long long>(s.rolledBackTo),
@@ -419,8 +426,16 @@ inline double trainReference(
       sum += l.item<double>() * chunk;
     }
     loss = sum / a.globalBatch;
-    if (a.clip > 0) torch::nn::utils::clip_grad_norm_(params, a.clip);
-    opt->step();
+    bool finite = true;
+    for (const auto& p : params) {
+      finite = finite && (!p.grad().defined() || p.grad().isfinite().all().item<bool>());
+    }
+    if (a.skipNonFinite && !finite) {
+      std::printf("reference skipped step %lld\n", static_cast<long long>(s));
+    } else {
+      if (a.clip > 0) torch::nn::utils::clip_grad_norm_(params, a.clip);
+      opt->step();
+    }
     if (a.evalEvery > 0 && heldOut && (s + 1) % a.evalEvery == 0) {
       at::NoGradGuard noGrad;
       ref->eval();

@@ -29,11 +29,28 @@ namespace {
 
 using sinew_example::CommonArgs;
 
+// --loss-scaling N: dynamic loss scaling from 2^16, doubling after N finite steps in a row
+// (TrainerOptions::lossScaling). --poison-sample K: sample K's input is NaN, so the steps
+// that train on it have no finite gradient (with loss scaling every worker skips them).
+int64_t gLossScaling = 0;
+int64_t gPoisonSample = -1;
+
 CommonArgs parse(int argc, char** argv) {
   CommonArgs a;
-  sinew_example::ArgReader r(argc, argv, "train_dp", sinew_example::kCommonUsage);
+  sinew_example::ArgReader r(
+      argc, argv, "train_dp",
+      std::string(sinew_example::kCommonUsage) + " [--loss-scaling N] [--poison-sample K]");
   while (r.next()) {
-    if (!sinew_example::parseCommon(r, a)) r.fail("unknown argument '" + r.flag() + "'");
+    if (sinew_example::parseCommon(r, a)) continue;
+    if (r.flag() == "--loss-scaling") {
+      gLossScaling = r.integer(sinew_example::kMaxInt);
+      if (gLossScaling < 1) r.fail("--loss-scaling needs a growth interval of at least 1");
+      a.skipNonFinite = true;
+    } else if (r.flag() == "--poison-sample") {
+      gPoisonSample = r.integer(int64_t{1} << 40);
+    } else {
+      r.fail("unknown argument '" + r.flag() + "'");
+    }
   }
   sinew_example::checkCommon(r, a);
   return a;
@@ -68,7 +85,11 @@ sinew::ModelSpec model(const CommonArgs& a) {
     return (out - target).pow(2).mean();
   };
   spec.optimizer = sinew_example::optimizer(a);
-  spec.dataset = sample;
+  spec.dataset = [](int64_t i) {
+    sinew::Sample s = sample(i);
+    if (i == gPoisonSample) s.input = at::full_like(s.input, std::nan(""));
+    return s;
+  };
   spec.datasetSize = a.datasetSize > 0 ? a.datasetSize : 1 << 20;
   return spec;
 }
@@ -81,6 +102,7 @@ int main(int argc, char** argv) {
   std::unique_ptr<sinew::Context> ctx = sinew_example::join("train_dp", &argc, &argv);
   if (!ctx) return 1;
   sinew::TrainerOptions o = sinew_example::trainerOptions(a);
+  if (gLossScaling > 0) o.lossScaling = sinew::TrainerOptions::LossScaling{65536.0, gLossScaling};
   sinew::ModelSpec spec = model(a);
   std::unique_ptr<sinew::Trainer> trainer;
   sinew::TrainResult r;

@@ -23,6 +23,7 @@
 #include <map>
 #include <random>
 #include <regex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -184,6 +185,31 @@ TEST(JobTest, AJoinAndTwoKillsKeepEpochSamplingExact) {
                           << " times";
     }
   }
+}
+
+// Dynamic loss scaling across workers: sample 7's input is NaN, so the one step per epoch (640
+// samples, 10 steps) whose batch holds it has no finite gradient after the allreduce, although
+// only the worker whose share holds it read it. Every worker skips exactly those steps, before
+// and after a kill, and the job ends equal to a reference that skips the same steps.
+TEST(JobTest, AStepWithoutAFiniteGradientIsSkippedByEveryWorkerAlike) {
+  JobRun run = sinewRun("loss-scaling-skip", "kill:worker=2:step=15:phase=forward",
+                        {"--steps", "40", "--loss-scaling", "4", "--poison-sample", "7",
+                         "--sampling", "epochs", "--dataset-size", "640", "--step-loop"});
+  expectGoodJob(run, "2", 1);
+  std::map<int, std::set<int64_t>> skipped;  // by worker
+  std::regex re("worker (\\d+) skipped step (\\d+)");
+  for (std::sregex_iterator it(run.output.begin(), run.output.end(), re), end; it != end; ++it) {
+    skipped[std::stoi((*it)[1])].insert(std::stoll((*it)[2]));
+  }
+  std::set<int64_t> reference;
+  std::regex refRe("reference skipped step (\\d+)");
+  for (std::sregex_iterator it(run.output.begin(), run.output.end(), refRe), end; it != end; ++it) {
+    reference.insert(std::stoll((*it)[1]));
+  }
+  EXPECT_EQ(reference.size(), 4u) << "one step per epoch holds sample 7";
+  for (int w : {0, 1, 3}) EXPECT_EQ(skipped[w], reference) << "worker " << w;
+  // Worker 2 skipped the steps before its death that the others did.
+  for (int64_t step : skipped[2]) EXPECT_TRUE(reference.count(step)) << step;
 }
 
 // The whole job dies after a durable checkpoint; a new job of 2 workers resumes from the
