@@ -495,6 +495,7 @@ void JobState::newEpoch(const std::string& why, std::vector<int> joiners) {
   }
   lastCommit_ = Clock::time_point{};  // A recovery is not a step.
   epochCommits_ = 0;
+  goodput_.onEpoch(now_, why.rfind("rollback from", 0) == 0);
   bool first = epoch_ == 0;
   std::vector<int> members;
   for (const auto& [id, w] : workers_) {
@@ -608,6 +609,7 @@ void JobState::onRollback(int worker, int64_t step) {
   const int64_t from = committed_;
   committed_ = step;
   rollbacks_++;
+  goodput_.onRollback(from - step);
   event(
       {{"event", "rollback"}, {"epoch", epoch_}, {"from", from}, {"to", step}, {"worker", worker}});
   newEpoch("rollback from step " + std::to_string(from) + " to the version after step " +
@@ -979,6 +981,7 @@ void JobState::declareDead(int worker, const std::string& why) {
     }
   }
   if (epoch_ >= 0 && wasMember && !finished_) {
+    goodput_.onLoss(now_);
     if (!recovering_) {
       recovering_ = true;
       recoveringSince_ = now_;

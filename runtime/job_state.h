@@ -36,6 +36,7 @@
 #include "sinew/runtime/coordinator.h"
 #include "sinew/runtime/detail/wire.h"
 #include "sinew/runtime/event_log.h"
+#include "sinew/runtime/goodput_meter.h"
 
 namespace sinew {
 namespace runtime {
@@ -235,6 +236,8 @@ class JobState {
   json drainJson(const Drain& d) const;
   json durableJson() const;
   double samplesPerSecondNow() const;
+  // The goodput meter's account as the status shows it (docs/control_api.md, "goodput").
+  nlohmann::json goodputJson(Clock::time_point now) const;
   // The median of the newest step times (seconds; 0 before any was measured).
   double medianStepSeconds(size_t newest = SIZE_MAX) const;
   // The step time at n workers from the measured ones (data parallel: t(n) = a + b / n).
@@ -336,6 +339,7 @@ class JobState {
   Clock::time_point firstCommit_{};
   std::map<int, std::deque<double>> stepSecondsBySize_;
   double effectiveSeconds_ = 0;
+  GoodputMeter goodput_;      // the wall time by cause (docs/goodput.md), this term's
   int64_t epochCommits_ = 0;  // commits in the current epoch
   // Failures and recoveries (failure declared -> next commit).
   int64_t failures_ = 0;

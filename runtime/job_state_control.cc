@@ -76,6 +76,7 @@ void JobState::noteCommit(int64_t step) {
     if (bySize.size() > 50) bySize.pop_front();
   }
   lastCommit_ = now;
+  goodput_.onCommit(now, globalBatch_ > 0 ? globalBatch_ : 0);
   if (commits_++ == 0) firstCommit_ = now;
   epochCommits_++;
   if (recovering_) {
@@ -89,6 +90,18 @@ void JobState::noteCommit(int64_t step) {
     checkpointStep_ = step;
     event({{"event", "checkpoint_requested"}, {"step", step}});
   }
+}
+
+json JobState::goodputJson(Clock::time_point now) const {
+  const GoodputMeter::Account g = goodput_.at(now);
+  json seconds = json::object();
+  for (int c = 0; c < GoodputMeter::kCauses; ++c)
+    seconds[GoodputMeter::causeName(c)] = g.seconds[c];
+  return {{"samples", g.samples},
+          {"wall_s", g.wall_s},
+          {"samples_per_s", g.wall_s > 0 ? g.samples / g.wall_s : 0.0},
+          {"effective_share", g.wall_s > 0 ? g.seconds[GoodputMeter::kTraining] / g.wall_s : 0.0},
+          {"seconds", seconds}};
 }
 
 std::string JobState::state() const {
@@ -266,6 +279,7 @@ ControlReply JobState::status(Clock::time_point now) {
   b["recovery_s"] = recoveries;
   b["recovering"] = recovering_;
   b["effective_training_s"] = effectiveSeconds_;
+  b["goodput"] = goodputJson(now);
   b["wall_s"] = secondsOf(now - startTime_);
   b["dead"] = dead_;
   json released = json::array();
@@ -663,6 +677,20 @@ std::string JobState::metrics(Clock::time_point now) {
          "Step of the newest durable checkpoint (-1: none).", durable_.step);
   metric(out, "sinew_replicated_bytes_total", "counter",
          "Bytes of checkpoint replicas sent to peers' host memory.", replicatedBytes_);
+  const GoodputMeter::Account g = goodput_.at(now);
+  metric(out, "sinew_goodput_samples_total", "counter",
+         "Samples of the steps that stayed committed, since the first commit (docs/goodput.md).",
+         g.samples);
+  out +=
+      "# HELP sinew_goodput_seconds_total Wall time since the first commit by cause: training "
+      "that stayed committed, redone (steps in flight lost), reconfiguration, rollback.\n";
+  out += "# TYPE sinew_goodput_seconds_total counter\n";
+  for (int c = 0; c < GoodputMeter::kCauses; ++c) {
+    char buf[128];
+    std::snprintf(buf, sizeof(buf), "sinew_goodput_seconds_total{cause=\"%s\"} %.6f\n",
+                  GoodputMeter::causeName(c), g.seconds[c]);
+    out += buf;
+  }
   out += "# HELP sinew_worker_heartbeat_age_seconds Seconds since each member was last heard.\n";
   out += "# TYPE sinew_worker_heartbeat_age_seconds gauge\n";
   for (int id : members_) {

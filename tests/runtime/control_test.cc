@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iostream>
 #include <filesystem>
 #include <regex>
 #include <set>
@@ -663,6 +664,49 @@ TEST(ControlJobTest, EveryEndpointAndBadClients) {
       << run.output;
   EXPECT_NE(slurp(ckpt + "/LATEST").find("\"step\":" + std::string(m[1])), std::string::npos)
       << "the stop's step is not durable";
+}
+
+// Goodput as it happens (docs/goodput.md): after a kill, /v1/status's goodput charges the
+// recovery's pause to reconfiguration, the step in flight to redone, and the steps to
+// training; the causes add up to the wall time since the first commit, the samples are whole
+// global batches, and /metrics says the same.
+TEST(ControlJobTest, GoodputAndBadputAsTheyHappen) {
+  const std::string dir = logDir("control-goodput");
+  Child job = start({SINEW_RUN_PATH, "-n", "3", "--log-dir", dir, "--quiet", "--inject",
+                     "slow:worker=*:ms=5;kill:worker=2:step=40:phase=backward", TRAIN_DP_PATH,
+                     "--steps", "100000", "--no-reference"},
+                    {});
+  Api api = waitForApi(dir);
+  json s = api.waitFor([](const json& s) { return s.value("failures", 0) >= 1 && stepOf(s) >= 80; },
+                       "step 80 after the kill");
+  const json& g = s["goodput"];
+  ASSERT_TRUE(g.is_object()) << s.dump();
+  std::cout << "goodput after the kill: " << g.dump() << std::endl;
+  const json& sec = g["seconds"];
+  double sum = 0;
+  for (const char* c : {"training", "redone", "reconfiguration", "rollback"}) {
+    ASSERT_TRUE(sec.contains(c)) << g.dump();
+    EXPECT_GE(sec[c].get<double>(), 0) << c;
+    sum += sec[c].get<double>();
+  }
+  EXPECT_NEAR(sum, g["wall_s"].get<double>(), 1e-3) << g.dump();
+  EXPECT_GT(sec["training"].get<double>(), 0.5 * g["wall_s"].get<double>()) << g.dump();
+  EXPECT_GT(sec["reconfiguration"].get<double>(), 0) << g.dump();
+  EXPECT_EQ(sec["rollback"].get<double>(), 0) << g.dump();
+  const double samples = g["samples"].get<double>();
+  EXPECT_EQ(std::fmod(samples, 64.0), 0.0) << "not whole global batches: " << samples;
+  EXPECT_GE(samples, 64.0 * 75) << g.dump();
+  EXPECT_GT(g["effective_share"].get<double>(), 0.5);
+  Http h = api.get("/metrics");
+  ASSERT_EQ(h.status, 200);
+  auto metrics = parsePrometheus(h.body);
+  EXPECT_GE(metrics["sinew_goodput_samples_total"], samples);
+  EXPECT_GT(metrics["sinew_goodput_seconds_total{cause=\"reconfiguration\"}"], 0) << h.body;
+  EXPECT_GT(metrics["sinew_goodput_seconds_total{cause=\"training\"}"],
+            sec["training"].get<double>() - 1e-9);
+  ASSERT_EQ(api.post("/v1/stop", "{}").status, 200);
+  JobRun run = finish(job, 120s);
+  EXPECT_FALSE(run.timedOut);
 }
 
 // A scripted scheduler: 4 workers, grow to 6, shrink to 3, drain one node by a deadline, stop;

@@ -45,6 +45,7 @@
 #include "sinew/runtime/control_api.h"
 #include "sinew/runtime/detail/wire.h"
 #include "sinew/runtime/epoch_recovery.h"
+#include "sinew/runtime/goodput_meter.h"
 #include "sinew/runtime/job_tensors.h"
 #include "sinew/runtime/layer_copy_manifest.h"
 #include "sinew/runtime/optimizer_state.h"
@@ -1084,6 +1085,46 @@ TEST(ResidentMemoryTest, EachPhaseGetsItsOwnPeak) {
   ResidentMemory off(/*byPhase=*/false);
   off.phase("ignored");
   EXPECT_TRUE(off.byPhase().empty());
+}
+
+// The coordinator's live account, on a hand-computed timeline (seconds): commits at 0 (the
+// clock starts), 1, 2, 3; a loss noticed at 3.4 (0.4 s redone) and its epoch, the first commit
+// after it at 5.4 (1 s step, 1 s reconfiguration), 6.4; a join's epoch at 6.4, its first
+// commit at 7.9 (0.5 s reconfiguration); a loss at 8.3 (0.4 s redone), its epoch, then a
+// rollback of two steps (their 2 s move to rollback) whose epoch forms at 8.8 (0.5 s
+// reconfiguration before it) and commits at 10.8 (1 s step, 1 s rollback); at 11.3 a step is
+// in flight (0.5 s training so far).
+TEST(GoodputMeterTest, AccountsForEverySecondByCause) {
+  using Clock = GoodputMeter::Clock;
+  const Clock::time_point t0 = Clock::now();
+  auto at = [&](double s) {
+    return t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
+  };
+  GoodputMeter m;
+  m.onEpoch(at(0), false);  // before the first commit: start-up, not counted
+  for (double t : {0.0, 1.0, 2.0, 3.0}) m.onCommit(at(t), 64);
+  m.onLoss(at(3.4));
+  m.onEpoch(at(3.4), false);
+  m.onCommit(at(5.4), 64);
+  m.onCommit(at(6.4), 64);
+  m.onEpoch(at(6.4), false);
+  m.onCommit(at(7.9), 64);
+  m.onLoss(at(8.3));
+  m.onEpoch(at(8.3), false);
+  m.onRollback(2);
+  m.onEpoch(at(8.8), true);
+  m.onCommit(at(10.8), 64);
+  const GoodputMeter::Account a = m.at(at(11.3));
+  EXPECT_NEAR(a.wall_s, 11.3, 1e-6);
+  EXPECT_NEAR(a.samples, 5 * 64, 1e-9);
+  EXPECT_NEAR(a.seconds[GoodputMeter::kTraining], 5.5, 1e-6);
+  EXPECT_NEAR(a.seconds[GoodputMeter::kRedone], 0.8, 1e-6);
+  EXPECT_NEAR(a.seconds[GoodputMeter::kReconfiguration], 2.0, 1e-6);
+  EXPECT_NEAR(a.seconds[GoodputMeter::kRollback], 3.0, 1e-6);
+  double sum = 0;
+  for (double s : a.seconds) sum += s;
+  EXPECT_NEAR(sum, a.wall_s, 1e-6);
+  EXPECT_STREQ(GoodputMeter::causeName(GoodputMeter::kRollback), "rollback");
 }
 
 }  // namespace
