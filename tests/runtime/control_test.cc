@@ -10,8 +10,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <iostream>
 #include <filesystem>
+#include <iostream>
 #include <regex>
 #include <set>
 #include <thread>
