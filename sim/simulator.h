@@ -173,10 +173,12 @@ SimResult simulateFixedCost(const std::vector<TraceEvent>& trace, const FixedCos
 SimResult simulateRestart(const std::vector<TraceEvent>& trace, const RestartModel& model,
                           const SimOptions& options);
 
-// The throughput Sinew's model gives on every node count from 1 to max_nodes (the cost model's
-// best instantiation, or job.table where given): the table the reference models are compared
-// on. Counts with no plan are left out.
-ThroughputTable sinewThroughputTable(const SinewJobModel& job, int max_nodes);
+// The throughput Sinew's model gives on every node count from 1 to the most the trace has at
+// once (the plan it makes there from the templates it plans for this trace, by the cost model
+// or job.table): the table the reference models are compared on, and Sinew's ideal. Counts
+// with no plan are left out.
+ThroughputTable sinewThroughputTable(const SinewJobModel& job,
+                                     const std::vector<TraceEvent>& trace);
 
 }  // namespace sim
 }  // namespace sinew

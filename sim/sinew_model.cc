@@ -462,13 +462,12 @@ SimResult simulateSinew(const std::vector<TraceEvent>& trace, const SinewJobMode
   return run.run(trace, options);
 }
 
-ThroughputTable sinewThroughputTable(const SinewJobModel& job, int max_nodes) {
-  ReplayStart start;
-  start.initial_nodes = max_nodes;
-  start.peak_nodes = max_nodes;
+ThroughputTable sinewThroughputTable(const SinewJobModel& job,
+                                     const std::vector<TraceEvent>& trace) {
+  const ReplayStart start = replayStart(trace);
   SinewRun run(job, start);
   ThroughputTable table;
-  for (int n = 1; n <= max_nodes; ++n) {
+  for (int n = 1; n <= start.peak_nodes; ++n) {
     const double x = run.throughputOn(n);
     if (x > 0) table.samples_per_s[n] = x;
   }

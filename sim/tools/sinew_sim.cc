@@ -232,9 +232,7 @@ int run(const Args& a) {
   json all = json::array();
   double vsFixed = 0, vsRestart = 0;
   for (const Named& t : traces(a)) {
-    int peak = 0, present = 0;
-    for (const auto& e : t.events) peak = std::max(peak, present += e.add ? 1 : -1);
-    const ThroughputTable refTable = table ? *table : sinewThroughputTable(job, peak);
+    const ThroughputTable refTable = table ? *table : sinewThroughputTable(job, t.events);
     std::vector<SimResult> results;
     double sinew = -1, fixed = -1, restart = -1;
     std::istringstream models(a.models);

@@ -331,7 +331,7 @@ TEST(SinewModelTest, WithoutLossesEveryModelIsIdeal) {
   const SimResult s = simulateSinew(t, job, o);
   EXPECT_NEAR(s.goodputVsIdeal(), 1.0, 1e-9);
   EXPECT_NEAR(s.effectiveShare(), 1.0, 1e-9);
-  const ThroughputTable tab = sinewThroughputTable(job, 4);
+  const ThroughputTable tab = sinewThroughputTable(job, trace(kFourNodes));
   EXPECT_NEAR(tab.at(4), 24, 1e-9);
   EXPECT_NEAR(tab.at(3), 12, 1e-9);
   EXPECT_NEAR(simulateFixedCost(t, {tab, 1.0, 12}, o).goodputVsIdeal(), 1.0, 1e-9);
@@ -343,7 +343,7 @@ TEST(SinewModelTest, WithoutLossesEveryModelIsIdeal) {
 TEST(SinewModelTest, TheCostModelGivesTheStepTimeWithoutATable) {
   SinewJobModel job = smallJob();
   job.table.reset();
-  const ThroughputTable tab = sinewThroughputTable(job, 4);
+  const ThroughputTable tab = sinewThroughputTable(job, trace(kFourNodes));
   // 2 pipelines of 2 stages of 2 layers (6 ms per microbatch per stage), 6 microbatches each:
   // at least (6 + 1) * 6 ms per step, so at most 12 / 0.042 samples/s.
   ASSERT_GT(tab.at(4), 0);
