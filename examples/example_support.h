@@ -427,10 +427,10 @@ inline double trainReference(
     }
     loss = sum / a.globalBatch;
     bool finite = true;
-    for (const auto& p : params) {
-      finite = finite && (!p.grad().defined() || p.grad().isfinite().all().item<bool>());
+    for (size_t i = 0; a.skipNonFinite && finite && i < params.size(); ++i) {
+      finite = !params[i].grad().defined() || params[i].grad().isfinite().all().item<bool>();
     }
-    if (a.skipNonFinite && !finite) {
+    if (!finite) {
       std::printf("reference skipped step %lld\n", static_cast<long long>(s));
     } else {
       if (a.clip > 0) torch::nn::utils::clip_grad_norm_(params, a.clip);

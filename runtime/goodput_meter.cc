@@ -65,7 +65,9 @@ void GoodputMeter::onLoss(Clock::time_point now) {
   mark_ = now;
 }
 
-void GoodputMeter::onEpoch(Clock::time_point now, bool rollback) {
+void GoodputMeter::onEpoch(Clock::time_point now) {
+  const bool rollback = rollbackNext_;
+  rollbackNext_ = false;
   if (state_ == State::kBeforeFirstCommit) return;
   const double since = secondsOf(now - mark_);
   // From a commit (a join or a reshape at a step boundary) the epoch's set-up starts here.
@@ -76,6 +78,7 @@ void GoodputMeter::onEpoch(Clock::time_point now, bool rollback) {
 }
 
 void GoodputMeter::onRollback(int64_t steps) {
+  rollbackNext_ = true;
   for (; steps > 0 && !steps_.empty(); --steps) {
     const auto [seconds, samples] = steps_.back();
     steps_.pop_back();

@@ -39,9 +39,10 @@ class GoodputMeter {
   void onCommit(Clock::time_point now, int64_t samples);
   // A member's loss noticed at `now`.
   void onLoss(Clock::time_point now);
-  // A new epoch formed at `now`; `rollback` if it restores an older version.
-  void onEpoch(Clock::time_point now, bool rollback);
-  // The newest `steps` committed steps were undone by a rollback.
+  // A new epoch formed at `now` (a rollback's epoch if onRollback came just before).
+  void onEpoch(Clock::time_point now);
+  // The newest `steps` committed steps were undone by a rollback; the next epoch restores
+  // the version.
   void onRollback(int64_t steps);
   // The account up to `now` (an interval in progress counts as what it is so far).
   Account at(Clock::time_point now) const;
@@ -55,6 +56,7 @@ class GoodputMeter {
   Clock::time_point start_{};
   Clock::time_point mark_{};
   int pause_ = kReconfiguration;  // the cause of the epoch set-up in progress
+  bool rollbackNext_ = false;     // onRollback came: the next epoch is a rollback's
   double steadyStep_ = 0;         // the last step time measured within an epoch
   Account account_;
   std::deque<std::pair<double, int64_t>> steps_;  // recent steps' (seconds, samples)

@@ -495,7 +495,7 @@ void JobState::newEpoch(const std::string& why, std::vector<int> joiners) {
   }
   lastCommit_ = Clock::time_point{};  // A recovery is not a step.
   epochCommits_ = 0;
-  goodput_.onEpoch(now_, why.rfind("rollback from", 0) == 0);
+  goodput_.onEpoch(now_);
   bool first = epoch_ == 0;
   std::vector<int> members;
   for (const auto& [id, w] : workers_) {

@@ -365,6 +365,7 @@ void SinewRun::repend() {
 void SinewRun::onEvents(const std::vector<int>& added, const std::vector<int>& removed, double te) {
   std::vector<int> lostNow;
   bool nextHit = false;  // a node of the plan being formed is gone
+  const std::vector<int> busy = trained_ ? busyNodes(plan_) : std::vector<int>();
   for (int n : removed) {
     live_.erase(n);
     pending_.erase(n);
@@ -375,7 +376,6 @@ void SinewRun::onEvents(const std::vector<int>& added, const std::vector<int>& r
       plan_.idleNodeIds.erase(idle);  // it held nothing
       continue;
     }
-    const std::vector<int> busy = busyNodes(plan_);
     if (std::find(busy.begin(), busy.end(), n) != busy.end()) lostNow.push_back(n);
     if (std::find(ramNodes_.begin(), ramNodes_.end(), n) != ramNodes_.end()) ramDead_.insert(n);
   }

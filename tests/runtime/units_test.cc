@@ -1101,18 +1101,18 @@ TEST(GoodputMeterTest, AccountsForEverySecondByCause) {
     return t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
   };
   GoodputMeter m;
-  m.onEpoch(at(0), false);  // before the first commit: start-up, not counted
+  m.onEpoch(at(0));  // before the first commit: start-up, not counted
   for (double t : {0.0, 1.0, 2.0, 3.0}) m.onCommit(at(t), 64);
   m.onLoss(at(3.4));
-  m.onEpoch(at(3.4), false);
+  m.onEpoch(at(3.4));
   m.onCommit(at(5.4), 64);
   m.onCommit(at(6.4), 64);
-  m.onEpoch(at(6.4), false);
+  m.onEpoch(at(6.4));
   m.onCommit(at(7.9), 64);
   m.onLoss(at(8.3));
-  m.onEpoch(at(8.3), false);
+  m.onEpoch(at(8.3));
   m.onRollback(2);
-  m.onEpoch(at(8.8), true);
+  m.onEpoch(at(8.8));  // the rollback's
   m.onCommit(at(10.8), 64);
   const GoodputMeter::Account a = m.at(at(11.3));
   EXPECT_NEAR(a.wall_s, 11.3, 1e-6);
