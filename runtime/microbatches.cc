@@ -66,5 +66,27 @@ std::pair<pipeline::Activation, at::Tensor> MicrobatchReader::operator()(
   return {pipeline::Activation::ofList(std::move(inputs)), training(at::stack(ys))};
 }
 
+void SamplesRead::clear() {
+  samples_.clear();
+  positions_.clear();
+  seen_.clear();
+}
+
+void SamplesRead::note(const std::vector<int64_t>& indices, int64_t begin, int64_t end) {
+  seen_.resize(indices.size(), false);
+  for (int64_t j = begin; j < end; ++j) {
+    if (seen_[static_cast<size_t>(j)]) continue;
+    seen_[static_cast<size_t>(j)] = true;
+    samples_.push_back(indices[static_cast<size_t>(j)]);
+    positions_.push_back(j);
+  }
+}
+
+void SamplesRead::take(std::vector<int64_t>* samples, std::vector<int64_t>* positions) {
+  *samples = std::move(samples_);
+  *positions = std::move(positions_);
+  clear();
+}
+
 }  // namespace runtime
 }  // namespace sinew

@@ -37,5 +37,23 @@ struct MicrobatchReader {
                                                          const Dataset* data = nullptr) const;
 };
 
+// The samples one attempt of a step read (StepResult::samples and samplePositions): each
+// position of the step's global batch once, in the order read (a one-stage pipeline reads a
+// microbatch's inputs and then its targets).
+class SamplesRead {
+ public:
+  // A new attempt: nothing read yet.
+  void clear();
+  // Positions [begin, end) of the step's global batch `indices` were read.
+  void note(const std::vector<int64_t>& indices, int64_t begin, int64_t end);
+  // Moves what the attempt read into `samples` and `positions`.
+  void take(std::vector<int64_t>* samples, std::vector<int64_t>* positions);
+
+ private:
+  std::vector<int64_t> samples_;
+  std::vector<int64_t> positions_;
+  std::vector<bool> seen_;  // by position
+};
+
 }  // namespace runtime
 }  // namespace sinew

@@ -276,8 +276,7 @@ class Trainer::Impl {
         r.gradNorm = scaling_.gradNorm();
         r.skipped = lastSkipped_;
         r.lossScale = scaling_.stepScale();
-        r.samples = std::move(stepSamples_);
-        r.samplePositions = std::move(stepSamplePositions_);
+        samplesRead_.take(&r.samples, &r.samplePositions);
         if (!keepShape) recoverInto(epoch_, /*failure=*/false, "reshape at a step boundary");
       });
       if (!committed && step_ < first) r.rolledBackTo = step_;
@@ -519,27 +518,13 @@ class Trainer::Impl {
   }
 
   // One step; returns false when the coordinator reshapes the job right after it.
-  // Records positions [begin, end) of the step's global batch `indices` as read, each once
-  // (a one-stage pipeline reads a microbatch's inputs and then its targets).
-  void noteSamplesRead(const std::vector<int64_t>& indices, int64_t begin, int64_t end) {
-    stepSampleSeen_.resize(indices.size(), false);
-    for (int64_t j = begin; j < end; ++j) {
-      if (stepSampleSeen_[static_cast<size_t>(j)]) continue;
-      stepSampleSeen_[static_cast<size_t>(j)] = true;
-      stepSamples_.push_back(indices[static_cast<size_t>(j)]);
-      stepSamplePositions_.push_back(j);
-    }
-  }
-
   bool runStep() {
     throwIfSuperseded();
     client_.setProgress(step_, /*waiting=*/false);
     stepStart_ = Clock::now();
     stepWaited_ = 0;
     stepLr_ = o_.lrSchedule ? runtime::scheduledRate(o_.lrSchedule, step_) : -1.0;
-    stepSamples_.clear();
-    stepSamplePositions_.clear();
-    stepSampleSeen_.clear();
+    samplesRead_.clear();
     rss_.phase("schedule");
     if (pipelineMode_) return runPipelineStep();
     const int self = ctx_.worker();
@@ -555,7 +540,7 @@ class Trainer::Impl {
     const double scale = static_cast<double>(o_.microbatch) / static_cast<double>(o_.globalBatch);
     const double lossScale = scaling_.begin();
     for (int64_t m : mine.microbatches) {
-      noteSamplesRead(indices, m * o_.microbatch, (m + 1) * o_.microbatch);
+      samplesRead_.note(indices, m * o_.microbatch, (m + 1) * o_.microbatch);
       auto [x, y] = microbatches_(indices, m);
       at::Tensor loss;
       {
@@ -884,7 +869,7 @@ class Trainer::Impl {
       };
       step.lossScale = lossScale;
       step.data = [&](int64_t m, int64_t begin, int64_t end) {
-        noteSamplesRead(indices, m * o_.microbatch + begin, m * o_.microbatch + end);
+        samplesRead_.note(indices, m * o_.microbatch + begin, m * o_.microbatch + end);
         return microbatches_(indices, m, begin, end);
       };
       step.aroundExchange = trainingExchange();
@@ -960,10 +945,7 @@ class Trainer::Impl {
   runtime::JobTensors jobTensors_;
   runtime::GradientScaling scaling_;  // Registers with jobTensors_: declared after it.
   bool lastSkipped_ = false;          // the last committed step skipped its optimizer step
-  // The samples the current attempt of step_ read (StepResult::samples, samplePositions).
-  std::vector<int64_t> stepSamples_;
-  std::vector<int64_t> stepSamplePositions_;
-  std::vector<bool> stepSampleSeen_;  // by position, this attempt
+  runtime::SamplesRead samplesRead_;  // by the current attempt of step_
   double stepLr_ = -1;                // this step's scheduled rate; -1: no schedule
   double appliedLr_ = 0;  // the rate of the last step's optimizer step (its first group's)
   bool started_ = false;
