@@ -271,10 +271,10 @@ struct StepResult {
   int64_t nextStep = 0;  // the step the next call runs
   // The dataset indices this worker read samples of (inputs or targets) in the attempt of
   // `step` that committed, and each one's position in the step's global batch
-  // (globalBatchIndices(...)[position] == index), in the order read. A data-parallel worker
-  // reads its share of the batch; in a pipeline the first stage reads the inputs and the last
-  // the targets of the pipeline's microbatches (a stage several devices wide: each device its
-  // part). Attempts that a failure ended are not included.
+  // (batchIndices(sampling, seed, step, ...)[position] == index), in the order read. A
+  // data-parallel worker reads its share of the batch; in a pipeline the first stage reads the
+  // inputs and the last the targets of the pipeline's microbatches (a stage several devices wide:
+  // each device its part). Attempts that a failure ended are not included.
   std::vector<int64_t> samples;
   std::vector<int64_t> samplePositions;
 };
