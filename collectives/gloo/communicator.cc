@@ -3,7 +3,7 @@
 // slot's watchers, the deadline timer, failing, the goodbyes and closing.
 
 #include <gloo/common/error.h>
-#include <gloo/rendezvous/context.h>
+#include <gloo/context.h>
 #include <gloo/transport/tcp/device.h>
 
 #include <ATen/ATen.h>
@@ -22,6 +22,7 @@
 #include "sinew/base/parse.h"
 #include "sinew/collectives/gloo/gloo_communicator.h"
 #include "sinew/collectives/gloo/loop_kicker.h"
+#include "sinew/collectives/gloo/pair_mesh.h"
 #include "sinew/collectives/gloo/reduce.h"
 #include "sinew/collectives/prefix_store.h"
 
@@ -111,27 +112,16 @@ void GlooCommunicator::connect(const std::shared_ptr<Store>& store) {
                 " ms: workers", missing.str());
   }
 
-  // 2. Full mesh of TCP pairs through Gloo's rendezvous.
+  // 2. Full mesh of Gloo's pairs, on connections that presented the store's nonce
+  //    (gloo/pair_mesh.h): Gloo's own rendezvous has each pair take whoever connects first.
   try {
     device_ = sharedDevice(options_.hostname);
-    context_ = std::make_shared<gloo::rendezvous::Context>(rank_, size());
-    // Gloo waits up to five times the context's timeout for a pair to connect (the
-    // "initial connect" case of tcp/pair.h's waitUntil): a member whose peer gave up before
-    // connecting to it was held for 5x the init timeout, far past the deadline (a flaky hang
-    // of MemberThatLeavesAsTheMeshConnectsGivesIoError, 1 to 2 plays in 6 runs). With a fifth
-    // of what is left, one such wait ends by the deadline (a second absent peer could add as
-    // much again); the rendezvous' own waits use the deadline (GlooStoreAdapter), and no later
-    // wait uses this timeout (they pass their own).
-    context_->setTimeout(std::max(
-        std::chrono::milliseconds(1),
-        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()) / 5));
-    auto gstore = std::make_shared<PrefixStore>("gloo", prefixed);
-    GlooStoreAdapter adapter(gstore, deadline);
-    LoopKicker kicker(device_);
-    context_->connectFullMesh(adapter, device_);
-  } catch (const gloo::Exception& e) {
+    context_ = connectPairs(
+        prefixed, rank_, size(), options_.hostname, epoch(), deadline, describe(),
+        [this](int r) { return workerOf(r); }, device_);
+  } catch (...) {
     closeContext();
-    SINEW_THROW(IoError, describe(), ": connecting to the members failed: ", e.what());
+    throw;
   }
 
   // 3. Post the control receives and start their watchers. A peer that left right after the

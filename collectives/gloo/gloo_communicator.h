@@ -26,7 +26,7 @@
 //     milliseconds; the operation then sends the Goodbyes and closes.
 
 #include <gloo/common/error.h>
-#include <gloo/rendezvous/context.h>
+#include <gloo/context.h>
 #include <gloo/transport/device.h>
 #include <gloo/transport/unbound_buffer.h>
 
@@ -188,7 +188,7 @@ class GlooCommunicator final : public Communicator {
 
   const GlooOptions gloo_;
   std::shared_ptr<gloo::transport::Device> device_;
-  std::shared_ptr<gloo::rendezvous::Context> context_;
+  std::shared_ptr<gloo::Context> context_;
   std::vector<uint8_t> controlIn_;  // One wire record per peer, written by Gloo.
   std::vector<std::unique_ptr<UnboundBuffer>> controlBufs_;
   std::vector<std::thread> watchers_;

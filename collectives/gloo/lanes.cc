@@ -37,6 +37,8 @@ using transport::Service;
 constexpr uint8_t kHello = 1;
 constexpr uint8_t kWelcome = 2;
 constexpr uint32_t kHelloBytes = 16;  // the connector's rank, which direction (i64 each)
+// The hello's direction of a Gloo pair's connection (Purpose::kGlooPairs); a lane's is 0 or 1.
+constexpr uint64_t kPairDirection = 2;
 // A connection must complete its hello within this (bounded by the overall deadline). Hellos
 // are read side by side, so a stranger that connects and stays silent delays no one; at most
 // kMaxPendingHellos connections wait for theirs at once.
@@ -278,7 +280,8 @@ struct Hello {
 // while more is to come. Throws Corruption saying why the connection is refused (the header
 // is checked, token first, before its payload is read).
 std::optional<Hello> readHello(PendingHello& p, uint64_t nonce, int64_t epoch, int rank, int size,
-                               const std::vector<int>& send, const std::vector<int>& recv) {
+                               bool pairs, const std::vector<int>& send,
+                               const std::vector<int>& recv) {
   auto fill = [&](size_t want) {
     while (p.got < want) {
       const ssize_t rv = ::recv(p.fd.get(), p.buf.data() + p.got, want - p.got, MSG_DONTWAIT);
@@ -304,14 +307,15 @@ std::optional<Hello> readHello(PendingHello& p, uint64_t nonce, int64_t epoch, i
   if (!fill(p.buf.size())) return std::nullopt;
   const uint64_t r = ::sinew::detail::loadLe(p.buf.data() + kFrameHeaderBytes, 8);
   const uint64_t d = ::sinew::detail::loadLe(p.buf.data() + kFrameHeaderBytes + 8, 8);
-  if (r <= uint64_t(rank) || r >= uint64_t(size) || d > 1) {
+  if (r <= uint64_t(rank) || r >= uint64_t(size) || (pairs ? d != kPairDirection : d > 1)) {
     SINEW_THROW(Corruption, "hello from rank ", r, " for direction ", d,
                 ", which may not connect here");
   }
   Hello hello;
   hello.from = static_cast<int>(r);
   hello.dir = static_cast<int>(d);
-  // The connector sends on its direction 0, so this rank receives on it.
+  // The connector sends on its direction 0, so this rank receives on it; a pair's connection
+  // is kept in `send`.
   if ((hello.dir == 0 ? recv : send)[hello.from] >= 0) {
     SINEW_THROW(Corruption, "a second hello from rank ", hello.from, " for direction ", hello.dir);
   }
@@ -332,11 +336,14 @@ struct Lanes::SetUp {
   const std::function<int(int)>& workerOf;
   int buffers;     // socket buffer bytes (0: the kernel's autotuning)
   uint64_t nonce;  // this rank's, as published
+  bool pairs;      // Purpose::kGlooPairs
   std::function<void()> tick;
 
+  std::string key(int r) const { return (pairs ? "pair/" : "lane/") + std::to_string(r); }
   std::string peerName(int r) const {
     std::ostringstream os;
-    os << describe << ": lane to worker " << workerOf(r) << " (rank " << r << ")";
+    os << describe << ": " << (pairs ? "Gloo pair connection" : "lane") << " to worker "
+       << workerOf(r) << " (rank " << r << ")";
     return os.str();
   }
   std::chrono::milliseconds left() const {
@@ -348,8 +355,9 @@ struct Lanes::SetUp {
 Lanes::Lanes(Store& store, int rank, int size, const std::string& host, int64_t epoch,
              Clock::time_point deadline, const std::string& describe,
              const std::function<int(int)>& workerOf, const std::function<bool()>& cancelled,
-             int socketBufferBytes)
-    : send_(size, -1), recv_(size, -1) {
+             int socketBufferBytes, Purpose purpose)
+    : purpose_(purpose), send_(size, -1), recv_(size, -1) {
+  const bool pairs = purpose == Purpose::kGlooPairs;
   const int buffers = usableSocketBufferBytes(socketBufferBytes);
   try {
     wake_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
@@ -376,19 +384,19 @@ Lanes::Lanes(Store& store, int rank, int size, const std::string& host, int64_t 
     // The bound address, not the name: a peer resolving the name on its own host could get
     // another address.
     const uint64_t nonce = drawNonce();
-    const std::string ownKey = "lane/" + std::to_string(rank);
+    const std::string ownKey = (pairs ? "pair/" : "lane/") + std::to_string(rank);
     std::string entry =
         std::string(numeric) + " " + std::to_string(portOf(bound)) + " " + std::to_string(nonce);
     store.set(ownKey, Bytes(entry.begin(), entry.end()));
     // Between the slices of every wait: give up when the owner has failed (a watcher saw the
     // peer die), and let a store that gives up when its epoch is over do so (its wait checks).
-    const SetUp setUp{store, rank, size, epoch, deadline, describe, workerOf, buffers, nonce, [&] {
-                        if (cancelled && cancelled()) {
-                          SINEW_THROW(Aborted, describe,
-                                      ": lane set-up given up: the communicator failed");
-                        }
-                        store.wait({ownKey}, std::chrono::milliseconds(1));
-                      }};
+    const SetUp setUp{
+        store, rank, size, epoch, deadline, describe, workerOf, buffers, nonce, pairs, [&] {
+          if (cancelled && cancelled()) {
+            SINEW_THROW(Aborted, describe, ": lane set-up given up: the communicator failed");
+          }
+          store.wait({ownKey}, std::chrono::milliseconds(1));
+        }};
     connectLower(setUp);
     acceptHigher(setUp, listener.get());
   } catch (...) {
@@ -402,7 +410,7 @@ Lanes::Lanes(Store& store, int rank, int size, const std::string& host, int64_t 
 void Lanes::connectLower(const SetUp& setUp) {
   for (int q = 0; q < setUp.rank; ++q) {
     const std::string what = setUp.peerName(q);
-    const std::string key = "lane/" + std::to_string(q);
+    const std::string key = setUp.key(q);
     for (;;) {
       try {
         setUp.store.wait({key}, std::min<std::chrono::milliseconds>(setUp.left(), kSlice));
@@ -417,7 +425,10 @@ void Lanes::connectLower(const SetUp& setUp) {
     Bytes raw = setUp.store.get(key, setUp.left());
     Entry e = parseEntry(raw, what);
     Resolved addr = resolve(e.host, e.port, what);
-    for (int dir = 0; dir < 2; ++dir) {  // 0: this rank sends on it, 1: it receives
+    // 0: this rank sends on it, 1: it receives; a pair's one connection is kPairDirection.
+    const int first = setUp.pairs ? int(kPairDirection) : 0;
+    const int last = setUp.pairs ? int(kPairDirection) : 1;
+    for (int dir = first; dir <= last; ++dir) {
       Fd s(::socket(addr.family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
       if (s.get() < 0) SINEW_THROW(IoError, what, ": ", errnoText("socket"));
       sizeBuffers(s.get(), setUp.buffers, what);
@@ -450,7 +461,7 @@ void Lanes::connectLower(const SetUp& setUp) {
         SINEW_THROW(Corruption, what, ": expected a welcome of epoch ", setUp.epoch, ", got ",
                     laneFrameTypeName(h.type), " of epoch ", h.epoch);
       }
-      (dir == 0 ? send_ : recv_)[q] = s.release();
+      (dir == 1 ? recv_ : send_)[q] = s.release();
     }
   }
 }
@@ -461,7 +472,7 @@ void Lanes::connectLower(const SetUp& setUp) {
 //    that is not a valid hello is closed.
 void Lanes::acceptHigher(const SetUp& setUp, int listener) {
   std::vector<PendingHello> pending;
-  int missing = 2 * (setUp.size - 1 - setUp.rank);
+  int missing = (setUp.pairs ? 1 : 2) * (setUp.size - 1 - setUp.rank);
   std::string lastRefusal;
   // Reads what `p` sent (when `readable`) and welcomes a whole, valid hello. Returns whether
   // `p` still waits for its hello; false once it was welcomed or refused (and closed).
@@ -469,15 +480,15 @@ void Lanes::acceptHigher(const SetUp& setUp, int listener) {
     try {
       std::optional<Hello> hello;
       if (readable) {
-        hello = readHello(p, setUp.nonce, setUp.epoch, setUp.rank, setUp.size, send_, recv_);
+        hello = readHello(p, setUp.nonce, setUp.epoch, setUp.rank, setUp.size, setUp.pairs, send_,
+                          recv_);
       }
       if (!hello) {
         if (Clock::now() < p.bound) return true;
         SINEW_THROW(Corruption, "no hello within ", kHandshakeBound.count(), " ms");
       }
       const std::string what = setUp.peerName(hello->from);
-      Entry e =
-          parseEntry(setUp.store.get("lane/" + std::to_string(hello->from), setUp.left()), what);
+      Entry e = parseEntry(setUp.store.get(setUp.key(hello->from), setUp.left()), what);
       sendFrame(hello->fd.get(), kWelcome, e.nonce, setUp.epoch, nullptr, 0, setUp.deadline, what,
                 setUp.tick);
       setNoDelay(hello->fd.get());
@@ -492,9 +503,9 @@ void Lanes::acceptHigher(const SetUp& setUp, int listener) {
   while (missing > 0) {
     if (Clock::now() >= setUp.deadline) {
       std::ostringstream os;
-      os << setUp.describe << ": lanes: workers";
+      os << setUp.describe << (setUp.pairs ? ": Gloo pairs" : ": lanes") << ": workers";
       for (int r = setUp.rank + 1; r < setUp.size; ++r) {
-        if (send_[r] < 0 || recv_[r] < 0) os << " " << setUp.workerOf(r);
+        if (!connected(r)) os << " " << setUp.workerOf(r);
       }
       os << " did not connect in time";
       if (!lastRefusal.empty()) os << " (last refused connection: " << lastRefusal << ")";
@@ -545,6 +556,10 @@ void Lanes::acceptHigher(const SetUp& setUp, int listener) {
 }
 
 Lanes::~Lanes() { closeAll(); }
+
+bool Lanes::connected(int peer) const {
+  return send_[peer] >= 0 && (purpose_ == Purpose::kGlooPairs || recv_[peer] >= 0);
+}
 
 void Lanes::closeAll() {
   for (auto* fds : {&send_, &recv_}) {

@@ -19,6 +19,10 @@
 // most 64 waiting at once (a newer connection evicts the oldest): a silent stranger delays no
 // member.
 //
+// The same set-up also makes the connections of Gloo's pairs (Purpose::kGlooPairs: keys
+// "pair/<rank>", one connection per pair, direction 2 in the hello), which the pairs adopt
+// (gloo/pair_mesh.h) instead of listening for whoever connects first.
+//
 // Thread safety: fd() and the set-up are for the owner; wake() may be called from any thread.
 
 #include <chrono>
@@ -35,6 +39,9 @@ namespace collectives {
 class Lanes {
  public:
   using Clock = std::chrono::steady_clock;
+  // kData: the lanes, two connections per pair (sendFd, recvFd). kGlooPairs: one connection
+  // per pair for Gloo's pair to adopt (takePairFd).
+  enum class Purpose { kData, kGlooPairs };
 
   // Connects rank `rank` of `size` to every other rank; `store` is the communicator's own
   // namespace (keys "lane/<rank>"). `describe` prefixes error messages; `workerOf` names a
@@ -51,7 +58,7 @@ class Lanes {
   Lanes(Store& store, int rank, int size, const std::string& host, int64_t epoch,
         Clock::time_point deadline, const std::string& describe,
         const std::function<int(int)>& workerOf, const std::function<bool()>& cancelled = {},
-        int socketBufferBytes = 0);
+        int socketBufferBytes = 0, Purpose purpose = Purpose::kData);
   ~Lanes();
   Lanes(const Lanes&) = delete;
   Lanes& operator=(const Lanes&) = delete;
@@ -70,6 +77,12 @@ class Lanes {
   // segments are processed (measured: 1 MiB exchanges took 1.5-2x longer on one connection).
   int sendFd(int peer) const { return send_.at(peer); }
   int recvFd(int peer) const { return recv_.at(peer); }
+  // Purpose::kGlooPairs: the connection to `peer`, which the caller now owns (-1 once taken).
+  int takePairFd(int peer) {
+    const int fd = send_.at(peer);
+    send_.at(peer) = -1;
+    return fd;
+  }
   // Readable once wake() was called; never drained (a woken communicator is dead).
   int wakeFd() const { return wake_; }
   void wake();
@@ -80,8 +93,11 @@ class Lanes {
   void connectLower(const SetUp& setUp);
   // Step 3: accepts both directions of every higher rank on `listener`.
   void acceptHigher(const SetUp& setUp, int listener);
+  // Whether every connection to `peer` is made.
+  bool connected(int peer) const;
   void closeAll();
 
+  Purpose purpose_;
   std::vector<int> send_;
   std::vector<int> recv_;
   int wake_ = -1;
@@ -89,7 +105,7 @@ class Lanes {
 
 // The names of the lane frames' types (service "collective lane").
 // Types: 1 hello (16-byte payload: the connector's rank, and 0 if the connector sends on the
-// connection or 1 if it receives), 2 welcome (no payload).
+// connection, 1 if it receives, 2 for a Gloo pair's connection), 2 welcome (no payload).
 const char* laneFrameTypeName(uint8_t type);
 
 }  // namespace collectives

@@ -16,10 +16,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iostream>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -27,6 +29,7 @@
 #include "multiproc.h"
 #include "sinew/collectives/gloo/gloo_options.h"
 #include "sinew/collectives/gloo/lanes.h"
+#include "sinew/collectives/gloo/pair_mesh.h"
 #include "sinew/collectives/hash_store.h"
 #include "sinew/collectives/tcp_store.h"
 #include "sinew/collectives/transport/frame.h"
@@ -1184,7 +1187,10 @@ TEST(CommunicatorFailureTest, MemberThatLeavesAsTheMeshConnectsGivesIoError) {
         return 5;  // Built without its peers' lanes.
       }
       if (r == 1) {
-        auto stalling = stallingStore(store, "/gloo/2", gone, 500ms);
+        // It welcomes rank 2's connection only once it has read rank 2's entry (Gloo's own
+        // rendezvous: connects to it once it has read its address).
+        auto stalling = stallingStore(
+            store, gloo_backend::pairsAdoptConnections() ? "/pair/2" : "/gloo/2", gone, 500ms);
         int rc = 0;
         try {
           auto comm = createGlooCommunicator(stalling, o);
@@ -1263,6 +1269,132 @@ TEST(CommunicatorFailureTest, TwoMemberPeerThatDiesDuringLaneSetUpIsLostPromptly
   });
   auto exits = group.waitAll(60s);
   for (auto& e : exits) EXPECT_TRUE(e.exited && e.code == 0) << e.str();
+}
+
+// The TCP ports the processes `pids` listen on (from /proc/net/tcp and tcp6: sockets in the
+// LISTEN state whose inodes are among those processes' descriptors), as host:port for
+// connect(). Only processes this test started are looked at.
+std::vector<sockaddr_storage> listeningPortsOf(const std::vector<pid_t>& pids) {
+  std::set<std::string> inodes;
+  for (pid_t pid : pids) {
+    const std::string dir = "/proc/" + std::to_string(pid) + "/fd";
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+      std::error_code linkError;
+      const std::string target = std::filesystem::read_symlink(entry.path(), linkError).string();
+      if (!linkError && target.rfind("socket:[", 0) == 0) {
+        inodes.insert(target.substr(8, target.size() - 9));
+      }
+    }
+  }
+  std::vector<sockaddr_storage> out;
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      std::istringstream is(line);
+      std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
+      is >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >> timeout >>
+          inode;
+      if (state != "0A" || inodes.count(inode) == 0) continue;  // 0A: LISTEN
+      const size_t colon = local.find(':');
+      const auto port = static_cast<uint16_t>(std::stoul(local.substr(colon + 1), nullptr, 16));
+      sockaddr_storage a{};
+      if (colon == 8) {  // IPv4, the address in host byte order as hex
+        auto* v4 = reinterpret_cast<sockaddr_in*>(&a);
+        v4->sin_family = AF_INET;
+        v4->sin_port = htons(port);
+        v4->sin_addr.s_addr = static_cast<uint32_t>(std::stoul(local.substr(0, 8), nullptr, 16));
+        if (v4->sin_addr.s_addr == 0) v4->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      } else {
+        auto* v6 = reinterpret_cast<sockaddr_in6*>(&a);
+        v6->sin6_family = AF_INET6;
+        v6->sin6_port = htons(port);
+        v6->sin6_addr = in6addr_loopback;
+      }
+      out.push_back(a);
+    }
+  }
+  return out;
+}
+
+// A stranger that scans for listening ports, as any local process can, and connects to every
+// one the members open, as soon as it appears (a tenth of them are sent 48 bytes of noise, the
+// rest nothing, and all stay open), takes nothing from the members: Gloo's pairs and the lanes
+// both wait for a hello with the nonce from the store, so the three members build their
+// communicator and reduce. Every member waits 300 ms before it reads a peer's address, so the
+// stranger is first at every port. Before (Gloo's own rendezvous: each pair listened and took
+// the first connection), the stranger took the pairs and no member built its communicator.
+TEST(CommunicatorFailureTest, StrangersOnTheMembersPortsTakeNoPair) {
+  if (!gloo_backend::pairsAdoptConnections()) {
+    GTEST_SKIP() << "this build's Gloo (one listener per device) connects its pairs itself";
+  }
+  TcpStoreServer server{sinew::testing::serverOptions()};
+  ProcessGroup group;
+  spawnClients(group, server, 3, [&](int r, const std::shared_ptr<Store>& store) {
+    auto slowReader = std::make_shared<HookedStore>(store, [](const std::string& key) {
+      static std::set<std::string> seen;
+      if (key.find("/gloo/") == std::string::npos && key.find("/pair/") == std::string::npos &&
+          key.find("/lane/") == std::string::npos) {
+        return;
+      }
+      if (seen.insert(key).second) std::this_thread::sleep_for(300ms);
+    });
+    auto o = options(workerIds(3), kWorkerBase + r, 0);
+    o.initTimeout = 20s;
+    try {
+      auto comm = createGlooCommunicator(slowReader, o);
+      at::Tensor t = at::full({1000}, double(r + 1), at::kDouble);
+      comm->allreduce(t, ReduceOp::kSum);
+      if (!at::equal(t, at::full({1000}, 6.0, at::kDouble))) {
+        std::cerr << "rank " << r << ": wrong sum " << t[0].item<double>() << std::endl;
+        return 3;
+      }
+      comm->barrier();
+    } catch (const std::exception& e) {
+      std::cerr << "rank " << r << ": " << e.what() << std::endl;
+      return 4;
+    }
+    return 0;
+  });
+  std::vector<pid_t> pids;
+  for (size_t i = 0; i < group.size(); ++i) pids.push_back(group.pid(i));
+
+  std::atomic<bool> stop{false};
+  std::set<std::string> tried;
+  std::vector<int> held;
+  std::thread stranger([&] {
+    while (!stop.load()) {
+      for (const sockaddr_storage& a : listeningPortsOf(pids)) {
+        const std::string key(reinterpret_cast<const char*>(&a), sizeof(a));
+        if (!tried.insert(key).second) continue;
+        int fd = ::socket(a.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        const socklen_t len = a.ss_family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+        if (fd < 0) continue;
+        if (::connect(fd, reinterpret_cast<const sockaddr*>(&a), len) != 0) {
+          ::close(fd);
+          continue;
+        }
+        if (tried.size() % 10 == 0) {
+          const char noise[48] = "GET / HTTP/1.1\r\nHost: sinew\r\n\r\n";
+          (void)::send(fd, noise, sizeof(noise), MSG_NOSIGNAL);
+        }
+        held.push_back(fd);
+      }
+      std::this_thread::sleep_for(2ms);
+    }
+  });
+  auto exits = group.waitAll(60s);
+  stop = true;
+  stranger.join();
+  for (int fd : held) ::close(fd);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(exits[r].exited && exits[r].code == 0) << "rank " << r << " " << exits[r].str();
+  }
+  // The stranger was there: at least one port per member (its lanes' listener, and before,
+  // its pairs).
+  EXPECT_GE(held.size(), 3u) << "the stranger connected to " << held.size() << " ports";
 }
 
 // The communicators of a process share one Gloo device, whose loop thread does not exist in a
