@@ -69,12 +69,13 @@ double parseDuration(const std::string& fault, const std::string& key, const std
 Phase parsePhase(const std::string& fault, const std::string& v) {
   for (Phase p : {Phase::kForward, Phase::kBackward, Phase::kReduce, Phase::kAfterReduce,
                   Phase::kOptimizer, Phase::kSnapshot, Phase::kReplication, Phase::kRecovery,
-                  Phase::kReconfiguration, Phase::kCopy, Phase::kRelease, Phase::kFlush}) {
+                  Phase::kReconfiguration, Phase::kCopy, Phase::kRelease, Phase::kFlush,
+                  Phase::kDone}) {
     if (v == phaseName(p)) return p;
   }
   SINEW_THROW(InvalidArgument, "fault '", fault, "': unknown phase '", v,
               "' (expected forward, backward, reduce, after-reduce, optimizer, snapshot, "
-              "replication, recovery, reconfiguration, copy, release or flush)");
+              "replication, recovery, reconfiguration, copy, release, flush or done)");
 }
 
 }  // namespace
@@ -105,6 +106,8 @@ const char* phaseName(Phase p) {
       return "release";
     case Phase::kFlush:
       return "flush";
+    case Phase::kDone:
+      return "done";
   }
   return "?";
 }
@@ -196,7 +199,8 @@ void FailureInjector::fireSlow(int worker, int64_t step, Phase phase, Coordinato
     bool everyStep = f.kind == Fault::Kind::kSlow && f.step < 0;
     const bool atOrAfter = phase == Phase::kSnapshot || phase == Phase::kReplication ||
                            phase == Phase::kRecovery || phase == Phase::kReconfiguration ||
-                           phase == Phase::kCopy || phase == Phase::kRelease;
+                           phase == Phase::kCopy || phase == Phase::kRelease ||
+                           phase == Phase::kDone;
     bool due = everyStep || (atOrAfter ? step >= f.step : step == f.step);
     if (!due) continue;
     if (!everyStep) {

@@ -431,6 +431,7 @@ class Trainer::Impl {
                              {"training_peak_rss_bytes", trainingPeak}};
       if (o_.memoryByPhase) done["peak_rss_by_phase_bytes"] = phases;
       event(std::move(done));
+      state_.injector.fire(ctx_.worker(), step_, Phase::kDone, &client_);
     }
     TrainResult r = result(preempted);
     comms_->close();

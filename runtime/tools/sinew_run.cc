@@ -293,6 +293,15 @@ int reportJob(const Args& a, sinew::runtime::Coordinator& coordinator,
   const auto st = coordinator.status();
   std::vector<int> dead = st.dead;
   bool ok = st.finished;
+  nlohmann::json outcome = coordinator.outcome();
+  // A worker killed (by a signal) after it reported every step done, in a job that finished
+  // with nothing left to write (no durable version, or the last step's), took nothing the job
+  // committed with it: it does not fail the job. An exit status of its own still does (the
+  // examples exit 1 when their last checkpoint could not be written).
+  const auto lastDurable = outcome.find("last_durable");
+  const bool nothingToWrite =
+      lastDurable == outcome.end() || lastDurable->is_null() ||
+      (lastDurable->is_object() && lastDurable->value("step", int64_t{-1}) == st.committedStep);
   for (size_t i = 0; i < gChildren.size(); ++i) {
     const auto found = statusByPid.find(gChildren[i]);
     const int s = found == statusByPid.end() ? 0 : found->second;
@@ -307,20 +316,24 @@ int reportJob(const Args& a, sinew::runtime::Coordinator& coordinator,
     if (gSignals >= 2) declaredDead = false;
     // 75: the worker left a job that stopped at a step boundary (Context::finishJob()).
     bool clean = WIFEXITED(s) && (WEXITSTATUS(s) == 0 || (WEXITSTATUS(s) == 75 && st.stopped));
-    if (!clean && !declaredDead && !released) ok = false;
+    const bool killedWhenDone =
+        WIFSIGNALED(s) && gSignals < 2 && st.finished && !st.stopped && !st.failed &&
+        nothingToWrite && std::find(st.done.begin(), st.done.end(), w) != st.done.end();
+    if (!clean && !declaredDead && !released && !killedWhenDone) ok = false;
     if (!clean) {
       std::printf("sinew-run: worker %d (pid %d) %s%s\n", w, static_cast<int>(gChildren[i]),
                   how.c_str(),
                   declaredDead    ? " (declared dead; the job went on without it)"
                   : gSignals >= 2 ? " (sinew-run killed it: a second SIGTERM or SIGINT)"
                   : released      ? " (released by the job before; the job went on without it)"
-                                  : "");
+                  : killedWhenDone
+                      ? " (after it had reported every step done; the job had finished)"
+                      : "");
     }
   }
   // The job's outcome as its coordinator saw it, failed too when a worker it did not declare
   // dead exited badly or the launcher had to kill the job; in <log-dir>/outcome.json.
   if (deadlineKilled) ok = false;
-  nlohmann::json outcome = coordinator.outcome();
   if (!ok && outcome.value("outcome", std::string()) != "failed") {
     outcome["outcome"] = "failed";
     outcome["reason"] = gSignals >= 2 ? "a second SIGTERM or SIGINT: sinew-run killed every worker"
