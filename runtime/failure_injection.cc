@@ -67,10 +67,10 @@ double parseDuration(const std::string& fault, const std::string& key, const std
 }
 
 Phase parsePhase(const std::string& fault, const std::string& v) {
-  for (Phase p : {Phase::kForward, Phase::kBackward, Phase::kReduce, Phase::kAfterReduce,
-                  Phase::kOptimizer, Phase::kSnapshot, Phase::kReplication, Phase::kRecovery,
-                  Phase::kReconfiguration, Phase::kCopy, Phase::kRelease, Phase::kFlush,
-                  Phase::kDone}) {
+  for (Phase p :
+       {Phase::kForward, Phase::kBackward, Phase::kReduce, Phase::kAfterReduce, Phase::kOptimizer,
+        Phase::kSnapshot, Phase::kReplication, Phase::kRecovery, Phase::kReconfiguration,
+        Phase::kCopy, Phase::kRelease, Phase::kFlush, Phase::kDone}) {
     if (v == phaseName(p)) return p;
   }
   SINEW_THROW(InvalidArgument, "fault '", fault, "': unknown phase '", v,

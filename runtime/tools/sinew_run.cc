@@ -316,19 +316,18 @@ int reportJob(const Args& a, sinew::runtime::Coordinator& coordinator,
     if (gSignals >= 2) declaredDead = false;
     // 75: the worker left a job that stopped at a step boundary (Context::finishJob()).
     bool clean = WIFEXITED(s) && (WEXITSTATUS(s) == 0 || (WEXITSTATUS(s) == 75 && st.stopped));
-    const bool killedWhenDone =
-        WIFSIGNALED(s) && gSignals < 2 && st.finished && !st.stopped && !st.failed &&
-        nothingToWrite && std::find(st.done.begin(), st.done.end(), w) != st.done.end();
+    const bool killedWhenDone = WIFSIGNALED(s) && gSignals < 2 && st.finished && !st.stopped &&
+                                !st.failed && nothingToWrite &&
+                                std::find(st.done.begin(), st.done.end(), w) != st.done.end();
     if (!clean && !declaredDead && !released && !killedWhenDone) ok = false;
     if (!clean) {
-      std::printf("sinew-run: worker %d (pid %d) %s%s\n", w, static_cast<int>(gChildren[i]),
-                  how.c_str(),
-                  declaredDead    ? " (declared dead; the job went on without it)"
-                  : gSignals >= 2 ? " (sinew-run killed it: a second SIGTERM or SIGINT)"
-                  : released      ? " (released by the job before; the job went on without it)"
-                  : killedWhenDone
-                      ? " (after it had reported every step done; the job had finished)"
-                      : "");
+      std::printf(
+          "sinew-run: worker %d (pid %d) %s%s\n", w, static_cast<int>(gChildren[i]), how.c_str(),
+          declaredDead     ? " (declared dead; the job went on without it)"
+          : gSignals >= 2  ? " (sinew-run killed it: a second SIGTERM or SIGINT)"
+          : released       ? " (released by the job before; the job went on without it)"
+          : killedWhenDone ? " (after it had reported every step done; the job had finished)"
+                           : "");
     }
   }
   // The job's outcome as its coordinator saw it, failed too when a worker it did not declare

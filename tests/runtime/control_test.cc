@@ -865,18 +865,17 @@ TEST(ControlJobTest, AReleasedWorkerKilledBeforeItExitsFailsNothing) {
 // when a trace's loss fell at the job's last moment.
 TEST(ControlJobTest, AWorkerKilledAfterItWasDoneFailsNothing) {
   const std::string dir = logDir("killed-when-done");
-  Child job = start({SINEW_RUN_PATH, "-n", "3", "--log-dir", dir, "--quiet", "--inject",
-                     "kill:worker=1:step=0:phase=done", TRAIN_DP_PATH, "--steps", "30",
-                     "--no-reference"},
-                    {});
+  Child job =
+      start({SINEW_RUN_PATH, "-n", "3", "--log-dir", dir, "--quiet", "--inject",
+             "kill:worker=1:step=0:phase=done", TRAIN_DP_PATH, "--steps", "30", "--no-reference"},
+            {});
   JobRun run = finish(job, 180s);
   EXPECT_FALSE(run.timedOut);
   EXPECT_EQ(run.exitCode, 0) << run.output;
   EXPECT_NE(run.output.find("killed by signal 9 (after it had reported every step done"),
             std::string::npos)
       << run.output;
-  EXPECT_NE(run.output.find("sinew-run: job finished at step 30"), std::string::npos)
-      << run.output;
+  EXPECT_NE(run.output.find("sinew-run: job finished at step 30"), std::string::npos) << run.output;
 }
 
 TEST(ControlJobTest, DrainSignalsStopTheJobOrReleaseAWorker) {
