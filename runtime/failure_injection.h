@@ -20,17 +20,18 @@
 //                                           the receiver must notice and the copy be tried again
 // worker is the launch rank (or `*` for every worker); phase is one of forward, backward,
 // reduce, after-reduce, optimizer, snapshot, replication, recovery, reconfiguration, copy,
-// release, flush, done (default forward). forward to optimizer fire at exactly `step`; the others fire at
-// the first occasion at or after `step`, since a writer may skip a version (its previous flush
-// still running) and a failure may come at any step: `snapshot` while a checkpoint writer copies a
-// version to host memory; `replication` on a pipeline worker's replication thread before it
-// sends a peer-RAM version; `recovery` in the first recovery after a failure; `reconfiguration`
+// release, flush, done (default forward). forward to optimizer fire at exactly `step`; the others
+// fire at the first occasion at or after `step`, since a writer may skip a version (its previous
+// flush still running) and a failure may come at any step: `snapshot` while a checkpoint writer
+// copies a version to host memory; `replication` on a pipeline worker's replication thread before
+// it sends a peer-RAM version; `recovery` in the first recovery after a failure; `reconfiguration`
 // when an epoch after the first is announced (a failure, a join, a leave), before the worker
 // builds its communicator; `copy` in a pipeline relayout between the layer manifests and the
 // tensors; `release` once this worker has left the job at its word (released by a resize or
 // a drain, or the job stopped), before it writes its last checkpoint and exits; `flush` on the
 // checkpoint flush thread before it writes version `step` (exactly), or every version when a slow
-// has no step; `done` once this worker has reported every step done, before it closes and exits. Each fault except an every-step slow fires once.
+// has no step; `done` once this worker has reported every step done, before it closes and exits.
+// Each fault except an every-step slow fires once.
 //
 // With no faults, fire() is one inlined emptiness check: zero cost when unset.
 //
