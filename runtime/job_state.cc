@@ -895,7 +895,9 @@ void JobState::checkFinished() {
     persistState();
     log("job finished at step " + std::to_string(committed_) + " in epoch " +
         std::to_string(epoch_));
-    event({{"event", "finished"}, {"step", committed_}, {"epoch", epoch_},
+    event({{"event", "finished"},
+           {"step", committed_},
+           {"epoch", epoch_},
            {"goodput", goodputJson(now_)}});
     // A copy: declareDead erases from pendingJoin_.
     const std::vector<int> joiners = pendingJoin_;
