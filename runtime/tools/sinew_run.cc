@@ -34,6 +34,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -214,6 +215,8 @@ Args parse(int argc, char** argv) {
 // a process-wide table is the natural owner). Its capacity is reserved for --max-workers up
 // front, so that starting a joiner never moves it under a running handler.
 std::vector<pid_t> gChildren;
+// Workers this launcher killed because they outlived the exit grace (their exit fails the job).
+std::set<pid_t> gGraceKilled;
 // Set by --drain-signal's handler; the main loop asks the coordinator to stop.
 volatile sig_atomic_t gDrainSignal = 0;
 void onDrainSignal(int) { gDrainSignal = 1; }
@@ -297,7 +300,8 @@ int reportJob(const Args& a, sinew::runtime::Coordinator& coordinator,
   // A worker killed (by a signal) after it reported every step done, in a job that finished
   // with nothing left to write (no durable version, or the last step's), took nothing the job
   // committed with it: it does not fail the job. An exit status of its own still does (the
-  // examples exit 1 when their last checkpoint could not be written).
+  // examples exit 1 when their last checkpoint could not be written), and so does a worker
+  // this launcher had to kill for outliving the exit grace.
   const auto lastDurable = outcome.find("last_durable");
   const bool nothingToWrite =
       lastDurable == outcome.end() || lastDurable->is_null() ||
@@ -316,8 +320,9 @@ int reportJob(const Args& a, sinew::runtime::Coordinator& coordinator,
     if (gSignals >= 2) declaredDead = false;
     // 75: the worker left a job that stopped at a step boundary (Context::finishJob()).
     bool clean = WIFEXITED(s) && (WEXITSTATUS(s) == 0 || (WEXITSTATUS(s) == 75 && st.stopped));
-    const bool killedWhenDone = WIFSIGNALED(s) && gSignals < 2 && st.finished && !st.stopped &&
-                                !st.failed && nothingToWrite &&
+    const bool killedWhenDone = WIFSIGNALED(s) && gSignals < 2 &&
+                                gGraceKilled.count(gChildren[i]) == 0 && st.finished &&
+                                !st.stopped && !st.failed && nothingToWrite &&
                                 std::find(st.done.begin(), st.done.end(), w) != st.done.end();
     if (!clean && !declaredDead && !released && !killedWhenDone) ok = false;
     if (!clean) {
@@ -621,6 +626,7 @@ int main(int argc, char** argv) {
             "killing it\n",
             workerOf(i, cs), static_cast<int>(gChildren[i]), a.exitGrace);
         ::kill(gChildren[i], SIGKILL);  // Our own child, by PID.
+        gGraceKilled.insert(gChildren[i]);
       }
       std::fflush(stdout);
     }
