@@ -195,6 +195,9 @@ uint64_t drawNonce() {
   return v;
 }
 
+// The store key of rank r's entry: "lane/<r>", or "pair/<r>" for Purpose::kGlooPairs.
+std::string entryKey(bool pairs, int r) { return (pairs ? "pair/" : "lane/") + std::to_string(r); }
+
 struct Entry {
   std::string host;
   uint16_t port = 0;
@@ -339,7 +342,7 @@ struct Lanes::SetUp {
   bool pairs;      // Purpose::kGlooPairs
   std::function<void()> tick;
 
-  std::string key(int r) const { return (pairs ? "pair/" : "lane/") + std::to_string(r); }
+  std::string key(int r) const { return entryKey(pairs, r); }
   std::string peerName(int r) const {
     std::ostringstream os;
     os << describe << ": " << (pairs ? "Gloo pair connection" : "lane") << " to worker "
@@ -384,7 +387,7 @@ Lanes::Lanes(Store& store, int rank, int size, const std::string& host, int64_t 
     // The bound address, not the name: a peer resolving the name on its own host could get
     // another address.
     const uint64_t nonce = drawNonce();
-    const std::string ownKey = (pairs ? "pair/" : "lane/") + std::to_string(rank);
+    const std::string ownKey = entryKey(pairs, rank);
     std::string entry =
         std::string(numeric) + " " + std::to_string(portOf(bound)) + " " + std::to_string(nonce);
     store.set(ownKey, Bytes(entry.begin(), entry.end()));
