@@ -872,9 +872,17 @@ TEST(ControlJobTest, AWorkerKilledAfterItWasDoneFailsNothing) {
   JobRun run = finish(job, 180s);
   EXPECT_FALSE(run.timedOut);
   EXPECT_EQ(run.exitCode, 0) << run.output;
-  EXPECT_NE(run.output.find("killed by signal 9 (after it had reported every step done"),
-            std::string::npos)
-      << run.output;
+  // The done message is posted, not awaited: the kill can close the connection before it
+  // leaves, and the coordinator then declares the worker dead after the last commit (a CI run
+  // saw it). Either way the job finished without needing it, and sinew-run says which.
+  const bool afterDone =
+      run.output.find("killed by signal 9 (after it had reported every step done") !=
+      std::string::npos;
+  const bool deadAfterLastCommit =
+      run.output.find("died after the last step was committed") != std::string::npos &&
+      run.output.find("killed by signal 9 (declared dead; the job went on without it)") !=
+          std::string::npos;
+  EXPECT_TRUE(afterDone || deadAfterLastCommit) << run.output;
   EXPECT_NE(run.output.find("sinew-run: job finished at step 30"), std::string::npos) << run.output;
 }
 
