@@ -12,7 +12,9 @@
 // <log-dir>/coordinator.json holds the coordinator's endpoint and token, so another worker
 // can join the running job (SINEW_COORDINATOR=host:port SINEW_TOKEN=token program args...),
 // and the control API's address and token (docs/control_api.md), which sinewctl reads. A
-// resize that grows the job makes sinew-run start joiners, up to --max-workers in all.
+// resize that grows the job makes sinew-run start joiners, up to --max-workers in all. The
+// coordinator lives in this process: sinew-run stays while the job goes on, also after every
+// worker it started has exited, as long as workers that joined from outside are connected.
 
 #include <fcntl.h>
 #include <poll.h>
@@ -368,6 +370,309 @@ int reportJob(const Args& a, sinew::runtime::Coordinator& coordinator,
   return !ok ? 1 : st.stopped ? 75 : 0;
 }
 
+// Joiners a resize asked for: the coordinator counts them (under its lock, so it must not
+// fork), the launcher's loop starts them.
+struct JoinerRequests {
+  std::atomic<int> wanted{0};
+  std::atomic<int> granted{0};
+};
+
+// The coordinator's options from the command line. With the control API, a resize that
+// grows the job asks `joiners` for workers, up to --max-workers in all.
+sinew::runtime::CoordinatorOptions coordinatorOptions(const Args& a, JoinerRequests& joiners) {
+  sinew::runtime::CoordinatorOptions co;
+  co.expectedWorkers = a.workers;
+  co.heartbeatInterval = std::chrono::milliseconds(a.heartbeatMs);
+  co.deadAfter = std::chrono::milliseconds(a.deadAfterMs);
+  co.progressFloor = std::chrono::milliseconds(a.stepDeadlineMs);
+  co.progressFactor = a.stepDeadlineFactor;
+  co.eventLogPath = a.logDir + "/coordinator-events.jsonl";
+  co.log = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
+  if (!a.noControl) {
+    co.controlPort = a.controlPort;
+    co.controlHost = a.controlHost;
+    co.controlTimeout = std::chrono::milliseconds(a.controlTimeoutMs);
+    // A scheduler may give the tokens (docs/control_api.md); its child processes never see them.
+    if (const char* t = std::getenv("SINEW_CONTROL_TOKEN")) co.controlToken = t;
+    if (const char* t = std::getenv("SINEW_CONTROL_READ_TOKEN")) co.controlReadToken = t;
+    co.startWorkers = [&a, &joiners](int count) {
+      const int room = a.maxWorkers - a.workers - joiners.granted.load();
+      const int n = std::max(0, std::min(count, room));
+      joiners.granted += n;
+      joiners.wanted += n;
+      return n;
+    };
+  }
+  return co;
+}
+
+// Starts the workers, echoes their output, reaps them, keeps every wait to its deadline and
+// reports how the job ended.
+class Launcher {
+ public:
+  Launcher(const Args& a, sinew::runtime::Coordinator& coordinator, JoinerRequests& joiners)
+      : a_(a), coordinator_(coordinator), joiners_(joiners) {
+    char token[32];
+    std::snprintf(token, sizeof(token), "%llx",
+                  static_cast<unsigned long long>(coordinator.token()));
+    token_ = token;
+    endpoint_ = coordinator.host() + ":" + std::to_string(coordinator.port());
+  }
+
+  const std::string& endpoint() const { return endpoint_; }
+
+  // Starts one worker: launch rank `rank`, or a joiner (-1). False if it could not.
+  bool start(int rank);
+
+  // Echoes and logs every worker's output until all pipes close and no more workers start.
+  void startEchoing() {
+    reader_ = std::thread([this] { echoOutputs(streams_, streamsMu_, noMoreWorkers_, a_.quiet); });
+  }
+
+  // Reaps the workers until every one it started has exited and the job needs none of them
+  // (see keepsRunning()), then says how the job ended; returns sinew-run's exit status.
+  int supervise();
+
+ private:
+  // The worker id of child i: its launch rank, or the id the coordinator gave the joiner.
+  int workerOf(size_t i, const sinew::runtime::CoordinatorStatus& cs) const {
+    if (launchRank_[i] >= 0) return launchRank_[i];
+    for (const auto& [id, pid] : cs.pids) {
+      if (pid == gChildren[i]) return id;
+    }
+    return -1;
+  }
+  // Asks the coordinator to stop the job within `deadline` seconds. False while nothing can
+  // stop yet (before the first epoch): the caller asks again at the next turn, until the stop
+  // is taken or the job has ended.
+  bool askStop(double deadline, sinew::runtime::ControlReply* reply) {
+    *reply = coordinator_.stop(deadline);
+    const auto cs = coordinator_.status();
+    return reply->status == 200 || cs.finished || (cs.epoch >= 0 && cs.members.empty());
+  }
+  // The job's deadline (--deadline-s, then 60 s to stop) and the drain signal.
+  void checkDeadlineAndDrain(std::chrono::steady_clock::time_point now);
+  // Once the job has ended: --exit-grace-s for every worker to exit, and 2 s for workers it
+  // declared dead that still run (their training thread stalled, docs/failure_semantics.md
+  // rule 1) to learn they were expelled; then each is killed by its PID.
+  void checkExits(std::chrono::steady_clock::time_point now,
+                  const sinew::runtime::CoordinatorStatus& cs);
+  // Whether to go on once every worker this launcher started has exited: while the job has
+  // not ended and workers that joined from outside (SINEW_COORDINATOR, started by someone
+  // else) are still connected, the job goes on with them and its coordinator must stay.
+  bool keepsRunning(const sinew::runtime::CoordinatorStatus& cs) const {
+    const bool ended = cs.finished || (cs.epoch >= 0 && cs.members.empty());
+    return !ended && cs.connected > 0 && gSignals < 2 && !deadlineKilled_;
+  }
+
+  const Args& a_;
+  sinew::runtime::Coordinator& coordinator_;
+  JoinerRequests& joiners_;
+  std::string token_;
+  std::string endpoint_;
+  std::mutex streamsMu_;
+  std::vector<Stream> streams_;  // Guarded by streamsMu_.
+  std::vector<int> launchRank_;  // per child: its launch rank, or -1 for a joiner
+  int joinerCount_ = 0;
+  std::atomic<bool> noMoreWorkers_{false};
+  std::thread reader_;
+  std::map<pid_t, int> status_;  // exit statuses of the children reaped, by PID
+  const std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
+  bool drainAsked_ = false;
+  // Every wait has a deadline (docs/failure_semantics.md, rule 11).
+  bool deadlineStop_ = false, deadlineKilled_ = false, graceKilled_ = false;
+  bool graceRunning_ = false, killedStragglers_ = false;
+  std::chrono::steady_clock::time_point graceSince_{}, endedAt_{}, quietAt_{};
+};
+
+bool Launcher::start(int rank) {
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) {
+    std::perror("sinew-run: pipe");
+    return false;
+  }
+  const std::string label =
+      rank >= 0 ? "worker " + std::to_string(rank) : "joiner " + std::to_string(++joinerCount_);
+  const std::string logName = rank >= 0 ? "worker-" + std::to_string(rank) + ".log"
+                                        : "joiner-" + std::to_string(joinerCount_) + ".log";
+  // Everything the child needs is built before fork(): between fork and exec it only makes
+  // async-signal-safe calls (other threads may hold locks that would never be released).
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string kv = *e;
+    const std::string key = kv.substr(0, kv.find('='));
+    if (key == "SINEW_COORDINATOR" || key == "SINEW_TOKEN" || key == "SINEW_WORKER_ID" ||
+        key == "SINEW_LOG_DIR" || key == "SINEW_CONTROL_TOKEN" ||
+        key == "SINEW_CONTROL_READ_TOKEN" || (key == "SINEW_INJECT" && !a_.inject.empty()) ||
+        (key == "SINEW_MAX_WORKERS" && a_.maxWorkersGiven)) {
+      continue;
+    }
+    env.push_back(kv);
+  }
+  env.push_back("SINEW_COORDINATOR=" + endpoint_);
+  env.push_back("SINEW_TOKEN=" + token_);
+  if (rank >= 0) env.push_back("SINEW_WORKER_ID=" + std::to_string(rank));
+  env.push_back("SINEW_LOG_DIR=" + a_.logDir);
+  if (!std::getenv("SINEW_NODE")) {
+    env.push_back("SINEW_NODE=" + (rank >= 0 ? "local-" + std::to_string(rank)
+                                             : "local-joiner-" + std::to_string(joinerCount_)));
+  }
+  if (!a_.inject.empty()) env.push_back("SINEW_INJECT=" + a_.inject);
+  // Pipeline jobs plan templates for the workers the job may grow to
+  // (TrainerOptions::maxWorkers).
+  if (a_.maxWorkersGiven) env.push_back("SINEW_MAX_WORKERS=" + std::to_string(a_.maxWorkers));
+  std::vector<char*> envp;
+  for (auto& kv : env) envp.push_back(const_cast<char*>(kv.c_str()));
+  envp.push_back(nullptr);
+  std::vector<char*> args;
+  for (auto& arg : a_.program) args.push_back(const_cast<char*>(arg.c_str()));
+  args.push_back(nullptr);
+  const std::string cannot = "sinew-run: cannot run " + a_.program[0] + "\n";
+  std::fflush(nullptr);
+  pid_t pid = ::fork();
+  if (pid < 0) {
+    std::perror("sinew-run: fork");
+    ::close(fds[0]);
+    ::close(fds[1]);
+    return false;
+  }
+  if (pid == 0) {
+    ::dup2(fds[1], 1);
+    ::dup2(fds[1], 2);
+    ::execvpe(args[0], args.data(), envp.data());
+    (void)!::write(2, cannot.data(), cannot.size());
+    _exit(127);
+  }
+  ::close(fds[1]);
+  gChildren.push_back(pid);
+  launchRank_.push_back(rank);
+  std::string logPath = a_.logDir + "/" + logName;
+  {
+    std::lock_guard<std::mutex> lock(streamsMu_);
+    streams_.push_back({fds[0], label, "", std::fopen(logPath.c_str(), "we")});
+  }
+  std::printf("sinew-run: %s pid %d log %s\n", label.c_str(), pid, logPath.c_str());
+  std::fflush(stdout);
+  return true;
+}
+
+void Launcher::checkDeadlineAndDrain(std::chrono::steady_clock::time_point now) {
+  if (a_.deadline > 0 && !deadlineStop_ &&
+      now - started_ > std::chrono::duration<double>(a_.deadline)) {
+    sinew::runtime::ControlReply reply;
+    if (askStop(60, &reply)) {
+      deadlineStop_ = true;
+      std::printf(
+          "sinew-run: the job's deadline of %g s passed: stopping it at the next step "
+          "boundary (%s)\n",
+          a_.deadline, reply.body.dump().c_str());
+      std::fflush(stdout);
+    }
+  }
+  if (a_.deadline > 0 && !deadlineKilled_ &&
+      now - started_ > std::chrono::duration<double>(a_.deadline + 60)) {
+    deadlineKilled_ = true;
+    std::printf("sinew-run: the job did not stop within 60 s of its deadline; killing it\n");
+    std::fflush(stdout);
+    for (pid_t p : gChildren) {
+      if (!status_.count(p)) ::kill(p, SIGKILL);  // Our own children, by PID.
+    }
+  }
+  if (gDrainSignal && !drainAsked_) {
+    sinew::runtime::ControlReply reply;
+    if (askStop(a_.drainDeadline, &reply)) {
+      drainAsked_ = true;
+      std::printf("sinew-run: drain signal: stopping the job within %.0f s: %s\n", a_.drainDeadline,
+                  reply.body.dump().c_str());
+      std::fflush(stdout);
+    }
+  }
+}
+
+void Launcher::checkExits(std::chrono::steady_clock::time_point now,
+                          const sinew::runtime::CoordinatorStatus& cs) {
+  const bool ended = cs.finished || (cs.epoch >= 0 && cs.members.empty());
+  bool onlyDeadLeft = true;
+  for (size_t i = 0; i < gChildren.size(); ++i) {
+    if (status_.count(gChildren[i])) continue;
+    const int w = workerOf(i, cs);
+    onlyDeadLeft = onlyDeadLeft && std::find(cs.dead.begin(), cs.dead.end(), w) != cs.dead.end();
+  }
+  // Released workers may still be writing their last checkpoint: the grace starts when they
+  // are gone (and ten graces after the end in any case).
+  const std::chrono::steady_clock::time_point never{};
+  if (ended && endedAt_ == never) endedAt_ = now;
+  if (ended && cs.releasedRunning.empty() && quietAt_ == never) quietAt_ = now;
+  const auto grace = std::chrono::duration<double>(a_.exitGrace);
+  if (ended && !graceKilled_ &&
+      ((quietAt_ != never && now - quietAt_ > grace) || now - endedAt_ > 10 * grace)) {
+    graceKilled_ = true;
+    for (size_t i = 0; i < gChildren.size(); ++i) {
+      if (status_.count(gChildren[i])) continue;
+      std::printf(
+          "sinew-run: worker %d (pid %d) still runs %.0f s after the job ended; "
+          "killing it\n",
+          workerOf(i, cs), static_cast<int>(gChildren[i]), a_.exitGrace);
+      ::kill(gChildren[i], SIGKILL);  // Our own child, by PID.
+      gGraceKilled.insert(gChildren[i]);
+    }
+    std::fflush(stdout);
+  }
+  if (!(ended && onlyDeadLeft)) graceRunning_ = false;
+  if (ended && onlyDeadLeft && !killedStragglers_) {
+    if (!graceRunning_) {
+      graceRunning_ = true;
+      graceSince_ = now;
+    }
+    if (now - graceSince_ > std::chrono::seconds(2)) {
+      for (size_t i = 0; i < gChildren.size(); ++i) {
+        if (status_.count(gChildren[i])) continue;
+        std::printf(
+            "sinew-run: worker %d was declared dead and still runs after the job "
+            "ended; killing pid %d\n",
+            workerOf(i, cs), static_cast<int>(gChildren[i]));
+        ::kill(gChildren[i], SIGKILL);  // Our own child, by PID.
+      }
+      std::fflush(stdout);
+      killedStragglers_ = true;
+    }
+  }
+}
+
+int Launcher::supervise() {
+  while (true) {
+    const auto now = std::chrono::steady_clock::now();
+    checkDeadlineAndDrain(now);
+    for (int want = joiners_.wanted.exchange(0); want > 0 && gSignals == 0; --want) {
+      if (!start(-1)) break;
+    }
+    const bool ownRunning = status_.size() < gChildren.size();
+    if (ownRunning) {
+      int st = 0;
+      const pid_t p = ::waitpid(-1, &st, WNOHANG);
+      if (p < 0 && errno == EINTR) continue;
+      if (p < 0) break;
+      if (p > 0) {
+        status_[p] = st;
+        continue;
+      }
+    }
+    const auto cs = coordinator_.status();
+    if (!ownRunning && joiners_.wanted.load() == 0 && !keepsRunning(cs)) break;
+    checkExits(now, cs);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  noMoreWorkers_ = true;
+  reader_.join();
+  for (auto& s : streams_) {
+    if (s.log) std::fclose(s.log);
+  }
+  return reportJob(
+      a_, coordinator_, status_,
+      [this](size_t i, const sinew::runtime::CoordinatorStatus& cs) { return workerOf(i, cs); },
+      deadlineKilled_);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -385,130 +690,24 @@ int main(int argc, char** argv) {
   if (ec) usage("cannot create --log-dir " + a.logDir + ": " + ec.message());
   gChildren.reserve(a.maxWorkers);
 
-  // Joiners a resize asked for: the coordinator counts them here (under its lock, so it must
-  // not fork), the main loop starts them.
-  std::atomic<int> joinersWanted{0};
-  std::atomic<int> joinersGranted{0};
-
-  sinew::runtime::CoordinatorOptions co;
-  co.expectedWorkers = a.workers;
-  co.heartbeatInterval = std::chrono::milliseconds(a.heartbeatMs);
-  co.deadAfter = std::chrono::milliseconds(a.deadAfterMs);
-  co.progressFloor = std::chrono::milliseconds(a.stepDeadlineMs);
-  co.progressFactor = a.stepDeadlineFactor;
-  co.eventLogPath = a.logDir + "/coordinator-events.jsonl";
-  co.log = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
-  if (!a.noControl) {
-    co.controlPort = a.controlPort;
-    co.controlHost = a.controlHost;
-    co.controlTimeout = std::chrono::milliseconds(a.controlTimeoutMs);
-    // A scheduler may give the tokens (docs/control_api.md); its child processes never see them.
-    if (const char* t = std::getenv("SINEW_CONTROL_TOKEN")) co.controlToken = t;
-    if (const char* t = std::getenv("SINEW_CONTROL_READ_TOKEN")) co.controlReadToken = t;
-    co.startWorkers = [&](int count) {
-      const int room = a.maxWorkers - a.workers - joinersGranted.load();
-      const int n = std::max(0, std::min(count, room));
-      joinersGranted += n;
-      joinersWanted += n;
-      return n;
-    };
-  }
-  std::unique_ptr<sinew::runtime::Coordinator> coordinatorOwner;
+  JoinerRequests joiners;
+  std::unique_ptr<sinew::runtime::Coordinator> coordinator;
   try {
-    coordinatorOwner = std::make_unique<sinew::runtime::Coordinator>(co);
-    sinew::runtime::writeCoordinatorJson(*coordinatorOwner, a.logDir + "/coordinator.json");
+    coordinator = std::make_unique<sinew::runtime::Coordinator>(coordinatorOptions(a, joiners));
+    sinew::runtime::writeCoordinatorJson(*coordinator, a.logDir + "/coordinator.json");
   } catch (const std::exception& e) {
     std::fprintf(stderr, "sinew-run: %s\n", e.what());
     return 1;
   }
-  sinew::runtime::Coordinator& coordinator = *coordinatorOwner;
-  char token[32];
-  std::snprintf(token, sizeof(token), "%llx", static_cast<unsigned long long>(coordinator.token()));
-  std::string endpoint = coordinator.host() + ":" + std::to_string(coordinator.port());
-  std::printf("sinew-run: coordinator at %s, %d workers, logs in %s\n", endpoint.c_str(), a.workers,
-              a.logDir.c_str());
-  if (coordinator.controlPort() != 0) {
+  Launcher launcher(a, *coordinator, joiners);
+  std::printf("sinew-run: coordinator at %s, %d workers, logs in %s\n", launcher.endpoint().c_str(),
+              a.workers, a.logDir.c_str());
+  if (coordinator->controlPort() != 0) {
     std::printf("sinew-run: control API at http://%s:%d (token in %s/coordinator.json)\n",
-                coordinator.controlHost().c_str(), coordinator.controlPort(), a.logDir.c_str());
+                coordinator->controlHost().c_str(), coordinator->controlPort(), a.logDir.c_str());
   }
-
-  std::mutex streamsMu;
-  std::vector<Stream> streams;  // Guarded by streamsMu.
-  std::vector<int> launchRank;  // per child: its launch rank, or -1 for a joiner
-  int joinerCount = 0;
-  // Starts one worker: launch rank `rank`, or a joiner (-1). False if it could not.
-  auto start = [&](int rank) {
-    int fds[2];
-    if (::pipe2(fds, O_CLOEXEC) != 0) {
-      std::perror("sinew-run: pipe");
-      return false;
-    }
-    const std::string label =
-        rank >= 0 ? "worker " + std::to_string(rank) : "joiner " + std::to_string(++joinerCount);
-    const std::string logName = rank >= 0 ? "worker-" + std::to_string(rank) + ".log"
-                                          : "joiner-" + std::to_string(joinerCount) + ".log";
-    // Everything the child needs is built before fork(): between fork and exec it only makes
-    // async-signal-safe calls (other threads may hold locks that would never be released).
-    std::vector<std::string> env;
-    for (char** e = environ; *e != nullptr; ++e) {
-      const std::string kv = *e;
-      const std::string key = kv.substr(0, kv.find('='));
-      if (key == "SINEW_COORDINATOR" || key == "SINEW_TOKEN" || key == "SINEW_WORKER_ID" ||
-          key == "SINEW_LOG_DIR" || key == "SINEW_CONTROL_TOKEN" ||
-          key == "SINEW_CONTROL_READ_TOKEN" || (key == "SINEW_INJECT" && !a.inject.empty()) ||
-          (key == "SINEW_MAX_WORKERS" && a.maxWorkersGiven)) {
-        continue;
-      }
-      env.push_back(kv);
-    }
-    env.push_back("SINEW_COORDINATOR=" + endpoint);
-    env.push_back(std::string("SINEW_TOKEN=") + token);
-    if (rank >= 0) env.push_back("SINEW_WORKER_ID=" + std::to_string(rank));
-    env.push_back("SINEW_LOG_DIR=" + a.logDir);
-    if (!std::getenv("SINEW_NODE")) {
-      env.push_back("SINEW_NODE=" + (rank >= 0 ? "local-" + std::to_string(rank)
-                                               : "local-joiner-" + std::to_string(joinerCount)));
-    }
-    if (!a.inject.empty()) env.push_back("SINEW_INJECT=" + a.inject);
-    // Pipeline jobs plan templates for the workers the job may grow to
-    // (TrainerOptions::maxWorkers).
-    if (a.maxWorkersGiven) env.push_back("SINEW_MAX_WORKERS=" + std::to_string(a.maxWorkers));
-    std::vector<char*> envp;
-    for (auto& kv : env) envp.push_back(const_cast<char*>(kv.c_str()));
-    envp.push_back(nullptr);
-    std::vector<char*> args;
-    for (auto& arg : a.program) args.push_back(const_cast<char*>(arg.c_str()));
-    args.push_back(nullptr);
-    const std::string cannot = "sinew-run: cannot run " + a.program[0] + "\n";
-    std::fflush(nullptr);
-    pid_t pid = ::fork();
-    if (pid < 0) {
-      std::perror("sinew-run: fork");
-      ::close(fds[0]);
-      ::close(fds[1]);
-      return false;
-    }
-    if (pid == 0) {
-      ::dup2(fds[1], 1);
-      ::dup2(fds[1], 2);
-      ::execvpe(args[0], args.data(), envp.data());
-      (void)!::write(2, cannot.data(), cannot.size());
-      _exit(127);
-    }
-    ::close(fds[1]);
-    gChildren.push_back(pid);
-    launchRank.push_back(rank);
-    std::string logPath = a.logDir + "/" + logName;
-    {
-      std::lock_guard<std::mutex> lock(streamsMu);
-      streams.push_back({fds[0], label, "", std::fopen(logPath.c_str(), "we")});
-    }
-    std::printf("sinew-run: %s pid %d log %s\n", label.c_str(), pid, logPath.c_str());
-    std::fflush(stdout);
-    return true;
-  };
   for (int w = 0; w < a.workers; ++w) {
-    if (!start(w)) {
+    if (!launcher.start(w)) {
       forward(SIGKILL);
       return 1;
     }
@@ -522,143 +721,6 @@ int main(int argc, char** argv) {
     ds.sa_handler = onDrainSignal;
     ::sigaction(a.drainSignal, &ds, nullptr);
   }
-
-  // Echo and log every worker's output until all pipes close and no more workers start.
-  std::atomic<bool> noMoreWorkers{false};
-  std::thread reader([&] { echoOutputs(streams, streamsMu, noMoreWorkers, a.quiet); });
-
-  // The worker id of child i: its launch rank, or the id the coordinator gave the joiner.
-  auto workerOf = [&](size_t i, const sinew::runtime::CoordinatorStatus& cs) {
-    if (launchRank[i] >= 0) return launchRank[i];
-    for (const auto& [id, pid] : cs.pids) {
-      if (pid == gChildren[i]) return id;
-    }
-    return -1;
-  };
-
-  // Reaps the workers. A worker declared dead that is still running once the job has ended
-  // (its training thread stalled, docs/failure_semantics.md rule 1) gets a 2 s grace to learn
-  // it was expelled and exit, then is killed by its PID: the launcher never waits out a hang.
-  std::map<pid_t, int> status;
-  bool graceRunning = false;
-  std::chrono::steady_clock::time_point graceSince{};
-  bool killedStragglers = false;
-  bool drainAsked = false;
-  // Every wait has a deadline (docs/failure_semantics.md, rule 11): the job's (--deadline-s),
-  // then 60 s to stop; and once the job has ended, --exit-grace-s for every worker to exit.
-  const auto started = std::chrono::steady_clock::now();
-  bool deadlineStop = false, deadlineKilled = false, graceKilled = false;
-  std::chrono::steady_clock::time_point endedAt{}, quietAt{};
-  // Asks the coordinator to stop the job within `deadline` seconds. False while nothing can
-  // stop yet (before the first epoch): the caller asks again at the next turn, until the stop
-  // is taken or the job has ended.
-  auto askStop = [&](double deadline, sinew::runtime::ControlReply* reply) {
-    *reply = coordinator.stop(deadline);
-    const auto cs = coordinator.status();
-    return reply->status == 200 || cs.finished || (cs.epoch >= 0 && cs.members.empty());
-  };
-  while (status.size() < gChildren.size() || joinersWanted.load() > 0) {
-    const auto now = std::chrono::steady_clock::now();
-    if (a.deadline > 0 && !deadlineStop &&
-        now - started > std::chrono::duration<double>(a.deadline)) {
-      sinew::runtime::ControlReply reply;
-      if (askStop(60, &reply)) {
-        deadlineStop = true;
-        std::printf(
-            "sinew-run: the job's deadline of %g s passed: stopping it at the next step "
-            "boundary (%s)\n",
-            a.deadline, reply.body.dump().c_str());
-        std::fflush(stdout);
-      }
-    }
-    if (a.deadline > 0 && !deadlineKilled &&
-        now - started > std::chrono::duration<double>(a.deadline + 60)) {
-      deadlineKilled = true;
-      std::printf("sinew-run: the job did not stop within 60 s of its deadline; killing it\n");
-      std::fflush(stdout);
-      for (pid_t p : gChildren) {
-        if (!status.count(p)) ::kill(p, SIGKILL);  // Our own children, by PID.
-      }
-    }
-    if (gDrainSignal && !drainAsked) {
-      sinew::runtime::ControlReply reply;
-      if (askStop(a.drainDeadline, &reply)) {
-        drainAsked = true;
-        std::printf("sinew-run: drain signal: stopping the job within %.0f s: %s\n",
-                    a.drainDeadline, reply.body.dump().c_str());
-        std::fflush(stdout);
-      }
-    }
-    for (int want = joinersWanted.exchange(0); want > 0 && gSignals == 0; --want) {
-      if (!start(-1)) break;
-    }
-    int st = 0;
-    pid_t p = ::waitpid(-1, &st, WNOHANG);
-    if (p < 0) {
-      if (errno == EINTR) continue;
-      break;
-    }
-    if (p > 0) {
-      status[p] = st;
-      continue;
-    }
-    auto cs = coordinator.status();
-    const bool ended = cs.finished || (cs.epoch >= 0 && cs.members.empty());
-    bool onlyDeadLeft = true;
-    for (size_t i = 0; i < gChildren.size(); ++i) {
-      if (status.count(gChildren[i])) continue;
-      const int w = workerOf(i, cs);
-      onlyDeadLeft = onlyDeadLeft && std::find(cs.dead.begin(), cs.dead.end(), w) != cs.dead.end();
-    }
-    // Released workers may still be writing their last checkpoint: the grace starts when they
-    // are gone (and ten graces after the end in any case).
-    const std::chrono::steady_clock::time_point never{};
-    if (ended && endedAt == never) endedAt = now;
-    if (ended && cs.releasedRunning.empty() && quietAt == never) quietAt = now;
-    const auto grace = std::chrono::duration<double>(a.exitGrace);
-    if (ended && !graceKilled &&
-        ((quietAt != never && now - quietAt > grace) || now - endedAt > 10 * grace)) {
-      graceKilled = true;
-      for (size_t i = 0; i < gChildren.size(); ++i) {
-        if (status.count(gChildren[i])) continue;
-        std::printf(
-            "sinew-run: worker %d (pid %d) still runs %.0f s after the job ended; "
-            "killing it\n",
-            workerOf(i, cs), static_cast<int>(gChildren[i]), a.exitGrace);
-        ::kill(gChildren[i], SIGKILL);  // Our own child, by PID.
-        gGraceKilled.insert(gChildren[i]);
-      }
-      std::fflush(stdout);
-    }
-    if (!(ended && onlyDeadLeft)) graceRunning = false;
-    if (ended && onlyDeadLeft && !killedStragglers) {
-      if (!graceRunning) {
-        graceRunning = true;
-        graceSince = now;
-      }
-      if (now - graceSince > std::chrono::seconds(2)) {
-        for (size_t i = 0; i < gChildren.size(); ++i) {
-          if (status.count(gChildren[i])) continue;
-          std::printf(
-              "sinew-run: worker %d was declared dead and still runs after the job "
-              "ended; killing pid %d\n",
-              workerOf(i, cs), static_cast<int>(gChildren[i]));
-          ::kill(gChildren[i], SIGKILL);  // Our own child, by PID.
-        }
-        std::fflush(stdout);
-        killedStragglers = true;
-      }
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  noMoreWorkers = true;
-  reader.join();
-  for (auto& s : streams) {
-    if (s.log) std::fclose(s.log);
-  }
-
-  return reportJob(
-      a, coordinator, status,
-      [&](size_t i, const sinew::runtime::CoordinatorStatus& cs) { return workerOf(i, cs); },
-      deadlineKilled);
+  launcher.startEchoing();
+  return launcher.supervise();
 }

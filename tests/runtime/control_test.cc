@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <future>
 #include <iostream>
 #include <regex>
 #include <set>
@@ -884,6 +885,45 @@ TEST(ControlJobTest, AWorkerKilledAfterItWasDoneFailsNothing) {
           std::string::npos;
   EXPECT_TRUE(afterDone || deadAfterLastCommit) << run.output;
   EXPECT_NE(run.output.find("sinew-run: job finished at step 30"), std::string::npos) << run.output;
+}
+
+// sinew-run's coordinator serves the job for as long as it goes on: once every worker
+// sinew-run started is gone, a worker that joined from outside (SINEW_COORDINATOR, started
+// here) carries the job to its last step, equal to the reference. Before, sinew-run ended
+// when its last own worker exited and took the coordinator with it: the joiner lost its
+// coordinator mid-job and the job FAILED (scripts/churn found it on the P3 trace, whose
+// losses had killed every launched worker while joiners trained).
+TEST(ControlJobTest, AJobOutlivesTheWorkersItsLauncherStarted) {
+  const std::string dir = logDir("outlives-launched");
+  std::filesystem::remove_all(dir);  // A repeated run must not read the last coordinator.json.
+  // Slowed steps give the joiner about 10 s to join before both launched workers die.
+  Child job = start({SINEW_RUN_PATH, "-n", "2", "--log-dir", dir, "--inject",
+                     "slow:worker=*:ms=40;kill:worker=0:step=250:phase=forward;"
+                     "kill:worker=1:step=250:phase=forward",
+                     TRAIN_DP_PATH, "--steps", "400"},
+                    {});
+  // sinew-run's output is read while the joiner runs, so that its pipe never fills.
+  auto jobRun = std::async(std::launch::async, [&] { return finish(job, 300s); });
+  const auto env = joinerEnv(dir, "outside");
+  ASSERT_FALSE(env.empty()) << "no coordinator.json";
+  ASSERT_TRUE(waitForLog(dir, "sinew: step 10 ", 120s)) << "the job did not reach step 10";
+  JobRun joined = finish(start({TRAIN_DP_PATH, "--steps", "400"}, env), 300s);
+  JobRun run = jobRun.get();
+  SCOPED_TRACE(run.output + joined.output);
+  EXPECT_FALSE(run.timedOut);
+  EXPECT_FALSE(joined.timedOut);
+  EXPECT_NE(run.output.find("worker 2 (node outside) asks to join"), std::string::npos);
+  // Both launched workers died by the injection, after the joiner was a member.
+  EXPECT_NE(run.output.find("worker 0 (pid"), std::string::npos);
+  EXPECT_NE(run.output.find("sinew-run: job finished at step 400, epoch"), std::string::npos);
+  EXPECT_NE(run.output.find("workers lost: ["), std::string::npos);
+  EXPECT_EQ(run.exitCode, 0);
+  EXPECT_EQ(joined.exitCode, 0);
+  // The joiner, the last member, reports: its parameters equal the single-process reference.
+  Result r = parseResult(joined.output);
+  ASSERT_TRUE(r.found) << "the joiner printed no RESULT line";
+  EXPECT_LE(r.maxRel, 1e-5);
+  EXPECT_LT(r.finalLoss, 0.05) << "the model did not learn";
 }
 
 TEST(ControlJobTest, DrainSignalsStopTheJobOrReleaseAWorker) {
