@@ -305,6 +305,13 @@ inline std::optional<int> train(const char* program, sinew::Context& ctx,
         if (a.evalEvery <= 0 || (s.step + 1) % a.evalEvery != 0) continue;
         sinew::EvalResult e = t.evaluate(heldOut, count);
         if (e.done) break;
+        if (e.abandoned) {
+          std::printf(
+              "%s: worker %d abandoned the eval after step %lld: the job's members "
+              "changed or it rolled back\n",
+              program, ctx.worker(), static_cast<long long>(s.step));
+          continue;
+        }
         std::printf("%s: worker %d eval after step %lld: loss %.12g (lr %.6g, grad norm %.6g)\n",
                     program, ctx.worker(), static_cast<long long>(e.afterStep), e.loss,
                     s.learningRate, s.gradNorm);

@@ -498,7 +498,7 @@ int main(int argc, char** argv) {
             if (a.evalEvery > 0) {
               // With a reference to compare them with: the outputs (logits) too.
               sinew::EvalResult e = t.evaluate(data.heldOut, evalCount, a.reference);
-              if (!e.done) evalLoss = e.loss;
+              if (!e.done && !e.abandoned) evalLoss = e.loss;
               evalOutputs = e.outputs;
             }
             gathered = t.gatherModel();

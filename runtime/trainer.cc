@@ -270,6 +270,7 @@ class Trainer::Impl {
         const int64_t attempted = step_;
         const bool keepShape = runStep();
         committed = true;
+        committedMembers_ = members_;  // Before a reshape at this boundary changes them.
         r.step = attempted;
         r.loss = lastLoss_;
         r.learningRate = appliedLr_;
@@ -298,7 +299,17 @@ class Trainer::Impl {
     EvalResult r;
     const int64_t first = step_;
     const int recoveriesBefore = recoveries_;
-    while (!preempted_ && !recovering([&] {
+    // Those who trained the step before: each of them calls evaluate() here (the contract).
+    const std::vector<int> evaluators = committedMembers_.empty() ? members_ : committedMembers_;
+    while (!preempted_ && !r.abandoned && !recovering([&] {
+      // A member that joined at this boundary trains the next step meanwhile, and after a
+      // rollback the parameters are an older step's: every member sees the same epoch and
+      // gives up alike, so the next collective is the next step's on every member.
+      if (step_ != first ||
+          !std::includes(evaluators.begin(), evaluators.end(), members_.begin(), members_.end())) {
+        r.abandoned = true;
+        return;
+      }
       rss_.phase("evaluation");
       std::vector<std::pair<int64_t, at::Tensor>> outputs;
       r.loss = evaluationLossSum(data, count, keepOutputs ? &outputs : nullptr) /
@@ -938,6 +949,8 @@ class Trainer::Impl {
   int heldEnd_ = -1;
   int64_t epoch_ = -1;
   std::vector<int> members_;
+  // The members when the last step committed (before a reshape at its boundary), ascending.
+  std::vector<int> committedMembers_;
   Plan plan_;
   int64_t step_ = 0;
   int64_t applied_ = -1;

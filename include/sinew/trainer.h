@@ -282,7 +282,11 @@ struct StepResult {
 // What one Trainer::evaluate() did.
 struct EvalResult {
   bool done = false;  // nothing evaluated: this worker was released
-  double loss = 0;    // the mean loss over the samples
+  // Nothing evaluated: the job changed under the evaluation so that not every member could
+  // evaluate the same parameters (a worker joined at its step boundary, and joiners train on;
+  // or the job rolled back). Every member of the job abandons it alike; go on to the next step.
+  bool abandoned = false;
+  double loss = 0;  // the mean loss over the samples
   int64_t samples = 0;
   int64_t afterStep = -1;     // the parameters were those after this step (-1: initial ones)
   int recoveries = 0;         // failures it recovered from (and then evaluated again)
@@ -339,7 +343,9 @@ class Trainer {
   // them runs as a training step's forward does (the same microbatches on the same workers
   // and pipelines; the layers in eval() mode, without autograd), and the loss is summed over
   // the job. Collective: every member calls it between the same two steps (key it on
-  // StepResult::step). A failure during it is recovered from and the evaluation run again.
+  // StepResult::step). A failure during it is recovered from and the evaluation run again
+  // with the members left; when the job has a member that did not train the step before it
+  // (a worker that joined at that boundary) or rolled back, it is abandoned (EvalResult).
   // keepOutputs: also return the model's outputs (EvalResult::outputs; every sample's output
   // must have one shape). They are summed into place by one allreduce of count samples'
   // outputs, so every member receives them all.

@@ -1097,6 +1097,51 @@ TEST(PipelineGptTest, LosingEveryCopyOfTheTiedHeadRestoresItFromRam) {
       << "the head did not come back from RAM";
 }
 
+// A worker that joins a pipeline job whose loop evaluates after every step: the join's epoch
+// begins at a step boundary where the old members evaluate, while the joiner, which did not
+// train the step before, trains the next one. Every old member abandons that evaluation alike
+// (EvalResult::abandoned) and the job goes on exact. Before, the old members ran the
+// evaluation's collectives against the joiner's pipeline sends ("the members' calls do not
+// match") and failed, as scripts/churn on the P3 trace found.
+TEST(PipelineGptTest, AJoinAtAnEvaluationsBoundaryAbandonsItAlike) {
+  const std::string dir = logDir("gpt-join-eval");
+  std::filesystem::remove_all(dir);  // A repeated run must not read the last coordinator.json.
+  const std::string profile = gptProfile(dir + "-profile.json");
+  const std::vector<std::string> gpt{"--float64", "--blocks",  "2",     "--context",
+                                     "32",        "--steps",   "40",    "--eval-every",
+                                     "1",         "--profile", profile, "--documents"};
+  std::vector<std::string> argv{SINEW_RUN_PATH,
+                                "-n",
+                                "4",
+                                "--log-dir",
+                                dir,
+                                "--exit-grace-s",
+                                kExitGrace,
+                                "--step-deadline-ms",
+                                "10000",
+                                "--inject",
+                                "slow:worker=*:ms=50",
+                                TRAIN_GPT_PATH};
+  argv.insert(argv.end(), gpt.begin(), gpt.end());
+  Child job = start(argv, {});
+  // sinew-run's output is read while the joiner runs, so that its pipe never fills.
+  auto jobRun = std::async(std::launch::async, [&] { return finish(job, 300s); });
+  const auto env = joinerEnv(dir, "joiner");
+  ASSERT_FALSE(env.empty()) << "no coordinator.json";
+  ASSERT_TRUE(waitForLog(dir, "eval after step 3:", 240s)) << "the job did not reach step 3";
+  std::vector<std::string> joinArgv{TRAIN_GPT_PATH};
+  joinArgv.insert(joinArgv.end(), gpt.begin(), gpt.end());
+  JobRun joined = finish(start(joinArgv, env), 300s);
+  JobRun run = jobRun.get();
+  SCOPED_TRACE(run.output + joined.output);
+  EXPECT_EQ(joined.exitCode, 0);
+  EXPECT_NE(run.output.find("worker 4 (node joiner) asks to join"), std::string::npos);
+  EXPECT_NE(run.output.find("abandoned the eval after step"), std::string::npos)
+      << "no member abandoned the evaluation at the join's boundary";
+  expectGptMatchesReference(run);
+  EXPECT_NE(run.output.find("workers lost: []"), std::string::npos);
+}
+
 // Every example answers --help (and -h) with its usage on stdout and exit status 0, and an
 // unknown flag with the usage and exit status 2.
 TEST(ExampleHelpTest, EveryExamplePrintsItsUsageAndExitsZero) {
