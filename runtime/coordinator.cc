@@ -378,9 +378,11 @@ class Coordinator::Impl::Session : public collectives::transport::ChannelHandler
     owner_->rearm();
   }
 
-  void write(wire::Type type, int64_t epoch, const json& body, bool closeAfter) {
+  // `payload` (an encoded body) may be shared by many sessions: it is sent without a copy.
+  void write(wire::Type type, int64_t epoch,
+             const std::shared_ptr<const std::vector<uint8_t>>& payload, bool closeAfter) {
     if (closed_ || !channel_) return;
-    channel_->send(static_cast<uint8_t>(type), epoch, wire::encodeBody(body));
+    channel_->sendRef(static_cast<uint8_t>(type), epoch, payload->data(), payload->size(), payload);
     if (closeAfter) channel_->closeAfterWrites();
   }
 
@@ -405,10 +407,19 @@ class Coordinator::Impl::Session : public collectives::transport::ChannelHandler
 
 void Coordinator::Impl::apply() {
   JobState::Effects fx = state_->take();
+  // A broadcast's frames share one body (consecutive): it is encoded once.
+  const json* encodedBody = nullptr;
+  std::shared_ptr<const std::vector<uint8_t>> encoded;
   for (const auto& f : fx.frames) {
     auto it = sessions_.find(f.session);
     if (it == sessions_.end()) continue;
-    if (auto s = it->second.lock()) s->write(f.type, f.epoch, f.body, f.closeAfter);
+    auto s = it->second.lock();
+    if (!s) continue;
+    if (f.body.get() != encodedBody) {
+      encoded = std::make_shared<const std::vector<uint8_t>>(wire::encodeBody(*f.body));
+      encodedBody = f.body.get();
+    }
+    s->write(f.type, f.epoch, encoded, f.closeAfter);
   }
   for (JobState::SessionId id : fx.closes) {
     auto it = sessions_.find(id);

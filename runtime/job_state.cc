@@ -119,8 +119,13 @@ JobState::Effects JobState::take() {
 }
 
 void JobState::write(SessionId s, wire::Type type, const json& body, bool closeAfter) {
+  write(s, type, std::make_shared<const json>(body), closeAfter);
+}
+
+void JobState::write(SessionId s, wire::Type type, std::shared_ptr<const json> body,
+                     bool closeAfter) {
   if (s == 0 || !mayWrite()) return;
-  effects_.frames.push_back({s, type, epoch_, body, closeAfter});
+  effects_.frames.push_back({s, type, epoch_, std::move(body), closeAfter});
 }
 
 void JobState::close(SessionId s) {
@@ -541,7 +546,9 @@ void JobState::newEpoch(const std::string& why, std::vector<int> joiners) {
   }
   if (!persistState()) return;  // Another leader's job now: nothing is sent.
   persistNextCommit_ = true;    // The epoch's first commit is stored at once (recovered).
-  for (int id : members_) send(id, wire::Type::kEpoch, body);
+  // One body for every member: N copies of an N-member list would be O(N^2).
+  const auto shared = std::make_shared<const json>(std::move(body));
+  for (int id : members_) send(id, wire::Type::kEpoch, shared);
   for (int id : joined) workers_[id].hasState = true;
   log("epoch " + std::to_string(epoch_) + ": " + std::to_string(members_.size()) +
       " members, resume at step " + std::to_string(committed_ + 1) + " (" + why + ")");
@@ -775,6 +782,9 @@ void JobState::onVote(int worker, int64_t epoch, int64_t step) {
   auto& voters = votes_[step];
   voters.insert(worker);
   noteProgress(workers_.at(worker), step, /*waiting=*/true, now_);
+  // Only a vote that may complete the round scans the members: a scan per vote made a step
+  // O(N^2) at N members.
+  if (voters.size() < members_.size()) return;
   for (int id : members_) {
     if (!voters.count(id)) return;
   }
@@ -785,14 +795,14 @@ void JobState::onVote(int worker, int64_t epoch, int64_t step) {
   if (!persistThrottled()) return;
   noteCommit(step);
   if (pendingJoin_.empty() && leaving_.empty()) {
-    for (int id : members_) sendCommit(id, step, false);
+    sendCommit(members_, step, false);
     return;
   }
   if (!leaving_.empty()) {
     // Step boundary with preempted (or drained, or resized away) members: they apply this
     // step, then are released.
     std::vector<int> old = members_;
-    for (int id : old) sendCommit(id, step, true);
+    sendCommit(old, step, true);
     std::vector<int> leaving(leaving_.begin(), leaving_.end());
     leaving_.clear();
     bool jobStops = true;  // No member stays: the job stops here (resumable).
@@ -826,7 +836,7 @@ void JobState::onVote(int worker, int64_t epoch, int64_t step) {
   // right after applying the step.
   std::vector<int> joiners = pendingJoin_;
   std::vector<int> old = members_;
-  for (int id : old) sendCommit(id, step, true);
+  sendCommit(old, step, true);
   newEpoch("worker(s) joining at step " + std::to_string(step + 1), joiners);
 }
 
@@ -996,9 +1006,13 @@ void JobState::declareDead(int worker, const std::string& why) {
 }
 
 void JobState::send(int worker, wire::Type type, const json& body) {
+  send(worker, type, std::make_shared<const json>(body));
+}
+
+void JobState::send(int worker, wire::Type type, std::shared_ptr<const json> body) {
   auto it = workers_.find(worker);
   if (it == workers_.end() || it->second.session == 0) return;
-  write(it->second.session, type, body);
+  write(it->second.session, type, std::move(body));
 }
 
 void JobState::event(json e) {

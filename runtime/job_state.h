@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
@@ -113,7 +114,9 @@ class JobState {
     SessionId session = 0;
     wire::Type type = wire::Type::kHeartbeat;
     int64_t epoch = 0;
-    json body;
+    // Shared by every frame of one broadcast (an epoch to N members is one body, encoded
+    // once by the coordinator, not N copies).
+    std::shared_ptr<const json> body;
     bool closeAfter = false;
   };
   // What the machine did since the last take().
@@ -226,7 +229,8 @@ class JobState {
   void onVoteStats(Worker& w, const json& body);
   // Sends `worker` its release; `jobStops`: every member leaves at this boundary.
   void release(int worker, const std::string& why, bool jobStops = false);
-  void sendCommit(int worker, int64_t step, bool nextEpoch);
+  // The commit of `step` to each of `workers` (one body for all).
+  void sendCommit(const std::vector<int>& workers, int64_t step, bool nextEpoch);
   // A drain is done with its workers once each was released or declared dead.
   void updateDrains();
   void noteCommit(int64_t step);
@@ -281,6 +285,7 @@ class JobState {
   // Plans the templates of a pipeline request for `nodes` nodes; returns the error, or "".
   std::string planPipelines(const json& body, int nodes);
   void send(int worker, wire::Type type, const json& body);
+  void send(int worker, wire::Type type, std::shared_ptr<const json> body);
   void event(json e);
   void checkFinished();
 
@@ -375,6 +380,8 @@ class JobState {
   Clock::time_point stopAt_ = Clock::time_point::max();  // A stop's deadline.
 
   void write(SessionId s, wire::Type type, const json& body, bool closeAfter = false);
+  void write(SessionId s, wire::Type type, std::shared_ptr<const json> body,
+             bool closeAfter = false);
   void close(SessionId s);
 
   CoordinatorOptions options_;

@@ -54,13 +54,14 @@ void JobState::updateDrains() {
   }
 }
 
-void JobState::sendCommit(int worker, int64_t step, bool nextEpoch) {
+void JobState::sendCommit(const std::vector<int>& workers, int64_t step, bool nextEpoch) {
   json body = {{"step", step}};
   if (nextEpoch) body["next_epoch"] = true;
   if (checkpointStep_ == step) body["checkpoint"] = true;
   // Workers derive their operation and recovery deadlines from it (failure_semantics.md 12).
   if (options_.progressFloor.count() > 0) body["step_deadline_ms"] = stepDeadline().count();
-  send(worker, wire::Type::kCommit, body);
+  const auto shared = std::make_shared<const json>(std::move(body));
+  for (int worker : workers) send(worker, wire::Type::kCommit, shared);
 }
 
 // Called once per commit, before the commit is sent.

@@ -186,7 +186,7 @@ void JobState::formTakeoverEpoch(const std::string& why) {
   // the new epoch; a step nobody heard of is voted again.
   for (const auto& [id, had] : rejoined_) committed_ = std::max(committed_, had);
   for (const auto& [id, had] : rejoined_) {
-    if (had < committed_ && workers_.count(id)) sendCommit(id, committed_, false);
+    if (had < committed_ && workers_.count(id)) sendCommit({id}, committed_, false);
   }
   rejoined_.clear();
   recovering_ = true;

@@ -77,7 +77,7 @@ class Machine {
   std::vector<json> sent(JobState::SessionId s, Type type) const {
     std::vector<json> out;
     for (const auto& f : frames) {
-      if (f.session == s && f.type == type) out.push_back(f.body);
+      if (f.session == s && f.type == type) out.push_back(*f.body);
     }
     return out;
   }

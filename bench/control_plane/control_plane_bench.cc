@@ -1,0 +1,511 @@
+// sinew-bench-control-plane: the coordinator's control plane at thousands of workers (issue
+// 41; runs in bench/RESULTS.md). Simulated workers, no libtorch: each is a real CoordinatorClient
+// (its own connection and io thread, heartbeats at the real interval of 100 ms) in this process,
+// against a real Coordinator in a process of its own (this binary run again with --serve), so
+// that the coordinator's CPU time and resident memory are its own. For each size N it
+// measures:
+//   - start: from the first connection to every worker holding the first epoch (N hellos,
+//     N readies, one epoch to N workers);
+//   - vote round trip: every worker votes the next step at once; the last vote out to the
+//     last commit in (median of --steps steps), while every worker heartbeats;
+//   - epoch change: a worker's connection closes (one worker; then a whole node of 8, which
+//     fail together), and a worker falls silent (heartbeats muted: dead after the 1 s
+//     timeout): from the death to every survivor holding the next epoch;
+//   - the coordinator's CPU share while N workers only heartbeat, and its resident memory
+//     per worker (after the first epoch, less the coordinator's own before any worker);
+//   - the control API's /v1/status and /metrics at that size (time and bytes).
+// The smallest size is the baseline: each figure is also given as its growth from it.
+//
+//   sinew-bench-control-plane [--sizes 256,1024,4096] [--steps 10] [--check]
+//
+// --check makes it a test: it exits 1 unless every phase completed (every survivor saw each
+// epoch, every vote committed) within its bound. The last line is
+//   RESULT epoch_change_s_<N>=<s> vote_rtt_ms_<N>=<ms> coord_kib_per_worker=<k>
+// for the largest N.
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "sinew/base/open_files.h"
+#include "sinew/runtime/coordinator.h"
+#include "sinew/runtime/coordinator_client.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+using sinew::runtime::CoordinatorClient;
+using sinew::runtime::CoordinatorClientOptions;
+
+double secondsSince(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+int64_t nowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+      .count();
+}
+
+// ---- The coordinator's process (--serve N) ----
+
+// Serves a coordinator for N workers; prints its endpoint and tokens as one JSON line, then
+// serves until its stdin closes.
+int serve(int n) {
+  sinew::raiseOpenFileLimit(static_cast<int64_t>(n) * 2 + 4096);
+  sinew::runtime::CoordinatorOptions o;
+  o.expectedWorkers = n;
+  o.maxConnections = static_cast<size_t>(n) + 256;
+  o.startTimeout = std::chrono::seconds(600);
+  o.controlPort = 0;
+  // SINEW_BENCH_VERBOSE=1: the coordinator's log on stderr.
+  const bool verbose = std::getenv("SINEW_BENCH_VERBOSE") != nullptr;
+  o.log = [verbose](const std::string& line) {
+    if (verbose) std::fprintf(stderr, "%s\n", line.c_str());
+  };
+  sinew::runtime::Coordinator c(o);
+  char token[32];
+  std::snprintf(token, sizeof(token), "%llx", static_cast<unsigned long long>(c.token()));
+  json info = {{"port", c.port()},
+               {"token", token},
+               {"control_port", c.controlPort()},
+               {"control_token", c.controlToken()}};
+  std::printf("%s\n", info.dump().c_str());
+  std::fflush(stdout);
+  char buf[64];
+  while (::read(0, buf, sizeof(buf)) > 0) {
+  }
+  return 0;
+}
+
+struct CoordinatorProcess {
+  pid_t pid = -1;
+  int stdinFd = -1;
+  uint16_t port = 0;
+  uint64_t token = 0;
+  uint16_t controlPort = 0;
+  std::string controlToken;
+};
+
+CoordinatorProcess startCoordinator(const char* self, int n) {
+  int in[2], out[2];
+  if (::pipe2(in, O_CLOEXEC) != 0 || ::pipe2(out, O_CLOEXEC) != 0) {
+    std::perror("pipe");
+    std::exit(2);
+  }
+  const std::string count = std::to_string(n);
+  std::fflush(nullptr);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(in[0], 0);
+    ::dup2(out[1], 1);
+    ::execl(self, self, "--serve", count.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  ::close(in[0]);
+  ::close(out[1]);
+  std::string line;
+  char c;
+  while (::read(out[0], &c, 1) == 1 && c != '\n') line += c;
+  ::close(out[0]);
+  json info = json::parse(line, nullptr, false);
+  if (!info.is_object()) {
+    std::fprintf(stderr, "control-plane: the coordinator process did not start: %s\n",
+                 line.c_str());
+    std::exit(2);
+  }
+  CoordinatorProcess p;
+  p.pid = pid;
+  p.stdinFd = in[1];
+  p.port = info["port"].get<uint16_t>();
+  p.token = std::stoull(info["token"].get<std::string>(), nullptr, 16);
+  p.controlPort = info["control_port"].get<uint16_t>();
+  p.controlToken = info["control_token"].get<std::string>();
+  return p;
+}
+
+void stopCoordinator(CoordinatorProcess& p) {
+  ::close(p.stdinFd);
+  int st = 0;
+  ::waitpid(p.pid, &st, 0);  // Our own child, by PID.
+}
+
+// The process's CPU seconds (user + system) and resident bytes, from /proc.
+double cpuSeconds(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const size_t close = text.rfind(')');
+  std::istringstream rest(text.substr(close + 2));
+  std::string field;
+  double ticks = 0;
+  for (int i = 3; i <= 15 && rest >> field; ++i) {
+    if (i == 14 || i == 15) ticks += std::stod(field);  // utime, stime
+  }
+  return ticks / static_cast<double>(::sysconf(_SC_CLK_TCK));
+}
+
+int64_t residentBytes(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  }
+  return 0;
+}
+
+// A GET of the control API (HTTP/1.1, Connection: close): the status code and body size.
+std::pair<int, size_t> httpGet(uint16_t port, const std::string& path, const std::string& token) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    ::close(fd);
+    return {0, 0};
+  }
+  const std::string req = "GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " +
+                          token + "\r\nConnection: close\r\n\r\n";
+  (void)!::write(fd, req.data(), req.size());
+  std::string resp;
+  char buf[65536];
+  ssize_t got;
+  while ((got = ::read(fd, buf, sizeof(buf))) > 0) resp.append(buf, got);
+  ::close(fd);
+  const int code = resp.size() > 12 ? std::atoi(resp.c_str() + 9) : 0;
+  const size_t body = resp.find("\r\n\r\n");
+  return {code, body == std::string::npos ? 0 : resp.size() - body - 4};
+}
+
+// ---- The simulated workers ----
+
+struct Worker {
+  std::unique_ptr<CoordinatorClient> client;
+  std::atomic<int64_t> epoch{-1};   // the newest epoch it was told of (-1: none, or expelled)
+  std::atomic<int64_t> epochNs{0};  // when (nowNs)
+  bool gone = false;                // closed, silenced or expelled with a node
+};
+
+// Runs f(i) for i in [0, n) on `threads` threads.
+template <class F>
+void parallelFor(int n, int threads, F f) {
+  std::atomic<int> next{0};
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&] {
+      for (int i; (i = next++) < n;) f(i);
+    });
+  }
+  for (auto& t : pool) t.join();
+}
+
+// Waits up to `timeout` for every worker not gone to hold an epoch after `after`; returns the
+// time from `since` to the last one's (seconds), or a negative number on timeout.
+double waitAllPast(std::vector<std::unique_ptr<Worker>>& ws, int64_t after, int64_t sinceNs,
+                   std::chrono::seconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  while (Clock::now() < deadline) {
+    bool all = true;
+    int64_t last = 0;
+    for (auto& w : ws) {
+      if (w->gone) continue;
+      const int64_t e = w->epoch.load();
+      if (e <= after) {
+        all = false;
+        break;
+      }
+      last = std::max(last, w->epochNs.load());
+    }
+    if (all) return static_cast<double>(last - sinceNs) / 1e9;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return -1;
+}
+
+// A reusable barrier for the voters.
+class Barrier {
+ public:
+  explicit Barrier(int n) : n_(n) {}
+  void arrive() {
+    std::unique_lock<std::mutex> lock(mu_);
+    const int64_t gen = gen_;
+    if (++count_ == n_) {
+      count_ = 0;
+      ++gen_;
+      cv_.notify_all();
+      return;
+    }
+    cv_.wait(lock, [&] { return gen_ != gen; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  const int n_;
+  int count_ = 0;
+  int64_t gen_ = 0;
+};
+
+struct SizeResult {
+  int n = 0;
+  double startS = 0;
+  double voteRttMs = 0;
+  double closeOneS = 0, closeNodeS = 0, silentS = 0;
+  double cpuShare = 0;
+  double kibPerWorker = 0;
+  double statusMs = 0, metricsMs = 0;
+  size_t statusBytes = 0, metricsBytes = 0;
+  bool ok = true;
+  std::string why;
+};
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Every worker votes steps [first, first + count) together; the median of (last commit in -
+// last vote out) in ms, or negative when a vote did not commit.
+double voteRounds(std::vector<std::unique_ptr<Worker>>& ws, int64_t epoch, int64_t first,
+                  int count) {
+  const int n = static_cast<int>(ws.size());
+  std::vector<std::atomic<int64_t>> lastOut(count), lastIn(count);
+  for (int s = 0; s < count; ++s) lastOut[s] = lastIn[s] = 0;
+  std::atomic<bool> failed{false};
+  Barrier barrier(n);
+  std::vector<std::thread> voters;
+  voters.reserve(n);
+  for (int i = 0; i < n; ++i) {
+    voters.emplace_back([&, i] {
+      for (int s = 0; s < count; ++s) {
+        barrier.arrive();
+        int64_t out = nowNs();
+        int64_t prev = lastOut[s].load();
+        while (out > prev && !lastOut[s].compare_exchange_weak(prev, out)) {
+        }
+        CoordinatorClient::VoteResult r = CoordinatorClient::VoteResult::kSuperseded;
+        try {
+          r = ws[i]->client->vote(epoch, first + s, std::chrono::seconds(60));
+        } catch (const std::exception&) {
+        }
+        if (r != CoordinatorClient::VoteResult::kCommitted) failed = true;
+        const int64_t in = nowNs();
+        prev = lastIn[s].load();
+        while (in > prev && !lastIn[s].compare_exchange_weak(prev, in)) {
+        }
+      }
+    });
+  }
+  for (auto& t : voters) t.join();
+  if (failed) return -1;
+  std::vector<double> rtt;
+  for (int s = 0; s < count; ++s) rtt.push_back(static_cast<double>(lastIn[s] - lastOut[s]) / 1e6);
+  return median(rtt);
+}
+
+SizeResult runSize(const char* self, int n, int steps) {
+  SizeResult r;
+  r.n = n;
+  auto fail = [&](const std::string& why) {
+    if (r.ok) r.why = why;
+    r.ok = false;
+  };
+  CoordinatorProcess cp = startCoordinator(self, n);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const int64_t rssBefore = residentBytes(cp.pid);
+
+  // Start: N hellos (at most 32 connecting at once: one address may hold 64 unauthenticated
+  // connections), each ready at once; the first epoch forms when all are.
+  std::vector<std::unique_ptr<Worker>> ws;
+  for (int i = 0; i < n; ++i) ws.push_back(std::make_unique<Worker>());
+  const int64_t startNs = nowNs();
+  std::atomic<int> failedStarts{0};
+  parallelFor(n, 32, [&](int i) {
+    CoordinatorClientOptions o;
+    o.port = cp.port;
+    o.token = cp.token;
+    o.worker = i;
+    // Workers 8..15 share a node (they fail together); every other worker is a node of its
+    // own, so that one closed connection is one worker's loss.
+    o.node = i >= 8 && i < 16 ? "node-shared" : "node-" + std::to_string(i);
+    o.connectTimeout = std::chrono::seconds(120);
+    try {
+      Worker* w = ws[i].get();
+      w->client = std::make_unique<CoordinatorClient>(o);
+      w->client->setEpochListener([w](int64_t e) {
+        w->epochNs = nowNs();
+        w->epoch = e;
+      });
+      w->client->ready(0);
+    } catch (const std::exception& e) {
+      if (failedStarts++ == 0) std::fprintf(stderr, "control-plane: worker %d: %s\n", i, e.what());
+    }
+  });
+  if (failedStarts > 0) {
+    fail(std::to_string(failedStarts.load()) + " workers could not say hello");
+    for (auto& w : ws) w->gone = w->client == nullptr;
+  }
+  r.startS = waitAllPast(ws, -1, startNs, std::chrono::seconds(120));
+  if (r.startS < 0) fail("not every worker got the first epoch");
+  int64_t epoch = ws[0]->client ? ws[0]->client->latestEpoch().epoch : 0;
+
+  // Steady state: heartbeats only.
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  const double cpu0 = cpuSeconds(cp.pid);
+  const auto t0 = Clock::now();
+  std::this_thread::sleep_for(std::chrono::seconds(3));
+  r.cpuShare = (cpuSeconds(cp.pid) - cpu0) / secondsSince(t0);
+  r.kibPerWorker = static_cast<double>(residentBytes(cp.pid) - rssBefore) / 1024.0 / n;
+
+  // The control API at this size.
+  {
+    std::vector<double> st, me;
+    for (int k = 0; k < 5; ++k) {
+      auto t = Clock::now();
+      auto [code, bytes] = httpGet(cp.controlPort, "/v1/status", cp.controlToken);
+      st.push_back(secondsSince(t) * 1e3);
+      r.statusBytes = bytes;
+      if (code != 200) fail("/v1/status answered " + std::to_string(code));
+      t = Clock::now();
+      auto [mcode, mbytes] = httpGet(cp.controlPort, "/metrics", cp.controlToken);
+      me.push_back(secondsSince(t) * 1e3);
+      r.metricsBytes = mbytes;
+      if (mcode != 200) fail("/metrics answered " + std::to_string(mcode));
+    }
+    r.statusMs = median(st);
+    r.metricsMs = median(me);
+  }
+
+  // Votes.
+  if (r.ok) {
+    r.voteRttMs = voteRounds(ws, epoch, 0, steps);
+    if (r.voteRttMs < 0) fail("a vote did not commit");
+  }
+
+  // Deaths: a closed connection (worker 3), a node of 8 (node 1: workers 8..15, by closing
+  // worker 8), a silent worker (5: heartbeats muted).
+  auto death = [&](const char* what, std::vector<int> victims, bool silent) {
+    if (!r.ok || n < 16) return -1.0;
+    const int64_t before = epoch;
+    const int64_t t = nowNs();
+    if (silent) {
+      ws[victims[0]]->client->muteHeartbeats(std::chrono::seconds(30));
+    } else {
+      ws[victims[0]]->client->close();
+    }
+    for (int v : victims) ws[v]->gone = true;
+    const double s = waitAllPast(ws, before, t, std::chrono::seconds(30));
+    if (s < 0) fail(std::string("not every survivor got the epoch after ") + what);
+    for (auto& w : ws) {
+      if (!w->gone) epoch = std::max(epoch, w->epoch.load());
+    }
+    return s;
+  };
+  r.closeOneS = death("a closed connection", {3}, false);
+  r.closeNodeS = death("a node's loss", {8, 9, 10, 11, 12, 13, 14, 15}, false);
+  r.silentS = death("a silent worker", {5}, true);
+
+  // Tear down: the coordinator first (each client closing before it would start an epoch
+  // for the rest: N epochs of up to N members), then every client, in parallel.
+  stopCoordinator(cp);
+  parallelFor(n, 16, [&](int i) { ws[i]->client.reset(); });
+  return r;
+}
+
+std::vector<int> parseSizes(const std::string& s) {
+  std::vector<int> out;
+  std::stringstream in(s);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    const int v = std::atoi(item.c_str());
+    if (v < 1 || v > 100000) {
+      std::fprintf(stderr, "control-plane: --sizes: %s is not a worker count in [1, 100000]\n",
+                   item.c_str());
+      std::exit(2);
+    }
+    out.push_back(v);
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string sizes = "256,1024,4096";
+  int steps = 10;
+  bool check = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--serve" && i + 1 < argc) return serve(std::atoi(argv[i + 1]));
+    if (a == "--sizes" && i + 1 < argc) {
+      sizes = argv[++i];
+    } else if (a == "--steps" && i + 1 < argc) {
+      steps = std::max(1, std::atoi(argv[++i]));
+    } else if (a == "--check") {
+      check = true;
+    } else {
+      std::fprintf(stderr,
+                   "usage: sinew-bench-control-plane [--sizes 256,1024,4096] [--steps 10] "
+                   "[--check]\n");
+      return 2;
+    }
+  }
+  ::signal(SIGPIPE, SIG_IGN);
+  const std::vector<int> ns = parseSizes(sizes);
+  // Every simulated worker holds one socket; the coordinator's process raises its own.
+  sinew::raiseOpenFileLimit(static_cast<int64_t>(*std::max_element(ns.begin(), ns.end())) * 2 +
+                            1024);
+  std::vector<SizeResult> results;
+  std::printf("%7s %8s %10s %10s %10s %10s %8s %9s %10s %11s\n", "workers", "start_s",
+              "vote_rtt_ms", "close_1_ms", "close_8_ms", "silent_ms", "coord_cpu", "kib/wkr",
+              "status_ms", "metrics_ms");
+  bool ok = true;
+  for (int n : ns) {
+    SizeResult r = runSize(argv[0], n, steps);
+    std::printf("%7d %8.3f %10.2f %10.1f %10.1f %10.1f %8.1f%% %9.1f %10.1f %11.1f\n", r.n,
+                r.startS, r.voteRttMs, 1e3 * r.closeOneS, 1e3 * r.closeNodeS, 1e3 * r.silentS,
+                100 * r.cpuShare, r.kibPerWorker, r.statusMs, r.metricsMs);
+    if (!r.ok) {
+      std::printf("  %d workers: FAILED: %s\n", r.n, r.why.c_str());
+      ok = false;
+    }
+    std::printf("  /v1/status %zu bytes, /metrics %zu bytes\n", r.statusBytes, r.metricsBytes);
+    std::fflush(stdout);
+    results.push_back(r);
+  }
+  const SizeResult& base = results.front();
+  const SizeResult& top = results.back();
+  if (results.size() > 1) {
+    std::printf(
+        "growth from %d to %d workers (x%.0f): start x%.1f, vote x%.1f, close x%.1f, "
+        "cpu x%.1f, status x%.1f\n",
+        base.n, top.n, static_cast<double>(top.n) / base.n, top.startS / base.startS,
+        top.voteRttMs / base.voteRttMs, top.closeOneS / base.closeOneS,
+        top.cpuShare / base.cpuShare, top.statusMs / base.statusMs);
+  }
+  std::printf("RESULT epoch_change_s_%d=%.3f vote_rtt_ms_%d=%.2f coord_kib_per_worker=%.1f\n",
+              top.n, top.closeOneS, top.n, top.voteRttMs, top.kibPerWorker);
+  return check && !ok ? 1 : 0;
+}
