@@ -286,6 +286,13 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// a = max(a, v), atomically.
+void raiseTo(std::atomic<int64_t>& a, int64_t v) {
+  int64_t prev = a.load();
+  while (v > prev && !a.compare_exchange_weak(prev, v)) {
+  }
+}
+
 // Every worker votes steps [first, first + count) together; the median of (last commit in -
 // last vote out) in ms, or negative when a vote did not commit.
 double voteRounds(std::vector<std::unique_ptr<Worker>>& ws, int64_t epoch, int64_t first,
@@ -301,20 +308,14 @@ double voteRounds(std::vector<std::unique_ptr<Worker>>& ws, int64_t epoch, int64
     voters.emplace_back([&, i] {
       for (int s = 0; s < count; ++s) {
         barrier.arrive();
-        int64_t out = nowNs();
-        int64_t prev = lastOut[s].load();
-        while (out > prev && !lastOut[s].compare_exchange_weak(prev, out)) {
-        }
+        raiseTo(lastOut[s], nowNs());
         CoordinatorClient::VoteResult r = CoordinatorClient::VoteResult::kSuperseded;
         try {
           r = ws[i]->client->vote(epoch, first + s, std::chrono::seconds(60));
         } catch (const std::exception&) {
         }
         if (r != CoordinatorClient::VoteResult::kCommitted) failed = true;
-        const int64_t in = nowNs();
-        prev = lastIn[s].load();
-        while (in > prev && !lastIn[s].compare_exchange_weak(prev, in)) {
-        }
+        raiseTo(lastIn[s], nowNs());
       }
     });
   }

@@ -370,6 +370,11 @@ int reportJob(const Args& a, sinew::runtime::Coordinator& coordinator,
   return !ok ? 1 : st.stopped ? 75 : 0;
 }
 
+// Whether the job has ended: it finished (or stopped), or its epoch has no member left.
+bool jobEnded(const sinew::runtime::CoordinatorStatus& cs) {
+  return cs.finished || (cs.epoch >= 0 && cs.members.empty());
+}
+
 // Joiners a resize asked for: the coordinator counts them (under its lock, so it must not
 // fork), the launcher's loop starts them.
 struct JoinerRequests {
@@ -448,7 +453,7 @@ class Launcher {
   bool askStop(double deadline, sinew::runtime::ControlReply* reply) {
     *reply = coordinator_.stop(deadline);
     const auto cs = coordinator_.status();
-    return reply->status == 200 || cs.finished || (cs.epoch >= 0 && cs.members.empty());
+    return reply->status == 200 || jobEnded(cs);
   }
   // The job's deadline (--deadline-s, then 60 s to stop) and the drain signal.
   void checkDeadlineAndDrain(std::chrono::steady_clock::time_point now);
@@ -461,7 +466,7 @@ class Launcher {
   // not ended and workers that joined from outside (SINEW_COORDINATOR, started by someone
   // else) are still connected, the job goes on with them and its coordinator must stay.
   bool keepsRunning(const sinew::runtime::CoordinatorStatus& cs) const {
-    const bool ended = cs.finished || (cs.epoch >= 0 && cs.members.empty());
+    const bool ended = jobEnded(cs);
     return !ended && cs.connected > 0 && gSignals < 2 && !deadlineKilled_;
   }
 
@@ -591,7 +596,7 @@ void Launcher::checkDeadlineAndDrain(std::chrono::steady_clock::time_point now) 
 
 void Launcher::checkExits(std::chrono::steady_clock::time_point now,
                           const sinew::runtime::CoordinatorStatus& cs) {
-  const bool ended = cs.finished || (cs.epoch >= 0 && cs.members.empty());
+  const bool ended = jobEnded(cs);
   bool onlyDeadLeft = true;
   for (size_t i = 0; i < gChildren.size(); ++i) {
     if (status_.count(gChildren[i])) continue;
