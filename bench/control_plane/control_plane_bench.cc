@@ -8,15 +8,22 @@
 //     N readies, one epoch to N workers);
 //   - vote round trip: every worker votes the next step at once; the last vote out to the
 //     last commit in (median of --steps steps), while every worker heartbeats;
-//   - epoch change: a worker's connection closes (one worker; then a whole node of 8, which
-//     fail together), and a worker falls silent (heartbeats muted: dead after the 1 s
-//     timeout): from the death to every survivor holding the next epoch;
+//   - epoch change: a worker is killed (SIGKILL of a process of its own holding that one
+//     worker; then of one holding a whole node of 8, which fail together), and a worker falls
+//     silent (heartbeats muted: dead after the 1 s timeout): from the death to every survivor
+//     holding the next epoch;
 //   - the coordinator's CPU share while N workers only heartbeat, and its resident memory
 //     per worker (after the first epoch, less the coordinator's own before any worker);
 //   - the control API's /v1/status and /metrics at that size (time and bytes).
 // The smallest size is the baseline: each figure is also given as its growth from it.
 //
-//   sinew-bench-control-plane [--sizes 256,1024,4096] [--steps 10] [--check]
+// The simulated workers' threads run at nice --worker-nice (10 by default), the coordinator's
+// process and this process's measuring thread at the nice they were started with: on a machine
+// of few cores, thousands of client threads would otherwise take the CPU the coordinator needs,
+// and the figures would measure the harness, not the coordinator (on a cluster each worker has
+// its own host). --worker-nice 0 measures them side by side.
+//
+//   sinew-bench-control-plane [--sizes 256,1024,4096] [--steps 10] [--worker-nice 10] [--check]
 //
 // --check makes it a test: it exits 1 unless every phase completed (every survivor saw each
 // epoch, every vote committed) within its bound. The last line is
@@ -27,6 +34,9 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -97,6 +107,122 @@ int serve(int n) {
   while (::read(0, buf, sizeof(buf)) > 0) {
   }
   return 0;
+}
+
+// Lowers the calling thread's priority (Linux: a nice value is per thread, and threads it
+// creates inherit it).
+void niceThisThread(int nice) {
+  if (nice != 0) (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), nice);
+}
+
+// ---- Workers in a process of their own (--clients), so that a death is a real SIGKILL ----
+
+// --clients PORT TOKEN STEPS NICE NODE ID...: one CoordinatorClient per ID on NODE; each is
+// ready at once, and it prints "hello"; when the first epoch is there it prints "ready" and votes steps [0, STEPS)
+// of that epoch like every other worker, then waits to be killed (or for its stdin to close:
+// the bench is gone).
+int serveClients(int argc, char** argv, int first) {
+  if (argc - first < 6) {
+    std::fprintf(stderr, "control-plane: --clients PORT TOKEN STEPS NICE NODE ID...\n");
+    return 2;
+  }
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  const uint16_t port = static_cast<uint16_t>(std::atoi(argv[first]));
+  const uint64_t token = std::stoull(argv[first + 1], nullptr, 16);
+  const int steps = std::atoi(argv[first + 2]);
+  niceThisThread(std::atoi(argv[first + 3]));
+  const std::string node = argv[first + 4];
+  std::vector<std::unique_ptr<CoordinatorClient>> clients;
+  for (int i = first + 5; i < argc; ++i) {
+    CoordinatorClientOptions o;
+    o.port = port;
+    o.token = token;
+    o.worker = std::atoi(argv[i]);
+    o.node = node;
+    o.connectTimeout = std::chrono::seconds(120);
+    clients.push_back(std::make_unique<CoordinatorClient>(o));
+    clients.back()->ready(0);
+  }
+  std::printf("hello\n");
+  std::fflush(stdout);
+  const int64_t epoch = clients.front()->waitEpochAfter(-1, std::chrono::seconds(300)).epoch;
+  std::printf("ready\n");
+  std::fflush(stdout);
+  std::vector<std::thread> voters;
+  for (auto& c : clients) {
+    voters.emplace_back([&c, epoch, steps] {
+      try {
+        for (int s = 0; s < steps; ++s) {
+          if (c->vote(epoch, s, std::chrono::seconds(60)) !=
+              CoordinatorClient::VoteResult::kCommitted) {
+            return;
+          }
+        }
+      } catch (const std::exception&) {
+      }
+    });
+  }
+  for (auto& t : voters) t.join();
+  char buf[64];
+  while (::read(0, buf, sizeof(buf)) > 0) {
+  }
+  return 0;
+}
+
+struct ClientProcess {
+  pid_t pid = -1;
+  int stdinFd = -1;
+  int stdoutFd = -1;
+  std::vector<int> ids;
+};
+
+ClientProcess startClients(const char* self, uint16_t port, uint64_t token, int steps, int nice,
+                           const std::string& node, const std::vector<int>& ids) {
+  int in[2], out[2];
+  if (::pipe2(in, O_CLOEXEC) != 0 || ::pipe2(out, O_CLOEXEC) != 0) {
+    std::perror("pipe");
+    std::exit(2);
+  }
+  char tok[32];
+  std::snprintf(tok, sizeof(tok), "%llx", static_cast<unsigned long long>(token));
+  std::vector<std::string> args = {self,
+                                   "--clients",
+                                   std::to_string(port),
+                                   tok,
+                                   std::to_string(steps),
+                                   std::to_string(nice),
+                                   node};
+  for (int id : ids) args.push_back(std::to_string(id));
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  std::fflush(nullptr);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(in[0], 0);
+    ::dup2(out[1], 1);
+    ::execv(self, argv.data());
+    _exit(127);
+  }
+  ::close(in[0]);
+  ::close(out[1]);
+  ClientProcess p;
+  p.pid = pid;
+  p.stdinFd = in[1];
+  p.stdoutFd = out[0];
+  p.ids = ids;
+  return p;
+}
+
+// Kills a client process (our own child, by its PID) and reaps it. Idempotent.
+void killClients(ClientProcess& p) {
+  if (p.pid < 0) return;
+  ::kill(p.pid, SIGKILL);
+  int st = 0;
+  ::waitpid(p.pid, &st, 0);
+  ::close(p.stdinFd);
+  ::close(p.stdoutFd);
+  p.pid = -1;
 }
 
 struct CoordinatorProcess {
@@ -204,16 +330,17 @@ struct Worker {
   std::unique_ptr<CoordinatorClient> client;
   std::atomic<int64_t> epoch{-1};   // the newest epoch it was told of (-1: none, or expelled)
   std::atomic<int64_t> epochNs{0};  // when (nowNs)
-  bool gone = false;                // closed, silenced or expelled with a node
+  bool gone = false;  // killed, silenced, or held by a client process (not watched here)
 };
 
-// Runs f(i) for i in [0, n) on `threads` threads.
+// Runs f(i) for i in [0, n) on `threads` threads of nice `nice`.
 template <class F>
-void parallelFor(int n, int threads, F f) {
+void parallelFor(int n, int threads, int nice, F f) {
   std::atomic<int> next{0};
   std::vector<std::thread> pool;
   for (int t = 0; t < threads; ++t) {
     pool.emplace_back([&] {
+      niceThisThread(nice);
       for (int i; (i = next++) < n;) f(i);
     });
   }
@@ -293,11 +420,17 @@ void raiseTo(std::atomic<int64_t>& a, int64_t v) {
   }
 }
 
-// Every worker votes steps [first, first + count) together; the median of (last commit in -
-// last vote out) in ms, or negative when a vote did not commit.
+// Every worker of this process votes steps [first, first + count) together (the client
+// processes' workers vote each step as soon as the one before it commits, so they are never
+// the last); the median of (last commit in - last vote out) in ms, or negative when a vote did
+// not commit.
 double voteRounds(std::vector<std::unique_ptr<Worker>>& ws, int64_t epoch, int64_t first,
-                  int count) {
-  const int n = static_cast<int>(ws.size());
+                  int count, int nice) {
+  std::vector<Worker*> local;
+  for (auto& w : ws) {
+    if (w->client) local.push_back(w.get());
+  }
+  const int n = static_cast<int>(local.size());
   std::vector<std::atomic<int64_t>> lastOut(count), lastIn(count);
   for (int s = 0; s < count; ++s) lastOut[s] = lastIn[s] = 0;
   std::atomic<bool> failed{false};
@@ -306,12 +439,13 @@ double voteRounds(std::vector<std::unique_ptr<Worker>>& ws, int64_t epoch, int64
   voters.reserve(n);
   for (int i = 0; i < n; ++i) {
     voters.emplace_back([&, i] {
+      niceThisThread(nice);
       for (int s = 0; s < count; ++s) {
         barrier.arrive();
         raiseTo(lastOut[s], nowNs());
         CoordinatorClient::VoteResult r = CoordinatorClient::VoteResult::kSuperseded;
         try {
-          r = ws[i]->client->vote(epoch, first + s, std::chrono::seconds(60));
+          r = local[i]->client->vote(epoch, first + s, std::chrono::seconds(60));
         } catch (const std::exception&) {
         }
         if (r != CoordinatorClient::VoteResult::kCommitted) failed = true;
@@ -326,7 +460,7 @@ double voteRounds(std::vector<std::unique_ptr<Worker>>& ws, int64_t epoch, int64
   return median(rtt);
 }
 
-SizeResult runSize(const char* self, int n, int steps) {
+SizeResult runSize(const char* self, int n, int steps, int nice) {
   SizeResult r;
   r.n = n;
   auto fail = [&](const std::string& why) {
@@ -338,12 +472,32 @@ SizeResult runSize(const char* self, int n, int steps) {
   const int64_t rssBefore = residentBytes(cp.pid);
 
   // Start: N hellos (at most 32 connecting at once: one address may hold 64 unauthenticated
-  // connections), each ready at once; the first epoch forms when all are.
+  // connections), each ready at once; the first epoch forms when all are. The workers that
+  // will be killed live in processes of their own: worker 3 alone, and workers 8..15, a node.
   std::vector<std::unique_ptr<Worker>> ws;
   for (int i = 0; i < n; ++i) ws.push_back(std::make_unique<Worker>());
+  ClientProcess one, node;
+  auto readLine = [](ClientProcess& p) {
+    std::string line;
+    char c;
+    while (::read(p.stdoutFd, &c, 1) == 1 && c != '\n') line += c;
+    return line;
+  };
+  if (n >= 16) {
+    one = startClients(self, cp.port, cp.token, steps, nice, "node-3", {3});
+    node = startClients(self, cp.port, cp.token, steps, nice, "node-shared",
+                        {8, 9, 10, 11, 12, 13, 14, 15});
+    for (int i : one.ids) ws[i]->gone = true;
+    for (int i : node.ids) ws[i]->gone = true;
+    // Their hellos come first, so the start below is the coordinator's, not their exec.
+    if (readLine(one) != "hello" || readLine(node) != "hello") {
+      fail("a client process could not say hello");
+    }
+  }
   const int64_t startNs = nowNs();
   std::atomic<int> failedStarts{0};
-  parallelFor(n, 32, [&](int i) {
+  parallelFor(n, 32, nice, [&](int i) {
+    if (ws[i]->gone) return;  // in a client process
     CoordinatorClientOptions o;
     o.port = cp.port;
     o.token = cp.token;
@@ -370,6 +524,9 @@ SizeResult runSize(const char* self, int n, int steps) {
   }
   r.startS = waitAllPast(ws, -1, startNs, std::chrono::seconds(120));
   if (r.startS < 0) fail("not every worker got the first epoch");
+  for (ClientProcess* p : {&one, &node}) {
+    if (p->pid >= 0 && readLine(*p) != "ready") fail("a client process got no first epoch");
+  }
   int64_t epoch = ws[0]->client ? ws[0]->client->latestEpoch().epoch : 0;
 
   // Steady state: heartbeats only.
@@ -401,22 +558,22 @@ SizeResult runSize(const char* self, int n, int steps) {
 
   // Votes.
   if (r.ok) {
-    r.voteRttMs = voteRounds(ws, epoch, 0, steps);
+    r.voteRttMs = voteRounds(ws, epoch, 0, steps, nice);
     if (r.voteRttMs < 0) fail("a vote did not commit");
   }
 
-  // Deaths: a closed connection (worker 3), a node of 8 (node 1: workers 8..15, by closing
-  // worker 8), a silent worker (5: heartbeats muted).
-  auto death = [&](const char* what, std::vector<int> victims, bool silent) {
+  // Deaths: SIGKILL of worker 3's process, of the process of a node of 8 (workers 8..15),
+  // and a silent worker (5: heartbeats muted).
+  auto death = [&](const char* what, ClientProcess* killed, bool silent) {
     if (!r.ok || n < 16) return -1.0;
     const int64_t before = epoch;
     const int64_t t = nowNs();
     if (silent) {
-      ws[victims[0]]->client->muteHeartbeats(std::chrono::seconds(30));
+      ws[5]->client->muteHeartbeats(std::chrono::seconds(30));
+      ws[5]->gone = true;
     } else {
-      ws[victims[0]]->client->close();
+      killClients(*killed);
     }
-    for (int v : victims) ws[v]->gone = true;
     const double s = waitAllPast(ws, before, t, std::chrono::seconds(30));
     if (s < 0) fail(std::string("not every survivor got the epoch after ") + what);
     for (auto& w : ws) {
@@ -424,14 +581,16 @@ SizeResult runSize(const char* self, int n, int steps) {
     }
     return s;
   };
-  r.closeOneS = death("a closed connection", {3}, false);
-  r.closeNodeS = death("a node's loss", {8, 9, 10, 11, 12, 13, 14, 15}, false);
-  r.silentS = death("a silent worker", {5}, true);
+  r.closeOneS = death("a killed worker", &one, false);
+  r.closeNodeS = death("a node's loss", &node, false);
+  r.silentS = death("a silent worker", nullptr, true);
 
   // Tear down: the coordinator first (each client closing before it would start an epoch
   // for the rest: N epochs of up to N members), then every client, in parallel.
   stopCoordinator(cp);
-  parallelFor(n, 16, [&](int i) { ws[i]->client.reset(); });
+  killClients(one);
+  killClients(node);
+  parallelFor(n, 16, 0, [&](int i) { ws[i]->client.reset(); });
   return r;
 }
 
@@ -456,20 +615,24 @@ std::vector<int> parseSizes(const std::string& s) {
 int main(int argc, char** argv) {
   std::string sizes = "256,1024,4096";
   int steps = 10;
+  int nice = 10;
   bool check = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--serve" && i + 1 < argc) return serve(std::atoi(argv[i + 1]));
+    if (a == "--clients") return serveClients(argc, argv, i + 1);
     if (a == "--sizes" && i + 1 < argc) {
       sizes = argv[++i];
     } else if (a == "--steps" && i + 1 < argc) {
       steps = std::max(1, std::atoi(argv[++i]));
+    } else if (a == "--worker-nice" && i + 1 < argc) {
+      nice = std::max(0, std::min(19, std::atoi(argv[++i])));
     } else if (a == "--check") {
       check = true;
     } else {
       std::fprintf(stderr,
                    "usage: sinew-bench-control-plane [--sizes 256,1024,4096] [--steps 10] "
-                   "[--check]\n");
+                   "[--worker-nice 10] [--check]\n");
       return 2;
     }
   }
@@ -480,11 +643,11 @@ int main(int argc, char** argv) {
                             1024);
   std::vector<SizeResult> results;
   std::printf("%7s %8s %10s %10s %10s %10s %8s %9s %10s %11s\n", "workers", "start_s",
-              "vote_rtt_ms", "close_1_ms", "close_8_ms", "silent_ms", "coord_cpu", "kib/wkr",
+              "vote_rtt_ms", "kill_1_ms", "kill_8_ms", "silent_ms", "coord_cpu", "kib/wkr",
               "status_ms", "metrics_ms");
   bool ok = true;
   for (int n : ns) {
-    SizeResult r = runSize(argv[0], n, steps);
+    SizeResult r = runSize(argv[0], n, steps, nice);
     std::printf("%7d %8.3f %10.2f %10.1f %10.1f %10.1f %8.1f%% %9.1f %10.1f %11.1f\n", r.n,
                 r.startS, r.voteRttMs, 1e3 * r.closeOneS, 1e3 * r.closeNodeS, 1e3 * r.silentS,
                 100 * r.cpuShare, r.kibPerWorker, r.statusMs, r.metricsMs);
@@ -500,7 +663,7 @@ int main(int argc, char** argv) {
   const SizeResult& top = results.back();
   if (results.size() > 1) {
     std::printf(
-        "growth from %d to %d workers (x%.0f): start x%.1f, vote x%.1f, close x%.1f, "
+        "growth from %d to %d workers (x%.0f): start x%.1f, vote x%.1f, kill x%.1f, "
         "cpu x%.1f, status x%.1f\n",
         base.n, top.n, static_cast<double>(top.n) / base.n, top.startS / base.startS,
         top.voteRttMs / base.voteRttMs, top.closeOneS / base.closeOneS,
