@@ -36,8 +36,8 @@
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
-#include <sys/syscall.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -118,9 +118,9 @@ void niceThisThread(int nice) {
 // ---- Workers in a process of their own (--clients), so that a death is a real SIGKILL ----
 
 // --clients PORT TOKEN STEPS NICE NODE ID...: one CoordinatorClient per ID on NODE; each is
-// ready at once, and it prints "hello"; when the first epoch is there it prints "ready" and votes steps [0, STEPS)
-// of that epoch like every other worker, then waits to be killed (or for its stdin to close:
-// the bench is gone).
+// ready at once, and it prints "hello"; when the first epoch is there it prints "ready" and votes
+// steps [0, STEPS) of that epoch like every other worker, then waits to be killed (or for its stdin
+// to close: the bench is gone).
 int serveClients(int argc, char** argv, int first) {
   if (argc - first < 6) {
     std::fprintf(stderr, "control-plane: --clients PORT TOKEN STEPS NICE NODE ID...\n");
@@ -185,12 +185,8 @@ ClientProcess startClients(const char* self, uint16_t port, uint64_t token, int 
   }
   char tok[32];
   std::snprintf(tok, sizeof(tok), "%llx", static_cast<unsigned long long>(token));
-  std::vector<std::string> args = {self,
-                                   "--clients",
-                                   std::to_string(port),
-                                   tok,
-                                   std::to_string(steps),
-                                   std::to_string(nice),
+  std::vector<std::string> args = {self, "--clients",           std::to_string(port),
+                                   tok,  std::to_string(steps), std::to_string(nice),
                                    node};
   for (int id : ids) args.push_back(std::to_string(id));
   std::vector<char*> argv;
@@ -424,8 +420,8 @@ void raiseTo(std::atomic<int64_t>& a, int64_t v) {
 // processes' workers vote each step as soon as the one before it commits, so they are never
 // the last); the median of (last commit in - last vote out) in ms, or negative when a vote did
 // not commit.
-double voteRounds(std::vector<std::unique_ptr<Worker>>& ws, int64_t epoch, int64_t first,
-                  int count, int nice) {
+double voteRounds(std::vector<std::unique_ptr<Worker>>& ws, int64_t epoch, int64_t first, int count,
+                  int nice) {
   std::vector<Worker*> local;
   for (auto& w : ws) {
     if (w->client) local.push_back(w.get());
