@@ -13,6 +13,15 @@
 // As a baseline in the same run, the (32, 32, 8) case is also planned by the straightforward
 // exact search over both template families (baselineTemplates: every bottleneck candidate, a
 // plain DP each, no pruning), and the two must agree on every node count's cost.
+//
+// Then, for each case, what the job does on a node's loss (issue 41: inside a second at 1,024
+// nodes x 8 devices and 1,000 layers): the plan on all N nodes (makePlan, workers bound as
+// node * G + device), the loss of a node in the middle of the first pipeline (reconfigure),
+// the layer copies every worker computes for the new plan from the survivors' live layers
+// (liveLayerCopies), and the new plan's epoch message (planToJson once at the coordinator,
+// planFromJson at each worker). `loss_ms` is reconfigure + copies + one planFromJson: the
+// planning a survivor waits for; the last line adds
+//   loss_ms_1000_1024_8=<ms> plan_json_kib_1000_1024_8=<k>
 
 #include <algorithm>
 #include <chrono>
@@ -24,7 +33,9 @@
 
 #include "sinew/pipeline/cost_model.h"
 #include "sinew/pipeline/instantiation.h"
+#include "sinew/pipeline/plan.h"
 #include "sinew/pipeline/profile.h"
+#include "sinew/pipeline/reconfiguration.h"
 #include "sinew/pipeline/template_planner.h"
 #include "synthetic_profile.h"
 
@@ -32,6 +43,7 @@ namespace {
 
 using sinew::pipeline::CostModel;
 using sinew::pipeline::Instantiation;
+using sinew::pipeline::Plan;
 using sinew::pipeline::Profile;
 using sinew::pipeline::TemplateSet;
 
@@ -132,6 +144,63 @@ std::vector<int64_t> baselineTemplates(const CostModel& m, int n_lo, int n_hi, i
 
 }  // namespace
 
+struct LossTimes {
+  double makePlanMs = 0, reconfigureMs = 0, copiesMs = 0, toJsonMs = 0, fromJsonMs = 0;
+  size_t copies = 0;
+  size_t jsonBytes = 0;
+  std::string kind;
+  bool ok = true;
+};
+
+// Binds every worker of a plan made from templates to node * G + device.
+void bindWorkers(Plan& plan, int G) {
+  for (auto& w : plan.workers) w.worker = w.node * G + w.device;
+}
+
+LossTimes timeLoss(const TemplateSet& set, const Profile& p, int N, int G, int f, int64_t B) {
+  LossTimes t;
+  std::vector<int> ids(N);
+  for (int i = 0; i < N; ++i) ids[i] = i;
+  auto t0 = std::chrono::steady_clock::now();
+  Plan plan = sinew::pipeline::makePlan(set, ids, {f, B});
+  t.makePlanMs = msSince(t0);
+  bindWorkers(plan, G);
+  const auto& first = plan.pipelines.front().nodeIds;
+  const int lost = first[first.size() / 2];
+
+  t0 = std::chrono::steady_clock::now();
+  sinew::pipeline::Reconfiguration r = sinew::pipeline::reconfigure(set, plan, {lost});
+  t.reconfigureMs = msSince(t0);
+  t.kind = sinew::pipeline::reconfigurationKindName(r.kind);
+  bindWorkers(r.plan, G);
+
+  // The survivors' live layers under the old plan, in increasing worker id order.
+  const int L = static_cast<int>(p.layers.size());
+  std::vector<std::vector<int>> live(L);
+  std::vector<const sinew::pipeline::WorkerAssignment*> byWorker(static_cast<size_t>(N) * G);
+  for (const auto& w : plan.workers) byWorker[w.worker] = &w;
+  for (const auto* w : byWorker) {
+    if (w == nullptr || w->node == lost) continue;
+    for (int l = w->firstLayer; l < w->endLayer; ++l) live[l].push_back(w->worker);
+  }
+  std::vector<int64_t> bytes(L);
+  for (int l = 0; l < L; ++l) bytes[l] = p.layers[l].param_bytes + p.layers[l].optimizer_bytes;
+  t0 = std::chrono::steady_clock::now();
+  t.copies = sinew::pipeline::liveLayerCopies(r.plan, live, bytes).size();
+  t.copiesMs = msSince(t0);
+
+  t0 = std::chrono::steady_clock::now();
+  const std::string json = sinew::pipeline::planToJson(r.plan);
+  t.toJsonMs = msSince(t0);
+  t.jsonBytes = json.size();
+  t0 = std::chrono::steady_clock::now();
+  Plan parsed = sinew::pipeline::planFromJson(json);
+  t.fromJsonMs = msSince(t0);
+  t.ok = parsed.workers.size() == r.plan.workers.size() &&
+         parsed.pipelines.size() == r.plan.pipelines.size();
+  return t;
+}
+
 int main(int argc, char** argv) {
   struct Case {
     int L, N, G;
@@ -141,6 +210,7 @@ int main(int argc, char** argv) {
   std::printf("%-18s %6s %6s %10s %12s %12s %12s\n", "case (L,N,G)", "n_min", "n_max", "templates",
               "templates_ms", "instance_ms", "plan_ms");
   std::string result = "RESULT";
+  std::string loss_kv;
   bool ok = true;
   for (const Case& c : cases) {
     Profile p = sinew::pipeline::syntheticProfile(c.L, c.G, 42);
@@ -166,6 +236,22 @@ int main(int argc, char** argv) {
     char kv[96];
     std::snprintf(kv, sizeof(kv), " plan_ms_%d_%d_%d=%.1f", c.L, c.N, c.G, total_ms);
     result += kv;
+    const LossTimes lt = timeLoss(set, p, c.N, c.G, f, B);
+    const double loss_ms = lt.reconfigureMs + lt.copiesMs + lt.fromJsonMs;
+    std::printf(
+        "%-18s a node's loss: makePlan %.1f ms; reconfigure %.1f ms (%s), %zu layer copies "
+        "%.1f ms, plan JSON %.1f KiB: to %.1f ms, from %.1f ms; loss_ms %.1f%s\n",
+        name, lt.makePlanMs, lt.reconfigureMs, lt.kind.c_str(), lt.copies, lt.copiesMs,
+        static_cast<double>(lt.jsonBytes) / 1024.0, lt.toJsonMs, lt.fromJsonMs, loss_ms,
+        lt.ok ? "" : " (the parsed plan DIFFERS)");
+    ok = ok && lt.ok;
+    if (c.L == 1000) {
+      loss_kv = "";
+      char lk[128];
+      std::snprintf(lk, sizeof(lk), " loss_ms_%d_%d_%d=%.1f plan_json_kib_%d_%d_%d=%.0f", c.L, c.N,
+                    c.G, loss_ms, c.L, c.N, c.G, static_cast<double>(lt.jsonBytes) / 1024.0);
+      loss_kv = lk;
+    }
     if (c.L == 32) {
       CostModel model(p);
       auto tb = std::chrono::steady_clock::now();
@@ -186,6 +272,6 @@ int main(int argc, char** argv) {
           name, msSince(tb), found, ok ? "yes" : "NO");
     }
   }
-  std::printf("%s\n", result.c_str());
+  std::printf("%s%s\n", result.c_str(), loss_kv.c_str());
   return ok ? 0 : 1;
 }
