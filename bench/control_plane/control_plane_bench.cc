@@ -23,7 +23,15 @@
 // and the figures would measure the harness, not the coordinator (on a cluster each worker has
 // its own host). --worker-nice 0 measures them side by side.
 //
-//   sinew-bench-control-plane [--sizes 256,1024,4096] [--steps 10] [--worker-nice 10] [--check]
+// --ha runs the coordinator as in high-availability mode (docs/ha.md): a one-member etcd on
+// loopback (data on tmpfs), the coordinator a leader candidate (runHaCoordinator: it wins the
+// election, publishes its address under a lease, stores every epoch and commit in etcd before
+// sending it), and every worker finds it through etcd (etcdLeaderFinder; the workers of this
+// process share one etcd client, each client process has its own) and watches for a new
+// leader, as real workers do.
+//
+//   sinew-bench-control-plane [--sizes 256,1024,4096] [--steps 10] [--worker-nice 10] [--ha]
+//                             [--check]
 //
 // --check makes it a test: it exits 1 unless every phase completed (every survivor saw each
 // epoch, every vote committed) within its bound. The last line is
@@ -58,9 +66,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include "etcd_support.h"
 #include "sinew/base/open_files.h"
+#include "sinew/collectives/etcd_client.h"
 #include "sinew/runtime/coordinator.h"
 #include "sinew/runtime/coordinator_client.h"
+#include "sinew/runtime/ha_coordinator.h"
 
 namespace {
 
@@ -80,9 +91,77 @@ int64_t nowNs() {
 
 // ---- The coordinator's process (--serve N) ----
 
+// High availability, for the bench's processes: the etcd endpoints and the job's name (empty
+// endpoints: the built-in coordinator), from SINEW_BENCH_ETCD and SINEW_BENCH_JOB.
+struct HaSetting {
+  std::string etcd;
+  std::string job;
+  bool on() const { return !etcd.empty(); }
+  static HaSetting fromEnvironment() {
+    HaSetting h;
+    if (const char* e = std::getenv("SINEW_BENCH_ETCD")) h.etcd = e;
+    if (const char* j = std::getenv("SINEW_BENCH_JOB")) h.job = j;
+    return h;
+  }
+};
+
+std::shared_ptr<sinew::collectives::EtcdClient> etcdClientFor(const HaSetting& ha) {
+  sinew::collectives::EtcdOptions e;
+  e.endpoints = sinew::collectives::parseEtcdEndpoints(ha.etcd, "SINEW_BENCH_ETCD");
+  return std::make_shared<sinew::collectives::EtcdClient>(e);
+}
+
+// HA: one leader candidate for N workers with the given token and control port; prints the
+// same JSON line as serve() (port 0: the workers find the leader in etcd), then serves until
+// its stdin closes.
+int serveHa(int n, const HaSetting& ha, uint64_t token, uint16_t controlPort) {
+  sinew::raiseOpenFileLimit(static_cast<int64_t>(n) * 2 + 4096);
+  sinew::runtime::HaCoordinatorOptions o;
+  o.etcd.endpoints = sinew::collectives::parseEtcdEndpoints(ha.etcd, "SINEW_BENCH_ETCD");
+  o.job = ha.job;
+  o.name = "bench-leader";
+  o.leaseTtlSeconds = 2;
+  const bool verbose = std::getenv("SINEW_BENCH_VERBOSE") != nullptr;
+  o.log = [verbose](const std::string& line) {
+    if (verbose) std::fprintf(stderr, "%s\n", line.c_str());
+  };
+  auto& c = o.coordinator;
+  c.token = token;
+  c.expectedWorkers = n;
+  c.maxConnections = static_cast<size_t>(n) + 256;
+  c.startTimeout = std::chrono::seconds(600);
+  c.controlPort = controlPort;
+  c.log = o.log;
+  char tok[32];
+  std::snprintf(tok, sizeof(tok), "%llx", static_cast<unsigned long long>(token));
+  c.controlToken = tok;
+  json info = {{"port", 0}, {"token", tok}, {"control_port", controlPort}, {"control_token", tok}};
+  std::printf("%s\n", info.dump().c_str());
+  std::fflush(stdout);
+  std::thread([o] {
+    try {
+      sinew::runtime::runHaCoordinator(o);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "control-plane: the HA coordinator failed: %s\n", e.what());
+    }
+  }).detach();
+  char buf[64];
+  while (::read(0, buf, sizeof(buf)) > 0) {
+  }
+  std::fflush(nullptr);
+  _exit(0);  // The candidate serves until the job ends; this job never does.
+}
+
 // Serves a coordinator for N workers; prints its endpoint and tokens as one JSON line, then
 // serves until its stdin closes.
 int serve(int n) {
+  const HaSetting ha = HaSetting::fromEnvironment();
+  if (ha.on()) {
+    const char* t = std::getenv("SINEW_BENCH_TOKEN");
+    const char* cport = std::getenv("SINEW_BENCH_CONTROL_PORT");
+    return serveHa(n, ha, std::stoull(t ? t : "1", nullptr, 16),
+                   static_cast<uint16_t>(std::atoi(cport ? cport : "0")));
+  }
   sinew::raiseOpenFileLimit(static_cast<int64_t>(n) * 2 + 4096);
   sinew::runtime::CoordinatorOptions o;
   o.expectedWorkers = n;
@@ -132,11 +211,14 @@ int serveClients(int argc, char** argv, int first) {
   const int steps = std::atoi(argv[first + 2]);
   niceThisThread(std::atoi(argv[first + 3]));
   const std::string node = argv[first + 4];
+  const HaSetting ha = HaSetting::fromEnvironment();
+  std::shared_ptr<sinew::collectives::EtcdClient> etcd = ha.on() ? etcdClientFor(ha) : nullptr;
   std::vector<std::unique_ptr<CoordinatorClient>> clients;
   for (int i = first + 5; i < argc; ++i) {
     CoordinatorClientOptions o;
     o.port = port;
     o.token = token;
+    if (etcd) o.awaitLeader = sinew::runtime::etcdLeaderFinder(etcd, ha.job, token);
     o.worker = std::atoi(argv[i]);
     o.node = node;
     o.connectTimeout = std::chrono::seconds(120);
@@ -456,13 +538,30 @@ double voteRounds(std::vector<std::unique_ptr<Worker>>& ws, int64_t epoch, int64
   return median(rtt);
 }
 
-SizeResult runSize(const char* self, int n, int steps, int nice) {
+SizeResult runSize(const char* self, int n, int steps, int nice, const std::string& etcdEndpoints) {
   SizeResult r;
   r.n = n;
   auto fail = [&](const std::string& why) {
     if (r.ok) r.why = why;
     r.ok = false;
   };
+  // HA: a job of its own per size in the shared etcd, a token and a control port of our
+  // choosing (the leader publishes only its worker address).
+  HaSetting ha;
+  std::shared_ptr<sinew::collectives::EtcdClient> etcd;
+  if (!etcdEndpoints.empty()) {
+    ha.etcd = etcdEndpoints;
+    ha.job = "bench-" + std::to_string(n) + "-" + std::to_string(::getpid());
+    char tok[32];
+    std::snprintf(tok, sizeof(tok), "%llx",
+                  static_cast<unsigned long long>(0x5eed0000u + static_cast<unsigned>(n)));
+    ::setenv("SINEW_BENCH_ETCD", ha.etcd.c_str(), 1);
+    ::setenv("SINEW_BENCH_JOB", ha.job.c_str(), 1);
+    ::setenv("SINEW_BENCH_TOKEN", tok, 1);
+    ::setenv("SINEW_BENCH_CONTROL_PORT", std::to_string(sinew::testing::freeLoopbackPort()).c_str(),
+             1);
+    etcd = etcdClientFor(ha);
+  }
   CoordinatorProcess cp = startCoordinator(self, n);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   const int64_t rssBefore = residentBytes(cp.pid);
@@ -497,6 +596,7 @@ SizeResult runSize(const char* self, int n, int steps, int nice) {
     CoordinatorClientOptions o;
     o.port = cp.port;
     o.token = cp.token;
+    if (etcd) o.awaitLeader = sinew::runtime::etcdLeaderFinder(etcd, ha.job, cp.token);
     o.worker = i;
     // Workers 8..15 share a node (they fail together); every other worker is a node of its
     // own, so that one closed connection is one worker's loss.
@@ -587,6 +687,12 @@ SizeResult runSize(const char* self, int n, int steps, int nice) {
   killClients(one);
   killClients(node);
   parallelFor(n, 16, 0, [&](int i) { ws[i]->client.reset(); });
+  if (ha.on()) {
+    for (const char* v :
+         {"SINEW_BENCH_ETCD", "SINEW_BENCH_JOB", "SINEW_BENCH_TOKEN", "SINEW_BENCH_CONTROL_PORT"}) {
+      ::unsetenv(v);
+    }
+  }
   return r;
 }
 
@@ -613,6 +719,7 @@ int main(int argc, char** argv) {
   int steps = 10;
   int nice = 10;
   bool check = false;
+  bool ha = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--serve" && i + 1 < argc) return serve(std::atoi(argv[i + 1]));
@@ -623,12 +730,14 @@ int main(int argc, char** argv) {
       steps = std::max(1, std::atoi(argv[++i]));
     } else if (a == "--worker-nice" && i + 1 < argc) {
       nice = std::max(0, std::min(19, std::atoi(argv[++i])));
+    } else if (a == "--ha") {
+      ha = true;
     } else if (a == "--check") {
       check = true;
     } else {
       std::fprintf(stderr,
                    "usage: sinew-bench-control-plane [--sizes 256,1024,4096] [--steps 10] "
-                   "[--worker-nice 10] [--check]\n");
+                   "[--worker-nice 10] [--ha] [--check]\n");
       return 2;
     }
   }
@@ -638,12 +747,18 @@ int main(int argc, char** argv) {
   sinew::raiseOpenFileLimit(static_cast<int64_t>(*std::max_element(ns.begin(), ns.end())) * 2 +
                             1024);
   std::vector<SizeResult> results;
+  std::unique_ptr<sinew::testing::EtcdCluster> etcdCluster;
+  if (ha) {
+    etcdCluster = std::make_unique<sinew::testing::EtcdCluster>(1);
+    std::printf("high availability: the coordinator a leader candidate on etcd %s\n",
+                etcdCluster->endpoints().c_str());
+  }
   std::printf("%7s %8s %10s %10s %10s %10s %8s %9s %10s %11s\n", "workers", "start_s",
               "vote_rtt_ms", "kill_1_ms", "kill_8_ms", "silent_ms", "coord_cpu", "kib/wkr",
               "status_ms", "metrics_ms");
   bool ok = true;
   for (int n : ns) {
-    SizeResult r = runSize(argv[0], n, steps, nice);
+    SizeResult r = runSize(argv[0], n, steps, nice, ha ? etcdCluster->endpoints() : "");
     std::printf("%7d %8.3f %10.2f %10.1f %10.1f %10.1f %8.1f%% %9.1f %10.1f %11.1f\n", r.n,
                 r.startS, r.voteRttMs, 1e3 * r.closeOneS, 1e3 * r.closeNodeS, 1e3 * r.silentS,
                 100 * r.cpuShare, r.kibPerWorker, r.statusMs, r.metricsMs);
