@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "fuzz_check.h"
+#include "sinew/base/error.h"
 #include "sinew/runtime/control_api.h"
 
 namespace {
@@ -38,6 +39,18 @@ class CheckingBackend : public control::Backend {
     for (const auto& n : r.nodes) SINEW_FUZZ_CHECK(!n.empty() && n.size() <= 255, "node name");
     SINEW_FUZZ_CHECK(r.deadlineSeconds > 0 && r.deadlineSeconds <= control::kMaxDeadlineSeconds,
                      "deadline %g", r.deadlineSeconds);
+    return ok();
+  }
+  ControlReply limits(const nlohmann::json& update) override {
+    // What the coordinator does with it: limits that pass are consistent.
+    try {
+      const control::JobLimits l = control::parseLimits(update, control::JobLimits());
+      control::validateLimits(l);
+      SINEW_FUZZ_CHECK(l.minNodes == 0 || l.maxNodes == 0 || l.minNodes <= l.maxNodes,
+                       "min above max");
+      for (int64_t n : l.sizes) SINEW_FUZZ_CHECK(l.refuses(n).empty(), "a listed size refused");
+    } catch (const sinew::InvalidArgument&) {
+    }
     return ok();
   }
   ControlReply checkpoint() override { return ok(); }

@@ -43,7 +43,7 @@ struct Route {
 constexpr Route kRoutes[] = {
     {"/v1/status", "GET"},      {"/v1/scaling", "GET"}, {"/v1/events", "GET"},
     {"/metrics", "GET"},        {"/v1/resize", "POST"}, {"/v1/drain", "POST"},
-    {"/v1/checkpoint", "POST"}, {"/v1/stop", "POST"},
+    {"/v1/checkpoint", "POST"}, {"/v1/stop", "POST"},   {"/v1/limits", "POST"},
 };
 
 std::string pathList() {
@@ -185,6 +185,131 @@ DrainRequest parseDrain(const json& body) {
   return r;
 }
 
+std::string JobLimits::refuses(int64_t nodes) const {
+  if (minNodes > 0 && nodes < minNodes) {
+    return "below the job's min_nodes " + std::to_string(minNodes);
+  }
+  if (maxNodes > 0 && nodes > maxNodes) {
+    return "above the job's max_nodes " + std::to_string(maxNodes);
+  }
+  if (!sizes.empty() && !std::binary_search(sizes.begin(), sizes.end(), nodes)) {
+    std::string list;
+    for (int64_t n : sizes) list += (list.empty() ? "" : ", ") + std::to_string(n);
+    return "not one of the job's sizes [" + list + "]";
+  }
+  return "";
+}
+
+json JobLimits::toJson() const {
+  return json{
+      {"min_nodes", minNodes > 0 ? json(minNodes) : json(nullptr)},
+      {"max_nodes", maxNodes > 0 ? json(maxNodes) : json(nullptr)},
+      {"sizes", sizes},
+      {"deadline_unix_s", deadlineUnixSeconds > 0 ? json(deadlineUnixSeconds) : json(nullptr)},
+      {"preemptible", preemptible},
+      {"priority", priority}};
+}
+
+void validateLimits(const JobLimits& l) {
+  auto count = [](const char* field, int64_t v) {
+    if (v < 0 || v > kMaxNodes) {
+      SINEW_THROW(InvalidArgument, "limits: '", field, "' = ", v, " must be in [0, ", kMaxNodes,
+                  "] (0: no limit)");
+    }
+  };
+  count("min_nodes", l.minNodes);
+  count("max_nodes", l.maxNodes);
+  if (l.minNodes > 0 && l.maxNodes > 0 && l.minNodes > l.maxNodes) {
+    SINEW_THROW(InvalidArgument, "limits: min_nodes ", l.minNodes, " is above max_nodes ",
+                l.maxNodes);
+  }
+  if (l.sizes.size() > kMaxListed) {
+    SINEW_THROW(InvalidArgument, "limits: 'sizes' lists more than ", kMaxListed, " counts");
+  }
+  for (size_t i = 0; i < l.sizes.size(); ++i) {
+    const int64_t n = l.sizes[i];
+    if (n < 1 || n > kMaxNodes) {
+      SINEW_THROW(InvalidArgument, "limits: 'sizes' holds ", n, ", not a node count in [1, ",
+                  kMaxNodes, "]");
+    }
+    if (i > 0 && n <= l.sizes[i - 1]) {
+      SINEW_THROW(InvalidArgument, "limits: 'sizes' must ascend without repeats (", l.sizes[i - 1],
+                  " then ", n, ")");
+    }
+    if ((l.minNodes > 0 && n < l.minNodes) || (l.maxNodes > 0 && n > l.maxNodes)) {
+      SINEW_THROW(InvalidArgument, "limits: size ", n, " is outside [min_nodes, max_nodes] = [",
+                  l.minNodes, ", ", l.maxNodes > 0 ? std::to_string(l.maxNodes) : "none", "]");
+    }
+  }
+  if (!std::isfinite(l.deadlineUnixSeconds) || l.deadlineUnixSeconds < 0 ||
+      l.deadlineUnixSeconds > 1e11) {
+    SINEW_THROW(InvalidArgument, "limits: 'deadline_unix_s' = ", l.deadlineUnixSeconds,
+                " is not a time in seconds since 1970 (0: none)");
+  }
+  if (l.priority < -1000 || l.priority > 1000) {
+    SINEW_THROW(InvalidArgument, "limits: 'priority' = ", l.priority, " must be in [-1000, 1000]");
+  }
+}
+
+JobLimits parseLimits(const json& body, JobLimits l) {
+  onlyFields(body,
+             {"min_nodes", "max_nodes", "sizes", "deadline_unix_s", "preemptible", "priority"},
+             "limits");
+  auto integer = [&](const char* field, int64_t lo, int64_t hi) -> int64_t {
+    const json& v = body.at(field);
+    if (v.is_null()) return 0;
+    if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(hi)) ||
+        v.get<int64_t>() < lo || v.get<int64_t>() > hi) {
+      SINEW_THROW(InvalidArgument, "limits: '", field, "' = ", detail::jsonPreview(v),
+                  " must be an integer in [", lo, ", ", hi, "] or null");
+    }
+    return v.get<int64_t>();
+  };
+  if (body.contains("min_nodes")) l.minNodes = integer("min_nodes", 0, kMaxNodes);
+  if (body.contains("max_nodes")) l.maxNodes = integer("max_nodes", 0, kMaxNodes);
+  if (body.contains("priority")) l.priority = integer("priority", -1000, 1000);
+  if (body.contains("sizes")) {
+    const json& v = body.at("sizes");
+    l.sizes.clear();
+    if (!v.is_null()) {
+      if (!v.is_array() || v.size() > kMaxListed) {
+        SINEW_THROW(InvalidArgument, "limits: 'sizes' must be an array of at most ", kMaxListed,
+                    " node counts, or null");
+      }
+      for (const json& e : v) {
+        if (!e.is_number_integer() ||
+            (e.is_number_unsigned() && e.get<uint64_t>() > uint64_t(kMaxNodes)) ||
+            e.get<int64_t>() < 1 || e.get<int64_t>() > kMaxNodes) {
+          SINEW_THROW(InvalidArgument, "limits: 'sizes' holds ", detail::jsonPreview(e),
+                      ", not a node count in [1, ", kMaxNodes, "]");
+        }
+        l.sizes.push_back(e.get<int64_t>());
+      }
+    }
+  }
+  if (body.contains("deadline_unix_s")) {
+    const json& v = body.at("deadline_unix_s");
+    if (v.is_null()) {
+      l.deadlineUnixSeconds = 0;
+    } else if (!v.is_number()) {
+      SINEW_THROW(InvalidArgument, "limits: 'deadline_unix_s' = ", detail::jsonPreview(v),
+                  " is not a number of seconds since 1970, or null");
+    } else {
+      l.deadlineUnixSeconds = v.get<double>();
+    }
+  }
+  if (body.contains("preemptible")) {
+    const json& v = body.at("preemptible");
+    if (!v.is_boolean()) {
+      SINEW_THROW(InvalidArgument, "limits: 'preemptible' = ", detail::jsonPreview(v),
+                  " is not true or false");
+    }
+    l.preemptible = v.get<bool>();
+  }
+  validateLimits(l);
+  return l;
+}
+
 void parseCheckpoint(const json& body) {
   onlyFields(body, {"durable"}, "checkpoint");
   if (body.contains("durable")) {
@@ -240,6 +365,7 @@ Answer route(Backend& backend, std::string_view method, std::string_view target,
     }
     json request = parseObject(body);
     if (path == "/v1/resize") return jsonAnswer(backend.resize(parseResize(request)));
+    if (path == "/v1/limits") return jsonAnswer(backend.limits(request));
     if (path == "/v1/drain") return jsonAnswer(backend.drain(parseDrain(request)));
     if (path == "/v1/checkpoint") {
       parseCheckpoint(request);

@@ -49,6 +49,39 @@ struct DrainRequest {
   double deadlineSeconds = 0;
 };
 
+// A job's limits and wishes (docs/control_api.md, "Limits"), set at launch and changed with
+// POST /v1/limits: the sizes a resize may ask for, and what a scheduler should know when it
+// plans. 0 or empty: no limit.
+struct JobLimits {
+  int64_t minNodes = 0;
+  int64_t maxNodes = 0;
+  // The node counts the job can use, ascending, without repeats; empty: every count in
+  // [minNodes, maxNodes].
+  std::vector<int64_t> sizes;
+  // When the job should be done, in seconds since 1970 (UTC); 0: no deadline.
+  double deadlineUnixSeconds = 0;
+  // Whether a scheduler may take the job's nodes back (drain it below minNodes, or stop it).
+  bool preemptible = true;
+  // The scheduler's order among jobs: higher first. In [-1000, 1000].
+  int64_t priority = 0;
+
+  // Why a job of these limits may not run on `nodes` nodes ("below the job's min_nodes 2"),
+  // or empty when it may.
+  std::string refuses(int64_t nodes) const;
+  nlohmann::json toJson() const;
+};
+
+// Throws InvalidArgument naming the field when the limits contradict themselves: a minimum
+// above the maximum, a size outside them, sizes not ascending, a count outside
+// [0, kMaxNodes], a deadline that is not a finite time after 1970, a priority outside
+// [-1000, 1000].
+void validateLimits(const JobLimits& limits);
+
+// The limits after a POST /v1/limits body: each field given replaces the current one
+// (min_nodes, max_nodes, sizes, deadline_unix_s, preemptible, priority; null or 0 clears a
+// limit), the others stay; the result is validated. Throws InvalidArgument naming the field.
+JobLimits parseLimits(const nlohmann::json& body, JobLimits current);
+
 // The operations behind the API, implemented by the coordinator.
 class Backend {
  public:
@@ -56,6 +89,8 @@ class Backend {
   virtual ControlReply status() = 0;
   virtual ControlReply scaling() = 0;
   virtual ControlReply resize(int64_t nodes) = 0;
+  // POST /v1/limits: the job's limits after the update `body` (parseLimits).
+  virtual ControlReply limits(const nlohmann::json& body) = 0;
   virtual ControlReply drain(const DrainRequest& request) = 0;
   virtual ControlReply checkpoint() = 0;
   // deadlineSeconds <= 0: no deadline.

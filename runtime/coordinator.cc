@@ -229,6 +229,9 @@ class Coordinator::Impl : public control::Backend, public EventFeed {
   ControlReply resize(int64_t nodes) override {
     return request([&](Clock::time_point now) { return state_->resize(nodes, now); });
   }
+  ControlReply limits(const nlohmann::json& update) override {
+    return request([&](Clock::time_point now) { return state_->limits(update, now); });
+  }
   ControlReply drain(const control::DrainRequest& r) override {
     return request([&](Clock::time_point now) { return state_->drain(r, now); });
   }

@@ -44,6 +44,9 @@ struct CoordinatorOptions {
   // The first epoch forms when this many workers have said hello (or at startTimeout
   // with those present).
   int expectedWorkers = 1;
+  // The job's limits and wishes for schedulers (docs/control_api.md, "Limits"); changed
+  // with POST /v1/limits. A resize outside them is refused.
+  control::JobLimits limits;
   std::chrono::milliseconds startTimeout{120000};
   // Workers send a heartbeat this often...
   std::chrono::milliseconds heartbeatInterval{100};

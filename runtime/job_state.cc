@@ -15,6 +15,7 @@ namespace runtime {
 JobState::JobState(const CoordinatorOptions& options, uint16_t storePort, Clock::time_point now)
     : options_(options), storePort_(storePort), now_(now) {
   startTime_ = now;
+  limits_ = options_.limits;
   nextCheck_ = now + options_.heartbeatInterval / 2;
   // A new job waits startTimeout for its ranks; a takeover waits takeoverWait for the
   // members of the previous leader's epoch.

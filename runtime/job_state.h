@@ -151,6 +151,7 @@ class JobState {
   ControlReply status(Clock::time_point now);
   ControlReply scaling(Clock::time_point now);
   ControlReply resize(int64_t nodes, Clock::time_point now);
+  ControlReply limits(const json& update, Clock::time_point now);
   ControlReply drain(const control::DrainRequest& request, Clock::time_point now);
   ControlReply checkpoint(Clock::time_point now);
   ControlReply stop(double deadlineSeconds, Clock::time_point now);
@@ -373,8 +374,9 @@ class JobState {
   std::map<int, Drain> drains_;
   int nextDrain_ = 1;
   json lastResize_;
-  int targetNodes_ = -1;     // the last resize's target (-1: none)
-  int joinersStarting_ = 0;  // workers a launcher started for a resize that have not said hello
+  int targetNodes_ = -1;       // the last resize's target (-1: none)
+  control::JobLimits limits_;  // from options_.limits, then POST /v1/limits
+  int joinersStarting_ = 0;    // workers a launcher started for a resize that have not said hello
   bool stopRequested_ = false;
   double stopDeadline_ = 0;
   Clock::time_point stopAt_ = Clock::time_point::max();  // A stop's deadline.

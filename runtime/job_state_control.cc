@@ -293,6 +293,7 @@ ControlReply JobState::status(Clock::time_point now) {
   for (const auto& [id, d] : drains_) drains.push_back(drainJson(d));
   b["drains"] = drains;
   b["last_resize"] = lastResize_.is_null() ? json(nullptr) : lastResize_;
+  b["limits"] = limits_.toJson();
   b["stop"] = stopRequested_ ? json{{"deadline_s", stopDeadline_}} : json(nullptr);
   return r;
 }
@@ -420,11 +421,39 @@ ControlReply JobState::scaling(Clock::time_point now) {
   return r;
 }
 
+ControlReply JobState::limits(const json& update, Clock::time_point at) {
+  now_ = at;
+  if (finished_ || jobFailed_) return refusal(409, "the job has ended (" + state() + ")");
+  control::JobLimits next;
+  try {
+    next = control::parseLimits(update, limits_);
+  } catch (const InvalidArgument& e) {
+    return refusal(400, e.what());
+  }
+  const bool changed = next.toJson() != limits_.toJson();
+  limits_ = std::move(next);
+  ControlReply r;
+  r.body = {{"limits", limits_.toJson()}, {"nodes_now", epoch_ >= 0 ? currentNodes() : 0}};
+  if (epoch_ >= 0) {
+    const std::string why = limits_.refuses(currentNodes());
+    if (!why.empty()) r.body["warning"] = "the job's present size is " + why;
+  }
+  if (changed) {
+    event({{"event", "limits"}, {"limits", limits_.toJson()}});
+    if (!persistState()) return refusal(409, "this coordinator no longer leads the job");
+  }
+  return r;
+}
+
 ControlReply JobState::resize(int64_t nodes, Clock::time_point at) {
   now_ = at;
   if (epoch_ < 0) return refusal(409, "the job has not started: no epoch has formed yet");
   if (finished_ || jobFailed_) return refusal(409, "the job has ended (" + state() + ")");
   if (stopRequested_) return refusal(409, "the job is stopping");
+  if (const std::string why = limits_.refuses(nodes); !why.empty()) {
+    return refusal(409, "resize to " + std::to_string(nodes) + " nodes: " + why +
+                            " (POST /v1/limits changes them)");
+  }
   const int now = currentNodes();
   ControlReply r;
   r.body = {{"from", now}, {"to", nodes}, {"at_step", committed_ + 1}};
@@ -554,6 +583,24 @@ ControlReply JobState::drain(const control::DrainRequest& request, Clock::time_p
       }
     }
     if (!any) return refusal(400, "drain: no worker of the job is on node '" + node + "'");
+  }
+  // A drain below the job's minimum: a scheduler that must have those nodes stops the job
+  // (POST /v1/stop), or lowers the minimum first.
+  if (limits_.minNodes > 0) {
+    std::vector<int> staying;
+    for (int id : members_) {
+      if (!chosen.count(id) && !leaving_.count(id)) staying.push_back(id);
+    }
+    const int64_t left = pipelineJob_
+                             ? static_cast<int64_t>(staying.size()) / profile_.job.devices_per_node
+                             : static_cast<int64_t>(nodesOf(staying).size());
+    if (left < limits_.minNodes) {
+      return refusal(
+          409, "drain: it would leave " + std::to_string(left) +
+                   " nodes, below the job's min_nodes " + std::to_string(limits_.minNodes) +
+                   (limits_.preemptible ? " (stop the job, or lower min_nodes with POST /v1/limits)"
+                                        : " and the job is not preemptible"));
+    }
   }
   // What it takes: the rest of this step, then the checkpoint of it.
   const double step = medianStepSeconds();

@@ -54,7 +54,8 @@ std::string JobState::stateJson() const {
               {{"global_batch", globalBatch_},
                {"microbatch", microbatch_},
                {"steps", totalSteps_},
-               {"checkpoints", checkpointsOn_}}}};
+               {"checkpoints", checkpointsOn_}}},
+             {"limits", limits_.toJson()}};
   if (pipelineJob_) {
     st["pipeline"] = pipelineRequest_;
     st["pipeline_nodes"] = pipelineNodes_;
@@ -122,6 +123,13 @@ void JobState::restoreState(const std::string& text) {
     microbatch_ = shape.value("microbatch", int64_t(0));
     totalSteps_ = shape.value("steps", int64_t(0));
     checkpointsOn_ = shape.value("checkpoints", false);
+  }
+  if (st.contains("limits")) {
+    try {
+      limits_ = control::parseLimits(st.at("limits"), control::JobLimits());
+    } catch (const InvalidArgument& e) {
+      SINEW_THROW(InvalidArgument, what, ": ", e.what());
+    }
   }
   if (st.contains("pipeline")) {
     std::string error = planPipelines(

@@ -71,6 +71,7 @@ struct Args {
   int controlTimeoutMs = 10000;
   int drainSignal = 0;
   double drainDeadline = 120;
+  sinew::runtime::control::JobLimits limits;  // --limits
   std::vector<std::string> program;
 };
 
@@ -156,6 +157,12 @@ Args parse(int argc, char** argv) {
                  "killed (default 30)")
       ->type_name("T");
   app.add_flag("--quiet", a.quiet, "do not echo the workers' output (still logged)");
+  std::string limits;
+  app.add_option("--limits", limits,
+                 "the job's limits and wishes for schedulers, as POST /v1/limits takes them: "
+                 "JSON with min_nodes, max_nodes, sizes, deadline_unix_s, preemptible, priority "
+                 "(docs/control_api.md)")
+      ->type_name("JSON");
   app.prefix_command();  // The first positional and everything after it: the program.
   try {
     app.parse(argc, argv);
@@ -208,6 +215,14 @@ Args parse(int argc, char** argv) {
   a.drainDeadline = seconds("--drain-deadline-s", drainDeadline, false);
   a.deadline = seconds("--deadline-s", jobDeadline, true);
   a.exitGrace = seconds("--exit-grace-s", exitGrace, false);
+  if (!limits.empty()) {
+    try {
+      a.limits = sinew::runtime::control::parseLimits(sinew::runtime::control::parseObject(limits),
+                                                      sinew::runtime::control::JobLimits());
+    } catch (const std::exception& e) {
+      usage(std::string("--limits: ") + e.what());
+    }
+  }
   if (a.program.empty()) usage("no program to run");
   if (a.deadAfterMs <= a.heartbeatMs) usage("--dead-after-ms must exceed --heartbeat-ms");
   return a;
@@ -387,6 +402,7 @@ struct JoinerRequests {
 sinew::runtime::CoordinatorOptions coordinatorOptions(const Args& a, JoinerRequests& joiners) {
   sinew::runtime::CoordinatorOptions co;
   co.expectedWorkers = a.workers;
+  co.limits = a.limits;
   co.heartbeatInterval = std::chrono::milliseconds(a.heartbeatMs);
   co.deadAfter = std::chrono::milliseconds(a.deadAfterMs);
   co.progressFloor = std::chrono::milliseconds(a.stepDeadlineMs);

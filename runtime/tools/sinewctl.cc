@@ -12,6 +12,7 @@
 //   sinewctl ... checkpoint
 //   sinewctl ... stop [--deadline-s T]
 //   sinewctl ... events [--count N]
+//   sinewctl ... limits [JSON]        (the job's limits; with JSON, changes them)
 //   sinewctl --log-dir DIR outcome
 //
 // Exit status: 0 when the API answered 200, 1 when it answered an error (printed) or could not
@@ -374,6 +375,12 @@ int main(int argc, char** argv) {
   int count = 0;
   auto* events = app.add_subcommand("events", "follow the job's events");
   events->add_option("--count", count, "stop after this many events");
+  std::string limitsJson;
+  auto* limits = app.add_subcommand(
+      "limits", "the job's limits and wishes; with JSON (e.g. '{\"min_nodes\": 2}'), change them");
+  limits->add_option("json", limitsJson,
+                     "fields of POST /v1/limits: min_nodes, max_nodes, sizes, deadline_unix_s, "
+                     "preemptible, priority (null clears one)");
   auto* outcome = app.add_subcommand("outcome", "how the ended job ended (exit: its status)");
   try {
     app.parse(argc, argv);
@@ -413,6 +420,11 @@ int main(int argc, char** argv) {
     verb = http::verb::post;
     path = "/v1/checkpoint";
     body = json{{"durable", true}}.dump();
+  }
+  if (limits->parsed()) {
+    verb = http::verb::post;
+    path = "/v1/limits";
+    body = limitsJson.empty() ? "{}" : limitsJson;  // The server checks it.
   }
   if (stop->parsed()) {
     verb = http::verb::post;

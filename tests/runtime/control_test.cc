@@ -46,6 +46,10 @@ class FakeBackend : public control::Backend {
     lastDrain = r;
     return reply("drain");
   }
+  ControlReply limits(const nlohmann::json& update) override {
+    lastLimits = update;
+    return reply("limits");
+  }
   ControlReply checkpoint() override { return reply("checkpoint"); }
   ControlReply stop(double deadline) override {
     lastDeadline = deadline;
@@ -57,6 +61,7 @@ class FakeBackend : public control::Backend {
   int64_t lastNodes = -1;
   control::DrainRequest lastDrain;
   double lastDeadline = -1;
+  nlohmann::json lastLimits;
 
  private:
   ControlReply reply(const std::string& what) {
@@ -70,6 +75,56 @@ class FakeBackend : public control::Backend {
 std::string errorOf(const control::Answer& a) {
   json j = json::parse(a.body);
   return j.value("error", std::string());
+}
+
+// POST /v1/limits: routed with its body; the parse keeps the fields not given, clears those
+// given as null, and refuses limits that contradict themselves, naming the field.
+TEST(ControlApiTest, LimitsAreParsedCheckedAndRouted) {
+  FakeBackend b;
+  EXPECT_EQ(control::route(b, "POST", "/v1/limits", R"({"min_nodes": 2})").status, 200);
+  EXPECT_EQ(b.lastLimits, (json{{"min_nodes", 2}}));
+  EXPECT_EQ(control::route(b, "GET", "/v1/limits", "").status, 405);
+
+  control::JobLimits l;
+  l = control::parseLimits(json{{"min_nodes", 2}, {"max_nodes", 8}, {"sizes", {2, 4, 8}}}, l);
+  EXPECT_EQ(l.minNodes, 2);
+  EXPECT_EQ(l.maxNodes, 8);
+  EXPECT_EQ(l.refuses(4), "");
+  EXPECT_EQ(l.refuses(1), "below the job's min_nodes 2");
+  EXPECT_EQ(l.refuses(9), "above the job's max_nodes 8");
+  EXPECT_EQ(l.refuses(3), "not one of the job's sizes [2, 4, 8]");
+  l = control::parseLimits(json{{"priority", -3}, {"preemptible", false}}, l);
+  EXPECT_EQ(l.sizes, (std::vector<int64_t>{2, 4, 8})) << "a field not given was changed";
+  EXPECT_EQ(l.priority, -3);
+  EXPECT_FALSE(l.preemptible);
+  l = control::parseLimits(json{{"sizes", nullptr}, {"max_nodes", nullptr}}, l);
+  EXPECT_TRUE(l.sizes.empty());
+  EXPECT_EQ(l.maxNodes, 0);
+  EXPECT_EQ(l.refuses(1000), "");
+
+  auto error = [](const json& body) {
+    try {
+      control::parseLimits(body, control::JobLimits());
+    } catch (const InvalidArgument& e) {
+      const std::string what = e.what();
+      return what.substr(0, what.find(" [/"));  // Without the source location.
+    }
+    return std::string("accepted");
+  };
+  EXPECT_EQ(error(json{{"min_nodes", 4}, {"max_nodes", 2}}),
+            "limits: min_nodes 4 is above max_nodes 2");
+  EXPECT_EQ(error(json{{"sizes", {4, 2}}}),
+            "limits: 'sizes' must ascend without repeats (4 then 2)");
+  EXPECT_EQ(error(json{{"min_nodes", 3}, {"sizes", {2, 4}}}),
+            "limits: size 2 is outside [min_nodes, max_nodes] = [3, none]");
+  EXPECT_EQ(error(json{{"priority", 5000}}),
+            "limits: 'priority' = 5000 must be an integer in [-1000, 1000] or null");
+  EXPECT_EQ(error(json{{"min_nodes", "two"}}),
+            "limits: 'min_nodes' = \"two\" must be an integer in [0, 1048576] or null");
+  EXPECT_EQ(error(json{{"preemptible", 1}}), "limits: 'preemptible' = 1 is not true or false");
+  EXPECT_EQ(error(json{{"deadline_unix_s", -1}}),
+            "limits: 'deadline_unix_s' = -1 is not a time in seconds since 1970 (0: none)");
+  EXPECT_NE(error(json{{"max", 3}}).find("max"), std::string::npos);
 }
 
 TEST(ControlApiTest, RoutesEachPathAndMethod) {
@@ -839,6 +894,45 @@ TEST(ControlJobTest, ScriptedSchedulerGrowsShrinksDrainsAndStops) {
 // release, before its last checkpoint) fails nothing: the job commits every step and finishes,
 // and sinew-run names the worker as one the job had released. Before, any unclean exit of a
 // worker the job did not declare dead turned the finished job into FAILED (exit 1).
+// Limits given at launch (sinew-run --limits) hold against a scheduler's resize, sinewctl
+// shows and changes them, and a resize inside the new limits goes ahead.
+TEST(ControlJobTest, LimitsGivenAtLaunchRefuseAResizeUntilChanged) {
+  const std::string dir = logDir("limits");
+  Child job = start({SINEW_RUN_PATH, "-n", "3", "--log-dir", dir, "--quiet", "--limits",
+                     R"({"min_nodes": 2, "max_nodes": 3, "priority": 7})", "--inject",
+                     "slow:worker=*:ms=10", TRAIN_DP_PATH, "--steps", "300", "--no-reference"},
+                    {});
+  Api api = waitForApi(dir);
+  json s = api.waitFor([](const json& s) { return stepOf(s) >= 10; }, "step 10 with 3 workers");
+  EXPECT_EQ(s["limits"]["min_nodes"], 2) << s.dump();
+  EXPECT_EQ(s["limits"]["priority"], 7) << s.dump();
+
+  JobRun ctl = finish(start({SINEWCTL_PATH, "--log-dir", dir, "resize", "1"}, {}), 60s);
+  EXPECT_EQ(ctl.exitCode, 1) << ctl.output;
+  EXPECT_NE(ctl.output.find("/v1/resize answered 409: resize to 1 nodes: below the job's "
+                            "min_nodes 2"),
+            std::string::npos)
+      << ctl.output;
+  ctl = finish(start({SINEWCTL_PATH, "--log-dir", dir, "limits", R"({"min_nodes": 4})"}, {}), 60s);
+  EXPECT_EQ(ctl.exitCode, 1) << ctl.output;
+  EXPECT_NE(ctl.output.find("limits: min_nodes 4 is above max_nodes 3"), std::string::npos)
+      << ctl.output;
+  ctl =
+      finish(start({SINEWCTL_PATH, "--log-dir", dir, "limits", R"({"min_nodes": null})"}, {}), 60s);
+  EXPECT_EQ(ctl.exitCode, 0) << ctl.output;
+  EXPECT_NE(ctl.output.find("\"min_nodes\":null"), std::string::npos) << ctl.output;
+
+  Http h = api.post("/v1/resize", R"({"nodes": 1})");
+  ASSERT_EQ(h.status, 200) << h.body;
+  s = api.waitFor([](const json& s) { return s["members"].size() == 1u; }, "1 member");
+  EXPECT_TRUE(s["limits"]["min_nodes"].is_null()) << s.dump();
+  JobRun run = finish(job, 180s);
+  EXPECT_FALSE(run.timedOut);
+  EXPECT_EQ(run.exitCode, 0) << run.output;
+  EXPECT_NE(run.output.find("sinew-run: job finished at step 300"), std::string::npos)
+      << run.output;
+}
+
 TEST(ControlJobTest, AReleasedWorkerKilledBeforeItExitsFailsNothing) {
   const std::string dir = logDir("released-killed");
   Child job = start({SINEW_RUN_PATH, "-n", "3", "--log-dir", dir, "--quiet", "--inject",

@@ -461,6 +461,87 @@ TEST(JobStateTest, AStuckMemberIsBlamedNotTheOnesThatWaitedForIt) {
 
 // Bad messages are refused with a typed error the caller drops the connection for; the
 // machine's state does not change.
+// A job's limits (docs/control_api.md, "Limits"): set at launch, shown in status, changed
+// through the API, kept across a change of leader, and a resize or a drain outside them is
+// refused naming the limit; one inside them goes ahead.
+TEST(JobStateTest, LimitsRefuseResizesAndDrainsOutsideThem) {
+  CoordinatorOptions o;
+  o.limits.minNodes = 2;
+  o.limits.maxNodes = 6;
+  o.limits.sizes = {2, 3, 4, 6};
+  o.limits.priority = 5;
+  std::string stored;  // What a leader stores in etcd (HA), for a new leader to take over.
+  o.persist = [&stored](const std::string& state) { stored = state; };
+  Machine m(3, o);
+  m.join(0, "a");
+  m.join(1, "b");
+  m.join(2, "c");
+  ASSERT_EQ(m.state->epoch(), 0);
+  const json limits = m.state->status(m.t).body.at("limits");
+  EXPECT_EQ(limits.at("min_nodes"), 2);
+  EXPECT_EQ(limits.at("max_nodes"), 6);
+  EXPECT_EQ(limits.at("sizes"), (std::vector<int64_t>{2, 3, 4, 6}));
+  EXPECT_EQ(limits.at("priority"), 5);
+  EXPECT_TRUE(limits.at("preemptible").get<bool>());
+  EXPECT_TRUE(limits.at("deadline_unix_s").is_null());
+
+  ControlReply r = m.state->resize(1, m.t);
+  EXPECT_EQ(r.status, 409);
+  EXPECT_EQ(r.body.at("error"),
+            "resize to 1 nodes: below the job's min_nodes 2 (POST /v1/limits changes them)");
+  r = m.state->resize(7, m.t);
+  EXPECT_EQ(r.status, 409);
+  EXPECT_NE(r.body.at("error").get<std::string>().find("above the job's max_nodes 6"),
+            std::string::npos);
+  r = m.state->resize(5, m.t);
+  EXPECT_EQ(r.status, 409);
+  EXPECT_NE(r.body.at("error").get<std::string>().find("not one of the job's sizes [2, 3, 4, 6]"),
+            std::string::npos);
+  m.advance(0ms);  // Collects what the calls emitted.
+  EXPECT_FALSE(m.hasEvent("resize")) << "a refused resize changed the job";
+
+  // Two of three nodes drained would leave 1, below the minimum; one leaves 2.
+  control::DrainRequest d;
+  d.nodes = {"a", "b"};
+  d.deadlineSeconds = 60;
+  r = m.state->drain(d, m.t);
+  EXPECT_EQ(r.status, 409);
+  EXPECT_EQ(r.body.at("error"),
+            "drain: it would leave 1 nodes, below the job's min_nodes 2 (stop the job, or lower "
+            "min_nodes with POST /v1/limits)");
+  m.advance(0ms);
+  EXPECT_FALSE(m.hasEvent("drain"));
+
+  // Lowered through the API: the same drain is taken, and the change is an event.
+  r = m.state->limits(json{{"min_nodes", 1}, {"sizes", nullptr}}, m.t);
+  ASSERT_EQ(r.status, 200) << r.body.dump();
+  EXPECT_EQ(r.body.at("limits").at("min_nodes"), 1);
+  EXPECT_EQ(r.body.at("limits").at("max_nodes"), 6) << "a field not given was changed";
+  EXPECT_EQ(r.body.at("limits").at("sizes"), json::array());
+  m.advance(0ms);
+  EXPECT_TRUE(m.hasEvent("limits"));
+  r = m.state->resize(2, m.t);
+  EXPECT_EQ(r.status, 200) << r.body.dump();
+  m.advance(0ms);
+  EXPECT_TRUE(m.hasEvent("resize"));
+  r = m.state->limits(json{{"min_nodes", 7}}, m.t);
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(
+      r.body.at("error").get<std::string>().rfind("limits: min_nodes 7 is above max_nodes 6", 0),
+      0u)
+      << r.body.dump();
+
+  // A new leader takes the limits over with the state.
+  CoordinatorOptions o2;
+  o2.expectedWorkers = 3;
+  o2.takeoverState = stored;
+  JobState next(o2, 4242, m.t);
+  const json taken = next.status(m.t).body.at("limits");
+  EXPECT_EQ(taken.at("min_nodes"), 1);
+  EXPECT_EQ(taken.at("max_nodes"), 6);
+  EXPECT_EQ(taken.at("priority"), 5);
+}
+
 TEST(JobStateTest, MessagesThatBreakTheProtocolAreViolations) {
   Machine m(2);
   EXPECT_THROW(m.frame(1, Type::kVote, 0, json{{"step", 0}}),
