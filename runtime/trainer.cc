@@ -765,7 +765,12 @@ class Trainer::Impl {
     // that trained but hold no layers, because every worker that held some is gone, are not
     // a first plan: they roll back to a version they can restore.)
     const bool firstPlan = !anyHeld && !anyTrained;
-    if (!firstPlan && resumeApplied >= 0) {
+    // Every member is new in a job that committed steps: each worker that trained is gone, and
+    // its RAM with it. With durable checkpoints the job goes back to the newest durable version
+    // (the rollback below; when it is the resume step's own, nobody rolls back and the first
+    // plan reads it); without, the first plan's restore fails naming the missing folder.
+    const bool everyCopyLost = firstPlan && resumeApplied >= 0 && durable_->enabled();
+    if ((!firstPlan || everyCopyLost) && resumeApplied >= 0) {
       relayout_->checkRollback(info, held, *store,
                                [this](int l) { return profiles_->hasParameters(l); });
     }
