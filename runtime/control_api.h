@@ -60,7 +60,9 @@ struct JobLimits {
   std::vector<int64_t> sizes;
   // When the job should be done, in seconds since 1970 (UTC); 0: no deadline.
   double deadlineUnixSeconds = 0;
-  // Whether a scheduler may take the job's nodes back (drain it below minNodes, or stop it).
+  // Whether a scheduler may take the job's nodes back before it is done (stop it, or drain it
+  // after lowering minNodes). For the scheduler: the job itself refuses a drain below
+  // minNodes either way.
   bool preemptible = true;
   // The scheduler's order among jobs: higher first. In [-1000, 1000].
   int64_t priority = 0;

@@ -440,7 +440,11 @@ ControlReply JobState::limits(const json& update, Clock::time_point at) {
   }
   if (changed) {
     event({{"event", "limits"}, {"limits", limits_.toJson()}});
-    if (!persistState()) return refusal(409, "this coordinator no longer leads the job");
+    // Stored with the job's state (HA): now, once the job has a state to take over; before the
+    // first epoch, or while a takeover waits for its members, the next store carries them.
+    if (epoch_ >= 0 && !takingOver_ && !persistState()) {
+      return refusal(409, "this coordinator no longer leads the job");
+    }
   }
   return r;
 }
@@ -594,7 +598,9 @@ ControlReply JobState::drain(const control::DrainRequest& request, Clock::time_p
     const int64_t left = pipelineJob_
                              ? static_cast<int64_t>(staying.size()) / profile_.job.devices_per_node
                              : static_cast<int64_t>(nodesOf(staying).size());
-    if (left < limits_.minNodes) {
+    // A job already below its minimum (after failures) may still drain what does not
+    // shrink it (a worker not yet training, part of a node).
+    if (left < limits_.minNodes && left < currentNodes()) {
       return refusal(
           409, "drain: it would leave " + std::to_string(left) +
                    " nodes, below the job's min_nodes " + std::to_string(limits_.minNodes) +

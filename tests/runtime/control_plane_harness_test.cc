@@ -41,17 +41,18 @@ TEST(ControlPlaneHarnessTest, TwoHundredFiftySixWorkersSurviveAKilledWorkerAndAK
   EXPECT_LT(row[0], 30.0) << r.out;  // start
   EXPECT_GT(row[1], 0.0) << r.out;
   EXPECT_LT(row[1], 2000.0) << r.out;  // vote round trip
-  // A SIGKILLed worker's closed connection, and a node's, are noticed at once (no timeout).
+  // A SIGKILLed worker's closed connection, and a node's, are noticed at once: sooner than
+  // the heartbeat timeout (1 s after the last heartbeat) could notice them.
   EXPECT_GT(row[2], 0.0) << r.out;
-  EXPECT_LT(row[2], 5000.0) << r.out;
+  EXPECT_LT(row[2], 900.0) << r.out;
   EXPECT_GT(row[3], 0.0) << r.out;
-  EXPECT_LT(row[3], 5000.0) << r.out;
+  EXPECT_LT(row[3], 900.0) << r.out;
   // Silence is noticed by the 1 s heartbeat timeout, counted from the last heartbeat heard,
   // which came at most one interval (100 ms) before the mute: not before that.
   EXPECT_GE(row[4], 900.0) << r.out;
   EXPECT_LT(row[4], 10000.0) << r.out;
-  // The answers of the control API at that size.
-  EXPECT_NE(r.out.find("/v1/status"), std::string::npos) << r.out;
+  // The control API answered at that size (--check fails on any other answer than 200).
+  EXPECT_GT(row[7], 0.0) << r.out;
   EXPECT_NE(r.out.find("RESULT epoch_change_s_256="), std::string::npos) << r.out;
 }
 

@@ -887,13 +887,6 @@ TEST(ControlJobTest, ScriptedSchedulerGrowsShrinksDrainsAndStops) {
       << resumed.output;
 }
 
-// Slurm-style advance warnings: --drain-signal USR1 to the launcher stops the whole job with
-// its last step durable (exit 75); SINEW_DRAIN_SIGNAL=USR1 makes that signal to one worker
-// release it at a step boundary, and the job goes on without it.
-// A worker released by a resize and killed before it exits (here by itself: SIGKILL at phase
-// release, before its last checkpoint) fails nothing: the job commits every step and finishes,
-// and sinew-run names the worker as one the job had released. Before, any unclean exit of a
-// worker the job did not declare dead turned the finished job into FAILED (exit 1).
 // Limits given at launch (sinew-run --limits) hold against a scheduler's resize, sinewctl
 // shows and changes them, and a resize inside the new limits goes ahead.
 TEST(ControlJobTest, LimitsGivenAtLaunchRefuseAResizeUntilChanged) {
@@ -933,6 +926,10 @@ TEST(ControlJobTest, LimitsGivenAtLaunchRefuseAResizeUntilChanged) {
       << run.output;
 }
 
+// A worker released by a resize and killed before it exits (here by itself: SIGKILL at phase
+// release, before its last checkpoint) fails nothing: the job commits every step and finishes,
+// and sinew-run names the worker as one the job had released. Before, any unclean exit of a
+// worker the job did not declare dead turned the finished job into FAILED (exit 1).
 TEST(ControlJobTest, AReleasedWorkerKilledBeforeItExitsFailsNothing) {
   const std::string dir = logDir("released-killed");
   Child job = start({SINEW_RUN_PATH, "-n", "3", "--log-dir", dir, "--quiet", "--inject",
@@ -1020,6 +1017,9 @@ TEST(ControlJobTest, AJobOutlivesTheWorkersItsLauncherStarted) {
   EXPECT_LT(r.finalLoss, 0.05) << "the model did not learn";
 }
 
+// Slurm-style advance warnings: --drain-signal USR1 to the launcher stops the whole job with
+// its last step durable (exit 75); SINEW_DRAIN_SIGNAL=USR1 makes that signal to one worker
+// release it at a step boundary, and the job goes on without it.
 TEST(ControlJobTest, DrainSignalsStopTheJobOrReleaseAWorker) {
   const std::string dir = logDir("drain-signal");
   const std::string ckpt = logDir("drain-signal-ckpt");

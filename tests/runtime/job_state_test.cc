@@ -459,8 +459,6 @@ TEST(JobStateTest, AStuckMemberIsBlamedNotTheOnesThatWaitedForIt) {
   EXPECT_FALSE(blamed1);
 }
 
-// Bad messages are refused with a typed error the caller drops the connection for; the
-// machine's state does not change.
 // A job's limits (docs/control_api.md, "Limits"): set at launch, shown in status, changed
 // through the API, kept across a change of leader, and a resize or a drain outside them is
 // refused naming the limit; one inside them goes ahead.
@@ -512,7 +510,8 @@ TEST(JobStateTest, LimitsRefuseResizesAndDrainsOutsideThem) {
   m.advance(0ms);
   EXPECT_FALSE(m.hasEvent("drain"));
 
-  // Lowered through the API: the same drain is taken, and the change is an event.
+  // Lowered through the API: the same drain is taken (it leaves 1 node, the new minimum), and
+  // the change is an event.
   r = m.state->limits(json{{"min_nodes", 1}, {"sizes", nullptr}}, m.t);
   ASSERT_EQ(r.status, 200) << r.body.dump();
   EXPECT_EQ(r.body.at("limits").at("min_nodes"), 1);
@@ -520,10 +519,10 @@ TEST(JobStateTest, LimitsRefuseResizesAndDrainsOutsideThem) {
   EXPECT_EQ(r.body.at("limits").at("sizes"), json::array());
   m.advance(0ms);
   EXPECT_TRUE(m.hasEvent("limits"));
-  r = m.state->resize(2, m.t);
+  r = m.state->drain(d, m.t);
   EXPECT_EQ(r.status, 200) << r.body.dump();
   m.advance(0ms);
-  EXPECT_TRUE(m.hasEvent("resize"));
+  EXPECT_TRUE(m.hasEvent("drain"));
   r = m.state->limits(json{{"min_nodes", 7}}, m.t);
   EXPECT_EQ(r.status, 400);
   EXPECT_EQ(
@@ -542,6 +541,8 @@ TEST(JobStateTest, LimitsRefuseResizesAndDrainsOutsideThem) {
   EXPECT_EQ(taken.at("priority"), 5);
 }
 
+// Bad messages are refused with a typed error the caller drops the connection for; the
+// machine's state does not change.
 TEST(JobStateTest, MessagesThatBreakTheProtocolAreViolations) {
   Machine m(2);
   EXPECT_THROW(m.frame(1, Type::kVote, 0, json{{"step", 0}}),
