@@ -284,6 +284,17 @@ void SinewRun::tryRestart() {
 
 void SinewRun::startRecovery() {
   joining_ = false;
+  // A recovery this loss interrupts may have taken joiners into the plan it was forming: those
+  // still there wait again like any joiner (before, they were counted nowhere, and a burst of
+  // losses ended the job while the real one trained on: scripts/churn on the P3 trace).
+  if (mode_ == Mode::kRecovering) {
+    const std::vector<int> mine = allNodes(plan_);
+    for (int n : allNodes(next_)) {
+      if (live_.count(n) && std::find(mine.begin(), mine.end(), n) == mine.end()) {
+        pending_.insert(n);
+      }
+    }
+  }
   std::vector<int> survivors;
   for (int n : allNodes(plan_)) {
     if (!lost_.count(n)) survivors.push_back(n);

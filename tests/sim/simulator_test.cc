@@ -292,6 +292,32 @@ TEST(SinewModelTest, ALossBelowTheSmallestTemplateIdlesThenRestartsFromDisk) {
   EXPECT_NEAR(r.total.samples, (15 + 8) * 12, 1e-6);
 }
 
+// Two nodes join at 10.2 s; three of the four that train are lost at 10.25 s, and the
+// recovery plans the survivor with the two joiners; the survivor is lost at 10.4 s, during
+// that recovery. The joiners are still there: the job recovers on them (its layers from disk:
+// every node that trained is gone), it does not end and restart. Before, the joiners the
+// interrupted recovery had taken were counted nowhere, and the job ended (a restart, here
+// made to cost 100 s).
+TEST(SinewModelTest, ALossDuringARecoveryKeepsTheJoinersItHadTaken) {
+  SinewJobModel job = smallJob();
+  job.costs.restart_s = 100;
+  SimOptions o;
+  o.duration_s = 40;
+  o.bucket_s = 5;
+  const SimResult r = simulateSinew(
+      trace(std::string(kFourNodes) +
+            "10200,add,node5\n10200,add,node6\n10250,remove,node1\n10250,remove,node2\n"
+            "10250,remove,node3\n10400,remove,node4\n"),
+      job, o);
+  expectAccountsForTheWallTime(r);
+  EXPECT_EQ(r.losses, 4);
+  EXPECT_LT(secondsOf(r, Cause::kRestart), 50) << "the job ended and restarted";
+  EXPECT_NEAR(secondsOf(r, Cause::kIdle), 0, 1e-9);
+  const Bucket& last = r.timeline.back();
+  EXPECT_NEAR(last.account.samples / (last.end_s - last.start_s), 12, 1e-6)
+      << "not training on the two joiners at the end";
+}
+
 // One node lost at 10.25 s (its pipeline's layers live on in the other): the survivors
 // reconfigure with layer copies; a node added at 10.3 s, during that reconfiguration, is
 // taken in at its end, with a second epoch and its copies, and the job trains on four nodes
