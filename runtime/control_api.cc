@@ -136,13 +136,17 @@ json parseObject(std::string_view body) {
   return v;
 }
 
+// Whether v is an integer in [lo, hi] (a large unsigned one is not read as negative).
+static bool integerIn(const json& v, int64_t lo, int64_t hi) {
+  return v.is_number_integer() && !(v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(hi)) &&
+         v.get<int64_t>() >= lo && v.get<int64_t>() <= hi;
+}
+
 int64_t parseResize(const json& body) {
   onlyFields(body, {"nodes"}, "resize");
   if (!body.contains("nodes")) SINEW_THROW(InvalidArgument, "resize: field 'nodes' is missing");
   const json& v = body.at("nodes");
-  if (!v.is_number_integer() ||
-      (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(kMaxNodes)) || v.get<int64_t>() < 1 ||
-      v.get<int64_t>() > kMaxNodes) {
+  if (!integerIn(v, 1, kMaxNodes)) {
     SINEW_THROW(InvalidArgument, "resize: 'nodes' = ", detail::jsonPreview(v),
                 " must be an integer in [1, ", kMaxNodes, "]");
   }
@@ -170,8 +174,7 @@ DrainRequest parseDrain(const json& body) {
       }
       r.nodes.push_back(e.get<std::string>());
     } else {
-      if (!e.is_number_integer() || (e.is_number_unsigned() && e.get<uint64_t>() > INT32_MAX) ||
-          e.get<int64_t>() < 0 || e.get<int64_t>() > INT32_MAX) {
+      if (!integerIn(e, 0, INT32_MAX)) {
         SINEW_THROW(InvalidArgument, "drain: 'workers' holds ", detail::jsonPreview(e),
                     ", not a worker id");
       }
@@ -258,8 +261,7 @@ JobLimits parseLimits(const json& body, JobLimits l) {
   auto integer = [&](const char* field, int64_t lo, int64_t hi) -> int64_t {
     const json& v = body.at(field);
     if (v.is_null()) return 0;
-    if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(hi)) ||
-        v.get<int64_t>() < lo || v.get<int64_t>() > hi) {
+    if (!integerIn(v, lo, hi)) {
       SINEW_THROW(InvalidArgument, "limits: '", field, "' = ", detail::jsonPreview(v),
                   " must be an integer in [", lo, ", ", hi, "] or null");
     }
@@ -277,9 +279,7 @@ JobLimits parseLimits(const json& body, JobLimits l) {
                     " node counts, or null");
       }
       for (const json& e : v) {
-        if (!e.is_number_integer() ||
-            (e.is_number_unsigned() && e.get<uint64_t>() > uint64_t(kMaxNodes)) ||
-            e.get<int64_t>() < 1 || e.get<int64_t>() > kMaxNodes) {
+        if (!integerIn(e, 1, kMaxNodes)) {
           SINEW_THROW(InvalidArgument, "limits: 'sizes' holds ", detail::jsonPreview(e),
                       ", not a node count in [1, ", kMaxNodes, "]");
         }

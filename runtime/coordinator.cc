@@ -55,6 +55,7 @@ class Coordinator::Impl : public control::Backend, public EventFeed {
                   "CoordinatorOptions::expectedWorkers = ", options_.expectedWorkers,
                   " must be >= 1");
     }
+    control::validateLimits(options_.limits);  // InvalidArgument names the field.
     if (options_.heartbeatInterval.count() <= 0 ||
         options_.deadAfter <= options_.heartbeatInterval) {
       SINEW_THROW(InvalidArgument, "CoordinatorOptions::deadAfter = ", options_.deadAfter.count(),

@@ -237,6 +237,7 @@ class JobState {
   void noteCommit(int64_t step);
   std::string state() const;
   int currentNodes() const;
+  int nodesKept(const std::set<int>& going) const;
   std::vector<std::string> nodesOf(const std::vector<int>& workers) const;
   json drainJson(const Drain& d) const;
   json durableJson() const;

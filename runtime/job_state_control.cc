@@ -149,10 +149,14 @@ std::vector<std::string> JobState::nodesOf(const std::vector<int>& workers) cons
 }
 
 // Nodes the job trains on and keeps (members not on their way out).
-int JobState::currentNodes() const {
+int JobState::currentNodes() const { return nodesKept({}); }
+
+// Nodes the job keeps when `going` leave too: a pipeline job counts whole nodes of
+// devices_per_node workers, a data-parallel one the nodes its staying workers are on.
+int JobState::nodesKept(const std::set<int>& going) const {
   std::vector<int> staying;
   for (int id : members_) {
-    if (!leaving_.count(id)) staying.push_back(id);
+    if (!leaving_.count(id) && !going.count(id)) staying.push_back(id);
   }
   if (pipelineJob_) return static_cast<int>(staying.size()) / profile_.job.devices_per_node;
   return static_cast<int>(nodesOf(staying).size());
@@ -591,13 +595,7 @@ ControlReply JobState::drain(const control::DrainRequest& request, Clock::time_p
   // A drain below the job's minimum: a scheduler that must have those nodes stops the job
   // (POST /v1/stop), or lowers the minimum first.
   if (limits_.minNodes > 0) {
-    std::vector<int> staying;
-    for (int id : members_) {
-      if (!chosen.count(id) && !leaving_.count(id)) staying.push_back(id);
-    }
-    const int64_t left = pipelineJob_
-                             ? static_cast<int64_t>(staying.size()) / profile_.job.devices_per_node
-                             : static_cast<int64_t>(nodesOf(staying).size());
+    const int64_t left = nodesKept(chosen);
     // A job already below its minimum (after failures) may still drain what does not
     // shrink it (a worker not yet training, part of a node).
     if (left < limits_.minNodes && left < currentNodes()) {
