@@ -255,26 +255,20 @@ int serveClients(int argc, char** argv, int first) {
   return 0;
 }
 
-struct ClientProcess {
+// This binary run again with `args` (after argv[0]), its stdin and stdout pipes to us.
+struct Child {
   pid_t pid = -1;
-  int stdinFd = -1;
-  int stdoutFd = -1;
-  std::vector<int> ids;
+  int stdinFd = -1;   // ours to write; closing it tells the child to end
+  int stdoutFd = -1;  // ours to read
 };
 
-ClientProcess startClients(const char* self, uint16_t port, uint64_t token, int steps, int nice,
-                           const std::string& node, const std::vector<int>& ids) {
+Child spawnSelf(const char* self, std::vector<std::string> args) {
   int in[2], out[2];
   if (::pipe2(in, O_CLOEXEC) != 0 || ::pipe2(out, O_CLOEXEC) != 0) {
     std::perror("pipe");
     std::exit(2);
   }
-  char tok[32];
-  std::snprintf(tok, sizeof(tok), "%llx", static_cast<unsigned long long>(token));
-  std::vector<std::string> args = {self, "--clients",           std::to_string(port),
-                                   tok,  std::to_string(steps), std::to_string(nice),
-                                   node};
-  for (int id : ids) args.push_back(std::to_string(id));
+  args.insert(args.begin(), self);
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -288,10 +282,23 @@ ClientProcess startClients(const char* self, uint16_t port, uint64_t token, int 
   }
   ::close(in[0]);
   ::close(out[1]);
+  return {pid, in[1], out[0]};
+}
+
+// Workers in a process of their own (--clients).
+struct ClientProcess : Child {
+  std::vector<int> ids;
+};
+
+ClientProcess startClients(const char* self, uint16_t port, uint64_t token, int steps, int nice,
+                           const std::string& node, const std::vector<int>& ids) {
+  char tok[32];
+  std::snprintf(tok, sizeof(tok), "%llx", static_cast<unsigned long long>(token));
+  std::vector<std::string> args = {"--clients",           std::to_string(port), tok,
+                                   std::to_string(steps), std::to_string(nice), node};
+  for (int id : ids) args.push_back(std::to_string(id));
   ClientProcess p;
-  p.pid = pid;
-  p.stdinFd = in[1];
-  p.stdoutFd = out[0];
+  static_cast<Child&>(p) = spawnSelf(self, std::move(args));
   p.ids = ids;
   return p;
 }
@@ -317,26 +324,11 @@ struct CoordinatorProcess {
 };
 
 CoordinatorProcess startCoordinator(const char* self, int n) {
-  int in[2], out[2];
-  if (::pipe2(in, O_CLOEXEC) != 0 || ::pipe2(out, O_CLOEXEC) != 0) {
-    std::perror("pipe");
-    std::exit(2);
-  }
-  const std::string count = std::to_string(n);
-  std::fflush(nullptr);
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::dup2(in[0], 0);
-    ::dup2(out[1], 1);
-    ::execl(self, self, "--serve", count.c_str(), static_cast<char*>(nullptr));
-    _exit(127);
-  }
-  ::close(in[0]);
-  ::close(out[1]);
+  const Child child = spawnSelf(self, {"--serve", std::to_string(n)});
   std::string line;
   char c;
-  while (::read(out[0], &c, 1) == 1 && c != '\n') line += c;
-  ::close(out[0]);
+  while (::read(child.stdoutFd, &c, 1) == 1 && c != '\n') line += c;
+  ::close(child.stdoutFd);
   json info = json::parse(line, nullptr, false);
   if (!info.is_object()) {
     std::fprintf(stderr, "control-plane: the coordinator process did not start: %s\n",
@@ -344,8 +336,8 @@ CoordinatorProcess startCoordinator(const char* self, int n) {
     std::exit(2);
   }
   CoordinatorProcess p;
-  p.pid = pid;
-  p.stdinFd = in[1];
+  p.pid = child.pid;
+  p.stdinFd = child.stdinFd;
   p.port = info["port"].get<uint16_t>();
   p.token = std::stoull(info["token"].get<std::string>(), nullptr, 16);
   p.controlPort = info["control_port"].get<uint16_t>();
