@@ -534,6 +534,47 @@ double voteRounds(std::vector<std::unique_ptr<Worker>>& ws, int64_t epoch, int64
   return median(rtt);
 }
 
+// HA for the size-n run (empty endpoints: none): a job of its own in the shared etcd, and a
+// token and control port of our choosing (the leader publishes only its worker address), given
+// to the coordinator and client processes through the environment.
+HaSetting haForSize(int n, const std::string& etcdEndpoints) {
+  HaSetting ha;
+  if (etcdEndpoints.empty()) return ha;
+  ha.etcd = etcdEndpoints;
+  ha.job = "bench-" + std::to_string(n) + "-" + std::to_string(::getpid());
+  char tok[32];
+  std::snprintf(tok, sizeof(tok), "%llx",
+                static_cast<unsigned long long>(0x5eed0000u + static_cast<unsigned>(n)));
+  ::setenv("SINEW_BENCH_ETCD", ha.etcd.c_str(), 1);
+  ::setenv("SINEW_BENCH_JOB", ha.job.c_str(), 1);
+  ::setenv("SINEW_BENCH_TOKEN", tok, 1);
+  ::setenv("SINEW_BENCH_CONTROL_PORT", std::to_string(sinew::testing::freeLoopbackPort()).c_str(),
+           1);
+  return ha;
+}
+
+// /v1/status and /metrics, five times each: their median times and sizes into r; the first
+// answer that is not 200, or empty.
+std::string timeControlApi(const CoordinatorProcess& cp, SizeResult& r) {
+  std::string why;
+  std::vector<double> st, me;
+  for (int k = 0; k < 5; ++k) {
+    auto t = Clock::now();
+    auto [code, bytes] = httpGet(cp.controlPort, "/v1/status", cp.controlToken);
+    st.push_back(secondsSince(t) * 1e3);
+    r.statusBytes = bytes;
+    if (code != 200 && why.empty()) why = "/v1/status answered " + std::to_string(code);
+    t = Clock::now();
+    auto [mcode, mbytes] = httpGet(cp.controlPort, "/metrics", cp.controlToken);
+    me.push_back(secondsSince(t) * 1e3);
+    r.metricsBytes = mbytes;
+    if (mcode != 200 && why.empty()) why = "/metrics answered " + std::to_string(mcode);
+  }
+  r.statusMs = median(st);
+  r.metricsMs = median(me);
+  return why;
+}
+
 SizeResult runSize(const char* self, int n, int steps, int nice, const std::string& etcdEndpoints) {
   SizeResult r;
   r.n = n;
@@ -541,23 +582,9 @@ SizeResult runSize(const char* self, int n, int steps, int nice, const std::stri
     if (r.ok) r.why = why;
     r.ok = false;
   };
-  // HA: a job of its own per size in the shared etcd, a token and a control port of our
-  // choosing (the leader publishes only its worker address).
-  HaSetting ha;
-  std::shared_ptr<sinew::collectives::EtcdClient> etcd;
-  if (!etcdEndpoints.empty()) {
-    ha.etcd = etcdEndpoints;
-    ha.job = "bench-" + std::to_string(n) + "-" + std::to_string(::getpid());
-    char tok[32];
-    std::snprintf(tok, sizeof(tok), "%llx",
-                  static_cast<unsigned long long>(0x5eed0000u + static_cast<unsigned>(n)));
-    ::setenv("SINEW_BENCH_ETCD", ha.etcd.c_str(), 1);
-    ::setenv("SINEW_BENCH_JOB", ha.job.c_str(), 1);
-    ::setenv("SINEW_BENCH_TOKEN", tok, 1);
-    ::setenv("SINEW_BENCH_CONTROL_PORT", std::to_string(sinew::testing::freeLoopbackPort()).c_str(),
-             1);
-    etcd = etcdClientFor(ha);
-  }
+  // HA: a job of its own per size in the shared etcd.
+  const HaSetting ha = haForSize(n, etcdEndpoints);
+  std::shared_ptr<sinew::collectives::EtcdClient> etcd = ha.on() ? etcdClientFor(ha) : nullptr;
   CoordinatorProcess cp = startCoordinator(self, n);
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   const int64_t rssBefore = residentBytes(cp.pid);
@@ -630,23 +657,7 @@ SizeResult runSize(const char* self, int n, int steps, int nice, const std::stri
   r.kibPerWorker = static_cast<double>(residentBytes(cp.pid) - rssBefore) / 1024.0 / n;
 
   // The control API at this size.
-  {
-    std::vector<double> st, me;
-    for (int k = 0; k < 5; ++k) {
-      auto t = Clock::now();
-      auto [code, bytes] = httpGet(cp.controlPort, "/v1/status", cp.controlToken);
-      st.push_back(secondsSince(t) * 1e3);
-      r.statusBytes = bytes;
-      if (code != 200) fail("/v1/status answered " + std::to_string(code));
-      t = Clock::now();
-      auto [mcode, mbytes] = httpGet(cp.controlPort, "/metrics", cp.controlToken);
-      me.push_back(secondsSince(t) * 1e3);
-      r.metricsBytes = mbytes;
-      if (mcode != 200) fail("/metrics answered " + std::to_string(mcode));
-    }
-    r.statusMs = median(st);
-    r.metricsMs = median(me);
-  }
+  if (const std::string why = timeControlApi(cp, r); !why.empty()) fail(why);
 
   // Votes.
   if (r.ok) {
