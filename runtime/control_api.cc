@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdlib>
 #include <set>
 
 #include "sinew/base/error.h"
@@ -154,8 +155,15 @@ int64_t parseResize(const json& body) {
 }
 
 DrainRequest parseDrain(const json& body) {
-  onlyFields(body, {"nodes", "workers", "deadline_s"}, "drain");
+  onlyFields(body, {"nodes", "workers", "deadline_s", "dry_run"}, "drain");
   DrainRequest r;
+  if (body.contains("dry_run")) {
+    if (!body.at("dry_run").is_boolean()) {
+      SINEW_THROW(InvalidArgument, "drain: 'dry_run' is ", detail::jsonPreview(body.at("dry_run")),
+                  ", not true or false");
+    }
+    r.dryRun = body.at("dry_run").get<bool>();
+  }
   const bool nodes = body.contains("nodes"), workers = body.contains("workers");
   if (nodes == workers) {
     SINEW_THROW(InvalidArgument, "drain: give exactly one of 'nodes' (names) and 'workers' (ids)");
@@ -182,6 +190,7 @@ DrainRequest parseDrain(const json& body) {
     }
   }
   if (!body.contains("deadline_s")) {
+    if (r.dryRun) return r;
     SINEW_THROW(InvalidArgument, "drain: field 'deadline_s' is missing");
   }
   r.deadlineSeconds = deadlineOf(body.at("deadline_s"), "drain");
@@ -331,6 +340,47 @@ double parseStop(const json& body) {
   return body.contains("deadline_s") ? deadlineOf(body.at("deadline_s"), "stop") : 0;
 }
 
+// GET /v1/events: a stream without a query; with after, wait_s or limit, a long poll.
+static Answer eventsAnswer(std::string_view target) {
+  Answer a;
+  const size_t q = target.find('?');
+  if (q == std::string_view::npos) {
+    a.contentType = "text/event-stream";
+    a.eventStream = true;
+    return a;
+  }
+  a.longPoll = true;
+  std::string_view query = target.substr(q + 1);
+  while (!query.empty()) {
+    const std::string_view pair = query.substr(0, query.find('&'));
+    query = pair.size() < query.size() ? query.substr(pair.size() + 1) : std::string_view();
+    if (pair.empty()) continue;
+    const size_t eq = pair.find('=');
+    const std::string key(pair.substr(0, std::min(eq, size_t{32})));
+    const std::string value(eq == std::string_view::npos ? "" : pair.substr(eq + 1, 32));
+    auto number = [&](double lo, double hi) {
+      char* end = nullptr;
+      const double v = std::strtod(value.c_str(), &end);
+      if (value.empty() || end != value.c_str() + value.size() || !(v >= lo && v <= hi)) {
+        SINEW_THROW(InvalidArgument, "events: '", key, "' is '", value, "', not a number in [", lo,
+                    ", ", hi, "]");
+      }
+      return v;
+    };
+    if (key == "after") {
+      a.after = static_cast<int64_t>(number(-1, 9e15));
+    } else if (key == "wait_s") {
+      a.waitSeconds = number(0, kMaxEventWaitSeconds);
+    } else if (key == "limit") {
+      a.limit = static_cast<size_t>(number(1, 1000));
+    } else {
+      SINEW_THROW(InvalidArgument, "events: unknown query parameter '", key,
+                  "' (the parameters are after, wait_s and limit)");
+    }
+  }
+  return a;
+}
+
 Answer route(Backend& backend, std::string_view method, std::string_view target,
              std::string_view body) {
   std::string_view path = target.substr(0, target.find('?'));
@@ -357,12 +407,7 @@ Answer route(Backend& backend, std::string_view method, std::string_view target,
       a.body = backend.metrics();
       return a;
     }
-    if (path == "/v1/events") {
-      Answer a;
-      a.contentType = "text/event-stream";
-      a.eventStream = true;
-      return a;
-    }
+    if (path == "/v1/events") return eventsAnswer(target);
     json request = parseObject(body);
     if (path == "/v1/resize") return jsonAnswer(backend.resize(parseResize(request)));
     if (path == "/v1/limits") return jsonAnswer(backend.limits(request));

@@ -47,6 +47,9 @@ struct DrainRequest {
   std::vector<int> workers;
   std::vector<std::string> nodes;
   double deadlineSeconds = 0;
+  // Only say what the drain would cost (the job's throughput after it, the pause, the bytes
+  // moved, whether it forces a rollback); drain nothing. deadline_s may then be left out.
+  bool dryRun = false;
 };
 
 // A job's limits and wishes (docs/control_api.md, "Limits"), set at launch and changed with
@@ -101,12 +104,21 @@ class Backend {
 };
 
 // One answer on the wire.
+// The longest wait of a long poll of GET /v1/events.
+constexpr double kMaxEventWaitSeconds = 60;
+
 struct Answer {
   int status = 200;
   std::string contentType = "application/json";
   std::string body;
   // GET /v1/events: the server keeps the connection and streams events (server-sent events).
   bool eventStream = false;
+  // GET /v1/events?after=SEQ&wait_s=T&limit=N: one JSON answer with the events after SEQ,
+  // waiting up to T seconds for the first if there is none yet (a long poll).
+  bool longPoll = false;
+  int64_t after = -1;
+  double waitSeconds = 0;
+  size_t limit = 100;
   // 405: the methods the path allows.
   std::string allow;
 };

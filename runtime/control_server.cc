@@ -63,7 +63,10 @@ constexpr size_t kMaxQueuedEvents = 4096;
 class Session : public SessionBase, public std::enable_shared_from_this<Session> {
  public:
   Session(tcp::socket socket, std::shared_ptr<ControlServer::Shared> shared)
-      : stream_(std::move(socket)), deadline_(stream_.get_executor()), shared_(std::move(shared)) {
+      : stream_(std::move(socket)),
+        deadline_(stream_.get_executor()),
+        shared_(std::move(shared)),
+        pollTimer_(stream_.get_executor()) {
     error_code ec;
     auto ep = stream_.socket().remote_endpoint(ec);
     host = ec ? std::string("an unknown peer") : ep.address().to_string();
@@ -226,7 +229,66 @@ class Session : public SessionBase, public std::enable_shared_from_this<Session>
         control::route(*shared_->backend, std::string_view(method.data(), method.size()),
                        std::string_view(target.data(), target.size()), req.body());
     if (a.eventStream) return startStream(req);
+    if (a.longPoll) return startPoll(a, keepAlive);
     respond(a, keepAlive, version_);
+  }
+
+  // GET /v1/events?after=...: the events after `after` (up to the limit) as one JSON answer,
+  // once there is at least one or the wait is over. Counted with the streams while it waits.
+  void startPoll(const control::Answer& a, bool keepAlive) {
+    if (shared_->streams >= shared_->options.maxEventStreams) {
+      return respond(
+          control::errorAnswer(503, "too many event streams and waits open (at most " +
+                                        std::to_string(shared_->options.maxEventStreams) + ")"),
+          false, version_);
+    }
+    shared_->streams++;
+    poll_ = Poll{};
+    poll_.after = a.after;
+    poll_.limit = a.limit;
+    poll_.keepAlive = keepAlive;
+    std::weak_ptr<Session> weak = weak_from_this();
+    subscription_ = shared_->feed->subscribe(
+        [weak](int64_t seq, const nlohmann::json& e) {
+          if (auto self = weak.lock()) self->onPolled(seq, e);
+        },
+        a.after);
+    pollTimer_.expires_after(std::chrono::milliseconds(static_cast<int64_t>(a.waitSeconds * 1e3)));
+    pollTimer_.async_wait([weak](error_code ec) {
+      if (ec) return;
+      if (auto self = weak.lock()) self->finishPoll();
+    });
+  }
+
+  void onPolled(int64_t seq, const nlohmann::json& e) {
+    if (poll_.done || seq <= poll_.after) return;
+    if (poll_.events.size() < poll_.limit) {
+      nlohmann::json x = e;
+      x["seq"] = seq;
+      poll_.events.push_back(std::move(x));
+      poll_.next = seq;
+    }
+    // The retained events were posted together: answer after the rest of them.
+    if (!poll_.flushPosted) {
+      poll_.flushPosted = true;
+      asio::post(stream_.get_executor(), [self = shared_from_this()] { self->finishPoll(); });
+    }
+  }
+
+  void finishPoll() {
+    if (poll_.done || closing_) return;
+    poll_.done = true;
+    pollTimer_.cancel();
+    if (subscription_ >= 0) {
+      shared_->streams--;
+      if (!shared_->closed) shared_->feed->unsubscribe(subscription_);
+      subscription_ = -1;
+    }
+    control::Answer a;
+    a.body = nlohmann::json{{"events", std::move(poll_.events)},
+                            {"next", std::max(poll_.next, poll_.after)}}
+                 .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    respond(a, poll_.keepAlive, version_);
   }
 
   void respond(const control::Answer& a, bool keepAlive, unsigned version) {
@@ -319,6 +381,7 @@ class Session : public SessionBase, public std::enable_shared_from_this<Session>
     if (closing_) return;
     closing_ = true;
     deadline_.cancel();
+    pollTimer_.cancel();
     error_code ignored;
     stream_.socket().shutdown(tcp::socket::shutdown_both, ignored);
     stream_.socket().close(ignored);
@@ -333,6 +396,16 @@ class Session : public SessionBase, public std::enable_shared_from_this<Session>
   unsigned version_ = 11;
   std::string peer_;
   int subscription_ = -1;
+  struct Poll {
+    int64_t after = -1;
+    int64_t next = -1;
+    size_t limit = 100;
+    bool keepAlive = false;
+    bool flushPosted = false;
+    bool done = false;
+    nlohmann::json events = nlohmann::json::array();
+  } poll_;
+  asio::steady_timer pollTimer_;
   std::deque<std::string> queue_;
   bool writing_ = false;
   bool closing_ = false;

@@ -153,6 +153,7 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
               {"compute_us", us(stats.computeSeconds)},
               {"stall_us", us(stats.stallSeconds)}};
     if (stats.replicatedBytes > 0) body["replicated_bytes"] = stats.replicatedBytes;
+    if (stats.stateBytesIn > 0) body["state_bytes_in"] = stats.stateBytesIn;
     post(wire::Type::kVote, epoch, body);
     std::unique_lock<std::mutex> lock(mu_);
     auto decided = [&] { return committed_ >= step || epoch_.epoch > epoch || !gone_.empty(); };

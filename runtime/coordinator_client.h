@@ -45,6 +45,9 @@ struct StepStats {
   double stallSeconds = 0;
   // Bytes of peer-RAM replicas this worker sent since its previous vote.
   int64_t replicatedBytes = 0;
+  // Bytes of model and optimizer state it took in to enter this epoch (a joiner's copy of the
+  // state, a pipeline's layer copies); reported with its first vote of the epoch.
+  int64_t stateBytesIn = 0;
 };
 
 // The job's shape, for the coordinator's throughput figures and scaling curve.

@@ -359,7 +359,7 @@ void JobState::onMessage(SessionId s, uint8_t rawType, int64_t epoch, const json
     case wire::Type::kRebuild:
       log("worker " + std::to_string(worker) + " could not build epoch " + std::to_string(epoch_) +
           "'s communicator; rebuilding");
-      return newEpoch("rebuild requested by worker " + std::to_string(worker), {});
+      return newEpoch("rebuild requested by worker " + std::to_string(worker), {}, {"rebuild"});
     case wire::Type::kWithdraw:
       return onWithdraw(worker, body.at("step").get<int64_t>());
     default:
@@ -485,14 +485,20 @@ void JobState::formFirstEpoch(const std::string& why) {
   for (int id : hellos_) workers_[id].hasState = true;
   std::vector<int> none;
   epoch_ = -1;
-  newEpoch("first epoch (" + why + ")", none);
+  newEpoch("first epoch (" + why + ")", none, {"start"});
   if (deposed_) return;
   for (SessionId s : leftOut) {
     write(s, wire::Type::kExpelled, json{{"reason", "not ready when the first epoch formed"}});
   }
 }
 
-void JobState::newEpoch(const std::string& why, std::vector<int> joiners) {
+void JobState::newEpoch(const std::string& why, std::vector<int> joiners,
+                        const std::set<std::string>& causes) {
+  if (epoch_ >= 0) {
+    for (const std::string& c : causes) {
+      changes_.begin(now_, lastCommit_, static_cast<int>(members_.size()), c);
+    }
+  }
   epoch_ = epoch_ < 0 ? 0 : epoch_ + 1;
   votes_.clear();
   for (auto& [id, w] : workers_) {
@@ -599,7 +605,7 @@ void JobState::onWithdraw(int worker, int64_t step) {
   event({{"event", "vote_withdrawn"}, {"epoch", epoch_}, {"step", step}, {"worker", worker}});
   newEpoch("worker " + std::to_string(worker) + " had no verdict on step " + std::to_string(step) +
                " in time and withdrew its vote",
-           {});
+           {}, {"vote_withdrawn"});
 }
 
 // A worker of a pipeline job found a layer that no member holds live after this epoch's
@@ -622,7 +628,7 @@ void JobState::onRollback(int worker, int64_t step) {
       {{"event", "rollback"}, {"epoch", epoch_}, {"from", from}, {"to", step}, {"worker", worker}});
   newEpoch("rollback from step " + std::to_string(from) + " to the version after step " +
                std::to_string(step) + ": a layer has no live copy",
-           {});
+           {}, {"rollback"});
 }
 
 // A worker sends the job's pipeline profile once (the first member of the first epoch, after
@@ -635,7 +641,7 @@ void JobState::onPipeline(int worker, const json& body) {
   const std::string who = "worker " + std::to_string(worker) + "'s pipeline request: ";
   std::string error = planPipelines(body, -1);
   if (!error.empty()) return failJob(who + error);
-  newEpoch("pipeline plan", {});
+  newEpoch("pipeline plan", {}, {"plan"});
 }
 
 // Plans the job's templates from a pipeline request, for `nodes` nodes (-1: this epoch's
@@ -705,6 +711,18 @@ JobState::EpochPlan JobState::pipelinePlan() const {
   const int nodes = static_cast<int>(members_.size()) / G;
   std::vector<int> nodeIds;
   for (int k = 0; k < nodes; ++k) nodeIds.push_back(members_[k * G]);
+  EpochPlan out = planOnNodes(nodeIds);
+  out.plan.epoch = epoch_;
+  for (auto& w : out.plan.workers) {
+    const int k =
+        static_cast<int>(std::find(nodeIds.begin(), nodeIds.end(), w.node) - nodeIds.begin());
+    w.worker = members_[k * G + w.device];
+  }
+  return out;
+}
+
+JobState::EpochPlan JobState::planOnNodes(const std::vector<int>& nodeIds) const {
+  const int G = profile_.job.devices_per_node;
   EpochPlan out;
   if (G == 1 && plan_) {
     std::set<int> before(plan_->idleNodeIds.begin(), plan_->idleNodeIds.end());
@@ -744,12 +762,6 @@ JobState::EpochPlan JobState::pipelinePlan() const {
     }
     out.plan.faultTolerance = planOptions_.fault_tolerance;  // keep aiming for f + 1
     out.how = "instantiated";
-  }
-  out.plan.epoch = epoch_;
-  for (auto& w : out.plan.workers) {
-    const int k =
-        static_cast<int>(std::find(nodeIds.begin(), nodeIds.end(), w.node) - nodeIds.begin());
-    w.worker = members_[k * G + w.device];
   }
   return out;
 }
@@ -811,8 +823,14 @@ void JobState::onVote(int worker, int64_t epoch, int64_t step) {
       jobStops = jobStops && (workers_.count(id) == 0 ||
                               std::find(leaving.begin(), leaving.end(), id) != leaving.end());
     }
+    std::set<std::string> causes;  // for the epoch change's account
+    if (!pendingJoin_.empty()) causes.insert("join");
     for (int id : leaving) {
       auto why = leaveReason_.find(id);
+      const std::string reason = why != leaveReason_.end() ? why->second : "";
+      causes.insert(reason.rfind("released by a resize", 0) == 0 ? "resize"
+                    : reason.rfind("drained", 0) == 0            ? "drain"
+                                                                 : "leave");
       release(id,
               (why != leaveReason_.end() ? why->second : std::string("preempted")) +
                   "; left after step " + std::to_string(step),
@@ -830,7 +848,7 @@ void JobState::onVote(int worker, int64_t epoch, int64_t step) {
       effects_.changed = true;
       return;
     }
-    newEpoch("worker(s) preempted after step " + std::to_string(step), pendingJoin_);
+    newEpoch("worker(s) preempted after step " + std::to_string(step), pendingJoin_, causes);
     return;
   }
   // Step boundary with joiners: the commit carries the next epoch, so members switch to it
@@ -838,7 +856,7 @@ void JobState::onVote(int worker, int64_t epoch, int64_t step) {
   std::vector<int> joiners = pendingJoin_;
   std::vector<int> old = members_;
   sendCommit(old, step, true);
-  newEpoch("worker(s) joining at step " + std::to_string(step + 1), joiners);
+  newEpoch("worker(s) joining at step " + std::to_string(step + 1), joiners, {"join"});
 }
 
 void JobState::onLeave(int worker, int64_t step) {
@@ -1000,7 +1018,7 @@ void JobState::declareDead(int worker, const std::string& why) {
       recovering_ = true;
       recoveringSince_ = now_;
     }
-    newEpoch("worker " + std::to_string(worker) + " failed: " + why, {});
+    newEpoch("worker " + std::to_string(worker) + " failed: " + why, {}, {"failure"});
     checkFinished();
   }
   effects_.changed = true;

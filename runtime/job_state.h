@@ -36,6 +36,7 @@
 #include "sinew/runtime/control_api.h"
 #include "sinew/runtime/coordinator.h"
 #include "sinew/runtime/detail/wire.h"
+#include "sinew/runtime/epoch_changes.h"
 #include "sinew/runtime/event_log.h"
 #include "sinew/runtime/goodput_meter.h"
 
@@ -247,7 +248,15 @@ class JobState {
   // The median of the newest step times (seconds; 0 before any was measured).
   double medianStepSeconds(size_t newest = SIZE_MAX) const;
   // The step time at n workers from the measured ones (data parallel: t(n) = a + b / n).
-  std::map<int, double> measuredStepSeconds() const;
+  // The cost of the job's present members less `going` (docs/control_api.md, "Costs"):
+  // throughput after, predicted pause, state bytes to move, whether it forces a rollback.
+  json removalCost(const std::set<int>& going) const;
+  // The cost of a resize to `nodes` from the present size.
+  json resizeCost(int nodes) const;
+  // Pipelines: the state bytes the members of `next` must copy in from the present plan, and
+  // whether a layer of it has no live holder among the nodes that stay (a rollback).
+  std::pair<int64_t, bool> layerMoves(const pipeline::Plan& next) const;
+  int workersPerNode() const;
   // The liveness check (every heartbeatInterval / 2).
   void check(Clock::time_point now);
   void declareDead(int worker, const std::string& why);
@@ -257,7 +266,10 @@ class JobState {
   void checkProgress(Clock::time_point now);
   std::chrono::milliseconds stepDeadline() const;
   void formFirstEpoch(const std::string& why);
-  void newEpoch(const std::string& why, std::vector<int> joiners);
+  // `causes`: what made it, for its cost's account (EpochChanges): "failure", "join",
+  // "resize", "drain", "leave", "rollback", "rebuild", "vote_withdrawn", "plan", "takeover".
+  void newEpoch(const std::string& why, std::vector<int> joiners,
+                const std::set<std::string>& causes);
   json epochBody(const std::vector<int>& joined, bool sync) const;
   void onPipeline(int worker, const json& body);
   void onRollback(int worker, int64_t step);
@@ -269,6 +281,9 @@ class JobState {
     std::vector<std::string> steps;  // a reconfiguration's steps, for the log
   };
   EpochPlan pipelinePlan() const;
+  // The plan pipelinePlan would make for nodes `nodeIds` (each node's first worker id; the
+  // plan's workers unbound), from the templates and the present plan.
+  EpochPlan planOnNodes(const std::vector<int>& nodeIds) const;
   void failJob(const std::string& why);
   // High availability (docs/ha.md). Whether this coordinator may still send (its term has
   // not ended); a false answer ends the term.
@@ -347,6 +362,7 @@ class JobState {
   std::map<int, std::deque<double>> stepSecondsBySize_;
   double effectiveSeconds_ = 0;
   GoodputMeter goodput_;      // the wall time by cause (docs/goodput.md), this term's
+  EpochChanges changes_;      // each epoch change's measured pause and bytes, this term's
   int64_t epochCommits_ = 0;  // commits in the current epoch
   // Failures and recoveries (failure declared -> next commit).
   int64_t failures_ = 0;

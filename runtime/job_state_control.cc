@@ -21,6 +21,8 @@ void JobState::onVoteStats(Worker& w, const json& body) {
   }
   if (body.contains("replicated_bytes"))
     replicatedBytes_ += body.at("replicated_bytes").get<int64_t>();
+  // Votes of older epochs never get here (onMessage drops them).
+  if (body.contains("state_bytes_in")) changes_.addStateBytes(body.at("state_bytes_in"));
 }
 
 void JobState::onDurable(int worker, const json& body) {
@@ -72,6 +74,7 @@ void JobState::noteCommit(int64_t step) {
     if (stepTimes_.size() > 20) stepTimes_.pop_front();
     const double s = secondsOf(now - lastCommit_);
     effectiveSeconds_ += s;
+    changes_.onSteadyStep(s);
     auto& bySize = stepSecondsBySize_[static_cast<int>(members_.size())];
     bySize.push_back(s);
     if (bySize.size() > 50) bySize.pop_front();
@@ -79,6 +82,13 @@ void JobState::noteCommit(int64_t step) {
   lastCommit_ = now;
   goodput_.onCommit(now, globalBatch_ > 0 ? globalBatch_ : 0);
   if (commits_++ == 0) firstCommit_ = now;
+  if (epochCommits_ == 0) {
+    if (auto c = changes_.end(now, epoch_, step, static_cast<int>(members_.size()))) {
+      json e = EpochChanges::toJson(*c);
+      e["event"] = "reconfigured";
+      event(std::move(e));
+    }
+  }
   epochCommits_++;
   if (recovering_) {
     recovering_ = false;
@@ -216,14 +226,6 @@ double JobState::samplesPerSecondNow() const {
   return static_cast<double>(globalBatch_) / step;
 }
 
-std::map<int, double> JobState::measuredStepSeconds() const {
-  std::map<int, double> out;
-  for (const auto& [n, times] : stepSecondsBySize_) {
-    if (times.size() >= 3) out[n] = median(std::vector<double>(times.begin(), times.end()));
-  }
-  return out;
-}
-
 ControlReply JobState::status(Clock::time_point now) {
   now_ = now;
   ControlReply r;
@@ -299,129 +301,6 @@ ControlReply JobState::status(Clock::time_point now) {
   b["last_resize"] = lastResize_.is_null() ? json(nullptr) : lastResize_;
   b["limits"] = limits_.toJson();
   b["stop"] = stopRequested_ ? json{{"deadline_s", stopDeadline_}} : json(nullptr);
-  return r;
-}
-
-ControlReply JobState::scaling(Clock::time_point now) {
-  now_ = now;
-  ControlReply r;
-  const auto measured = measuredStepSeconds();
-  const int workersNow = static_cast<int>(members_.size());
-  const int nodesNow = currentNodes();
-  json points = json::array();
-  if (pipelineJob_) {
-    // Pipelines: the templates' cost model, scaled to seconds by the step time measured at
-    // the present size (docs/control_api.md).
-    const int G = profile_.job.devices_per_node;
-    double secondsPerTick = 0;
-    auto mine = measured.find(workersNow);
-    try {
-      if (mine != measured.end()) {
-        secondsPerTick = mine->second / (plan_ ? *plan_ : pipelinePlan().plan).iterationTicks;
-      }
-    } catch (const std::exception&) {
-      secondsPerTick = 0;
-    }
-    // Beyond the node count planned for, only more copies of the planned templates fit.
-    const int maxNodes = std::max(templates_.max_nodes, nodesNow);
-    for (int n = std::max(1, templates_.min_nodes); n <= maxNodes + maxNodes / 2 + 1; ++n) {
-      json p = {{"nodes", n}, {"workers", n * G}};
-      try {
-        std::vector<int> ids(n);
-        for (int k = 0; k < n; ++k) ids[k] = k;
-        pipeline::Plan plan = pipeline::makePlan(templates_, ids, planOptions_);
-        p["feasible"] = true;
-        p["pipelines"] = plan.pipelines.size();
-        p["iteration_ticks"] = plan.iterationTicks;
-        p["predicted_samples_per_s"] =
-            secondsPerTick > 0 && globalBatch_ > 0
-                ? json(globalBatch_ / (secondsPerTick * static_cast<double>(plan.iterationTicks)))
-                : json(nullptr);
-      } catch (const Error& e) {
-        p["feasible"] = false;
-        p["why"] = e.what();
-      }
-      auto m = measured.find(n * G);
-      if (m != measured.end() && globalBatch_ > 0) {
-        p["measured_samples_per_s"] = globalBatch_ / m->second;
-      }
-      points.push_back(p);
-    }
-    r.body["model"] = "pipeline templates (cost model), calibrated by the measured step time";
-  } else {
-    // Data parallel: the step time t(n) fitted by least squares to the sizes measured, as
-    // t = a + b / n (the per-worker compute shrinks with n, the reduction does not) or, where
-    // that fits worse (more workers made steps slower: shared cores, a slow network),
-    // t = a + c n; both with non-negative coefficients. One size measured: t = b / n.
-    double a = 0, b = 0, c = 0;
-    std::string model = "nothing measured yet";
-    if (measured.size() == 1) {
-      b = measured.begin()->second * measured.begin()->first;
-      model = "one size measured: step_s = b / workers";
-    } else if (measured.size() >= 2) {
-      // Fits t = p + q x over (x, t) with p, q >= 0; returns (p, q, squared error).
-      auto fit = [&](auto xOf) {
-        double sx = 0, sy = 0, sxx = 0, sxy = 0;
-        const double k = static_cast<double>(measured.size());
-        for (const auto& [n, t] : measured) {
-          const double x = xOf(n);
-          sx += x;
-          sy += t;
-          sxx += x * x;
-          sxy += x * t;
-        }
-        double q = (k * sxy - sx * sy) / (k * sxx - sx * sx);
-        double p = (sy - q * sx) / k;
-        if (q < 0) {
-          q = 0;
-          p = sy / k;
-        } else if (p < 0) {
-          p = 0;
-          q = sxy / sxx;
-        }
-        double err = 0;
-        for (const auto& [n, t] : measured) err += std::pow(p + q * xOf(n) - t, 2);
-        return std::array<double, 3>{p, q, err};
-      };
-      auto inverse = fit([](int n) { return 1.0 / n; });
-      auto linear = fit([](int n) { return static_cast<double>(n); });
-      if (inverse[2] <= linear[2]) {
-        a = inverse[0];
-        b = inverse[1];
-        model = "fitted: step_s = a + b / workers";
-      } else {
-        a = linear[0];
-        c = linear[1];
-        model = "fitted: step_s = a + c * workers (more workers were slower per step)";
-      }
-    }
-    const int64_t microbatches = microbatch_ > 0 ? globalBatch_ / microbatch_ : 0;
-    int maxN = std::max({2 * workersNow, workersNow + 4, 8});
-    if (!measured.empty()) maxN = std::max(maxN, measured.rbegin()->first);
-    if (microbatches > 0) maxN = static_cast<int>(std::min<int64_t>(maxN, microbatches));
-    for (int n = 1; n <= maxN; ++n) {
-      json p = {{"nodes", n}, {"workers", n}, {"feasible", true}};
-      auto m = measured.find(n);
-      if (m != measured.end() && globalBatch_ > 0) {
-        p["measured_samples_per_s"] = globalBatch_ / m->second;
-        p["measured_steps"] = stepSecondsBySize_.at(n).size();
-      }
-      const double t = a + b / n + c * n;
-      p["predicted_samples_per_s"] =
-          t > 0 && globalBatch_ > 0 ? json(globalBatch_ / t) : json(nullptr);
-      points.push_back(p);
-    }
-    r.body["model"] = model;
-    r.body["fit"] = {{"a_s", a}, {"b_s", b}, {"c_s", c}};
-    r.body["feasible_note"] = microbatches > 0
-                                  ? "a data-parallel step has " + std::to_string(microbatches) +
-                                        " microbatches: at most that many workers"
-                                  : std::string("the job's batch shape is not known yet");
-  }
-  r.body["nodes_now"] = nodesNow;
-  r.body["workers_now"] = workersNow;
-  r.body["global_batch"] = globalBatch_;
-  r.body["points"] = points;
   return r;
 }
 
@@ -606,6 +485,13 @@ ControlReply JobState::drain(const control::DrainRequest& request, Clock::time_p
                                         : " and the job is not preemptible"));
     }
   }
+  if (request.dryRun) {
+    r.body = {{"dry_run", true},
+              {"workers", std::vector<int>(chosen.begin(), chosen.end())},
+              {"nodes", nodesOf(std::vector<int>(chosen.begin(), chosen.end()))},
+              {"cost", removalCost(chosen)}};
+    return r;
+  }
   // What it takes: the rest of this step, then the checkpoint of it.
   const double step = medianStepSeconds();
   const double flush = durableWrites_ > 0 ? flushSecondsTotal_ / durableWrites_ : 0;
@@ -641,6 +527,7 @@ ControlReply JobState::drain(const control::DrainRequest& request, Clock::time_p
                         "dead then, and the job goes on from the last committed step";
   }
   r.body["nodes"] = nodesOf(stored.workers);
+  r.body["cost"] = removalCost(chosen);
   event({{"event", "drain"},
          {"id", stored.id},
          {"workers", stored.workers},

@@ -199,7 +199,7 @@ void JobState::formTakeoverEpoch(const std::string& why) {
   rejoined_.clear();
   recovering_ = true;
   recoveringSince_ = now_;
-  newEpoch("a new leader took over (" + why + ")", {});
+  newEpoch("a new leader took over (" + why + ")", {}, {"takeover"});
 }
 
 }  // namespace runtime

@@ -337,13 +337,15 @@ std::map<std::string, at::Tensor> jobTensors(
   return out;
 }
 
-void broadcastState(collectives::Communicator& comm, int root, std::vector<at::Tensor>& params,
-                    torch::optim::Optimizer& optimizer, at::Device device,
-                    std::chrono::milliseconds timeout) {
+int64_t broadcastState(collectives::Communicator& comm, int root, std::vector<at::Tensor>& params,
+                       torch::optim::Optimizer& optimizer, at::Device device,
+                       std::chrono::milliseconds timeout) {
   at::NoGradGuard noGrad;
+  int64_t tensorBytes = 0;
   for (auto& p : params) {
     at::Tensor d = p.detach();
     comm.broadcast(d, root, timeout);
+    tensorBytes += static_cast<int64_t>(d.nbytes());
   }
   std::string bytes;
   if (comm.rank() == root) {
@@ -369,7 +371,9 @@ void broadcastState(collectives::Communicator& comm, int root, std::vector<at::T
     torch::serialize::InputArchive archive;
     archive.load_from(is, device);  // The state onto this worker's device.
     optimizer.load(archive);
+    return tensorBytes + n;
   }
+  return 0;
 }
 
 }  // namespace runtime

@@ -120,10 +120,12 @@ std::map<std::string, at::Tensor> jobTensors(
 // Broadcasts rank `root`'s parameters and optimizer state (serialized by the optimizer's own
 // save/load) to every member of `comm`, landing on `device` (the joining members of a data-
 // parallel epoch take the state of a member that holds it). Collective: every member calls it.
+// Returns the bytes this member received (the parameters and the serialized optimizer state;
+// 0 at the root), which the epoch's cost reports (docs/control_api.md, "reconfigured").
 // Throws the communicator's errors.
-void broadcastState(collectives::Communicator& comm, int root, std::vector<at::Tensor>& params,
-                    torch::optim::Optimizer& optimizer, at::Device device,
-                    std::chrono::milliseconds timeout);
+int64_t broadcastState(collectives::Communicator& comm, int root, std::vector<at::Tensor>& params,
+                       torch::optim::Optimizer& optimizer, at::Device device,
+                       std::chrono::milliseconds timeout);
 
 }  // namespace runtime
 }  // namespace sinew

@@ -600,6 +600,7 @@ class Trainer::Impl {
       // Counted as reported once posted, even if the wait for the verdict then fails.
       stats.replicatedBytes = peers_->replicatedBytes() - replicatedReported_;
       replicatedReported_ += stats.replicatedBytes;
+      stats.stateBytesIn = std::exchange(stateBytesIn_, 0);
       WaitingOnOthers waiting(client_, step_, &stepWaited_);
       verdict = client_.vote(epoch_, step_, opTimeout(), stats, recoveryTimeout());
     }
@@ -720,7 +721,8 @@ class Trainer::Impl {
                     " has no surviving worker that holds the model state");
       const int root = static_cast<int>(
           std::find(info.members.begin(), info.members.end(), info.source) - info.members.begin());
-      runtime::broadcastState(comms_->world(), root, params_, *opt_, device_, opTimeout());
+      stateBytesIn_ =
+          runtime::broadcastState(comms_->world(), root, params_, *opt_, device_, opTimeout());
       jobTensors_.agree(comms_->world(), info.resumeStep - 1, device_, opTimeout(), root);
       applied_ = info.resumeStep - 1;
     }
@@ -823,6 +825,7 @@ class Trainer::Impl {
   // Makes `r` this worker's layers (after every copy of the epoch succeeded).
   void adoptLayers(runtime::Relayout r, int first, int end, int64_t resumeApplied, int64_t epoch) {
     auto t0 = Clock::now();
+    stateBytesIn_ = static_cast<int64_t>(r.bytesCopied);
     durable_->dropArena();  // Its shard layout is the old layers': the next version makes one.
     model_ = r.model ? r.model : torch::nn::Sequential();
     params_ = model_->parameters();
@@ -976,6 +979,7 @@ class Trainer::Impl {
   bool leaveSent_ = false;
   double ckStall_ = 0;              // Optimizer steps waiting for snapshot copies.
   int64_t replicatedReported_ = 0;  // Peer-RAM replica bytes reported with the votes so far.
+  int64_t stateBytesIn_ = 0;        // State bytes taken in to enter this epoch, for the next vote.
   // The step being run: when it started, how long it waited on the others, and the snapshot
   // stall before the previous step's optimizer step (reported with the vote).
   Clock::time_point stepStart_{};

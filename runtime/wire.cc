@@ -80,10 +80,12 @@ const std::vector<Message>& messages() {
        {{"step", Kind::kInt, true, 0, kMaxStep},
         {"compute_us", Kind::kInt, false, 0, kMaxStep},
         {"stall_us", Kind::kInt, false, 0, kMaxStep},
-        {"replicated_bytes", Kind::kInt, false, 0, kMaxStep}},
+        {"replicated_bytes", Kind::kInt, false, 0, kMaxStep},
+        {"state_bytes_in", Kind::kInt, false, 0, kMaxStep}},
        "this worker reduced `step` in this epoch; its compute time and snapshot stall (for the "
-       "control API's status and scaling) and the peer-RAM replica bytes it sent since its last "
-       "vote (for /metrics)"},
+       "control API's status and scaling), the peer-RAM replica bytes it sent since its last "
+       "vote (for /metrics) and the state bytes it took in to enter the epoch (the epoch's "
+       "cost)"},
       {Type::kCommit,
        "commit",
        From::kCoordinator,

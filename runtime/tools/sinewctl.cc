@@ -8,10 +8,12 @@
 //   sinewctl [--log-dir DIR | --etcd EPS --job NAME | --url URL --token T] [--json]
 //            status|scaling|metrics
 //   sinewctl ... resize NODES
-//   sinewctl ... drain (--workers 1,2 | --nodes a,b) --deadline-s T
+//   sinewctl ... drain (--workers 1,2 | --nodes a,b) (--deadline-s T | --dry-run)
 //   sinewctl ... checkpoint
 //   sinewctl ... stop [--deadline-s T]
-//   sinewctl ... events [--count N]
+//   sinewctl ... events [--count N]   (the newest N, newest first; default 20)
+//   sinewctl ... events --follow [--count N]     (as they come; stops after N if given)
+//   sinewctl ... events --after SEQ [--wait-s T] (those after SEQ, waiting up to T for one)
 //   sinewctl ... limits [JSON]        (the job's limits; with JSON, changes them)
 //   sinewctl --log-dir DIR outcome
 //
@@ -30,6 +32,7 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -251,16 +254,83 @@ void printStatus(json s) {  // A copy: a missing field reads as null.
 
 void printScaling(json s) {
   std::printf("model: %s\n", s.value("model", "?").c_str());
-  std::printf("%-6s %-8s %-9s %-12s %s\n", "NODES", "WORKERS", "FEASIBLE", "MEASURED",
-              "PREDICTED (samples/s)");
-  for (const auto& p : s["points"]) {
+  std::printf("%-6s %-8s %-9s %-10s %-10s %-13s %-9s %-10s %-9s %s\n", "NODES", "WORKERS",
+              "FEASIBLE", "MEASURED", "PREDICTED", "BASIS", "PAUSE_S", "BYTES", "ROLLBACK",
+              "FINISH_S");
+  for (auto p : s["points"]) {
+    json c = p.value("cost", json::object());
     std::printf(
-        "%-6s %-8s %-9s %-12s %s%s\n", num(p["nodes"]).c_str(), num(p["workers"]).c_str(),
-        p.value("feasible", false) ? "yes" : "no",
+        "%-6s %-8s %-9s %-10s %-10s %-13s %-9s %-10s %-9s %s%s\n", num(p["nodes"]).c_str(),
+        num(p["workers"]).c_str(), p.value("feasible", false) ? "yes" : "no",
         p.contains("measured_samples_per_s") ? num(p["measured_samples_per_s"]).c_str() : "-",
         num(p.value("predicted_samples_per_s", json(nullptr))).c_str(),
+        p.value("basis", json("-")).is_string() ? p.value("basis", "-").c_str() : "-",
+        num(c["pause_s"], 2).c_str(),
+        c["bytes"].is_number() ? bytes(c["bytes"].get<int64_t>()).c_str() : "-",
+        c["rollback"].is_boolean() ? (c["rollback"].get<bool>() ? "yes" : "no") : "-",
+        num(p.value("time_to_finish_s", json(nullptr)), 1).c_str(),
         p.value("nodes", 0) == s.value("nodes_now", -1) ? "   <- now" : "");
   }
+  if (s["node_costs"].is_array() && !s["node_costs"].empty()) {
+    std::printf("cheapest nodes to take back first:\n%-20s %-10s %-14s %s\n", "NODE", "WORKERS",
+                "SAMPLES/S AFTER", "BYTES");
+    for (auto c : s["node_costs"]) {
+      std::printf("%-20s %-10s %-14s %s\n", c.value("node", "?").c_str(),
+                  c["workers"].dump().c_str(), num(c["samples_per_s_after"]).c_str(),
+                  c["bytes"].is_number() ? bytes(c["bytes"].get<int64_t>()).c_str() : "-");
+    }
+  }
+}
+
+// One event as a line: its time, its name and its other fields. An event that is no object
+// (or is nested too deep to parse) is not shown.
+void printEvent(const json& e) {
+  if (!e.is_object()) return;
+  std::string rest;
+  for (auto it = e.begin(); it != e.end(); ++it) {
+    if (it.key() == "event" || it.key() == "time") continue;
+    rest += " " + it.key() + "=" + it.value().dump();
+  }
+  const auto time = e.find("time");
+  const auto name = e.find("event");
+  std::printf("%.3f %s%s\n", time != e.end() && time->is_number() ? time->get<double>() : 0.0,
+              name != e.end() && name->is_string() ? name->get<std::string>().c_str() : "?",
+              rest.c_str());
+}
+
+// GET /v1/events?after=...: the events after `after` (waiting up to `waitS` for one), printed
+// oldest first; or, with newest > 0 and after < 0, the newest `newest` of those the job keeps,
+// newest first.
+int pollEvents(const Target& t, bool asJson, int64_t after, double waitS, int newest,
+               std::chrono::seconds timeout) {
+  char query[96];
+  std::snprintf(query, sizeof(query), "/v1/events?after=%lld&wait_s=%g&limit=1000",
+                static_cast<long long>(after), waitS);
+  auto [code, text] = request(t, http::verb::get, query, "",
+                              timeout + std::chrono::seconds(static_cast<int64_t>(waitS)));
+  const json j = sinew::detail::tryParseJson(text);
+  if (code != 200 || !j.is_object() || !j.contains("events") || !j["events"].is_array()) {
+    const std::string why =
+        code != 200 && j.is_object() && j.contains("error") && j["error"].is_string()
+            ? j["error"].get<std::string>()
+            : text.substr(0, 200);
+    std::fprintf(stderr, "sinewctl: /v1/events answered %d: %s\n", code, why.c_str());
+    return 1;
+  }
+  std::vector<json> events(j["events"].begin(), j["events"].end());
+  if (newest > 0 && after < 0) {
+    std::reverse(events.begin(), events.end());
+    if (events.size() > static_cast<size_t>(newest)) events.resize(newest);
+  }
+  for (const json& e : events) {
+    if (asJson) {
+      std::printf("%s\n", e.dump(-1, ' ', false, json::error_handler_t::replace).c_str());
+    } else {
+      printEvent(e);
+    }
+  }
+  if (!asJson) std::fprintf(stderr, "next: %s\n", j.value("next", json(nullptr)).dump().c_str());
+  return 0;
 }
 
 // GET /v1/events: prints each event as it comes until the stream ends or `count` were seen.
@@ -300,17 +370,8 @@ int streamEvents(const Target& t, bool asJson, int count) {
       const json e = sinew::detail::tryParseJson(data);
       if (asJson) {
         std::printf("%s\n", data.c_str());
-      } else if (e.is_object()) {
-        std::string rest;
-        for (auto it = e.begin(); it != e.end(); ++it) {
-          if (it.key() == "event" || it.key() == "time") continue;
-          rest += " " + it.key() + "=" + it.value().dump();
-        }
-        const auto time = e.find("time");
-        const auto name = e.find("event");
-        std::printf("%.3f %s%s\n", time != e.end() && time->is_number() ? time->get<double>() : 0.0,
-                    name != e.end() && name->is_string() ? name->get<std::string>().c_str() : "?",
-                    rest.c_str());
+      } else {
+        printEvent(e);
       }
       std::fflush(stdout);
       if (count > 0 && ++seen >= count) return 0;
@@ -361,6 +422,7 @@ int main(int argc, char** argv) {
   resize->add_option("nodes", nodes, "target node count")
       ->required()
       ->check(CLI::Range(1, 1 << 20));
+  bool dryRun = false;
   std::vector<int> drainWorkers;
   std::vector<std::string> drainNodes;
   double deadline = 0;
@@ -368,13 +430,26 @@ int main(int argc, char** argv) {
   auto* dw = drain->add_option("--workers", drainWorkers, "worker ids")->delimiter(',');
   auto* dn = drain->add_option("--nodes", drainNodes, "node names")->delimiter(',');
   dw->excludes(dn);
-  drain->add_option("--deadline-s", deadline, "seconds")->required();
+  drain->add_option("--deadline-s", deadline, "seconds (required unless --dry-run)");
   auto* checkpoint = app.add_subcommand("checkpoint", "a durable checkpoint at the next step");
   auto* stop = app.add_subcommand("stop", "stop at the next step boundary, checkpoint durable");
   stop->add_option("--deadline-s", deadline, "seconds (default: none)");
   int count = 0;
-  auto* events = app.add_subcommand("events", "follow the job's events");
-  events->add_option("--count", count, "stop after this many events");
+  bool follow = false;
+  int64_t after = -1;
+  double waitS = 0;
+  auto* events = app.add_subcommand(
+      "events", "the job's newest events, newest first; or follow them, or wait for the next");
+  events->add_option("--count", count,
+                     "the newest this many (default 20); with --follow, stop after this many");
+  auto* followFlag = events->add_flag("--follow", follow, "print each event as it comes");
+  auto* afterOpt = events->add_option("--after", after,
+                                      "the events after this sequence number (its 'seq'), "
+                                      "oldest first");
+  events->add_option("--wait-s", waitS, "with --after: wait up to this long for one")
+      ->check(CLI::Range(0.0, 60.0));
+  followFlag->excludes(afterOpt);
+  drain->add_flag("--dry-run", dryRun, "say what the drain would cost; drain nothing");
   std::string limitsJson;
   auto* limits = app.add_subcommand(
       "limits", "the job's limits and wishes; with JSON (e.g. '{\"min_nodes\": 2}'), change them");
@@ -394,10 +469,16 @@ int main(int argc, char** argv) {
   if (drain->parsed() && drainWorkers.empty() && drainNodes.empty()) {
     fail(2, "drain needs --workers or --nodes");
   }
+  if (drain->parsed() && !dryRun && deadline <= 0) fail(2, "drain needs --deadline-s T");
   const Target t = etcdEndpoints.empty()
                        ? findTarget(logDir, url, token)
                        : findLeader(etcdEndpoints, job, token, std::chrono::seconds(timeoutS));
-  if (events->parsed()) return streamEvents(t, asJson, count);
+  if (events->parsed()) {
+    if (follow) return streamEvents(t, asJson, count);
+    return pollEvents(t, asJson, after, afterOpt->count() > 0 ? waitS : 0,
+                      afterOpt->count() > 0 ? 0 : (count > 0 ? count : 20),
+                      std::chrono::seconds(timeoutS));
+  }
   http::verb verb = http::verb::get;
   std::string path, body;
   if (status->parsed()) path = "/v1/status";
@@ -411,7 +492,9 @@ int main(int argc, char** argv) {
   if (drain->parsed()) {
     verb = http::verb::post;
     path = "/v1/drain";
-    json b = {{"deadline_s", deadline}};
+    json b = json::object();
+    if (!dryRun || deadline > 0) b["deadline_s"] = deadline;
+    if (dryRun) b["dry_run"] = true;
     if (!drainWorkers.empty()) b["workers"] = drainWorkers;
     if (!drainNodes.empty()) b["nodes"] = drainNodes;
     body = b.dump();

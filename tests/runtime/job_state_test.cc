@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -543,6 +544,123 @@ TEST(JobStateTest, LimitsRefuseResizesAndDrainsOutsideThem) {
 
 // Bad messages are refused with a typed error the caller drops the connection for; the
 // machine's state does not change.
+// What a scheduler reads (docs/control_api.md, "GET /v1/scaling" and "The scheduler
+// contract"): a job that ran at 2, 3 and 1 workers shows each measured point as its prediction,
+// predicts the sizes around them from the fit, prices each size from the changes it measured
+// (a grow's pause and bytes per joiner), names the straggler's node as the cheapest to take
+// back, and ends each epoch change with a "reconfigured" event carrying its pause and bytes.
+TEST(JobStateTest, ScalingCostsAndReconfiguredEventsComeFromWhatTheJobMeasured) {
+  Machine m(2);
+  const json shape = {{"resume_step", 0}, {"global_batch", 64}, {"microbatch", 8}, {"steps", 1000}};
+  m.hello(1, 0, "a");
+  m.frame(1, Type::kReady, -1, shape);
+  m.hello(2, 1, "b");
+  m.frame(2, Type::kReady, -1, shape);
+  ASSERT_EQ(m.state->epoch(), 0);
+  int64_t step = 0;
+  // `count` steps of `ms` each by `members`; compute_us per worker from `compute` (ms).
+  auto steps = [&](int count, int ms, const std::vector<int>& members,
+                   std::map<int, int> compute = {}, std::map<int, int64_t> bytesIn = {}) {
+    for (int k = 0; k < count; ++k) {
+      m.advance(std::chrono::milliseconds(ms));
+      for (int id : members) {
+        json body = {{"step", step}, {"compute_us", 1000 * (compute.count(id) ? compute[id] : 30)}};
+        if (k == 0 && bytesIn.count(id)) body["state_bytes_in"] = bytesIn[id];
+        m.frame(id + 1, Type::kVote, m.state->epoch(), body);
+      }
+      ASSERT_EQ(m.state->committed(), step) << "step " << step << " did not commit";
+      step++;
+    }
+  };
+  steps(6, 100, {0, 1});
+  // A joiner enters at the next boundary; its epoch's first step takes 400 ms (one 100 ms
+  // step and 300 ms of set-up), and it took in 1000 bytes of state.
+  m.hello(3, 2, "c");
+  m.frame(3, Type::kReady, -1, shape);
+  steps(1, 100, {0, 1});
+  ASSERT_EQ(m.state->members(), (std::vector<int>{0, 1, 2}));
+  m.clear();
+  steps(1, 400, {0, 1, 2}, {}, {{2, 1000}});
+  json grown;
+  for (const auto& e : m.events) {
+    if (e.at("event") == "reconfigured") grown = e;
+  }
+  ASSERT_FALSE(grown.is_null()) << "no reconfigured event after the join";
+  EXPECT_EQ(grown.at("kind"), "grow");
+  EXPECT_EQ(grown.at("causes"), std::vector<std::string>{"join"});
+  EXPECT_EQ(grown.at("from_workers"), 2);
+  EXPECT_EQ(grown.at("to_workers"), 3);
+  EXPECT_NEAR(grown.at("pause_s").get<double>(), 0.3, 1e-9);
+  EXPECT_EQ(grown.at("state_bytes_in"), 1000);
+  // Three workers, node c's twice as slow in compute as the others.
+  steps(6, 80, {0, 1, 2}, {{2, 70}});
+
+  json s = m.state->scaling(m.t).body;
+  ASSERT_EQ(s.at("node_costs").size(), 3u) << s.dump();
+  const json& cheapest = s.at("node_costs")[0];
+  EXPECT_EQ(cheapest.at("node"), "c") << "the straggler's node is not the cheapest to take back";
+  // Two workers measured 640 samples/s; without the 70 ms straggler the 30 ms ones run 7/3 as fast.
+  EXPECT_NEAR(cheapest.at("samples_per_s_after").get<double>(), 640.0 * 70 / 30, 1e-6);
+  EXPECT_EQ(cheapest.at("bytes"), 0);
+  EXPECT_FALSE(cheapest.at("rollback").get<bool>());
+  control::DrainRequest dry;
+  dry.nodes = {"a"};
+  dry.dryRun = true;
+  ControlReply r = m.state->drain(dry, m.t);
+  ASSERT_EQ(r.status, 200) << r.body.dump();
+  EXPECT_TRUE(r.body.at("dry_run").get<bool>());
+  EXPECT_EQ(r.body.at("workers"), std::vector<int>{0});
+  EXPECT_EQ(r.body.at("cost").at("workers_after"), 2);
+  m.advance(0ms);
+  EXPECT_FALSE(m.hasEvent("drain")) << "a dry run drained";
+  EXPECT_TRUE(m.state->status(m.t).body.at("drains").empty());
+
+  // Shrunk to one node: c (the slowest) and b (the newest of the rest) go at the boundary.
+  r = m.state->resize(1, m.t);
+  ASSERT_EQ(r.status, 200) << r.body.dump();
+  steps(1, 80, {0, 1, 2}, {{2, 70}});
+  ASSERT_EQ(m.state->members(), std::vector<int>{0});
+  m.clear();
+  steps(1, 250, {0});
+  ASSERT_TRUE(m.hasEvent("reconfigured"));
+  steps(5, 150, {0});
+
+  s = m.state->scaling(m.t).body;
+  std::map<int, json> at;
+  for (const auto& p : s.at("points")) at[p.at("workers").get<int>()] = p;
+  // Measured sizes: the prediction is the measurement, with its spread and step count.
+  for (const auto& [n, seconds] : std::map<int, double>{{1, 0.15}, {2, 0.1}, {3, 0.08}}) {
+    const json& p = at.at(n);
+    EXPECT_NEAR(p.at("measured_samples_per_s").get<double>(), 64 / seconds, 1e-6) << n;
+    EXPECT_EQ(p.at("predicted_samples_per_s"), p.at("measured_samples_per_s")) << n;
+    EXPECT_EQ(p.at("basis"), "measured") << n;
+    EXPECT_NEAR(p.at("measured_p10_samples_per_s").get<double>(), 64 / seconds, 1e-6) << n;
+  }
+  EXPECT_EQ(at.at(2).at("measured_steps"), 6);
+  EXPECT_EQ(at.at(4).at("basis"), "extrapolated");
+  EXPECT_TRUE(at.at(4).at("model_error").is_number());
+  EXPECT_GT(at.at(4).at("predicted_samples_per_s").get<double>(), 0);
+  // Eight microbatches: nine workers cannot take part.
+  EXPECT_FALSE(at.at(9).at("feasible").get<bool>());
+  // The cost of going back to 3: the grow's pause, two joiners' bytes at the measured 1000.
+  const json& cost = at.at(3).at("cost");
+  EXPECT_NEAR(cost.at("pause_s").get<double>(), 0.3, 1e-9);
+  EXPECT_EQ(cost.at("basis"), "measured grow (1)");
+  EXPECT_EQ(cost.at("bytes"), 2000);
+  EXPECT_EQ(at.at(1).at("cost").at("pause_s"), 0.0);
+  EXPECT_EQ(at.at(2).at("cost").at("bytes"), 1000);
+  const int64_t left = 1000 - step;
+  EXPECT_EQ(at.at(1).at("remaining_steps"), left);
+  EXPECT_NEAR(at.at(1).at("time_to_finish_s").get<double>(), left * 0.15, 1e-6);
+  EXPECT_NEAR(at.at(3).at("time_to_finish_s").get<double>(), 0.3 + left * 0.08, 1e-6);
+  ASSERT_EQ(s.at("reconfigurations").size(), 2u);
+  EXPECT_EQ(s.at("reconfigurations")[1].at("kind"), "shrink");
+  EXPECT_EQ(s.at("reconfigurations")[1].at("causes"), std::vector<std::string>{"resize"});
+  // The shrink's pause: 250 ms less the 80 ms step before it; it moved no state.
+  EXPECT_NEAR(s.at("reconfigurations")[1].at("pause_s").get<double>(), 0.17, 1e-9);
+  EXPECT_EQ(s.at("reconfigurations")[1].at("state_bytes_in"), 0);
+}
+
 TEST(JobStateTest, MessagesThatBreakTheProtocolAreViolations) {
   Machine m(2);
   EXPECT_THROW(m.frame(1, Type::kVote, 0, json{{"step", 0}}),
