@@ -254,9 +254,10 @@ class Session : public SessionBase, public std::enable_shared_from_this<Session>
         },
         a.after);
     pollTimer_.expires_after(std::chrono::milliseconds(static_cast<int64_t>(a.waitSeconds * 1e3)));
-    pollTimer_.async_wait([weak](error_code ec) {
-      if (ec) return;
-      if (auto self = weak.lock()) self->finishPoll();
+    // The wait holds the session (nothing else does while it waits); a closed session's wait
+    // is cancelled.
+    pollTimer_.async_wait([self = shared_from_this()](error_code ec) {
+      if (!ec) self->finishPoll();
     });
   }
 

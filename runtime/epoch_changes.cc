@@ -29,10 +29,13 @@ void EpochChanges::begin(Clock::time_point now, Clock::time_point lastCommit, in
   // The bytes of an epoch that never committed were taken in for nothing: only the epoch that
   // commits counts (its members report again).
   current_.stateBytesIn = 0;
+  current_.receivers = 0;
 }
 
 void EpochChanges::addStateBytes(int64_t bytes) {
-  if (active_ && bytes > 0) current_.stateBytesIn += bytes;
+  if (!active_ || bytes <= 0) return;
+  current_.stateBytesIn += bytes;
+  current_.receivers++;
 }
 
 std::optional<EpochChanges::Change> EpochChanges::end(Clock::time_point now, int64_t epoch,
@@ -81,12 +84,10 @@ EpochChanges::Prediction EpochChanges::predictPause(const std::string& kind) con
   return p;
 }
 
-int64_t EpochChanges::bytesPerJoiner() const {
+int64_t EpochChanges::bytesPerReceiver() const {
   std::vector<int64_t> per;
   for (const Change& c : history_) {
-    if (c.kind == "grow" && c.stateBytesIn > 0) {
-      per.push_back(c.stateBytesIn / (c.toWorkers - c.fromWorkers));
-    }
+    if (c.receivers > 0) per.push_back(c.stateBytesIn / c.receivers);
   }
   return per.empty() ? 0 : medianOf(per);
 }
@@ -100,6 +101,7 @@ nlohmann::json EpochChanges::toJson(const Change& c) {
           {"pause_s", c.pauseSeconds},
           {"interval_s", c.intervalSeconds},
           {"state_bytes_in", c.stateBytesIn},
+          {"receivers", c.receivers},
           {"first_step", c.firstStep}};
 }
 

@@ -38,6 +38,7 @@ class EpochChanges {
     double pauseSeconds = 0;     // interval less one steady step, >= 0
     double intervalSeconds = 0;  // last commit before the change -> the epoch's first commit
     int64_t stateBytesIn = 0;    // summed over the new epoch's members
+    int receivers = 0;           // members that took in state
     int64_t firstStep = 0;       // the step the new epoch committed first
   };
 
@@ -64,8 +65,9 @@ class EpochChanges {
   // The median pause of the measured changes of `kind` (the newest 20 of each), else of any
   // kind, else 0 with basedOn 0.
   Prediction predictPause(const std::string& kind) const;
-  // The median state bytes one joining worker took in (grows only; 0 when none measured).
-  int64_t bytesPerJoiner() const;
+  // The median state bytes one member took in when it took any (0 when none measured). A
+  // data-parallel epoch with joiners broadcasts the state to every member but its source.
+  int64_t bytesPerReceiver() const;
   const std::deque<Change>& history() const { return history_; }
 
   static nlohmann::json toJson(const Change& c);

@@ -87,15 +87,18 @@ json JobState::resizeCost(int nodes) const {
       c["why"] = e.what();
     }
   } else if (nodes > now) {
-    int64_t perJoiner = changes_.bytesPerJoiner();
-    std::string basis = "measured at earlier grows";
-    if (perJoiner == 0 && durable_.bytes > 0) {
-      perJoiner = durable_.bytes;
-      basis = "the size of the last durable checkpoint";
+    // The epoch that takes joiners in broadcasts the state from one member to all the others.
+    int64_t perMember = changes_.bytesPerReceiver();
+    std::string basis =
+        "the state each member took in at earlier grows, times the members "
+        "but the source";
+    if (perMember == 0 && durable_.bytes > 0) {
+      perMember = durable_.bytes;
+      basis = "the last durable checkpoint's size, times the members but the source";
     }
-    const int64_t joiners = static_cast<int64_t>(nodes - now) * workersPerNode();
-    c["bytes"] = perJoiner > 0 ? json(joiners * perJoiner) : json(nullptr);
-    c["bytes_basis"] = perJoiner > 0 ? basis : "not known until a grow or a checkpoint";
+    const int64_t receivers = static_cast<int64_t>(nodes) * workersPerNode() - 1;
+    c["bytes"] = perMember > 0 ? json(receivers * perMember) : json(nullptr);
+    c["bytes_basis"] = perMember > 0 ? basis : "not known until a grow or a checkpoint";
   } else {
     c["bytes_basis"] = "a data-parallel shrink moves no state: every member holds all of it";
   }

@@ -12,7 +12,7 @@
 // <log-dir>/coordinator.json holds the coordinator's endpoint and token, so another worker
 // can join the running job (SINEW_COORDINATOR=host:port SINEW_TOKEN=token program args...),
 // and the control API's address and token (docs/control_api.md), which sinewctl reads. A
-// resize that grows the job makes sinew-run start joiners, up to --max-workers in all. The
+// resize that grows the job makes sinew-run start joiners, up to --max-workers running at once. The
 // coordinator lives in this process: sinew-run stays while the job goes on, also after every
 // worker it started has exited, as long as workers that joined from outside are connected.
 
@@ -229,9 +229,14 @@ Args parse(int argc, char** argv) {
 }
 
 // The launcher's children, for the signal handler (a launcher's main is the one place where
-// a process-wide table is the natural owner). Its capacity is reserved for --max-workers up
-// front, so that starting a joiner never moves it under a running handler.
+// a process-wide table is the natural owner). Its capacity is reserved up front
+// (kMaxStartsPerSlot per --max-workers slot: a scheduler may shrink and grow a job again and
+// again), so that starting a joiner never moves it under a running handler.
 std::vector<pid_t> gChildren;
+constexpr size_t kMaxStartsPerSlot = 64;
+size_t childCapacity(int maxWorkers) {
+  return std::min<size_t>(kMaxStartsPerSlot * static_cast<size_t>(maxWorkers), size_t{1} << 20);
+}
 // Workers this launcher killed because they outlived the exit grace (their exit fails the job).
 std::set<pid_t> gGraceKilled;
 // Set by --drain-signal's handler; the main loop asks the coordinator to stop.
@@ -395,6 +400,7 @@ bool jobEnded(const sinew::runtime::CoordinatorStatus& cs) {
 struct JoinerRequests {
   std::atomic<int> wanted{0};
   std::atomic<int> granted{0};
+  std::atomic<int> exited{0};  // workers of this launcher whose process ended
 };
 
 // The coordinator's options from the command line. With the control API, a resize that
@@ -417,7 +423,12 @@ sinew::runtime::CoordinatorOptions coordinatorOptions(const Args& a, JoinerReque
     if (const char* t = std::getenv("SINEW_CONTROL_TOKEN")) co.controlToken = t;
     if (const char* t = std::getenv("SINEW_CONTROL_READ_TOKEN")) co.controlReadToken = t;
     co.startWorkers = [&a, &joiners](int count) {
-      const int room = a.maxWorkers - a.workers - joiners.granted.load();
+      // Room for workers up to --max-workers running at once (a released worker's slot is
+      // free once its process exited), within the table's reserved capacity.
+      const int running = a.workers + joiners.granted.load() - joiners.exited.load();
+      const int starts = a.workers + joiners.granted.load();
+      const int room =
+          std::min(a.maxWorkers - running, static_cast<int>(childCapacity(a.maxWorkers)) - starts);
       const int n = std::max(0, std::min(count, room));
       joiners.granted += n;
       joiners.wanted += n;
@@ -675,6 +686,7 @@ int Launcher::supervise() {
       if (p < 0) break;
       if (p > 0) {
         status_[p] = st;
+        joiners_.exited++;
         continue;
       }
     }
@@ -709,7 +721,7 @@ int main(int argc, char** argv) {
   std::error_code ec;
   std::filesystem::create_directories(a.logDir, ec);
   if (ec) usage("cannot create --log-dir " + a.logDir + ": " + ec.message());
-  gChildren.reserve(a.maxWorkers);
+  gChildren.reserve(childCapacity(a.maxWorkers));
 
   JoinerRequests joiners;
   std::unique_ptr<sinew::runtime::Coordinator> coordinator;

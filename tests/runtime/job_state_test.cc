@@ -642,7 +642,8 @@ TEST(JobStateTest, ScalingCostsAndReconfiguredEventsComeFromWhatTheJobMeasured) 
   EXPECT_GT(at.at(4).at("predicted_samples_per_s").get<double>(), 0);
   // Eight microbatches: nine workers cannot take part.
   EXPECT_FALSE(at.at(9).at("feasible").get<bool>());
-  // The cost of going back to 3: the grow's pause, two joiners' bytes at the measured 1000.
+  // The cost of going back to 3: the grow's pause; the state (1000 bytes a member, as
+  // measured) broadcast to the two members that are not its source.
   const json& cost = at.at(3).at("cost");
   EXPECT_NEAR(cost.at("pause_s").get<double>(), 0.3, 1e-9);
   EXPECT_EQ(cost.at("basis"), "measured grow (1)");
