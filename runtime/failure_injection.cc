@@ -155,9 +155,14 @@ FailureInjector FailureInjector::parse(const std::string& spec) {
         f.seconds = parseDuration(text, key, v, kMaxSeconds);
       } else if (key == "ms") {
         f.milliseconds = parseDuration(text, key, v, kMaxMilliseconds);
+      } else if (key == "us_per_sample" && f.kind == Fault::Kind::kSlow) {
+        f.microsPerSample = parseDuration(text, key, v, kMaxMilliseconds);
+      } else if (key == "comm_ms" && f.kind == Fault::Kind::kSlow) {
+        f.commMilliseconds = parseDuration(text, key, v, kMaxMilliseconds);
       } else {
         SINEW_THROW(InvalidArgument, "fault '", text, "': unknown key '", key,
-                    "' (expected worker, step, phase, secs or ms)");
+                    "' (expected worker, step, phase, secs, ms or, for slow, us_per_sample or "
+                    "comm_ms)");
       }
     }
     if (!haveWorker) SINEW_THROW(InvalidArgument, "fault '", text, "': needs worker=<id or *>");
@@ -178,8 +183,11 @@ FailureInjector FailureInjector::parse(const std::string& spec) {
       SINEW_THROW(InvalidArgument, "fault '", text, "': mute cannot fire in phase ",
                   phaseName(f.phase), " (its thread does not talk to the coordinator)");
     }
-    if (f.kind == Fault::Kind::kSlow && f.milliseconds <= 0) {
-      SINEW_THROW(InvalidArgument, "fault '", text, "': needs ms=<milliseconds> > 0");
+    if (f.kind == Fault::Kind::kSlow &&
+        (f.milliseconds > 0) + (f.microsPerSample > 0) + (f.commMilliseconds > 0) != 1) {
+      SINEW_THROW(InvalidArgument, "fault '", text,
+                  "': needs one of ms=<milliseconds>, us_per_sample=<microseconds> and "
+                  "comm_ms=<milliseconds>, > 0");
     }
     inj.faults_.push_back(f);
   }
@@ -195,7 +203,8 @@ void FailureInjector::fireSlow(int worker, int64_t step, Phase phase, Coordinato
   for (Fault& f : faults_) {
     // The immutable fields first; `fired` under the lock.
     if (f.phase != phase || (f.worker >= 0 && f.worker != worker)) continue;
-    if (f.kind == Fault::Kind::kCorrupt) continue;  // afterFlush runs it.
+    if (f.kind == Fault::Kind::kCorrupt) continue;                  // afterFlush runs it.
+    if (f.microsPerSample > 0 || f.commMilliseconds > 0) continue;  // emulate* run them.
     bool everyStep = f.kind == Fault::Kind::kSlow && f.step < 0;
     const bool atOrAfter = phase == Phase::kSnapshot || phase == Phase::kReplication ||
                            phase == Phase::kRecovery || phase == Phase::kReconfiguration ||
@@ -255,6 +264,28 @@ void FailureInjector::fireSlow(int worker, int64_t step, Phase phase, Coordinato
         break;
     }
   }
+}
+
+void FailureInjector::emulateCommunication(int worker, int64_t step) {
+  double ms = 0;
+  for (const Fault& f : faults_) {
+    if (f.kind != Fault::Kind::kSlow || f.commMilliseconds <= 0) continue;
+    if ((f.worker >= 0 && f.worker != worker) || (f.step >= 0 && f.step != step)) continue;
+    ms += f.commMilliseconds;
+  }
+  if (ms > 0)
+    std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int64_t>(ms * 1e3)));
+}
+
+void FailureInjector::emulateCompute(int worker, int64_t step, int64_t samples) {
+  double micros = 0;
+  for (const Fault& f : faults_) {
+    if (f.kind != Fault::Kind::kSlow || f.microsPerSample <= 0) continue;
+    if ((f.worker >= 0 && f.worker != worker) || (f.step >= 0 && f.step != step)) continue;
+    micros += f.microsPerSample * static_cast<double>(samples);
+  }
+  if (micros > 0)
+    std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int64_t>(micros)));
 }
 
 int FailureInjector::corruptDue(int worker, int64_t step, const std::string& dir) {

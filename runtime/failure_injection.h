@@ -81,6 +81,13 @@ struct Fault {
   Phase phase = Phase::kForward;
   double seconds = 0;       // stop, mute
   double milliseconds = 0;  // slow
+  // slow with us_per_sample: emulated accelerator time, this many microseconds for each sample
+  // the worker computes in a data-parallel step (so a step's compute shrinks with the workers:
+  // a scheduler's benchmark on a CPU-only machine, docs/control_api.md).
+  double microsPerSample = 0;
+  // slow with comm_ms: emulated communication, this many milliseconds of every data-parallel
+  // step spent in the gradient reduction (a step's part that more workers do not shrink).
+  double commMilliseconds = 0;
   bool fired = false;
 };
 
@@ -101,6 +108,11 @@ class FailureInjector {
     if (faults_.empty()) return;
     fireSlow(worker, step, phase, client);
   }
+  // Sleeps for the emulated compute of `samples` (slow faults with us_per_sample) due for
+  // (worker, step).
+  void emulateCompute(int worker, int64_t step, int64_t samples);
+  // Sleeps for the emulated communication (slow faults with comm_ms) due for (worker, step).
+  void emulateCommunication(int worker, int64_t step);
   // On the flush thread, once version `step` is written to the checkpoint directory `dir`:
   // runs the corrupt faults due. Returns how many files it damaged.
   int afterFlush(int worker, int64_t step, const std::string& dir) {

@@ -257,6 +257,8 @@ class JobState {
   // whether a layer of it has no live holder among the nodes that stay (a rollback).
   std::pair<int64_t, bool> layerMoves(const pipeline::Plan& next) const;
   int workersPerNode() const;
+  // The members' median compute time of their last step and their count ({0, 0}: not known).
+  std::pair<int, double> medianCompute() const;
   // The liveness check (every heartbeatInterval / 2).
   void check(Clock::time_point now);
   void declareDead(int worker, const std::string& why);

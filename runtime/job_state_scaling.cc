@@ -105,6 +105,19 @@ json JobState::resizeCost(int nodes) const {
   return c;
 }
 
+// The members' median compute time of their last step (forward and backward, no waits), and
+// their count; 0 when not every member has reported one.
+std::pair<int, double> JobState::medianCompute() const {
+  std::vector<double> c;
+  for (int id : members_) {
+    auto it = workers_.find(id);
+    if (it == workers_.end() || it->second.computeSeconds < 0) return {0, 0.0};
+    c.push_back(it->second.computeSeconds);
+  }
+  if (c.empty()) return {0, 0.0};
+  return {static_cast<int>(c.size()), median(c)};
+}
+
 json JobState::removalCost(const std::set<int>& going) const {
   std::vector<int> staying;
   double slowestNow = 0, slowestAfter = 0;
@@ -151,7 +164,8 @@ json JobState::removalCost(const std::set<int>& going) const {
       c["why"] = e.what();
     }
   } else {
-    const DataParallelFit fit = fitDataParallel(measured);
+    const auto [cw, cs] = medianCompute();
+    const DataParallelFit fit = fitDataParallel(measured, cw, cs);
     const CurvePoint p =
         predictAt(static_cast<int>(staying.size()), static_cast<double>(globalBatch_), measured,
                   [&](int n) { return fit.any() ? fit.stepSeconds(n) : 0.0; });
@@ -213,7 +227,8 @@ ControlReply JobState::scaling(Clock::time_point now) {
     };
     r.body["model"] = "pipeline templates (cost model), calibrated by the measured step times";
   } else {
-    const DataParallelFit fit = fitDataParallel(measured);
+    const auto [cw, cs] = medianCompute();
+    const DataParallelFit fit = fitDataParallel(measured, cw, cs);
     model = [fit](int workers) { return fit.any() ? fit.stepSeconds(workers) : 0.0; };
     lastNodes = std::max({2 * nodesNow, nodesNow + 4, 8});
     if (!measured.empty()) lastNodes = std::max(lastNodes, measured.rbegin()->first / perNode);

@@ -37,14 +37,22 @@ std::map<int, MeasuredSize> summarizeStepTimes(const std::map<int, std::deque<do
   return out;
 }
 
-DataParallelFit fitDataParallel(const std::map<int, MeasuredSize>& measured) {
+DataParallelFit fitDataParallel(const std::map<int, MeasuredSize>& measured, int computeWorkers,
+                                double computeSeconds) {
   DataParallelFit f;
   if (measured.empty()) {
     f.model = "nothing measured yet";
     return f;
   }
   if (measured.size() == 1) {
-    f.b = measured.begin()->second.medianSeconds * measured.begin()->first;
+    const auto& [m, size] = *measured.begin();
+    if (m == computeWorkers && computeSeconds > 0 && computeSeconds < size.medianSeconds) {
+      f.a = size.medianSeconds - computeSeconds;
+      f.b = computeSeconds * m;
+      f.model = "one size measured: step_s = a + b / workers, b from the members' compute time";
+      return f;
+    }
+    f.b = size.medianSeconds * m;
     f.model = "one size measured: step_s = b / workers";
     return f;
   }

@@ -33,14 +33,19 @@ std::map<int, MeasuredSize> summarizeStepTimes(const std::map<int, std::deque<do
 
 // The data-parallel model: t(n) fitted by least squares as a + b / n (the per-worker compute
 // shrinks with n, the reduction does not) or, where that fits worse, a + c n (more workers were
-// slower per step: shared cores), coefficients non-negative. One size: t = b / n.
+// slower per step: shared cores), coefficients non-negative. One size: split by the members'
+// compute time c measured there (forward and backward, no waits: what more workers share),
+// t = (t_m - c) + c m / n; without it, t = b / n.
 struct DataParallelFit {
   double a = 0, b = 0, c = 0;
   std::string model;  // in words, "nothing measured yet" if no size was measured
   bool any() const { return a > 0 || b > 0 || c > 0; }
   double stepSeconds(int n) const { return a + b / n + c * n; }
 };
-DataParallelFit fitDataParallel(const std::map<int, MeasuredSize>& measured);
+// `computeWorkers`, `computeSeconds`: the size the members' compute time was measured at, and
+// its median (0: not known).
+DataParallelFit fitDataParallel(const std::map<int, MeasuredSize>& measured, int computeWorkers = 0,
+                                double computeSeconds = 0);
 
 struct CurvePoint {
   double predictedSamplesPerSecond = 0;  // 0: no prediction (nothing to scale it by)

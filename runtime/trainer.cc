@@ -565,12 +565,14 @@ class Trainer::Impl {
       (loss * (scale * lossScale)).backward();
       lossSum += loss.item<double>() * static_cast<double>(o_.microbatch);
     }
+    inj.emulateCompute(self, step_, static_cast<int64_t>(mine.microbatches.size()) * o_.microbatch);
     rss_.phase("reduce");
     // One flat buffer: every gradient, then the loss sum.
     at::Tensor flat = runtime::flatGradients(params_, at::full({1}, lossSum, onDevice(o_.dtype)));
     inj.fire(self, step_, Phase::kReduce, &client_);
     {
       WaitingOnOthers waiting(client_, step_, &stepWaited_);
+      inj.emulateCommunication(self, step_);
       comms_->world().allreduce(flat, collectives::ReduceOp::kSum, opTimeout());
     }
     inj.fire(self, step_, Phase::kAfterReduce, &client_);

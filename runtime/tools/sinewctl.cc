@@ -46,6 +46,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "control_http.h"
 #include "sinew/base/parse.h"
 #include "sinew/collectives/etcd_client.h"
 #include "sinew/runtime/job_outcome.h"
@@ -164,30 +165,15 @@ tcp::socket connectTo(asio::io_context& io, const Target& t) {
   return socket;
 }
 
-// One request; returns (status, body).
+// One request; returns (status, body), or fails (exit 1) saying why.
 std::pair<int, std::string> request(const Target& t, http::verb method, const std::string& path,
                                     const std::string& body, std::chrono::seconds timeout) {
-  asio::io_context io;
-  beast::tcp_stream stream(connectTo(io, t));
-  stream.expires_after(timeout);
-  http::request<http::string_body> req(method, path, 11);
-  req.set(http::field::host, t.host);
-  req.set(http::field::authorization, "Bearer " + t.token);
-  req.set(http::field::user_agent, "sinewctl");
-  if (!body.empty()) {
-    req.set(http::field::content_type, "application/json");
-    req.body() = body;
-  }
-  req.prepare_payload();
-  beast::flat_buffer buffer;
-  http::response<http::string_body> res;
   try {
-    http::write(stream, req);
-    http::read(stream, buffer, res);
+    return sinew::tools::controlRequest({t.host, t.port, t.token}, method, path, body, timeout,
+                                        "sinewctl");
   } catch (const std::exception& e) {
-    fail(1, "request " + path + " failed: " + std::string(e.what()));
+    fail(1, e.what());
   }
-  return {static_cast<int>(res.result_int()), res.body()};
 }
 
 std::string num(const json& v, int precision = 0) {

@@ -1040,6 +1040,54 @@ TEST(ControlJobTest, ResizesEndInReconfiguredEventsPricedAsPredicted) {
   EXPECT_EQ(stopped.exitCode, 75) << stopped.output;
 }
 
+// sinew-sched (docs/scheduler.md) runs three jobs on a pool of four worker slots: the first
+// takes the pool, is shrunk when the others arrive, and grows again when they end; the second
+// loses a worker (a SIGKILL by the built-in injection) and the scheduler reallocates. Every job
+// finishes equal to its single-process reference.
+TEST(ControlJobTest, SinewSchedRunsThreeJobsThroughALossEachEqualToItsReference) {
+  const std::string dir = logDir("sched");
+  const std::string list = dir + "-jobs.json";
+  auto job = [](const std::string& name, double arrival, int steps, int seed, int max,
+                const std::string& inject) {
+    return json{{"name", name},
+                {"arrival_s", arrival},
+                {"command",
+                 {TRAIN_DP_PATH, "--steps", std::to_string(steps), "--float32", "--seed",
+                  std::to_string(seed)}},
+                {"min_workers", 1},
+                {"max_workers", max},
+                {"inject", inject}};
+  };
+  std::ofstream(list) << json{{"jobs",
+                               {job("a", 0, 400, 1, 4, "slow:worker=*:us_per_sample=500"),
+                                job("b", 2, 250, 2, 4,
+                                    "slow:worker=*:us_per_sample=500;kill:worker=1:step=60"),
+                                job("c", 4, 150, 3, 2, "slow:worker=*:ms=20")}}}
+                             .dump();
+  JobRun r = finish(start({SINEW_SCHED_PATH, "--jobs", list, "--slots", "4", "--log-dir", dir,
+                           "--timeout-s", "400"},
+                          {}),
+                    500s);
+  SCOPED_TRACE(r.output);
+  EXPECT_EQ(r.exitCode, 0);
+  EXPECT_NE(r.output.find("SCHED policy=marginal jobs=3 finished=3 exact=3"), std::string::npos);
+  EXPECT_NE(r.output.find("job b lost 1 worker(s)"), std::string::npos);
+  const json report = json::parse(slurp(dir + "/report.json"));
+  std::map<std::string, json> byName;
+  for (const json& j : report["jobs"]) byName[j["name"].get<std::string>()] = j;
+  for (const std::string name : {"a", "b", "c"}) {
+    const json& j = byName.at(name);
+    EXPECT_EQ(j["exit"], 0) << name;
+    EXPECT_GE(j["results"].get<int>(), 1) << name;
+    EXPECT_LE(j["max_param_rel_diff"].get<double>(), 1e-5) << name;
+  }
+  EXPECT_GE(byName.at("b")["failures"].get<int>(), 1);
+  // a started on the whole pool and was shrunk when b arrived.
+  ASSERT_FALSE(byName.at("a")["resizes"].empty());
+  EXPECT_EQ(byName.at("a")["resizes"][0]["from"], 4);
+  EXPECT_LT(byName.at("a")["resizes"][0]["to"].get<int>(), 4);
+}
+
 // Limits given at launch (sinew-run --limits) hold against a scheduler's resize, sinewctl
 // shows and changes them, and a resize inside the new limits goes ahead.
 TEST(ControlJobTest, LimitsGivenAtLaunchRefuseAResizeUntilChanged) {
