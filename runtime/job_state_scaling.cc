@@ -122,8 +122,9 @@ json JobState::removalCost(const std::set<int>& going) const {
   std::vector<int> staying;
   double slowestNow = 0, slowestAfter = 0;
   for (int id : members_) {
-    if (leaving_.count(id)) continue;
-    const double compute = workers_.at(id).computeSeconds;
+    auto w = workers_.find(id);
+    if (leaving_.count(id) || w == workers_.end()) continue;
+    const double compute = w->second.computeSeconds;
     slowestNow = std::max(slowestNow, compute);
     if (going.count(id)) continue;
     staying.push_back(id);
@@ -289,7 +290,8 @@ ControlReply JobState::scaling(Clock::time_point now) {
   if (epoch_ >= 0 && !finished_) {
     std::map<std::string, std::set<int>> byNode;
     for (int id : members_) {
-      if (!leaving_.count(id)) byNode[workers_.at(id).node].insert(id);
+      auto w = workers_.find(id);
+      if (!leaving_.count(id) && w != workers_.end()) byNode[w->second.node].insert(id);
     }
     for (const auto& [node, ids] : byNode) {
       json c = removalCost(ids);

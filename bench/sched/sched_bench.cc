@@ -48,8 +48,8 @@ int runSched(const std::string& jobs, int slots, const std::string& policy,
       ::dup2(::fileno(f), 2);
     }
     ::execl(SINEW_SCHED_PATH, SINEW_SCHED_PATH, "--jobs", jobs.c_str(), "--slots",
-            slotsText.c_str(), "--policy", policy.c_str(), "--log-dir", dir.c_str(),
-            "--timeout-s", "1800", static_cast<char*>(nullptr));
+            slotsText.c_str(), "--policy", policy.c_str(), "--log-dir", dir.c_str(), "--timeout-s",
+            "1800", static_cast<char*>(nullptr));
     _exit(127);
   }
   int st = 0;
@@ -121,8 +121,8 @@ int main(int argc, char** argv) {
       continue;
     }
     std::printf("\n%s: mean JCT %.2f s, makespan %.2f s, %d of %zu exact\n", policy.c_str(),
-                r["mean_jct_s"].get<double>(), r["makespan_s"].get<double>(),
-                r["exact"].get<int>(), kinds.size());
+                r["mean_jct_s"].get<double>(), r["makespan_s"].get<double>(), r["exact"].get<int>(),
+                kinds.size());
     std::printf("  %-8s %8s %8s %8s %8s %8s %s\n", "JOB", "ARRIVAL", "START", "END", "JCT_S",
                 "RESIZES", "MAX_REL_DIFF");
     for (const json& j : r["jobs"]) {

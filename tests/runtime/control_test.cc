@@ -937,7 +937,7 @@ TEST(ControlJobTest, ScriptedSchedulerGrowsShrinksDrainsAndStops) {
 // real job: each resize ends with a "reconfigured" event, found by long polls of /v1/events in
 // order, that carries its measured pause and the state bytes the joiners took in; after runs at
 // 1, 2 and 3 workers the scaling curve's prediction at each is the measurement; and the next
-// grow's measured cost matches its prediction: the same bytes, and a pause within 0.5 s or 2x
+// grow's measured cost matches its prediction: bytes within 1%, and a pause within 0.5 s or 2x
 // of the predicted one (this machine's 2 cores are shared by four processes here).
 TEST(ControlJobTest, ResizesEndInReconfiguredEventsPricedAsPredicted) {
   const std::string dir = logDir("costs");
@@ -991,7 +991,10 @@ TEST(ControlJobTest, ResizesEndInReconfiguredEventsPricedAsPredicted) {
   json second = reconfiguredTo(3);
   EXPECT_EQ(second["kind"], "grow");
   // The state goes from one member to every other: two of them now.
-  EXPECT_EQ(second["state_bytes_in"], 2 * first["state_bytes_in"].get<int64_t>()) << second.dump();
+  // (The optimizer's serialized state varies by a few bytes from step to step: within 1%.)
+  const double oneState = first["state_bytes_in"].get<double>();
+  EXPECT_NEAR(second["state_bytes_in"].get<double>(), 2 * oneState, 0.02 * oneState)
+      << second.dump();
   EXPECT_EQ(second["receivers"], 2);
   stepsAt(3);
   resize(1);
@@ -1017,11 +1020,13 @@ TEST(ControlJobTest, ResizesEndInReconfiguredEventsPricedAsPredicted) {
   EXPECT_EQ(predicted["basis"], "measured grow (2)");
   const double pause = predicted["pause_s"].get<double>();
   EXPECT_NEAR(pause, (first["pause_s"].get<double>() + second["pause_s"].get<double>()) / 2, 1e-9);
-  EXPECT_EQ(predicted["bytes"], first["state_bytes_in"]);
+  // The median of the two grows' bytes per receiving member.
+  EXPECT_NEAR(predicted["bytes"].get<double>(), oneState, 0.01 * oneState);
 
   resize(2);
   json measured = reconfiguredTo(2);
-  EXPECT_EQ(measured["state_bytes_in"], predicted["bytes"]);
+  EXPECT_NEAR(measured["state_bytes_in"].get<double>(), predicted["bytes"].get<double>(),
+              0.01 * predicted["bytes"].get<double>());
   const double took = measured["pause_s"].get<double>();
   EXPECT_TRUE(std::abs(took - pause) <= 0.5 || (took <= 2 * pause && took >= pause / 2))
       << "measured " << took << " s, predicted " << pause << " s";

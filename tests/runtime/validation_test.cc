@@ -3,7 +3,9 @@
 // trailing junk) are rejected with a message naming the field and the value; --help works.
 
 #include <gtest/gtest.h>
+
 #include <sys/wait.h>
+#include <chrono>
 
 #include <cstdio>
 #include <cstdlib>
@@ -77,6 +79,11 @@ TEST(FailureInjectionValidationTest, NanInfNegativeAndOutOfRangeNumbersAreReject
            {"kill:worker=1:step=1e20", "step='1e20' must be a whole number"},
            {"kill:worker=1:step=99999999999999999999", "step='99999999999999999999'"},
            {"kill:worker= 1:step=3", "worker=' 1'"},
+           // Emulated compute and communication: one time per slow fault, only for slow.
+           {"slow:worker=0:ms=2:us_per_sample=5", "needs one of ms=<milliseconds>, us_per_sample"},
+           {"slow:worker=0", "needs one of ms=<milliseconds>, us_per_sample"},
+           {"kill:worker=0:step=3:comm_ms=5", "unknown key 'comm_ms'"},
+           {"slow:worker=0:us_per_sample=nan", "us_per_sample='nan' is not a non-negative number"},
        }) {
     try {
       FailureInjector::parse(b.spec);
@@ -92,6 +99,24 @@ TEST(FailureInjectionValidationTest, NanInfNegativeAndOutOfRangeNumbersAreReject
   ASSERT_EQ(ok.faults().size(), 2u);
   EXPECT_DOUBLE_EQ(ok.faults()[0].seconds, 0.5);
   EXPECT_DOUBLE_EQ(ok.faults()[1].milliseconds, 2.5);
+  auto emulated =
+      FailureInjector::parse("slow:worker=*:us_per_sample=500;slow:worker=1:comm_ms=40");
+  ASSERT_EQ(emulated.faults().size(), 2u);
+  EXPECT_DOUBLE_EQ(emulated.faults()[0].microsPerSample, 500);
+  EXPECT_DOUBLE_EQ(emulated.faults()[1].commMilliseconds, 40);
+  // Each sleeps only where it is due: 500 us for each of 8 samples on any worker; 40 ms of
+  // communication on worker 1 only.
+  auto t0 = std::chrono::steady_clock::now();
+  emulated.emulateCompute(3, 0, 8);
+  const double compute =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_GE(compute, 0.004);
+  t0 = std::chrono::steady_clock::now();
+  emulated.emulateCommunication(0, 0);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 0.02);
+  t0 = std::chrono::steady_clock::now();
+  emulated.emulateCommunication(1, 0);
+  EXPECT_GE(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 0.04);
 }
 
 using sinew::testing::ScopedEnv;
