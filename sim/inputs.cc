@@ -13,6 +13,7 @@
 
 #include "sinew/base/error.h"
 #include "sinew/base/parse.h"
+#include "sinew/sim/cluster.h"
 #include "sinew/sim/simulator.h"
 
 namespace sinew {
@@ -225,6 +226,94 @@ SinewCosts parseSinewCosts(const std::string& text, const std::string& source) {
     }
   }
   return c;
+}
+
+}  // namespace sim
+}  // namespace sinew
+
+namespace sinew {
+namespace sim {
+
+namespace {
+
+ClusterJob parseClusterJob(const json& e, const std::string& where) {
+  if (!e.is_object()) SINEW_THROW(InvalidArgument, where, " must be an object");
+  ClusterJob c;
+  for (auto f = e.begin(); f != e.end(); ++f) {
+    const std::string& k = f.key();
+    const std::string what = where + " " + k.substr(0, 60);
+    const json& v = f.value();
+    if (k == "name") {
+      if (!v.is_string() || v.get<std::string>().empty()) {
+        SINEW_THROW(InvalidArgument, what, " must be a non-empty string");
+      }
+      c.name = v.get<std::string>().substr(0, 200);
+    } else if (k == "arrival_s") {
+      c.arrival_s = positiveNumber(v, what, true);
+    } else if (k == "steps") {
+      c.steps = detail::jsonInt(v, what, 1, int64_t{1} << 40);
+    } else if (k == "global_batch") {
+      c.global_batch = detail::jsonInt(v, what, 1, int64_t{1} << 40);
+    } else if (k == "min_nodes") {
+      c.min_nodes = static_cast<int>(detail::jsonInt(v, what, 1, 1 << 20));
+    } else if (k == "max_nodes") {
+      c.max_nodes = static_cast<int>(detail::jsonInt(v, what, 1, 1 << 20));
+    } else if (k == "compute_s_per_sample") {
+      c.compute_s_per_sample = positiveNumber(v, what, true);
+    } else if (k == "fixed_s") {
+      c.fixed_s = positiveNumber(v, what, true);
+    } else if (k == "samples_per_s") {
+      if (!v.is_object()) {
+        SINEW_THROW(InvalidArgument, what, " must be an object of node count -> samples/s");
+      }
+      for (auto r = v.begin(); r != v.end(); ++r) {
+        const std::string at = what + "[\"" + r.key().substr(0, 40) + "\"]";
+        const int64_t n = detail::parseInt(r.key(), at + " node count", 1, 1 << 20);
+        c.samples_per_s[static_cast<int>(n)] = positiveNumber(r.value(), at, false);
+      }
+    } else if (k.rfind("_", 0) != 0) {
+      SINEW_THROW(InvalidArgument, where, ": unknown field '", k.substr(0, 60), "'");
+    }
+  }
+  if (c.name.empty()) SINEW_THROW(InvalidArgument, where, ": needs a name");
+  return c;
+}
+
+}  // namespace
+
+ClusterInput parseClusterInput(const std::string& text, const std::string& source) {
+  const json j = parseObject(text, source);
+  ClusterInput in;
+  for (auto e = j.begin(); e != j.end(); ++e) {
+    const std::string& k = e.key();
+    if (k == "jobs") {
+      if (!e.value().is_array() || e.value().empty()) {
+        SINEW_THROW(InvalidArgument, source, ": jobs must be a non-empty array");
+      }
+      for (const json& job : e.value()) {
+        in.jobs.push_back(parseClusterJob(job, source + " job " + std::to_string(in.jobs.size())));
+      }
+    } else if (k == "costs") {
+      if (!e.value().is_object()) SINEW_THROW(InvalidArgument, source, ": costs must be an object");
+      for (auto c = e.value().begin(); c != e.value().end(); ++c) {
+        const std::string what = source + " costs " + c.key().substr(0, 60);
+        if (c.key() == "grow_pause_s") {
+          in.costs.grow_pause_s = positiveNumber(c.value(), what, true);
+        } else if (c.key() == "shrink_pause_s") {
+          in.costs.shrink_pause_s = positiveNumber(c.value(), what, true);
+        } else if (c.key() == "start_s") {
+          in.costs.start_s = positiveNumber(c.value(), what, true);
+        } else if (c.key().rfind("_", 0) != 0) {
+          SINEW_THROW(InvalidArgument, source, ": unknown field 'costs.", c.key().substr(0, 60),
+                      "'");
+        }
+      }
+    } else if (k.rfind("_", 0) != 0) {
+      SINEW_THROW(InvalidArgument, source, ": unknown field '", k.substr(0, 60), "'");
+    }
+  }
+  if (in.jobs.empty()) SINEW_THROW(InvalidArgument, source, ": needs jobs");
+  return in;
 }
 
 }  // namespace sim

@@ -46,6 +46,7 @@
 #include <nlohmann/json.hpp>
 
 #include "control_http.h"
+#include "sinew/sim/allocation.h"
 
 namespace {
 
@@ -125,12 +126,9 @@ std::vector<JobSpec> readJobs(const std::string& path) {
 
 class Scheduler {
  public:
-  Scheduler(std::vector<JobSpec> specs, int slots, std::string policy, std::string dir,
-            std::string sinewRun)
-      : slots_(slots),
-        policy_(std::move(policy)),
-        dir_(std::move(dir)),
-        sinewRun_(std::move(sinewRun)) {
+  Scheduler(std::vector<JobSpec> specs, int slots, sinew::sim::AllocationPolicy policy,
+            std::string dir, std::string sinewRun)
+      : slots_(slots), policy_(policy), dir_(std::move(dir)), sinewRun_(std::move(sinewRun)) {
     for (auto& s : specs) {
       Job j;
       j.spec = std::move(s);
@@ -324,62 +322,30 @@ class Scheduler {
     return 80;  // the examples' default
   }
 
-  // The allocation: admitted jobs in arrival order while their minimum fits, then the policy.
+  // The allocation (sim/allocation.h, the same function the cluster simulator runs): the
+  // running jobs keep their minimum, waiting ones are admitted in arrival order while theirs
+  // fits, then the policy hands out the rest.
   void reallocate() {
     std::vector<Job*> active;
-    int left = slots_;
+    std::vector<sinew::sim::AllocationJob> view;
     for (Job& j : jobs_) {
       if (j.state == Job::State::kDone || !j.admitted) continue;
-      if (j.state == Job::State::kWaiting && j.spec.minWorkers > left) break;  // FIFO admission
+      if (j.state == Job::State::kRunning) {
+        if (auto s = get(j, "/v1/scaling")) j.scaling = *s;
+      }
+      sinew::sim::AllocationJob a;
+      a.min_workers = j.spec.minWorkers;
+      a.max_workers = j.spec.maxWorkers;
+      a.running = j.state == Job::State::kRunning;
+      a.known_up_to = knownUpTo(j);
+      Job* jp = &j;
+      a.time_to_finish = [this, jp](int n) { return timeToFinish(*jp, n); };
       active.push_back(&j);
-      left -= j.spec.minWorkers;
+      view.push_back(std::move(a));
     }
-    if (left < 0) left = 0;  // Running jobs over the pool after losses keep their minimum.
-    for (Job* j : active) {
-      if (j->state == Job::State::kRunning) {
-        if (auto s = get(*j, "/v1/scaling")) j->scaling = *s;
-      }
-    }
+    const std::vector<int> counts = sinew::sim::allocate(view, slots_, policy_);
     std::map<Job*, int> want;
-    for (Job* j : active) want[j] = j->spec.minWorkers;
-    if (policy_ == "static") {
-      // An equal share, within each job's limits; what a job cannot use goes to the others.
-      bool gave = true;
-      while (left > 0 && gave) {
-        gave = false;
-        for (Job* j : active) {
-          if (left > 0 && want[j] < j->spec.maxWorkers) {
-            want[j]++;
-            left--;
-            gave = true;
-          }
-        }
-      }
-    } else {
-      // Each slot to the job it makes finish soonest relative to now (the largest rise in
-      // 1 / time to finish). First within what the jobs' curves are known for (twice the
-      // largest size a job was measured at: a curve fitted to one size cannot tell a job that
-      // scales from one that does not); then the slots no job can use by that rule, on the
-      // predictions alone.
-      for (const bool explore : {false, true}) {
-        while (left > 0) {
-          Job* best = nullptr;
-          double bestGain = 0;
-          for (Job* j : active) {
-            const int n = want[j];
-            if (n >= j->spec.maxWorkers || (!explore && n + 1 > knownUpTo(*j))) continue;
-            const double gain = 1 / timeToFinish(*j, n + 1) - 1 / timeToFinish(*j, n);
-            if (gain > bestGain) {
-              bestGain = gain;
-              best = j;
-            }
-          }
-          if (best == nullptr) break;  // No job finishes sooner with another slot.
-          want[best]++;
-          left--;
-        }
-      }
-    }
+    for (size_t k = 0; k < active.size(); ++k) want[active[k]] = counts[k];
     std::string line;
     bool moved = false;
     for (Job* j : active) {
@@ -387,7 +353,8 @@ class Scheduler {
       j->want = want[j];
       line += " " + j->spec.name + "=" + std::to_string(want[j]);
     }
-    if (moved) log("allocation (" + policy_ + "):" + line);
+    if (moved)
+      log(std::string("allocation (") + sinew::sim::allocationPolicyName(policy_) + "):" + line);
   }
 
   // Moves each job towards its allocation: shrinks at once, grows and starts as slots free up.
@@ -522,17 +489,23 @@ class Scheduler {
                       {"exact", isExact}});
     }
     const double mean = finished > 0 ? sumJct / finished : NAN;
-    json r = {{"policy", policy_},  {"slots", slots_},        {"jobs", jobs},
-              {"mean_jct_s", mean}, {"makespan_s", makespan}, {"finished", finished},
+    json r = {{"policy", sinew::sim::allocationPolicyName(policy_)},
+              {"slots", slots_},
+              {"jobs", jobs},
+              {"mean_jct_s", mean},
+              {"makespan_s", makespan},
+              {"finished", finished},
               {"exact", exact}};
     std::ofstream(dir_ + "/report.json") << r.dump(2) << "\n";
     std::printf("SCHED policy=%s jobs=%zu finished=%d exact=%d mean_jct_s=%.2f makespan_s=%.2f\n",
-                policy_.c_str(), jobs_.size(), finished, exact, mean, makespan);
+                sinew::sim::allocationPolicyName(policy_), jobs_.size(), finished, exact, mean,
+                makespan);
     return finished == static_cast<int>(jobs_.size()) ? 0 : 1;
   }
 
   int slots_;
-  std::string policy_, dir_, sinewRun_;
+  sinew::sim::AllocationPolicy policy_;
+  std::string dir_, sinewRun_;
   std::vector<Job> jobs_;
   Clock::time_point start_;
 };
@@ -578,6 +551,7 @@ int main(int argc, char** argv) {
     }
   }
   if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) fail(2, "cannot create " + dir);
-  Scheduler sched(std::move(specs), slots, policy, dir, sinewRun);
+  Scheduler sched(std::move(specs), slots, sinew::sim::parseAllocationPolicy(policy), dir,
+                  sinewRun);
   return sched.run(std::chrono::milliseconds(tickMs), timeoutS, reallocS);
 }

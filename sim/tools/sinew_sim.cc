@@ -4,6 +4,11 @@
 //
 //   sinew-sim --trace FILE [--trace FILE ...] --profile P.json --microbatches B [options]
 //   sinew-sim --nodes N --mtbf-hours H --hours D [--return-after-min M] [--seed S] ...
+//   sinew-sim --cluster JOBS.json --pool N [--policy static|marginal|both] [--realloc-s R]
+//             [--grow-pause-s X] [--shrink-pause-s X] [--start-s X]
+//
+// The third form runs a job list on a pool of nodes under sinew-sched's allocation policies
+// (sim/cluster.h, docs/scheduler.md).
 //
 // Exit status: 0 on success, 1 for an invalid input file or model (the message says which),
 // 2 for bad command-line arguments.
@@ -14,6 +19,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -25,6 +31,7 @@
 #include "sinew/base/error.h"
 #include "sinew/base/parse.h"
 #include "sinew/pipeline/profile.h"
+#include "sinew/sim/cluster.h"
 #include "sinew/sim/simulator.h"
 
 namespace {
@@ -43,6 +50,10 @@ struct Args {
   double reconfigurationS = -1, durationS = 0, bucketS = 0;
   int64_t checkpointEvery = 0;  // 0: Young's interval for the trace
   double checkpointS = 10, restartS = 60;
+  // --cluster
+  std::string cluster, policy = "both";
+  int64_t pool = 0;
+  double reallocS = 5, growPauseS = -1, shrinkPauseS = -1, startS = -1;
 };
 
 [[noreturn]] void usageError(const std::string& what) {
@@ -86,6 +97,17 @@ Args parseArgs(int argc, char** argv) {
   app.add_option("--bucket-s", a.bucketS, "width of the timeline's buckets (default: none)");
   app.add_option("--timeline", a.timeline, "write the timeline as CSV to this file");
   app.add_flag("--json", a.asJson, "print JSON instead of tables");
+  app.add_option("--cluster", a.cluster,
+                 "a job list to run on --pool nodes under the scheduler's policies (JSON, "
+                 "docs/scheduler.md)");
+  app.add_option("--pool", a.pool, "with --cluster: nodes in the pool");
+  app.add_option("--policy", a.policy, "with --cluster: static, marginal or both (default)")
+      ->check(CLI::IsMember({"static", "marginal", "both"}));
+  app.add_option("--realloc-s", a.reallocS, "with --cluster: reallocate at least this often (5)");
+  app.add_option("--grow-pause-s", a.growPauseS, "with --cluster: replaces costs.grow_pause_s");
+  app.add_option("--shrink-pause-s", a.shrinkPauseS,
+                 "with --cluster: replaces costs.shrink_pause_s");
+  app.add_option("--start-s", a.startS, "with --cluster: replaces costs.start_s");
   app.footer(
       "The last line is RESULT sim_goodput_vs_fixed_cost=<r> sim_goodput_vs_restart=<r> "
       "for the last trace. Exit status: 0 on success, 1 for an invalid input, 2 for bad "
@@ -95,6 +117,11 @@ Args parseArgs(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) std::exit(app.exit(e));  // --help
     usageError(e.what());
+  }
+  if (!a.cluster.empty()) {
+    if (a.pool < 1 || a.pool > (1 << 20)) usageError("--cluster needs --pool N, 1 <= N <= 2^20");
+    if (!(a.reallocS > 0)) usageError("--realloc-s must be > 0");
+    return a;
   }
   const bool poisson = a.nodes > 0 || a.mtbfHours > 0 || a.hours > 0;
   if (a.traces.empty() && !poisson) usageError("give --trace FILE or --nodes/--mtbf-hours/--hours");
@@ -204,7 +231,64 @@ int64_t youngInterval(const std::vector<TraceEvent>& events, const ThroughputTab
   return std::max<int64_t>(1, std::llround(std::sqrt(2 * a.checkpointS * mtbf) / stepS));
 }
 
+int runCluster(const Args& a) {
+  ClusterInput in = parseClusterInput(slurp(a.cluster), a.cluster);
+  if (a.growPauseS >= 0) in.costs.grow_pause_s = a.growPauseS;
+  if (a.shrinkPauseS >= 0) in.costs.shrink_pause_s = a.shrinkPauseS;
+  if (a.startS >= 0) in.costs.start_s = a.startS;
+  std::vector<std::string> policies = {a.policy};
+  if (a.policy == "both") policies = {"static", "marginal"};
+  json all = json::array();
+  std::map<std::string, ClusterResult> results;
+  for (const std::string& p : policies) {
+    ClusterOptions o;
+    o.nodes = static_cast<int>(a.pool);
+    o.policy = parseAllocationPolicy(p);
+    o.realloc_s = a.reallocS;
+    const ClusterResult r = simulateCluster(in.jobs, in.costs, o);
+    results[p] = r;
+    json jobs = json::array();
+    for (const ClusterJobResult& j : r.jobs) {
+      jobs.push_back({{"name", j.name},
+                      {"arrival_s", j.arrival_s},
+                      {"started_s", j.started_s},
+                      {"ended_s", j.ended_s},
+                      {"jct_s", j.jct_s},
+                      {"resizes", j.resizes},
+                      {"paused_s", j.paused_s},
+                      {"node_seconds", j.node_seconds}});
+    }
+    all.push_back({{"policy", p},
+                   {"nodes", a.pool},
+                   {"mean_jct_s", r.mean_jct_s},
+                   {"makespan_s", r.makespan_s},
+                   {"busy_share", r.busy_share},
+                   {"jobs", jobs}});
+    if (a.asJson) continue;
+    std::printf("%s on %lld nodes (pauses: grow %.3g s, shrink %.3g s, start %.3g s):\n", p.c_str(),
+                static_cast<long long>(a.pool), in.costs.grow_pause_s, in.costs.shrink_pause_s,
+                in.costs.start_s);
+    std::printf("  %-12s %9s %9s %9s %9s %7s %9s\n", "JOB", "ARRIVAL", "START", "END", "JCT_S",
+                "RESIZES", "PAUSED_S");
+    for (const ClusterJobResult& j : r.jobs) {
+      std::printf("  %-12.12s %9.1f %9.1f %9.1f %9.1f %7d %9.2f\n", j.name.c_str(), j.arrival_s,
+                  j.started_s, j.ended_s, j.jct_s, j.resizes, j.paused_s);
+    }
+    std::printf("CLUSTER policy=%s nodes=%lld mean_jct_s=%.2f makespan_s=%.2f busy_share=%.3f\n\n",
+                p.c_str(), static_cast<long long>(a.pool), r.mean_jct_s, r.makespan_s,
+                r.busy_share);
+  }
+  if (a.asJson) std::printf("%s\n", all.dump(2).c_str());
+  if (results.count("static") && results.count("marginal")) {
+    std::printf("RESULT sim_sched_mean_jct_vs_static=%.4f sim_sched_makespan_vs_static=%.4f\n",
+                results["marginal"].mean_jct_s / results["static"].mean_jct_s,
+                results["marginal"].makespan_s / results["static"].makespan_s);
+  }
+  return 0;
+}
+
 int run(const Args& a) {
+  if (!a.cluster.empty()) return runCluster(a);
   SinewJobModel job;
   std::optional<ThroughputTable> table;
   if (!a.throughput.empty()) table = parseThroughputTable(slurp(a.throughput), a.throughput);
