@@ -14,8 +14,8 @@ namespace sinew {
 namespace sim {
 
 enum class AllocationPolicy {
-  // Each admitted job gets an equal share of the slots, within its limits; what a job cannot
-  // use goes to the others.
+  // Each admitted job gets an equal share of the slots above the minimums (dealt one at a time
+  // in arrival order), within its limits; what a job cannot use goes to the others.
   kStatic,
   // After AFS (Hwang et al., NSDI '21): every admitted job starts at its minimum and each
   // further slot goes to the job whose rate of finishing, 1 / time to finish, it raises most.
