@@ -68,8 +68,10 @@ std::vector<int> allocate(const std::vector<AllocationJob>& jobs, int slots,
   std::vector<std::vector<double>> rate(jobs.size());
   for (size_t i : active) {
     const AllocationJob& j = jobs[i];
-    rate[i].assign(static_cast<size_t>(std::max(j.max_workers, j.min_workers)) + 1, 0);
-    for (int n = j.min_workers; n <= j.max_workers; ++n) rate[i][n] = rateOfFinishing(j, n);
+    // Up to the most it could get: its minimum plus every slot left.
+    const int top = std::max(j.min_workers, std::min(j.max_workers, want[i] + left));
+    rate[i].assign(static_cast<size_t>(top) + 1, 0);
+    for (int n = j.min_workers; n <= top; ++n) rate[i][n] = rateOfFinishing(j, n);
   }
   // Slots go where they raise the rate of finishing most per slot. A job may take several at
   // once: a resize's pause can make one more slot a loss where two are a gain.

@@ -150,7 +150,8 @@ ClusterResult simulateCluster(const std::vector<ClusterJob>& jobs, const Cluster
         }
         r.size = want[k];
       }
-      nextRealloc = now + options.realloc_s;
+      // At least the next representable time: the loop always moves on.
+      nextRealloc = std::max(now + options.realloc_s, std::nextafter(now, HUGE_VAL));
       changed = false;
     }
     // The next moment something happens: an arrival, a completion, the next allocation.

@@ -31,7 +31,7 @@ struct ClusterJob {
   int64_t steps = 1;
   int64_t global_batch = 1;  // samples per step
   int min_nodes = 1;
-  int max_nodes = 1;
+  int max_nodes = 1;  // the input's default: min_nodes
   // The step time at n nodes: from `samples_per_s` where it lists n (interpolated linearly in
   // 1/n between listed counts, the nearest listed count's rate per node beyond them), else
   // compute_s_per_sample * global_batch / n + fixed_s (a data-parallel job: its samples split
@@ -53,9 +53,6 @@ struct ClusterOptions {
   int nodes = 1;
   AllocationPolicy policy = AllocationPolicy::kMarginal;
   double realloc_s = 5;  // reallocate at least this often (sinew-sched's --realloc-s)
-  // A resize is only made when it changes a job's size by at least this share of its nodes
-  // (and at least one node): against many tiny moves at scale. 0: every change.
-  double min_change = 0;
 };
 
 struct ClusterJobResult {
@@ -63,7 +60,7 @@ struct ClusterJobResult {
   double arrival_s = 0, started_s = -1, ended_s = -1;
   double jct_s = 0;     // ended - arrival
   int resizes = 0;      // size changes after the start
-  double paused_s = 0;  // time spent in resizes' pauses
+  double paused_s = 0;  // time spent paused: its start, then its resizes
   double node_seconds = 0;
 };
 

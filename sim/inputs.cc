@@ -239,6 +239,7 @@ namespace {
 ClusterJob parseClusterJob(const json& e, const std::string& where) {
   if (!e.is_object()) SINEW_THROW(InvalidArgument, where, " must be an object");
   ClusterJob c;
+  bool maxGiven = false;
   for (auto f = e.begin(); f != e.end(); ++f) {
     const std::string& k = f.key();
     const std::string what = where + " " + k.substr(0, 60);
@@ -258,6 +259,7 @@ ClusterJob parseClusterJob(const json& e, const std::string& where) {
       c.min_nodes = static_cast<int>(detail::jsonInt(v, what, 1, 1 << 20));
     } else if (k == "max_nodes") {
       c.max_nodes = static_cast<int>(detail::jsonInt(v, what, 1, 1 << 20));
+      maxGiven = true;
     } else if (k == "compute_s_per_sample") {
       c.compute_s_per_sample = positiveNumber(v, what, true);
     } else if (k == "fixed_s") {
@@ -276,6 +278,7 @@ ClusterJob parseClusterJob(const json& e, const std::string& where) {
     }
   }
   if (c.name.empty()) SINEW_THROW(InvalidArgument, where, ": needs a name");
+  if (!maxGiven) c.max_nodes = c.min_nodes;  // as sinew-sched's max_workers
   return c;
 }
 

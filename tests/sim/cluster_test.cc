@@ -196,6 +196,10 @@ TEST(ClusterSimTest, BadInputsAreNamed) {
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("list.json job 0 steps"), std::string::npos) << e.what();
   }
+  // max_nodes defaults to min_nodes, as sinew-sched's max_workers does.
+  const ClusterInput fixed =
+      parseClusterInput(R"({"jobs": [{"name": "a", "min_nodes": 2, "fixed_s": 1}]})", "list.json");
+  EXPECT_EQ(fixed.jobs.at(0).max_nodes, 2);
   try {
     parseClusterInput(R"({"jobs": [{"name": "a", "speed": 1}]})", "list.json");
     ADD_FAILURE() << "no error";
