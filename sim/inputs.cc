@@ -5,6 +5,7 @@
 #include <cmath>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <set>
 #include <sstream>
 #include <tuple>
@@ -176,6 +177,17 @@ double positiveNumber(const json& v, const std::string& what, bool zeroAllowed) 
   return x;
 }
 
+// An object of node count -> samples/s; each entry's error names `what`["<count>"].
+std::map<int, double> ratesByNodeCount(const json& object, const std::string& what) {
+  std::map<int, double> rates;
+  for (auto e = object.begin(); e != object.end(); ++e) {
+    const std::string at = what + "[\"" + e.key().substr(0, 40) + "\"]";
+    const int64_t n = detail::parseInt(e.key(), at + " node count", 1, 1 << 20);
+    rates[static_cast<int>(n)] = positiveNumber(e.value(), at, false);
+  }
+  return rates;
+}
+
 }  // namespace
 
 ThroughputTable parseThroughputTable(const std::string& text, const std::string& source) {
@@ -186,11 +198,7 @@ ThroughputTable parseThroughputTable(const std::string& text, const std::string&
                 ": samples_per_s must be a non-empty object of node count -> samples/s");
   }
   ThroughputTable t;
-  for (auto e = it->begin(); e != it->end(); ++e) {
-    const std::string what = source + " samples_per_s[\"" + e.key().substr(0, 40) + "\"]";
-    const int64_t n = detail::parseInt(e.key(), what + " node count", 1, 1 << 20);
-    t.samples_per_s[static_cast<int>(n)] = positiveNumber(e.value(), what, false);
-  }
+  t.samples_per_s = ratesByNodeCount(*it, source + " samples_per_s");
   return t;
 }
 
@@ -268,11 +276,7 @@ ClusterJob parseClusterJob(const json& e, const std::string& where) {
       if (!v.is_object()) {
         SINEW_THROW(InvalidArgument, what, " must be an object of node count -> samples/s");
       }
-      for (auto r = v.begin(); r != v.end(); ++r) {
-        const std::string at = what + "[\"" + r.key().substr(0, 40) + "\"]";
-        const int64_t n = detail::parseInt(r.key(), at + " node count", 1, 1 << 20);
-        c.samples_per_s[static_cast<int>(n)] = positiveNumber(r.value(), at, false);
-      }
+      c.samples_per_s = ratesByNodeCount(v, what);
     } else if (k.rfind("_", 0) != 0) {
       SINEW_THROW(InvalidArgument, where, ": unknown field '", k.substr(0, 60), "'");
     }
