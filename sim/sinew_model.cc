@@ -144,6 +144,7 @@ class SinewRun {
   }
   void repend();
   void noteVersions();
+  bool ramVersionRestorable() const;
   double copySeconds(const Plan& next, const std::set<int>& lost) const;
   double recoveryEnd() const {
     double end = t_;
@@ -182,8 +183,9 @@ class SinewRun {
   Plan next_;                                     // the plan the recovery ends in
   bool joining_ = false;                          // the recovery is a join
   double joinAt_ = -1;                            // a join at this step boundary
-  int64_t ramCount_ = 0;  // the peer-RAM version (committed steps it holds); 0: none
-  std::vector<int> ramNodes_;
+  int64_t ramCount_ = 0;       // the peer-RAM version (committed steps it holds); 0: none
+  std::vector<int> ramNodes_;  // in placement order: pipeline, then stage
+  std::vector<std::pair<int, int>> ramLayers_;  // the layers [first, end) each of them held
   std::set<int> ramDead_;
 };
 
@@ -197,7 +199,36 @@ void SinewRun::noteVersions() {
     ramCount_ = count;
     ramNodes_ = busyNodes(plan_);
     ramDead_.clear();
+    ramLayers_.assign(ramNodes_.size(), {0, 0});
+    for (size_t k = 0; k < ramNodes_.size(); ++k) {
+      auto& [first, end] = ramLayers_[k];
+      first = static_cast<int>(layerBytes_.size());
+      for (const auto& w : plan_.workers) {
+        if (w.node != ramNodes_[k] || w.endLayer <= w.firstLayer) continue;
+        first = std::min(first, w.firstLayer);
+        end = std::max(end, w.endLayer);
+      }
+    }
   }
+}
+
+// Whether every layer of the peer-RAM version can still be restored: some node that held it
+// in the version's plan has a live holder of its shard (the rule of the runtime's rollback
+// target, runtime/peer_versions.cc: a shard whose every holder died is lost, but the same
+// layer's shard from another pipeline's node may still be there).
+bool SinewRun::ramVersionRestorable() const {
+  if (ramCount_ <= 0) return false;
+  const checkpoint::ReplicaPlacement placement(ramNodes_, c_.replication);
+  std::vector<bool> covered(layerBytes_.size(), false);
+  for (size_t k = 0; k < ramNodes_.size(); ++k) {
+    const auto& holders = placement.holders(ramNodes_[k]);
+    if (std::all_of(holders.begin(), holders.end(), [&](int h) { return ramDead_.count(h); })) {
+      continue;
+    }
+    for (int l = ramLayers_[k].first; l < ramLayers_[k].second; ++l)
+      covered[static_cast<size_t>(l)] = true;
+  }
+  return std::all_of(covered.begin(), covered.end(), [](bool c) { return c; });
 }
 
 void SinewRun::advance(double T) {
@@ -255,6 +286,7 @@ void SinewRun::fail() {
   ++r_.restarts;
   ramCount_ = 0;
   ramNodes_.clear();
+  ramLayers_.clear();
   ramDead_.clear();
   trained_ = false;
   lost_.clear();
@@ -323,8 +355,7 @@ void SinewRun::startRecovery() {
   phases_ = {{Cause::kDetection, c_.detection_s}};
   if (!orphan) {
     phases_.push_back({Cause::kReconfiguration, c_.epoch_s + copySeconds(next_, lost_)});
-  } else if (ramCount_ > 0 &&
-             checkpoint::ReplicaPlacement(ramNodes_, c_.replication).recoverable(ramDead_)) {
+  } else if (ramVersionRestorable()) {
     ledger_.undo(ledger_.committed() - ramCount_, Cause::kRollback);
     ++r_.rollbacks;
     phases_.push_back({Cause::kReconfiguration, c_.epoch_s});
