@@ -25,7 +25,8 @@ struct LayerCost {
   int64_t backward_ns = 0;
   // Parameter bytes; each device of a stage holds all of its stage's parameters.
   int64_t param_bytes = 0;
-  // Optimizer state bytes (e.g. 2 x param_bytes for Adam's two moments).
+  // Gradient and optimizer state bytes of the trained parameters (a measured profile: 3 x
+  // param_bytes for Adam and AdamW, the gradient and two moments; SGD without momentum 1 x).
   int64_t optimizer_bytes = 0;
   // Bytes kept from the forward until the backward of one microbatch (per in-flight
   // microbatch). A stage on d devices splits each microbatch, so each device keeps 1/d.
@@ -40,6 +41,15 @@ struct LayerCost {
   // stage needs the largest of its layers' workspaces once, not their sum.
   int64_t workspace_bytes = 0;
 };
+
+// The bytes a copy of layer c moves to a worker that takes it over: its parameters and their
+// optimizer state, not the gradient optimizer_bytes also counts (a step makes it anew). The
+// gradient is taken to be param_bytes where optimizer_bytes holds that much (every parameter
+// trained); a layer with less (frozen parameters) is taken to have no optimizer state.
+inline int64_t copyBytes(const LayerCost& c) {
+  return c.param_bytes +
+         (c.optimizer_bytes > c.param_bytes ? c.optimizer_bytes - c.param_bytes : 0);
+}
 
 // In-node gradient allreduce among the d devices of a stage: a ring allreduce of each layer's
 // gradient (param_bytes), taking 2(d-1) latency_ns + ceil(2(d-1)/d * param_bytes * 8 /

@@ -47,7 +47,7 @@ std::pair<int64_t, bool> JobState::layerMoves(const pipeline::Plan& next) const 
         rollback = true;  // No live copy: every member restores an older version.
         continue;
       }
-      bytes += profile_.layers[l].param_bytes + profile_.layers[l].optimizer_bytes;
+      bytes += pipeline::copyBytes(profile_.layers[l]);
     }
   }
   return {bytes, rollback};

@@ -7,6 +7,7 @@
 #include <limits>
 #include <map>
 #include <set>
+#include <tuple>
 
 #include "sinew/base/error.h"
 #include "sinew/checkpoint/placement.h"
@@ -58,8 +59,7 @@ class SinewRun {
     to.global_microbatches = job.global_microbatches;
     to.max_nodes = std::max(start.initial_nodes, start.peak_nodes);
     templates_ = pipeline::planTemplates(job.profile, to);
-    for (const auto& l : job.profile.layers)
-      layerBytes_.push_back(l.param_bytes + l.optimizer_bytes);
+    for (const auto& l : job.profile.layers) layerBytes_.push_back(pipeline::copyBytes(l));
   }
 
   int minNodes() const { return templates_.min_nodes; }
@@ -184,8 +184,8 @@ class SinewRun {
   bool joining_ = false;                          // the recovery is a join
   double joinAt_ = -1;                            // a join at this step boundary
   int64_t ramCount_ = 0;       // the peer-RAM version (committed steps it holds); 0: none
-  std::vector<int> ramNodes_;  // in placement order: pipeline, then stage
-  std::vector<std::pair<int, int>> ramLayers_;  // the layers [first, end) each of them held
+  std::vector<int> ramNodes_;  // the version's nodes that held layers
+  std::vector<pipeline::WorkerAssignment> ramWorkers_;  // its workers, in placement order
   std::set<int> ramDead_;
 };
 
@@ -199,36 +199,45 @@ void SinewRun::noteVersions() {
     ramCount_ = count;
     ramNodes_ = busyNodes(plan_);
     ramDead_.clear();
-    ramLayers_.assign(ramNodes_.size(), {0, 0});
-    for (size_t k = 0; k < ramNodes_.size(); ++k) {
-      auto& [first, end] = ramLayers_[k];
-      first = static_cast<int>(layerBytes_.size());
-      for (const auto& w : plan_.workers) {
-        if (w.node != ramNodes_[k] || w.endLayer <= w.firstLayer) continue;
-        first = std::min(first, w.firstLayer);
-        end = std::max(end, w.endLayer);
-      }
+    // The runtime's placement order: the workers that hold layers, by pipeline, stage, worker
+    // (runtime/peer_versions.cc), so that a group holds different layers.
+    ramWorkers_.clear();
+    for (const auto& w : plan_.workers) {
+      if (w.endLayer > w.firstLayer) ramWorkers_.push_back(w);
     }
+    std::sort(ramWorkers_.begin(), ramWorkers_.end(), [](const auto& a, const auto& b) {
+      return std::tie(a.pipeline, a.stage, a.worker) < std::tie(b.pipeline, b.stage, b.worker);
+    });
   }
 }
 
-// Whether every layer of the peer-RAM version can still be restored: some node that held it
-// in the version's plan has a live holder of its shard (the rule of the runtime's rollback
-// target, runtime/peer_versions.cc: a shard whose every holder died is lost, but the same
-// layer's shard from another pipeline's node may still be there).
+// Whether every layer of the peer-RAM version can still be restored: some worker that held it
+// in the version's plan has a holder of its shard, in Gemini's placement over those workers,
+// on a node not lost since (the rule of the runtime's rollback target, runtime/peer_versions.cc:
+// a shard whose every holder died does not matter while another pipeline's shard of the same
+// layer survives). Layers without state need nothing.
 bool SinewRun::ramVersionRestorable() const {
   if (ramCount_ <= 0) return false;
-  const checkpoint::ReplicaPlacement placement(ramNodes_, c_.replication);
+  std::vector<int> order;
+  std::map<int, int> nodeOf;
+  for (const auto& w : ramWorkers_) {
+    order.push_back(w.worker);
+    nodeOf[w.worker] = w.node;
+  }
+  const checkpoint::ReplicaPlacement placement(order, c_.replication);
   std::vector<bool> covered(layerBytes_.size(), false);
-  for (size_t k = 0; k < ramNodes_.size(); ++k) {
-    const auto& holders = placement.holders(ramNodes_[k]);
-    if (std::all_of(holders.begin(), holders.end(), [&](int h) { return ramDead_.count(h); })) {
+  for (const auto& w : ramWorkers_) {
+    const auto& holders = placement.holders(w.worker);
+    if (std::none_of(holders.begin(), holders.end(),
+                     [&](int h) { return ramDead_.count(nodeOf.at(h)) == 0; })) {
       continue;
     }
-    for (int l = ramLayers_[k].first; l < ramLayers_[k].second; ++l)
-      covered[static_cast<size_t>(l)] = true;
+    for (int l = w.firstLayer; l < w.endLayer; ++l) covered[static_cast<size_t>(l)] = true;
   }
-  return std::all_of(covered.begin(), covered.end(), [](bool c) { return c; });
+  for (size_t l = 0; l < covered.size(); ++l) {
+    if (!covered[l] && layerBytes_[l] > 0) return false;
+  }
+  return true;
 }
 
 void SinewRun::advance(double T) {
@@ -286,7 +295,7 @@ void SinewRun::fail() {
   ++r_.restarts;
   ramCount_ = 0;
   ramNodes_.clear();
-  ramLayers_.clear();
+  ramWorkers_.clear();
   ramDead_.clear();
   trained_ = false;
   lost_.clear();

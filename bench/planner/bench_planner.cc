@@ -184,7 +184,7 @@ LossTimes timeLoss(const TemplateSet& set, const Profile& p, int N, int G, int f
     for (int l = w->firstLayer; l < w->endLayer; ++l) live[l].push_back(w->worker);
   }
   std::vector<int64_t> bytes(L);
-  for (int l = 0; l < L; ++l) bytes[l] = p.layers[l].param_bytes + p.layers[l].optimizer_bytes;
+  for (int l = 0; l < L; ++l) bytes[l] = sinew::pipeline::copyBytes(p.layers[l]);
   t0 = std::chrono::steady_clock::now();
   t.copies = sinew::pipeline::liveLayerCopies(r.plan, live, bytes).size();
   t.copiesMs = msSince(t0);

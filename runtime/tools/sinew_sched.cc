@@ -6,6 +6,7 @@
 //
 //   sinew-sched --jobs LIST.json --slots N [--policy marginal|static] --log-dir DIR
 //               [--sinew-run PATH] [--tick-ms T] [--realloc-s R] [--timeout-s S]
+//               [--stop-grace-s G]
 //
 // Policies: `static` gives each running job an equal share of the slots (within its limits);
 // `marginal` (after AFS, Hwang et al., NSDI '21) starts every job at its minimum and hands out
@@ -19,7 +20,13 @@
 // started and ended, its exit status, its resizes and the max_param_rel_diff of its RESULT lines
 // (the programs' comparison with their single-process reference). The last line printed is
 //   SCHED policy=<p> jobs=<n> finished=<k> exact=<e> mean_jct_s=<x> makespan_s=<y>
-// Exit status: 0 when every job finished, 1 otherwise, 2 for bad arguments or a bad job list.
+// Exit status: 0 when every job finished, 1 otherwise, 2 for bad arguments or a bad job list,
+// 75 when stopped by SIGINT or SIGTERM. The first such signal is forwarded to every running
+// job's sinew-run as SIGTERM (its workers leave at the next step boundary, the last step
+// durable where the job checkpoints; sinew-run exits 75), no job starts after it, and
+// sinew-sched writes the report once they have ended; a second one (or --stop-grace-s without
+// the jobs stopping) is forwarded too, and sinew-run then kills its workers at once. Each job
+// runs in a process group of its own: a terminal's Ctrl-C reaches sinew-sched alone.
 
 #include <signal.h>
 #include <sys/stat.h>
@@ -30,6 +37,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -79,6 +87,14 @@ struct Job {
   int exitStatus = -1;
   json resizes = json::array();
 };
+
+// SIGINT and SIGTERM: counted here, acted on by the main loop (only async-signal-safe code).
+volatile std::sig_atomic_t gStopSignals = 0;
+volatile std::sig_atomic_t gStopSignal = 0;
+void onStopSignal(int sig) {
+  gStopSignal = sig;
+  gStopSignals = gStopSignals + 1;
+}
 
 [[noreturn]] void fail(int code, const std::string& why) {
   std::fprintf(stderr, "sinew-sched: %s\n", why.c_str());
@@ -140,21 +156,26 @@ class Scheduler {
                      [](const Job& a, const Job& b) { return a.spec.arrival < b.spec.arrival; });
   }
 
+  void setStopGrace(double seconds) { stopGraceS_ = seconds; }
+
   int run(std::chrono::milliseconds tick, double timeoutS, double reallocS) {
     start_ = Clock::now();
     bool changed = true;
     double lastAllocation = 0;
     while (true) {
       const double now = elapsed();
-      if (now > timeoutS) {
-        log("timed out after " + std::to_string(timeoutS) + " s; killing the jobs left");
-        for (Job& j : jobs_) {
-          if (j.state == Job::State::kRunning) ::kill(j.pid, SIGKILL);  // Our child, by PID.
-        }
-        reapAll();
-        break;
+      if (now > timeoutS && !timedOut_) {
+        timedOut_ = true;
+        log("timed out after " + std::to_string(timeoutS) + " s; ending the jobs left");
       }
       changed = reap() || changed;
+      if (stopping()) {
+        bool running = false;
+        for (const Job& j : jobs_) running = running || j.state == Job::State::kRunning;
+        if (!running) break;
+        std::this_thread::sleep_for(tick);
+        continue;
+      }
       for (Job& j : jobs_) {
         if (j.state == Job::State::kWaiting && j.spec.arrival <= now && !j.admitted) {
           j.admitted = true;
@@ -177,7 +198,8 @@ class Scheduler {
       if (!left) break;
       std::this_thread::sleep_for(tick);
     }
-    return report();
+    const int status = report();
+    return stopSignals_ > 0 ? 75 : status;
   }
 
  private:
@@ -185,6 +207,45 @@ class Scheduler {
   void log(const std::string& s) const {
     std::printf("[%7.2f] %s\n", elapsed(), s.c_str());
     std::fflush(stdout);
+  }
+
+  // Ending the jobs, one step per call (every tick) and never a SIGKILL of a sinew-run alone,
+  // which would leave its workers training: a first SIGTERM to each running job's sinew-run
+  // (the job stops at its next step boundary, sinew-run exits 75); a second one, at a second
+  // SIGINT or SIGTERM, after --stop-grace-s, or at once after --timeout-s (sinew-run kills its
+  // workers); 30 s later, SIGKILL to what is left of each job's process group. True once the
+  // jobs are being ended: nothing starts or moves after that.
+  bool stopping() {
+    const double now = elapsed();
+    const int signals = gStopSignals;
+    std::string why;
+    if (stopLevel_ < 2 && stopSignals_ < signals) {
+      ++stopSignals_;
+      why = std::string("got ") + (gStopSignal == SIGINT ? "SIGINT" : "SIGTERM") +
+            (stopLevel_ == 0 ? ": stopping every running job at its next step boundary "
+                               "(SIGTERM to its sinew-run); no job starts now"
+                             : " again: each sinew-run kills its workers");
+    } else if (stopLevel_ == 0 && timedOut_) {
+      why = "SIGTERM to every running job's sinew-run";
+    } else if (stopLevel_ == 1 && now - stopAt_ > (timedOut_ ? 0.2 : stopGraceS_)) {
+      why = timedOut_ ? "a second SIGTERM: each sinew-run kills its workers"
+                      : "the jobs did not stop within --stop-grace-s: a second SIGTERM, each "
+                        "sinew-run kills its workers";
+    } else if (stopLevel_ == 2 && now - stopAt_ > 30) {
+      why = "jobs left 30 s after the second SIGTERM: SIGKILL to their process groups";
+    }
+    if (!why.empty()) {
+      log(why);
+      ++stopLevel_;
+      stopAt_ = now;
+      for (const Job& j : jobs_) {
+        if (j.state != Job::State::kRunning) continue;
+        // Our children, by PID; each leads a process group of its own (launch()).
+        if (stopLevel_ <= 2) ::kill(j.pid, SIGTERM);
+        if (stopLevel_ == 3) ::kill(-j.pid, SIGKILL);
+      }
+    }
+    return stopLevel_ > 0;
   }
 
   // Workers the job holds slots for: its target, or more while released workers still run.
@@ -225,17 +286,6 @@ class Scheduler {
     }
     return any;
   }
-  void reapAll() {
-    for (Job& j : jobs_) {
-      if (j.state != Job::State::kRunning) continue;
-      int st = 0;
-      ::waitpid(j.pid, &st, 0);
-      j.state = Job::State::kDone;
-      j.ended = elapsed();
-      j.exitStatus = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-    }
-  }
-
   std::optional<json> get(Job& j, const std::string& path) {
     if (!j.api) {
       std::ifstream in(j.logDir + "/coordinator.json");
@@ -359,6 +409,7 @@ class Scheduler {
 
   // Moves each job towards its allocation: shrinks at once, grows and starts as slots free up.
   void apply() {
+    if (gStopSignals != 0) return;  // stopping() acts on it at the next tick
     for (Job& j : jobs_) {
       if (j.state == Job::State::kRunning && j.want < j.target && j.want > 0) resize(j, j.want);
     }
@@ -423,15 +474,29 @@ class Scheduler {
     argv.push_back(nullptr);
     std::FILE* out = std::fopen(j.logFile.c_str(), "w");
     if (out == nullptr) fail(1, "cannot write " + j.logFile);
+    // The child leads a process group of its own, so that a terminal's Ctrl-C reaches this
+    // scheduler only (which stops the jobs at a step boundary) and a last SIGKILL reaches
+    // sinew-run with its workers; our stop signals are held until it has the default ones.
+    sigset_t stops, before;
+    sigemptyset(&stops);
+    sigaddset(&stops, SIGINT);
+    sigaddset(&stops, SIGTERM);
+    ::sigprocmask(SIG_BLOCK, &stops, &before);
     const pid_t pid = ::fork();
     if (pid < 0) fail(1, "fork failed");
     if (pid == 0) {
+      ::setpgid(0, 0);
+      ::signal(SIGINT, SIG_DFL);
+      ::signal(SIGTERM, SIG_DFL);
+      ::sigprocmask(SIG_SETMASK, &before, nullptr);
       ::dup2(::fileno(out), 1);
       ::dup2(::fileno(out), 2);
       ::execvp(argv[0], argv.data());
       std::perror("sinew-sched: exec");
       _exit(127);
     }
+    ::setpgid(pid, pid);  // also here: whichever runs first
+    ::sigprocmask(SIG_SETMASK, &before, nullptr);
     std::fclose(out);
     j.pid = pid;
     j.state = Job::State::kRunning;
@@ -504,6 +569,11 @@ class Scheduler {
   }
 
   int slots_;
+  int stopSignals_ = 0;  // SIGINTs and SIGTERMs acted on
+  int stopLevel_ = 0;    // stopping(): signals sent to the jobs (3: SIGKILL)
+  double stopAt_ = 0;    // when the last of them was sent
+  bool timedOut_ = false;
+  double stopGraceS_ = 120;
   sinew::sim::AllocationPolicy policy_;
   std::string dir_, sinewRun_;
   std::vector<Job> jobs_;
@@ -516,7 +586,7 @@ int main(int argc, char** argv) {
   CLI::App app("A reference elastic scheduler over Sinew jobs (docs/scheduler.md).", "sinew-sched");
   std::string jobsPath, policy = "marginal", dir, sinewRun;
   int slots = 0, tickMs = 250;
-  double timeoutS = 3600, reallocS = 5;
+  double timeoutS = 3600, reallocS = 5, stopGraceS = 120;
   app.add_option("--jobs", jobsPath, "the job list (JSON)")->required();
   app.add_option("--slots", slots, "worker slots in the pool")
       ->required()
@@ -530,6 +600,10 @@ int main(int argc, char** argv) {
   app.add_option("--realloc-s", reallocS,
                  "reallocate at least this often, with the jobs' newest curves (default 5)")
       ->check(CLI::Range(0.1, 1e6));
+  app.add_option("--stop-grace-s", stopGraceS,
+                 "after a SIGINT or SIGTERM, how long the jobs have to stop at a step boundary "
+                 "before their workers are killed (default 120)")
+      ->check(CLI::Range(0.0, 1e6));
   app.add_option("--timeout-s", timeoutS, "kill what still runs after this long (default 3600)")
       ->check(CLI::Range(1.0, 1e6));
   try {
@@ -553,5 +627,14 @@ int main(int argc, char** argv) {
   if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) fail(2, "cannot create " + dir);
   Scheduler sched(std::move(specs), slots, sinew::sim::parseAllocationPolicy(policy), dir,
                   sinewRun);
+  struct sigaction sa {};
+  sa.sa_handler = onStopSignal;
+  sa.sa_flags = SA_RESTART;
+  sigemptyset(&sa.sa_mask);
+  sigaddset(&sa.sa_mask, SIGINT);
+  sigaddset(&sa.sa_mask, SIGTERM);
+  ::sigaction(SIGINT, &sa, nullptr);
+  ::sigaction(SIGTERM, &sa, nullptr);
+  sched.setStopGrace(stopGraceS);
   return sched.run(std::chrono::milliseconds(tickMs), timeoutS, reallocS);
 }

@@ -1097,6 +1097,58 @@ TEST(ControlJobTest, SinewSchedRunsThreeJobsThroughALossEachEqualToItsReference)
   EXPECT_LT(byName.at("a")["resizes"][0]["to"].get<int>(), 4);
 }
 
+// SIGINT to sinew-sched stops the pool as sinew-run stops a job: every running job gets
+// SIGTERM at its sinew-run and stops at its next step boundary (the last step durable), no
+// waiting job starts in the slots that frees, and sinew-sched writes its report and exits 75.
+// Before, SIGINT killed sinew-sched alone: no report, and the jobs trained on, orphaned.
+TEST(ControlJobTest, SinewSchedStopsItsJobsOnSigint) {
+  const std::string dir = logDir("sched-sigint");
+  std::filesystem::remove_all(dir);
+  const std::string list = dir + "-jobs.json";
+  std::ofstream(list) << json{{"jobs",
+                               {{{"name", "a"},
+                                 {"command",
+                                  {TRAIN_DP_PATH, "--steps", "3000", "--float32",
+                                   "--checkpoint-dir", dir + "/ckpt-a", "--checkpoint-every", "5"}},
+                                 {"min_workers", 1},
+                                 {"max_workers", 3},
+                                 {"inject", "slow:worker=*:ms=20"}},
+                                {{"name", "b"},
+                                 {"command", {TRAIN_DP_PATH, "--steps", "100"}},
+                                 {"min_workers", 3},
+                                 {"max_workers", 3}}}}}
+                             .dump();
+  Child sched = start(
+      {SINEW_SCHED_PATH, "--jobs", list, "--slots", "3", "--log-dir", dir, "--timeout-s", "300"},
+      {});
+  Api api = waitForApi(dir + "/a");
+  api.waitFor([](const json& s) { return stepOf(s) >= 10; }, "step 10");
+  ASSERT_EQ(::kill(sched.pid, SIGINT), 0);
+  JobRun r = finish(sched, 120s);
+  SCOPED_TRACE(r.output);
+  EXPECT_FALSE(r.timedOut);
+  EXPECT_EQ(r.exitCode, 75);
+  EXPECT_NE(r.output.find("got SIGINT: stopping every running job at its next step boundary"),
+            std::string::npos);
+  EXPECT_NE(r.output.find("SCHED policy=marginal jobs=2 finished=0"), std::string::npos);
+  const json report = json::parse(slurp(dir + "/report.json"));
+  ASSERT_EQ(report["jobs"].size(), 2u) << report.dump();
+  for (const json& j : report["jobs"]) {
+    if (j["name"] == "a") {
+      EXPECT_EQ(j["exit"], 75) << j.dump();  // sinew-run: stopped, resumable
+    } else {
+      EXPECT_EQ(j["started_s"], -1) << "b started after the stop: " << j.dump();
+    }
+  }
+  const std::string aLog = slurp(dir + "/a.log");
+  EXPECT_NE(aLog.find("sinew-run: job stopped (every worker preempted or stopped)"),
+            std::string::npos)
+      << aLog;
+  std::error_code ec;
+  EXPECT_FALSE(std::filesystem::is_empty(dir + "/ckpt-a", ec)) << "no durable checkpoint";
+  EXPECT_FALSE(ec) << ec.message();
+}
+
 // Limits given at launch (sinew-run --limits) hold against a scheduler's resize, sinewctl
 // shows and changes them, and a resize inside the new limits goes ahead.
 TEST(ControlJobTest, LimitsGivenAtLaunchRefuseAResizeUntilChanged) {
@@ -1357,6 +1409,92 @@ TEST(ControlJobTest, PipelineScalingFromTemplates) {
   EXPECT_FALSE(run.timedOut);
   EXPECT_EQ(run.exitCode, 75) << run.output;
 }
+
+// A pipeline job's resize is priced from its plans: the bytes /v1/scaling predicts for a shrink
+// and for a grow (the layers the new plan gives workers that do not hold them, at the profile's
+// parameter and optimizer bytes) are the bytes the workers took in, as the reconfigured event
+// reports them; the second shrink's pause is predicted from the first, and its measured pause
+// is within 0.5 s or 2x of that (five processes share this machine's 2 cores).
+TEST(ControlJobTest, PipelineResizesMoveTheBytesTheirPlansPredict) {
+  const std::string dir = logDir("control-pp-cost");
+  Child job =
+      start({SINEW_RUN_PATH, "-n", "5", "--max-workers", "5", "--log-dir", dir, "--quiet",
+             TRAIN_PP_PATH, "--devices-per-node", "1", "--steps", "100000", "--no-reference"},
+            {});
+  Api api = waitForApi(dir);
+  api.waitFor([](const json& s) { return stepOf(s) >= 12 && s["plan"].contains("pipelines"); },
+              "12 pipeline steps");
+  int64_t seq = json::parse(api.get("/v1/events?after=-1&limit=1000").body)["next"].get<int64_t>();
+  auto reconfiguredTo = [&](int workers) {
+    const auto deadline = Clock::now() + 120s;
+    while (Clock::now() < deadline) {
+      Http h = api.get("/v1/events?after=" + std::to_string(seq) + "&wait_s=10");
+      EXPECT_EQ(h.status, 200) << h.body;
+      json j = json::parse(h.body, nullptr, false);
+      if (j.is_discarded()) break;
+      for (const json& e : j["events"]) {
+        seq = e["seq"].get<int64_t>();
+        if (e["event"] == "reconfigured" && e["to_workers"] == workers) return e;
+      }
+    }
+    ADD_FAILURE() << "no reconfigured event to " << workers << " workers";
+    return json::object();
+  };
+  auto costAt = [&](int nodes) {
+    json sc = json::parse(api.get("/v1/scaling").body);
+    for (const json& p : sc["points"]) {
+      if (p["nodes"] == nodes) return p["cost"];
+    }
+    ADD_FAILURE() << "no point at " << nodes << " nodes: " << sc.dump();
+    return json::object();
+  };
+  auto resizeTo = [&](int nodes) {
+    const json predicted = costAt(nodes);
+    Http h = api.post("/v1/resize", json{{"nodes", nodes}}.dump());
+    EXPECT_EQ(h.status, 200) << h.body;
+    json measured = reconfiguredTo(nodes);
+    // Twelve steps at the new size before the next resize.
+    json s = api.waitFor([&](const json& s) { return s["members"].size() == size_t(nodes); },
+                         "the new size");
+    const int64_t from = stepOf(s);
+    api.waitFor([&](const json& s) { return stepOf(s) >= from + 12; }, "12 steps");
+    return std::make_pair(predicted, measured);
+  };
+  auto [shrinkCost, shrunk] = resizeTo(4);
+  SCOPED_TRACE("predicted " + shrinkCost.dump() + ", measured " + shrunk.dump());
+  EXPECT_EQ(shrunk["kind"], "shrink");
+  EXPECT_EQ(shrinkCost["rollback"], false);
+  ASSERT_TRUE(shrinkCost["bytes"].is_number());
+  EXPECT_GT(shrinkCost["bytes"].get<int64_t>(), 0)
+      << "a 3-stage pipeline re-laid on 2 moves layers";
+  EXPECT_EQ(shrunk["state_bytes_in"], shrinkCost["bytes"]);
+
+  auto [growCost, grown] = resizeTo(5);
+  SCOPED_TRACE("predicted " + growCost.dump() + ", measured " + grown.dump());
+  EXPECT_EQ(grown["kind"], "grow");
+  ASSERT_TRUE(growCost["bytes"].is_number());
+  EXPECT_EQ(grown["state_bytes_in"], growCost["bytes"]);
+
+  auto [again, measured] = resizeTo(4);
+  SCOPED_TRACE("predicted " + again.dump() + ", measured " + measured.dump());
+  EXPECT_EQ(again["basis"], "measured shrink (1)");
+  ASSERT_TRUE(again["pause_s"].is_number());
+  EXPECT_NEAR(again["pause_s"].get<double>(), shrunk["pause_s"].get<double>(), 1e-9);
+  EXPECT_EQ(measured["state_bytes_in"], again["bytes"]);
+  const double took = measured["pause_s"].get<double>(), pause = again["pause_s"].get<double>();
+  EXPECT_TRUE(std::abs(took - pause) <= 0.5 || (took <= 2 * pause && took >= pause / 2))
+      << "measured " << took << " s, predicted " << pause << " s";
+  std::fprintf(stderr,
+               "pipeline resizes: shrink %s B in %.3f s, grow %s B in %.3f s, shrink %.3f s "
+               "(predicted %.3f s)\n",
+               shrunk["state_bytes_in"].dump().c_str(), shrunk["pause_s"].get<double>(),
+               grown["state_bytes_in"].dump().c_str(), grown["pause_s"].get<double>(), took, pause);
+
+  ASSERT_EQ(api.post("/v1/stop", "{}").status, 200);
+  JobRun stopped = finish(job, 120s);
+  EXPECT_EQ(stopped.exitCode, 75) << stopped.output;
+}
+
 #endif  // TRAIN_PP_PATH
 
 #endif  // CURL_PATH
