@@ -566,6 +566,26 @@ bool closedWithin(int fd, std::chrono::milliseconds within, std::string* got = n
 
 int64_t stepOf(const json& s) { return s.value("step", int64_t(-1)); }
 
+// Long polls the job's events after *seq until a "reconfigured" event reaches `workers`;
+// checks that every event comes after the last one seen, and returns it.
+json nextReconfigured(const Api& api, int64_t* seq, int workers) {
+  const auto deadline = Clock::now() + 120s;
+  while (Clock::now() < deadline) {
+    Http h = api.get("/v1/events?after=" + std::to_string(*seq) + "&wait_s=10");
+    EXPECT_EQ(h.status, 200) << h.body;
+    json j = json::parse(h.body, nullptr, false);
+    if (j.is_discarded()) break;
+    for (const json& e : j["events"]) {
+      EXPECT_GT(e["seq"].get<int64_t>(), *seq) << "an event out of order: " << e.dump();
+      *seq = e["seq"].get<int64_t>();
+      if (e["event"] == "reconfigured" && e["to_workers"] == workers) return e;
+    }
+    EXPECT_EQ(j["next"].get<int64_t>(), *seq);
+  }
+  ADD_FAILURE() << "no reconfigured event to " << workers << " workers";
+  return json::object();
+}
+
 // Every endpoint over HTTP against a running job, and every kind of bad client: the job keeps
 // training through them and stops cleanly at the end.
 TEST(ControlJobTest, EveryEndpointAndBadClients) {
@@ -948,25 +968,7 @@ TEST(ControlJobTest, ResizesEndInReconfiguredEventsPricedAsPredicted) {
   Api api = waitForApi(dir);
   api.waitFor([](const json& s) { return stepOf(s) >= 20; }, "step 20");
   int64_t seq = -1;
-  // Long polls until a "reconfigured" event reaches `workers`; checks that every event comes
-  // after the last one seen, and returns it.
-  auto reconfiguredTo = [&](int workers) {
-    const auto deadline = Clock::now() + 120s;
-    while (Clock::now() < deadline) {
-      Http h = api.get("/v1/events?after=" + std::to_string(seq) + "&wait_s=10");
-      EXPECT_EQ(h.status, 200) << h.body;
-      json j = json::parse(h.body, nullptr, false);
-      if (j.is_discarded()) break;
-      for (const json& e : j["events"]) {
-        EXPECT_GT(e["seq"].get<int64_t>(), seq) << "an event out of order: " << e.dump();
-        seq = e["seq"].get<int64_t>();
-        if (e["event"] == "reconfigured" && e["to_workers"] == workers) return e;
-      }
-      EXPECT_EQ(j["next"].get<int64_t>(), seq);
-    }
-    ADD_FAILURE() << "no reconfigured event to " << workers << " workers";
-    return json::object();
-  };
+  auto reconfiguredTo = [&](int workers) { return nextReconfigured(api, &seq, workers); };
   auto resize = [&](int nodes) {
     Http h = api.post("/v1/resize", json{{"nodes", nodes}}.dump());
     ASSERT_EQ(h.status, 200) << h.body;
@@ -1425,21 +1427,7 @@ TEST(ControlJobTest, PipelineResizesMoveTheBytesTheirPlansPredict) {
   api.waitFor([](const json& s) { return stepOf(s) >= 12 && s["plan"].contains("pipelines"); },
               "12 pipeline steps");
   int64_t seq = json::parse(api.get("/v1/events?after=-1&limit=1000").body)["next"].get<int64_t>();
-  auto reconfiguredTo = [&](int workers) {
-    const auto deadline = Clock::now() + 120s;
-    while (Clock::now() < deadline) {
-      Http h = api.get("/v1/events?after=" + std::to_string(seq) + "&wait_s=10");
-      EXPECT_EQ(h.status, 200) << h.body;
-      json j = json::parse(h.body, nullptr, false);
-      if (j.is_discarded()) break;
-      for (const json& e : j["events"]) {
-        seq = e["seq"].get<int64_t>();
-        if (e["event"] == "reconfigured" && e["to_workers"] == workers) return e;
-      }
-    }
-    ADD_FAILURE() << "no reconfigured event to " << workers << " workers";
-    return json::object();
-  };
+  auto reconfiguredTo = [&](int workers) { return nextReconfigured(api, &seq, workers); };
   auto costAt = [&](int nodes) {
     json sc = json::parse(api.get("/v1/scaling").body);
     for (const json& p : sc["points"]) {

@@ -217,9 +217,9 @@ SinewJobModel smallJob() {
   return job;
 }
 
-// The trace names of the nodes holding layer 0 when 4 nodes start (the simulator numbers
-// node1..node4 as 0..3 and plans them as the planner does).
-std::vector<std::string> layerZeroHolders(const SinewJobModel& job) {
+// The plan of 4 nodes, as the simulator makes it when node1..node4 start (it numbers them 0..3
+// and plans them as the planner does).
+pipeline::Plan fourNodePlan(const SinewJobModel& job) {
   pipeline::TemplateOptions to;
   to.nodes = 4;
   to.fault_tolerance = 1;
@@ -228,7 +228,12 @@ std::vector<std::string> layerZeroHolders(const SinewJobModel& job) {
   pipeline::PlanOptions po;
   po.fault_tolerance = 1;
   po.global_microbatches = 12;
-  const pipeline::Plan plan = pipeline::makePlan(templates, {0, 1, 2, 3}, po);
+  return pipeline::makePlan(templates, {0, 1, 2, 3}, po);
+}
+
+// The trace names of the nodes holding layer 0 when 4 nodes start.
+std::vector<std::string> layerZeroHolders(const SinewJobModel& job) {
+  const pipeline::Plan plan = fourNodePlan(job);
   EXPECT_EQ(plan.pipelines.size(), 2u);
   std::vector<std::string> names;
   for (const auto& w : plan.workers) {
@@ -276,15 +281,7 @@ TEST(SinewModelTest, LosingEveryHolderOfALayerRollsBackToPeerRam) {
 
 // The trace names of the nodes of the 4-node plan, by pipeline then stage.
 std::vector<std::vector<std::string>> nodesByPipeline(const SinewJobModel& job) {
-  pipeline::TemplateOptions to;
-  to.nodes = 4;
-  to.fault_tolerance = 1;
-  to.global_microbatches = 12;
-  const auto templates = pipeline::planTemplates(job.profile, to);
-  pipeline::PlanOptions po;
-  po.fault_tolerance = 1;
-  po.global_microbatches = 12;
-  const pipeline::Plan plan = pipeline::makePlan(templates, {0, 1, 2, 3}, po);
+  const pipeline::Plan plan = fourNodePlan(job);
   std::vector<std::vector<std::string>> names;
   for (const auto& p : plan.pipelines) {
     names.emplace_back();
