@@ -28,8 +28,54 @@ double rateOfFinishing(const AllocationJob& j, int n) {
 
 }  // namespace
 
+namespace {
+
+// The current sizes, where min_gain may keep them: every admitted job running within its
+// limits, and the pool full or every job at its maximum. Empty otherwise.
+std::vector<int> keepable(const std::vector<AllocationJob>& jobs, const std::vector<int>& want,
+                          int slots) {
+  std::vector<int> keep(jobs.size(), 0);
+  int used = 0;
+  bool allAtMax = true;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    if (want[i] <= 0) continue;
+    const AllocationJob& j = jobs[i];
+    if (!j.running || j.current < j.min_workers || j.current > j.max_workers) return {};
+    keep[i] = j.current;
+    used += j.current;
+    allAtMax = allAtMax && j.current == j.max_workers;
+  }
+  if (used > slots || (used < slots && !allAtMax)) return {};
+  return keep;
+}
+
+double summedRate(const std::vector<AllocationJob>& jobs, const std::vector<int>& sizes) {
+  double sum = 0;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    if (sizes[i] > 0) sum += rateOfFinishing(jobs[i], sizes[i]);
+  }
+  return sum;
+}
+
+std::vector<int> allocateOnce(const std::vector<AllocationJob>& jobs, int slots,
+                              AllocationPolicy policy);
+
+}  // namespace
+
 std::vector<int> allocate(const std::vector<AllocationJob>& jobs, int slots,
-                          AllocationPolicy policy) {
+                          AllocationPolicy policy, double min_gain) {
+  std::vector<int> want = allocateOnce(jobs, slots, policy);
+  if (policy != AllocationPolicy::kMarginal || !(min_gain > 0) || want.empty()) return want;
+  const std::vector<int> keep = keepable(jobs, want, slots);
+  if (keep.empty() || keep == want) return want;
+  const double now = summedRate(jobs, keep);
+  return summedRate(jobs, want) > now * (1 + min_gain) ? want : keep;
+}
+
+namespace {
+
+std::vector<int> allocateOnce(const std::vector<AllocationJob>& jobs, int slots,
+                              AllocationPolicy policy) {
   std::vector<int> want(jobs.size(), 0);
   std::vector<size_t> active;
   int left = slots;
@@ -100,6 +146,8 @@ std::vector<int> allocate(const std::vector<AllocationJob>& jobs, int slots,
   }
   return want;
 }
+
+}  // namespace
 
 }  // namespace sim
 }  // namespace sinew

@@ -38,6 +38,8 @@ struct AllocationJob {
   // size cannot tell a job that scales from one that does not), then the rest on the
   // predictions alone. <= 0: no such bound.
   int known_up_to = 0;
+  // The workers a running job has now (0: none, or not running).
+  int current = 0;
   // Seconds to finish at n workers, including the pause of getting there; +inf where the job
   // cannot run at n. Called for n in [min_workers, max_workers]; used by the marginal policy.
   std::function<double(int)> time_to_finish;
@@ -45,8 +47,14 @@ struct AllocationJob {
 
 // Workers for each job, in the jobs' order (0: not admitted). The sum stays within `slots`
 // except where running jobs' minimums alone exceed it (after losses: they keep them).
+//
+// min_gain (marginal only): where every admitted job is running, within its limits, and their
+// current sizes use every slot or each job's maximum, the current sizes are kept unless the
+// new allocation raises the jobs' summed rate of finishing (sum of 1 / time to finish) by more
+// than this share. Every resize is a pause, and curves measured on a busy machine move by a
+// few percent between reallocations: without it, a job is moved back and forth on noise.
 std::vector<int> allocate(const std::vector<AllocationJob>& jobs, int slots,
-                          AllocationPolicy policy);
+                          AllocationPolicy policy, double min_gain = 0);
 
 }  // namespace sim
 }  // namespace sinew

@@ -118,6 +118,7 @@ ClusterResult simulateCluster(const std::vector<ClusterJob>& jobs, const Cluster
         a.min_workers = r.spec->min_nodes;
         a.max_workers = r.spec->max_nodes;
         a.running = r.started;
+        a.current = r.started ? r.size : 0;
         const Run* rp = &r;
         const double t = now;
         a.time_to_finish = [rp, t, &costs](int n) {
@@ -134,7 +135,7 @@ ClusterResult simulateCluster(const std::vector<ClusterJob>& jobs, const Cluster
         active.push_back(i);
         view.push_back(std::move(a));
       }
-      const std::vector<int> want = allocate(view, options.nodes, options.policy);
+      const std::vector<int> want = allocate(view, options.nodes, options.policy, options.min_gain);
       for (size_t k = 0; k < active.size(); ++k) {
         Run& r = runs[active[k]];
         if (want[k] <= 0 || want[k] == r.size) continue;

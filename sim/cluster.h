@@ -52,7 +52,8 @@ struct ClusterCosts {
 struct ClusterOptions {
   int nodes = 1;
   AllocationPolicy policy = AllocationPolicy::kMarginal;
-  double realloc_s = 5;  // reallocate at least this often (sinew-sched's --realloc-s)
+  double realloc_s = 5;    // reallocate at least this often (sinew-sched's --realloc-s)
+  double min_gain = 0.05;  // allocate()'s min_gain (sinew-sched's --min-gain)
 };
 
 struct ClusterJobResult {

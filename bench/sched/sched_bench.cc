@@ -6,9 +6,10 @@
 // reduction), of different lengths. Every job must finish
 // equal to its single-process reference (max_param_rel_diff <= 1e-5 on its RESULT lines).
 //
-//   sinew-bench-sched [--slots N] [--scale F] [--dir DIR]
+//   sinew-bench-sched [--slots N] [--scale F] [--dir DIR] [--min-gain M]
 //
-// --scale multiplies every job's steps (1 = the list below, about 85 s a policy here).
+// --scale multiplies every job's steps (1 = the list below, about 85 s a policy here);
+// --min-gain is sinew-sched's for the marginal run (default 0.05, as sinew-sched's).
 // Prints each policy's jobs and
 //   RESULT sched_mean_jct_vs_static=<marginal / static> sched_makespan_vs_static=<...>
 // (issue 42's goal: <= 0.85 for the mean job completion time).
@@ -37,8 +38,8 @@ struct Kind {
   std::string inject;
 };
 
-int runSched(const std::string& jobs, int slots, const std::string& policy,
-             const std::string& dir) {
+int runSched(const std::string& jobs, int slots, const std::string& policy, const std::string& dir,
+             const std::string& minGain) {
   const std::string slotsText = std::to_string(slots), out = dir + ".out";
   const pid_t pid = ::fork();
   if (pid == 0) {
@@ -49,7 +50,7 @@ int runSched(const std::string& jobs, int slots, const std::string& policy,
     }
     ::execl(SINEW_SCHED_PATH, SINEW_SCHED_PATH, "--jobs", jobs.c_str(), "--slots",
             slotsText.c_str(), "--policy", policy.c_str(), "--log-dir", dir.c_str(), "--timeout-s",
-            "1800", static_cast<char*>(nullptr));
+            "1800", "--min-gain", minGain.c_str(), static_cast<char*>(nullptr));
     _exit(127);
   }
   int st = 0;
@@ -62,6 +63,7 @@ int runSched(const std::string& jobs, int slots, const std::string& policy,
 int main(int argc, char** argv) {
   int slots = 6;
   double scale = 1;
+  std::string minGain = "0.05";
   std::string dir = "sinew-bench-sched-" + std::to_string(::getpid());
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
@@ -71,8 +73,11 @@ int main(int argc, char** argv) {
       scale = std::atof(argv[i + 1]);
     } else if (a == "--dir") {
       dir = argv[i + 1];
+    } else if (a == "--min-gain") {
+      minGain = argv[i + 1];
     } else {
-      std::fprintf(stderr, "usage: sinew-bench-sched [--slots N] [--scale F] [--dir DIR]\n");
+      std::fprintf(stderr,
+                   "usage: sinew-bench-sched [--slots N] [--scale F] [--dir DIR] [--min-gain M]\n");
       return 2;
     }
   }
@@ -112,7 +117,7 @@ int main(int argc, char** argv) {
   bool ok = true;
   for (const std::string policy : {"static", "marginal"}) {
     const std::string runDir = dir + "/" + policy;
-    const int rc = runSched(jobs, slots, policy, runDir);
+    const int rc = runSched(jobs, slots, policy, runDir, minGain);
     std::ifstream in(runDir + "/report.json");
     json r = json::parse(in, nullptr, false);
     if (rc != 0 || r.is_discarded()) {

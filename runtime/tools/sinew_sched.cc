@@ -6,7 +6,7 @@
 //
 //   sinew-sched --jobs LIST.json --slots N [--policy marginal|static] --log-dir DIR
 //               [--sinew-run PATH] [--tick-ms T] [--realloc-s R] [--timeout-s S]
-//               [--stop-grace-s G]
+//               [--stop-grace-s G] [--min-gain M]
 //
 // Policies: `static` gives each running job an equal share of the slots (within its limits);
 // `marginal` (after AFS, Hwang et al., NSDI '21) starts every job at its minimum and hands out
@@ -157,6 +157,7 @@ class Scheduler {
   }
 
   void setStopGrace(double seconds) { stopGraceS_ = seconds; }
+  void setMinGain(double share) { minGain_ = share; }
 
   int run(std::chrono::milliseconds tick, double timeoutS, double reallocS) {
     start_ = Clock::now();
@@ -387,13 +388,14 @@ class Scheduler {
       a.min_workers = j.spec.minWorkers;
       a.max_workers = j.spec.maxWorkers;
       a.running = j.state == Job::State::kRunning;
+      a.current = a.running ? j.target : 0;
       a.known_up_to = knownUpTo(j);
       Job* jp = &j;
       a.time_to_finish = [this, jp](int n) { return timeToFinish(*jp, n); };
       active.push_back(&j);
       view.push_back(std::move(a));
     }
-    const std::vector<int> counts = sinew::sim::allocate(view, slots_, policy_);
+    const std::vector<int> counts = sinew::sim::allocate(view, slots_, policy_, minGain_);
     std::map<Job*, int> want;
     for (size_t k = 0; k < active.size(); ++k) want[active[k]] = counts[k];
     std::string line;
@@ -574,6 +576,7 @@ class Scheduler {
   double stopAt_ = 0;    // when the last of them was sent
   bool timedOut_ = false;
   double stopGraceS_ = 120;
+  double minGain_ = 0.05;
   sinew::sim::AllocationPolicy policy_;
   std::string dir_, sinewRun_;
   std::vector<Job> jobs_;
@@ -586,7 +589,7 @@ int main(int argc, char** argv) {
   CLI::App app("A reference elastic scheduler over Sinew jobs (docs/scheduler.md).", "sinew-sched");
   std::string jobsPath, policy = "marginal", dir, sinewRun;
   int slots = 0, tickMs = 250;
-  double timeoutS = 3600, reallocS = 5, stopGraceS = 120;
+  double timeoutS = 3600, reallocS = 5, stopGraceS = 120, minGain = 0.05;
   app.add_option("--jobs", jobsPath, "the job list (JSON)")->required();
   app.add_option("--slots", slots, "worker slots in the pool")
       ->required()
@@ -600,6 +603,10 @@ int main(int argc, char** argv) {
   app.add_option("--realloc-s", reallocS,
                  "reallocate at least this often, with the jobs' newest curves (default 5)")
       ->check(CLI::Range(0.1, 1e6));
+  app.add_option("--min-gain", minGain,
+                 "marginal: keep the running jobs' sizes unless a new allocation raises their "
+                 "summed rate of finishing by more than this share (default 0.05; 0: always move)")
+      ->check(CLI::Range(0.0, 10.0));
   app.add_option("--stop-grace-s", stopGraceS,
                  "after a SIGINT or SIGTERM, how long the jobs have to stop at a step boundary "
                  "before their workers are killed (default 120)")
@@ -636,5 +643,6 @@ int main(int argc, char** argv) {
   ::sigaction(SIGINT, &sa, nullptr);
   ::sigaction(SIGTERM, &sa, nullptr);
   sched.setStopGrace(stopGraceS);
+  sched.setMinGain(minGain);
   return sched.run(std::chrono::milliseconds(tickMs), timeoutS, reallocS);
 }

@@ -5,6 +5,7 @@
 //   sinew-sim --trace FILE [--trace FILE ...] --profile P.json --microbatches B [options]
 //   sinew-sim --nodes N --mtbf-hours H --hours D [--return-after-min M] [--seed S] ...
 //   sinew-sim --cluster JOBS.json --pool N [--policy static|marginal|both] [--realloc-s R]
+//             [--min-gain M]
 //             [--grow-pause-s X] [--shrink-pause-s X] [--start-s X]
 //
 // The third form runs a job list on a pool of nodes under sinew-sched's allocation policies
@@ -53,7 +54,7 @@ struct Args {
   // --cluster
   std::string cluster, policy = "both";
   int64_t pool = 0;
-  double reallocS = 5, growPauseS = -1, shrinkPauseS = -1, startS = -1;
+  double reallocS = 5, growPauseS = -1, shrinkPauseS = -1, startS = -1, minGain = 0.05;
 };
 
 [[noreturn]] void usageError(const std::string& what) {
@@ -104,6 +105,9 @@ Args parseArgs(int argc, char** argv) {
   app.add_option("--policy", a.policy, "with --cluster: static, marginal or both (default)")
       ->check(CLI::IsMember({"static", "marginal", "both"}));
   app.add_option("--realloc-s", a.reallocS, "with --cluster: reallocate at least this often (5)");
+  app.add_option("--min-gain", a.minGain,
+                 "with --cluster: the marginal policy keeps the sizes unless a new allocation "
+                 "raises the summed rate of finishing by more than this share (0.05)");
   app.add_option("--grow-pause-s", a.growPauseS, "with --cluster: replaces costs.grow_pause_s");
   app.add_option("--shrink-pause-s", a.shrinkPauseS,
                  "with --cluster: replaces costs.shrink_pause_s");
@@ -121,6 +125,7 @@ Args parseArgs(int argc, char** argv) {
   if (!a.cluster.empty()) {
     if (a.pool < 1 || a.pool > (1 << 20)) usageError("--cluster needs --pool N, 1 <= N <= 2^20");
     if (!(a.reallocS > 0)) usageError("--realloc-s must be > 0");
+    if (!(a.minGain >= 0)) usageError("--min-gain must be >= 0");
     return a;
   }
   const bool poisson = a.nodes > 0 || a.mtbfHours > 0 || a.hours > 0;
@@ -245,6 +250,7 @@ int runCluster(const Args& a) {
     o.nodes = static_cast<int>(a.pool);
     o.policy = parseAllocationPolicy(p);
     o.realloc_s = a.reallocS;
+    o.min_gain = a.minGain;
     const ClusterResult r = simulateCluster(in.jobs, in.costs, o);
     results[p] = r;
     json jobs = json::array();
