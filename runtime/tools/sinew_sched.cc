@@ -21,13 +21,15 @@
 // (the programs' comparison with their single-process reference). The last line printed is
 //   SCHED policy=<p> jobs=<n> finished=<k> exact=<e> mean_jct_s=<x> makespan_s=<y>
 // Exit status: 0 when every job finished, 1 otherwise, 2 for bad arguments or a bad job list,
-// 75 when stopped by SIGINT or SIGTERM. The first such signal is forwarded to every running
+// 75 when stopped by SIGINT or SIGTERM (1 if a job then ended otherwise than finished or
+// stopped). The first such signal is forwarded to every running
 // job's sinew-run as SIGTERM (its workers leave at the next step boundary, the last step
 // durable where the job checkpoints; sinew-run exits 75), no job starts after it, and
 // sinew-sched writes the report once they have ended; a second one (or --stop-grace-s without
 // the jobs stopping) is forwarded too, and sinew-run then kills its workers at once. Each job
 // runs in a process group of its own: a terminal's Ctrl-C reaches sinew-sched alone.
 
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -200,7 +202,12 @@ class Scheduler {
       std::this_thread::sleep_for(tick);
     }
     const int status = report();
-    return stopSignals_ > 0 ? 75 : status;
+    if (stopSignals_ == 0) return status;
+    // Stopped: 75, unless a job ended otherwise than finished (0) or stopped (75).
+    for (const Job& j : jobs_) {
+      if (j.exitStatus >= 0 && j.exitStatus != 0 && j.exitStatus != 75) return 1;
+    }
+    return 75;
   }
 
  private:
@@ -220,12 +227,13 @@ class Scheduler {
     const double now = elapsed();
     const int signals = gStopSignals;
     std::string why;
-    if (stopLevel_ < 2 && stopSignals_ < signals) {
+    if (stopLevel_ < 3 && stopSignals_ < signals) {
       ++stopSignals_;
       why = std::string("got ") + (gStopSignal == SIGINT ? "SIGINT" : "SIGTERM") +
-            (stopLevel_ == 0 ? ": stopping every running job at its next step boundary "
-                               "(SIGTERM to its sinew-run); no job starts now"
-                             : " again: each sinew-run kills its workers");
+            (stopLevel_ == 0   ? ": stopping every running job at its next step boundary "
+                                 "(SIGTERM to its sinew-run); no job starts now"
+             : stopLevel_ == 1 ? " again: each sinew-run kills its workers"
+                               : " a third time: SIGKILL to the jobs' process groups");
     } else if (stopLevel_ == 0 && timedOut_) {
       why = "SIGTERM to every running job's sinew-run";
     } else if (stopLevel_ == 1 && now - stopAt_ > (timedOut_ ? 0.2 : stopGraceS_)) {
@@ -271,9 +279,16 @@ class Scheduler {
   bool reap() {
     bool any = false;
     while (true) {
+      // Looks first (WNOWAIT): while the exited sinew-run is a zombie its pid, and so its
+      // process group's id, is no one else's; what it left in that group (its workers, had it
+      // died before them) is killed before it is reaped. A sinew-run that ended normally
+      // waited for its workers, so the group is empty then.
+      siginfo_t info{};
+      if (::waitid(P_ALL, 0, &info, WEXITED | WNOHANG | WNOWAIT) != 0 || info.si_pid == 0) break;
+      const pid_t p = info.si_pid;
+      ::kill(-p, SIGKILL);  // Our child's own group (launch()); the zombie itself ignores it.
       int st = 0;
-      const pid_t p = ::waitpid(-1, &st, WNOHANG);
-      if (p <= 0) break;
+      if (::waitpid(p, &st, 0) != p) break;
       for (Job& j : jobs_) {
         if (j.pid != p) continue;
         j.state = Job::State::kDone;
@@ -491,6 +506,9 @@ class Scheduler {
       ::signal(SIGINT, SIG_DFL);
       ::signal(SIGTERM, SIG_DFL);
       ::sigprocmask(SIG_SETMASK, &before, nullptr);
+      // Not the terminal: a background process group reading it would be stopped.
+      const int devNull = ::open("/dev/null", O_RDONLY);
+      if (devNull >= 0) ::dup2(devNull, 0);
       ::dup2(::fileno(out), 1);
       ::dup2(::fileno(out), 2);
       ::execvp(argv[0], argv.data());

@@ -113,7 +113,17 @@ TEST(AllocationTest, MarginalKeepsRunningSizesUnlessTheMoveGainsMoreThanMinGain)
   const std::vector<int> admitted = allocate(arrival, 6, AllocationPolicy::kMarginal, 0.05);
   EXPECT_GE(admitted[2], 1);
   // The static share is never held back.
-  EXPECT_EQ(allocate(noise, 6, AllocationPolicy::kStatic, 0.05), (std::vector<int>{3, 3}));
+  const std::vector<AllocationJob> uneven = {runningJob(50, 0, 1), runningJob(20, 12, 5)};
+  EXPECT_EQ(allocate(uneven, 6, AllocationPolicy::kStatic, 0.05), (std::vector<int>{3, 3}));
+  // Every job at its maximum, a slot free: the sizes are kept as when the pool is full. Here b's
+  // curve (measured on a busy machine) says 4 workers are slower than 3: 26 s at 4, 1 + 24 s
+  // at 3. Shrinking it gains 2.6% (1/50 + 1/25 against 1/50 + 1/26).
+  std::vector<AllocationJob> atMax = {runningJob(50, 0, 3), runningJob(20, 12, 4)};
+  atMax[0].max_workers = 3;
+  atMax[1].max_workers = 4;
+  atMax[1].time_to_finish = [](int n) { return n == 4 ? 26.0 : 1.0 + 20 + 12.0 / n; };
+  EXPECT_EQ(allocate(atMax, 8, AllocationPolicy::kMarginal), (std::vector<int>{3, 3}));
+  EXPECT_EQ(allocate(atMax, 8, AllocationPolicy::kMarginal, 0.05), (std::vector<int>{3, 4}));
 }
 
 TEST(AllocationTest, MarginalExploresPastKnownSizesOnlyWithSlotsNoJobCanUseOtherwise) {
