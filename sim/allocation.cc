@@ -26,54 +26,7 @@ double rateOfFinishing(const AllocationJob& j, int n) {
   return std::isfinite(t) && t > 0 ? 1 / std::max(t, 1e-9) : 0;
 }
 
-}  // namespace
-
-namespace {
-
-// The current sizes, where min_gain may keep them: every admitted job running within its
-// limits, and the pool full or every job at its maximum. Empty otherwise.
-std::vector<int> keepable(const std::vector<AllocationJob>& jobs, const std::vector<int>& want,
-                          int slots) {
-  std::vector<int> keep(jobs.size(), 0);
-  int used = 0;
-  bool allAtMax = true;
-  for (size_t i = 0; i < jobs.size(); ++i) {
-    if (want[i] <= 0) continue;
-    const AllocationJob& j = jobs[i];
-    if (!j.running || j.current < j.min_workers || j.current > j.max_workers) return {};
-    keep[i] = j.current;
-    used += j.current;
-    allAtMax = allAtMax && j.current == j.max_workers;
-  }
-  if (used > slots || (used < slots && !allAtMax)) return {};
-  return keep;
-}
-
-double summedRate(const std::vector<AllocationJob>& jobs, const std::vector<int>& sizes) {
-  double sum = 0;
-  for (size_t i = 0; i < jobs.size(); ++i) {
-    if (sizes[i] > 0) sum += rateOfFinishing(jobs[i], sizes[i]);
-  }
-  return sum;
-}
-
-std::vector<int> allocateOnce(const std::vector<AllocationJob>& jobs, int slots,
-                              AllocationPolicy policy);
-
-}  // namespace
-
-std::vector<int> allocate(const std::vector<AllocationJob>& jobs, int slots,
-                          AllocationPolicy policy, double min_gain) {
-  std::vector<int> want = allocateOnce(jobs, slots, policy);
-  if (policy != AllocationPolicy::kMarginal || !(min_gain > 0) || want.empty()) return want;
-  const std::vector<int> keep = keepable(jobs, want, slots);
-  if (keep.empty() || keep == want) return want;
-  const double now = summedRate(jobs, keep);
-  return summedRate(jobs, want) > now * (1 + min_gain) ? want : keep;
-}
-
-namespace {
-
+// The policy's allocation from scratch (allocate() without min_gain).
 std::vector<int> allocateOnce(const std::vector<AllocationJob>& jobs, int slots,
                               AllocationPolicy policy) {
   std::vector<int> want(jobs.size(), 0);
@@ -147,7 +100,44 @@ std::vector<int> allocateOnce(const std::vector<AllocationJob>& jobs, int slots,
   return want;
 }
 
+// The current sizes, where min_gain may keep them: every admitted job running within its
+// limits, and the pool full or every job at its maximum. Empty otherwise.
+std::vector<int> keepable(const std::vector<AllocationJob>& jobs, const std::vector<int>& want,
+                          int slots) {
+  std::vector<int> keep(jobs.size(), 0);
+  int used = 0;
+  bool allAtMax = true;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    if (want[i] <= 0) continue;
+    const AllocationJob& j = jobs[i];
+    if (!j.running || j.current < j.min_workers || j.current > j.max_workers) return {};
+    keep[i] = j.current;
+    used += j.current;
+    allAtMax = allAtMax && j.current == j.max_workers;
+  }
+  if (used > slots || (used < slots && !allAtMax)) return {};
+  return keep;
+}
+
+double summedRate(const std::vector<AllocationJob>& jobs, const std::vector<int>& sizes) {
+  double sum = 0;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    if (sizes[i] > 0) sum += rateOfFinishing(jobs[i], sizes[i]);
+  }
+  return sum;
+}
+
 }  // namespace
+
+std::vector<int> allocate(const std::vector<AllocationJob>& jobs, int slots,
+                          AllocationPolicy policy, double min_gain) {
+  std::vector<int> want = allocateOnce(jobs, slots, policy);
+  if (policy != AllocationPolicy::kMarginal || !(min_gain > 0) || want.empty()) return want;
+  const std::vector<int> keep = keepable(jobs, want, slots);
+  if (keep.empty() || keep == want) return want;
+  const double now = summedRate(jobs, keep);
+  return summedRate(jobs, want) > now * (1 + min_gain) ? want : keep;
+}
 
 }  // namespace sim
 }  // namespace sinew

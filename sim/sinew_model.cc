@@ -183,8 +183,7 @@ class SinewRun {
   Plan next_;                                     // the plan the recovery ends in
   bool joining_ = false;                          // the recovery is a join
   double joinAt_ = -1;                            // a join at this step boundary
-  int64_t ramCount_ = 0;       // the peer-RAM version (committed steps it holds); 0: none
-  std::vector<int> ramNodes_;  // the version's nodes that held layers
+  int64_t ramCount_ = 0;  // the peer-RAM version (committed steps it holds); 0: none
   std::vector<pipeline::WorkerAssignment> ramWorkers_;  // its workers, in placement order
   std::set<int> ramDead_;
 };
@@ -197,7 +196,6 @@ void SinewRun::noteVersions() {
   const int64_t count = last / c_.peer_every * c_.peer_every;
   if (count > ramCount_ && count > planStart_) {
     ramCount_ = count;
-    ramNodes_ = busyNodes(plan_);
     ramDead_.clear();
     // The runtime's placement order: the workers that hold layers, by pipeline, stage, worker
     // (runtime/peer_versions.cc), so that a group holds different layers.
@@ -294,7 +292,6 @@ void SinewRun::fail() {
   ledger_.undo(ledger_.committed() - durableBase(), Cause::kRestart);
   ++r_.restarts;
   ramCount_ = 0;
-  ramNodes_.clear();
   ramWorkers_.clear();
   ramDead_.clear();
   trained_ = false;
@@ -428,7 +425,7 @@ void SinewRun::onEvents(const std::vector<int>& added, const std::vector<int>& r
       continue;
     }
     if (std::find(busy.begin(), busy.end(), n) != busy.end()) lostNow.push_back(n);
-    if (std::find(ramNodes_.begin(), ramNodes_.end(), n) != ramNodes_.end()) ramDead_.insert(n);
+    ramDead_.insert(n);  // lost since the peer-RAM version (only its workers' nodes matter)
   }
   for (int n : added) {
     live_.insert(n);
