@@ -34,32 +34,86 @@ using Clock = std::chrono::steady_clock;
 using nlohmann::json;
 namespace transport = collectives::transport;
 
+// K io_contexts of one thread each: a client is bound to one, so that its channel and timers
+// are used on one thread, as a Channel requires.
+class ClientIoThreads::Impl {
+ public:
+  explicit Impl(int threads) {
+    SINEW_ENFORCE(threads >= 1, "ClientIoThreads needs at least one thread, got ", threads);
+    for (int i = 0; i < threads; ++i) {
+      ios_.push_back(std::make_unique<asio::io_context>());
+      guards_.emplace_back(asio::make_work_guard(*ios_.back()));
+    }
+    for (int i = 0; i < threads; ++i) {
+      threads_.emplace_back([io = ios_[i].get()] {
+        // A client's own io thread fails that client on an exception out of a handler; here
+        // the thread is shared, so the line names no client and the thread goes on.
+        transport::runIoThread(*io, [](const std::string& what) {
+          std::fprintf(stderr,
+                       "sinew: internal error in a shared coordinator client io thread: %s\n",
+                       what.c_str());
+        });
+      });
+    }
+  }
+  ~Impl() {
+    for (auto& g : guards_) g.reset();
+    for (auto& t : threads_) t.join();
+  }
+  asio::io_context& next() { return *ios_[next_++ % ios_.size()]; }
+  int size() const { return static_cast<int>(ios_.size()); }
+
+ private:
+  std::vector<std::unique_ptr<asio::io_context>> ios_;
+  std::vector<asio::executor_work_guard<asio::io_context::executor_type>> guards_;
+  std::vector<std::thread> threads_;
+  std::atomic<size_t> next_{0};
+};
+
+ClientIoThreads::ClientIoThreads(int threads) : impl_(std::make_unique<Impl>(threads)) {}
+ClientIoThreads::~ClientIoThreads() = default;
+int ClientIoThreads::size() const { return impl_->size(); }
+
 class CoordinatorClient::Impl : public transport::ChannelHandler {
  public:
-  explicit Impl(CoordinatorClientOptions options) : options_(std::move(options)), heartbeat_(io_) {}
+  explicit Impl(CoordinatorClientOptions options)
+      : options_(std::move(options)),
+        ownIo_(options_.ioThreads ? nullptr : std::make_unique<asio::io_context>()),
+        io_(options_.ioThreads ? options_.ioThreads->impl().next() : *ownIo_),
+        heartbeat_(io_) {}
 
   // Flushes queued messages (e.g. done), for at most a second, then closes.
   ~Impl() override { shutdown(); }
 
   // Closes the connection (after what is queued is written, at most 1 s) and joins the
-  // threads; later waits fail at once. Idempotent.
+  // threads; later waits fail at once. Idempotent. On shared io threads it returns once none
+  // of this client's handlers is pending (its channels' onClose delivered, its timer's last
+  // wait over), since the threads outlive it.
   void shutdown() {
     if (shutDown_.exchange(true)) return;
-    asio::post(io_, [this] {
-      stopping_ = true;
-      heartbeat_.cancel();
-      if (!channel_ || channel_->closed()) return closeNow();
-      channel_->closeAfterWrites();
-      heartbeat_.expires_after(std::chrono::seconds(1));
-      heartbeat_.async_wait([this](error_code) { closeNow(); });
-    });
-    if (thread_.joinable()) thread_.join();
+    // The HA watcher first: it posts reconnections to the io thread.
     {
       std::lock_guard<std::mutex> lock(haMu_);
       haStop_ = true;
     }
     haCv_.notify_all();
     if (watcher_.joinable()) watcher_.join();
+    asio::post(io_, [this] {
+      stopping_ = true;
+      heartbeat_.cancel();
+      if (!channel_ || channel_->closed()) {
+        closeNow();
+        return checkQuiet();
+      }
+      channel_->closeAfterWrites();
+      heartbeat_.expires_after(std::chrono::seconds(1));
+      waitTimer([this](error_code) { closeNow(); });
+    });
+    if (thread_.joinable()) thread_.join();
+    if (options_.ioThreads) {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return quiet_; });
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (gone_.empty()) gone_ = "it left the job (its connection is closed)";
@@ -71,6 +125,29 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
     closed_ = true;
     heartbeat_.cancel();
     if (channel_) channel_->close();
+  }
+
+  // io thread only: heartbeat_.async_wait, counted, so that shutdown on shared io threads
+  // knows when the timer's last handler has run.
+  template <typename F>
+  void waitTimer(F f) {
+    ++timerWaits_;
+    heartbeat_.async_wait([this, f = std::move(f)](error_code ec) mutable {
+      --timerWaits_;
+      f(ec);
+      checkQuiet();
+    });
+  }
+
+  // io thread only: once stopping, with no channel open and no timer wait pending, nothing of
+  // this client is left on the io thread.
+  void checkQuiet() {
+    if (!stopping_ || !closed_ || timerWaits_ > 0 || openChannels_ > 0) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      quiet_ = true;
+    }
+    cv_.notify_all();
   }
 
   // The channel holds its handler by shared_ptr; this Impl outlives the channel (its
@@ -99,25 +176,53 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
       options_.host = leader->host;
       options_.port = leader->port;
     }
-    tcp::socket socket(io_);
-    transport::connectSocket(
-        io_, socket, options_.host, options_.port, Clock::now() + options_.connectTimeout,
-        "the coordinator at " + options_.host + ":" + std::to_string(options_.port));
-    channel_ = makeChannel(std::move(socket));
-    json hello = {{"worker", options_.worker}, {"node", options_.node}, {"pid", ::getpid()}};
-    queue(wire::Type::kHello, -1, hello);
+    const std::string peer =
+        "the coordinator at " + options_.host + ":" + std::to_string(options_.port);
+    auto open = [this](tcp::socket socket) {
+      channel_ = makeChannel(std::move(socket));
+      json hello = {{"worker", options_.worker}, {"node", options_.node}, {"pid", ::getpid()}};
+      queue(wire::Type::kHello, -1, hello);
+      scheduleHeartbeat();
+    };
+    if (!options_.ioThreads) {
+      tcp::socket socket(io_);
+      transport::connectSocket(io_, socket, options_.host, options_.port,
+                               Clock::now() + options_.connectTimeout, peer);
+      open(std::move(socket));  // Before the io thread starts.
+    } else {
+      // Shared io threads run already: connect on an io_context of this thread's, then hand
+      // the connection to this client's io thread.
+      asio::io_context io;
+      tcp::socket socket(io);
+      transport::connectSocket(io, socket, options_.host, options_.port,
+                               Clock::now() + options_.connectTimeout, peer);
+      const auto protocol = socket.local_endpoint().protocol();
+      const int fd = ::fcntl(socket.native_handle(), F_DUPFD_CLOEXEC, 0);
+      if (fd < 0) SINEW_THROW(IoError, "cannot keep the connection to ", peer, ": dup failed");
+      asio::post(io_, [this, open, fd, protocol] {
+        tcp::socket s(io_);
+        error_code ec;
+        s.assign(protocol, fd, ec);
+        if (ec) {
+          ::close(fd);
+          return fail("cannot keep the connection to the coordinator: " + ec.message());
+        }
+        open(std::move(s));
+      });
+    }
     if (options_.awaitLeader) {
       connected_.store(true);
       watcher_ = std::thread([this] { watchLeader(); });
     }
-    scheduleHeartbeat();
-    thread_ = std::thread([this] {
-      // An exception out of a handler fails the client: the training thread, which waits on
-      // it, gets the message as the reason the coordinator connection is gone.
-      transport::runIoThread(io_, [this](const std::string& what) {
-        fail("internal error in the coordinator client's io thread: " + what);
+    if (!options_.ioThreads) {
+      thread_ = std::thread([this] {
+        // An exception out of a handler fails the client: the training thread, which waits
+        // on it, gets the message as the reason the coordinator connection is gone.
+        transport::runIoThread(io_, [this](const std::string& what) {
+          fail("internal error in the coordinator client's io thread: " + what);
+        });
       });
-    });
+    }
     std::unique_lock<std::mutex> lock(mu_);
     if (!cv_.wait_for(lock, options_.connectTimeout, [&] { return welcomed_ || !gone_.empty(); })) {
       SINEW_THROW(Timeout, "coordinator at ", options_.host, ":", options_.port,
@@ -147,7 +252,11 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
 
   VoteResult vote(int64_t epoch, int64_t step, std::chrono::milliseconds timeout, StepStats stats,
                   std::chrono::milliseconds withdrawalTimeout) {
-    if (withdrawalTimeout.count() <= 0) withdrawalTimeout = timeout;
+    castVote(epoch, step, stats);
+    return awaitVerdict(epoch, step, timeout, withdrawalTimeout);
+  }
+
+  void castVote(int64_t epoch, int64_t step, StepStats stats) {
     auto us = [](double s) { return static_cast<int64_t>(std::max(0.0, s) * 1e6); };
     json body{{"step", step},
               {"compute_us", us(stats.computeSeconds)},
@@ -155,6 +264,11 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
     if (stats.replicatedBytes > 0) body["replicated_bytes"] = stats.replicatedBytes;
     if (stats.stateBytesIn > 0) body["state_bytes_in"] = stats.stateBytesIn;
     post(wire::Type::kVote, epoch, body);
+  }
+
+  VoteResult awaitVerdict(int64_t epoch, int64_t step, std::chrono::milliseconds timeout,
+                          std::chrono::milliseconds withdrawalTimeout) {
+    if (withdrawalTimeout.count() <= 0) withdrawalTimeout = timeout;
     std::unique_lock<std::mutex> lock(mu_);
     auto decided = [&] { return committed_ >= step || epoch_.epoch > epoch || !gone_.empty(); };
     // Waits up to `wait` for the verdict: true with *result set when there is one. A commit
@@ -207,7 +321,10 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
         .count();
   }
 
+  // After close() nothing is sent ("later calls do nothing"); on shared io threads a handler
+  // posted then could outlive the client.
   void post(wire::Type type, int64_t epoch, json body) {
+    if (shutDown_.load()) return;
     asio::post(io_, [this, type, epoch, body = std::move(body)] { queue(type, epoch, body); });
   }
 
@@ -230,7 +347,7 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
   // from inside the listener, without waiting for itself.
   void setListener(std::function<void(int64_t)> l) {
     std::unique_lock<std::mutex> calling(listenerMu_, std::defer_lock);
-    if (std::this_thread::get_id() != thread_.get_id()) calling.lock();
+    if (!io_.get_executor().running_in_this_thread()) calling.lock();
     std::lock_guard<std::mutex> lock(mu_);
     listener_ = std::move(l);
   }
@@ -256,6 +373,12 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
   }
   void onClose(transport::Channel& channel, transport::CloseReason reason,
                const std::string& why) override {
+    --openChannels_;
+    onChannelClosed(channel, reason, why);
+    checkQuiet();
+  }
+  void onChannelClosed(transport::Channel& channel, transport::CloseReason reason,
+                       const std::string& why) {
     if (&channel != channel_.get()) return;  // A previous leader's connection.
     // Stopping, and the final flush is over: end the timer that bounds it now, or the io
     // thread (and the process's exit) would wait out its second.
@@ -308,6 +431,7 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
     co.frameTimeout = std::chrono::milliseconds(10000);
     co.name = "sinew coordinator client";
     auto channel = std::make_shared<transport::Channel>(std::move(socket), co, self_);
+    ++openChannels_;  // until its onClose
     channel->start();
     return channel;
   }
@@ -444,7 +568,7 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
 
   void scheduleHeartbeat() {
     heartbeat_.expires_after(heartbeatInterval_);
-    heartbeat_.async_wait([this](error_code ec) {
+    waitTimer([this](error_code ec) {
       // Stopping: the destructor reuses this timer to bound the final flush.
       if (ec || closed_ || stopping_) return;
       bool muted;
@@ -538,7 +662,8 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
     callListener(-1);
   }
 
-  asio::io_context io_;
+  std::unique_ptr<asio::io_context> ownIo_;  // without options_.ioThreads
+  asio::io_context& io_;                     // ownIo_ or one of options_.ioThreads
   asio::steady_timer heartbeat_;
   std::thread thread_;
   std::shared_ptr<transport::ChannelHandler> self_;  // this, non-owning (see start())
@@ -563,11 +688,14 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
   std::shared_ptr<transport::Channel> channel_;
   bool closed_ = false;
   bool stopping_ = false;
+  int timerWaits_ = 0;    // heartbeat_ waits whose handler has not run
+  int openChannels_ = 0;  // channels made whose onClose has not run
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
   // Guarded by mu_.
   bool welcomed_ = false;
+  bool quiet_ = false;  // shutdown on shared io threads: nothing of this client is pending
   std::atomic<bool> shutDown_{false};
   bool released_ = false;
   bool jobStopped_ = false;  // released because every member left (the job stopped)
@@ -602,6 +730,14 @@ CoordinatorClient::VoteResult CoordinatorClient::vote(int64_t epoch, int64_t ste
                                                       StepStats stats,
                                                       std::chrono::milliseconds withdrawalTimeout) {
   return impl_->vote(epoch, step, timeout, stats, withdrawalTimeout);
+}
+void CoordinatorClient::castVote(int64_t epoch, int64_t step, StepStats stats) {
+  impl_->castVote(epoch, step, stats);
+}
+CoordinatorClient::VoteResult CoordinatorClient::awaitVerdict(
+    int64_t epoch, int64_t step, std::chrono::milliseconds timeout,
+    std::chrono::milliseconds withdrawalTimeout) {
+  return impl_->awaitVerdict(epoch, step, timeout, withdrawalTimeout);
 }
 std::chrono::milliseconds CoordinatorClient::stepDeadline() const { return impl_->stepDeadline(); }
 bool CoordinatorClient::checkpointRequested(int64_t step) const {

@@ -58,6 +58,29 @@ struct JobShape {
   bool checkpoints = false;  // writes durable checkpoints
 };
 
+// Io threads that several clients share, for a process that speaks for many workers (a
+// harness of simulated workers, e.g. sinew-bench-control-plane): each client runs on one of
+// them, taken in turn, so that all of one client's handlers run on one thread. A worker
+// process has one client and needs none of this (a client without it has an io thread of its
+// own).
+//
+// Thread safety: next() may be called from any thread. REQUIRES: destroyed after every client
+// that uses it (each client holds it by shared_ptr, so dropping the other references is enough).
+class ClientIoThreads {
+ public:
+  explicit ClientIoThreads(int threads);
+  ~ClientIoThreads();
+  ClientIoThreads(const ClientIoThreads&) = delete;
+  ClientIoThreads& operator=(const ClientIoThreads&) = delete;
+  int size() const;
+
+  class Impl;
+  Impl& impl() { return *impl_; }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
 struct CoordinatorClientOptions {
   std::string host = "127.0.0.1";
   uint16_t port = 0;
@@ -67,6 +90,8 @@ struct CoordinatorClientOptions {
   // The failure domain (a host name); workers of one node fail together.
   std::string node;
   std::chrono::milliseconds connectTimeout{60000};
+  // Run on one of these shared io threads instead of an io thread of the client's own.
+  std::shared_ptr<ClientIoThreads> ioThreads;
 
   // High availability (docs/ha.md): the job's leader is found in etcd, and may change. When
   // awaitLeader is set, host and port are ignored: the client connects to the leader it
@@ -121,6 +146,14 @@ class CoordinatorClient {
   VoteResult vote(int64_t epoch, int64_t step, std::chrono::milliseconds timeout,
                   StepStats stats = StepStats(),
                   std::chrono::milliseconds withdrawalTimeout = std::chrono::milliseconds(0));
+  // vote() in two halves, for a thread that speaks for several workers (it casts each one's
+  // vote, then awaits each verdict) or does other work while the vote is out: castVote sends
+  // the vote and returns at once; awaitVerdict then waits as vote() does after sending,
+  // withdrawal included. REQUIRES: awaitVerdict(epoch, step) only after castVote(epoch, step).
+  void castVote(int64_t epoch, int64_t step, StepStats stats = StepStats());
+  VoteResult awaitVerdict(
+      int64_t epoch, int64_t step, std::chrono::milliseconds timeout,
+      std::chrono::milliseconds withdrawalTimeout = std::chrono::milliseconds(0));
   // Whether the commit of `step` asked for a durable checkpoint of it (a scheduler's
   // checkpoint, drain or stop request).
   bool checkpointRequested(int64_t step) const;

@@ -1,6 +1,6 @@
 // sinew-bench-control-plane: the coordinator's control plane at thousands of workers (issue
 // 41; runs in bench/RESULTS.md). Simulated workers, no libtorch: each is a real CoordinatorClient
-// (its own connection and io thread, heartbeats at the real interval of 100 ms) in this process,
+// (its own connection, heartbeats at the real interval of 100 ms) in this process,
 // against a real Coordinator in a process of its own (this binary run again with --serve), so
 // that the coordinator's CPU time and resident memory are its own. For each size N it
 // measures:
@@ -17,11 +17,16 @@
 //   - the control API's /v1/status and /metrics at that size (time and bytes).
 // The smallest size is the baseline: each figure is also given as its growth from it.
 //
-// The simulated workers' threads run at nice --worker-nice (10 by default), the coordinator's
-// process and this process's measuring thread at the nice they were started with: on a machine
-// of few cores, thousands of client threads would otherwise take the CPU the coordinator needs,
-// and the figures would measure the harness, not the coordinator (on a cluster each worker has
-// its own host). --worker-nice 0 measures them side by side.
+// The simulated workers share --io-threads io threads (8 by default; ClientIoThreads: each
+// client on one of them) and vote from --voter-threads threads (8; each casts the votes of its
+// share of the workers, then awaits their verdicts: castVote and awaitVerdict), so that the
+// harness has a few dozen threads, not two per worker. --io-threads 0 gives every client an io
+// thread of its own, as in a worker process, and --voter-threads 0 a voter thread per worker:
+// at 4,096 workers that is 8,192 threads, whose wake-ups take this 2-core machine's CPU (the
+// figures then measure the harness, not the coordinator). These threads run at nice
+// --worker-nice (10 by default), the coordinator's process and this process's measuring thread
+// at the nice they were started with: on a cluster each worker has its own host. --worker-nice
+// 0 measures them side by side.
 //
 // --ha runs the coordinator as in high-availability mode (docs/ha.md): a one-member etcd on
 // loopback (data on tmpfs), the coordinator a leader candidate (runHaCoordinator: it wins the
@@ -31,7 +36,7 @@
 // leader, as real workers do.
 //
 //   sinew-bench-control-plane [--sizes 256,1024,4096] [--steps 10] [--worker-nice 10] [--ha]
-//                             [--check]
+//                             [--io-threads 8] [--voter-threads 8] [--check]
 //
 // --check makes it a test: it exits 1 unless every phase completed (every survivor saw each
 // epoch, every vote committed) within its bound. The last line is
@@ -497,37 +502,45 @@ void raiseTo(std::atomic<int64_t>& a, int64_t v) {
 // Every worker of this process votes steps [first, first + count) together (the client
 // processes' workers vote each step as soon as the one before it commits, so they are never
 // the last); the median of (last commit in - last vote out) in ms, or negative when a vote did
-// not commit.
+// not commit. With `threads` > 0, each of that many threads casts the votes of its share of
+// the workers, then awaits their verdicts in turn; with 0, a thread per worker votes.
 double voteRounds(std::vector<std::unique_ptr<Worker>>& ws, int64_t epoch, int64_t first, int count,
-                  int nice) {
+                  int nice, int threads) {
   std::vector<Worker*> local;
   for (auto& w : ws) {
     if (w->client) local.push_back(w.get());
   }
   const int n = static_cast<int>(local.size());
+  const int t = threads > 0 ? std::min(threads, n) : n;
   std::vector<std::atomic<int64_t>> lastOut(count), lastIn(count);
   for (int s = 0; s < count; ++s) lastOut[s] = lastIn[s] = 0;
   std::atomic<bool> failed{false};
-  Barrier barrier(n);
+  Barrier barrier(t);
   std::vector<std::thread> voters;
-  voters.reserve(n);
-  for (int i = 0; i < n; ++i) {
-    voters.emplace_back([&, i] {
+  voters.reserve(t);
+  for (int v = 0; v < t; ++v) {
+    voters.emplace_back([&, v] {
       niceThisThread(nice);
+      // Workers v, v + t, v + 2t, ...
       for (int s = 0; s < count; ++s) {
         barrier.arrive();
-        raiseTo(lastOut[s], nowNs());
-        CoordinatorClient::VoteResult r = CoordinatorClient::VoteResult::kSuperseded;
-        try {
-          r = local[i]->client->vote(epoch, first + s, std::chrono::seconds(60));
-        } catch (const std::exception&) {
+        for (int i = v; i < n; i += t) {
+          local[i]->client->castVote(epoch, first + s);
+          raiseTo(lastOut[s], nowNs());
         }
-        if (r != CoordinatorClient::VoteResult::kCommitted) failed = true;
+        for (int i = v; i < n; i += t) {
+          CoordinatorClient::VoteResult r = CoordinatorClient::VoteResult::kSuperseded;
+          try {
+            r = local[i]->client->awaitVerdict(epoch, first + s, std::chrono::seconds(60));
+          } catch (const std::exception&) {
+          }
+          if (r != CoordinatorClient::VoteResult::kCommitted) failed = true;
+        }
         raiseTo(lastIn[s], nowNs());
       }
     });
   }
-  for (auto& t : voters) t.join();
+  for (auto& th : voters) th.join();
   if (failed) return -1;
   std::vector<double> rtt;
   for (int s = 0; s < count; ++s) rtt.push_back(static_cast<double>(lastIn[s] - lastOut[s]) / 1e6);
@@ -575,7 +588,15 @@ std::string timeControlApi(const CoordinatorProcess& cp, SizeResult& r) {
   return why;
 }
 
-SizeResult runSize(const char* self, int n, int steps, int nice, const std::string& etcdEndpoints) {
+// The harness's threads: shared io threads for the simulated workers' clients (0: one each)
+// and voter threads (0: one per worker).
+struct HarnessThreads {
+  int io = 8;
+  int voters = 8;
+};
+
+SizeResult runSize(const char* self, int n, int steps, int nice, const std::string& etcdEndpoints,
+                   HarnessThreads threads) {
   SizeResult r;
   r.n = n;
   auto fail = [&](const std::string& why) {
@@ -612,6 +633,14 @@ SizeResult runSize(const char* self, int n, int steps, int nice, const std::stri
       fail("a client process could not say hello");
     }
   }
+  // The shared io threads, made on a thread of the workers' nice (they inherit it).
+  std::shared_ptr<sinew::runtime::ClientIoThreads> io;
+  if (threads.io > 0) {
+    std::thread([&] {
+      niceThisThread(nice);
+      io = std::make_shared<sinew::runtime::ClientIoThreads>(threads.io);
+    }).join();
+  }
   const int64_t startNs = nowNs();
   std::atomic<int> failedStarts{0};
   parallelFor(n, 32, nice, [&](int i) {
@@ -625,6 +654,7 @@ SizeResult runSize(const char* self, int n, int steps, int nice, const std::stri
     // own, so that one closed connection is one worker's loss.
     o.node = i >= 8 && i < 16 ? "node-shared" : "node-" + std::to_string(i);
     o.connectTimeout = std::chrono::seconds(120);
+    o.ioThreads = io;
     try {
       Worker* w = ws[i].get();
       w->client = std::make_unique<CoordinatorClient>(o);
@@ -661,7 +691,7 @@ SizeResult runSize(const char* self, int n, int steps, int nice, const std::stri
 
   // Votes.
   if (r.ok) {
-    r.voteRttMs = voteRounds(ws, epoch, 0, steps, nice);
+    r.voteRttMs = voteRounds(ws, epoch, 0, steps, nice, threads.voters);
     if (r.voteRttMs < 0) fail("a vote did not commit");
   }
 
@@ -694,6 +724,7 @@ SizeResult runSize(const char* self, int n, int steps, int nice, const std::stri
   killClients(one);
   killClients(node);
   parallelFor(n, 16, 0, [&](int i) { ws[i]->client.reset(); });
+  io.reset();  // Its threads end with the last client.
   if (ha.on()) {
     for (const char* v :
          {"SINEW_BENCH_ETCD", "SINEW_BENCH_JOB", "SINEW_BENCH_TOKEN", "SINEW_BENCH_CONTROL_PORT"}) {
@@ -727,6 +758,7 @@ int main(int argc, char** argv) {
   int nice = 10;
   bool check = false;
   bool ha = false;
+  HarnessThreads threads;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--serve" && i + 1 < argc) return serve(std::atoi(argv[i + 1]));
@@ -737,6 +769,10 @@ int main(int argc, char** argv) {
       steps = std::max(1, std::atoi(argv[++i]));
     } else if (a == "--worker-nice" && i + 1 < argc) {
       nice = std::max(0, std::min(19, std::atoi(argv[++i])));
+    } else if (a == "--io-threads" && i + 1 < argc) {
+      threads.io = std::max(0, std::atoi(argv[++i]));
+    } else if (a == "--voter-threads" && i + 1 < argc) {
+      threads.voters = std::max(0, std::atoi(argv[++i]));
     } else if (a == "--ha") {
       ha = true;
     } else if (a == "--check") {
@@ -744,7 +780,8 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: sinew-bench-control-plane [--sizes 256,1024,4096] [--steps 10] "
-                   "[--worker-nice 10] [--ha] [--check]\n");
+                   "[--worker-nice 10] [--ha] [--io-threads 8] [--voter-threads 8] "
+                   "[--check]\n");
       return 2;
     }
   }
@@ -760,12 +797,16 @@ int main(int argc, char** argv) {
     std::printf("high availability: the coordinator a leader candidate on etcd %s\n",
                 etcdCluster->endpoints().c_str());
   }
+  std::printf("harness: %s io threads, %s voter threads, nice %d\n",
+              threads.io > 0 ? std::to_string(threads.io).c_str() : "one per worker's",
+              threads.voters > 0 ? std::to_string(threads.voters).c_str() : "one per worker's",
+              nice);
   std::printf("%7s %8s %10s %10s %10s %10s %8s %9s %10s %11s\n", "workers", "start_s",
               "vote_rtt_ms", "kill_1_ms", "kill_8_ms", "silent_ms", "coord_cpu", "kib/wkr",
               "status_ms", "metrics_ms");
   bool ok = true;
   for (int n : ns) {
-    SizeResult r = runSize(argv[0], n, steps, nice, ha ? etcdCluster->endpoints() : "");
+    SizeResult r = runSize(argv[0], n, steps, nice, ha ? etcdCluster->endpoints() : "", threads);
     std::printf("%7d %8.3f %10.2f %10.1f %10.1f %10.1f %8.1f%% %9.1f %10.1f %11.1f\n", r.n,
                 r.startS, r.voteRttMs, 1e3 * r.closeOneS, 1e3 * r.closeNodeS, 1e3 * r.silentS,
                 100 * r.cpuShare, r.kibPerWorker, r.statusMs, r.metricsMs);

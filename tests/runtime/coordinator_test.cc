@@ -293,6 +293,69 @@ TEST(CoordinatorTest, AClientClosesOnceItsLastMessageIsWrittenNotAfterTheFlushBo
                          << " ms: it waited out the flush bound (1 s)";
 }
 
+// A process that speaks for many workers (the control-plane bench's harness): clients on two
+// shared io threads, every vote cast and awaited from one thread. Each step commits only when
+// all have voted; a withdrawn vote supersedes the step; a client destroyed while the threads
+// run is a closed connection to the coordinator (and, under ASan, no handler of it runs after
+// it is gone); the threads end with the last client.
+TEST(CoordinatorTest, ClientsOnSharedIoThreadsVoteFromOneThreadAndLeaveCleanly) {
+  Coordinator coord(options(6, nullptr));
+  auto io = std::make_shared<ClientIoThreads>(2);
+  EXPECT_EQ(io->size(), 2);
+  std::vector<std::unique_ptr<CoordinatorClient>> cs;
+  for (int i = 0; i < 6; ++i) {
+    CoordinatorClientOptions o;
+    o.port = coord.port();
+    o.token = coord.token();
+    o.worker = i;
+    o.node = "node" + std::to_string(i);
+    o.connectTimeout = 5s;
+    o.ioThreads = io;
+    cs.push_back(std::make_unique<CoordinatorClient>(o));
+    cs.back()->ready(0);
+  }
+  for (auto& c : cs) EXPECT_EQ(c->waitEpochAfter(-1, 5s).members.size(), 6u);
+  for (int64_t step = 0; step < 3; ++step) {
+    for (auto& c : cs) c->castVote(0, step);
+    for (auto& c : cs)
+      EXPECT_EQ(c->awaitVerdict(0, step, 5s), CoordinatorClient::VoteResult::kCommitted);
+  }
+  EXPECT_EQ(coord.status().committedStep, 2);
+
+  // Five of six vote step 3: no verdict, the first withdraws, and the step is superseded.
+  for (int i = 0; i < 5; ++i) cs[i]->castVote(0, 3);
+  EXPECT_EQ(cs[0]->awaitVerdict(0, 3, 200ms), CoordinatorClient::VoteResult::kSuperseded);
+  const EpochInfo e1 = cs[5]->waitEpochAfter(0, 5s);
+  EXPECT_EQ(e1.resumeStep, 3);
+  EXPECT_EQ(e1.members.size(), 6u);
+  EXPECT_EQ(coord.status().committedStep, 2);
+
+  // Worker 2's client goes while the shared threads run on: the rest get an epoch without it.
+  cs[2].reset();
+  const EpochInfo e2 = cs[0]->waitEpochAfter(e1.epoch, 5s);
+  EXPECT_EQ(e2.members, (std::vector<int>{0, 1, 3, 4, 5}));
+  EXPECT_EQ(coord.status().dead, std::vector<int>{2});
+  // A step of the new epoch from one thread again.
+  std::vector<CoordinatorClient*> live;
+  for (auto& c : cs) {
+    if (c) live.push_back(c.get());
+  }
+  for (auto* c : live) c->waitEpochAfter(e1.epoch, 5s);
+  for (auto* c : live) c->castVote(e2.epoch, 3);
+  for (auto* c : live) {
+    EXPECT_EQ(c->awaitVerdict(e2.epoch, 3, 5s), CoordinatorClient::VoteResult::kCommitted);
+  }
+  EXPECT_EQ(coord.status().committedStep, 3);
+  // Each done is flushed before its client closes; the job finishes.
+  for (auto* c : live) c->done(3);
+  std::weak_ptr<ClientIoThreads> weak = io;
+  io.reset();  // The clients hold the threads now.
+  EXPECT_FALSE(weak.expired());
+  cs.clear();
+  EXPECT_TRUE(weak.expired());
+  EXPECT_TRUE(coord.waitFinished(5s));
+}
+
 TEST(CoordinatorTest, StaleEpochMessagesAreIgnoredNotFatal) {
   LogSink sink;
   Coordinator coord(options(3, &sink));
