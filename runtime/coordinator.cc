@@ -335,10 +335,12 @@ class Coordinator::Impl::Session : public collectives::transport::ChannelHandler
                const collectives::transport::FrameHeader& h,
                std::vector<uint8_t> payload) override {
     if (!channel_) channel_ = channel.shared_from_this();
+    const auto read = Clock::now();
     json body = wire::decodeBody(h.type, payload);  // Corruption drops the connection.
     std::lock_guard<std::mutex> lock(owner_->mu_);
     if (closed_) return;
     JobState& state = *owner_->state_;
+    const int64_t committedBefore = state.committed();
     try {
       state.onFrame(id_, h.type, h.epoch, body, Clock::now());
     } catch (const Error& e) {
@@ -358,6 +360,9 @@ class Coordinator::Impl::Session : public collectives::transport::ChannelHandler
       state.onClosed(id_, std::string("internal error: ") + e.what(), Clock::now());
     }
     owner_->apply();
+    // This frame completed a step: its commit is now written to every member's socket (a
+    // channel with nothing queued writes at once).
+    if (state.committed() > committedBefore) state.noteCommitWritten(Clock::now() - read);
     owner_->rearm();
   }
 

@@ -167,6 +167,10 @@ class JobState {
   bool deposed() const { return deposed_; }
   int64_t epoch() const { return epoch_; }
   int64_t committed() const { return committed_; }
+  // The coordinator's time for the newest step committed on a frame: from reading that frame
+  // (the last vote) to the commit written to every member's connection (/metrics'
+  // sinew_commit_seconds).
+  void noteCommitWritten(Clock::duration took) { commitSeconds_ = secondsOf(took); }
   const std::vector<int>& members() const { return members_; }
   // The worker connection `s` said hello as, or -1.
   int workerOf(SessionId s) const;
@@ -363,6 +367,7 @@ class JobState {
   Clock::time_point firstCommit_{};
   std::map<int, std::deque<double>> stepSecondsBySize_;
   double effectiveSeconds_ = 0;
+  double commitSeconds_ = 0;  // noteCommitWritten
   GoodputMeter goodput_;      // the wall time by cause (docs/goodput.md), this term's
   EpochChanges changes_;      // each epoch change's measured pause and bytes, this term's
   int64_t epochCommits_ = 0;  // commits in the current epoch

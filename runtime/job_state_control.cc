@@ -592,6 +592,10 @@ std::string JobState::metrics(Clock::time_point now) {
          "Samples per second over the last steps (0 while not training).", samplesPerSecondNow());
   metric(out, "sinew_committed_steps_total", "counter", "Steps committed by this coordinator.",
          commits_);
+  metric(out, "sinew_commit_seconds", "gauge",
+         "Seconds from reading the last vote of the newest committed step to its commit written "
+         "to every member's connection (0: none yet).",
+         commitSeconds_);
   metric(out, "sinew_failures_total", "counter", "Workers declared dead.", failures_);
   metric(out, "sinew_rollbacks_total", "counter",
          "Rollbacks to an older version because a layer had no live copy (pipelines).", rollbacks_);
