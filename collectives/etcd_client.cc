@@ -573,7 +573,7 @@ class EtcdClient::Impl {
   }
 
   std::vector<EtcdWatchEvent> watch(const std::string& key, bool prefix, int64_t fromRevision,
-                                    std::chrono::milliseconds timeout) {
+                                    std::chrono::milliseconds timeout, Cancellation* cancel) {
     json create = {{"key", base64(key)}, {"start_revision", std::to_string(fromRevision)}};
     if (prefix) create["range_end"] = base64(prefixEnd(key));
     const std::string payload = json{{"create_request", create}}.dump();
@@ -592,6 +592,14 @@ class EtcdClient::Impl {
       MemberConnection conn;
       bool established = false;
       std::vector<EtcdWatchEvent> events;
+      // cancel() ends what this attempt waits for (the connect, the request or a read) on
+      // io's next turn; the wait then returns no events.
+      Cancellation::Registration registration(cancel, [&io, &conn] {
+        asio::post(io, [&conn] {
+          if (conn.open()) conn.lowest().cancel();
+        });
+      });
+      if (cancel && cancel->cancelled()) return events;
       // Connect and send within one attempt's time; then wait for events until the deadline.
       beast::error_code ec =
           connect(io, ep, std::min(deadline, Clock::now() + options_.attemptTimeout), conn);
@@ -603,6 +611,7 @@ class EtcdClient::Impl {
         io.run();
         io.restart();
       }
+      if (cancel && cancel->cancelled()) return events;
       if (!ec) {
         // Read until events arrive or the deadline passes. A member that accepted the watch
         // but stays silent (stopped) costs this call its time; the caller reads again, and
@@ -619,6 +628,7 @@ class EtcdClient::Impl {
           });
           io.run();
           io.restart();
+          if (cancel && cancel->cancelled()) return events;
           if (ec == beast::error::timeout) return events;  // No change before the deadline.
           if (parser.is_header_done() && parser.get().result_int() != 200) {
             lastError = "HTTP " + std::to_string(parser.get().result_int());
@@ -980,8 +990,9 @@ void EtcdClient::enableAuth(const std::string& rootPassword) {
 
 std::vector<EtcdWatchEvent> EtcdClient::watch(const std::string& key, bool prefix,
                                               int64_t fromRevision,
-                                              std::chrono::milliseconds timeout) {
-  return impl_->watch(key, prefix, fromRevision, timeout);
+                                              std::chrono::milliseconds timeout,
+                                              Cancellation* cancel) {
+  return impl_->watch(key, prefix, fromRevision, timeout, cancel);
 }
 
 }  // namespace collectives

@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+#include "sinew/base/cancellation.h"
+
 namespace sinew {
 namespace collectives {
 
@@ -173,9 +175,11 @@ class EtcdClient {
   // Waits for the first changes to `key` (or, with prefix, to any key starting with it) at or
   // after revision fromRevision, for at most `timeout`; returns them (empty at the timeout).
   // Throws Timeout when no member can be reached, IoError when etcd refuses the watch (e.g.
-  // fromRevision was compacted away: read again and watch from the new revision).
+  // fromRevision was compacted away: read again and watch from the new revision). `cancel`
+  // (optional): its cancel() from another thread ends the watch at once, with no events.
   std::vector<EtcdWatchEvent> watch(const std::string& key, bool prefix, int64_t fromRevision,
-                                    std::chrono::milliseconds timeout);
+                                    std::chrono::milliseconds timeout,
+                                    Cancellation* cancel = nullptr);
 
   const EtcdOptions& options() const;
 

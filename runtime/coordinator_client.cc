@@ -95,6 +95,7 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
     {
       std::lock_guard<std::mutex> lock(haMu_);
       haStop_ = true;
+      if (watchCancel_) watchCancel_->cancel();
     }
     haCv_.notify_all();
     if (watcher_.joinable()) watcher_.join();
@@ -162,7 +163,8 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
       while (!leader && Clock::now() < deadline) {
         try {
           leader = options_.awaitLeader(
-              0, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+              0, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
+              nullptr);
         } catch (const std::exception&) {
           std::this_thread::sleep_for(std::chrono::milliseconds(100));
         }
@@ -392,6 +394,8 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
         connected_.store(false);
         leaderLostNs_.store(nowNs());
         lostWhy_ = why;
+        // A wait for a new leader made while connected ends: the same leader may be back.
+        if (watchCancel_) watchCancel_->cancel();
       }
       haCv_.notify_all();
       return;
@@ -442,20 +446,30 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
   // without a leader.
   void watchLeader() {
     while (true) {
-      {
-        std::unique_lock<std::mutex> lock(haMu_);
-        if (haStop_) return;
-      }
       const int64_t term = term_.load();
-      const bool connected = connected_.load();
+      // Read under haMu_ with the wait's cancellation registered: a connection that closes
+      // from here on cancels the wait.
+      bool connected;
+      auto cancel = std::make_shared<Cancellation>();
+      {
+        std::lock_guard<std::mutex> lock(haMu_);
+        if (haStop_) return;
+        connected = connected_.load();
+        watchCancel_ = cancel;
+      }
       std::optional<CoordinatorClientOptions::Leader> leader;
       try {
-        leader = options_.awaitLeader(term, std::chrono::milliseconds(connected ? 1000 : 300));
+        leader = options_.awaitLeader(
+            term, connected ? options_.leaderWatch : std::chrono::milliseconds(300), cancel.get());
       } catch (const std::exception&) {
-        // etcd unreachable (it may have lost its majority): the job waits for it.
+        // etcd unreachable (it may have lost its majority): the job waits for it. Not at
+        // once again: a member that refuses at once would make this loop spin.
+        std::unique_lock<std::mutex> lock(haMu_);
+        haCv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return haStop_; });
       }
       {
         std::lock_guard<std::mutex> lock(haMu_);
+        watchCancel_.reset();
         if (haStop_) return;
       }
       if (leader && leader->term != term) {
@@ -679,6 +693,7 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
   bool haStop_ = false;
   CoordinatorClientOptions::Leader leader_;
   std::string lostWhy_;
+  std::shared_ptr<Cancellation> watchCancel_;  // the watcher's wait for a leader, while it waits
   // The step (times 2) and whether the worker waits on the others (the low bit), in one word
   // so that a heartbeat never pairs one step with another step's flag. -2: step -1.
   std::atomic<int64_t> progress_{-2};

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "sinew/base/cancellation.h"
 #include "sinew/base/error.h"
 
 namespace sinew {
@@ -100,14 +101,22 @@ struct CoordinatorClientOptions {
   // and the client moves to a new leader as soon as one is announced, since a paused leader
   // may hold its connections open without answering. awaitLeader blocks up to `timeout` for
   // a leader whose term is not `otherThan` (0: any leader) and returns nullopt when there is
-  // none by then; it may throw (etcd unreachable), which counts as none.
+  // none by then, or at once when `cancel` (may be null) is cancelled from another thread; it
+  // may throw (etcd unreachable), which counts as none.
   struct Leader {
     std::string host;
     uint16_t port = 0;
     int64_t term = 0;
   };
-  std::function<std::optional<Leader>(int64_t otherThan, std::chrono::milliseconds timeout)>
+  std::function<std::optional<Leader>(int64_t otherThan, std::chrono::milliseconds timeout,
+                                      Cancellation* cancel)>
       awaitLeader;
+  // With awaitLeader, while connected: how long one wait for a new leader lasts before the
+  // client waits again (a new leader is seen as soon as etcd names it either way; a closed
+  // connection or close() ends the wait at once). Each wait is a read and a watch of the
+  // leader key in etcd, so this sets the load a job puts on etcd (N workers: N / leaderWatch
+  // requests a second) and how late a watch held by a silent etcd member sees a new leader.
+  std::chrono::milliseconds leaderWatch{10000};
   // With awaitLeader: how long the worker may be without a leader before it gives up (the
   // job's state is safe in etcd; the worker ends with Expelled naming the wait).
   std::chrono::milliseconds reconnectTimeout{60000};

@@ -228,35 +228,37 @@ int runHaCoordinator(const HaCoordinatorOptions& options) {
   }
 }
 
-std::function<std::optional<CoordinatorClientOptions::Leader>(int64_t, std::chrono::milliseconds)>
+std::function<std::optional<CoordinatorClientOptions::Leader>(int64_t, std::chrono::milliseconds,
+                                                              Cancellation*)>
 etcdLeaderFinder(std::shared_ptr<EtcdClient> etcd, const std::string& job, uint64_t token) {
   const std::string key = haPrefix(job) + "leader";
-  return [etcd, key, token](
-             int64_t otherThan,
-             std::chrono::milliseconds timeout) -> std::optional<CoordinatorClientOptions::Leader> {
-    const auto deadline = Clock::now() + timeout;
-    while (true) {
-      int64_t revision = 0;
-      auto kv = etcd->get(key, &revision);
-      if (kv && kv->createRevision != otherThan) {
-        // A leader serves once its value names its port; only a value sealed with the job
-        // token for this term is believed (the job token goes to the address it names).
-        auto opened = collectives::openServingLeader(*kv, token, nullptr);
-        if (opened) {
-          const json v = json::parse(*opened);
-          CoordinatorClientOptions::Leader leader;
-          leader.host = v.value("host", std::string("127.0.0.1"));
-          leader.port = static_cast<uint16_t>(v.at("port").get<int>());
-          leader.term = kv->createRevision;
-          return leader;
+  return
+      [etcd, key, token](int64_t otherThan, std::chrono::milliseconds timeout,
+                         Cancellation* cancel) -> std::optional<CoordinatorClientOptions::Leader> {
+        const auto deadline = Clock::now() + timeout;
+        while (true) {
+          if (cancel && cancel->cancelled()) return std::nullopt;
+          int64_t revision = 0;
+          auto kv = etcd->get(key, &revision);
+          if (kv && kv->createRevision != otherThan) {
+            // A leader serves once its value names its port; only a value sealed with the job
+            // token for this term is believed (the job token goes to the address it names).
+            auto opened = collectives::openServingLeader(*kv, token, nullptr);
+            if (opened) {
+              const json v = json::parse(*opened);
+              CoordinatorClientOptions::Leader leader;
+              leader.host = v.value("host", std::string("127.0.0.1"));
+              leader.port = static_cast<uint16_t>(v.at("port").get<int>());
+              leader.term = kv->createRevision;
+              return leader;
+            }
+          }
+          const auto left =
+              std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+          if (left.count() <= 0) return std::nullopt;
+          etcd->watch(key, false, revision + 1, left, cancel);
         }
-      }
-      const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-      if (left.count() <= 0) return std::nullopt;
-      etcd->watch(key, false, revision + 1, left);
-    }
-  };
+      };
 }
 
 }  // namespace runtime

@@ -61,11 +61,13 @@ struct FakeEtcd {
     return state;
   }
   // The finder a client gets: the current leader if its term differs from `otherThan`.
-  std::function<std::optional<Leader>(int64_t, std::chrono::milliseconds)> finder(
+  std::function<std::optional<Leader>(int64_t, std::chrono::milliseconds, Cancellation*)> finder(
       std::atomic<bool>* blocked = nullptr) {
-    return [this, blocked](int64_t otherThan, std::chrono::milliseconds timeout) {
+    return [this, blocked](int64_t otherThan, std::chrono::milliseconds timeout,
+                           Cancellation* cancel) {
       const auto deadline = std::chrono::steady_clock::now() + timeout;
       while (true) {
+        if (cancel && cancel->cancelled()) return std::optional<Leader>();
         if (!blocked || !blocked->load()) {
           std::lock_guard<std::mutex> lock(mu);
           if (leader && leader->term != otherThan) return leader;

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <chrono>
 #include <fstream>
+#include <future>
 #include <map>
 #include <optional>
 #include <random>
@@ -344,18 +345,36 @@ TEST(EtcdSealTest, ReadersBelieveOnlyValuesSealedWithTheJobToken) {
   auto finder = sinew::runtime::etcdLeaderFinder(etcd, "sealed", token);
   etcd->put(key, R"({"host":"127.0.0.1","port":4242,"term":0})");
   const int64_t term = etcd->get(key)->createRevision;
-  EXPECT_FALSE(finder(-1, 300ms)) << "an unsealed leader value was believed";
+  EXPECT_FALSE(finder(-1, 300ms, nullptr)) << "an unsealed leader value was believed";
   const std::string value =
       R"({"host":"127.0.0.1","port":4242,"term":)" + std::to_string(term) + "}";
   etcd->put(key, sealEtcdValue(key, value, other));
-  EXPECT_FALSE(finder(-1, 300ms)) << "another token's seal was believed";
+  EXPECT_FALSE(finder(-1, 300ms, nullptr)) << "another token's seal was believed";
   etcd->put(key, sealEtcdValue(key, R"({"host":"127.0.0.1","port":4242,"term":1})", token));
-  EXPECT_FALSE(finder(-1, 300ms)) << "a value of another term was believed";
+  EXPECT_FALSE(finder(-1, 300ms, nullptr)) << "a value of another term was believed";
   etcd->put(key, sealEtcdValue(key, value, token));
-  auto leader = finder(-1, 300ms);
+  auto leader = finder(-1, 300ms, nullptr);
   ASSERT_TRUE(leader);
   EXPECT_EQ(leader->port, 4242);
   EXPECT_EQ(leader->term, term);
+  // A wait for another term (a client's watch while connected) ends when another thread
+  // cancels it, not at its timeout; one cancelled before it begins does not wait.
+  {
+    sinew::Cancellation cancel;
+    const auto t0 = std::chrono::steady_clock::now();
+    auto canceller = std::async(std::launch::async, [&] {
+      std::this_thread::sleep_for(300ms);
+      cancel.cancel();
+    });
+    EXPECT_FALSE(finder(term, 30s, &cancel));
+    const auto took = std::chrono::steady_clock::now() - t0;
+    EXPECT_GE(took, 250ms);
+    EXPECT_LT(took, 3s) << "the cancelled watch ran on";
+    canceller.get();
+    const auto t1 = std::chrono::steady_clock::now();
+    EXPECT_FALSE(finder(term, 30s, &cancel));
+    EXPECT_LT(std::chrono::steady_clock::now() - t1, 1s);
+  }
 
   const std::string stateKey = sinew::runtime::haPrefix("sealed") + "state";
   etcd->put(stateKey, sealEtcdValue(stateKey, R"({"committed":5})", token));
