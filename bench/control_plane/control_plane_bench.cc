@@ -816,9 +816,22 @@ int main(int argc, char** argv) {
   }
   ::signal(SIGPIPE, SIG_IGN);
   const std::vector<int> ns = parseSizes(sizes);
-  // Every simulated worker holds one socket; the coordinator's process raises its own.
-  sinew::raiseOpenFileLimit(static_cast<int64_t>(*std::max_element(ns.begin(), ns.end())) * 2 +
-                            1024);
+  // Every simulated worker holds one socket, and in HA mode also its watch of the leader key
+  // in etcd (a socket, and the watch's io_context: an epoll, an eventfd and a timerfd); the
+  // coordinator's process raises its own. Past the hard limit only where that is allowed (as
+  // root): 4,096 HA workers need about 25,000 descriptors.
+  const int64_t largest = *std::max_element(ns.begin(), ns.end());
+  const int64_t needed = largest * (ha ? 6 : 2) + 1024;
+  if (sinew::raiseOpenFileLimit(needed) < needed) {
+    struct rlimit r {};
+    r.rlim_cur = r.rlim_max = static_cast<rlim_t>(needed);
+    (void)::setrlimit(RLIMIT_NOFILE, &r);
+  }
+  if (sinew::raiseOpenFileLimit(needed) < needed) {
+    std::printf("note: %lld open files allowed, %lld wanted: the largest size may run out\n",
+                static_cast<long long>(sinew::raiseOpenFileLimit(needed)),
+                static_cast<long long>(needed));
+  }
   std::vector<SizeResult> results;
   std::unique_ptr<sinew::testing::EtcdCluster> etcdCluster;
   if (ha) {
