@@ -599,7 +599,8 @@ class EtcdClient::Impl {
           if (conn.open()) conn.lowest().cancel();
         });
       });
-      if (cancel && cancel->cancelled()) return events;
+      auto cancelled = [cancel] { return cancel && cancel->cancelled(); };
+      if (cancelled()) return events;
       // Connect and send within one attempt's time; then wait for events until the deadline.
       beast::error_code ec =
           connect(io, ep, std::min(deadline, Clock::now() + options_.attemptTimeout), conn);
@@ -611,7 +612,7 @@ class EtcdClient::Impl {
         io.run();
         io.restart();
       }
-      if (cancel && cancel->cancelled()) return events;
+      if (cancelled()) return events;
       if (!ec) {
         // Read until events arrive or the deadline passes. A member that accepted the watch
         // but stays silent (stopped) costs this call its time; the caller reads again, and
@@ -628,7 +629,7 @@ class EtcdClient::Impl {
           });
           io.run();
           io.restart();
-          if (cancel && cancel->cancelled()) return events;
+          if (cancelled()) return events;
           if (ec == beast::error::timeout) return events;  // No change before the deadline.
           if (parser.is_header_done() && parser.get().result_int() != 200) {
             lastError = "HTTP " + std::to_string(parser.get().result_int());

@@ -192,24 +192,14 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
                                Clock::now() + options_.connectTimeout, peer);
       open(std::move(socket));  // Before the io thread starts.
     } else {
-      // Shared io threads run already: connect on an io_context of this thread's, then hand
-      // the connection to this client's io thread.
-      asio::io_context io;
-      tcp::socket socket(io);
-      transport::connectSocket(io, socket, options_.host, options_.port,
-                               Clock::now() + options_.connectTimeout, peer);
-      const auto protocol = socket.local_endpoint().protocol();
-      const int fd = ::fcntl(socket.native_handle(), F_DUPFD_CLOEXEC, 0);
-      if (fd < 0) SINEW_THROW(IoError, "cannot keep the connection to ", peer, ": dup failed");
-      asio::post(io_, [this, open, fd, protocol] {
-        tcp::socket s(io_);
-        error_code ec;
-        s.assign(protocol, fd, ec);
-        if (ec) {
-          ::close(fd);
-          return fail("cannot keep the connection to the coordinator: " + ec.message());
-        }
-        open(std::move(s));
+      // Shared io threads run already: connect here, then hand the connection to this
+      // client's io thread.
+      const Detached d = connectDetached(options_.host, options_.port,
+                                         Clock::now() + options_.connectTimeout, peer);
+      asio::post(io_, [this, open, d] {
+        std::string why;
+        if (auto s = adopt(d, &why)) return open(std::move(*s));
+        fail("cannot keep the connection to the coordinator: " + why);
       });
     }
     if (options_.awaitLeader) {
@@ -440,6 +430,37 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
     return channel;
   }
 
+  // A connection made on a thread other than the io thread, as a descriptor of its own
+  // (close-on-exec) for the io thread to adopt.
+  struct Detached {
+    int fd = -1;
+    tcp::socket::protocol_type protocol = tcp::v4();
+  };
+  // Connects on an io_context of the calling thread's. Throws what connectSocket throws, or
+  // IoError.
+  static Detached connectDetached(const std::string& host, uint16_t port,
+                                  Clock::time_point deadline, const std::string& peer) {
+    asio::io_context io;
+    tcp::socket socket(io);
+    transport::connectSocket(io, socket, host, port, deadline, peer);
+    Detached d;
+    d.protocol = socket.local_endpoint().protocol();
+    d.fd = ::fcntl(socket.native_handle(), F_DUPFD_CLOEXEC, 0);
+    if (d.fd < 0) SINEW_THROW(IoError, "cannot keep the connection to ", peer, ": dup failed");
+    return d;
+  }
+  // io thread only: `d` as a socket of io_, or nullopt (its descriptor closed, the reason in
+  // *why when given).
+  std::optional<tcp::socket> adopt(const Detached& d, std::string* why) {
+    tcp::socket s(io_);
+    error_code ec;
+    s.assign(d.protocol, d.fd, ec);
+    if (!ec) return s;
+    ::close(d.fd);
+    if (why) *why = ec.message();
+    return std::nullopt;
+  }
+
   // High availability (docs/ha.md): the watcher thread. While connected, it waits for etcd to
   // name a leader of another term and moves to it; while disconnected, it waits for a leader
   // (a new one, or the same one again) and connects. It gives up after reconnectTimeout
@@ -506,23 +527,19 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
   // thread, which replaces the old one and says hello again. Returns whether it connected.
   bool reconnect(const CoordinatorClientOptions::Leader& leader) {
     if (leader.port == 0) return false;
-    asio::io_context io;
-    tcp::socket socket(io);
     // A new leader may still be opening its port: retry for 2 s. The same leader again (its
     // connection closed) is tried once, briefly: it is most likely dead, and the watcher must
     // go back to waiting for etcd to name the next one.
     const bool sameTerm = leader.term == term_.load();
+    Detached d;
     try {
-      transport::connectSocket(io, socket, leader.host, leader.port,
-                               Clock::now() + (sameTerm ? std::chrono::milliseconds(100)
-                                                        : std::chrono::milliseconds(2000)),
-                               "the leader at " + leader.host + ":" + std::to_string(leader.port));
+      d = connectDetached(leader.host, leader.port,
+                          Clock::now() + (sameTerm ? std::chrono::milliseconds(100)
+                                                   : std::chrono::milliseconds(2000)),
+                          "the leader at " + leader.host + ":" + std::to_string(leader.port));
     } catch (const std::exception&) {
       return false;
     }
-    const auto protocol = socket.local_endpoint().protocol();
-    const int fd = ::fcntl(socket.native_handle(), F_DUPFD_CLOEXEC, 0);
-    if (fd < 0) return false;
     {
       std::lock_guard<std::mutex> lock(haMu_);
       if (leader.term != leader_.term) leaderLostNs_.store(nowNs());  // A change of leader.
@@ -530,20 +547,15 @@ class CoordinatorClient::Impl : public transport::ChannelHandler {
       term_.store(leader.term);
       connected_.store(true);
     }
-    asio::post(io_, [this, fd, protocol, leader] {
+    asio::post(io_, [this, d, leader] {
       if (stopping_ || closed_) {
-        ::close(fd);
+        ::close(d.fd);
         return;
       }
-      tcp::socket s(io_);
-      error_code ec;
-      s.assign(protocol, fd, ec);
-      if (ec) {
-        ::close(fd);
-        return;
-      }
+      std::optional<tcp::socket> s = adopt(d, nullptr);
+      if (!s) return;
       if (channel_) channel_->close();  // Its onClose is ignored: no longer the current one.
-      channel_ = makeChannel(std::move(s));
+      channel_ = makeChannel(std::move(*s));
       json hello = {{"worker", worker_}, {"node", options_.node}, {"pid", ::getpid()}};
       int64_t epoch;
       int64_t committed;

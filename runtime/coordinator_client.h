@@ -108,9 +108,9 @@ struct CoordinatorClientOptions {
     uint16_t port = 0;
     int64_t term = 0;
   };
-  std::function<std::optional<Leader>(int64_t otherThan, std::chrono::milliseconds timeout,
-                                      Cancellation* cancel)>
-      awaitLeader;
+  using LeaderFinder = std::function<std::optional<Leader>(
+      int64_t otherThan, std::chrono::milliseconds timeout, Cancellation* cancel)>;
+  LeaderFinder awaitLeader;
   // With awaitLeader, while connected: how long one wait for a new leader lasts before the
   // client waits again (a new leader is seen as soon as etcd names it either way; a closed
   // connection or close() ends the wait at once). Each wait is a read and a watch of the

@@ -228,9 +228,8 @@ int runHaCoordinator(const HaCoordinatorOptions& options) {
   }
 }
 
-std::function<std::optional<CoordinatorClientOptions::Leader>(int64_t, std::chrono::milliseconds,
-                                                              Cancellation*)>
-etcdLeaderFinder(std::shared_ptr<EtcdClient> etcd, const std::string& job, uint64_t token) {
+CoordinatorClientOptions::LeaderFinder etcdLeaderFinder(std::shared_ptr<EtcdClient> etcd,
+                                                        const std::string& job, uint64_t token) {
   const std::string key = haPrefix(job) + "leader";
   return
       [etcd, key, token](int64_t otherThan, std::chrono::milliseconds timeout,

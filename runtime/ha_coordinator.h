@@ -68,10 +68,8 @@ int runHaCoordinator(const HaCoordinatorOptions& options);
 // For workers: the CoordinatorClientOptions::awaitLeader that reads and watches the job's
 // leader key. It believes only a value sealed with the job's token (collectives::
 // sealEtcdValue) that names the term of the key it is in; others are waited past.
-std::function<std::optional<CoordinatorClientOptions::Leader>(int64_t, std::chrono::milliseconds,
-                                                              Cancellation*)>
-etcdLeaderFinder(std::shared_ptr<collectives::EtcdClient> etcd, const std::string& job,
-                 uint64_t token);
+CoordinatorClientOptions::LeaderFinder etcdLeaderFinder(
+    std::shared_ptr<collectives::EtcdClient> etcd, const std::string& job, uint64_t token);
 
 }  // namespace runtime
 }  // namespace sinew

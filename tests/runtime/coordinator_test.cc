@@ -49,13 +49,15 @@ CoordinatorOptions options(int expected, LogSink* sink) {
 }
 
 std::unique_ptr<CoordinatorClient> client(const Coordinator& c, int worker,
-                                          const std::string& node = "") {
+                                          const std::string& node = "",
+                                          std::shared_ptr<ClientIoThreads> io = nullptr) {
   CoordinatorClientOptions o;
   o.port = c.port();
   o.token = c.token();
   o.worker = worker;
   o.node = node.empty() ? "node" + std::to_string(worker) : node;
   o.connectTimeout = 5s;
+  o.ioThreads = std::move(io);
   auto cl = std::make_unique<CoordinatorClient>(o);
   cl->ready(0);
   return cl;
@@ -303,17 +305,7 @@ TEST(CoordinatorTest, ClientsOnSharedIoThreadsVoteFromOneThreadAndLeaveCleanly) 
   auto io = std::make_shared<ClientIoThreads>(2);
   EXPECT_EQ(io->size(), 2);
   std::vector<std::unique_ptr<CoordinatorClient>> cs;
-  for (int i = 0; i < 6; ++i) {
-    CoordinatorClientOptions o;
-    o.port = coord.port();
-    o.token = coord.token();
-    o.worker = i;
-    o.node = "node" + std::to_string(i);
-    o.connectTimeout = 5s;
-    o.ioThreads = io;
-    cs.push_back(std::make_unique<CoordinatorClient>(o));
-    cs.back()->ready(0);
-  }
+  for (int i = 0; i < 6; ++i) cs.push_back(client(coord, i, "", io));
   for (auto& c : cs) EXPECT_EQ(c->waitEpochAfter(-1, 5s).members.size(), 6u);
   for (int64_t step = 0; step < 3; ++step) {
     for (auto& c : cs) c->castVote(0, step);

@@ -61,8 +61,7 @@ struct FakeEtcd {
     return state;
   }
   // The finder a client gets: the current leader if its term differs from `otherThan`.
-  std::function<std::optional<Leader>(int64_t, std::chrono::milliseconds, Cancellation*)> finder(
-      std::atomic<bool>* blocked = nullptr) {
+  CoordinatorClientOptions::LeaderFinder finder(std::atomic<bool>* blocked = nullptr) {
     return [this, blocked](int64_t otherThan, std::chrono::milliseconds timeout,
                            Cancellation* cancel) {
       const auto deadline = std::chrono::steady_clock::now() + timeout;
