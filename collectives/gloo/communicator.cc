@@ -72,7 +72,12 @@ std::shared_ptr<gloo::transport::Device> sharedDevice(const std::string& hostnam
 
 GlooCommunicator::GlooCommunicator(const std::shared_ptr<Store>& store,
                                    const CommunicatorOptions& options, const GlooOptions& gloo)
-    : Communicator(options), gloo_(gloo), verdicts_(options.members.size()) {
+    : Communicator(options),
+      gloo_(gloo),
+      keep_(gloo.keepConnections && pairsAdoptConnections()),
+      pairFds_(options.members.size(), -1),
+      linkIds_(options.members.size(), 0),
+      verdicts_(options.members.size()) {
   if (gloo_.laneSocketBufferBytes < 0 ||
       gloo_.laneSocketBufferBytes > GlooOptions::kMaxLaneSocketBufferBytes) {
     SINEW_THROW(InvalidArgument, "createGlooCommunicator: GlooOptions::laneSocketBufferBytes = ",
@@ -97,29 +102,45 @@ void GlooCommunicator::connect(const std::shared_ptr<Store>& store) {
   auto prefixed = std::make_shared<PrefixStore>(
       "sinew/comm/" + options_.name + "/epoch/" + std::to_string(epoch()), store);
 
-  // 1. Announce ourselves and wait for every member, so a missing member is named.
-  prefixed->set("joined/" + std::to_string(rank_), toBytes(std::to_string(self())));
-  std::vector<std::string> keys;
-  for (int r = 0; r < size(); ++r) keys.push_back("joined/" + std::to_string(r));
-  try {
-    prefixed->wait(keys, options_.initTimeout);
-  } catch (const Timeout&) {
-    std::ostringstream missing;
+  // 1. Announce ourselves and wait for every member, so a missing member is named; keep the
+  //    connections both ends of a pair kept (repair), resynchronised for this epoch.
+  std::map<int, Link> pooled;
+  if (keep_) {
+    std::vector<int> peers;
     for (int r = 0; r < size(); ++r) {
-      if (!prefixed->check({keys[r]})) missing << " " << workerOf(r);
+      if (r != rank_) peers.push_back(workerOf(r));
     }
-    SINEW_THROW(Timeout, describe(), ": members did not join within ", options_.initTimeout.count(),
-                " ms: workers", missing.str());
+    pooled = LinkPool::instance().takeFor(options_.name, self(), peers, epoch());
+  }
+  std::vector<Link> kept = join(*prefixed, std::move(pooled));
+  std::vector<int> keptPairs(size(), -1);
+  std::vector<std::pair<int, int>> keptLanes(size(), {-1, -1});
+  for (int r = 0; r < size(); ++r) {
+    if (kept[r].id == 0) continue;
+    keptPairs[r] = kept[r].pairFd;
+    keptLanes[r] = {kept[r].sendFd, kept[r].recvFd};
+    linkIds_[r] = kept[r].id;
   }
 
   // 2. Full mesh of Gloo's pairs, on connections that presented the store's nonce
   //    (gloo/pair_mesh.h): Gloo's own rendezvous has each pair take whoever connects first.
+  //    Kept connections are adopted as they are.
   try {
     device_ = sharedDevice(options_.hostname);
+    PairLinks links;
     context_ = connectPairs(
         prefixed, rank_, size(), options_.hostname, epoch(), deadline, describe(),
-        [this](int r) { return workerOf(r); }, device_);
+        [this](int r) { return workerOf(r); }, device_, keptPairs, &links);
+    pairFds_ = std::move(links.fds);
+    for (int r = 0; r < size(); ++r) {
+      if (linkIds_[r] == 0) linkIds_[r] = links.ids[r];
+    }
   } catch (...) {
+    for (auto& [sendFd, recvFd] : keptLanes) {
+      for (int fd : {sendFd, recvFd}) {
+        if (fd >= 0) ::close(fd);
+      }
+    }
     closeContext();
     throw;
   }
@@ -138,6 +159,12 @@ void GlooCommunicator::connect(const std::shared_ptr<Store>& store) {
     } catch (const gloo::Exception& e) {
       controlBufs_.clear();  // No watcher runs yet.
       closeContext();
+      for (auto& [sendFd, recvFd] : keptLanes) {
+        for (int fd : {sendFd, recvFd}) {
+          if (fd >= 0) ::close(fd);
+        }
+      }
+      leaveLinks();  // Keeps nothing: there are no lanes.
       SINEW_THROW(IoError, describe(), ": the connection to worker ", workerOf(r), " (rank ", r,
                   ") broke as it was set up: ", e.what());
     }
@@ -154,7 +181,8 @@ void GlooCommunicator::connect(const std::shared_ptr<Store>& store) {
     auto lanes = std::make_unique<Lanes>(
         *prefixed, rank_, size(), options_.hostname, epoch(), deadline, describe(),
         [this](int r) { return workerOf(r); },
-        [this] { return failed_.load(std::memory_order_acquire); }, gloo_.laneSocketBufferBytes);
+        [this] { return failed_.load(std::memory_order_acquire); }, gloo_.laneSocketBufferBytes,
+        Lanes::Purpose::kData, keptLanes);
     std::lock_guard<std::mutex> lock(mu_);
     lanes_ = std::move(lanes);
   } catch (...) {
@@ -167,6 +195,109 @@ void GlooCommunicator::connect(const std::shared_ptr<Store>& store) {
     }
     shutdown();
     throwFailure();
+  }
+}
+
+std::vector<Link> GlooCommunicator::join(Store& store, std::map<int, Link> pooled) {
+  auto putBack = [&] {
+    for (auto& [peer, link] : pooled) LinkPool::instance().put(options_.name, self(), link);
+    pooled.clear();
+  };
+  // "<worker>" and a " <peer worker>:<link id>" for each connection kept for a member.
+  std::string joined = std::to_string(self());
+  for (const auto& [peer, link] : pooled) {
+    joined += " " + std::to_string(peer) + ":" + std::to_string(link.id);
+  }
+  store.set("joined/" + std::to_string(rank_), toBytes(joined));
+  std::vector<std::string> keys;
+  for (int r = 0; r < size(); ++r) keys.push_back("joined/" + std::to_string(r));
+  try {
+    store.wait(keys, options_.initTimeout);
+  } catch (const Timeout&) {
+    putBack();
+    std::ostringstream missing;
+    for (int r = 0; r < size(); ++r) {
+      if (!store.check({keys[r]})) missing << " " << workerOf(r);
+    }
+    SINEW_THROW(Timeout, describe(), ": members did not join within ", options_.initTimeout.count(),
+                " ms: workers", missing.str());
+  } catch (...) {
+    putBack();
+    throw;
+  }
+  std::vector<Link> kept(size());
+  if (pooled.empty()) return kept;
+  // A link is kept where the member at its other end kept the same one for this member.
+  std::vector<Link*> resync;
+  try {
+    const std::string mine = " " + std::to_string(self()) + ":";
+    for (int r = 0; r < size(); ++r) {
+      auto it = pooled.find(workerOf(r));
+      if (r == rank_ || it == pooled.end()) continue;
+      const Bytes b = store.get(keys[r], options_.initTimeout);
+      const std::string theirs(b.begin(), b.end());
+      if ((theirs + " ").find(mine + std::to_string(it->second.id) + " ") != std::string::npos) {
+        kept[r] = it->second;
+        resync.push_back(&kept[r]);
+      } else {
+        it->second.close();
+      }
+      pooled.erase(it);
+    }
+  } catch (...) {
+    for (auto& l : kept) {
+      if (l.id != 0) pooled.emplace(l.peerWorker, l);
+    }
+    putBack();
+    throw;
+  }
+  for (auto& [peer, link] : pooled) link.close();  // Kept for workers no longer members.
+  pooled.clear();
+  int broken = -1;
+  const std::string ownKey = keys[rank_];
+  const std::string why = resyncLinks(
+      resync, epoch(), Clock::now() + options_.initTimeout,
+      [&] { store.wait({ownKey}, std::chrono::milliseconds(1)); }, &broken);
+  if (!why.empty()) {
+    // The other links stay for the next attempt (its marks name another epoch).
+    for (auto& l : kept) {
+      if (l.id == 0) continue;
+      if (l.peerWorker == broken) {
+        l.close();
+      } else {
+        LinkPool::instance().put(options_.name, self(), l);
+      }
+    }
+    SINEW_THROW(IoError, describe(), ": ", why);
+  }
+  countLinksKept(static_cast<int64_t>(resync.size()));
+  return kept;
+}
+
+void GlooCommunicator::leaveLinks() {
+  for (int r = 0; r < size(); ++r) {
+    int& pairFd = pairFds_[r];
+    if (pairFd < 0) continue;
+    std::pair<int, int> lanes{-1, -1};
+    if (lanes_) lanes = lanes_->release(r);
+    Link link;
+    link.peerWorker = workerOf(r);
+    link.id = linkIds_[r];
+    link.pairFd = pairFd;
+    link.sendFd = lanes.first;
+    link.recvFd = lanes.second;
+    link.epoch = epoch();
+    pairFd = -1;
+    bool intact;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      intact = verdicts_[r].kind != VerdictKind::kLost;
+    }
+    if (keep_ && intact && link.complete()) {
+      LinkPool::instance().put(options_.name, self(), link);
+    } else {
+      link.close();
+    }
   }
 }
 
@@ -455,6 +586,8 @@ void GlooCommunicator::shutdown() {
   if (timer_.joinable()) timer_.join();
   controlBufs_.clear();
   closeContext();
+  // The pairs are closed: what is intact stays for the next communicator of this name.
+  leaveLinks();
   // After the goodbyes, so a peer in a lane operation learns why we left. Under mu_, as
   // failLocked reads lanes_ (it cannot run here anyway: a failure is recorded before any
   // shutdown, and failLocked returns early then).

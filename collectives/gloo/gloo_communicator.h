@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -47,6 +48,7 @@
 
 #include "sinew/base/little_endian.h"
 #include "sinew/collectives/gloo/gloo_options.h"
+#include "sinew/collectives/gloo/kept_links.h"
 #include "sinew/collectives/gloo/lane_frame.h"
 #include "sinew/collectives/gloo/lanes.h"
 #include "sinew/communicator.h"
@@ -137,6 +139,14 @@ class GlooCommunicator final : public Communicator {
 
   // Lifecycle (gloo/communicator.cc).
   void connect(const std::shared_ptr<Store>& store);
+  // Step 1 of connect: announces this member (with the links it kept for the members) and
+  // waits for every member; then keeps the links whose other end kept them too, resynchronised
+  // for this epoch (returned by rank; the others are closed). On failure the links go back to
+  // the pool untouched and this throws.
+  std::vector<Link> join(Store& store, std::map<int, Link> kept);
+  // Leaves the intact connections to the next communicator of this name (kept_links.h), and
+  // closes the rest of pairFds_. REQUIRES: the pairs are closed (context_ gone).
+  void leaveLinks();
   // Closes the pairs (each close waits for a tick of Gloo's loop, kept ticking meanwhile).
   void closeContext();
   void watch(int peer);
@@ -198,6 +208,11 @@ class GlooCommunicator final : public Communicator {
 
   // Direct connections to every member (docs/collectives.md, "Lanes"); null for one member.
   std::unique_ptr<Lanes> lanes_;
+  // Repair (kept_links.h): whether connections outlive this communicator; by rank, a
+  // descriptor of each Gloo pair's connection of our own (-1: none) and each link's id.
+  const bool keep_;
+  std::vector<int> pairFds_;
+  std::vector<uint64_t> linkIds_;
   uint64_t laneSeq_ = 0;     // Operation thread only: two-member allreduces so far.
   uint64_t barrierSeq_ = 0;  // Operation thread only: barriers so far.
   // The receive ring of allreduceTwo, kept between operations (one runs at a time).

@@ -24,6 +24,13 @@ struct GlooOptions {
   // new lanes need; for the two-member allreduce one bench run measured autotuned ones faster.
   int laneSocketBufferBytes = 0;
 
+  // Repair instead of rebuild (docs/collectives.md, "Repair: kept connections"): a
+  // communicator that ends leaves its intact connections to the next communicator of its name
+  // and member id, which connects only the pairs it has no connection for (a new member's, or
+  // one whose connection broke). false: every communicator connects every pair anew and
+  // closes them all at its end. Both ends of a pair must keep it for it to be kept.
+  bool keepConnections = true;
+
   // These options with laneSocketBufferBytes = `laneSocketBufferBytes`, or the value of
   // SINEW_GLOO_LANE_SOCKET_BUFFER_BYTES where that is set (a decimal count of bytes, 0 for the
   // kernel's autotuning). Throws InvalidArgument naming the variable and its value if that is

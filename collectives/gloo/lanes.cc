@@ -18,6 +18,7 @@
 #include <sstream>
 
 #include "sinew/collectives/gloo/gloo_options.h"
+#include "sinew/collectives/gloo/kept_links.h"
 
 #include "sinew/base/error.h"
 #include "sinew/base/little_endian.h"
@@ -358,13 +359,20 @@ struct Lanes::SetUp {
 Lanes::Lanes(Store& store, int rank, int size, const std::string& host, int64_t epoch,
              Clock::time_point deadline, const std::string& describe,
              const std::function<int(int)>& workerOf, const std::function<bool()>& cancelled,
-             int socketBufferBytes, Purpose purpose)
-    : purpose_(purpose), send_(size, -1), recv_(size, -1) {
+             int socketBufferBytes, Purpose purpose, const std::vector<std::pair<int, int>>& kept)
+    : purpose_(purpose), send_(size, -1), recv_(size, -1), peerNonce_(size, 0) {
   const bool pairs = purpose == Purpose::kGlooPairs;
   const int buffers = usableSocketBufferBytes(socketBufferBytes);
+  for (size_t r = 0; r < kept.size() && r < static_cast<size_t>(size); ++r) {
+    send_[r] = kept[r].first;
+    recv_[r] = pairs ? -1 : kept[r].second;
+  }
   try {
     wake_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (wake_ < 0) SINEW_THROW(IoError, describe, ": lanes: ", errnoText("eventfd"));
+    bool needed = false;  // Whether any connection is to be made.
+    for (int r = 0; r < size; ++r) needed = needed || (r != rank && !connected(r));
+    if (!needed) return;
 
     // 1. Listen and publish.
     Resolved self = resolve(host, 0, describe + ": lanes");
@@ -387,6 +395,7 @@ Lanes::Lanes(Store& store, int rank, int size, const std::string& host, int64_t 
     // The bound address, not the name: a peer resolving the name on its own host could get
     // another address.
     const uint64_t nonce = drawNonce();
+    nonce_ = nonce;
     const std::string ownKey = entryKey(pairs, rank);
     std::string entry =
         std::string(numeric) + " " + std::to_string(portOf(bound)) + " " + std::to_string(nonce);
@@ -412,6 +421,7 @@ Lanes::Lanes(Store& store, int rank, int size, const std::string& host, int64_t 
 //    completes the connection before that, and the welcome waits for it).
 void Lanes::connectLower(const SetUp& setUp) {
   for (int q = 0; q < setUp.rank; ++q) {
+    if (connected(q)) continue;  // Kept from the communicator before.
     const std::string what = setUp.peerName(q);
     const std::string key = setUp.key(q);
     for (;;) {
@@ -427,6 +437,7 @@ void Lanes::connectLower(const SetUp& setUp) {
     }
     Bytes raw = setUp.store.get(key, setUp.left());
     Entry e = parseEntry(raw, what);
+    peerNonce_[q] = e.nonce;
     Resolved addr = resolve(e.host, e.port, what);
     // 0: this rank sends on it, 1: it receives; a pair's one connection is kPairDirection.
     const int first = setUp.pairs ? int(kPairDirection) : 0;
@@ -465,6 +476,7 @@ void Lanes::connectLower(const SetUp& setUp) {
                     laneFrameTypeName(h.type), " of epoch ", h.epoch);
       }
       (dir == 1 ? recv_ : send_)[q] = s.release();
+      ::sinew::collectives::gloo_backend::countConnectionsMade(1);
     }
   }
 }
@@ -475,7 +487,10 @@ void Lanes::connectLower(const SetUp& setUp) {
 //    that is not a valid hello is closed.
 void Lanes::acceptHigher(const SetUp& setUp, int listener) {
   std::vector<PendingHello> pending;
-  int missing = (setUp.pairs ? 1 : 2) * (setUp.size - 1 - setUp.rank);
+  int missing = 0;
+  for (int r = setUp.rank + 1; r < setUp.size; ++r) {
+    if (!connected(r)) missing += setUp.pairs ? 1 : 2;
+  }
   std::string lastRefusal;
   // Reads what `p` sent (when `readable`) and welcomes a whole, valid hello. Returns whether
   // `p` still waits for its hello; false once it was welcomed or refused (and closed).
@@ -492,11 +507,13 @@ void Lanes::acceptHigher(const SetUp& setUp, int listener) {
       }
       const std::string what = setUp.peerName(hello->from);
       Entry e = parseEntry(setUp.store.get(setUp.key(hello->from), setUp.left()), what);
+      peerNonce_[hello->from] = e.nonce;
       sendFrame(hello->fd.get(), kWelcome, e.nonce, setUp.epoch, nullptr, 0, setUp.deadline, what,
                 setUp.tick);
       setNoDelay(hello->fd.get());
       // The connector sends on its direction 0, so this rank receives on it.
       (hello->dir == 0 ? recv_ : send_)[hello->from] = hello->fd.release();
+      ::sinew::collectives::gloo_backend::countConnectionsMade(1);
       missing--;
     } catch (const Corruption& c) {
       lastRefusal = c.what();

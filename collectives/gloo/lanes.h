@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "sinew/store.h"
@@ -51,6 +52,11 @@ class Lanes {
   // member did not appear or connect in time), IoError (a socket call failed) naming the peer,
   // Aborted (cancelled), or what the store throws.
   //
+  // `kept`, indexed by rank: connections this rank already has (kept from the communicator
+  // before: docs/collectives.md, "Repair"), as (sendFd, recvFd), or for Purpose::kGlooPairs
+  // (pair connection, -1); -1 where there is none. The lanes own them from the start, and
+  // only the pairs without one are connected (none at all: nothing listens or is published).
+  //
   // `socketBufferBytes` > 0 gives every lane socket kernel buffers of that size each way
   // (SO_SNDBUF, SO_RCVBUF) where the system allows it (usableSocketBufferBytes), so that a new
   // connection carries bulk bytes at full speed at once instead of after the kernel's
@@ -58,7 +64,8 @@ class Lanes {
   Lanes(Store& store, int rank, int size, const std::string& host, int64_t epoch,
         Clock::time_point deadline, const std::string& describe,
         const std::function<int(int)>& workerOf, const std::function<bool()>& cancelled = {},
-        int socketBufferBytes = 0, Purpose purpose = Purpose::kData);
+        int socketBufferBytes = 0, Purpose purpose = Purpose::kData,
+        const std::vector<std::pair<int, int>>& kept = {});
   ~Lanes();
   Lanes(const Lanes&) = delete;
   Lanes& operator=(const Lanes&) = delete;
@@ -83,6 +90,17 @@ class Lanes {
     send_.at(peer) = -1;
     return fd;
   }
+  // This rank's nonce of the set-up, and `peer`'s (as published); 0 where no connection to
+  // `peer` was made here (it was kept, or nothing was set up).
+  uint64_t nonce() const { return nonce_; }
+  uint64_t peerNonce(int peer) const { return peerNonce_.at(peer); }
+  // Takes this rank's connections to `peer` (sendFd, recvFd), which the caller now owns; the
+  // lanes no longer use them.
+  std::pair<int, int> release(int peer) {
+    std::pair<int, int> fds{send_.at(peer), recv_.at(peer)};
+    send_.at(peer) = recv_.at(peer) = -1;
+    return fds;
+  }
   // Readable once wake() was called; never drained (a woken communicator is dead).
   int wakeFd() const { return wake_; }
   void wake();
@@ -100,6 +118,8 @@ class Lanes {
   Purpose purpose_;
   std::vector<int> send_;
   std::vector<int> recv_;
+  std::vector<uint64_t> peerNonce_;
+  uint64_t nonce_ = 0;
   int wake_ = -1;
 };
 

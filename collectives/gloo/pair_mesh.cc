@@ -13,12 +13,14 @@
 #include <gloo/transport/tcp/pair.h>
 #endif
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <mutex>
 #include <utility>
 
 #include "sinew/base/error.h"
+#include "sinew/collectives/gloo/kept_links.h"
 #include "sinew/collectives/gloo/lanes.h"
 #include "sinew/collectives/gloo/loop_kicker.h"
 #include "sinew/collectives/prefix_store.h"
@@ -105,7 +107,7 @@ class MeshContext final : public gloo::Context {
 // The pairs of rank `rank` over the connections `connections` made (taken from it).
 std::shared_ptr<gloo::Context> adoptConnections(
     int rank, int size, const std::shared_ptr<gloo::transport::Device>& device,
-    std::chrono::milliseconds timeout, Lanes& connections) {
+    std::chrono::milliseconds timeout, Lanes& connections, PairLinks* links) {
   auto tcpDevice = std::dynamic_pointer_cast<tcp::Device>(device);
   if (!tcpDevice) SINEW_THROW(InvalidArgument, "connectPairs: not Gloo's TCP device");
   auto pairs = std::make_shared<AdoptingContext>(tcpDevice, rank, size);
@@ -115,7 +117,15 @@ std::shared_ptr<gloo::Context> adoptConnections(
     auto& pair = pairs->createPair(peer);
     const int fd = connections.takePairFd(peer);
     if (fd < 0) SINEW_THROW(InternalError, "connectPairs: no connection to rank ", peer);
-    static_cast<AdoptingPair&>(*pair).adopt(fd);
+    const int own = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    try {
+      static_cast<AdoptingPair&>(*pair).adopt(fd);
+    } catch (...) {
+      if (own >= 0) ::close(own);
+      throw;
+    }
+    if (own < 0) SINEW_THROW(IoError, "connectPairs: cannot keep a descriptor of rank ", peer);
+    links->fds[peer] = own;
   }
   auto context = std::make_shared<MeshContext>(rank, size);
   context->setTimeout(timeout);
@@ -134,20 +144,42 @@ std::chrono::milliseconds leftUntil(std::chrono::steady_clock::time_point deadli
 
 bool pairsAdoptConnections() { return SINEW_GLOO_PAIRS_ADOPT != 0; }
 
-std::shared_ptr<gloo::Context> connectPairs(
-    const std::shared_ptr<Store>& store, int rank, int size, const std::string& host, int64_t epoch,
-    std::chrono::steady_clock::time_point deadline, const std::string& describe,
-    const std::function<int(int)>& workerOf,
-    const std::shared_ptr<gloo::transport::Device>& device) {
+std::shared_ptr<gloo::Context> connectPairs(const std::shared_ptr<Store>& store, int rank, int size,
+                                            const std::string& host, int64_t epoch,
+                                            std::chrono::steady_clock::time_point deadline,
+                                            const std::string& describe,
+                                            const std::function<int(int)>& workerOf,
+                                            const std::shared_ptr<gloo::transport::Device>& device,
+                                            const std::vector<int>& kept, PairLinks* links) {
+  links->fds.assign(size, -1);
+  links->ids.assign(size, 0);
   try {
 #if SINEW_GLOO_PAIRS_ADOPT
+    std::vector<std::pair<int, int>> keptPairs(size, {-1, -1});
+    for (size_t r = 0; r < kept.size() && r < keptPairs.size(); ++r) keptPairs[r].first = kept[r];
     Lanes connections(*store, rank, size, host, epoch, deadline, describe, workerOf, {}, 0,
-                      Lanes::Purpose::kGlooPairs);
+                      Lanes::Purpose::kGlooPairs, keptPairs);
+    for (int peer = 0; peer < size; ++peer) {
+      if (peer == rank || connections.peerNonce(peer) == 0) continue;
+      links->ids[peer] = peer > rank ? linkId(connections.nonce(), connections.peerNonce(peer))
+                                     : linkId(connections.peerNonce(peer), connections.nonce());
+    }
     LoopKicker kicker(device);
     // The pairs' sockets get the time left as their send and receive timeouts; nothing waits
     // on it (every later wait passes its own).
-    return adoptConnections(rank, size, device, leftUntil(deadline), connections);
+    try {
+      return adoptConnections(rank, size, device, leftUntil(deadline), connections, links);
+    } catch (...) {
+      for (int& fd : links->fds) {
+        if (fd >= 0) ::close(fd);
+        fd = -1;
+      }
+      throw;
+    }
 #else
+    for (int fd : kept) {
+      if (fd >= 0) ::close(fd);
+    }
     (void)host;
     (void)epoch;
     (void)workerOf;

@@ -18,6 +18,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "sinew/store.h"
 
@@ -31,18 +32,30 @@ namespace gloo_backend {
 // connect through Gloo's own rendezvous as before.
 bool pairsAdoptConnections();
 
+// What connectPairs leaves besides the context, indexed by rank: a descriptor of each pair's
+// connection of the caller's own (a duplicate, close-on-exec; -1 for itself, or where pairs
+// do not adopt), so that it can keep the connection when the context goes; and the id of each
+// connection made here (linkId of the two ends' nonces; 0 for one that was kept or not made).
+struct PairLinks {
+  std::vector<int> fds;
+  std::vector<uint64_t> ids;
+};
+
 // Connects rank `rank` of `size` to every other member through `store` (the communicator's
 // own namespace: keys "pair/<rank>", or Gloo's under "gloo/" where pairs do not adopt) by
-// `deadline`, on Gloo's TCP `device`, and returns the Gloo context. `describe` prefixes
-// error messages, `workerOf` names a rank's worker in them. Throws IoError (a member did not
-// connect in time, a connection broke or was refused, Gloo could not set a pair up), or what
-// the store throws otherwise.
+// `deadline`, on Gloo's TCP `device`, and returns the Gloo context. `kept`, indexed by rank
+// (empty, or -1 for none): a connection to that member kept from the communicator before,
+// resynchronised, which its pair adopts instead of connecting anew (taken over: closed on
+// failure). `describe` prefixes error messages, `workerOf` names a rank's worker in them.
+// Throws IoError (a member did not connect in time, a connection broke or was refused, Gloo
+// could not set a pair up), or what the store throws otherwise.
 std::shared_ptr<gloo::Context> connectPairs(const std::shared_ptr<Store>& store, int rank, int size,
                                             const std::string& host, int64_t epoch,
                                             std::chrono::steady_clock::time_point deadline,
                                             const std::string& describe,
                                             const std::function<int(int)>& workerOf,
-                                            const std::shared_ptr<gloo::transport::Device>& device);
+                                            const std::shared_ptr<gloo::transport::Device>& device,
+                                            const std::vector<int>& kept, PairLinks* links);
 
 }  // namespace gloo_backend
 }  // namespace collectives
