@@ -37,6 +37,15 @@ inline std::optional<int64_t> tryParseInt(const std::string& text) {
   return v;
 }
 
+// The unsigned 64-bit integer that is exactly `text` (decimal digits only), or nullopt.
+inline std::optional<uint64_t> tryParseUint(const std::string& text) {
+  uint64_t v = 0;
+  const char* end = text.data() + text.size();
+  auto r = std::from_chars(text.data(), end, v, 10);
+  if (text.empty() || r.ec != std::errc() || r.ptr != end) return std::nullopt;
+  return v;
+}
+
 // The job token that is exactly `text`: hexadecimal digits (no "0x", no sign, no blanks) of a
 // non-zero 64-bit value, as SINEW_TOKEN holds it; or nullopt. The one exception to "no hex".
 inline std::optional<uint64_t> tryParseToken(const std::string& text) {

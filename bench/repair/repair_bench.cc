@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -55,6 +56,14 @@ std::string key(const std::string& what, int64_t epoch, int worker) {
   return what + "/" + std::to_string(epoch) + "/" + std::to_string(worker);
 }
 
+// This process's CPU time so far (user and system, every thread), ms.
+double cpuMs() {
+  struct rusage u {};
+  ::getrusage(RUSAGE_SELF, &u);
+  auto ms = [](const timeval& t) { return t.tv_sec * 1e3 + t.tv_usec / 1e3; };
+  return ms(u.ru_utime) + ms(u.ru_stime);
+}
+
 // Whether epoch `e` (>= 1) is repaired: odd epochs are, even ones rebuilt.
 bool repairedEpoch(int64_t e) { return e % 2 == 1; }
 
@@ -83,9 +92,11 @@ int member(uint16_t port, uint64_t token, int n, int self, int rounds) {
     store->set(key("start", e, self), {'1'});
     store->wait(ready, 120s);
     const auto t0 = Clock::now();
+    const double cpu0 = cpuMs();
     comm = createGlooCommunicator(store, optionsFor(survivors, self, e),
                                   repairedEpoch(e) ? keep : rebuild);
     const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    const double cpu = cpuMs() - cpu0;
     at::Tensor u = at::full({1024}, static_cast<float>(self), at::kFloat);
     comm->allreduce(u);
     const float want = static_cast<float>((n - 1) * (n - 2) / 2);
@@ -94,8 +105,8 @@ int member(uint16_t port, uint64_t token, int n, int self, int rounds) {
                    static_cast<long long>(e));
       return 3;
     }
-    const std::string v = std::to_string(ms);
-    store->set(key("ms", e, self), sinew::Bytes(v.begin(), v.end()));
+    const std::string v = std::to_string(ms) + " " + std::to_string(cpu);
+    store->set(key("ms", e, self), Bytes(v.begin(), v.end()));
     comm.reset();
   }
   return 0;
@@ -108,7 +119,8 @@ double median(std::vector<double> v) {
 
 struct SizeResult {
   int n;
-  double repaired, rebuilt;  // median over rounds of the slowest member's set-up, ms
+  double repaired, rebuilt;        // median over rounds of the slowest member's set-up, ms
+  double repairedCpu, rebuiltCpu;  // mean CPU time of a member's set-up, ms
 };
 
 SizeResult runSize(int n, int rounds) {
@@ -138,11 +150,16 @@ SizeResult runSize(int n, int rounds) {
   store.wait(ready, 300s);
   ::kill(pids.back(), SIGKILL);
   std::vector<double> repaired, rebuilt;
+  double cpu[2] = {0, 0};
   for (int64_t e = 1; e <= 2 * rounds; ++e) {
     double slowest = 0;
     for (int w = 0; w + 1 < n; ++w) {
-      const sinew::Bytes b = store.get(key("ms", e, w), 300s);
-      slowest = std::max(slowest, std::stod(std::string(b.begin(), b.end())));
+      const Bytes b = store.get(key("ms", e, w), 300s);
+      std::istringstream is(std::string(b.begin(), b.end()));
+      double ms = 0, c = 0;
+      is >> ms >> c;
+      slowest = std::max(slowest, ms);
+      cpu[repairedEpoch(e) ? 1 : 0] += c / (rounds * (n - 1));
     }
     (repairedEpoch(e) ? repaired : rebuilt).push_back(slowest);
   }
@@ -154,7 +171,7 @@ SizeResult runSize(int n, int rounds) {
       throw std::runtime_error("member " + std::to_string(i) + " failed");
     }
   }
-  return {n, median(repaired), median(rebuilt)};
+  return {n, median(repaired), median(rebuilt), cpu[1], cpu[0]};
 }
 
 }  // namespace
@@ -181,13 +198,14 @@ int main(int argc, char** argv) {
       "Gloo communicator set-up of the survivors of a SIGKILL (slowest member, median of %d "
       "epochs each)\n",
       rounds);
-  std::printf("%8s %10s %14s %14s %9s\n", "members", "survivors", "rebuilt ms", "repaired ms",
-              "ratio");
+  std::printf("%8s %10s %12s %13s %7s %17s %18s\n", "members", "survivors", "rebuilt ms",
+              "repaired ms", "ratio", "rebuilt cpu ms", "repaired cpu ms");
   std::ostringstream line;
   line << "RESULT";
   for (const SizeResult& r : results) {
     const double ratio = r.rebuilt / r.repaired;
-    std::printf("%8d %10d %14.2f %14.2f %9.2f\n", r.n, r.n - 1, r.rebuilt, r.repaired, ratio);
+    std::printf("%8d %10d %12.2f %13.2f %7.2f %17.2f %18.2f\n", r.n, r.n - 1, r.rebuilt, r.repaired,
+                ratio, r.rebuiltCpu, r.repairedCpu);
     char v[32];
     std::snprintf(v, sizeof v, "%.2f", ratio);
     line << " gloo_repair_vs_rebuild_" << r.n << "=" << v;

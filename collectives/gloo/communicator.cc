@@ -23,6 +23,7 @@
 #include "sinew/collectives/gloo/gloo_communicator.h"
 #include "sinew/collectives/gloo/loop_kicker.h"
 #include "sinew/collectives/gloo/pair_mesh.h"
+#include "sinew/collectives/gloo/parked_threads.h"
 #include "sinew/collectives/gloo/reduce.h"
 #include "sinew/collectives/prefix_store.h"
 
@@ -171,7 +172,7 @@ void GlooCommunicator::connect(const std::shared_ptr<Store>& store) {
   }
   for (int r = 0; r < size(); ++r) {
     if (r == rank_) continue;
-    watchers_.emplace_back([this, r] { watch(r); });
+    watchers_.push_back(ParkedThreads::instance().run([this, r] { watch(r); }));
   }
 
   // 4. The lanes: the two-member allreduce and every point-to-point message travel on them.
@@ -226,17 +227,14 @@ std::vector<Link> GlooCommunicator::join(Store& store, std::map<int, Link> poole
     throw;
   }
   std::vector<Link> kept(size());
-  if (pooled.empty()) return kept;
   // A link is kept where the member at its other end kept the same one for this member.
   std::vector<Link*> resync;
   try {
-    const std::string mine = " " + std::to_string(self()) + ":";
+    const std::vector<bool> agreed = agreeOnLinks(store, keys, joined, !pooled.empty());
     for (int r = 0; r < size(); ++r) {
       auto it = pooled.find(workerOf(r));
       if (r == rank_ || it == pooled.end()) continue;
-      const Bytes b = store.get(keys[r], options_.initTimeout);
-      const std::string theirs(b.begin(), b.end());
-      if ((theirs + " ").find(mine + std::to_string(it->second.id) + " ") != std::string::npos) {
+      if (agreed[r]) {
         kept[r] = it->second;
         resync.push_back(&kept[r]);
       } else {
@@ -272,6 +270,66 @@ std::vector<Link> GlooCommunicator::join(Store& store, std::map<int, Link> poole
   }
   countLinksKept(static_cast<int64_t>(resync.size()));
   return kept;
+}
+
+std::vector<bool> GlooCommunicator::agreeOnLinks(Store& store, const std::vector<std::string>& keys,
+                                                 const std::string& own, bool holding) {
+  std::vector<bool> agreed(size(), false);
+  if (rank_ == 0) {
+    // By rank: worker -> link id, as announced.
+    std::vector<std::map<int, uint64_t>> lists(size());
+    bool any = false;
+    for (int r = 0; r < size(); ++r) {
+      std::string value = own;
+      if (r != 0) {
+        const Bytes b = store.get(keys[r], options_.initTimeout);
+        value.assign(b.begin(), b.end());
+      }
+      std::istringstream is(value);
+      std::string token;
+      is >> token;  // The member's worker id.
+      while (is >> token) {
+        const size_t colon = token.find(':');
+        const auto peer = ::sinew::detail::tryParseInt(token.substr(0, colon));
+        const auto id = colon == std::string::npos
+                            ? std::nullopt
+                            : ::sinew::detail::tryParseUint(token.substr(colon + 1));
+        if (!peer || !id) {
+          SINEW_THROW(Corruption, describe(), ": malformed announcement of rank ", r, ": '", value,
+                      "'");
+        }
+        lists[r][static_cast<int>(*peer)] = *id;
+        any = true;
+      }
+    }
+    if (!any) return agreed;  // Nobody holds a link: nobody waits for the verdict.
+    std::string verdict = "pairs";
+    for (int a = 0; a < size(); ++a) {
+      for (int b = a + 1; b < size(); ++b) {
+        auto ab = lists[a].find(workerOf(b));
+        auto ba = lists[b].find(workerOf(a));
+        if (ab == lists[a].end() || ba == lists[b].end() || ab->second != ba->second) continue;
+        verdict += " " + std::to_string(a) + "-" + std::to_string(b);
+        if (a == 0) agreed[b] = true;
+      }
+    }
+    store.set("kept", toBytes(verdict));
+    return agreed;
+  }
+  if (!holding) return agreed;
+  const Bytes b = store.get("kept", options_.initTimeout);
+  std::istringstream is(std::string(b.begin(), b.end()));
+  std::string token;
+  is >> token;  // "pairs"
+  while (is >> token) {
+    int x = -1, y = -1;
+    if (std::sscanf(token.c_str(), "%d-%d", &x, &y) != 2 || x < 0 || y <= x || y >= size()) {
+      SINEW_THROW(Corruption, describe(), ": malformed verdict on kept links: '", token, "'");
+    }
+    if (x == rank_) agreed[y] = true;
+    if (y == rank_) agreed[x] = true;
+  }
+  return agreed;
 }
 
 void GlooCommunicator::leaveLinks() {
@@ -581,7 +639,7 @@ void GlooCommunicator::shutdown() {
   for (auto& b : controlBufs_) {
     if (b) b->abortWaitRecv();
   }
-  for (auto& t : watchers_) t.join();
+  for (auto& t : watchers_) t->wait();
   watchers_.clear();
   if (timer_.joinable()) timer_.join();
   controlBufs_.clear();
@@ -602,6 +660,10 @@ void GlooCommunicator::shutdown() {
 
 void GlooCommunicator::closeContext() {
   if (!context_) return;
+  if (closePairsOnLoop(*context_)) {
+    context_.reset();
+    return;
+  }
   LoopKicker kicker(device_);
   context_.reset();
 }

@@ -51,6 +51,7 @@
 #include "sinew/collectives/gloo/kept_links.h"
 #include "sinew/collectives/gloo/lane_frame.h"
 #include "sinew/collectives/gloo/lanes.h"
+#include "sinew/collectives/gloo/parked_threads.h"
 #include "sinew/communicator.h"
 
 namespace sinew {
@@ -144,6 +145,11 @@ class GlooCommunicator final : public Communicator {
   // for this epoch (returned by rank; the others are closed). On failure the links go back to
   // the pool untouched and this throws.
   std::vector<Link> join(Store& store, std::map<int, Link> kept);
+  // Which members this one keeps its link to (by rank). Rank 0 reads every member's
+  // announcement (keys; `own` is its own) and publishes "kept", the pairs of ranks whose two
+  // ends announced the same link; the others read that if they are `holding` links.
+  std::vector<bool> agreeOnLinks(Store& store, const std::vector<std::string>& keys,
+                                 const std::string& own, bool holding);
   // Leaves the intact connections to the next communicator of this name (kept_links.h), and
   // closes the rest of pairFds_. REQUIRES: the pairs are closed (context_ gone).
   void leaveLinks();
@@ -201,7 +207,7 @@ class GlooCommunicator final : public Communicator {
   std::shared_ptr<gloo::Context> context_;
   std::vector<uint8_t> controlIn_;  // One wire record per peer, written by Gloo.
   std::vector<std::unique_ptr<UnboundBuffer>> controlBufs_;
-  std::vector<std::thread> watchers_;
+  std::vector<std::shared_ptr<ParkedThreads::Job>> watchers_;
   std::thread timer_;
   uint64_t collectiveSeq_ = 0;      // Operation thread only.
   std::atomic<int> waitingOn_{-1};  // Rank the operation thread waits for, or -1.

@@ -32,6 +32,12 @@ namespace gloo_backend {
 // connect through Gloo's own rendezvous as before.
 bool pairsAdoptConnections();
 
+// Closes every pair of a context connectPairs made, in one pass of Gloo's loop thread (a
+// pair's destructor waits for a tick of the loop, each); the context is then destroyed
+// without waits. False where that was not done (another Gloo, a loop that did not run in
+// time): the destructors close the pairs as usual.
+bool closePairsOnLoop(gloo::Context& context);
+
 // What connectPairs leaves besides the context, indexed by rank: a descriptor of each pair's
 // connection of the caller's own (a duplicate, close-on-exec; -1 for itself, or where pairs
 // do not adopt), so that it can keep the connection when the context goes; and the id of each
