@@ -25,6 +25,7 @@
 #include "sinew/base/mix.h"
 #include "sinew/base/parse.h"
 #include "sinew/collectives/cuda_device.h"
+#include "sinew/collectives/gloo/kept_links.h"
 #include "sinew/communicator.h"
 #include "sinew/pipeline/plan.h"
 #include "sinew/pipeline/profile.h"
@@ -675,9 +676,17 @@ class Trainer::Impl {
   // announces, retrying until one can be built (docs/architecture.md section 6, steps 2-3).
   void recoverInto(int64_t from, bool failure, const std::string& why) {
     rss_.phase("recovery");
-    const double took =
-        runtime::recoverIntoNextEpoch(services_, *comms_, from, failure, why, step_,
-                                      [this](const EpochInfo& info) { enter(info); });
+    // What the Gloo communicators of the epoch entered took: links kept from the epoch
+    // before (docs/collectives.md, "Repair") and connections made.
+    collectives::gloo_backend::LinkCounters built;
+    const double took = runtime::recoverIntoNextEpoch(
+        services_, *comms_, from, failure, why, step_, [this, &built](const EpochInfo& info) {
+          const auto before = collectives::gloo_backend::linkCounters();
+          enter(info);
+          const auto after = collectives::gloo_backend::linkCounters();
+          built.linksKept = after.linksKept - before.linksKept;
+          built.connectionsMade = after.connectionsMade - before.connectionsMade;
+        });
     if (failure) {
       recoveries_++;
       recoveryMax_ = std::max(recoveryMax_, took);
@@ -687,6 +696,8 @@ class Trainer::Impl {
            {"resume_step", step_},
            {"workers", members_},
            {"duration_s", took},
+           {"links_kept", built.linksKept},
+           {"connections_made", built.connectionsMade},
            {"reason", why}});
   }
 

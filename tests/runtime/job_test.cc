@@ -81,11 +81,33 @@ TEST(JobTest, TwoKillsInARow) {
                 "3,1", 2);
 }
 
+// A worker's last event of `kind` in its log under `dir`.
+nlohmann::json lastEvent(const std::string& dir, int worker, const std::string& kind) {
+  std::ifstream in(dir + "/worker-" + std::to_string(worker) + "-events.jsonl");
+  nlohmann::json last;
+  std::string line;
+  while (std::getline(in, line)) {
+    auto e = nlohmann::json::parse(line, nullptr, false);
+    if (!e.is_discarded() && e.value("event", "") == kind) last = std::move(e);
+  }
+  return last;
+}
+
 TEST(JobTest, KillBetweenReductionAndOptimizerStep) {
   // Every survivor reduced step 20 with worker 2's gradients; none may apply it.
   JobRun run = sinewRun("after-reduce", "kill:worker=2:step=20:phase=after-reduce");
   expectGoodJob(run, "2", 1);
   EXPECT_NE(run.output.find("resume at step 20"), std::string::npos) << run.output;
+  // The survivors' communicator was repaired, not rebuilt: each kept its connections to the
+  // two others and connected nothing (the first epoch connected 3 peers: 9 sockets).
+  for (int w : {0, 1, 3}) {
+    const nlohmann::json first = lastEvent(logDir("after-reduce"), w, "epoch_entered");
+    const nlohmann::json recovered = lastEvent(logDir("after-reduce"), w, "recovered");
+    ASSERT_TRUE(first.is_object() && recovered.is_object()) << "worker " << w;
+    EXPECT_EQ(first.value("connections_made", -1), 9) << first.dump();
+    EXPECT_EQ(recovered.value("links_kept", -1), 2) << recovered.dump();
+    EXPECT_EQ(recovered.value("connections_made", -1), 0) << recovered.dump();
+  }
 }
 
 TEST(JobTest, KillDuringRecovery) {
