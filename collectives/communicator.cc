@@ -108,6 +108,8 @@ std::unique_ptr<Communicator> createNcclCommunicator(const std::shared_ptr<Store
               "': this Sinew was built without NCCL (SINEW_WITH_NCCL=OFF); rebuild with a "
               "CUDA toolkit that has NCCL to use CUDA tensors");
 }
+
+std::string ncclMembershipChange() { return "none (built without NCCL)"; }
 #endif
 
 }  // namespace collectives

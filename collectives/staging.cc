@@ -28,6 +28,7 @@ class HostStagedCommunicator final : public Communicator {
       : Communicator(options), inner_(std::move(inner)) {}
 
   const char* backend() const override { return inner_->backend(); }
+  std::string setUp() const override { return inner_->setUp(); }
 
   void allreduce(at::Tensor& t, ReduceOp op, std::chrono::milliseconds timeout) override {
     if (onHost(t)) return inner_->allreduce(t, op, timeout);

@@ -120,7 +120,10 @@ std::unique_ptr<collectives::Communicator> BackendChooser::make(
   const bool report = device_.is_cuda() || asked != CommBackend::kAuto;
   if (co.name == "dp" || co.name == "pp") {
     if (report && (backend != backend_ || why != backendWhy_)) {
-      s_.event({{"event", "backend"}, {"epoch", co.epoch}, {"backend", backend}, {"reason", why}});
+      nlohmann::json e = {
+          {"event", "backend"}, {"epoch", co.epoch}, {"backend", backend}, {"reason", why}};
+      if (nccl) e["membership_change"] = collectives::ncclMembershipChange();
+      s_.event(e);
       if (co.members.front() == s_.worker()) {
         std::printf("sinew: epoch %lld transfers over %s%s (%s)\n",
                     static_cast<long long>(co.epoch), backend.c_str(),

@@ -87,7 +87,14 @@ GlooCommunicator::GlooCommunicator(const std::shared_ptr<Store>& store,
   }
   if (store == nullptr) SINEW_THROW(InvalidArgument, "createGlooCommunicator: store is null");
   ignoreSigpipe();
-  if (size() > 1) connect(store);
+  if (size() > 1) {
+    const LinkCounters before = linkCounters();
+    connect(store);
+    const LinkCounters after = linkCounters();
+    // Process-wide counts: exact where one thread builds communicators at a time.
+    linksKept_ = after.linksKept - before.linksKept;
+    connectionsMade_ = after.connectionsMade - before.connectionsMade;
+  }
   timer_ = std::thread([this] { timerLoop(); });
 }
 

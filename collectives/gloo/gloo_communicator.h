@@ -107,6 +107,10 @@ class GlooCommunicator final : public Communicator {
   ~GlooCommunicator() override;
 
   const char* backend() const override { return "gloo"; }
+  std::string setUp() const override {
+    return "kept " + std::to_string(linksKept_) + " links, made " +
+           std::to_string(connectionsMade_) + " connections";
+  }
   void allreduce(at::Tensor& t, ReduceOp op, std::chrono::milliseconds timeout) override;
   void broadcast(at::Tensor& t, int root, std::chrono::milliseconds timeout) override;
   void allgather(at::Tensor& output, const at::Tensor& input,
@@ -219,8 +223,10 @@ class GlooCommunicator final : public Communicator {
   const bool keep_;
   std::vector<int> pairFds_;
   std::vector<uint64_t> linkIds_;
-  uint64_t laneSeq_ = 0;     // Operation thread only: two-member allreduces so far.
-  uint64_t barrierSeq_ = 0;  // Operation thread only: barriers so far.
+  int64_t linksKept_ = 0;        // Set by connect().
+  int64_t connectionsMade_ = 0;  // Set by connect().
+  uint64_t laneSeq_ = 0;         // Operation thread only: two-member allreduces so far.
+  uint64_t barrierSeq_ = 0;      // Operation thread only: barriers so far.
   // The receive ring of allreduceTwo, kept between operations (one runs at a time).
   std::vector<char> scratch_;
   std::atomic<bool> failed_{false};  // failure_ is set; read without mu_ by the lane loops.

@@ -7,8 +7,17 @@
 //  2. The sentinel is a Gloo communicator among the same members (name + "/sentinel")
 //     that carries no data: its watchers notice a member whose process died and name it,
 //     and its goodbyes tell the other members when this one fails.
-//  3. On any failure the NCCL communicator is aborted (ncclCommAbort) and the sentinel
-//     destroyed, which tells the peers; every later call throws the same error.
+//  3. On any failure the sentinel is destroyed, which tells the peers, and every later call
+//     throws the same error. The NCCL communicator is aborted (ncclCommAbort), except where
+//     this NCCL can shrink one (>= 2.27, and SINEW_NCCL_SHRINK is not 0): then it is left as
+//     it is when this communicator is destroyed, for the next communicator of the same name
+//     and member id (its parent).
+//  4. The next communicator's members say which parent they hold ("parent/<rank>"); rank 0
+//     decides ("setup"): all of the new members hold the same parent and the new list is that
+//     list without some members, in order: ncclCommShrink (NCCL_SHRINK_ABORT after a failure);
+//     the parent's members, all healthy, are the new list's first ranks and the rest joined
+//     (NCCL >= 2.29): ncclCommGrow; otherwise a fresh ncclCommInitRankConfig. A parent that
+//     is not used is aborted (docs/collectives.md, "NCCL: shrink and grow").
 // Operations run on a stream of our own created without cudaStreamNonBlocking, so they
 // are ordered after work queued on the legacy default stream (libtorch's default); each
 // call returns after its stream work completed.
@@ -18,13 +27,20 @@
 
 #include <ATen/ATen.h>
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <thread>
 
 #include "sinew/base/error.h"
+#include "sinew/collectives/nccl/membership.h"
 #include "sinew/collectives/prefix_store.h"
 #include "sinew/communicator.h"
 
@@ -33,6 +49,17 @@
 #endif
 #ifndef NCCL_VERSION
 #define NCCL_VERSION(X, Y, Z) ((X)*10000 + (Y)*100 + (Z))
+#endif
+// In-place membership changes: ncclCommShrink (2.27) and ncclCommGrow (2.29).
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 27, 0)
+#define SINEW_NCCL_SHRINK 1
+#else
+#define SINEW_NCCL_SHRINK 0
+#endif
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 0)
+#define SINEW_NCCL_GROW 1
+#else
+#define SINEW_NCCL_GROW 0
 #endif
 
 namespace sinew {
@@ -43,6 +70,84 @@ using Clock = std::chrono::steady_clock;
 
 // How often a waiting call polls the stream and NCCL's asynchronous error.
 constexpr std::chrono::microseconds kPollInterval{50};
+
+// A communicator left for the next one of its name and member id (protocol step 3).
+struct Parent {
+  ncclComm_t comm = nullptr;
+  int device = 0;
+  int64_t epoch = -1;
+  std::vector<int> members;
+  bool healthy = false;  // No call failed or was given up on: nothing is outstanding.
+
+  // The announcement (nccl_membership::announce).
+  std::string announce() const {
+    return nccl_membership::announce(comm != nullptr, epoch, members, healthy);
+  }
+  // Frees the communicator without waiting for anyone (ncclCommAbort is local).
+  void release() {
+    if (comm == nullptr) return;
+    cudaSetDevice(device);
+    ncclCommAbort(comm);
+    comm = nullptr;
+  }
+};
+
+// Whether failed communicators are kept for a shrink: this NCCL can, and SINEW_NCCL_SHRINK
+// is not "0".
+bool keepParents() {
+  if (!SINEW_NCCL_SHRINK) return false;
+  const char* v = std::getenv("SINEW_NCCL_SHRINK");
+  return v == nullptr || std::string(v) != "0";
+}
+
+// This process's parents by communicator name and member id. A forked child starts with none
+// (the parent process's NCCL state is not usable there).
+class Parents {
+ public:
+  static Parents& instance() {
+    static Parents* p = new Parents;  // Never destroyed: no order at exit to get wrong.
+    return *p;
+  }
+  void put(const std::string& name, int self, Parent parent) {
+    std::lock_guard<std::mutex> lock(mu_);
+    check();
+    auto& slot = byName_[name + "\n" + std::to_string(self)];
+    slot.release();
+    slot = parent;
+  }
+  // The parent of `name` for member `self`, if any. Parents of other names that an epoch
+  // before `epoch - 1` left are freed: the epoch after theirs did not use them, and each holds
+  // its communicator's device memory.
+  Parent take(const std::string& name, int self, int64_t epoch) {
+    std::lock_guard<std::mutex> lock(mu_);
+    check();
+    for (auto it = byName_.begin(); it != byName_.end();) {
+      if (it->second.epoch < epoch - 1) {
+        it->second.release();
+        it = byName_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    auto it = byName_.find(name + "\n" + std::to_string(self));
+    if (it == byName_.end()) return {};
+    Parent p = it->second;
+    byName_.erase(it);
+    return p;
+  }
+
+ private:
+  void check() {
+    if (pid_ == ::getpid()) return;
+    byName_.clear();  // Inherited from the parent process: not ours to free.
+    pid_ = ::getpid();
+  }
+  std::mutex mu_;
+  pid_t pid_ = -1;
+  std::map<std::string, Parent> byName_;
+};
+
+using nccl_membership::SetUp;
 
 ncclDataType_t ncclType(const at::Tensor& t) {
   switch (t.scalar_type()) {
@@ -75,6 +180,7 @@ class NcclCommunicator final : public Communicator {
   ~NcclCommunicator() override;
 
   const char* backend() const override { return "nccl"; }
+  std::string setUp() const override { return how_; }
   void allreduce(at::Tensor& t, ReduceOp op, std::chrono::milliseconds timeout) override;
   void broadcast(at::Tensor& t, int root, std::chrono::milliseconds timeout) override;
   void allgather(at::Tensor& output, const at::Tensor& input,
@@ -97,9 +203,20 @@ class NcclCommunicator final : public Communicator {
   void waitFor(const char* name, Clock::time_point deadline, std::chrono::milliseconds timeout,
                bool wantStream);
   [[noreturn]] void failAndThrow(std::exception_ptr error);
+  // Protocol step 4: announces `parent`, and returns rank 0's verdict and the unique id that
+  // goes with it (init, grow).
+  std::pair<SetUp, ncclUniqueId> decide(Store& store, const Parent& parent,
+                                        Clock::time_point deadline);
+  // Rank 0: the verdict from every member's announcement.
+  SetUp verdict(Store& store, const Parent& parent, Clock::time_point deadline);
+  // Starts comm_ as `how` says (from `parent` for a shrink or a grow).
+  void start(SetUp how, const ncclUniqueId& id, Parent& parent);
 
   ncclComm_t comm_ = nullptr;
   bool ncclAborted_ = false;  // Operation thread (and destructor) only.
+  bool ready_ = false;        // comm_ finished its set-up (only then can it be a parent).
+  bool interrupted_ = false;  // Operation thread only: a call failed or was given up on.
+  const char* how_ = "init";  // How comm_ was set up: "init", "shrink" or "grow".
   cudaStream_t stream_ = nullptr;
   int device_ = 0;
   std::atomic<bool> abortRequested_{false};
@@ -140,35 +257,140 @@ NcclCommunicator::NcclCommunicator(const std::shared_ptr<Store>& store,
 
   auto prefixed = std::make_shared<PrefixStore>(
       "sinew/comm/" + options_.name + "/epoch/" + std::to_string(epoch()) + "/nccl", store);
-  ncclUniqueId id;
-  if (rank_ == 0) {
-    ncclResult_t r = ncclGetUniqueId(&id);
-    if (r != ncclSuccess) {
-      SINEW_THROW(IoError, describe(), ": ncclGetUniqueId: ", ncclGetErrorString(r));
-    }
-    prefixed->set("unique_id", Bytes(reinterpret_cast<uint8_t*>(&id),
-                                     reinterpret_cast<uint8_t*>(&id) + sizeof(id)));
-  } else {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    Bytes b = prefixed->get("unique_id", std::max(left, std::chrono::milliseconds(1)));
-    if (b.size() != sizeof(id)) {
-      SINEW_THROW(Corruption, describe(), ": NCCL unique id has ", b.size(), " bytes, expected ",
-                  sizeof(id));
-    }
-    std::memcpy(&id, b.data(), sizeof(id));
+  Parent parent =
+      keepParents() ? Parents::instance().take(options_.name, self(), epoch()) : Parent{};
+  try {
+    const auto [how, id] = decide(*prefixed, parent, deadline);
+    start(how, id, parent);
+    waitFor(how == SetUp::kInit ? "init" : how_, deadline, options_.initTimeout,
+            /*wantStream=*/false);
+  } catch (...) {
+    parent.release();
+    throw;
   }
-
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
-  ncclResult_t r = ncclCommInitRankConfig(&comm_, size(), id, rank_, &config);
-  if (r != ncclSuccess && r != ncclInProgress) {
-    SINEW_THROW(IoError, describe(), ": ncclCommInitRankConfig: ", ncclGetErrorString(r));
-  }
-  waitFor("init", deadline, options_.initTimeout, /*wantStream=*/false);
+  parent.release();  // The new communicator no longer needs it.
+  ready_ = true;
   checkCuda(cudaStreamCreateWithFlags(&stream_, cudaStreamDefault), "cudaStreamCreate");
 }
 
+std::pair<SetUp, ncclUniqueId> NcclCommunicator::decide(Store& store, const Parent& parent,
+                                                        Clock::time_point deadline) {
+  auto left = [&] {
+    return std::max(std::chrono::milliseconds(1),
+                    std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+  };
+  const std::string mine = parent.announce();
+  store.set("parent/" + std::to_string(rank_), Bytes(mine.begin(), mine.end()));
+  ncclUniqueId id;
+  std::memset(&id, 0, sizeof(id));
+  if (rank_ == 0) {
+    const SetUp how = verdict(store, parent, deadline);
+    if (how == SetUp::kInit) {
+      ncclResult_t r = ncclGetUniqueId(&id);
+      if (r != ncclSuccess) {
+        SINEW_THROW(IoError, describe(), ": ncclGetUniqueId: ", ncclGetErrorString(r));
+      }
+    }
+#if SINEW_NCCL_GROW
+    if (how == SetUp::kGrow) {
+      ncclResult_t r = ncclCommGetUniqueId(parent.comm, &id);
+      if (r != ncclSuccess) {
+        SINEW_THROW(IoError, describe(), ": ncclCommGetUniqueId: ", ncclGetErrorString(r));
+      }
+    }
+#endif
+    Bytes b(1 + sizeof(id));
+    b[0] = static_cast<uint8_t>(how);
+    std::memcpy(b.data() + 1, &id, sizeof(id));
+    store.set("setup", b);
+    return {how, id};
+  }
+  Bytes b = store.get("setup", left());
+  if (b.size() != 1 + sizeof(id) || b[0] < 1 || b[0] > 4) {
+    SINEW_THROW(Corruption, describe(), ": the set-up verdict has ", b.size(), " bytes (kind ",
+                b.empty() ? 0 : int(b[0]), "), expected ", 1 + sizeof(id));
+  }
+  std::memcpy(&id, b.data() + 1, sizeof(id));
+  return {static_cast<SetUp>(b[0]), id};
+}
+
+SetUp NcclCommunicator::verdict(Store& store, const Parent& parent, Clock::time_point deadline) {
+  if (!keepParents()) return SetUp::kInit;
+  auto left = [&] {
+    return std::max(std::chrono::milliseconds(1),
+                    std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+  };
+  std::vector<std::string> said(size());
+  for (int r = 0; r < size(); ++r) {
+    if (r == 0) {
+      said[r] = parent.announce();
+      continue;
+    }
+    const Bytes b = store.get("parent/" + std::to_string(r), left());
+    said[r].assign(b.begin(), b.end());
+  }
+  return nccl_membership::decide(said, options_.members, epoch(), SINEW_NCCL_SHRINK != 0,
+                                 SINEW_NCCL_GROW != 0);
+}
+
+void NcclCommunicator::start(SetUp how, const ncclUniqueId& id, Parent& parent) {
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclResult_t r = ncclSuccess;
+  if (how == SetUp::kShrink || how == SetUp::kShrinkAbort) {
+#if SINEW_NCCL_SHRINK
+    how_ = "shrink";
+    if (parent.comm == nullptr) SINEW_THROW(InternalError, describe(), ": shrink without a parent");
+    std::vector<int> excluded;
+    for (size_t r0 = 0; r0 < parent.members.size(); ++r0) {
+      const int w = parent.members[r0];
+      if (std::find(options_.members.begin(), options_.members.end(), w) ==
+          options_.members.end()) {
+        excluded.push_back(static_cast<int>(r0));
+      }
+    }
+    r = ncclCommShrink(parent.comm, excluded.data(), static_cast<int>(excluded.size()), &comm_,
+                       &config, how == SetUp::kShrink ? NCCL_SHRINK_DEFAULT : NCCL_SHRINK_ABORT);
+    if (r != ncclSuccess && r != ncclInProgress) {
+      SINEW_THROW(IoError, describe(), ": ncclCommShrink: ", ncclGetErrorString(r));
+    }
+    return;
+#endif
+  }
+  if (how == SetUp::kGrow) {
+#if SINEW_NCCL_GROW
+    how_ = "grow";
+    const bool existing = parent.comm != nullptr;
+    r = ncclCommGrow(existing ? parent.comm : nullptr, size(),
+                     (!existing || rank_ == 0) ? &id : nullptr, existing ? -1 : rank_, &comm_,
+                     &config);
+    if (r != ncclSuccess && r != ncclInProgress) {
+      SINEW_THROW(IoError, describe(), ": ncclCommGrow: ", ncclGetErrorString(r));
+    }
+    return;
+#endif
+  }
+  (void)parent;
+  how_ = "init";
+  r = ncclCommInitRankConfig(&comm_, size(), id, rank_, &config);
+  if (r != ncclSuccess && r != ncclInProgress) {
+    SINEW_THROW(IoError, describe(), ": ncclCommInitRankConfig: ", ncclGetErrorString(r));
+  }
+}
+
 NcclCommunicator::~NcclCommunicator() {
+  if (comm_ != nullptr && !ncclAborted_ && ready_ && keepParents()) {
+    // Left for the next communicator of this name (protocol step 3); one that does not use it
+    // frees it. A stream's work that still waits on a dead peer ends with the shrink's abort.
+    Parent p;
+    p.comm = comm_;
+    p.device = device_;
+    p.epoch = epoch();
+    p.members = options_.members;
+    p.healthy = !interrupted_;
+    Parents::instance().put(options_.name, self(), p);
+    comm_ = nullptr;
+  }
   if (comm_ != nullptr && !ncclAborted_) {
     bool failed = error() != nullptr || abortRequested_.load();
     if (failed) {
@@ -207,8 +429,10 @@ void NcclCommunicator::failAndThrow(std::exception_ptr error) {
     error = failure_;
     sentinel = std::move(sentinel_);
   }
-  // Protocol step 3. Only the operation thread touches comm_, so no call can race this.
-  if (comm_ != nullptr && !ncclAborted_) {
+  // Protocol step 3. Only the operation thread touches comm_, so no call can race this. A
+  // communicator that may be a parent stays as it is until the destructor.
+  interrupted_ = true;
+  if (comm_ != nullptr && !ncclAborted_ && !(ready_ && keepParents())) {
     ncclCommAbort(comm_);
     ncclAborted_ = true;
   }
@@ -411,6 +635,22 @@ std::exception_ptr NcclCommunicator::error() const {
 std::unique_ptr<Communicator> createNcclCommunicator(const std::shared_ptr<Store>& store,
                                                      const CommunicatorOptions& options) {
   return std::make_unique<NcclCommunicator>(store, options);
+}
+
+std::string ncclMembershipChange() {
+  std::ostringstream os;
+  if (SINEW_NCCL_GROW && keepParents()) {
+    os << "shrink and grow";
+  } else if (keepParents()) {
+    os << "shrink; a join makes a new communicator";
+  } else {
+    os << "a new communicator";
+  }
+  os << " (built with NCCL " << NCCL_VERSION_CODE / 10000 << "." << NCCL_VERSION_CODE / 100 % 100
+     << "." << NCCL_VERSION_CODE % 100;
+  if (SINEW_NCCL_SHRINK && !keepParents()) os << "; SINEW_NCCL_SHRINK=0";
+  os << ")";
+  return os.str();
 }
 
 }  // namespace collectives

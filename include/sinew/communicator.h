@@ -87,6 +87,9 @@ class Communicator {
   int workerOf(int rank) const { return options_.members.at(rank); }
   // The backend's name: "gloo" or "nccl".
   virtual const char* backend() const = 0;
+  // How this communicator was set up from the one of its name before it (docs/collectives.md,
+  // "Repair"): Gloo "kept <k> links, made <m> connections"; NCCL "init", "shrink" or "grow".
+  virtual std::string setUp() const { return ""; }
 
   // In-place reduction of t across all members.
   // REQUIRES: t is contiguous, of a supported dtype and device, the same shape everywhere.
@@ -164,6 +167,13 @@ std::unique_ptr<Communicator> createGlooCommunicator(const std::shared_ptr<Store
 // Throws InvalidArgument if Sinew was built without NCCL (SINEW_WITH_NCCL=0).
 std::unique_ptr<Communicator> createNcclCommunicator(const std::shared_ptr<Store>& store,
                                                      const CommunicatorOptions& options);
+
+// How this build's NCCL communicators follow a change of members, chosen at build time by
+// NCCL_VERSION_CODE (docs/collectives.md, "NCCL: shrink and grow"): "shrink and grow"
+// (NCCL >= 2.29: the next communicator of a name is ncclCommShrink or ncclCommGrow of the one
+// before where its members allow), "shrink; a join makes a new communicator" (>= 2.27), "a
+// new communicator" (older, or SINEW_NCCL_SHRINK=0), with the NCCL version in parentheses.
+std::string ncclMembershipChange();
 
 // Builds a Gloo communicator that also takes CUDA tensors, through host memory: each
 // operation copies a CUDA tensor to the host (after the work queued on its device's current

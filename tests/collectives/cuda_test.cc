@@ -107,6 +107,62 @@ TEST(NcclTest, TwoRanksOnOneGpuFailWithATypedErrorWithinTheDeadline) {
 }
 
 // Ranks sharing one GPU (which NCCL refuses) move CUDA tensors through Gloo.
+// Ranks as threads, rank r on GPU r: epoch 0 of all, the last rank's communicator dies
+// (aborted mid-call: it fails, as at a lost peer), the others build epoch 1 without it, which
+// this NCCL makes by ncclCommShrink of epoch 0's communicator, and reduce exactly. Needs one
+// GPU per rank (NCCL refuses two ranks on one GPU) and NCCL >= 2.27; skipped otherwise.
+TEST(NcclTest, SurvivorsShrinkTheCommunicatorBefore) {
+  SINEW_REQUIRE_GPU();
+  const int gpus = cudaDeviceCount();
+  if (gpus < 2) GTEST_SKIP() << "needs 2 GPUs or more, this machine has " << gpus;
+  if (ncclMembershipChange().rfind("shrink", 0) != 0) {
+    GTEST_SKIP() << "this NCCL cannot shrink: " << ncclMembershipChange();
+  }
+  const int n = std::min(gpus, 4);
+  auto store = std::make_shared<HashStore>();
+  std::vector<int> all, survivors;
+  for (int r = 0; r < n; ++r) all.push_back(r);
+  survivors.assign(all.begin(), all.end() - 1);
+  std::vector<std::string> how(n), failures(n);
+  auto rank = [&](int r) {
+    try {
+      CommunicatorOptions o = options(all, r, "nccl-shrink");
+      o.device = r;
+      auto comm = createNcclCommunicator(store, o);
+      at::Tensor t = at::ones({1 << 20}, at::TensorOptions().device(at::kCUDA, r));
+      comm->allreduce(t);
+      if (t.cpu().sum().item<double>() != double(n) * (1 << 20)) failures[r] += "epoch 0 sum; ";
+      comm->abort();
+      try {
+        comm->allreduce(t);
+      } catch (const Aborted&) {
+      }
+      comm.reset();
+      if (r == n - 1) return;  // The lost member.
+      CommunicatorOptions o1 = options(survivors, r, "nccl-shrink");
+      o1.device = r;
+      o1.epoch = 1;
+      auto next = createNcclCommunicator(store, o1);
+      how[r] = next->setUp();
+      at::Tensor u = at::full({1 << 20}, r + 1.0, at::TensorOptions().device(at::kCUDA, r));
+      next->allreduce(u);
+      const double want = (n - 1) * n / 2.0;
+      if (!u.cpu().equal(at::full({1 << 20}, want))) failures[r] += "epoch 1 sum; ";
+    } catch (const std::exception& e) {
+      failures[r] += e.what();
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) threads.emplace_back(rank, r);
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r) {
+    EXPECT_EQ(failures[r], "") << "rank " << r;
+    if (r < n - 1) {
+      EXPECT_EQ(how[r], "shrink") << "rank " << r;
+    }
+  }
+}
+
 TEST(HostStagedTest, CudaTensorsThroughGlooOnOneGpu) {
   SINEW_REQUIRE_GPU();
   auto store = std::make_shared<HashStore>();

@@ -57,6 +57,13 @@ std::unique_ptr<Communicator> build(const std::shared_ptr<Store>& store,
   const LinkCounters after = linkCounters();
   built->made = after.connectionsMade - before.connectionsMade;
   built->kept = after.linksKept - before.linksKept;
+  const std::string said = "kept " + std::to_string(built->kept) + " links, made " +
+                           std::to_string(built->made) + " connections";
+  if (comm->setUp() != said) {
+    std::cerr << "worker " << o.self << ": setUp() says '" << comm->setUp() << "', not '" << said
+              << "'" << std::endl;
+    built->kept = built->made = -1;  // Fails the caller's checks.
+  }
   return comm;
 }
 
