@@ -8,10 +8,12 @@
 //     that carries no data: its watchers notice a member whose process died and name it,
 //     and its goodbyes tell the other members when this one fails.
 //  3. On any failure the sentinel is destroyed, which tells the peers, and every later call
-//     throws the same error. The NCCL communicator is aborted (ncclCommAbort), except where
-//     this NCCL can shrink one (>= 2.27, and SINEW_NCCL_SHRINK is not 0): then it is left as
-//     it is when this communicator is destroyed, for the next communicator of the same name
-//     and member id (its parent).
+//     throws the same error. The NCCL communicator is aborted (ncclCommAbort), or where this
+//     NCCL can shrink one (>= 2.27, and SINEW_NCCL_SHRINK is not 0) and revoke one (>= 2.28)
+//     revoked (ncclCommRevoke: its work on the GPU ends, it stays usable for a shrink). One
+//     that was revoked, or aborted by abort() with no call failing, is kept when this
+//     communicator is destroyed, for the next communicator of the same name and member id
+//     (its parent).
 //  4. The next communicator's members say which parent they hold ("parent/<rank>"); rank 0
 //     decides ("setup"): all of the new members hold the same parent and the new list is that
 //     list without some members, in order: ncclCommShrink (NCCL_SHRINK_ABORT after a failure);
@@ -55,6 +57,11 @@
 #define SINEW_NCCL_SHRINK 1
 #else
 #define SINEW_NCCL_SHRINK 0
+#endif
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+#define SINEW_NCCL_REVOKE 1
+#else
+#define SINEW_NCCL_REVOKE 0
 #endif
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 29, 0)
 #define SINEW_NCCL_GROW 1
@@ -216,6 +223,7 @@ class NcclCommunicator final : public Communicator {
   bool ncclAborted_ = false;  // Operation thread (and destructor) only.
   bool ready_ = false;        // comm_ finished its set-up (only then can it be a parent).
   bool interrupted_ = false;  // Operation thread only: a call failed or was given up on.
+  bool revoked_ = false;      // Operation thread only: ncclCommRevoke ended its work.
   const char* how_ = "init";  // How comm_ was set up: "init", "shrink" or "grow".
   cudaStream_t stream_ = nullptr;
   int device_ = 0;
@@ -349,6 +357,15 @@ void NcclCommunicator::start(SetUp how, const ncclUniqueId& id, Parent& parent) 
         excluded.push_back(static_cast<int>(r0));
       }
     }
+    if (how == SetUp::kShrinkAbort) {
+      // A revoked parent becomes quiescent (ncclSuccess) on its own; wait for it briefly.
+      ncclResult_t state = ncclInProgress;
+      const auto until = Clock::now() + std::chrono::seconds(2);
+      while (ncclCommGetAsyncError(parent.comm, &state) == ncclSuccess &&
+             state == ncclInProgress && Clock::now() < until) {
+        std::this_thread::sleep_for(kPollInterval);
+      }
+    }
     r = ncclCommShrink(parent.comm, excluded.data(), static_cast<int>(excluded.size()), &comm_,
                        &config, how == SetUp::kShrink ? NCCL_SHRINK_DEFAULT : NCCL_SHRINK_ABORT);
     if (r != ncclSuccess && r != ncclInProgress) {
@@ -379,14 +396,18 @@ void NcclCommunicator::start(SetUp how, const ncclUniqueId& id, Parent& parent) 
 }
 
 NcclCommunicator::~NcclCommunicator() {
-  if (comm_ != nullptr && !ncclAborted_ && ready_ && keepParents()) {
-    // Left for the next communicator of this name (protocol step 3); one that does not use it
-    // frees it. A stream's work that still waits on a dead peer ends with the shrink's abort.
+  const bool ended = revoked_ || abortRequested_.load() || error() != nullptr;
+  if (comm_ != nullptr && !ncclAborted_ && ready_ && keepParents() && ended) {
+    // Left for the next communicator of this name (protocol step 3), if it failed or was
+    // aborted (an epoch ended); one that does not use it frees it. One destroyed in good
+    // order (the job's end) is finalized as before.
     Parent p;
     p.comm = comm_;
     p.device = device_;
     p.epoch = epoch();
     p.members = options_.members;
+    // Interrupted, it was revoked: nothing of it runs any more, but it must be quiescent
+    // before a shrink (NCCL_SHRINK_ABORT also covers one that is not yet).
     p.healthy = !interrupted_;
     Parents::instance().put(options_.name, self(), p);
     comm_ = nullptr;
@@ -429,12 +450,22 @@ void NcclCommunicator::failAndThrow(std::exception_ptr error) {
     error = failure_;
     sentinel = std::move(sentinel_);
   }
-  // Protocol step 3. Only the operation thread touches comm_, so no call can race this. A
-  // communicator that may be a parent stays as it is until the destructor.
+  // Protocol step 3. Only the operation thread touches comm_, so no call can race this.
+  // Work still on the GPU must end now either way: a kernel that waits for a dead peer would
+  // hold back everything libtorch queues on the default stream, which this stream is ordered
+  // with. Revoked (NCCL >= 2.28), the communicator can still be shrunk once quiescent; else
+  // it is aborted and will be no parent.
   interrupted_ = true;
-  if (comm_ != nullptr && !ncclAborted_ && !(ready_ && keepParents())) {
-    ncclCommAbort(comm_);
-    ncclAborted_ = true;
+  if (comm_ != nullptr && !ncclAborted_) {
+#if SINEW_NCCL_REVOKE
+    if (ready_ && keepParents() && !revoked_) {
+      revoked_ = ncclCommRevoke(comm_, NCCL_REVOKE_DEFAULT) == ncclSuccess;
+    }
+#endif
+    if (!revoked_) {
+      ncclCommAbort(comm_);
+      ncclAborted_ = true;
+    }
   }
   if (sentinel) {
     sentinel->abort();
