@@ -88,6 +88,19 @@ struct Checker {
   }
 };
 
+// Builds `o`'s communicator into `comm`, checks the connections it made, the links it kept
+// and one allreduce.
+void buildAndCheck(Checker& c, std::unique_ptr<Communicator>& comm,
+                   const std::shared_ptr<Store>& store, const CommunicatorOptions& o, int64_t made,
+                   int64_t kept) {
+  Built b;
+  comm = build(store, o, &b);
+  const std::string epoch = "epoch " + std::to_string(o.epoch);
+  c.expectEq(b.made, made, epoch + " connections made");
+  c.expectEq(b.kept, kept, epoch + " links kept");
+  c.expectEq(sumsWorkerIds(*comm), 1, epoch + " allreduce exact");
+}
+
 // Blocks in allreduces until the communicator fails (a member was killed); then destroys it.
 void runUntilLost(std::unique_ptr<Communicator>& comm, Store& store) {
   store.set("ready/" + std::to_string(comm->self()), toBytes("1"));
@@ -129,15 +142,9 @@ TEST(RepairTest, SurvivorsKeepTheirConnectionsAndAJoinerConnectsOnlyItsOwn) {
       c.expectEq(b.made, 9, "epoch 0 connections made");
       c.expectEq(b.kept, 0, "epoch 0 links kept");
       runUntilLost(comm, *store);
-      comm = build(store, options(survivors, w, 1), &b);
-      c.expectEq(b.made, 0, "epoch 1 connections made");
-      c.expectEq(b.kept, 2, "epoch 1 links kept");
-      c.expectEq(sumsWorkerIds(*comm), 1, "epoch 1 allreduce exact");
+      buildAndCheck(c, comm, store, options(survivors, w, 1), 0, 2);
       comm.reset();
-      comm = build(store, options(grown, w, 2), &b);
-      c.expectEq(b.made, 3, "epoch 2 connections made");
-      c.expectEq(b.kept, 2, "epoch 2 links kept");
-      c.expectEq(sumsWorkerIds(*comm), 1, "epoch 2 allreduce exact");
+      buildAndCheck(c, comm, store, options(grown, w, 2), 3, 2);
       return c.failures;
     });
   }
@@ -152,11 +159,8 @@ TEST(RepairTest, SurvivorsKeepTheirConnectionsAndAJoinerConnectsOnlyItsOwn) {
     at::set_num_threads(1);
     auto s = connectTo(server.port());
     Checker c{14};
-    Built b;
-    auto comm = build(s, options(grown, 14, 2), &b);
-    c.expectEq(b.made, 9, "the joiner's connections made");
-    c.expectEq(b.kept, 0, "the joiner's links kept");
-    c.expectEq(sumsWorkerIds(*comm), 1, "the joiner's allreduce exact");
+    std::unique_ptr<Communicator> comm;
+    buildAndCheck(c, comm, s, options(grown, 14, 2), 9, 0);
     return c.failures;
   });
   auto exits = group.waitAll(120s);
@@ -243,10 +247,7 @@ TEST(RepairTest, ALossDuringARepairStillKeepsTheRest) {
         c.expectEq(std::string(e.what()).find("workers 12") != std::string::npos, 1,
                    std::string("epoch 1's timeout names worker 12: ") + e.what());
       }
-      comm = build(store, options(last, w, 2), &b);
-      c.expectEq(b.made, 0, "epoch 2 connections made");
-      c.expectEq(b.kept, 1, "epoch 2 links kept");
-      c.expectEq(sumsWorkerIds(*comm), 1, "epoch 2 allreduce exact");
+      buildAndCheck(c, comm, store, options(last, w, 2), 0, 1);
       return c.failures;
     });
   }
