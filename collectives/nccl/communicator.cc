@@ -361,8 +361,8 @@ void NcclCommunicator::start(SetUp how, const ncclUniqueId& id, Parent& parent) 
       // A revoked parent becomes quiescent (ncclSuccess) on its own; wait for it briefly.
       ncclResult_t state = ncclInProgress;
       const auto until = Clock::now() + std::chrono::seconds(2);
-      while (ncclCommGetAsyncError(parent.comm, &state) == ncclSuccess &&
-             state == ncclInProgress && Clock::now() < until) {
+      while (ncclCommGetAsyncError(parent.comm, &state) == ncclSuccess && state == ncclInProgress &&
+             Clock::now() < until) {
         std::this_thread::sleep_for(kPollInterval);
       }
     }
