@@ -112,6 +112,46 @@ void runUntilLost(std::unique_ptr<Communicator>& comm, Store& store) {
   comm.reset();
 }
 
+// Children forked before the store server's thread exists, each waiting for the server's port
+// on a pipe of its own. A child forked while that thread holds a lock of the allocator (as it
+// may while it serves the other children) starts with the lock held for good: under
+// AddressSanitizer the first member's at::set_num_threads hung so, 4 runs in 5.
+class PreForked {
+ public:
+  // Forks a child that runs body(port) once start(i) gives it the port.
+  size_t spawn(ProcessGroup& group, const std::function<int(uint16_t)>& body) {
+    int fds[2];
+    if (::pipe(fds) != 0) throw std::runtime_error("pipe failed");
+    group.spawn([fds, body] {
+      ::close(fds[1]);
+      uint16_t port = 0;
+      const ssize_t n = ::read(fds[0], &port, sizeof(port));
+      ::close(fds[0]);
+      if (n != static_cast<ssize_t>(sizeof(port))) return 97;  // The test gave up.
+      return body(port);
+    });
+    ::close(fds[0]);
+    writers_.push_back(fds[1]);
+    return writers_.size() - 1;
+  }
+  void start(size_t i, uint16_t port) {
+    if (::write(writers_.at(i), &port, sizeof(port)) != static_cast<ssize_t>(sizeof(port))) {
+      throw std::runtime_error("cannot start a child");
+    }
+    ::close(writers_[i]);
+    writers_[i] = -1;
+  }
+  size_t size() const { return writers_.size(); }
+  ~PreForked() {
+    for (int fd : writers_) {
+      if (fd >= 0) ::close(fd);
+    }
+  }
+
+ private:
+  std::vector<int> writers_;
+};
+
 std::shared_ptr<Store> connectTo(uint16_t port) {
   return std::make_shared<TcpStore>("127.0.0.1", port, sinew::testing::storeOptions());
 }
@@ -128,14 +168,14 @@ void waitReady(Store& store, const std::vector<int>& workers) {
 // to the joiner (3), and every allreduce is exact.
 TEST(RepairTest, SurvivorsKeepTheirConnectionsAndAJoinerConnectsOnlyItsOwn) {
   if (!gloo_backend::pairsAdoptConnections()) GTEST_SKIP() << "this Gloo's pairs cannot be kept";
-  TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
+  PreForked children;
   const std::vector<int> first = {10, 11, 12, 13}, survivors = {10, 11, 12},
                          grown = {10, 11, 12, 14};
   for (int w : first) {
-    group.spawn([&, w] {
+    children.spawn(group, [&, w](uint16_t port) {
       at::set_num_threads(1);
-      auto store = connectTo(server.port());
+      auto store = connectTo(port);
       Checker c{w};
       Built b;
       auto comm = build(store, options(first, w, 0), &b);
@@ -148,6 +188,16 @@ TEST(RepairTest, SurvivorsKeepTheirConnectionsAndAJoinerConnectsOnlyItsOwn) {
       return c.failures;
     });
   }
+  const size_t joiner = children.spawn(group, [&](uint16_t port) {
+    at::set_num_threads(1);
+    auto s = connectTo(port);
+    Checker c{14};
+    std::unique_ptr<Communicator> comm;
+    buildAndCheck(c, comm, s, options(grown, 14, 2), 9, 0);
+    return c.failures;
+  });
+  TcpStoreServer server{sinew::testing::serverOptions()};
+  for (size_t i = 0; i < first.size(); ++i) children.start(i, server.port());
   auto store = connectTo(server.port());
   waitReady(*store, first);
   group.signal(3, SIGKILL);
@@ -155,14 +205,7 @@ TEST(RepairTest, SurvivorsKeepTheirConnectionsAndAJoinerConnectsOnlyItsOwn) {
   store->wait({"sinew/comm/repair/epoch/1/joined/0", "sinew/comm/repair/epoch/1/joined/1",
                "sinew/comm/repair/epoch/1/joined/2"},
               60s);
-  group.spawn([&] {
-    at::set_num_threads(1);
-    auto s = connectTo(server.port());
-    Checker c{14};
-    std::unique_ptr<Communicator> comm;
-    buildAndCheck(c, comm, s, options(grown, 14, 2), 9, 0);
-    return c.failures;
-  });
+  children.start(joiner, server.port());
   auto exits = group.waitAll(120s);
   EXPECT_TRUE(exits[3].signaled) << exits[3].str();
   for (size_t i : {0, 1, 2, 4}) {
@@ -176,13 +219,13 @@ TEST(RepairTest, SurvivorsKeepTheirConnectionsAndAJoinerConnectsOnlyItsOwn) {
 // received there is the one epoch 1 sent, and the bytes before it were dropped.
 TEST(RepairTest, AMessageOfTheEpochBeforeIsDroppedOnAKeptConnection) {
   if (!gloo_backend::pairsAdoptConnections()) GTEST_SKIP() << "this Gloo's pairs cannot be kept";
-  TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
+  PreForked children;
   const std::vector<int> members = {10, 11, 12};
   for (int w : members) {
-    group.spawn([&, w] {
+    children.spawn(group, [&, w](uint16_t port) {
       at::set_num_threads(1);
-      auto store = connectTo(server.port());
+      auto store = connectTo(port);
       Checker c{w};
       Built b;
       auto comm = build(store, options(members, w, 0), &b);
@@ -215,6 +258,8 @@ TEST(RepairTest, AMessageOfTheEpochBeforeIsDroppedOnAKeptConnection) {
       return c.failures;
     });
   }
+  TcpStoreServer server{sinew::testing::serverOptions()};
+  for (size_t i = 0; i < children.size(); ++i) children.start(i, server.port());
   auto exits = group.waitAll(120s);
   for (size_t i = 0; i < exits.size(); ++i) {
     EXPECT_TRUE(exits[i].exited && exits[i].code == 0) << "child " << i << " " << exits[i].str();
@@ -226,13 +271,13 @@ TEST(RepairTest, AMessageOfTheEpochBeforeIsDroppedOnAKeptConnection) {
 // last two keeps their link (nothing connected) and reduces exactly.
 TEST(RepairTest, ALossDuringARepairStillKeepsTheRest) {
   if (!gloo_backend::pairsAdoptConnections()) GTEST_SKIP() << "this Gloo's pairs cannot be kept";
-  TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
+  PreForked children;
   const std::vector<int> first = {10, 11, 12, 13}, survivors = {10, 11, 12}, last = {10, 11};
   for (int w : first) {
-    group.spawn([&, w] {
+    children.spawn(group, [&, w](uint16_t port) {
       at::set_num_threads(1);
-      auto store = connectTo(server.port());
+      auto store = connectTo(port);
       Checker c{w};
       Built b;
       auto comm = build(store, options(first, w, 0), &b);
@@ -251,6 +296,8 @@ TEST(RepairTest, ALossDuringARepairStillKeepsTheRest) {
       return c.failures;
     });
   }
+  TcpStoreServer server{sinew::testing::serverOptions()};
+  for (size_t i = 0; i < children.size(); ++i) children.start(i, server.port());
   auto store = connectTo(server.port());
   waitReady(*store, first);
   group.signal(3, SIGKILL);
@@ -266,15 +313,15 @@ TEST(RepairTest, ALossDuringARepairStillKeepsTheRest) {
 // With keepConnections off, the survivors connect their pairs anew (one pair: a Gloo pair and two
 // lanes).
 TEST(RepairTest, WithoutKeepingEveryPairIsConnectedAnew) {
-  TcpStoreServer server{sinew::testing::serverOptions()};
   ProcessGroup group;
+  PreForked children;
   const std::vector<int> first = {10, 11, 12}, survivors = {10, 11};
   GlooOptions rebuild;
   rebuild.keepConnections = false;
   for (int w : first) {
-    group.spawn([&, w] {
+    children.spawn(group, [&, w](uint16_t port) {
       at::set_num_threads(1);
-      auto store = connectTo(server.port());
+      auto store = connectTo(port);
       Checker c{w};
       auto comm = createGlooCommunicator(store, options(first, w, 0), rebuild);
       runUntilLost(comm, *store);
@@ -288,6 +335,8 @@ TEST(RepairTest, WithoutKeepingEveryPairIsConnectedAnew) {
       return c.failures;
     });
   }
+  TcpStoreServer server{sinew::testing::serverOptions()};
+  for (size_t i = 0; i < children.size(); ++i) children.start(i, server.port());
   auto store = connectTo(server.port());
   waitReady(*store, first);
   group.signal(2, SIGKILL);
