@@ -120,7 +120,7 @@ void GlooCommunicator::connect(const std::shared_ptr<Store>& store) {
     }
     pooled = LinkPool::instance().takeFor(options_.name, self(), peers, epoch());
   }
-  std::vector<Link> kept = join(*prefixed, std::move(pooled));
+  std::vector<Link> kept = join(*prefixed, std::move(pooled), deadline);
   std::vector<int> keptPairs(size(), -1);
   std::vector<std::pair<int, int>> keptLanes(size(), {-1, -1});
   for (int r = 0; r < size(); ++r) {
@@ -206,7 +206,8 @@ void GlooCommunicator::connect(const std::shared_ptr<Store>& store) {
   }
 }
 
-std::vector<Link> GlooCommunicator::join(Store& store, std::map<int, Link> pooled) {
+std::vector<Link> GlooCommunicator::join(Store& store, std::map<int, Link> pooled,
+                                         Clock::time_point deadline) {
   auto putBack = [&] {
     for (auto& [peer, link] : pooled) LinkPool::instance().put(options_.name, self(), link);
     pooled.clear();
@@ -216,7 +217,12 @@ std::vector<Link> GlooCommunicator::join(Store& store, std::map<int, Link> poole
   for (const auto& [peer, link] : pooled) {
     joined += " " + std::to_string(peer) + ":" + std::to_string(link.id);
   }
-  store.set("joined/" + std::to_string(rank_), toBytes(joined));
+  try {
+    store.set("joined/" + std::to_string(rank_), toBytes(joined));
+  } catch (...) {
+    putBack();
+    throw;
+  }
   std::vector<std::string> keys;
   for (int r = 0; r < size(); ++r) keys.push_back("joined/" + std::to_string(r));
   try {
@@ -260,9 +266,18 @@ std::vector<Link> GlooCommunicator::join(Store& store, std::map<int, Link> poole
   pooled.clear();
   int broken = -1;
   const std::string ownKey = keys[rank_];
-  const std::string why = resyncLinks(
-      resync, epoch(), Clock::now() + options_.initTimeout,
-      [&] { store.wait({ownKey}, std::chrono::milliseconds(1)); }, &broken);
+  std::string why;
+  try {
+    why = resyncLinks(
+        resync, epoch(), deadline, [&] { store.wait({ownKey}, std::chrono::milliseconds(1)); },
+        &broken);
+  } catch (...) {
+    // Given up (the store says the epoch is over): the links stay for the next attempt.
+    for (auto& l : kept) {
+      if (l.id != 0) LinkPool::instance().put(options_.name, self(), l);
+    }
+    throw;
+  }
   if (!why.empty()) {
     // The other links stay for the next attempt (its marks name another epoch).
     for (auto& l : kept) {

@@ -148,7 +148,7 @@ class GlooCommunicator final : public Communicator {
   // waits for every member; then keeps the links whose other end kept them too, resynchronised
   // for this epoch (returned by rank; the others are closed). On failure the links go back to
   // the pool untouched and this throws.
-  std::vector<Link> join(Store& store, std::map<int, Link> kept);
+  std::vector<Link> join(Store& store, std::map<int, Link> kept, Clock::time_point deadline);
   // Which members this one keeps its link to (by rank). Rank 0 reads every member's
   // announcement (keys; `own` is its own) and publishes "kept", the pairs of ranks whose two
   // ends announced the same link; the others read that if they are `holding` links.

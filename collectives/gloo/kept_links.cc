@@ -169,6 +169,23 @@ std::map<int, Link> LinkPool::takeFor(const std::string& name, int self,
   std::lock_guard<std::mutex> lock(mu_);
   forkCheckLocked();
   std::map<int, Link> out;
+  // Links of other names that the epoch after theirs did not take (a gradient group whose
+  // layer range changed, say) are closed: their name may never be built again.
+  for (auto other = links_.begin(); other != links_.end();) {
+    if (other->first == key(name, self)) {
+      ++other;
+      continue;
+    }
+    for (auto l = other->second.begin(); l != other->second.end();) {
+      if (l->second.epoch < epoch - 1) {
+        l->second.close();
+        l = other->second.erase(l);
+      } else {
+        ++l;
+      }
+    }
+    other = other->second.empty() ? links_.erase(other) : std::next(other);
+  }
   auto it = links_.find(key(name, self));
   if (it == links_.end()) return out;
   for (auto& [peer, link] : it->second) {
@@ -227,6 +244,7 @@ std::string resyncLinks(const std::vector<Link*>& links, int64_t epoch,
       short events = 0;
       if (s.sent < kMarkBytes) events |= POLLOUT;
       if (!s.found && !s.stalled) events |= POLLIN;
+      if (!s.found && s.stalled) events |= POLLRDHUP;  // The rest of the mark, or a hang-up.
       stalled = stalled || s.stalled;
       if (events != 0 || s.stalled) {
         fds.push_back({s.fd, events, 0});
@@ -250,6 +268,15 @@ std::string resyncLinks(const std::vector<Link*>& links, int64_t epoch,
     if (::poll(fds.data(), fds.size(), ms) < 0 && errno != EINTR) {
       if (failedPeerWorker) *failedPeerWorker = -1;
       return std::string("poll: ") + std::strerror(errno);
+    }
+    // A socket whose data may be the start of a mark never reads as closed (its bytes are
+    // only peeked): a hang-up there is the other end gone mid-mark.
+    for (size_t i = 0; i < fds.size(); ++i) {
+      if (polled[i]->stalled && (fds[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0) {
+        if (failedPeerWorker) *failedPeerWorker = polled[i]->peerWorker;
+        return "worker " + std::to_string(polled[i]->peerWorker) +
+               "'s kept connection was closed before its mark arrived";
+      }
     }
   }
 }

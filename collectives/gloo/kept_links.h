@@ -56,6 +56,8 @@ class LinkPool {
   void put(const std::string& name, int self, Link link);
   // Takes the links of `self` in `name` to the workers of `peers` (the others are closed: the
   // next communicator of that name has no use for them), each of an epoch before `epoch`.
+  // Links of other names left before `epoch - 1` are closed too (their epoch's successor did
+  // not take them).
   std::map<int, Link> takeFor(const std::string& name, int self, const std::vector<int>& peers,
                               int64_t epoch);
   // How many links are kept (tests).

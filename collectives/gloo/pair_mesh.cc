@@ -56,10 +56,15 @@ class OnLoop final : public tcp::Handler {
     kick(h->fd_);
     std::unique_lock<std::mutex> lock(h->mu_);
     if (!h->cv_.wait_for(lock, wait, [&] { return h->phase_ == 2; })) {
-      h->work_ = nullptr;  // Too late to run it now.
-      lock.unlock();
-      h.release();
-      return false;
+      if (h->phase_ == 0) {
+        h->work_ = nullptr;  // Too late to run it now; the caller takes the slow path.
+        lock.unlock();
+        h.release();
+        return false;
+      }
+      // The work ran, and events fetched with it may still be handled: the caller may free
+      // what they refer to only after the next iteration, which a running loop reaches.
+      h->cv_.wait(lock, [&] { return h->phase_ == 2; });
     }
     lock.unlock();
     ::close(h->fd_);
