@@ -129,6 +129,14 @@ void GlooCommunicator::connect(const std::shared_ptr<Store>& store) {
     keptLanes[r] = {kept[r].sendFd, kept[r].recvFd};
     linkIds_[r] = kept[r].id;
   }
+  // The kept lanes' descriptors until the lanes own them (step 4).
+  auto closeKeptLanes = [&keptLanes] {
+    for (auto& [sendFd, recvFd] : keptLanes) {
+      for (int fd : {sendFd, recvFd}) {
+        if (fd >= 0) ::close(fd);
+      }
+    }
+  };
 
   // 2. Full mesh of Gloo's pairs, on connections that presented the store's nonce
   //    (gloo/pair_mesh.h): Gloo's own rendezvous has each pair take whoever connects first.
@@ -144,11 +152,7 @@ void GlooCommunicator::connect(const std::shared_ptr<Store>& store) {
       if (linkIds_[r] == 0) linkIds_[r] = links.ids[r];
     }
   } catch (...) {
-    for (auto& [sendFd, recvFd] : keptLanes) {
-      for (int fd : {sendFd, recvFd}) {
-        if (fd >= 0) ::close(fd);
-      }
-    }
+    closeKeptLanes();
     closeContext();
     throw;
   }
@@ -167,11 +171,7 @@ void GlooCommunicator::connect(const std::shared_ptr<Store>& store) {
     } catch (const gloo::Exception& e) {
       controlBufs_.clear();  // No watcher runs yet.
       closeContext();
-      for (auto& [sendFd, recvFd] : keptLanes) {
-        for (int fd : {sendFd, recvFd}) {
-          if (fd >= 0) ::close(fd);
-        }
-      }
+      closeKeptLanes();
       leaveLinks();  // Keeps nothing: there are no lanes.
       SINEW_THROW(IoError, describe(), ": the connection to worker ", workerOf(r), " (rank ", r,
                   ") broke as it was set up: ", e.what());
@@ -240,6 +240,17 @@ std::vector<Link> GlooCommunicator::join(Store& store, std::map<int, Link> poole
     throw;
   }
   std::vector<Link> kept(size());
+  // Back to the pool for the next attempt, all but the link to `closedPeer` (closed).
+  auto putBackKept = [&](int closedPeer) {
+    for (auto& l : kept) {
+      if (l.id == 0) continue;
+      if (l.peerWorker == closedPeer) {
+        l.close();
+      } else {
+        LinkPool::instance().put(options_.name, self(), l);
+      }
+    }
+  };
   // A link is kept where the member at its other end kept the same one for this member.
   std::vector<Link*> resync;
   try {
@@ -256,9 +267,7 @@ std::vector<Link> GlooCommunicator::join(Store& store, std::map<int, Link> poole
       pooled.erase(it);
     }
   } catch (...) {
-    for (auto& l : kept) {
-      if (l.id != 0) pooled.emplace(l.peerWorker, l);
-    }
+    putBackKept(-1);
     putBack();
     throw;
   }
@@ -272,22 +281,11 @@ std::vector<Link> GlooCommunicator::join(Store& store, std::map<int, Link> poole
         resync, epoch(), deadline, [&] { store.wait({ownKey}, std::chrono::milliseconds(1)); },
         &broken);
   } catch (...) {
-    // Given up (the store says the epoch is over): the links stay for the next attempt.
-    for (auto& l : kept) {
-      if (l.id != 0) LinkPool::instance().put(options_.name, self(), l);
-    }
+    putBackKept(-1);  // Given up (the store says the epoch is over).
     throw;
   }
   if (!why.empty()) {
-    // The other links stay for the next attempt (its marks name another epoch).
-    for (auto& l : kept) {
-      if (l.id == 0) continue;
-      if (l.peerWorker == broken) {
-        l.close();
-      } else {
-        LinkPool::instance().put(options_.name, self(), l);
-      }
-    }
+    putBackKept(broken);  // The others' next marks name another epoch.
     SINEW_THROW(IoError, describe(), ": ", why);
   }
   countLinksKept(static_cast<int64_t>(resync.size()));
