@@ -10,6 +10,14 @@
 
 namespace sinew {
 namespace runtime {
+namespace {
+
+// The stages' gradient sums across pipelines go in buckets of this size (PyTorch DDP's
+// default bucket_cap_mb): the memory a sum needs beside the gradients is one bucket, which
+// the planner's cost model does not charge, instead of a flat copy of the stage's gradients.
+constexpr int64_t kGradientBucketBytes = int64_t{25} << 20;
+
+}  // namespace
 
 EpochCommunicators::EpochCommunicators(const TrainerServices& services, BackendChooser& chooser)
     : s_(services), chooser_(chooser) {}
@@ -149,9 +157,9 @@ double EpochCommunicators::reduceGradients(torch::nn::Sequential& held, int held
       }
     }
     if (ps.empty() || !g.comm) continue;
-    at::Tensor flat = flatGradients(ps);
-    around([&] { g.comm->allreduce(flat, collectives::ReduceOp::kSum, s_.opTimeout()); });
-    setGradients(ps, flat);
+    reduceInBuckets(ps, kGradientBucketBytes, [&](at::Tensor& t) {
+      around([&] { g.comm->allreduce(t, collectives::ReduceOp::kSum, s_.opTimeout()); });
+    });
   }
   reduceTies(held, heldFirst, ties, around);
   const std::unordered_set<const void*> followers = heldFollowers(held, heldFirst, ties);

@@ -95,6 +95,41 @@ at::Tensor flatGradients(const std::vector<at::Tensor>& params, const at::Tensor
   return at::cat(parts);
 }
 
+void reduceInBuckets(const std::vector<at::Tensor>& params, int64_t bucketBytes,
+                     const std::function<void(at::Tensor&)>& reduce) {
+  std::vector<at::Tensor> bucket;  // the gradients packed into the next flat tensor
+  int64_t bucketed = 0;
+  auto flush = [&] {
+    if (bucket.empty()) return;
+    std::vector<at::Tensor> parts;
+    for (const auto& g : bucket) parts.push_back(g.reshape(-1));
+    at::Tensor flat = at::cat(parts);
+    reduce(flat);
+    int64_t offset = 0;
+    for (auto& g : bucket) {
+      g.copy_(flat.narrow(0, offset, g.numel()).view(g.sizes()));
+      offset += g.numel();
+    }
+    bucket.clear();
+    bucketed = 0;
+  };
+  for (const auto& p : params) {
+    if (!p.requires_grad()) continue;
+    if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+    at::Tensor g = p.grad();
+    const int64_t bytes = static_cast<int64_t>(g.nbytes());
+    if (bytes >= bucketBytes && g.is_contiguous()) {
+      flush();  // The order of the reductions is the parameters' on every member.
+      reduce(g);
+      continue;
+    }
+    if (bucketed + bytes > bucketBytes) flush();
+    bucket.push_back(g);
+    bucketed += bytes;
+  }
+  flush();
+}
+
 int64_t setGradients(const std::vector<at::Tensor>& params, const at::Tensor& flat) {
   int64_t offset = 0;
   for (const auto& p : params) {

@@ -42,6 +42,16 @@ at::Tensor flatGradients(const std::vector<at::Tensor>& params, const at::Tensor
 // Copies flatGradients()'s layout back into the gradients; returns the elements it used.
 int64_t setGradients(const std::vector<at::Tensor>& params, const at::Tensor& flat);
 
+// Sums the gradients of the trainable parameters of `params` with `reduce` (an in-place
+// reduction of one contiguous tensor, e.g. an allreduce) in buckets of at most `bucketBytes`,
+// as PyTorch DDP's bucket_cap_mb does: consecutive gradients smaller than that are packed into
+// one flat tensor, reduced and copied back; a contiguous gradient of at least that size is
+// reduced where it is. A parameter without a gradient gets a zero one first, as with
+// flatGradients(). The memory this needs beside the gradients is one bucket, not a copy of them
+// all. Every member must pass the same parameters (shapes and order) and bucket size.
+void reduceInBuckets(const std::vector<at::Tensor>& params, int64_t bucketBytes,
+                     const std::function<void(at::Tensor&)>& reduce);
+
 // The sum of the squares of the defined gradients of `params`, in double precision.
 double squaredGradientNorm(const std::vector<at::Tensor>& params);
 

@@ -744,6 +744,52 @@ TEST(ClipTest, SplitGradientsClipAsClipGradNormDoes) {
   EXPECT_EQ(clipFactor(std::numeric_limits<double>::infinity(), 0.5), 1.0);
 }
 
+// Gradients summed in buckets: every trainable gradient reduced exactly once, in the
+// parameters' order; small ones packed into flat tensors of at most the bucket's size, a large
+// contiguous one reduced in place (no copy of it), a missing gradient made zeros, a frozen
+// parameter left without one.
+TEST(ReduceInBucketsTest, PacksSmallGradientsAndReducesLargeOnesInPlace) {
+  const int64_t bucket = 64 * 4;  // 64 floats
+  std::vector<at::Tensor> params;
+  for (int64_t n : {10, 20, 40, 100, 30, 64, 5}) {
+    params.push_back(at::ones({n}).requires_grad_(true));
+    params.back().mutable_grad() = at::full({n}, static_cast<double>(n));
+  }
+  params[4].mutable_grad() = at::Tensor();  // no gradient yet
+  params.push_back(at::ones({7}));          // frozen
+  const void* large = params[3].grad().data_ptr();
+  const void* exact = params[5].grad().data_ptr();
+  std::vector<int64_t> sizes;
+  std::vector<const void*> where;
+  reduceInBuckets(params, bucket, [&](at::Tensor& t) {
+    sizes.push_back(t.numel());
+    where.push_back(t.data_ptr());
+    t.mul_(2);
+  });
+  // 10 + 20 fill 30 of 64; 40 would overflow: flushed. 40 alone; 100 in place; 30 (zeros);
+  // 64 (= the bucket) in place; 5.
+  EXPECT_EQ(sizes, (std::vector<int64_t>{30, 40, 100, 30, 64, 5}));
+  EXPECT_EQ(where[2], large);
+  EXPECT_EQ(where[4], exact);
+  for (int i : {0, 1, 2, 3, 5, 6}) {
+    const double n = static_cast<double>(params[i].numel());
+    EXPECT_TRUE(at::equal(params[i].grad(), at::full({params[i].numel()}, 2 * n))) << i;
+  }
+  ASSERT_TRUE(params[4].grad().defined());
+  EXPECT_TRUE(at::equal(params[4].grad(), at::zeros({30})));
+  EXPECT_FALSE(params[7].grad().defined());
+  // The same sums as one flat tensor of them all.
+  std::vector<at::Tensor> again;
+  for (int64_t n : {10, 20, 40, 100}) {
+    again.push_back(at::ones({n}).requires_grad_(true));
+    again.back().mutable_grad() = at::full({n}, static_cast<double>(n));
+  }
+  at::Tensor flat = flatGradients(again);
+  flat.mul_(2);
+  setGradients(again, flat);
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(at::equal(again[i].grad(), params[i].grad())) << i;
+}
+
 // Epoch sampling visits every sample exactly once per epoch, for batches that do and do not
 // divide the dataset, in another order each epoch and for each seed.
 TEST(DataTest, EpochBatchIndicesVisitEverySampleOncePerEpoch) {
