@@ -23,9 +23,6 @@
 // Last line: RESULT recovery_s=<a> ram_restore_s=<b> restart_s=<c> recovery_speedup=<c/a>
 //            throughput_after_1_loss=<after/before>
 
-#include <signal.h>
-#include <sys/types.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -34,22 +31,20 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <map>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "../job_watch.h"
+
 namespace {
 
 using json = nlohmann::json;
-
-double now() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
+using sinew_bench::killAt;
+using sinew_bench::slurp;
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -57,120 +52,16 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-std::vector<json> events(const std::string& file) {
-  std::vector<json> out;
-  std::ifstream in(file);
-  std::string line;
-  while (std::getline(in, line)) {
-    auto e = json::parse(line, nullptr, false);
-    if (!e.is_discarded() && e.contains("event")) out.push_back(std::move(e));
-  }
-  return out;
-}
+// examples/train_pp under sinew-run with a progress event per step.
+struct Job : sinew_bench::Job {
+  Job(const std::string& dir, int workers, const std::vector<std::string>& args)
+      : sinew_bench::Job(dir, workers, program(args)) {}
 
-// A sinew-run job in its own process group, output to <dir>.out.
-struct Job {
-  pid_t pid = -1;
-  std::string dir;
-
-  Job(const std::string& dir_, int workers, const std::vector<std::string>& args) : dir(dir_) {
-    std::filesystem::create_directories(dir);
-    std::vector<std::string> argv = {
-        SINEW_RUN_PATH, "-n", std::to_string(workers), "--log-dir",          dir, TRAIN_PP_PATH,
-        "--progress",   "1",  "--no-reference",        "--devices-per-node", "1"};
-    argv.insert(argv.end(), args.begin(), args.end());
-    const std::string out = dir + ".out";
-    pid = ::fork();
-    if (pid < 0) throw std::runtime_error("fork failed");
-    if (pid == 0) {
-      ::setpgid(0, 0);
-      FILE* f = std::freopen(out.c_str(), "w", stdout);
-      if (f == nullptr || ::dup2(::fileno(stdout), 2) < 0) ::_exit(127);
-      std::vector<char*> cargv;
-      for (auto& a : argv) cargv.push_back(a.data());
-      cargv.push_back(nullptr);
-      ::execv(cargv[0], cargv.data());
-      ::_exit(127);
-    }
-    ::setpgid(pid, pid);
-  }
-
-  // Waits for the job to end; returns its exit status.
-  int wait() {
-    int status = 0;
-    ::waitpid(pid, &status, 0);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  }
-
-  void killAll() {
-    ::kill(-pid, SIGKILL);
-    wait();
-  }
-
-  // The step worker 0 last reported done (-1 before its first progress event).
-  int64_t step() const {
-    int64_t s = -1;
-    for (const auto& e : events(dir + "/worker-0-events.jsonl")) {
-      if (e["event"] == "progress") s = std::max(s, e["step"].get<int64_t>());
-    }
-    return s;
-  }
-
-  // The PID of `worker`, from the coordinator's hello event.
-  pid_t pidOf(int worker) const {
-    for (const auto& e : events(dir + "/coordinator-events.jsonl")) {
-      if (e["event"] == "hello" && e["worker"] == worker) return e["pid"].get<pid_t>();
-    }
-    throw std::runtime_error("no hello of worker " + std::to_string(worker) + " in " + dir);
-  }
-
-  // The progress events of every worker.
-  std::vector<json> progress() const {
-    std::vector<json> out;
-    for (const auto& entry : std::filesystem::directory_iterator(dir)) {
-      const std::string f = entry.path().filename().string();
-      if (f.rfind("worker-", 0) != 0 || f.find("-events.jsonl") == std::string::npos) continue;
-      for (auto& e : events(entry.path().string())) {
-        if (e["event"] == "progress") out.push_back(std::move(e));
-      }
-    }
-    return out;
-  }
-
-  // The time of the first step completed after `t` in an epoch newer than those of the steps
-  // completed by then (a step of the epoch the kill interrupted may still be reported after
-  // it by a slower worker; a rollback completes steps again); 0 if none.
-  double firstStepAfter(double t) const {
-    std::vector<json> ps = progress();
-    int64_t epochAtKill = -1;
-    for (const auto& e : ps) {
-      if (e["time"].get<double>() <= t)
-        epochAtKill = std::max(epochAtKill, e["epoch"].get<int64_t>());
-    }
-    double first = 0;
-    for (const auto& e : ps) {
-      const double at = e["time"].get<double>();
-      if (at > t && e["epoch"].get<int64_t>() > epochAtKill && (first == 0 || at < first)) {
-        first = at;
-      }
-    }
-    return first;
-  }
-
-  std::vector<double> rates(int worker, double from, double to) const {
-    std::vector<double> r;
-    bool skippedFirst = false;
-    for (const auto& e : events(dir + "/worker-" + std::to_string(worker) + "-events.jsonl")) {
-      if (e["event"] != "progress") continue;
-      const double at = e["time"].get<double>();
-      if (at <= from || at >= to) continue;
-      if (!skippedFirst) {  // The first report after a start or a recovery includes it.
-        skippedFirst = true;
-        continue;
-      }
-      r.push_back(e["samples_per_s"].get<double>());
-    }
-    return r;
+  static std::vector<std::string> program(const std::vector<std::string>& args) {
+    std::vector<std::string> p = {TRAIN_PP_PATH,    "--progress",         "1",
+                                  "--no-reference", "--devices-per-node", "1"};
+    p.insert(p.end(), args.begin(), args.end());
+    return p;
   }
 };
 
@@ -201,32 +92,10 @@ std::string tmpDir(const std::string& name) {
          std::to_string(::getpid());
 }
 
-// Waits until the job trained `steps` steps, then SIGKILLs `victims`; returns the kill time.
-double killAt(Job& job, int64_t steps, const std::vector<int>& victims) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(5);
-  while (job.step() < steps) {
-    if (std::chrono::steady_clock::now() > deadline) {
-      throw std::runtime_error("job in " + job.dir + " did not reach step " +
-                               std::to_string(steps));
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  std::vector<pid_t> pids;
-  for (int v : victims) pids.push_back(job.pidOf(v));
-  const double t = now();
-  for (pid_t p : pids) ::kill(p, SIGKILL);
-  return t;
-}
-
 struct Measured {
   double seconds = 0;
   double before = 0, after = 0;  // samples/s
 };
-
-std::string slurp(const std::string& path) {
-  std::ifstream in(path);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
 
 // `expect`: what the job's output must say about its recovery (else the measurement is not of
 // the path it names).
