@@ -174,8 +174,24 @@ std::optional<Relayout> LayerRelayout::run(const pipeline::Plan& plan,
   const bool keeps = me.first == first && me.end == end && me.applied == resumeApplied;
   Relayout r;
   if (!keeps && end > first) {
-    r.model = buildLayers(spec_, o.seed, o.dtype, first, end);
-    r.model->to(device_);
+    // A layer this worker holds live stays the module it is (its state is loaded onto itself);
+    // only the others are built from their seeds, to be copied into, restored or kept fresh.
+    // Building a GPT-2 small block from its seed (its random initialisation) took longer than
+    // copying it from a peer. Nothing of the current modules changes before adoptLayers.
+    r.model = torch::nn::Sequential();
+    for (int l = first; l < end;) {
+      if (live(self, l)) {
+        r.model->push_back(spec_.layers[l].name, current.layers->begin()[l - current.heldFirst]);
+        ++l;
+        continue;
+      }
+      int to = l;
+      while (to < end && !live(self, to)) ++to;
+      torch::nn::Sequential built = buildLayers(spec_, o.seed, o.dtype, l, to);
+      built->to(device_);
+      for (int k = l; k < to; ++k) r.model->push_back(spec_.layers[k].name, built->begin()[k - l]);
+      l = to;
+    }
   }
   auto freshParams = [&](int l) { return (*r.model)[l - first]->named_parameters(true); };
   auto heldParams = [&](int l) {
@@ -291,7 +307,10 @@ std::optional<Relayout> LayerRelayout::run(const pipeline::Plan& plan,
                   comm.epoch(), " arrived damaged: crc32c ", actual, ", the sender's ", crc);
     }
   }
-  for (auto& in : incoming) r.state[in.layer][in.name] = in.tensor;
+  for (auto& in : incoming) {
+    r.state[in.layer][in.name] = in.tensor;
+    r.adoptable.insert(in.layer);
+  }
   // Layers this worker keeps: its own state. Layers nobody holds live: from their seeds if
   // no step was applied yet, else from the version of the resume step.
   std::map<std::string, checkpoint::RestoredLayer> own;
@@ -304,7 +323,8 @@ std::optional<Relayout> LayerRelayout::run(const pipeline::Plan& plan,
     const std::string& name = spec_.layers[l].name;
     if (freshParams(l).size() == 0 || r.state.count(name)) continue;
     if (live(self, l)) {
-      r.state[name] = own.at(name);
+      r.state[name] = own.at(name);  // The module's own tensors (run() keeps the module).
+      r.adoptable.insert(name);
     } else if (holders[l].empty() && resumeApplied >= 0) {
       fromVersion.push_back(name);
     } else {

@@ -22,6 +22,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -66,6 +67,9 @@ std::map<int, Holding> exchangeHoldings(collectives::Store& store, int64_t epoch
 struct Relayout {
   torch::nn::Sequential model;                             // [first, end), on the device
   std::map<std::string, checkpoint::RestoredLayer> state;  // by layer name, as checkpoints
+  // The layers whose state is this worker's own live state or the copies it received: tensors
+  // nothing else uses, which loadState() may adopt instead of cloning.
+  std::set<std::string> adoptable;
   int copied = 0, fromDisk = 0, fromOwnRam = 0, fromPeerRam = 0, fresh = 0;
   std::vector<int> sources;     // workers copied from (live layers), sorted, each once
   std::vector<int> ramSources;  // workers whose RAM versions were restored, sorted, each once

@@ -254,7 +254,8 @@ checkpoint::ShardState captureState(const torch::nn::Sequential& layers,
 
 void loadState(const torch::nn::Sequential& layers, torch::optim::Optimizer& optimizer,
                const std::map<std::string, checkpoint::RestoredLayer>& saved,
-               const std::string& source) {
+               const std::string& source,
+               const std::function<bool(const std::string&)>& adoptable) {
   at::NoGradGuard noGrad;
   const OptimizerStateCodec& codec = optimizerStateCodec(optimizer, "the optimizer");
   const StateLayout& layout = codec.layout();
@@ -273,6 +274,7 @@ void loadState(const torch::nn::Sequential& layers, torch::optim::Optimizer& opt
                   "' (a checkpoint of another model?)");
     }
     const auto& tensors = lit->second;
+    const bool adopt = adoptable && adoptable(child.key());
     for (const auto& np : params) {
       at::Tensor p = np.value();
       const std::string& n = np.key();
@@ -281,7 +283,10 @@ void loadState(const torch::nn::Sequential& layers, torch::optim::Optimizer& opt
         SINEW_THROW(InvalidArgument, source, ", layer '", child.key(), "' tensor '", n,
                     "' is missing or has another shape (a checkpoint of another model?)");
       }
-      p.detach().copy_(vit->second);
+      const at::Tensor& src = vit->second;
+      const bool itself = adopt && src.data_ptr() == p.data_ptr() &&
+                          src.scalar_type() == p.scalar_type() && src.strides() == p.strides();
+      if (!itself) p.detach().copy_(src);
       std::vector<at::Tensor> values(layout.fields.size());
       int64_t present = 0;
       for (size_t i = 0; i < layout.fields.size(); ++i) {
@@ -301,7 +306,9 @@ void loadState(const torch::nn::Sequential& layers, torch::optim::Optimizer& opt
             SINEW_THROW(Corruption, source, ", layer '", child.key(), "': tensor '", tname,
                         "' has shape ", t.sizes(), ", its parameter ", p.sizes());
           }
-          values[i] = t.to(p.device(), p.scalar_type()).clone();
+          // Not adoptable: a checkpoint's or an arena's memory, which is not ours to keep.
+          values[i] = t.to(p.device(), p.scalar_type());
+          if (!adopt) values[i] = values[i].clone();
         }
       }
       if (present == 0) {

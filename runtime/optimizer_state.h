@@ -106,9 +106,14 @@ void captureParameterState(const std::string& name, const at::Tensor& param,
 // checkpoint of another model) or the optimizer has no codec, Corruption if a parameter's
 // optimizer state is incomplete (a field its options need is missing, e.g. exp_avg without
 // exp_avg_sq or step), has another shape, or a count that is not one integer.
+// `adoptable(layer)`, when given and true, says the caller owns that layer's saved tensors
+// and nothing else will use them: its optimizer state is taken as it is (where its device and
+// dtype are already the parameter's) instead of cloned, and a saved parameter that is the
+// parameter's own memory is not copied onto itself.
 void loadState(const torch::nn::Sequential& layers, torch::optim::Optimizer& optimizer,
                const std::map<std::string, checkpoint::RestoredLayer>& saved,
-               const std::string& source);
+               const std::string& source,
+               const std::function<bool(const std::string&)>& adoptable = {});
 
 // Tensors of a layer's state that belong to the job rather than to a parameter carry names
 // starting with '@' (the dynamic loss scale, "@loss_scale": runtime/mixed_precision.h); every

@@ -679,6 +679,7 @@ class Trainer::Impl {
     // What the Gloo communicators of the epoch entered took: links kept from the epoch
     // before (docs/collectives.md, "Repair") and connections made.
     collectives::gloo_backend::LinkCounters built;
+    enterLaps_ = nlohmann::json::object();
     const double took = runtime::recoverIntoNextEpoch(
         services_, *comms_, from, failure, why, step_, [this, &built](const EpochInfo& info) {
           const auto before = collectives::gloo_backend::linkCounters();
@@ -698,6 +699,7 @@ class Trainer::Impl {
            {"duration_s", took},
            {"links_kept", built.linksKept},
            {"connections_made", built.connectionsMade},
+           {"phases_s", enterLaps_},
            {"reason", why}});
   }
 
@@ -757,7 +759,9 @@ class Trainer::Impl {
     const int self = ctx_.worker();
     const int64_t e = info.epoch;
     auto store = epochStore(e);
+    runtime::Laps laps;
     Plan plan = profiles_->planOf(info, *store);
+    laps.lap("plan");
     // Its predicted step time scales the deadlines until a step was measured (opTimeout()).
     services_.plannedStepMs.store(
         plan.iterationTicks /
@@ -770,6 +774,7 @@ class Trainer::Impl {
     // which layers to whom (docs/pipeline.md, "Reconfiguration").
     std::map<int, runtime::Holding> held = runtime::exchangeHoldings(
         *store, e, info.members, self, {heldFirst_, heldEnd_, applied_}, recoveryTimeout());
+    laps.lap("holdings");
     bool anyHeld = false, anyTrained = false;
     for (const auto& [w, h] : held) {
       anyHeld = anyHeld || h.first < h.end;
@@ -791,12 +796,16 @@ class Trainer::Impl {
     }
     // Activations, the loss sums and layer copies move on the world communicator (on the Gloo
     // backend's lanes, each transfer moved by the thread that waits for it).
+    laps.lap("rollback_check");
     comms_->buildWorld(store, e, info.members, "pp", pipelineGloo_);
+    laps.lap("world");
     comms_->buildGradGroups(store, e, plan, first, end);
     comms_->buildTies(store, e, plan, first, end, ties_);
+    laps.lap("groups");
     // The layers this worker now holds that it did not (a reconfiguration), copied from live
     // workers that hold them, before anything of this worker's changes.
     peers_->waitSnapshots();  // Their copies read the tensors this epoch may replace or update.
+    laps.lap("snapshots");
     if (!firstPlan) {
       std::optional<runtime::Relayout> relayout = relayout_->run(
           plan, held, first, end, resumeApplied, comms_->world(), {model_, heldFirst_, *opt_});
@@ -819,7 +828,9 @@ class Trainer::Impl {
       // The first plan of a resumed job: every worker reads its own layers from disk.
       restoreFromDisk(info.resumeStep - 1);
     }
+    laps.lap("layers");
     jobTensors_.agree(comms_->world(), info.resumeStep - 1, device_, opTimeout());
+    laps.lap("agree");
     applied_ = info.resumeStep - 1;
     step_ = info.resumeStep;
     progress_->restart();
@@ -833,6 +844,7 @@ class Trainer::Impl {
           std::make_unique<pipeline::StageExecutor>(plan_, self, comms_->world(), eo));
     }
     runtime::announcePlan(services_, plan_, spec_, epoch_, members_, profiles_->profile());
+    enterLaps_ = laps.json();
   }
 
   // Makes `r` this worker's layers (after every copy of the epoch succeeded).
@@ -844,7 +856,8 @@ class Trainer::Impl {
     params_ = model_->parameters();
     opt_ = spec_.optimizer(params_);
     runtime::loadState(model_, *opt_, r.state,
-                       "the state of the layers moved in epoch " + std::to_string(epoch));
+                       "the state of the layers moved in epoch " + std::to_string(epoch),
+                       [&r](const std::string& layer) { return r.adoptable.count(layer) > 0; });
     jobTensors_.take(runtime::jobTensors(r.state),
                      "the state of the layers moved in epoch " + std::to_string(epoch),
                      resumeApplied);
@@ -988,6 +1001,9 @@ class Trainer::Impl {
   bool preempted_ = false;  // released, or left: no more steps
   int recoveries_ = 0;
   double recoveryMax_ = 0;
+  // Seconds of each part of the last pipeline epoch entered (the recovered and epoch_entered
+  // events' phases_s; docs/pipeline.md, "Reconfiguration, step by step").
+  nlohmann::json enterLaps_ = nlohmann::json::object();
   int64_t startStep_ = 0;
   bool leaveSent_ = false;
   double ckStall_ = 0;              // Optimizer steps waiting for snapshot copies.

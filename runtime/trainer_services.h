@@ -35,6 +35,22 @@ inline double seconds(TrainerClock::duration d) { return std::chrono::duration<d
 
 using ::sinew::detail::describe;
 
+// Seconds spent in the named parts of a piece of work, in order: {"name": s, ...} for an event.
+class Laps {
+ public:
+  // The time since the previous lap (or since construction) goes to `name`.
+  void lap(const char* name) {
+    const auto now = TrainerClock::now();
+    laps_[name] = seconds(now - last_);
+    last_ = now;
+  }
+  const nlohmann::json& json() const { return laps_; }
+
+ private:
+  TrainerClock::time_point last_ = TrainerClock::now();
+  nlohmann::json laps_ = nlohmann::json::object();
+};
+
 // The services of one worker's trainer. All references outlive the trainer.
 struct TrainerServices {
   Context& ctx;

@@ -214,6 +214,8 @@ Steady steady(const Options& o, const std::string& profile, int64_t baseline) {
 struct Recovery {
   double recoveryS = 0;     // the kill to the next completed step
   double reconfigureS = 0;  // the kill to the last survivor's recovered event
+  double noticedS = 0;      // the kill to the last survivor's start of its recovery
+  double reenterS = 0;      // the longest recovery (a recovered event's duration_s)
   int64_t copyBytes = 0;    // the largest copy one receiver got
   double copyS = 0;
 };
@@ -238,17 +240,22 @@ Recovery killAndRecover(const Options& o, const std::string& name, const std::st
   const double next = job.firstStepAfter(t);
   if (next == 0) throw std::runtime_error(name + ": no step completed after the kill");
   r.recoveryS = next - t;
-  std::map<int, double> ready;  // each survivor's first recovered event after the kill
-  for (const json& e : job.all("recovered")) {
+  std::map<int, json> ready;  // each survivor's first recovered event after the kill
+  for (json& e : job.all("recovered")) {
     const double at = e["time"].get<double>();
     const int w = e["worker"].get<int>();
-    if (at > t && (ready.count(w) == 0 || at < ready[w])) ready[w] = at;
+    if (at > t && (ready.count(w) == 0 || at < ready[w]["time"].get<double>())) ready[w] = e;
   }
   if (ready.size() != kWorkers - victims.size()) {
     throw std::runtime_error(name + ": " + std::to_string(ready.size()) +
                              " survivors logged a recovered event");
   }
-  for (const auto& [w, at] : ready) r.reconfigureS = std::max(r.reconfigureS, at - t);
+  for (const auto& [w, e] : ready) {
+    const double at = e["time"].get<double>(), took = e.value("duration_s", 0.0);
+    r.reconfigureS = std::max(r.reconfigureS, at - t);
+    r.noticedS = std::max(r.noticedS, at - took - t);
+    r.reenterS = std::max(r.reenterS, took);
+  }
   for (const json& e : job.all("layers_moved")) {
     if (e["time"].get<double>() <= t) continue;
     const int64_t bytes = e.value("copied_bytes", int64_t{0});
@@ -341,16 +348,19 @@ int main(int argc, char** argv) {
     const double tcpS = sinew_bench::rawTcpSeconds(a.copyBytes, 3);
     std::printf(
         "reconfigure (worker 2 killed after step %d): next step %.2f s after the kill, every "
-        "survivor ready %.2f s after it; largest copy %.0f MB in %.3f s, raw TCP %.3f s\n",
-        o.killAfter, a.recoveryS, a.reconfigureS, mb(a.copyBytes), a.copyS, tcpS);
+        "survivor ready %.2f s after it (the last to notice the loss %.2f s after it, the longest "
+        "recovery %.2f s); largest copy %.0f MB in %.3f s, raw TCP %.3f s\n",
+        o.killAfter, a.recoveryS, a.reconfigureS, a.noticedS, a.reenterS, mb(a.copyBytes), a.copyS,
+        tcpS);
     std::fflush(stdout);
     std::string rollback;
     if (o.peerRam) {
       const Recovery b = killAndRecover(o, "rollback", profile, {}, {0, 4}, " restored from ");
       std::printf(
           "rollback (workers 0 and 4 killed, peer-RAM versions every step): next step %.2f s "
-          "after the kill, every survivor ready %.2f s after it\n",
-          b.recoveryS, b.reconfigureS);
+          "after the kill, every survivor ready %.2f s after it (the last to notice the loss "
+          "%.2f s after it, the longest recovery %.2f s)\n",
+          b.recoveryS, b.reconfigureS, b.noticedS, b.reenterS);
       char buf[64];
       std::snprintf(buf, sizeof buf, " ram_restore_s_124m=%.3f", b.recoveryS);
       rollback = buf;
