@@ -177,6 +177,26 @@ struct Job {
   }
 };
 
+// Waits for a job whose workers were killed at `t` to end; returns the time of its first step
+// completed after the kill (Job::firstStepAfter). Throws, naming `name` and the job's output,
+// unless it ended with 0, its output says `expect` (the recovery path it was to take) and it
+// completed such a step.
+inline double recoveredAfter(Job& job, double t, const std::string& name,
+                             const std::string& expect) {
+  const int status = job.wait();
+  if (status != 0) {
+    throw std::runtime_error(name + ": the job failed after the kill (exit " +
+                             std::to_string(status) + "; see " + job.dir + ".out)");
+  }
+  if (slurp(job.dir + ".out").find(expect) == std::string::npos) {
+    throw std::runtime_error(name + ": the job's output does not say '" + expect + "' (see " +
+                             job.dir + ".out)");
+  }
+  const double next = job.firstStepAfter(t);
+  if (next == 0) throw std::runtime_error(name + ": no step completed after the kill");
+  return next;
+}
+
 // Waits until worker 0 of `job` reported step `steps` done (giving up after `patience`), then
 // SIGKILLs `victims`; returns the kill time.
 inline double killAt(Job& job, int64_t steps, const std::vector<int>& victims,

@@ -53,6 +53,24 @@ inline int listenOnLoopback(sockaddr_in* addr) {
   return listener;
 }
 
+// A connection to `addr` with Nagle off, for a forked child; exits the child if it fails.
+inline int connectOrExit(const sockaddr_in& addr) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0 || ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0) _exit(1);
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  return fd;
+}
+
+// The next connection on `listener`, with Nagle off.
+inline int acceptNoDelay(int listener) {
+  int fd = ::accept(listener, nullptr, nullptr);
+  if (fd < 0) throw std::runtime_error("accept failed");
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  return fd;
+}
+
 inline double medianOf(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -69,10 +87,7 @@ inline double rawTcpSeconds(int64_t bytes, int rounds,
   std::vector<char> buf(static_cast<size_t>(bytes));
   pid_t pid = ::fork();
   if (pid == 0) {
-    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) _exit(1);
-    int one = 1;
-    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    int fd = connectOrExit(addr);
     try {
       for (int i = 0; i < rounds + 2; ++i) {
         readAll(fd, buf.data(), buf.size());
@@ -83,9 +98,7 @@ inline double rawTcpSeconds(int64_t bytes, int rounds,
     }
     _exit(0);
   }
-  int fd = ::accept(listener, nullptr, nullptr);
-  int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  int fd = acceptNoDelay(listener);
   if (beforeRounds) beforeRounds();
   std::vector<double> s;
   for (int i = 0; i < rounds + 2; ++i) {
@@ -121,10 +134,7 @@ inline double rawTcpFreshSeconds(int64_t bytes, int connections) {
       // Its own buffer, written before it connects: reading into the parent's would copy each
       // page on write inside the timed transfer.
       std::vector<char> in(static_cast<size_t>(bytes), 0);
-      int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-      if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) _exit(1);
-      int one = 1;
-      ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+      int fd = connectOrExit(addr);
       try {
         readAll(fd, in.data(), in.size());
         writeAll(fd, in.data(), 1);
@@ -133,9 +143,7 @@ inline double rawTcpFreshSeconds(int64_t bytes, int connections) {
       }
       _exit(0);
     }
-    int fd = ::accept(listener, nullptr, nullptr);
-    int one = 1;
-    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    int fd = acceptNoDelay(listener);
     char ack = 0;
     auto t0 = std::chrono::steady_clock::now();
     writeAll(fd, buf.data(), buf.size());

@@ -306,7 +306,7 @@ void loadState(const torch::nn::Sequential& layers, torch::optim::Optimizer& opt
             SINEW_THROW(Corruption, source, ", layer '", child.key(), "': tensor '", tname,
                         "' has shape ", t.sizes(), ", its parameter ", p.sizes());
           }
-          // Not adoptable: a checkpoint's or an arena's memory, which is not ours to keep.
+          // Cloned unless adoptable: a checkpoint's or an arena's memory is not ours to keep.
           values[i] = t.to(p.device(), p.scalar_type());
           if (!adopt) values[i] = values[i].clone();
         }

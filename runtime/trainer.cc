@@ -794,9 +794,9 @@ class Trainer::Impl {
       relayout_->checkRollback(info, held, *store,
                                [this](int l) { return profiles_->hasParameters(l); });
     }
+    laps.lap("rollback_check");
     // Activations, the loss sums and layer copies move on the world communicator (on the Gloo
     // backend's lanes, each transfer moved by the thread that waits for it).
-    laps.lap("rollback_check");
     comms_->buildWorld(store, e, info.members, "pp", pipelineGloo_);
     laps.lap("world");
     comms_->buildGradGroups(store, e, plan, first, end);

@@ -229,17 +229,8 @@ Recovery killAndRecover(const Options& o, const std::string& name, const std::st
   Job job(base() + "-" + name, kWorkers, program);
   const double t = sinew_bench::killAt(job, o.killAfter, victims, std::chrono::minutes(10));
   firstPlan(job);  // The victims' stages are those the header says.
-  if (job.wait() != 0) {
-    throw std::runtime_error(name + ": the job failed after the kill; see " + job.dir + ".out");
-  }
-  if (sinew_bench::slurp(job.dir + ".out").find(expect) == std::string::npos) {
-    throw std::runtime_error(name + ": the job's output does not say '" + expect + "' (see " +
-                             job.dir + ".out)");
-  }
   Recovery r;
-  const double next = job.firstStepAfter(t);
-  if (next == 0) throw std::runtime_error(name + ": no step completed after the kill");
-  r.recoveryS = next - t;
+  r.recoveryS = sinew_bench::recoveredAfter(job, t, name, expect) - t;
   std::map<int, json> ready;  // each survivor's first recovered event after the kill
   for (json& e : job.all("recovered")) {
     const double at = e["time"].get<double>();

@@ -44,7 +44,6 @@ namespace {
 
 using json = nlohmann::json;
 using sinew_bench::killAt;
-using sinew_bench::slurp;
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -105,18 +104,8 @@ Measured killAndRecover(const std::string& name, int workers, std::vector<std::s
   args.insert(args.end(), {"--steps", std::to_string(steps)});
   Job job(tmpDir(name), workers, args);
   const double t = killAt(job, killStep, victims);
-  const int status = job.wait();
-  if (status != 0) {
-    throw std::runtime_error(name + ": the job failed after the kill (exit " +
-                             std::to_string(status) + "; see " + job.dir + ".out)");
-  }
-  if (slurp(job.dir + ".out").find(expect) == std::string::npos) {
-    throw std::runtime_error(name + ": the job's output does not say '" + expect + "' (see " +
-                             job.dir + ".out)");
-  }
+  const double next = sinew_bench::recoveredAfter(job, t, name, expect);
   Measured m;
-  const double next = job.firstStepAfter(t);
-  if (next == 0) throw std::runtime_error(name + ": no step completed after the kill");
   m.seconds = next - t;
   int reporter = 0;
   while (std::find(victims.begin(), victims.end(), reporter) != victims.end()) ++reporter;
