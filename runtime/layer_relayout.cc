@@ -147,12 +147,86 @@ at::Tensor LayerRelayout::manifestOf(const Current& current, int layer,
   return at::tensor(words, at::kLong).to(device_);
 }
 
+torch::nn::Sequential LayerRelayout::stageModules(int first, int end, const Current& current,
+                                                  const std::function<bool(int)>& ownLive) const {
+  // A layer this worker holds live stays the module it is (its state is loaded onto itself);
+  // only the others are built from their seeds, to be copied into, restored or kept fresh.
+  // Building a GPT-2 small block from its seed (its random initialisation) took longer than
+  // copying it from a peer. Nothing of the current modules changes before adoptLayers.
+  torch::nn::Sequential model;
+  for (int l = first; l < end;) {
+    if (ownLive(l)) {
+      model->push_back(spec_.layers[l].name, current.layers->begin()[l - current.heldFirst]);
+      ++l;
+      continue;
+    }
+    int to = l;
+    while (to < end && !ownLive(to)) ++to;
+    torch::nn::Sequential built = buildLayers(spec_, s_.options.seed, s_.options.dtype, l, to);
+    built->to(device_);
+    for (int k = l; k < to; ++k) model->push_back(spec_.layers[k].name, built->begin()[k - l]);
+    l = to;
+  }
+  return model;
+}
+
+void LayerRelayout::fillUncopied(Relayout& r, int first, int end, const Current& current,
+                                 const std::vector<std::vector<int>>& holders,
+                                 int64_t resumeApplied, const std::map<int, Holding>& held,
+                                 const std::function<bool(int)>& ownLive) {
+  const int self = s_.worker();
+  auto freshParams = [&](int l) { return (*r.model)[l - first]->named_parameters(true); };
+  // Layers this worker keeps: its own state. Layers nobody holds live: from their seeds if
+  // no step was applied yet, else from the version of the resume step.
+  std::map<std::string, checkpoint::RestoredLayer> own;
+  for (auto& l : captureState(current.layers, current.optimizer)) {
+    auto& m = own[l.name];
+    for (auto& t : l.tensors) m[t.name] = t.tensor;
+  }
+  std::vector<std::string> fromVersion;
+  for (int l = first; l < end; ++l) {
+    const std::string& name = spec_.layers[l].name;
+    if (freshParams(l).size() == 0 || r.state.count(name)) continue;
+    if (ownLive(l)) {
+      r.state[name] = own.at(name);  // The module's own tensors (run() keeps the module).
+      r.adoptable.insert(name);
+    } else if (holders[l].empty() && resumeApplied >= 0) {
+      fromVersion.push_back(name);
+    } else {
+      for (const auto& np : freshParams(l)) r.state[name][np.key()] = np.value().detach();
+      r.fresh++;
+    }
+  }
+  if (!fromVersion.empty()) {
+    // The version of the resume step (after a rollback, every layer): own RAM, peers' RAM,
+    // then disk (the trainer chose a step every layer can be restored from).
+    std::vector<int> alive;
+    for (const auto& [w, h] : held) alive.push_back(w);
+    checkpoint::RestoreResult restored = peers_.restore(resumeApplied, fromVersion, alive);
+    for (auto& [name, layer] : restored.layers) {
+      const std::string& from = restored.source.at(name);
+      if (from == "local") {
+        r.fromOwnRam++;
+      } else if (from.rfind("peer ", 0) == 0) {
+        r.fromPeerRam++;
+        r.ramSources.push_back(std::stoi(from.substr(5)));
+      } else {
+        r.fromDisk++;
+      }
+      r.state[name] = std::move(layer);
+    }
+    for (const std::string& why : restored.fellThrough) {
+      std::fprintf(stderr, "sinew: worker %d: restoring version %lld: %s\n", self,
+                   static_cast<long long>(resumeApplied), why.c_str());
+    }
+  }
+}
+
 std::optional<Relayout> LayerRelayout::run(const pipeline::Plan& plan,
                                            const std::map<int, Holding>& held, int first, int end,
                                            int64_t resumeApplied, collectives::Communicator& comm,
                                            const Current& current) {
   const int self = s_.worker();
-  const TrainerOptions& o = s_.options;
   auto live = [&](int w, int l) { return held.at(w).holdsLive(l, resumeApplied); };
   // Who copies which layer to whom. Traffic is counted in layers, which every member knows
   // alike: the measured profile is not on every member (a joiner has none), and members that
@@ -174,24 +248,7 @@ std::optional<Relayout> LayerRelayout::run(const pipeline::Plan& plan,
   const bool keeps = me.first == first && me.end == end && me.applied == resumeApplied;
   Relayout r;
   if (!keeps && end > first) {
-    // A layer this worker holds live stays the module it is (its state is loaded onto itself);
-    // only the others are built from their seeds, to be copied into, restored or kept fresh.
-    // Building a GPT-2 small block from its seed (its random initialisation) took longer than
-    // copying it from a peer. Nothing of the current modules changes before adoptLayers.
-    r.model = torch::nn::Sequential();
-    for (int l = first; l < end;) {
-      if (live(self, l)) {
-        r.model->push_back(spec_.layers[l].name, current.layers->begin()[l - current.heldFirst]);
-        ++l;
-        continue;
-      }
-      int to = l;
-      while (to < end && !live(self, to)) ++to;
-      torch::nn::Sequential built = buildLayers(spec_, o.seed, o.dtype, l, to);
-      built->to(device_);
-      for (int k = l; k < to; ++k) r.model->push_back(spec_.layers[k].name, built->begin()[k - l]);
-      l = to;
-    }
+    r.model = stageModules(first, end, current, [&](int l) { return live(self, l); });
   }
   auto freshParams = [&](int l) { return (*r.model)[l - first]->named_parameters(true); };
   auto heldParams = [&](int l) {
@@ -311,50 +368,8 @@ std::optional<Relayout> LayerRelayout::run(const pipeline::Plan& plan,
     r.state[in.layer][in.name] = in.tensor;
     r.adoptable.insert(in.layer);
   }
-  // Layers this worker keeps: its own state. Layers nobody holds live: from their seeds if
-  // no step was applied yet, else from the version of the resume step.
-  std::map<std::string, checkpoint::RestoredLayer> own;
-  for (auto& l : captureState(current.layers, current.optimizer)) {
-    auto& m = own[l.name];
-    for (auto& t : l.tensors) m[t.name] = t.tensor;
-  }
-  std::vector<std::string> fromVersion;
-  for (int l = first; l < end; ++l) {
-    const std::string& name = spec_.layers[l].name;
-    if (freshParams(l).size() == 0 || r.state.count(name)) continue;
-    if (live(self, l)) {
-      r.state[name] = own.at(name);  // The module's own tensors (run() keeps the module).
-      r.adoptable.insert(name);
-    } else if (holders[l].empty() && resumeApplied >= 0) {
-      fromVersion.push_back(name);
-    } else {
-      for (const auto& np : freshParams(l)) r.state[name][np.key()] = np.value().detach();
-      r.fresh++;
-    }
-  }
-  if (!fromVersion.empty()) {
-    // The version of the resume step (after a rollback, every layer): own RAM, peers' RAM,
-    // then disk (the trainer chose a step every layer can be restored from).
-    std::vector<int> alive;
-    for (const auto& [w, h] : held) alive.push_back(w);
-    checkpoint::RestoreResult restored = peers_.restore(resumeApplied, fromVersion, alive);
-    for (auto& [name, layer] : restored.layers) {
-      const std::string& from = restored.source.at(name);
-      if (from == "local") {
-        r.fromOwnRam++;
-      } else if (from.rfind("peer ", 0) == 0) {
-        r.fromPeerRam++;
-        r.ramSources.push_back(std::stoi(from.substr(5)));
-      } else {
-        r.fromDisk++;
-      }
-      r.state[name] = std::move(layer);
-    }
-    for (const std::string& why : restored.fellThrough) {
-      std::fprintf(stderr, "sinew: worker %d: restoring version %lld: %s\n", self,
-                   static_cast<long long>(resumeApplied), why.c_str());
-    }
-  }
+  fillUncopied(r, first, end, current, holders, resumeApplied, held,
+               [&](int l) { return live(self, l); });
   for (auto* v : {&r.sources, &r.ramSources}) {
     std::sort(v->begin(), v->end());
     v->erase(std::unique(v->begin(), v->end()), v->end());

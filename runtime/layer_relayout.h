@@ -125,6 +125,18 @@ class LayerRelayout {
                      collectives::Store& store, const std::function<bool(int)>& hasParameters);
 
  private:
+  // Layers [first, end) as modules on the device: those `ownLive` says this worker holds live
+  // are its current modules, the others built from their seeds.
+  torch::nn::Sequential stageModules(int first, int end, const Current& current,
+                                     const std::function<bool(int)>& ownLive) const;
+
+  // The state of r's layers that no copy brought: this worker's own for those it holds live,
+  // the resume step's version for those nobody holds live once a step was applied (own RAM,
+  // peers' RAM, then disk), their seeds' otherwise. REQUIRES: r.model holds [first, end).
+  void fillUncopied(Relayout& r, int first, int end, const Current& current,
+                    const std::vector<std::vector<int>>& holders, int64_t resumeApplied,
+                    const std::map<int, Holding>& held, const std::function<bool(int)>& ownLive);
+
   // The manifest of held layer `layer` and its tensors in manifest order.
   at::Tensor manifestOf(const Current& current, int layer, std::vector<at::Tensor>* tensors);
 
