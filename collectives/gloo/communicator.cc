@@ -169,6 +169,9 @@ void GlooCommunicator::connect(const std::shared_ptr<Store>& store) {
     try {
       controlBufs_[r]->recv(r, kControlSlot, 0, Goodbye::kWireBytes);
     } catch (const gloo::Exception& e) {
+      // The members whose connections work may already watch this one: they learn which
+      // member left, instead of losing this one (still alive) without a goodbye.
+      sayGoodbye(GoodbyeKind::kPeerLost, workerOf(r));
       controlBufs_.clear();  // No watcher runs yet.
       closeContext();
       closeKeptLanes();
@@ -609,6 +612,39 @@ void GlooCommunicator::runOp(const char* name, std::chrono::milliseconds timeout
   }
 }
 
+void GlooCommunicator::sayGoodbye(GoodbyeKind kind, int worker) {
+  // Tell every peer whose connection still works, and that has not left, why we leave
+  // (protocol step 2). A peer whose goodbye arrived reads no more: a send to it could only
+  // wait out the budget on its closed connection.
+  std::vector<uint8_t> out(size() * Goodbye::kWireBytes);
+  const Goodbye g{kGoodbyeMagic, static_cast<uint32_t>(kind), static_cast<int64_t>(worker)};
+  for (int r = 0; r < size(); ++r) g.encode(out.data() + r * Goodbye::kWireBytes);
+  auto buf = buffer(out.data(), out.size());
+  int posted = 0;
+  for (int r = 0; r < size(); ++r) {
+    if (r == rank_) continue;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (verdicts_[r].kind != VerdictKind::kNone) continue;
+    }
+    try {
+      buf->send(r, kControlSlot, r * Goodbye::kWireBytes, Goodbye::kWireBytes);
+      posted++;
+    } catch (const std::exception&) {
+      // That peer's connection is already broken; it needs no goodbye.
+    }
+  }
+  auto deadline = Clock::now() + kGoodbyeBudget;
+  try {
+    for (int i = 0; i < posted; ++i) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      // A Gloo timeout here closes every pair, which is what we do next anyway.
+      buf->waitSend(nullptr, std::max(left, std::chrono::milliseconds(1)));
+    }
+  } catch (const std::exception&) {
+  }
+}
+
 void GlooCommunicator::shutdown() {
   GoodbyeKind kind;
   int worker;
@@ -619,38 +655,7 @@ void GlooCommunicator::shutdown() {
     kind = failureKind_;
     worker = failureWorker_;
   }
-  if (context_) {
-    // Tell every peer whose connection still works, and that has not left, why we leave
-    // (protocol step 2). A peer whose goodbye arrived reads no more: a send to it could only
-    // wait out the budget on its closed connection.
-    std::vector<uint8_t> out(size() * Goodbye::kWireBytes);
-    const Goodbye g{kGoodbyeMagic, static_cast<uint32_t>(kind), static_cast<int64_t>(worker)};
-    for (int r = 0; r < size(); ++r) g.encode(out.data() + r * Goodbye::kWireBytes);
-    auto buf = buffer(out.data(), out.size());
-    int posted = 0;
-    for (int r = 0; r < size(); ++r) {
-      if (r == rank_) continue;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (verdicts_[r].kind != VerdictKind::kNone) continue;
-      }
-      try {
-        buf->send(r, kControlSlot, r * Goodbye::kWireBytes, Goodbye::kWireBytes);
-        posted++;
-      } catch (const std::exception&) {
-        // That peer's connection is already broken; it needs no goodbye.
-      }
-    }
-    auto deadline = Clock::now() + kGoodbyeBudget;
-    try {
-      for (int i = 0; i < posted; ++i) {
-        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-        // A Gloo timeout here closes every pair, which is what we do next anyway.
-        buf->waitSend(nullptr, std::max(left, std::chrono::milliseconds(1)));
-      }
-    } catch (const std::exception&) {
-    }
-  }
+  if (context_) sayGoodbye(kind, worker);
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;

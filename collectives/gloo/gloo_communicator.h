@@ -171,6 +171,9 @@ class GlooCommunicator final : public Communicator {
   // Records the first failure and interrupts the operation in flight. REQUIRES: mu_ held.
   void failLocked(std::exception_ptr error, GoodbyeKind kind, int worker);
   void fail(std::exception_ptr error, GoodbyeKind kind, int worker);
+  // Tells every member whose connection works, and whose goodbye has not arrived, why this
+  // one leaves (kind, naming worker), within kGoodbyeBudget. REQUIRES: context_.
+  void sayGoodbye(GoodbyeKind kind, int worker);
   // Sends Goodbyes, stops the threads and closes every connection. Idempotent.
   void shutdown();
   std::string describe() const;
