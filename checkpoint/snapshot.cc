@@ -85,11 +85,16 @@ SnapshotArena::SnapshotArena(const ShardState& like, SnapshotOptions options)
                 "snapshot of CUDA tensors needs Sinew built with CUDA (SINEW_WITH_NCCL=1)");
 #endif
   }
-  for (int i = 0; i < options_.slots; ++i) {
-    slots_.push_back(std::make_shared<HostShard>(layout_.totalBytes, pinned_));
-    slots_.back()->owner = options_.owner;
-  }
+  // Two slots from the start (the committed version and the next one); any further slot
+  // only once snapshot() finds both held (a version that never committed, a slow reader).
+  for (int i = 0; i < std::min(options_.slots, kEagerSlots); ++i) slots_.push_back(newSlot());
   thread_ = std::thread([this] { copyLoop(); });
+}
+
+std::shared_ptr<HostShard> SnapshotArena::newSlot() const {
+  auto slot = std::make_shared<HostShard>(layout_.totalBytes, pinned_);
+  slot->owner = options_.owner;
+  return slot;
 }
 
 SnapshotArena::~SnapshotArena() {
@@ -164,6 +169,14 @@ bool SnapshotArena::snapshot(int64_t step, const ShardState& state) {
     if (s.use_count() != 1) continue;  // Only we hold it; nobody can acquire it unlocked.
     if (s->complete && (s->step == newest || s->step == protected_)) continue;
     if (!chosen || !s->complete || (chosen->complete && s->step < chosen->step)) chosen = s;
+  }
+  if (!chosen && static_cast<int>(slots_.size()) < options_.slots) {
+    // Allocated and faulted in off the lock (readers of the other slots go on); only this
+    // thread takes snapshots, and nothing is pending, so the choice stands meanwhile.
+    lock.unlock();
+    chosen = newSlot();
+    lock.lock();
+    slots_.push_back(chosen);
   }
   if (!chosen) {
     stats_.skipped++;

@@ -11,11 +11,14 @@
 // before it returns, so a waitBeforeUpdate() that follows it always waits for it (the
 // released DataStates code can wait before anything is queued).
 //
-// Memory: `slots` buffers of the shard's size, allocated and faulted in by the constructor;
-// nothing is allocated per snapshot. A slot is reused only when nobody else holds its
+// Memory: up to `slots` buffers of the shard's size. The constructor allocates and faults in
+// two; nothing is allocated per snapshot. A slot is reused only when nobody else holds its
 // HostShard (replication and flush hold it while they read) and it is neither the newest
 // complete snapshot nor the protected one (the newest committed version). When no slot is
-// free, snapshot() skips the version and returns false: it never blocks the step.
+// free, snapshot() allocates another if fewer than `slots` exist (a version that never
+// committed holds one: the newest complete), else skips the version and returns false. It
+// never blocks the step on a reader. So resident memory is 2 slots while every version
+// commits, and grows to `slots` only after one did not.
 //
 // CUDA tensors (built with SINEW_WITH_NCCL; docs/gpu.md): slots are pinned. snapshot()
 // records an event on the legacy default stream (libtorch's default stream, where the
@@ -52,7 +55,7 @@ constexpr std::chrono::milliseconds kDefaultSnapshotWaitTimeout{600000};
 
 struct SnapshotOptions {
   int owner = 0;  // This worker's id, stamped on every HostShard.
-  int slots = 2;  // At least 2.
+  int slots = 2;  // At least 2; those beyond the first two are allocated when first needed.
   // Bytes copied between crc passes; keeps the freshly copied bytes in cache for the crc.
   size_t copyChunkBytes = 1 << 20;
   std::chrono::milliseconds waitTimeout = kDefaultSnapshotWaitTimeout;
@@ -152,6 +155,8 @@ class SnapshotArena {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   // Guarded by mu_.
+  static constexpr int kEagerSlots = 2;
+  std::shared_ptr<HostShard> newSlot() const;
   std::vector<std::shared_ptr<HostShard>> slots_;
   std::unique_ptr<Job> job_;  // The queued or running copy.
   bool pending_ = false;      // A snapshot is registered and not yet complete.

@@ -273,6 +273,45 @@ int64_t residentBytes() {
   return resident * sysconf(_SC_PAGESIZE);
 }
 
+// A third slot costs a shard's worth of host memory, and is needed only when the newest
+// complete version never commits (it and the committed one both stay): so it is allocated
+// then, not up front. With three slots allowed, versions that each commit before the next one
+// keep two slots resident; an uncommitted one brings the third, and the next version is
+// still taken (not skipped) with the committed and the uncommitted ones intact.
+TEST(SnapshotTest, AThirdSlotIsAllocatedOnlyOnceAVersionStaysUncommitted) {
+  ShardState state = makeState(2, 2048, 1);  // 2 × (2 × 16 MiB + 8 KiB + 8 B) ≈ 64 MiB
+  SnapshotOptions o;
+  o.slots = 3;
+  const int64_t before = residentBytes();
+  SnapshotArena arena(state, o);
+  const auto shard = static_cast<int64_t>(arena.layout().totalBytes);
+  for (int64_t step = 0; step < 10; ++step) {
+    state[0].tensors[0].tensor.add_(1);
+    ASSERT_TRUE(arena.snapshot(step, state)) << step;
+    arena.waitComplete();
+    arena.protect(step);  // Committed before the next one is taken.
+  }
+  const int64_t twoSlots = residentBytes() - before;
+  EXPECT_GT(twoSlots, 2 * shard - shard / 8);
+  EXPECT_LT(twoSlots, 2 * shard + shard / 2) << "more than two slots resident";
+  ASSERT_TRUE(arena.snapshot(10, state));  // Never committed: 9 stays protected.
+  arena.waitComplete();
+  state[0].tensors[0].tensor.add_(1);
+  ASSERT_TRUE(arena.snapshot(11, state));
+  arena.waitComplete();
+  EXPECT_GT(residentBytes() - before, 3 * shard - shard / 8) << "no third slot";
+  for (int64_t step : {9, 10, 11}) {
+    ASSERT_NE(arena.find(step), nullptr) << step;
+    EXPECT_EQ(arena.find(step)->verify(), "") << step;
+  }
+  EXPECT_EQ(arena.stats().taken, 12);
+  EXPECT_EQ(arena.stats().skipped, 0);
+  // With all three held (9 committed, 11 the newest, 10 read by someone), the next is skipped.
+  auto reader = arena.find(10);
+  EXPECT_FALSE(arena.snapshot(12, state));
+  EXPECT_EQ(arena.stats().skipped, 1);
+}
+
 TEST(SnapshotTest, MemoryStaysFlatOverAThousandCheckpointsWithReplication) {
   // 1,000 versions of a 1 MiB shard, each snapshotted and replicated to a peer service
   // over loopback: resident memory after the first 20 versions is where it stays.
@@ -295,8 +334,10 @@ TEST(SnapshotTest, MemoryStaysFlatOverAThousandCheckpointsWithReplication) {
     e1.waitBeforeUpdate();
     e0.snapshot(step, state);
     e1.snapshot(step, state);
-    // Training paces replication: each version commits before the next step ends.
+    // Training paces replication: each version commits before the next step ends, and each
+    // worker sees it commit before it takes the next (so two of its three slots are used).
     committed = e0.waitCommitted(step, 10s);
+    ASSERT_EQ(e1.waitCommitted(step, 10s), step);
     if (step == 20) rssAfterWarmup = residentBytes();
   }
   e0.waitBeforeUpdate();
