@@ -148,20 +148,22 @@ at::Tensor LayerRelayout::manifestOf(const Current& current, int layer,
 }
 
 torch::nn::Sequential LayerRelayout::stageModules(int first, int end, const Current& current,
-                                                  const std::function<bool(int)>& ownLive) const {
-  // A layer this worker holds live stays the module it is (its state is loaded onto itself);
-  // only the others are built from their seeds, to be copied into, restored or kept fresh.
-  // Building a GPT-2 small block from its seed (its random initialisation) took longer than
-  // copying it from a peer. Nothing of the current modules changes before adoptLayers.
+                                                  const std::function<bool(int)>& kept) const {
+  // A layer this worker holds live, or holds and restores from a version, stays the module
+  // it is (`kept`; its state is loaded onto itself); only the others are built from their
+  // seeds, to be copied into, restored or kept fresh. Building a GPT-2 small block from its
+  // seed (its random initialisation) took longer than copying it from a peer, and a tied
+  // layer built alone builds its owner too. Nothing of the current modules changes before
+  // adoptLayers.
   torch::nn::Sequential model;
   for (int l = first; l < end;) {
-    if (ownLive(l)) {
+    if (kept(l)) {
       model->push_back(spec_.layers[l].name, current.layers->begin()[l - current.heldFirst]);
       ++l;
       continue;
     }
     int to = l;
-    while (to < end && !ownLive(to)) ++to;
+    while (to < end && !kept(to)) ++to;
     torch::nn::Sequential built = buildLayers(spec_, s_.options.seed, s_.options.dtype, l, to);
     built->to(device_);
     for (int k = l; k < to; ++k) model->push_back(spec_.layers[k].name, built->begin()[k - l]);
@@ -247,13 +249,21 @@ std::optional<Relayout> LayerRelayout::run(const pipeline::Plan& plan,
   const Holding& me = held.at(self);
   const bool keeps = me.first == first && me.end == end && me.applied == resumeApplied;
   Relayout r;
-  if (!keeps && end > first) {
-    r.model = stageModules(first, end, current, [&](int l) { return live(self, l); });
-  }
-  auto freshParams = [&](int l) { return (*r.model)[l - first]->named_parameters(true); };
   auto heldParams = [&](int l) {
     return (*current.layers)[l - current.heldFirst]->named_parameters(/*recurse=*/true);
   };
+  if (!keeps && end > first) {
+    const int heldEnd = current.heldFirst + static_cast<int>(current.layers->size());
+    r.model = stageModules(first, end, current, [&](int l) {
+      if (live(self, l)) return true;
+      // A layer it holds that is restored from a version (no live holder: a rollback, or a
+      // loss during a reconfiguration) gets the version's state at adoption: its module
+      // serves as well as one built from its seed, and costs nothing.
+      return holders[l].empty() && resumeApplied >= 0 && l >= current.heldFirst && l < heldEnd &&
+             heldParams(l).size() > 0;
+    });
+  }
+  auto freshParams = [&](int l) { return (*r.model)[l - first]->named_parameters(true); };
   // Phase 1: manifests.
   std::vector<collectives::P2POp> ops;
   std::map<size_t, std::vector<at::Tensor>> outgoing;  // by copy index, where it sends

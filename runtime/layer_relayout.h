@@ -125,10 +125,11 @@ class LayerRelayout {
                      collectives::Store& store, const std::function<bool(int)>& hasParameters);
 
  private:
-  // Layers [first, end) as modules on the device: those `ownLive` says this worker holds live
-  // are its current modules, the others built from their seeds.
+  // Layers [first, end) as modules on the device: those `kept` says (layers this worker holds
+  // live, or holds and restores from a version) are its current modules, the others built
+  // from their seeds.
   torch::nn::Sequential stageModules(int first, int end, const Current& current,
-                                     const std::function<bool(int)>& ownLive) const;
+                                     const std::function<bool(int)>& kept) const;
 
   // The state of r's layers that no copy brought: this worker's own for those it holds live,
   // the resume step's version for those nobody holds live once a step was applied (own RAM,

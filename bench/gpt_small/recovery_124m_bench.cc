@@ -21,10 +21,13 @@
 //                  survivor holds its layers; the step it then runs is the rest); the largest
 //                  copy one receiver got (its layers_moved event's copied_bytes and copy_s)
 //                  against the same bytes over raw loopback TCP, measured right after the job.
-//   rollback:      8 workers with peer-RAM versions every step, workers 0 and 4 (the first
-//                  stage of both pipelines) SIGKILLed at once: no live copy of their layers is
-//                  left, so the job rolls back to the newest committed version, restored from
-//                  the workers' own RAM and their peers'.
+//   rollback:      4 workers (one pipeline of 4 stages, --fault-tolerance 0) with peer-RAM
+//                  versions every step, worker 1 SIGKILLed after step K: no live copy of its
+//                  layers is left, so the three survivors roll back to the newest committed version
+//                  as one pipeline of 3 stages, restored from their own RAM and their peers'. (On 8
+//                  workers the versions' host copies, 4 times the model's parameters and AdamW
+//                  state per pipeline, and both generations' across the change, do not fit in 24
+//                  GiB beside the training; the shards per worker are the same size here.)
 //   restart:       the reconfigure job with durable checkpoints every step (--checkpoint-dir):
 //                  after the kill the whole job is stopped (SIGKILL of its process group) and
 //                  started again on the same folder; the kill to the restarted job's first
@@ -32,7 +35,7 @@
 //
 // usage: sinew-bench-recovery-124m [--context T] [--memory-bytes M] [--kill-after K]
 //                                  [--peer-ram] (peer-RAM versions in reconfigure and restart
-//                                  too; 8 workers then need about 30 GB)
+//                                  too; 8 workers then need about 26 GB)
 // Last line: RESULT recovery_s_124m=<s> recovery_speedup_124m=<restart/recovery>
 //   copy_ratio_124m=<copy throughput / raw TCP> rss_vs_plan_124m=<largest worker's ratio>
 //   reconfigure_s_124m=<s> ram_restore_s_124m=<s> restart_s_124m=<s> step_s_124m=<s>
@@ -65,6 +68,7 @@ using nlohmann::json;
 using sinew_bench::Job;
 
 constexpr int kWorkers = 8;
+constexpr int kRollbackWorkers = 4;
 constexpr int kGlobalBatch = 2;
 
 struct Options {
@@ -146,8 +150,8 @@ int64_t baseRss() {
 double mb(int64_t bytes) { return static_cast<double>(bytes) / 1e6; }
 
 // The first plan's stage of each worker: {first_layer, end_layer, memory_bytes}; throws unless
-// it is two pipelines of four stages (what the other figures assume).
-std::map<int, json> firstPlan(const Job& job) {
+// its pipelines have the stages `shape` says ("4+4": two of four; what the figures assume).
+std::map<int, json> firstPlan(const Job& job, const std::string& expected = "4+4") {
   for (const json& e : job.eventsOf(0)) {
     if (e["event"] != "plan") continue;
     std::map<int, json> stages;
@@ -156,10 +160,10 @@ std::map<int, json> firstPlan(const Job& job) {
       shape += (shape.empty() ? "" : "+") + std::to_string(p.at("stages").size());
       for (const json& s : p.at("stages")) stages[s.at("worker").get<int>()] = s;
     }
-    if (shape != "4+4") {
+    if (shape != expected) {
       throw std::runtime_error("the plan of " + job.dir + " is pipelines of " + shape +
-                               " stages, not 4+4: choose --memory-bytes so that 3 to 5 stages "
-                               "hold the model");
+                               " stages, not " + expected +
+                               ": choose --memory-bytes so that 3 or 4 stages hold the model");
     }
     return stages;
   }
@@ -221,14 +225,14 @@ struct Recovery {
 };
 
 Recovery killAndRecover(const Options& o, const std::string& name, const std::string& profile,
-                        std::vector<std::string> extra, const std::vector<int>& victims,
-                        const std::string& expect) {
+                        std::vector<std::string> extra, int workers, const std::string& shape,
+                        const std::vector<int>& victims, const std::string& expect) {
   std::vector<std::string> program = recipe(o, profile);
   program.insert(program.end(), {"--steps", std::to_string(o.killAfter + 3)});
   program.insert(program.end(), extra.begin(), extra.end());
-  Job job(base() + "-" + name, kWorkers, program);
+  Job job(base() + "-" + name, workers, program);
   const double t = sinew_bench::killAt(job, o.killAfter, victims, std::chrono::minutes(10));
-  firstPlan(job);  // The victims' stages are those the header says.
+  firstPlan(job, shape);  // The victims' stages are those the header says.
   Recovery r;
   r.recoveryS = sinew_bench::recoveredAfter(job, t, name, expect) - t;
   std::map<int, json> ready;  // each survivor's first recovered event after the kill
@@ -237,7 +241,7 @@ Recovery killAndRecover(const Options& o, const std::string& name, const std::st
     const int w = e["worker"].get<int>();
     if (at > t && (ready.count(w) == 0 || at < ready[w]["time"].get<double>())) ready[w] = e;
   }
-  if (ready.size() != kWorkers - victims.size()) {
+  if (ready.size() != workers - victims.size()) {
     throw std::runtime_error(name + ": " + std::to_string(ready.size()) +
                              " survivors logged a recovered event");
   }
@@ -330,12 +334,21 @@ int main(int argc, char** argv) {
     std::filesystem::remove(base() + "-tokens.out");
     const int64_t baseline = baseRss();
     const std::string profile = measureProfile(o);
+    const Recovery b = killAndRecover(o, "rollback", profile, {"--fault-tolerance", "0"},
+                                      kRollbackWorkers, "4", {1}, " restored from ");
+    std::printf(
+        "rollback (4 workers, worker 1 killed after step %d, peer-RAM versions every step): next "
+        "step %.2f s after the kill, every survivor ready %.2f s after it (the last to notice the "
+        "loss %.2f s after it, the longest recovery %.2f s)\n",
+        o.killAfter, b.recoveryS, b.reconfigureS, b.noticedS, b.reenterS);
+    std::fflush(stdout);
     const Steady s = steady(o, profile, baseline);
     std::fflush(stdout);
     const std::vector<std::string> peer =
         o.peerRam ? std::vector<std::string>{}
                   : std::vector<std::string>{"--peer-checkpoint-every", "0"};
-    const Recovery a = killAndRecover(o, "reconfigure", profile, peer, {2}, " copied from worker");
+    const Recovery a = killAndRecover(o, "reconfigure", profile, peer, kWorkers, "4+4", {2},
+                                      " copied from worker");
     const double tcpS = sinew_bench::rawTcpSeconds(a.copyBytes, 3);
     std::printf(
         "reconfigure (worker 2 killed after step %d): next step %.2f s after the kill, every "
@@ -344,24 +357,6 @@ int main(int argc, char** argv) {
         o.killAfter, a.recoveryS, a.reconfigureS, a.noticedS, a.reenterS, mb(a.copyBytes), a.copyS,
         tcpS);
     std::fflush(stdout);
-    std::string rollback;
-    if (o.peerRam) {
-      const Recovery b = killAndRecover(o, "rollback", profile, {}, {0, 4}, " restored from ");
-      std::printf(
-          "rollback (workers 0 and 4 killed, peer-RAM versions every step): next step %.2f s "
-          "after the kill, every survivor ready %.2f s after it (the last to notice the loss "
-          "%.2f s after it, the longest recovery %.2f s)\n",
-          b.recoveryS, b.reconfigureS, b.noticedS, b.reenterS);
-      char buf[64];
-      std::snprintf(buf, sizeof buf, " ram_restore_s_124m=%.3f", b.recoveryS);
-      rollback = buf;
-    } else {
-      std::printf(
-          "rollback from peer RAM: not run (peer-RAM versions hold three slots of each worker's "
-          "own state and two of its peer's, about 15 GB more for this model; --peer-ram runs "
-          "it)\n");
-    }
-    std::fflush(stdout);
     const double c = restartFromDisk(o, profile, o.peerRam);
     std::printf(
         "restart from disk (durable versions every step): first step %.2f s after the kill\n", c);
@@ -369,9 +364,10 @@ int main(int argc, char** argv) {
     std::filesystem::remove(profile);
     std::printf(
         "RESULT recovery_s_124m=%.3f recovery_speedup_124m=%.2f copy_ratio_124m=%.3f "
-        "rss_vs_plan_124m=%.3f reconfigure_s_124m=%.3f restart_s_124m=%.3f step_s_124m=%.3f%s\n",
+        "rss_vs_plan_124m=%.3f reconfigure_s_124m=%.3f ram_restore_s_124m=%.3f "
+        "restart_s_124m=%.3f step_s_124m=%.3f\n",
         a.recoveryS, c / a.recoveryS, a.copyS > 0 ? tcpS / a.copyS : 0, s.worstRatio,
-        a.reconfigureS, c, s.stepS, rollback.c_str());
+        a.reconfigureS, b.recoveryS, c, s.stepS);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "sinew-bench-recovery-124m: %s\n", e.what());
     return 1;
