@@ -102,8 +102,10 @@ BeginRequest decodeBeginDelta(const std::vector<uint8_t>& payload, uint64_t maxS
     SINEW_THROW(Corruption, "replica begin delta message: ", payload.size(),
                 " bytes cannot hold an owner, a step and a base step");
   }
-  std::vector<uint8_t> rest(payload.begin(), payload.begin() + 12);
-  rest.insert(rest.end(), payload.begin() + 20, payload.end());
+  // The begin message without the base step: its owner and step, then the rest.
+  std::vector<uint8_t> rest(payload.size() - 8);
+  std::copy_n(payload.begin(), 12, rest.begin());
+  std::copy(payload.begin() + 20, payload.end(), rest.begin() + 12);
   BeginRequest r = decodeBegin(rest, maxShardBytes);
   *base = static_cast<int64_t>(loadLe(payload.data() + 12, 8));
   if (*base < 0 || *base >= r.step) {

@@ -23,10 +23,10 @@
 // ends or fails: gradients the parameters had before the call are discarded.
 // On a CUDA tensor each timed section ends by reading one element back (a synchronisation).
 // Bytes: param_bytes = sum of the parameters' bytes, optimizer_bytes = optimizer_state_factor
-// x param_bytes, output_bytes = bytes of y, activation_bytes = the layer's own figure if it
-// gives one (>= 0), else, on the CPU, bytes of x + the bytes the layer's forward left
-// allocated in the first timed run (measured by counting libtorch's CPU allocations,
-// pipeline/memory_meter.h: y, everything autograd saved for backward such as attention
+// x the trained (requires_grad) parameters' bytes, output_bytes = bytes of y, activation_bytes =
+// the layer's own figure if it gives one (>= 0), else, on the CPU, bytes of x + the bytes the
+// layer's forward left allocated in the first timed run (measured by counting libtorch's CPU
+// allocations, pipeline/memory_meter.h: y, everything autograd saved for backward such as attention
 // scores, and for the last layer what the loss saved), else (a CUDA input, or
 // measure_memory false) bytes of x + bytes of y, a lower bound for layers that save larger
 // intermediates. workspace_bytes = the layer's own figure if it gives one (>= 0), else the

@@ -708,10 +708,6 @@ void GlooCommunicator::validate(const at::Tensor& t, const char* op, bool needRe
   }
 }
 
-// Ring reduce-scatter: after size()-1 steps rank r holds the sum of block (r+1) % size().
-// Step t sends block (r-t) (reduced in step t-1) to the right and receives block (r-t-1)
-// from the left into a double-buffered scratch, segment by segment, so a segment's
-
 }  // namespace gloo_backend
 
 namespace {
