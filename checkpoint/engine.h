@@ -160,6 +160,7 @@ class CheckpointEngine {
 
   SnapshotArena& arena() { return *arena_; }
   ReplicaService& service() { return *service_; }
+  const ReplicaService& service() const { return *service_; }
   const ReplicaPlacement& placement() const { return placement_; }
   EngineStats stats() const;
 

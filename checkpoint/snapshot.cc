@@ -319,7 +319,9 @@ void SnapshotArena::setOnComplete(std::function<void(std::shared_ptr<const HostS
 
 SnapshotStats SnapshotArena::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return stats_;
+  SnapshotStats s = stats_;
+  s.bytesAllocated = slots_.size() * layout_.totalBytes;
+  return s;
 }
 
 void SnapshotArena::copyLoop() {

@@ -72,8 +72,9 @@ struct SnapshotStats {
   int64_t taken = 0;
   int64_t skipped = 0;
   uint64_t bytesCopied = 0;
-  double copySeconds = 0;  // Time the copy thread spent copying (and checksumming).
-  double waitSeconds = 0;  // Time waitBeforeUpdate() blocked the training thread.
+  double copySeconds = 0;       // Time the copy thread spent copying (and checksumming).
+  double waitSeconds = 0;       // Time waitBeforeUpdate() blocked the training thread.
+  uint64_t bytesAllocated = 0;  // Host memory of the slots allocated so far.
 };
 
 class SnapshotArena {

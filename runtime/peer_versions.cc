@@ -31,19 +31,39 @@ bool PeerVersions::due(int64_t step, bool holdsLayers) const {
          ((step + 1) % o.peerCheckpointEvery == 0 || step == o.steps - 1);
 }
 
-// The workers of `plan` that hold layers, in Gemini placement order: by pipeline, then
-// stage, so that a group (consecutive workers) holds different layers and the loss of every
-// live copy of a layer (its holders in all pipelines) leaves a replica of each of its shards.
-std::vector<int> PeerVersions::placementOrder(const pipeline::Plan& plan) {
-  std::vector<pipeline::WorkerAssignment> ws;
+bool PeerVersions::ownsShard(const pipeline::Plan& plan, int worker) {
+  // One definition for both: the durable checkpoint's writers are the shards' owners, so the
+  // engine's copy a writer hands its flusher is its whole shard.
+  return DurableCheckpoints::roleOf(worker, /*pipelineMode=*/true, {}, plan).writer;
+}
+
+std::vector<int> PeerVersions::placementOrder(const pipeline::Plan& plan, int replicas) {
+  std::vector<pipeline::WorkerAssignment> owners, others;
   for (const auto& w : plan.workers) {
-    if (w.endLayer > w.firstLayer) ws.push_back(w);
+    if (w.endLayer <= w.firstLayer) continue;
+    (ownsShard(plan, w.worker) ? owners : others).push_back(w);
   }
-  std::sort(ws.begin(), ws.end(), [](const auto& a, const auto& b) {
+  auto byPlace = [](const auto& a, const auto& b) {
     return std::tie(a.pipeline, a.stage, a.worker) < std::tie(b.pipeline, b.stage, b.worker);
-  });
+  };
+  std::sort(owners.begin(), owners.end(), byPlace);
+  std::sort(others.begin(), others.end(), byPlace);
   std::vector<int> order;
-  for (const auto& w : ws) order.push_back(w.worker);
+  std::vector<bool> used(others.size(), false);
+  for (const auto& o : owners) {
+    order.push_back(o.worker);
+    int partners = 0;
+    for (size_t i = 0; i < others.size() && partners < replicas - 1; ++i) {
+      const auto& x = others[i];
+      if (used[i] || (x.firstLayer < o.endLayer && o.firstLayer < x.endLayer)) continue;
+      used[i] = true;
+      order.push_back(x.worker);
+      ++partners;
+    }
+  }
+  for (size_t i = 0; i < others.size(); ++i) {
+    if (!used[i]) order.push_back(others[i].worker);
+  }
   return order;
 }
 
@@ -56,7 +76,7 @@ bool PeerVersions::maybeSnapshot(int64_t step, int64_t epoch, const pipeline::Pl
   if (!due(step, end > first)) return false;
   const int self = s_.worker();
   if (gens_.empty() || gens_.back().epoch != epoch) {
-    std::vector<int> order = placementOrder(plan);
+    std::vector<int> order = placementOrder(plan, s_.options.replicas);
     if (std::find(order.begin(), order.end(), self) == order.end()) return false;
     checkpoint::CheckpointEngineOptions eo;
     eo.self = self;
@@ -80,10 +100,12 @@ bool PeerVersions::maybeSnapshot(int64_t step, int64_t epoch, const pipeline::Pl
     };
     Generation g;
     g.epoch = epoch;
-    g.engine = std::make_unique<checkpoint::CheckpointEngine>(state(), std::move(eo));
+    g.owner = ownsShard(plan, self);
+    g.engine = std::make_unique<checkpoint::CheckpointEngine>(
+        g.owner ? state() : checkpoint::ShardState{}, std::move(eo));
     // What this generation's shard holds, for a rollback's decision (rollbackTarget()).
-    s_.ctx.store()->set(key(epoch, "layers/" + std::to_string(self)),
-                        collectives::toBytes(std::to_string(first) + " " + std::to_string(end)));
+    const std::string layers = g.owner ? std::to_string(first) + " " + std::to_string(end) : "0 0";
+    s_.ctx.store()->set(key(epoch, "layers/" + std::to_string(self)), collectives::toBytes(layers));
     gens_.push_back(std::move(g));
   }
   Generation& g = gens_.back();
@@ -91,7 +113,7 @@ bool PeerVersions::maybeSnapshot(int64_t step, int64_t epoch, const pipeline::Pl
     return false;  // A newer epoch is announced.
   }
   g.failuresSeen = g.engine->stats().replicationFailures;
-  *taken = g.engine->snapshot(step, state(), durable, role);
+  *taken = g.engine->snapshot(step, g.owner ? state() : checkpoint::ShardState{}, durable, role);
   if (*taken) g.lastTaken = step;
   s_.state.injector.fire(self, step, Phase::kSnapshot, &s_.client);
   // Generations older than the newest one with a committed version are never restored.
@@ -250,6 +272,15 @@ int64_t PeerVersions::rollbackTarget(int64_t upTo, int64_t epoch, const std::vec
     }
   }
   return best;
+}
+
+PeerVersions::HostBytes PeerVersions::hostBytes() const {
+  HostBytes b;
+  for (const auto& g : gens_) {
+    b.own += static_cast<int64_t>(g.engine->stats().snapshot.bytesAllocated);
+    b.replicas += static_cast<int64_t>(g.engine->service().bytesAllocated());
+  }
+  return b;
 }
 
 int64_t PeerVersions::replicatedBytes() {

@@ -3,8 +3,9 @@
 // Internal: a pipeline worker's peer-RAM versions (Gemini; docs/pipeline.md, "Peer-RAM
 // versions"). After the optimizer step of every `peerCheckpointEvery`-th step (and of the last
 // step) the worker snapshots its layers into the current epoch's checkpoint engine, which
-// replicates the shard to the peers of the placement (consecutive stages of one pipeline form
-// a group) and commits the version once every shard has `replicas` copies. One engine per
+// replicates the shard to the peers of the placement (ownsShard, placementOrder: pipeline 0's
+// stages own the shards, the other workers holding layers hold their replicas) and commits
+// the version once every shard has `replicas` copies. One engine per
 // epoch that snapshotted (a generation); generations older than the newest one with a
 // committed version are destroyed off the training thread.
 //
@@ -87,6 +88,24 @@ class PeerVersions {
   checkpoint::RestoreResult restore(int64_t step, const std::vector<std::string>& layers,
                                     const std::vector<int>& live);
 
+  // Whether `worker` owns a shard of `plan`'s versions: the first worker of its stage in
+  // pipeline 0 (the same workers write the durable checkpoint). The other workers that hold
+  // layers hold copies of those layers (the other pipelines, a wide stage's other devices), so
+  // their shards are empty: they hold the owners' replicas.
+  static bool ownsShard(const pipeline::Plan& plan, int worker);
+  // The engine's workers in Gemini placement order, for groups of `replicas`: each owner, then
+  // `replicas - 1` workers that hold none of its layers (their holders in other pipelines,
+  // so a group never loses a layer's copies together with its replicas), then the workers left.
+  static std::vector<int> placementOrder(const pipeline::Plan& plan, int replicas);
+
+  // Host memory of the generations kept: their arenas' slots (this worker's own versions)
+  // and their replica services' slots (the versions it holds for peers).
+  struct HostBytes {
+    int64_t own = 0;
+    int64_t replicas = 0;
+  };
+  HostBytes hostBytes() const;
+
   // Bytes every engine of this worker has sent to peers so far (the sinew_replicated_bytes_total
   // metric, reported with the votes).
   int64_t replicatedBytes();
@@ -96,13 +115,13 @@ class PeerVersions {
   struct Generation {
     int64_t epoch = -1;
     std::unique_ptr<checkpoint::CheckpointEngine> engine;
+    bool owner = false;        // Whether its shard holds this worker's layers (ownsShard).
     int64_t lastTaken = -1;    // The newest version it snapshotted.
     int64_t failuresSeen = 0;  // Its replication failures when that version was taken.
   };
 
   static std::string prefix(int64_t epoch);
   static std::string key(int64_t epoch, const std::string& suffix);
-  static std::vector<int> placementOrder(const pipeline::Plan& plan);
   bool waitCommit(Generation& g, int64_t epoch, int64_t current, double* waited);
   void retire(std::unique_ptr<checkpoint::CheckpointEngine> engine);
   void retireLoop();

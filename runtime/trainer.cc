@@ -442,6 +442,10 @@ class Trainer::Impl {
                              {"peak_rss_bytes", std::max(rss_.lifetimePeak(), trainingPeak)},
                              {"training_peak_rss_bytes", trainingPeak}};
       if (o_.memoryByPhase) done["peak_rss_by_phase_bytes"] = phases;
+      if (peers_->enabled()) {
+        const runtime::PeerVersions::HostBytes held = peers_->hostBytes();
+        done["peer_version_bytes"] = {{"own", held.own}, {"replicas", held.replicas}};
+      }
       event(std::move(done));
       state_.injector.fire(ctx_.worker(), step_, Phase::kDone, &client_);
     }

@@ -363,6 +363,37 @@ TEST(SnapshotTest, MemoryStaysFlatOverAThousandCheckpointsWithReplication) {
   EXPECT_EQ(CheckpointEngine::committedIn(*store, "sinew/ckpt"), 999);
 }
 
+// A worker whose layers another worker's shard already holds (a data-parallel copy of a stage)
+// takes an empty shard: it holds its partner's replica, the version commits with both, and the
+// empty worker restores the layers from its own RAM (the replica), the partner from its own.
+TEST(EngineTest, AnEmptyShardHoldsItsPartnersReplicaAndTheVersionCommits) {
+  ShardState state = makeState(3, 64, 5);
+  auto store = std::make_shared<collectives::HashStore>();
+  CheckpointEngineOptions a, b;
+  a.self = 0;
+  b.self = 1;
+  a.workers = b.workers = {0, 1};
+  a.store = b.store = store;
+  a.token = b.token = sinew::testing::kTestToken;
+  CheckpointEngine owner(state, a);
+  CheckpointEngine holder(ShardState{}, b);
+  for (int64_t step = 0; step < 3; ++step) {
+    state[1].tensors[0].tensor.add_(1);
+    owner.waitBeforeUpdate();
+    holder.waitBeforeUpdate();
+    ASSERT_TRUE(owner.snapshot(step, state));
+    ASSERT_TRUE(holder.snapshot(step, ShardState{}));
+    ASSERT_EQ(owner.waitCommitted(step, 10s), step);
+    ASSERT_EQ(holder.waitCommitted(step, 10s), step);
+  }
+  EXPECT_EQ(holder.arena().layout().totalBytes, 0u);
+  auto r = holder.restore(2, {"layers.0", "layers.1", "layers.2"});
+  for (const auto& l : state) EXPECT_EQ(r.source.at(l.name), "local") << l.name;
+  expectLayersEqual(state, r.layers);
+  r = owner.restore(2, {"layers.1"});
+  EXPECT_EQ(r.source.at("layers.1"), "local");
+}
+
 // Replication yields to training traffic (docs/architecture.md section 5; the trainer brackets its
 // stages' transfers and collectives with the engine's TrafficGate): while worker 0 has a
 // transfer in flight, no chunk of its replica goes out; the first goes once the transfer ends.

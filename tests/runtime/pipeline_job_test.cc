@@ -368,6 +368,8 @@ TEST(PipelineJobTest, DurableAndPeerRamVersionsOfAStepShareOneSnapshot) {
   ASSERT_TRUE(r.found) << "no RESULT line";
   EXPECT_LE(r.maxRel, 1e-5);  // 13 steps: exact, though not yet learned (the resumed job is)
   std::map<int64_t, std::vector<bool>> shared;  // step -> each writer's flush
+  std::set<std::string> writers;
+  std::map<std::string, nlohmann::json> held;  // events file -> its peer_version_bytes
   for (const auto& entry : std::filesystem::directory_iterator(logDir(name))) {
     const std::string file = entry.path().filename().string();
     if (file.rfind("worker-", 0) != 0 || file.find("-events.jsonl") == std::string::npos) continue;
@@ -375,10 +377,34 @@ TEST(PipelineJobTest, DurableAndPeerRamVersionsOfAStepShareOneSnapshot) {
     std::string line;
     while (std::getline(in, line)) {
       auto e = nlohmann::json::parse(line, nullptr, false);
-      if (e.is_discarded() || e.value("event", "") != "checkpoint") continue;
+      if (e.is_discarded()) continue;
+      if (e.value("event", "") == "done") held[file] = e.at("peer_version_bytes");
+      if (e.value("event", "") != "checkpoint") continue;
+      writers.insert(file);
       shared[e.at("step").get<int64_t>()].push_back(e.at("shared_snapshot").get<bool>());
     }
   }
+  // Two pipelines of two stages: the writers (pipeline 0's stages) own the versions' shards;
+  // the other pipeline's workers hold the same layers, so they take none of their own and hold
+  // the writers' replicas instead, each a writer's partner. The RAM is the model's state in
+  // four copies (two slots, two kept replicas), not eight.
+  ASSERT_EQ(held.size(), 4u);
+  ASSERT_EQ(writers.size(), 2u);
+  int64_t own = 0, replicas = 0;
+  for (const auto& [file, bytes] : held) {
+    const bool writer = writers.count(file) != 0;
+    SCOPED_TRACE(file + ": " + bytes.dump());
+    if (writer) {
+      EXPECT_GT(bytes.at("own").get<int64_t>(), 0);
+      EXPECT_EQ(bytes.at("replicas").get<int64_t>(), 0);
+    } else {
+      EXPECT_EQ(bytes.at("own").get<int64_t>(), 0);
+      EXPECT_GT(bytes.at("replicas").get<int64_t>(), 0);
+    }
+    own += bytes.at("own").get<int64_t>();
+    replicas += bytes.at("replicas").get<int64_t>();
+  }
+  EXPECT_LE(replicas, own);  // A third arena slot is allocated only for a version abandoned.
   const std::map<int64_t, bool> want = {{1, false}, {3, false}, {5, true}, {7, false},
                                         {9, false}, {11, true}, {12, true}};
   for (const auto& [step, isShared] : want) {
@@ -928,13 +954,13 @@ TEST(PipelineRollbackTest, LosingEveryLiveCopyRestoresTheCommittedVersionFromRam
     fromPeer = fromPeer || line.find("from the RAM of worker") != std::string::npos;
   }
   EXPECT_TRUE(fromPeer) << "no worker restored a layer from a peer's RAM";
-  // embed lived only in w0's and w5's shards: their replicas are in w1's and w4's RAM (groups
-  // {w0,w1} and {w4,w5} of the placement by pipeline, then stage).
+  // embed lived only in w0's shard (pipeline 0's stages own the shards; w5, its holder in
+  // pipeline 1, owns none) and in w6's RAM: w0's partner, the first worker of the other
+  // pipeline that holds none of its layers (PeerVersions::placementOrder).
   for (const auto& w : lines) {
     if (w.first != 0) continue;
-    EXPECT_TRUE(w.worker == 1 || w.worker == 4 ||
-                restored[w.worker].find("from the RAM of worker 1") != std::string::npos ||
-                restored[w.worker].find("from the RAM of worker 4") != std::string::npos)
+    EXPECT_TRUE(w.worker == 6 ||
+                restored[w.worker].find("from the RAM of worker 6") != std::string::npos)
         << restored[w.worker];
   }
 }

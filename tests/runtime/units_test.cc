@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -49,6 +50,7 @@
 #include "sinew/runtime/job_tensors.h"
 #include "sinew/runtime/layer_copy_manifest.h"
 #include "sinew/runtime/optimizer_state.h"
+#include "sinew/runtime/peer_versions.h"
 #include "sinew/runtime/plan_report.h"
 #include "sinew/runtime/resident_memory.h"
 #include "sinew/runtime/slurm_bootstrap.h"
@@ -1005,6 +1007,54 @@ TEST(WireTest, DecodeChecksNestedFields) {
 // gradients and optimizer state of its layers, and the activations of the microbatches 1F1B
 // keeps in flight at its position, split over the stage's width. The optimizer bytes of a
 // measured profile count the gradient and the optimizer's state tensors.
+// Peer-RAM versions: pipeline 0's first worker of each stage owns a shard; every other worker
+// that holds layers holds copies of them and partners an owner whose layers it does not hold.
+TEST(PeerPlacementTest, OwnersArePipelineZerosStagesEachPartneredByAHolderOfOtherLayers) {
+  auto plan = [](std::vector<std::array<int, 5>> ws) {  // worker, pipeline, stage, first, end
+    pipeline::Plan p;
+    for (const auto& w : ws) {
+      pipeline::WorkerAssignment a;
+      a.worker = w[0];
+      a.pipeline = w[1];
+      a.stage = w[2];
+      a.firstLayer = w[3];
+      a.endLayer = w[4];
+      p.workers.push_back(a);
+    }
+    return p;
+  };
+  using runtime::PeerVersions;
+  // Two pipelines of two stages (workers listed out of order).
+  pipeline::Plan two = plan({{3, 1, 1, 4, 8}, {0, 0, 0, 0, 4}, {2, 1, 0, 0, 4}, {1, 0, 1, 4, 8}});
+  EXPECT_TRUE(PeerVersions::ownsShard(two, 0));
+  EXPECT_TRUE(PeerVersions::ownsShard(two, 1));
+  EXPECT_FALSE(PeerVersions::ownsShard(two, 2));
+  EXPECT_FALSE(PeerVersions::ownsShard(two, 3));
+  EXPECT_EQ(PeerVersions::placementOrder(two, 2), (std::vector<int>{0, 3, 1, 2}));
+  // m = 3: each owner takes two partners where there are; those left go last.
+  EXPECT_EQ(PeerVersions::placementOrder(two, 3), (std::vector<int>{0, 3, 1, 2}));
+  // One pipeline: the stages in order, as before.
+  pipeline::Plan one = plan({{5, 0, 2, 6, 9}, {4, 0, 0, 0, 3}, {7, 0, 1, 3, 6}});
+  EXPECT_EQ(PeerVersions::placementOrder(one, 2), (std::vector<int>{4, 7, 5}));
+  // Pipelines of different lengths (4 and 3 stages over 10 layers), a stage two workers wide
+  // (worker 9 shares stage 1 of pipeline 0 with worker 1: not an owner, nor 1's partner), and
+  // an idle worker (no layers: not in the placement).
+  pipeline::Plan mixed = plan({{0, 0, 0, 0, 2},
+                               {1, 0, 1, 2, 5},
+                               {9, 0, 1, 2, 5},
+                               {2, 0, 2, 5, 7},
+                               {3, 0, 3, 7, 10},
+                               {4, 1, 0, 0, 3},
+                               {5, 1, 1, 3, 6},
+                               {6, 1, 2, 6, 10},
+                               {8, 2, 0, 0, 0}});
+  EXPECT_FALSE(PeerVersions::ownsShard(mixed, 9));
+  EXPECT_FALSE(PeerVersions::ownsShard(mixed, 8));
+  // The others by pipeline, then stage: 9, 4, 5, 6. 0 [0,2) -> 9 [2,5); 1 [2,5) -> 6 [6,10);
+  // 2 [5,7) -> 4 [0,3); 3 [7,10) -> 5 [3,6).
+  EXPECT_EQ(PeerVersions::placementOrder(mixed, 2), (std::vector<int>{0, 9, 1, 6, 2, 4, 3, 5}));
+}
+
 TEST(PlanReportTest, EachWorkerHasItsStagesPredictedMemory) {
   pipeline::Profile profile;
   profile.job.devices_per_node = 2;
