@@ -21,13 +21,13 @@
 //                  survivor holds its layers; the step it then runs is the rest); the largest
 //                  copy one receiver got (its layers_moved event's copied_bytes and copy_s)
 //                  against the same bytes over raw loopback TCP, measured right after the job.
-//   rollback:      4 workers (one pipeline of 4 stages, --fault-tolerance 0) with peer-RAM
-//                  versions every step, worker 1 SIGKILLed after step K: no live copy of its
-//                  layers is left, so the three survivors roll back to the newest committed version
-//                  as one pipeline of 3 stages, restored from their own RAM and their peers'. (On 8
-//                  workers the versions' host copies, 4 times the model's parameters and AdamW
-//                  state per pipeline, and both generations' across the change, do not fit in 24
-//                  GiB beside the training; the shards per worker are the same size here.)
+//   rollback:      8 workers with peer-RAM versions every step, workers 1 and 5 (stage 1 of both
+//                  pipelines) SIGKILLed at once after step K: no live copy of their layers is
+//                  left, so the six survivors roll back to the newest committed version as two
+//                  pipelines of 3 stages, restored from their own RAM and their peers'. The
+//                  versions' host copies are the model's parameters and AdamW state 4 times
+//                  over (pipeline 0's stages own the shards, pipeline 1's workers hold their
+//                  replicas), 6 GB beside the training.
 //   restart:       the reconfigure job with durable checkpoints every step (--checkpoint-dir):
 //                  after the kill the whole job is stopped (SIGKILL of its process group) and
 //                  started again on the same folder; the kill to the restarted job's first
@@ -35,7 +35,8 @@
 //
 // usage: sinew-bench-recovery-124m [--context T] [--memory-bytes M] [--kill-after K]
 //                                  [--peer-ram] (peer-RAM versions in reconfigure and restart
-//                                  too; 8 workers then need about 26 GB)
+//                                  too: both generations are held across the change, about
+//                                  22 GB)
 // Last line: RESULT recovery_s_124m=<s> recovery_speedup_124m=<restart/recovery>
 //   copy_ratio_124m=<copy throughput / raw TCP> rss_vs_plan_124m=<largest worker's ratio>
 //   reconfigure_s_124m=<s> ram_restore_s_124m=<s> restart_s_124m=<s> step_s_124m=<s>
@@ -68,7 +69,6 @@ using nlohmann::json;
 using sinew_bench::Job;
 
 constexpr int kWorkers = 8;
-constexpr int kRollbackWorkers = 4;
 constexpr int kGlobalBatch = 2;
 
 struct Options {
@@ -334,10 +334,10 @@ int main(int argc, char** argv) {
     std::filesystem::remove(base() + "-tokens.out");
     const int64_t baseline = baseRss();
     const std::string profile = measureProfile(o);
-    const Recovery b = killAndRecover(o, "rollback", profile, {"--fault-tolerance", "0"},
-                                      kRollbackWorkers, "4", {1}, " restored from ");
+    const Recovery b =
+        killAndRecover(o, "rollback", profile, {}, kWorkers, "4+4", {1, 5}, " restored from ");
     std::printf(
-        "rollback (4 workers, worker 1 killed after step %d, peer-RAM versions every step): next "
+        "rollback (workers 1 and 5 killed after step %d, peer-RAM versions every step): next "
         "step %.2f s after the kill, every survivor ready %.2f s after it (the last to notice the "
         "loss %.2f s after it, the longest recovery %.2f s)\n",
         o.killAfter, b.recoveryS, b.reconfigureS, b.noticedS, b.reenterS);
