@@ -10,14 +10,7 @@
 
 namespace sinew {
 namespace runtime {
-namespace {
-
-// The stages' gradient sums across pipelines go in buckets of this size (PyTorch DDP's
-// default bucket_cap_mb): the memory a sum needs beside the gradients is one bucket, which
-// the planner's cost model does not charge, instead of a flat copy of the stage's gradients.
-constexpr int64_t kGradientBucketBytes = int64_t{25} << 20;
-
-}  // namespace
+namespace {}  // namespace
 
 EpochCommunicators::EpochCommunicators(const TrainerServices& services, BackendChooser& chooser)
     : s_(services), chooser_(chooser) {}

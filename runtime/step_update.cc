@@ -84,19 +84,8 @@ double learningRate(const torch::optim::Optimizer& optimizer) {
                                           : optimizer.param_groups().front().options().get_lr();
 }
 
-at::Tensor flatGradients(const std::vector<at::Tensor>& params, const at::Tensor& tail) {
-  std::vector<at::Tensor> parts;
-  for (const auto& p : params) {
-    if (!p.requires_grad()) continue;
-    parts.push_back(p.grad().defined() ? p.grad().reshape(-1)
-                                       : at::zeros({p.numel()}, p.options()));
-  }
-  if (tail.defined()) parts.push_back(tail);
-  return at::cat(parts);
-}
-
 void reduceInBuckets(const std::vector<at::Tensor>& params, int64_t bucketBytes,
-                     const std::function<void(at::Tensor&)>& reduce) {
+                     const std::function<void(at::Tensor&)>& reduce, const at::Tensor& tail) {
   std::vector<at::Tensor> bucket;  // the gradients packed into the next flat tensor
   int64_t bucketed = 0;
   auto flush = [&] {
@@ -127,22 +116,8 @@ void reduceInBuckets(const std::vector<at::Tensor>& params, int64_t bucketBytes,
     bucket.push_back(g);
     bucketed += bytes;
   }
+  if (tail.defined()) bucket.push_back(tail);
   flush();
-}
-
-int64_t setGradients(const std::vector<at::Tensor>& params, const at::Tensor& flat) {
-  int64_t offset = 0;
-  for (const auto& p : params) {
-    if (!p.requires_grad()) continue;
-    at::Tensor g = flat.narrow(0, offset, p.numel()).view(p.sizes());
-    if (p.grad().defined()) {
-      p.mutable_grad().copy_(g);
-    } else {
-      p.mutable_grad() = g.clone();
-    }
-    offset += p.numel();
-  }
-  return offset;
 }
 
 double squaredGradientNorm(const std::vector<at::Tensor>& params) {

@@ -33,24 +33,22 @@ void setLearningRate(torch::optim::Optimizer& optimizer, double lr);
 // The rate `optimizer` steps with: its first parameter group's (its defaults' without groups).
 double learningRate(const torch::optim::Optimizer& optimizer);
 
-// Every trainable parameter's gradient (zeros where it has none) in one flat tensor, then
-// `tail` when defined: one allreduce sums them all. Frozen parameters (requires_grad false)
-// have no place: they are neither reduced nor given a gradient, so no optimizer steps them
-// (AdamW's weight decay included).
-at::Tensor flatGradients(const std::vector<at::Tensor>& params, const at::Tensor& tail = {});
-
-// Copies flatGradients()'s layout back into the gradients; returns the elements it used.
-int64_t setGradients(const std::vector<at::Tensor>& params, const at::Tensor& flat);
-
 // Sums the gradients of the trainable parameters of `params` with `reduce` (an in-place
 // reduction of one contiguous tensor, e.g. an allreduce) in buckets of at most `bucketBytes`,
 // as PyTorch DDP's bucket_cap_mb does: consecutive gradients smaller than that are packed into
 // one flat tensor, reduced and copied back; a contiguous gradient of at least that size is
-// reduced where it is. A parameter without a gradient gets a zero one first, as with
-// flatGradients(). The memory this needs beside the gradients is one bucket, not a copy of them
-// all. Every member must pass the same parameters (shapes and order) and bucket size.
+// reduced where it is. A parameter without a gradient gets a zero one first;
+// a frozen one (requires_grad false) is neither reduced nor given a gradient, so no optimizer
+// steps it (AdamW's weight decay included). The memory this needs beside the gradients is one
+// bucket, not a copy of them all. Every member must pass the same parameters (shapes and order) and
+// bucket size. `tail` (if defined: a contiguous tensor of the gradients' dtype and device, such as
+// a loss sum) is packed into the last bucket and reduced in place with it, at no extra reduction.
 void reduceInBuckets(const std::vector<at::Tensor>& params, int64_t bucketBytes,
-                     const std::function<void(at::Tensor&)>& reduce);
+                     const std::function<void(at::Tensor&)>& reduce, const at::Tensor& tail = {});
+
+// PyTorch DDP's default bucket_cap_mb, the trainer's bucket for every gradient sum: the memory
+// a sum needs beside the gradients, which the planner's cost model does not charge.
+constexpr int64_t kGradientBucketBytes = int64_t{25} << 20;
 
 // The sum of the squares of the defined gradients of `params`, in double precision.
 double squaredGradientNorm(const std::vector<at::Tensor>& params);

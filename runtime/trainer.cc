@@ -572,22 +572,24 @@ class Trainer::Impl {
     }
     inj.emulateCompute(self, step_, static_cast<int64_t>(mine.microbatches.size()) * o_.microbatch);
     rss_.phase("reduce");
-    // One flat buffer: every gradient, then the loss sum.
-    at::Tensor flat = runtime::flatGradients(params_, at::full({1}, lossSum, onDevice(o_.dtype)));
+    // The gradients in buckets (one bucket's memory beside them), the loss sum in the last.
+    at::Tensor lossTotal = at::full({1}, lossSum, onDevice(o_.dtype));
     inj.fire(self, step_, Phase::kReduce, &client_);
     {
       WaitingOnOthers waiting(client_, step_, &stepWaited_);
       inj.emulateCommunication(self, step_);
-      comms_->world().allreduce(flat, collectives::ReduceOp::kSum, opTimeout());
+      runtime::reduceInBuckets(
+          params_, runtime::kGradientBucketBytes,
+          [&](at::Tensor& t) {
+            comms_->world().allreduce(t, collectives::ReduceOp::kSum, opTimeout());
+          },
+          lossTotal);
     }
     inj.fire(self, step_, Phase::kAfterReduce, &client_);
-    const int64_t offset = runtime::setGradients(params_, flat);
-    double loss = flat[offset].item<double>() / static_cast<double>(o_.globalBatch);
+    double loss = lossTotal.item<double>() / static_cast<double>(o_.globalBatch);
     rss_.phase("clip");
     if (ties_.empty()) {
-      // The whole gradient is the flat buffer's head: one norm, not one per parameter.
-      const double norm = flat.narrow(0, 0, offset).norm().item<double>();
-      scaling_.unscaleAndClip(params_, norm * norm);
+      scaling_.unscaleAndClip(params_, runtime::squaredGradientNorm(params_));
     } else {
       runtime::sumTiedGradients(model_, ties_);
       scaling_.unscaleAndClip(params_, runtime::squaredNormCountingTiesOnce(model_, 0, ties_));

@@ -1008,5 +1008,56 @@ TEST(TrainerTest, AProfileLongerThanTheRecoveryTimeoutDoesNotFailTheStart) {
   sinew::testing::removeTree(dir);
 }
 
+// The data-parallel step sums its gradients in buckets, as DDP does: the reduce and clip
+// phases need one bucket beside the gradients, not a flat copy of them all. Four layers of
+// 16 MiB of weights: a flat copy (and its concatenation) was 64 MiB more than the step before
+// the reduction held.
+TEST(TrainerTest, TheDataParallelGradientSumNeedsABucketNotACopyOfEveryGradient) {
+  const std::string dir = tempDir();
+  auto ctx = init(nullptr, nullptr);
+  constexpr int64_t kWidth = 2048;  // 2048 x 2048 floats: 16 MiB a layer
+  ModelSpec spec;
+  for (int i = 0; i < 4; ++i) {
+    spec.layers.push_back({"fc" + std::to_string(i), [] {
+                             return torch::nn::AnyModule(torch::nn::Linear(
+                                 torch::nn::LinearOptions(kWidth, kWidth).bias(false)));
+                           }});
+  }
+  spec.loss = [](const at::Tensor& y, const at::Tensor& t) { return (y - t).pow(2).mean(); };
+  spec.optimizer = sgd(1e-3);
+  spec.dataset = [](int64_t i) {
+    return Sample{at::full({kWidth}, 0.01 * static_cast<double>(i % 7 + 1), at::kFloat),
+                  at::zeros({kWidth}, at::kFloat)};
+  };
+  spec.datasetSize = 64;
+  TrainerOptions o;
+  o.dtype = at::kFloat;
+  o.globalBatch = 2;
+  o.microbatch = 1;
+  o.steps = 4;
+  o.progressEvery = 0;
+  o.eventLog = dir + "/events.jsonl";
+  o.memoryByPhase = true;
+  Trainer trainer(*ctx, spec, o);
+  TrainResult r = trainer.run();
+  EXPECT_EQ(r.steps, o.steps);
+  std::map<std::string, int64_t> phases;
+  std::ifstream in(o.eventLog);
+  for (std::string line; std::getline(in, line);) {
+    auto e = nlohmann::json::parse(line);
+    if (e.value("event", "") == "done") {
+      phases = e.at("peak_rss_by_phase_bytes").get<std::map<std::string, int64_t>>();
+    }
+  }
+  ASSERT_EQ(phases.count("schedule"), 1u);
+  const int64_t before = phases["schedule"];  // forward and backward: the gradients exist
+  for (const char* phase : {"reduce", "clip"}) {
+    ASSERT_EQ(phases.count(phase), 1u) << phase;
+    EXPECT_LT(phases[phase] - before, int64_t{40} << 20)
+        << phase << ": " << phases[phase] << " bytes against " << before << " in forward+backward";
+  }
+  sinew::testing::removeTree(dir);
+}
+
 }  // namespace
 }  // namespace sinew

@@ -780,16 +780,19 @@ TEST(ReduceInBucketsTest, PacksSmallGradientsAndReducesLargeOnesInPlace) {
   ASSERT_TRUE(params[4].grad().defined());
   EXPECT_TRUE(at::equal(params[4].grad(), at::zeros({30})));
   EXPECT_FALSE(params[7].grad().defined());
-  // The same sums as one flat tensor of them all.
-  std::vector<at::Tensor> again;
-  for (int64_t n : {10, 20, 40, 100}) {
-    again.push_back(at::ones({n}).requires_grad_(true));
-    again.back().mutable_grad() = at::full({n}, static_cast<double>(n));
-  }
-  at::Tensor flat = flatGradients(again);
-  flat.mul_(2);
-  setGradients(again, flat);
-  for (int i = 0; i < 4; ++i) EXPECT_TRUE(at::equal(again[i].grad(), params[i].grad())) << i;
+  // A tail (a loss sum) rides in the last bucket: no reduction of its own.
+  sizes.clear();
+  at::Tensor tail = at::full({1}, 3.0);
+  reduceInBuckets(
+      params, bucket,
+      [&](at::Tensor& t) {
+        sizes.push_back(t.numel());
+        t.mul_(2);
+      },
+      tail);
+  EXPECT_EQ(sizes, (std::vector<int64_t>{30, 40, 100, 30, 64, 6}));
+  EXPECT_EQ(tail.item<double>(), 6.0);
+  EXPECT_TRUE(at::equal(params[6].grad(), at::full({5}, 20.0)));
 }
 
 // Epoch sampling visits every sample exactly once per epoch, for batches that do and do not
