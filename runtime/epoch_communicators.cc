@@ -10,7 +10,6 @@
 
 namespace sinew {
 namespace runtime {
-namespace {}  // namespace
 
 EpochCommunicators::EpochCommunicators(const TrainerServices& services, BackendChooser& chooser)
     : s_(services), chooser_(chooser) {}
