@@ -18,6 +18,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -247,6 +248,14 @@ void onDrainSignal(int) { gDrainSignal = 1; }
 // boundary, the last step durable); a second one ends the job at once: every worker is
 // SIGKILLed (docs/failure_semantics.md). Only async-signal-safe calls.
 volatile sig_atomic_t gSignals = 0;
+// SIGINT, SIGTERM and --drain-signal: blocked from the start in every thread, so that the
+// threads made later (the coordinator's, the echo thread) inherit the block and only the main
+// thread ever runs the handlers. It takes them once every worker is started (a signal that
+// came meanwhile is then forwarded to all of them), and blocks them again around each start,
+// between the fork and the new pid in gChildren. Each worker gets the default actions and
+// gOriginalMask back before exec.
+sigset_t gHandled;
+sigset_t gOriginalMask;
 
 void forward(int sig) {
   gSignals = gSignals + 1;
@@ -561,14 +570,25 @@ bool Launcher::start(int rank) {
   args.push_back(nullptr);
   const std::string cannot = "sinew-run: cannot run " + a_.program[0] + "\n";
   std::fflush(nullptr);
+  sigset_t before;
+  ::pthread_sigmask(SIG_BLOCK, &gHandled, &before);
   pid_t pid = ::fork();
   if (pid < 0) {
+    ::pthread_sigmask(SIG_SETMASK, &before, nullptr);
     std::perror("sinew-run: fork");
     ::close(fds[0]);
     ::close(fds[1]);
     return false;
   }
   if (pid == 0) {
+    // The default actions before the signals are taken again: one sent to this worker before
+    // its exec ends it rather than running sinew-run's handler in it.
+    struct sigaction dfl {};
+    dfl.sa_handler = SIG_DFL;
+    for (int sig = 1; sig < NSIG; ++sig) {
+      if (::sigismember(&gHandled, sig) == 1) ::sigaction(sig, &dfl, nullptr);
+    }
+    ::pthread_sigmask(SIG_SETMASK, &gOriginalMask, nullptr);
     ::dup2(fds[1], 1);
     ::dup2(fds[1], 2);
     ::execvpe(args[0], args.data(), envp.data());
@@ -577,6 +597,7 @@ bool Launcher::start(int rank) {
   }
   ::close(fds[1]);
   gChildren.push_back(pid);
+  ::pthread_sigmask(SIG_SETMASK, &before, nullptr);
   launchRank_.push_back(rank);
   std::string logPath = a_.logDir + "/" + logName;
   {
@@ -710,6 +731,11 @@ int Launcher::supervise() {
 
 int main(int argc, char** argv) {
   Args a = parse(argc, argv);
+  ::sigemptyset(&gHandled);
+  ::sigaddset(&gHandled, SIGINT);
+  ::sigaddset(&gHandled, SIGTERM);
+  if (a.drainSignal != 0) ::sigaddset(&gHandled, a.drainSignal);
+  ::pthread_sigmask(SIG_BLOCK, &gHandled, &gOriginalMask);
   if (!a.inject.empty()) {
     try {
       sinew::runtime::FailureInjector::parse(a.inject);
@@ -739,12 +765,6 @@ int main(int argc, char** argv) {
     std::printf("sinew-run: control API at http://%s:%d (token in %s/coordinator.json)\n",
                 coordinator->controlHost().c_str(), coordinator->controlPort(), a.logDir.c_str());
   }
-  for (int w = 0; w < a.workers; ++w) {
-    if (!launcher.start(w)) {
-      forward(SIGKILL);
-      return 1;
-    }
-  }
   struct sigaction sa {};
   sa.sa_handler = forward;
   ::sigaction(SIGINT, &sa, nullptr);
@@ -754,6 +774,14 @@ int main(int argc, char** argv) {
     ds.sa_handler = onDrainSignal;
     ::sigaction(a.drainSignal, &ds, nullptr);
   }
+  for (int w = 0; w < a.workers; ++w) {
+    if (!launcher.start(w)) {
+      forward(SIGKILL);
+      return 1;
+    }
+  }
   launcher.startEchoing();
+  // A SIGINT or SIGTERM that came while the workers started is forwarded to all of them now.
+  ::pthread_sigmask(SIG_UNBLOCK, &gHandled, nullptr);
   return launcher.supervise();
 }

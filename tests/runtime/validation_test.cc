@@ -4,16 +4,23 @@
 
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
-#include <chrono>
+#include <unistd.h>
 
+#include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../env_support.h"
+#include "../fs_support.h"
 #include "../tool_support.h"
 #include "sinew/base/error.h"
 #include "sinew/base/parse.h"
@@ -201,6 +208,86 @@ TEST(SinewRunArgumentsTest, HelpAndBadNumbers) {
     EXPECT_EQ(bad.status, 2) << b.args << ": " << bad.out;
     EXPECT_NE(bad.out.find(b.says), std::string::npos) << b.args << ": " << bad.out;
   }
+}
+
+// A SIGTERM that reaches sinew-run while it is still starting its workers is forwarded to all
+// of them once they are started, as one that comes later is: sinew-run then ends with them and
+// none is left running. Before, sinew-run installed its handlers only after the last start, so
+// a signal during the starts killed it and left the workers started so far running (orphans).
+// The signal goes as soon as sinew-run says it started worker `after` of 48. Each launcher runs
+// in a process group of its own, and this process adopts the orphans (PR_SET_CHILD_SUBREAPER),
+// so that only processes this test started are looked at or killed.
+TEST(SinewRunSignalsTest, ASigtermWhileTheWorkersStartLeavesNoneRunning) {
+  ASSERT_EQ(::prctl(PR_SET_CHILD_SUBREAPER, 1), 0);
+  const std::string logs = testing::tempDir("sinew-run-early-term");
+  auto reap = [] {
+    while (::waitpid(-1, nullptr, WNOHANG) > 0) {
+    }
+  };
+  for (int after : {0, 5, 20}) {
+    SCOPED_TRACE("SIGTERM after worker " + std::to_string(after) + " started");
+    const std::string dir = logs + "/" + std::to_string(after);
+    int out[2];
+    ASSERT_EQ(::pipe(out), 0);
+    const pid_t launcher = ::fork();
+    ASSERT_GE(launcher, 0);
+    if (launcher == 0) {
+      ::setpgid(0, 0);
+      ::dup2(out[1], 1);
+      ::dup2(out[1], 2);
+      ::close(out[0]);
+      ::close(out[1]);
+      ::execl(SINEW_RUN_PATH, SINEW_RUN_PATH, "-n", "48", "--log-dir", dir.c_str(), "/bin/sleep",
+              "60", static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    ::setpgid(launcher, launcher);  // Either side may set it first.
+    ::close(out[1]);
+    std::string said;
+    const std::string mark = "worker " + std::to_string(after) + " pid ";
+    bool sent = false;
+    std::thread reader([&] {
+      char buf[4096];
+      ssize_t n;
+      while ((n = ::read(out[0], buf, sizeof(buf))) > 0) {
+        said.append(buf, static_cast<size_t>(n));
+        if (!sent && said.find(mark) != std::string::npos) {
+          ::kill(launcher, SIGTERM);
+          sent = true;
+        }
+      }
+    });
+    int status = 0;
+    pid_t got = 0;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while ((got = ::waitpid(launcher, &status, WNOHANG)) == 0 &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    if (got == 0) {
+      ::kill(-launcher, SIGKILL);
+      ::waitpid(launcher, &status, 0);
+      ADD_FAILURE() << "sinew-run did not end within 30 s";
+    }
+    // What is left of its group once it ended (the adopted ones that exit are reaped).
+    bool left = false;
+    const auto settle = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    while (::kill(-launcher, 0) == 0) {
+      reap();
+      if (std::chrono::steady_clock::now() > settle) {
+        left = true;
+        ::kill(-launcher, SIGKILL);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    reader.join();
+    ::close(out[0]);
+    EXPECT_TRUE(sent) << said;
+    EXPECT_FALSE(left) << "workers outlived sinew-run:\n" << said;
+    EXPECT_FALSE(WIFSIGNALED(status)) << "the SIGTERM killed sinew-run:\n" << said;
+    EXPECT_NE(said.find("worker 47 pid "), std::string::npos) << said;
+  }
+  testing::removeTree(logs);
 }
 
 }  // namespace
