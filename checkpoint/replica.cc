@@ -340,10 +340,16 @@ class ReplicaService::Impl::Session : public transport::ChannelHandler {
         channel.send(static_cast<uint8_t>(Type::kListReply), 0, replica_wire::encodeList(shards));
         return;
       }
-      case Type::kGet: {
+      case Type::kGet:
+      case Type::kGetLayers: {
         int owner = -1;
         int64_t step = -1;
-        replica_wire::decodeShardId(payload, payload.size(), &owner, &step, "get");
+        std::vector<std::string> layers;  // Empty: the whole shard.
+        if (static_cast<Type>(h.type) == Type::kGet) {
+          replica_wire::decodeShardId(payload, payload.size(), &owner, &step, "get");
+        } else {
+          layers = replica_wire::decodeGetLayers(payload, &owner, &step);
+        }
         auto s = service_->findServed(owner, step);
         if (!s) {
           std::string why = "worker " + std::to_string(service_->self_) +
@@ -353,14 +359,17 @@ class ReplicaService::Impl::Session : public transport::ChannelHandler {
                        std::vector<uint8_t>(why.begin(), why.end()));
           return;
         }
-        std::string layout = s->layout.toJson();
+        std::vector<std::pair<uint64_t, uint64_t>> ranges{{0, s->layout.totalBytes}};
+        const std::string layout =
+            layers.empty() ? s->layout.toJson() : s->layout.onlyLayers(layers, &ranges).toJson();
         channel.send(static_cast<uint8_t>(Type::kGetReply), 0,
                      std::vector<uint8_t>(layout.begin(), layout.end()));
         // The shard's bytes go straight from its memory; `s` keeps it alive until written.
-        for (uint64_t off = 0; off < s->layout.totalBytes; off += kServeChunkBytes) {
-          size_t n =
-              static_cast<size_t>(std::min<uint64_t>(kServeChunkBytes, s->layout.totalBytes - off));
-          channel.sendRef(static_cast<uint8_t>(Type::kData), 0, s->data() + off, n, s);
+        for (const auto& [begin, bytes] : ranges) {
+          for (uint64_t off = 0; off < bytes; off += kServeChunkBytes) {
+            const size_t n = static_cast<size_t>(std::min<uint64_t>(kServeChunkBytes, bytes - off));
+            channel.sendRef(static_cast<uint8_t>(Type::kData), 0, s->data() + begin + off, n, s);
+          }
         }
         return;
       }
@@ -653,18 +662,26 @@ std::vector<ReplicaInfo> ReplicaClient::list() {
   return out;
 }
 
-std::shared_ptr<HostShard> ReplicaClient::get(int owner, int64_t step) {
+std::shared_ptr<HostShard> ReplicaClient::get(int owner, int64_t step,
+                                              const std::vector<std::string>& layers) {
   std::lock_guard<std::mutex> lock(mu_);
   const std::string what =
-      "fetching worker " + std::to_string(owner) + "'s shard of version " + std::to_string(step);
+      "fetching " +
+      (layers.empty() ? std::string() : std::to_string(layers.size()) + " layers of ") + "worker " +
+      std::to_string(owner) + "'s shard of version " + std::to_string(step);
   std::string notHeld;  // The peer's answer when it does not hold the shard.
   auto shard =
       talk([this] { conn_.reset(); }, peer_, address_, what,
            [&]() -> std::shared_ptr<HostShard> {
              transport::Connection& c = connection().get();
              auto deadline = [&] { return Clock::now() + options_.timeout; };
-             c.send(static_cast<uint8_t>(Type::kGet), 0, replica_wire::encodeShardId(owner, step),
-                    deadline());
+             if (layers.empty()) {
+               c.send(static_cast<uint8_t>(Type::kGet), 0, replica_wire::encodeShardId(owner, step),
+                      deadline());
+             } else {
+               c.send(static_cast<uint8_t>(Type::kGetLayers), 0,
+                      replica_wire::encodeGetLayers(owner, step, layers), deadline());
+             }
              transport::FrameHeader h = c.readHeader(deadline());
              if (static_cast<Type>(h.type) == Type::kError) {
                notHeld = text(c.readPayload(h, deadline()));

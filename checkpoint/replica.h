@@ -146,9 +146,11 @@ class ReplicaClient {
   // connection fails, Timeout, or Corruption if the peer's checksums disagreed.
   uint64_t put(const HostShard& shard);
   std::vector<ReplicaInfo> list();
-  // Fetches owner's shard at step into new host memory. Throws IoError if the peer does
-  // not hold it; the caller verifies checksums (HostShard::verify).
-  std::shared_ptr<HostShard> get(int owner, int64_t step);
+  // Fetches owner's shard at step into new host memory: all of it, or with `layers` only
+  // those of them it has (a shard laid out by ShardLayout::onlyLayers). Throws IoError if the
+  // peer does not hold it; the caller verifies checksums (HostShard::verify).
+  std::shared_ptr<HostShard> get(int owner, int64_t step,
+                                 const std::vector<std::string>& layers = {});
   int peer() const { return peer_; }
 
  private:

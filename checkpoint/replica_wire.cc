@@ -34,6 +34,8 @@ const char* requestName(uint8_t type) {
       return "get";
     case Type::kBeginDelta:
       return "begin delta";
+    case Type::kGetLayers:
+      return "get layers";
     default:
       return nullptr;
   }
@@ -127,7 +129,8 @@ transport::FrameRules serviceRules(uint64_t token, uint32_t maxChunk) {
         return UINT32_MAX;  // bounded by maxPayloadBytes
       case Type::kBegin:
       case Type::kBeginDelta:
-        return 16u << 20;  // a layout's JSON
+      case Type::kGetLayers:
+        return 16u << 20;  // a layout's JSON, or the layers' names
       case Type::kEnd:
       case Type::kList:
         return 0;
@@ -145,6 +148,43 @@ transport::FrameRules clientRules(uint64_t token) {
   r.typeName = &answerName;
   r.maxPayloadBytes = 256u << 20;
   return r;
+}
+
+std::vector<uint8_t> encodeGetLayers(int owner, int64_t step,
+                                     const std::vector<std::string>& layers) {
+  std::vector<uint8_t> b = encodeShardId(owner, step);
+  const std::string json = nlohmann::json(layers).dump();
+  b.insert(b.end(), json.begin(), json.end());
+  return b;
+}
+
+std::vector<std::string> decodeGetLayers(const std::vector<uint8_t>& payload, int* owner,
+                                         int64_t* step) {
+  using nlohmann::json;
+  decodeShardId(payload, std::min<size_t>(payload.size(), 12), owner, step, "get layers");
+  const char* text = reinterpret_cast<const char*>(payload.data()) + 12;
+  const char* end = reinterpret_cast<const char*>(payload.data()) + payload.size();
+  if (::sinew::detail::jsonTooDeep(text, end)) {
+    SINEW_THROW(Corruption, "replica get layers message nests JSON deeper than ",
+                ::sinew::detail::kMaxJsonDepth, " levels");
+  }
+  json j = json::parse(text, end, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_array()) {
+    SINEW_THROW(Corruption, "replica get layers message: its layers are not a JSON array");
+  }
+  if (j.empty() || j.size() > kMaxGetLayers) {
+    SINEW_THROW(Corruption, "replica get layers message names ", j.size(),
+                " layers; it must name 1 to ", kMaxGetLayers);
+  }
+  std::vector<std::string> layers;
+  for (const auto& e : j) {
+    if (!e.is_string() || e.get<std::string>().empty()) {
+      SINEW_THROW(Corruption, "replica get layers message: layer ", ::sinew::detail::jsonPreview(e),
+                  " is not a non-empty string");
+    }
+    layers.push_back(e.get<std::string>());
+  }
+  return layers;
 }
 
 std::vector<uint8_t> encodeList(const std::vector<ShardEntry>& shards) {

@@ -49,10 +49,12 @@ RestoreResult restoreLayers(const RestoreSources& sources, int64_t step,
       for (const auto& info : client.list()) {
         if (wanted.empty()) break;
         if (info.step != step) continue;
-        bool useful = false;
-        for (const auto& l : info.layout.layers()) useful = useful || wanted.count(l) != 0;
-        if (!useful) continue;
-        auto shard = client.get(info.owner, info.step);
+        std::vector<std::string> here;  // Only these layers of the shard come over.
+        for (const auto& l : info.layout.layers()) {
+          if (wanted.count(l) != 0) here.push_back(l);
+        }
+        if (here.empty()) continue;
+        auto shard = client.get(info.owner, info.step, here);
         takeFrom(*shard, name);
       }
     } catch (const Error& e) {

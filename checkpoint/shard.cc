@@ -217,6 +217,27 @@ std::vector<std::pair<uint64_t, uint64_t>> ShardLayout::changedSince(
   return out;
 }
 
+ShardLayout ShardLayout::onlyLayers(const std::vector<std::string>& layers,
+                                    std::vector<std::pair<uint64_t, uint64_t>>* ranges) const {
+  const std::set<std::string> wanted(layers.begin(), layers.end());
+  ShardLayout out;
+  ranges->clear();
+  for (const TensorRecord& t : tensors) {
+    if (wanted.count(t.layer) == 0) continue;
+    TensorRecord r = t;
+    r.offset = out.totalBytes;
+    out.totalBytes += t.nbytes;
+    out.tensors.push_back(std::move(r));
+    if (t.nbytes == 0) continue;
+    if (!ranges->empty() && ranges->back().first + ranges->back().second == t.offset) {
+      ranges->back().second += t.nbytes;
+    } else {
+      ranges->emplace_back(t.offset, t.nbytes);
+    }
+  }
+  return out;
+}
+
 std::vector<std::string> ShardLayout::layers() const {
   std::vector<std::string> out;
   for (const auto& t : tensors) {

@@ -62,6 +62,12 @@ struct ShardLayout {
   // order, adjacent ones merged: what an incremental replica of this version must send to a
   // holder of `base` (unchanged up to crc32c collisions). REQUIRES: sameShape(base).
   std::vector<std::pair<uint64_t, uint64_t>> changedSince(const ShardLayout& base) const;
+  // The layout of the shard made of the named layers' tensors only (in this layout's order,
+  // back to back from offset 0, checksums kept; names it lacks are skipped), and in `ranges`
+  // where their bytes lie in this shard, in order, adjacent ones merged: what a peer sends
+  // for a restore that wants only those layers.
+  ShardLayout onlyLayers(const std::vector<std::string>& layers,
+                         std::vector<std::pair<uint64_t, uint64_t>>* ranges) const;
   std::vector<std::string> layers() const;  // In order, each once.
   bool hasLayer(const std::string& layer) const;
   // A digest of the layer's tensor checksums, dtypes and shapes: equal digests mean

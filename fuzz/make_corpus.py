@@ -338,6 +338,9 @@ write_corpus("replica_message", {
     "bad_list_owner": bytes([2]) + json.dumps([{"owner": 1 << 40, "step": 1,
                                                 "layout": lay}]).encode(),
     "bad_list_layout": bytes([2]) + json.dumps([{"owner": 1, "step": 1, "layout": 5}]).encode(),
+    "get_layers": bytes([3]) + sid + json.dumps(["fc1", "head"]).encode(),
+    "bad_get_layers_empty": bytes([3]) + sid + b"[]",
+    "bad_get_layers_name": bytes([3]) + sid + json.dumps(["fc1", 7]).encode(),
 })
 
 

@@ -1,5 +1,6 @@
 // Fuzzes the replica service's message decoders (checkpoint/detail/replica_wire.h): a begin
-// (owner, step, shard layout), a get (owner, step) and a list reply, as the service and a
+// (owner, step, shard layout), a get (owner, step), a list reply and a get of some layers
+// (owner, step, their names), as the service and a
 // client run them on payloads that passed the frame header. Input: one byte choosing the
 // decoder, then the payload.
 // Properties: each decoder throws Corruption or returns owners and steps >= 0, layouts within
@@ -7,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "fuzz_check.h"
@@ -22,7 +24,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   const std::vector<uint8_t> payload(data + 1, data + size);
   try {
-    switch (data[0] % 3) {
+    switch (data[0] % 4) {
       case 0: {
         const rw::BeginRequest b = rw::decodeBegin(payload, kMaxShardBytes);
         SINEW_FUZZ_CHECK(b.owner >= 0 && b.step >= 0, "begin owner %d step %lld", b.owner,
@@ -44,6 +46,23 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         SINEW_FUZZ_CHECK(owner >= 0 && step >= 0, "get owner %d step %lld", owner,
                          static_cast<long long>(step));
         SINEW_FUZZ_CHECK(rw::encodeShardId(owner, step) == payload, "get does not round-trip");
+        break;
+      }
+      case 3: {
+        int owner = -1;
+        int64_t step = -1;
+        const std::vector<std::string> layers = rw::decodeGetLayers(payload, &owner, &step);
+        SINEW_FUZZ_CHECK(
+            owner >= 0 && step >= 0 && !layers.empty() && layers.size() <= rw::kMaxGetLayers,
+            "get layers owner %d step %lld, %zu layers", owner, static_cast<long long>(step),
+            layers.size());
+        for (const auto& l : layers) SINEW_FUZZ_CHECK(!l.empty(), "an empty layer name accepted");
+        int o2 = -1;
+        int64_t s2 = -1;
+        SINEW_FUZZ_CHECK(
+            rw::decodeGetLayers(rw::encodeGetLayers(owner, step, layers), &o2, &s2) == layers &&
+                o2 == owner && s2 == step,
+            "get layers does not round-trip");
         break;
       }
       default: {

@@ -4,6 +4,7 @@
 // frames of service kReplica of Sinew's one transport. Internal; not installed.
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "sinew/checkpoint/shard.h"
@@ -28,7 +29,13 @@ enum class Type : uint8_t {
   // followed by chunks of only the ranges ShardLayout::changedSince(base) names, in order,
   // none crossing a range; the service copies the rest from its replica of `base`.
   kBeginDelta = 11,
+  // -> service: owner i32, step i64, JSON array of layer names; answered as kGet is, with the
+  // layout and bytes of only those layers of the shard (ShardLayout::onlyLayers).
+  kGetLayers = 12,
 };
+
+// The most layer names one get-layers message may name.
+constexpr size_t kMaxGetLayers = 1 << 16;
 
 // The service's answer (an ack's text) to a delta version whose base it does not hold; the
 // client then sends the version whole.
@@ -62,6 +69,14 @@ std::vector<uint8_t> encodeBeginDelta(int owner, int64_t step, int64_t base,
                                       const ShardLayout& layout);
 BeginRequest decodeBeginDelta(const std::vector<uint8_t>& payload, uint64_t maxShardBytes,
                               int64_t* base);
+
+// A get-layers payload: owner and step, then the JSON array of the layers wanted.
+std::vector<uint8_t> encodeGetLayers(int owner, int64_t step,
+                                     const std::vector<std::string>& layers);
+// Decodes one: owner and step >= 0, then 1 to kMaxGetLayers non-empty strings. Throws
+// Corruption naming what is wrong.
+std::vector<std::string> decodeGetLayers(const std::vector<uint8_t>& payload, int* owner,
+                                         int64_t* step);
 
 // A list reply: the JSON array [{owner, step, layout}] of the shards a service holds.
 std::vector<uint8_t> encodeList(const std::vector<ShardEntry>& shards);

@@ -1135,6 +1135,39 @@ TEST(ReplicaTest, PutListGetOverLoopbackAndRejectsBadChecksums) {
   EXPECT_NE(service.find(0, 2), nullptr);
 }
 
+// A restore that wants some layers of a peer's shard gets only those: the peer answers a get of
+// named layers with their tensors alone (ShardLayout::onlyLayers: back to back, checksums
+// kept), and restoreLayers asks each peer for the wanted layers of each shard it lists. Names
+// the shard lacks are skipped.
+TEST(ReplicaTest, AGetOfSomeLayersSendsOnlyTheirBytes) {
+  ReplicaService service(1, replicaServiceOptions());
+  ReplicaClientOptions co = replicaClientOptions();
+  co.chunkBytes = 100;
+  ReplicaClient client(1, service.address(), co);
+  const ShardState s = makeState(4, 32, 3);
+  auto whole = snap(s, 0, 7);
+  client.put(*whole);
+  auto got = client.get(0, 7, {"layers.3", "layers.1", "nope"});
+  EXPECT_EQ(got->layout.layers(), (std::vector<std::string>{"layers.1", "layers.3"}));
+  uint64_t want = 0;
+  for (const auto& t : whole->layout.tensors) {
+    if (t.layer == "layers.1" || t.layer == "layers.3") want += t.nbytes;
+  }
+  EXPECT_EQ(got->layout.totalBytes, want);
+  EXPECT_EQ(got->capacity(), want);
+  EXPECT_LT(want, whole->layout.totalBytes / 2 + 1);
+  EXPECT_EQ(got->verify(), "");
+  expectLayersEqual({s[1], s[3]}, extractAll(*got));
+  EXPECT_THROW(client.get(0, 6, {"layers.1"}), IoError);  // A version it does not hold.
+  // Through restoreLayers: only the wanted layer's bytes are fetched.
+  RestoreSources src;
+  src.client.token = sinew::testing::kTestToken;
+  src.peers = {{1, service.address()}};
+  auto r = restoreLayers(src, 7, {"layers.2"});
+  EXPECT_EQ(r.source.at("layers.2"), "peer 1");
+  expectLayersEqual({s[2]}, r.layers);
+}
+
 // Incremental versions (ReplicaClientOptions::incremental): once the peer acknowledged a
 // version, the next one sends only the tensors whose checksum changed, and the peer's replica
 // of it equals the shard byte for byte. A model of a frozen base (three layers that never
@@ -1263,6 +1296,23 @@ TEST(ReplicaTest, GarbageOnThePortDropsOnlyThatConnection) {
   std::string layout = R"({"total_bytes": 1099511627776, "tensors": []})";
   big.payload.insert(big.payload.end(), layout.begin(), layout.end());
   strays.push_back(sinew::testing::rawFrame(big));
+  // Gets of some layers whose names are not a list of names.
+  for (const std::string names :
+       {"[7]", "[]", "{\"a\": 1}", "[\"fc\"",
+        "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["
+        "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["
+        "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["
+        "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["
+        "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["
+        "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["
+        "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["}) {
+    sinew::testing::RawFrame get;
+    get.service = 3;
+    get.type = 12;
+    get.payload = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    get.payload.insert(get.payload.end(), names.begin(), names.end());
+    strays.push_back(sinew::testing::rawFrame(get));
+  }
   for (const auto& bytes : strays) {
     int fd = sinew::testing::connectLoopback(service.port());
     ASSERT_GE(fd, 0);
