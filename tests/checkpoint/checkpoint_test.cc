@@ -127,6 +127,18 @@ void expectLayersEqual(const ShardState& want, const std::map<std::string, Resto
   }
 }
 
+// The options of engines 0 and 1 of a two-worker placement on `store` (the test token).
+std::pair<CheckpointEngineOptions, CheckpointEngineOptions> twoEngines(
+    const std::shared_ptr<collectives::HashStore>& store) {
+  CheckpointEngineOptions a, b;
+  a.self = 0;
+  b.self = 1;
+  a.workers = b.workers = {0, 1};
+  a.store = b.store = store;
+  a.token = b.token = sinew::testing::kTestToken;
+  return {a, b};
+}
+
 std::map<std::string, RestoredLayer> extractAll(const HostShard& s) {
   std::map<std::string, RestoredLayer> out;
   for (const auto& l : s.layout.layers()) out[l] = s.extractLayer(l);
@@ -317,12 +329,7 @@ TEST(SnapshotTest, MemoryStaysFlatOverAThousandCheckpointsWithReplication) {
   // over loopback: resident memory after the first 20 versions is where it stays.
   ShardState state = makeState(4, 256, 1);  // 4 × (2 × 256 KiB + 1 KiB + 8 B) ≈ 2 MiB
   auto store = std::make_shared<collectives::HashStore>();
-  CheckpointEngineOptions a, b;
-  a.self = 0;
-  b.self = 1;
-  a.workers = b.workers = {0, 1};
-  a.store = b.store = store;
-  a.token = b.token = sinew::testing::kTestToken;
+  auto [a, b] = twoEngines(store);
   a.snapshot.slots = b.snapshot.slots = 3;
   CheckpointEngine e0(state, a);
   CheckpointEngine e1(state, b);
@@ -369,12 +376,7 @@ TEST(SnapshotTest, MemoryStaysFlatOverAThousandCheckpointsWithReplication) {
 TEST(EngineTest, AnEmptyShardHoldsItsPartnersReplicaAndTheVersionCommits) {
   ShardState state = makeState(3, 64, 5);
   auto store = std::make_shared<collectives::HashStore>();
-  CheckpointEngineOptions a, b;
-  a.self = 0;
-  b.self = 1;
-  a.workers = b.workers = {0, 1};
-  a.store = b.store = store;
-  a.token = b.token = sinew::testing::kTestToken;
+  auto [a, b] = twoEngines(store);
   CheckpointEngine owner(state, a);
   CheckpointEngine holder(ShardState{}, b);
   for (int64_t step = 0; step < 3; ++step) {
@@ -407,12 +409,7 @@ TEST(EngineTest, ReplicationYieldsToTrainingTraffic) {
     auto store = std::make_shared<collectives::HashStore>();
     std::mutex mu;
     std::vector<Clock::time_point> sent;  // worker 0's chunks, as each went out
-    CheckpointEngineOptions a, b;
-    a.self = 0;
-    b.self = 1;
-    a.workers = b.workers = {0, 1};
-    a.store = b.store = store;
-    a.token = b.token = sinew::testing::kTestToken;
+    auto [a, b] = twoEngines(store);
     a.client.chunkBytes = b.client.chunkBytes = 256 << 10;
     a.maxYield = b.maxYield = maxYield;
     a.client.afterChunk = [&](int64_t) {
@@ -463,15 +460,10 @@ TEST(EngineTest, AFailedFlushReachesTheWaiterAsIoError) {
   const std::string dir = tempDir("ckpt-flushfail");
   testing::FaultEnv env;
   auto store = std::make_shared<collectives::HashStore>();
-  CheckpointEngineOptions a, b;
-  a.self = 0;
-  b.self = 1;
-  a.workers = b.workers = {0, 1};
-  a.store = b.store = store;
+  auto [a, b] = twoEngines(store);
   a.persist.dir = b.persist.dir = dir;
   a.persist.env = b.persist.env = &env;
   a.flushEvery = b.flushEvery = 1;
-  a.token = b.token = sinew::testing::kTestToken;
   CheckpointEngine e0(state, a);
   CheckpointEngine e1(state, b);
   env.failAfter(0);
