@@ -19,6 +19,7 @@ EXCLUDED_TESTS=(
 EXCLUDED_CASES=(
   SnapshotTest.MemoryStaysFlatOverAThousandCheckpointsWithReplication
   TrainerTest.TheDataParallelGradientSumNeedsABucketNotACopyOfEveryGradient
+  JobTest.KillBetweenReductionAndOptimizerStep
 )
 
 launcher=()
