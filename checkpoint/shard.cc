@@ -202,17 +202,27 @@ bool ShardLayout::sameShape(const ShardLayout& o) const {
   return true;
 }
 
+namespace {
+
+// Appends the byte range (offset, bytes) to `ranges`, merged into the last one it continues.
+void appendRange(std::vector<std::pair<uint64_t, uint64_t>>* ranges, uint64_t offset,
+                 uint64_t bytes) {
+  if (!ranges->empty() && ranges->back().first + ranges->back().second == offset) {
+    ranges->back().second += bytes;
+  } else {
+    ranges->emplace_back(offset, bytes);
+  }
+}
+
+}  // namespace
+
 std::vector<std::pair<uint64_t, uint64_t>> ShardLayout::changedSince(
     const ShardLayout& base) const {
   std::vector<std::pair<uint64_t, uint64_t>> out;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const TensorRecord& t = tensors[i];
     if (t.crc32c == base.tensors.at(i).crc32c || t.nbytes == 0) continue;
-    if (!out.empty() && out.back().first + out.back().second == t.offset) {
-      out.back().second += t.nbytes;
-    } else {
-      out.emplace_back(t.offset, t.nbytes);
-    }
+    appendRange(&out, t.offset, t.nbytes);
   }
   return out;
 }
@@ -228,12 +238,7 @@ ShardLayout ShardLayout::onlyLayers(const std::vector<std::string>& layers,
     r.offset = out.totalBytes;
     out.totalBytes += t.nbytes;
     out.tensors.push_back(std::move(r));
-    if (t.nbytes == 0) continue;
-    if (!ranges->empty() && ranges->back().first + ranges->back().second == t.offset) {
-      ranges->back().second += t.nbytes;
-    } else {
-      ranges->emplace_back(t.offset, t.nbytes);
-    }
+    if (t.nbytes != 0) appendRange(ranges, t.offset, t.nbytes);
   }
   return out;
 }
