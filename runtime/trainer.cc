@@ -34,6 +34,7 @@
 #include "sinew/runtime/device_choice.h"
 #include "sinew/runtime/durable_checkpoints.h"
 #include "sinew/runtime/epoch_communicators.h"
+#include "sinew/runtime/epoch_entry.h"
 #include "sinew/runtime/epoch_recovery.h"
 #include "sinew/runtime/evaluation.h"
 #include "sinew/runtime/event_log.h"
@@ -58,8 +59,6 @@ namespace sinew {
 
 using Clock = std::chrono::steady_clock;
 using collectives::Store;
-using pipeline::Plan;
-using runtime::AbortableStore;
 using runtime::CoordinatorClient;
 using runtime::EpochChanged;
 using runtime::EpochInfo;
@@ -152,10 +151,10 @@ std::string eventLogPath(const TrainerOptions& o, int worker) {
 }  // namespace
 
 // The trainer of one worker: the epoch loop, the step and its vote, and recovery. What a step
-// and an epoch change need besides is delegated: device and backend choice
-// (runtime/device_choice.h), the 1F1B stage executor (pipeline/stage_executor.h), layer
-// relayout (runtime/layer_relayout.h), optimizer state as named tensors
-// (runtime/optimizer_state.h), peer-RAM versions (runtime/peer_versions.h), durable
+// and an epoch change need besides is delegated: entering an epoch (runtime/epoch_entry.h),
+// device and backend choice (runtime/device_choice.h), the 1F1B stage executor
+// (pipeline/stage_executor.h), layer relayout (runtime/layer_relayout.h), optimizer state as named
+// tensors (runtime/optimizer_state.h), peer-RAM versions (runtime/peer_versions.h), durable
 // checkpoints (runtime/durable_checkpoints.h) and profile agreement
 // (runtime/profile_agreement.h).
 class Trainer::Impl {
@@ -166,24 +165,24 @@ class Trainer::Impl {
         client_(*state_.client),
         spec_(std::move(spec)),
         o_(std::move(o)),
-        model_(std::move(model)),
         services_{ctx_, state_, client_, events_, o_},
         scaling_(o_, jobTensors_) {
+    ws_.model = std::move(model);
     runtime::checkTrainerOptions(o_, spec_);
     pipelineMode_ = o_.parallelism == Parallelism::kPipeline;
     device_ = runtime::resolveDevice(o_.device, ctx_.worker());
     if (pipelineMode_) {
       runtime::checkPipelineOptions(o_);
     } else {
-      model_->to(device_);
-      params_ = model_->parameters();
+      ws_.model->to(device_);
+      ws_.params = ws_.model->parameters();
     }
     // In pipeline mode the optimizer is made once the stage's layers exist; this one only
     // checks what the factory makes.
-    opt_ = spec_.optimizer(params_);
+    ws_.opt = spec_.optimizer(ws_.params);
     // Checkpoints, peer-RAM versions, layer copies and rollbacks all need its state as named
     // tensors: an optimizer whose state Sinew cannot capture is refused here, by name.
-    runtime::optimizerStateCodec(*opt_, "ModelSpec::optimizer");
+    runtime::optimizerStateCodec(*ws_.opt, "ModelSpec::optimizer");
     runtime::checkStepUpdateOptions(o_);
     runtime::checkMixedPrecisionOptions(o_, device_);
     for (const KeptState& k : o_.keptState) jobTensors_.add(runtime::keptStateEntry(k));
@@ -209,9 +208,12 @@ class Trainer::Impl {
       return microbatches_(batchIndices(o_.sampling, o_.seed, 0, o_.globalBatch, spec_.datasetSize),
                            0);
     });
+    entry_ = std::make_unique<runtime::EpochEntry>(runtime::EpochEntry::Units{
+        services_, spec_, ties_, device_, pipelineMode_, pipelineGloo_, *comms_, *durable_, *peers_,
+        *relayout_, *profiles_, *progress_, jobTensors_});
   }
 
-  torch::nn::Sequential& model() { return model_; }
+  torch::nn::Sequential& model() { return ws_.model; }
 
   ~Impl() {
     client_.setEpochListener(nullptr);
@@ -237,14 +239,14 @@ class Trainer::Impl {
     } catch (const Released&) {
       preempted_ = true;
     } catch (const PeerLost& e) {
-      client_.reportLost(epoch_, e.worker());
-      recoverInto(epoch_, true, e.what());
+      client_.reportLost(ws_.epoch, e.worker());
+      recoverInto(ws_.epoch, true, e.what());
     } catch (const Timeout& e) {
-      recoverInto(epoch_, true, e.what());
+      recoverInto(ws_.epoch, true, e.what());
     } catch (const Aborted& e) {
-      recoverInto(epoch_, true, e.what());
+      recoverInto(ws_.epoch, true, e.what());
     } catch (const IoError& e) {
-      recoverInto(epoch_, true, e.what());
+      recoverInto(ws_.epoch, true, e.what());
     }
     return false;
   }
@@ -271,7 +273,7 @@ class Trainer::Impl {
         const int64_t attempted = step_;
         const bool keepShape = runStep();
         committed = true;
-        committedMembers_ = members_;  // Before a reshape at this boundary changes them.
+        committedMembers_ = ws_.members;  // Before a reshape at this boundary changes them.
         r.step = attempted;
         r.loss = lastLoss_;
         r.learningRate = appliedLr_;
@@ -279,7 +281,7 @@ class Trainer::Impl {
         r.skipped = lastSkipped_;
         r.lossScale = scaling_.stepScale();
         samplesRead_.take(&r.samples, &r.samplePositions);
-        if (!keepShape) recoverInto(epoch_, /*failure=*/false, "reshape at a step boundary");
+        if (!keepShape) recoverInto(ws_.epoch, /*failure=*/false, "reshape at a step boundary");
       });
       if (!committed && step_ < first) r.rolledBackTo = step_;
     }
@@ -301,13 +303,13 @@ class Trainer::Impl {
     const int64_t first = step_;
     const int recoveriesBefore = recoveries_;
     // Those who trained the step before: each of them calls evaluate() here (the contract).
-    const std::vector<int> evaluators = committedMembers_.empty() ? members_ : committedMembers_;
+    const std::vector<int> evaluators = committedMembers_.empty() ? ws_.members : committedMembers_;
     while (!preempted_ && !r.abandoned && !recovering([&] {
       // A member that joined at this boundary trains the next step meanwhile, and after a
       // rollback the parameters are an older step's: every member sees the same epoch and
       // gives up alike, so the next collective is the next step's on every member.
-      if (step_ != first ||
-          !std::includes(evaluators.begin(), evaluators.end(), members_.begin(), members_.end())) {
+      if (step_ != first || !std::includes(evaluators.begin(), evaluators.end(),
+                                           ws_.members.begin(), ws_.members.end())) {
         r.abandoned = true;
         return;
       }
@@ -342,8 +344,8 @@ class Trainer::Impl {
 
   // EpochChanged when the coordinator announced a newer epoch than this worker is in.
   void throwIfSuperseded() const {
-    if (client_.latestEpoch().epoch != epoch_) {
-      SINEW_THROW(EpochChanged, "epoch ", epoch_, " was superseded");
+    if (client_.latestEpoch().epoch != ws_.epoch) {
+      SINEW_THROW(EpochChanged, "epoch ", ws_.epoch, " was superseded");
     }
   }
 
@@ -352,18 +354,18 @@ class Trainer::Impl {
     throwIfSuperseded();
     const int self = ctx_.worker();
     if (!pipelineMode_) {
-      if (members_.front() != self) return torch::nn::Sequential();
-      return runtime::copyModel(spec_, o_.seed, o_.dtype, model_);
+      if (ws_.members.front() != self) return torch::nn::Sequential();
+      return runtime::copyModel(spec_, o_.seed, o_.dtype, ws_.model);
     }
     runtime::GatherInputs in;
     in.spec = &spec_;
     in.seed = o_.seed;
     in.dtype = o_.dtype;
-    in.plan = &plan_;
+    in.plan = &ws_.plan;
     in.self = self;
-    in.root = members_.front();
-    in.held = &model_;
-    in.heldFirst = heldFirst_;
+    in.root = ws_.members.front();
+    in.held = &ws_.model;
+    in.heldFirst = ws_.heldFirst;
     in.comm = &comms_->world();
     in.device = device_;
     in.timeout = recoveryTimeout();
@@ -377,10 +379,10 @@ class Trainer::Impl {
                            std::vector<std::pair<int64_t, at::Tensor>>* outputs) {
     throwIfSuperseded();
     runtime::EvaluationPass pass;
-    pass.layers = &model_;
+    pass.layers = &ws_.model;
     pass.executor = comms_->executor();
     pass.pipelineMode = pipelineMode_;
-    if (!pipelineMode_) pass.microbatches = plan_.of(ctx_.worker()).microbatches;
+    if (!pipelineMode_) pass.microbatches = ws_.plan.of(ctx_.worker()).microbatches;
     pass.globalBatch = o_.globalBatch;
     pass.microbatch = o_.microbatch;
     pass.loss = spec_.loss;
@@ -420,10 +422,10 @@ class Trainer::Impl {
       // worker writes the checkpoints (when the whole job is preempted, it is the last word).
       // (Pipeline mode: a version needs every writer's shard, so one leaving worker cannot
       // write it alone.)
-      if (!pipelineMode_ && applied_ >= 0) {
+      if (!pipelineMode_ && ws_.applied >= 0) {
         const runtime::DurableCheckpoints::Role role = durableRole();
-        if (durable_->reserve(applied_, role, /*force=*/true, step_, &stepWaited_) != nullptr) {
-          durable_->snapshotOwn(applied_, role, shardState());
+        if (durable_->reserve(ws_.applied, role, /*force=*/true, step_, &stepWaited_) != nullptr) {
+          durable_->snapshotOwn(ws_.applied, role, shardState());
         }
       }
       durable_->finish();
@@ -499,21 +501,21 @@ class Trainer::Impl {
     r.finalLoss = lastLoss_;
     r.recoveries = recoveries_;
     r.recoveryMaxSeconds = recoveryMax_;
-    r.finalEpoch = epoch_;
-    r.finalMembers = members_;
+    r.finalEpoch = ws_.epoch;
+    r.finalMembers = ws_.members;
     r.startStep = startStep_;
     r.preempted = preempted;
     r.checkpointsWritten = durable_->written();
     r.checkpointsSkipped = durable_->skipped();
     r.checkpointStallSeconds = ckStall_;
-    r.pipelines = static_cast<int>(plan_.pipelines.size());
-    for (const auto& w : plan_.workers) {
+    r.pipelines = static_cast<int>(ws_.plan.pipelines.size());
+    for (const auto& w : ws_.plan.workers) {
       if (w.worker != ctx_.worker()) continue;
       r.pipeline = w.pipeline;
       r.stage = w.stage;
     }
-    for (const auto& child : model_->named_children()) r.layers.push_back(child.key());
-    for (const auto& p : model_->parameters()) r.parameterCount += p.numel();
+    for (const auto& child : ws_.model->named_children()) r.layers.push_back(child.key());
+    for (const auto& p : ws_.model->parameters()) r.parameterCount += p.numel();
     r.device = device_.str();
     r.backend = chooser_->backend();
     r.lossScale = scaling_.nextScale();
@@ -528,7 +530,7 @@ class Trainer::Impl {
   // Every layer also carries the job tensors (the loss scale, the kept state: JobTensors).
   std::function<checkpoint::ShardState()> shardState() {
     return [this] {
-      checkpoint::ShardState state = runtime::captureState(model_, *opt_);
+      checkpoint::ShardState state = runtime::captureState(ws_.model, *ws_.opt);
       jobTensors_.appendTo(state);
       return state;
     };
@@ -547,10 +549,10 @@ class Trainer::Impl {
     const int self = ctx_.worker();
     auto& inj = state_.injector;
     inj.fire(self, step_, Phase::kForward, &client_);
-    for (auto& p : params_) {
+    for (auto& p : ws_.params) {
       if (p.grad().defined()) p.mutable_grad().zero_();
     }
-    const auto& mine = plan_.of(self);
+    const auto& mine = ws_.plan.of(self);
     auto indices = batchIndices(o_.sampling, o_.seed, step_, o_.globalBatch, spec_.datasetSize);
     double lossSum = 0;
     bool first = true;
@@ -563,7 +565,7 @@ class Trainer::Impl {
       {
         runtime::AutocastScope autocast(device_, o_.computeDtype);
         loss = spec_.loss(
-            runtime::runLayers(model_, x).single("the model's output (its last layer's)"), y);
+            runtime::runLayers(ws_.model, x).single("the model's output (its last layer's)"), y);
       }
       if (first) inj.fire(self, step_, Phase::kBackward, &client_);
       first = false;
@@ -579,7 +581,7 @@ class Trainer::Impl {
       WaitingOnOthers waiting(client_, step_, &stepWaited_);
       inj.emulateCommunication(self, step_);
       runtime::reduceInBuckets(
-          params_, runtime::kGradientBucketBytes,
+          ws_.params, runtime::kGradientBucketBytes,
           [&](at::Tensor& t) {
             comms_->world().allreduce(t, collectives::ReduceOp::kSum, opTimeout());
           },
@@ -589,10 +591,11 @@ class Trainer::Impl {
     double loss = lossTotal.item<double>() / static_cast<double>(o_.globalBatch);
     rss_.phase("clip");
     if (ties_.empty()) {
-      scaling_.unscaleAndClip(params_, runtime::squaredGradientNorm(params_));
+      scaling_.unscaleAndClip(ws_.params, runtime::squaredGradientNorm(ws_.params));
     } else {
-      runtime::sumTiedGradients(model_, ties_);
-      scaling_.unscaleAndClip(params_, runtime::squaredNormCountingTiesOnce(model_, 0, ties_));
+      runtime::sumTiedGradients(ws_.model, ties_);
+      scaling_.unscaleAndClip(ws_.params,
+                              runtime::squaredNormCountingTiesOnce(ws_.model, 0, ties_));
     }
     return commitAndApply(loss);
   }
@@ -609,12 +612,12 @@ class Trainer::Impl {
       // Counted as reported once posted, even if the wait for the verdict then fails.
       stats.replicatedBytes = peers_->replicatedBytes() - replicatedReported_;
       replicatedReported_ += stats.replicatedBytes;
-      stats.stateBytesIn = std::exchange(stateBytesIn_, 0);
+      stats.stateBytesIn = std::exchange(ws_.stateBytesIn, 0);
       WaitingOnOthers waiting(client_, step_, &stepWaited_);
-      verdict = client_.vote(epoch_, step_, opTimeout(), stats, recoveryTimeout());
+      verdict = client_.vote(ws_.epoch, step_, opTimeout(), stats, recoveryTimeout());
     }
     if (verdict == CoordinatorClient::VoteResult::kSuperseded) {
-      SINEW_THROW(EpochChanged, "step ", step_, " was not committed in epoch ", epoch_);
+      SINEW_THROW(EpochChanged, "step ", step_, " was not committed in epoch ", ws_.epoch);
     }
     inj.fire(self, step_, Phase::kOptimizer, &client_);
     rss_.phase("optimizer");
@@ -622,12 +625,12 @@ class Trainer::Impl {
     {
       auto t0 = Clock::now();
       durable_->waitBeforeUpdate();
-      peers_->waitBeforeUpdate(epoch_);
+      peers_->waitBeforeUpdate(ws_.epoch);
       lastStall_ = seconds(Clock::now() - t0);
       ckStall_ += lastStall_;
     }
-    if (stepLr_ >= 0) runtime::setLearningRate(*opt_, stepLr_);
-    appliedLr_ = runtime::learningRate(*opt_);
+    if (stepLr_ >= 0) runtime::setLearningRate(*ws_.opt, stepLr_);
+    appliedLr_ = runtime::learningRate(*ws_.opt);
     // After the verdict, so that a step redone in another epoch scales as its first attempt.
     lastSkipped_ = !scaling_.commit();
     try {
@@ -642,9 +645,9 @@ class Trainer::Impl {
              {"loss_scale", scaling_.stepScale()},
              {"next_loss_scale", scaling_.nextScale()}});
     } else {
-      opt_->step();
+      ws_.opt->step();
     }
-    applied_ = step_;
+    ws_.applied = step_;
     rss_.phase("checkpoint");
     // A scheduler's checkpoint, drain or stop may ask for this step to be durable. When the
     // peer-RAM engine takes the step's version, its copy is flushed; otherwise this worker's
@@ -655,8 +658,8 @@ class Trainer::Impl {
         step_, role, /*force=*/client_.checkpointRequested(step_), step_, &stepWaited_);
     bool peerTook = false;
     try {
-      peers_->maybeSnapshot(step_, epoch_, plan_, heldFirst_, heldEnd_, state, step_, &stepWaited_,
-                            durable, role.flush, &peerTook);
+      peers_->maybeSnapshot(step_, ws_.epoch, ws_.plan, ws_.heldFirst, ws_.heldEnd, state, step_,
+                            &stepWaited_, durable, role.flush, &peerTook);
     } catch (...) {
       // A store or engine error before the engine took the step: the durable version is still
       // written, from this worker's own copy.
@@ -666,12 +669,12 @@ class Trainer::Impl {
     if (durable != nullptr && !peerTook) durable_->snapshotOwn(step_, role, state);
     lastLoss_ = loss;
     ++step_;
-    progress_->stepDone(step_, loss, epoch_, members_);
+    progress_->stepDone(step_, loss, ws_.epoch, ws_.members);
     return verdict == CoordinatorClient::VoteResult::kCommitted;
   }
 
   runtime::DurableCheckpoints::Role durableRole() const {
-    return runtime::DurableCheckpoints::roleOf(ctx_.worker(), pipelineMode_, members_, plan_);
+    return runtime::DurableCheckpoints::roleOf(ctx_.worker(), pipelineMode_, ws_.members, ws_.plan);
   }
 
   std::chrono::milliseconds opTimeout() const { return services_.opTimeout(); }
@@ -689,7 +692,8 @@ class Trainer::Impl {
     const double took = runtime::recoverIntoNextEpoch(
         services_, *comms_, from, failure, why, step_, [this, &built](const EpochInfo& info) {
           const auto before = collectives::gloo_backend::linkCounters();
-          enter(info);
+          enterLaps_ = entry_->enter(info, ws_);
+          step_ = info.resumeStep;
           const auto after = collectives::gloo_backend::linkCounters();
           built.linksKept = after.linksKept - before.linksKept;
           built.connectionsMade = after.connectionsMade - before.connectionsMade;
@@ -699,9 +703,9 @@ class Trainer::Impl {
       recoveryMax_ = std::max(recoveryMax_, took);
     }
     event({{"event", failure ? "recovered" : "epoch_entered"},
-           {"epoch", epoch_},
+           {"epoch", ws_.epoch},
            {"resume_step", step_},
-           {"workers", members_},
+           {"workers", ws_.members},
            {"duration_s", took},
            {"links_kept", built.linksKept},
            {"connections_made", built.connectionsMade},
@@ -709,174 +713,7 @@ class Trainer::Impl {
            {"reason", why}});
   }
 
-  // The store of epoch e's rendezvous: its waits give up once a newer epoch is announced.
-  std::shared_ptr<AbortableStore> epochStore(int64_t e) {
-    return std::make_shared<AbortableStore>(ctx_.store(),
-                                            [this, e] { return client_.latestEpoch().epoch > e; });
-  }
-
-  void enter(const EpochInfo& info) {
-    const int self = ctx_.worker();
-    if (std::find(info.members.begin(), info.members.end(), self) == info.members.end()) {
-      SINEW_THROW(Expelled, "worker ", self, " is not a member of epoch ", info.epoch);
-    }
-    if (pipelineMode_) {
-      enterPipeline(info);
-      return;
-    }
-    if (!info.sync && applied_ != info.resumeStep - 1) {
-      SINEW_THROW(InvalidArgument, "worker ", self, " holds the state after step ", applied_,
-                  " but epoch ", info.epoch, " resumes at step ", info.resumeStep,
-                  " without a state copy");
-    }
-    comms_->buildWorld(epochStore(info.epoch), info.epoch, info.members, "dp");
-    epoch_ = info.epoch;
-    members_ = info.members;
-    plan_ = Plan::dataParallel(info.epoch, info.members, static_cast<int>(spec_.layers.size()),
-                               o_.globalBatch / o_.microbatch);
-    if (info.sync && info.source == self && applied_ < info.resumeStep - 1) {
-      restoreFromDisk(info.resumeStep - 1);  // The first epoch of a resumed job.
-    }
-    if (info.sync) {
-      SINEW_ENFORCE(info.source >= 0, "epoch ", info.epoch,
-                    " has no surviving worker that holds the model state");
-      const int root = static_cast<int>(
-          std::find(info.members.begin(), info.members.end(), info.source) - info.members.begin());
-      stateBytesIn_ =
-          runtime::broadcastState(comms_->world(), root, params_, *opt_, device_, opTimeout());
-      jobTensors_.agree(comms_->world(), info.resumeStep - 1, device_, opTimeout(), root);
-      applied_ = info.resumeStep - 1;
-    }
-    step_ = info.resumeStep;
-    progress_->restart();
-  }
-
   // ---- Pipeline parallelism (docs/pipeline.md) --------------------------------------
-
-  // The assignment of this worker in `plan`, or null if the plan leaves it idle.
-  const pipeline::WorkerAssignment* mineIn(const Plan& plan) const {
-    for (const auto& w : plan.workers) {
-      if (w.worker == ctx_.worker()) return &w;
-    }
-    return nullptr;
-  }
-
-  void enterPipeline(const EpochInfo& info) {
-    const int self = ctx_.worker();
-    const int64_t e = info.epoch;
-    auto store = epochStore(e);
-    runtime::Laps laps;
-    Plan plan = profiles_->planOf(info, *store);
-    laps.lap("plan");
-    // Its predicted step time scales the deadlines until a step was measured (opTimeout()).
-    services_.plannedStepMs.store(
-        plan.iterationTicks /
-        (int64_t{1000000} * std::max(1, profiles_->profile().job.devices_per_node)));
-    const pipeline::WorkerAssignment* mine = mineIn(plan);
-    const int first = mine ? mine->firstLayer : 0;
-    const int end = mine ? mine->endLayer : 0;
-    const int64_t resumeApplied = info.resumeStep - 1;
-    // What every member holds now, published for this epoch, so that all agree on who copies
-    // which layers to whom (docs/pipeline.md, "Reconfiguration").
-    std::map<int, runtime::Holding> held = runtime::exchangeHoldings(
-        *store, e, info.members, self, {heldFirst_, heldEnd_, applied_}, recoveryTimeout());
-    laps.lap("holdings");
-    bool anyHeld = false, anyTrained = false;
-    for (const auto& [w, h] : held) {
-      anyHeld = anyHeld || h.first < h.end;
-      anyTrained = anyTrained || h.applied >= 0;
-    }
-    // The job's first plan (or the first since it restarted from disk): every worker builds
-    // its own layers from their seeds, or reads them from the durable checkpoint. (Members
-    // that trained but hold no layers, because every worker that held some is gone, are not
-    // a first plan: they roll back to a version they can restore.)
-    const bool firstPlan = !anyHeld && !anyTrained;
-    // Every member is new in a job that committed steps: each worker that trained is gone, and
-    // its RAM with it. With durable checkpoints the job goes back to the newest durable version
-    // (the rollback below; when it is the resume step's own, nobody rolls back and the first
-    // plan reads it); without, the first plan's restore fails naming the missing folder.
-    const bool everyCopyLost = firstPlan && resumeApplied >= 0 && durable_->enabled();
-    if ((!firstPlan || everyCopyLost) && resumeApplied >= 0) {
-      relayout_->checkRollback(info, held, *store,
-                               [this](int l) { return profiles_->hasParameters(l); });
-    }
-    laps.lap("rollback_check");
-    // Activations, the loss sums and layer copies move on the world communicator (on the Gloo
-    // backend's lanes, each transfer moved by the thread that waits for it).
-    comms_->buildWorld(store, e, info.members, "pp", pipelineGloo_);
-    laps.lap("world");
-    comms_->buildGradGroups(store, e, plan, first, end);
-    comms_->buildTies(store, e, plan, first, end, ties_);
-    laps.lap("groups");
-    // The layers this worker now holds that it did not (a reconfiguration), copied from live
-    // workers that hold them, before anything of this worker's changes.
-    peers_->waitSnapshots();  // Their copies read the tensors this epoch may replace or update.
-    laps.lap("snapshots");
-    if (!firstPlan) {
-      std::optional<runtime::Relayout> relayout = relayout_->run(
-          plan, held, first, end, resumeApplied, comms_->world(), {model_, heldFirst_, *opt_});
-      if (relayout) adoptLayers(std::move(*relayout), first, end, resumeApplied, e);
-    } else {
-      // The first plan this worker enters (its communicators are up): build this stage's
-      // layers and nothing else.
-      model_ =
-          end > first ? buildLayers(spec_, o_.seed, o_.dtype, first, end) : torch::nn::Sequential();
-      model_->to(device_);
-      params_ = model_->parameters();
-      opt_ = spec_.optimizer(params_);
-      heldFirst_ = first;
-      heldEnd_ = end;
-    }
-    epoch_ = info.epoch;
-    members_ = info.members;
-    plan_ = std::move(plan);
-    if (firstPlan && applied_ < info.resumeStep - 1) {
-      // The first plan of a resumed job: every worker reads its own layers from disk.
-      restoreFromDisk(info.resumeStep - 1);
-    }
-    laps.lap("layers");
-    jobTensors_.agree(comms_->world(), info.resumeStep - 1, device_, opTimeout());
-    laps.lap("agree");
-    applied_ = info.resumeStep - 1;
-    step_ = info.resumeStep;
-    progress_->restart();
-    if (mine != nullptr) {
-      pipeline::StageExecutorOptions eo;
-      eo.microbatch = o_.microbatch;
-      eo.globalBatch = o_.globalBatch;
-      eo.device = device_;
-      eo.lastLayerName = spec_.layers[end - 1].name;
-      comms_->setExecutor(
-          std::make_unique<pipeline::StageExecutor>(plan_, self, comms_->world(), eo));
-    }
-    runtime::announcePlan(services_, plan_, spec_, epoch_, members_, profiles_->profile());
-    enterLaps_ = laps.json();
-  }
-
-  // Makes `r` this worker's layers (after every copy of the epoch succeeded).
-  void adoptLayers(runtime::Relayout r, int first, int end, int64_t resumeApplied, int64_t epoch) {
-    auto t0 = Clock::now();
-    stateBytesIn_ = static_cast<int64_t>(r.bytesCopied);
-    durable_->dropArena();  // Its shard layout is the old layers': the next version makes one.
-    model_ = r.model ? r.model : torch::nn::Sequential();
-    params_ = model_->parameters();
-    opt_ = spec_.optimizer(params_);
-    runtime::loadState(model_, *opt_, r.state,
-                       "the state of the layers moved in epoch " + std::to_string(epoch),
-                       [&r](const std::string& layer) { return r.adoptable.count(layer) > 0; });
-    jobTensors_.take(runtime::jobTensors(r.state),
-                     "the state of the layers moved in epoch " + std::to_string(epoch),
-                     resumeApplied);
-    const int oldFirst = heldFirst_, oldEnd = heldEnd_;
-    heldFirst_ = first;
-    heldEnd_ = end;
-    applied_ = resumeApplied;
-    durable_->rolledBackTo(resumeApplied);  // After a rollback, those steps run again.
-    event(r.movedEvent(epoch, oldFirst, oldEnd, first, end, resumeApplied,
-                       seconds(Clock::now() - t0)));
-    std::printf("%s\n", r.describe(ctx_.worker(), spec_, first, end, epoch, resumeApplied).c_str());
-    std::fflush(stdout);
-  }
 
   // Runs a transfer as waiting on the others.
   runtime::EpochCommunicators::Around waitingOnOthers() {
@@ -890,7 +727,7 @@ class Trainer::Impl {
   runtime::EpochCommunicators::Around trainingExchange() {
     return [this](const std::function<void()>& transfer) {
       WaitingOnOthers waiting(client_, step_, &stepWaited_);
-      TrainingTraffic traffic(peers_->trafficGate(epoch_));
+      TrainingTraffic traffic(peers_->trafficGate(ws_.epoch));
       transfer();
     };
   }
@@ -901,7 +738,7 @@ class Trainer::Impl {
     const int self = ctx_.worker();
     auto& inj = state_.injector;
     inj.fire(self, step_, Phase::kForward, &client_);
-    for (auto& p : params_) {
+    for (auto& p : ws_.params) {
       if (p.grad().defined()) p.mutable_grad().zero_();
     }
     double lossSum = 0;
@@ -913,7 +750,7 @@ class Trainer::Impl {
       pipeline::StageStep step;
       step.forward = [this](const pipeline::Activation& x) {
         runtime::AutocastScope autocast(device_, o_.computeDtype);
-        return runtime::runLayers(model_, x);
+        return runtime::runLayers(ws_.model, x);
       };
       step.loss = [this](const at::Tensor& y, const at::Tensor& t) {
         runtime::AutocastScope autocast(device_, o_.computeDtype);
@@ -935,7 +772,8 @@ class Trainer::Impl {
     rss_.phase("reduce");
     // The squares of the gradients of the layers this worker is the first holder of (so that
     // every layer counts once in the global norm, however many pipelines hold it).
-    const double squares = comms_->reduceGradients(model_, heldFirst_, ties_, trainingExchange());
+    const double squares =
+        comms_->reduceGradients(ws_.model, ws_.heldFirst, ties_, trainingExchange());
     // The loss and the squared gradient norm summed over every member in one allreduce.
     at::Tensor sums = at::tensor({lossSum, squares}, at::kDouble).to(device_);
     {
@@ -945,15 +783,8 @@ class Trainer::Impl {
     inj.fire(self, step_, Phase::kAfterReduce, &client_);
     const at::Tensor host = sums.cpu();
     rss_.phase("clip");
-    scaling_.unscaleAndClip(params_, host[1].item<double>());
+    scaling_.unscaleAndClip(ws_.params, host[1].item<double>());
     return commitAndApply(host[0].item<double>() / static_cast<double>(o_.globalBatch));
-  }
-
-  // Loads durable version `step` into this worker's layers and optimizer state.
-  void restoreFromDisk(int64_t step) {
-    jobTensors_.take(durable_->restoreInto(step, model_, *opt_),
-                     "durable checkpoint " + std::to_string(step), step);
-    applied_ = step;
   }
 
   // Called by the training and the flush thread.
@@ -964,11 +795,10 @@ class Trainer::Impl {
   CoordinatorClient& client_;
   ModelSpec spec_;
   TrainerOptions o_;
-  torch::nn::Sequential model_;
   runtime::EventLog events_;
   const runtime::TrainerServices services_;  // Refers to the members above.
-  std::vector<at::Tensor> params_;
-  std::unique_ptr<torch::optim::Optimizer> opt_;
+  // Its layers and their optimizer, what they hold and the epoch it is in.
+  runtime::WorkerState ws_;
   bool pipelineMode_ = false;
   std::vector<runtime::Tie> ties_;  // ModelSpec::tied, resolved
   runtime::ResidentMemory rss_{o_.memoryByPhase};
@@ -985,15 +815,10 @@ class Trainer::Impl {
   // The epoch's communicators and this worker's stage executor (aborted by the client's io
   // thread when a newer epoch is announced).
   std::unique_ptr<runtime::EpochCommunicators> comms_;
-  int heldFirst_ = -1;  // The layers this worker holds in pipeline mode, [heldFirst_, heldEnd_).
-  int heldEnd_ = -1;
-  int64_t epoch_ = -1;
-  std::vector<int> members_;
+  std::unique_ptr<runtime::EpochEntry> entry_;  // Uses the units above.
   // The members when the last step committed (before a reshape at its boundary), ascending.
   std::vector<int> committedMembers_;
-  Plan plan_;
   int64_t step_ = 0;
-  int64_t applied_ = -1;
   double lastLoss_ = 0;
   // The loss scale and the program's kept state, carried in every version.
   runtime::JobTensors jobTensors_;
@@ -1014,7 +839,6 @@ class Trainer::Impl {
   bool leaveSent_ = false;
   double ckStall_ = 0;              // Optimizer steps waiting for snapshot copies.
   int64_t replicatedReported_ = 0;  // Peer-RAM replica bytes reported with the votes so far.
-  int64_t stateBytesIn_ = 0;        // State bytes taken in to enter this epoch, for the next vote.
   // The step being run: when it started, how long it waited on the others, and the snapshot
   // stall before the previous step's optimizer step (reported with the vote).
   Clock::time_point stepStart_{};
