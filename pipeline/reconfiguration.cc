@@ -39,6 +39,107 @@ Plan replan(const TemplateSet& templates, const std::vector<int>& survivors, con
   return makePlanLoweringFaultTolerance(templates, survivors, {f, current.microbatchesPerStep});
 }
 
+void note(Reconfiguration& r, ReconfigurationKind kind, const std::string& step) {
+  r.kind = std::max(r.kind, kind);
+  r.steps.push_back(step);
+}
+
+// Step 3a: deficient pipeline p (m nodes) takes the fewest idle nodes that give it a template.
+bool takeIdle(const TemplateSet& templates, size_t p, Draft& dp, std::vector<int>& idle,
+              Reconfiguration& r) {
+  const int m = static_cast<int>(dp.node_ids.size());
+  for (int k = 1; k <= static_cast<int>(idle.size()); ++k) {
+    if (templates.find(m + k) == nullptr) continue;
+    std::vector<int> taken(idle.begin(), idle.begin() + k);
+    idle.erase(idle.begin(), idle.begin() + k);
+    dp.node_ids.insert(dp.node_ids.end(), taken.begin(), taken.end());
+    note(r, ReconfigurationKind::kUseIdle,
+         "pipeline " + std::to_string(p) + " takes idle node" + (k > 1 ? "s " : " ") +
+             joinIds(taken) + ": " + std::to_string(m + k) + "-node template");
+    return true;
+  }
+  return false;
+}
+
+// Step 3b: deficient pipeline p borrows the fewest nodes from the largest other pipeline with
+// a template (ties: the first) that leave both with one.
+bool borrow(const TemplateSet& templates, size_t p, std::vector<Draft>& drafts,
+            Reconfiguration& r) {
+  Draft& dp = drafts[p];
+  const int m = static_cast<int>(dp.node_ids.size());
+  int q = -1;
+  for (size_t o = 0; o < drafts.size(); ++o) {
+    if (o == p || !drafts[o].alive || drafts[o].deficient) continue;
+    if (q < 0 || drafts[o].node_ids.size() > drafts[q].node_ids.size()) q = static_cast<int>(o);
+  }
+  if (q < 0) return false;
+  Draft& dq = drafts[q];
+  const int nq = static_cast<int>(dq.node_ids.size());
+  for (int k = 1; k < nq; ++k) {
+    if (templates.find(m + k) == nullptr || templates.find(nq - k) == nullptr) continue;
+    std::vector<int> taken(dq.node_ids.end() - k, dq.node_ids.end());
+    dq.node_ids.resize(nq - k);
+    dp.node_ids.insert(dp.node_ids.end(), taken.begin(), taken.end());
+    note(r, ReconfigurationKind::kBorrow,
+         "pipeline " + std::to_string(p) + " borrows node" + (k > 1 ? "s " : " ") + joinIds(taken) +
+             " from pipeline " + std::to_string(q) + ": " + std::to_string(m + k) + " and " +
+             std::to_string(nq - k) + "-node templates");
+    return true;
+  }
+  return false;
+}
+
+// Step 3c: deficient pipeline p merges into the smallest other pipeline whose combined size
+// has a template.
+bool merge(const TemplateSet& templates, size_t p, std::vector<Draft>& drafts, Reconfiguration& r) {
+  Draft& dp = drafts[p];
+  const int m = static_cast<int>(dp.node_ids.size());
+  int q = -1;
+  for (size_t o = 0; o < drafts.size(); ++o) {
+    if (o == p || !drafts[o].alive) continue;
+    int combined = m + static_cast<int>(drafts[o].node_ids.size());
+    if (templates.find(combined) == nullptr) continue;
+    if (q < 0 || drafts[o].node_ids.size() < drafts[q].node_ids.size()) q = static_cast<int>(o);
+  }
+  if (q < 0) return false;
+  Draft& dq = drafts[q];
+  dq.node_ids.insert(dq.node_ids.end(), dp.node_ids.begin(), dp.node_ids.end());
+  dq.deficient = false;
+  dp.alive = false;
+  note(r, ReconfigurationKind::kMerge,
+       "pipeline " + std::to_string(p) + " merges into pipeline " + std::to_string(q) + ": " +
+           std::to_string(dq.node_ids.size()) + "-node template");
+  return true;
+}
+
+// Step 5: the plan of the live drafts and `idle`, with the unchanged global batch re-split.
+Plan assemble(const TemplateSet& templates, const Plan& current, const std::vector<Draft>& drafts,
+              const std::vector<int>& idle) {
+  Plan plan;
+  plan.faultTolerance = current.faultTolerance;
+  plan.microbatchesPerStep = current.microbatchesPerStep;
+  plan.idleNodeIds = idle;
+  std::vector<int> sizes;
+  for (const Draft& d : drafts) {
+    if (!d.alive) continue;
+    PipelinePlan pp;
+    pp.nodes = static_cast<int>(d.node_ids.size());
+    pp.nodeIds = d.node_ids;
+    sizes.push_back(pp.nodes);
+    plan.pipelines.push_back(std::move(pp));
+  }
+  BatchSplit split = splitBatch(templates, sizes, current.microbatchesPerStep);
+  for (size_t p = 0; p < plan.pipelines.size(); ++p) {
+    plan.pipelines[p].microbatches = split.microbatches[p];
+    plan.pipelines[p].iterationTicks =
+        templates.find(sizes[p])->iterationTicks(split.microbatches[p]);
+  }
+  plan.iterationTicks = split.iteration_ticks;
+  plan.numLayers = templates.num_layers;
+  plan.workers = workerAssignments(templates, plan);
+  return plan;
+}
+
 }  // namespace
 
 const char* reconfigurationKindName(ReconfigurationKind kind) {
@@ -72,10 +173,6 @@ Reconfiguration reconfigure(const TemplateSet& templates, const Plan& current,
     lost.insert(id);
   }
   Reconfiguration r;
-  auto note = [&](ReconfigurationKind kind, const std::string& step) {
-    r.kind = std::max(r.kind, kind);
-    r.steps.push_back(step);
-  };
 
   // 1. Remove the lost nodes; pipelines keep their survivors in order.
   std::vector<Draft> drafts(current.pipelines.size());
@@ -102,10 +199,10 @@ Reconfiguration reconfigure(const TemplateSet& templates, const Plan& current,
     if (m == 0) {
       drafts[p].alive = false;
       os << ": no node left, pipeline removed";
-      note(ReconfigurationKind::kShrink, os.str());
+      note(r, ReconfigurationKind::kShrink, os.str());
     } else if (templates.find(m) != nullptr) {
       os << ": shrinks to the " << m << "-node template";
-      note(ReconfigurationKind::kShrink, os.str());
+      note(r, ReconfigurationKind::kShrink, os.str());
     } else {
       drafts[p].deficient = true;
       os << ": " << m << " nodes left, no template";
@@ -129,63 +226,8 @@ Reconfiguration reconfigure(const TemplateSet& templates, const Plan& current,
   for (size_t p = 0; p < drafts.size() && !need_replan; ++p) {
     Draft& dp = drafts[p];
     if (!dp.alive || !dp.deficient) continue;
-    const int m = static_cast<int>(dp.node_ids.size());
-    bool fixed = false;
-    for (int k = 1; k <= static_cast<int>(idle.size()); ++k) {
-      if (templates.find(m + k) == nullptr) continue;
-      std::vector<int> taken(idle.begin(), idle.begin() + k);
-      idle.erase(idle.begin(), idle.begin() + k);
-      dp.node_ids.insert(dp.node_ids.end(), taken.begin(), taken.end());
-      note(ReconfigurationKind::kUseIdle, "pipeline " + std::to_string(p) + " takes idle node" +
-                                              (k > 1 ? "s " : " ") + joinIds(taken) + ": " +
-                                              std::to_string(m + k) + "-node template");
-      fixed = true;
-      break;
-    }
-    if (!fixed) {
-      // The largest other pipeline with a template (ties: the first).
-      int q = -1;
-      for (size_t o = 0; o < drafts.size(); ++o) {
-        if (o == p || !drafts[o].alive || drafts[o].deficient) continue;
-        if (q < 0 || drafts[o].node_ids.size() > drafts[q].node_ids.size()) q = static_cast<int>(o);
-      }
-      if (q >= 0) {
-        Draft& dq = drafts[q];
-        const int nq = static_cast<int>(dq.node_ids.size());
-        for (int k = 1; k < nq; ++k) {
-          if (templates.find(m + k) == nullptr || templates.find(nq - k) == nullptr) continue;
-          std::vector<int> taken(dq.node_ids.end() - k, dq.node_ids.end());
-          dq.node_ids.resize(nq - k);
-          dp.node_ids.insert(dp.node_ids.end(), taken.begin(), taken.end());
-          note(ReconfigurationKind::kBorrow,
-               "pipeline " + std::to_string(p) + " borrows node" + (k > 1 ? "s " : " ") +
-                   joinIds(taken) + " from pipeline " + std::to_string(q) + ": " +
-                   std::to_string(m + k) + " and " + std::to_string(nq - k) + "-node templates");
-          fixed = true;
-          break;
-        }
-      }
-    }
-    if (!fixed) {
-      // Merge into the smallest other pipeline whose combined size has a template.
-      int q = -1;
-      for (size_t o = 0; o < drafts.size(); ++o) {
-        if (o == p || !drafts[o].alive) continue;
-        int combined = m + static_cast<int>(drafts[o].node_ids.size());
-        if (templates.find(combined) == nullptr) continue;
-        if (q < 0 || drafts[o].node_ids.size() < drafts[q].node_ids.size()) q = static_cast<int>(o);
-      }
-      if (q >= 0) {
-        Draft& dq = drafts[q];
-        dq.node_ids.insert(dq.node_ids.end(), dp.node_ids.begin(), dp.node_ids.end());
-        dq.deficient = false;
-        dp.alive = false;
-        note(ReconfigurationKind::kMerge,
-             "pipeline " + std::to_string(p) + " merges into pipeline " + std::to_string(q) + ": " +
-                 std::to_string(dq.node_ids.size()) + "-node template");
-        fixed = true;
-      }
-    }
+    const bool fixed = takeIdle(templates, p, dp, idle, r) || borrow(templates, p, drafts, r) ||
+                       merge(templates, p, drafts, r);
     if (fixed) {
       dp.deficient = false;
     } else {
@@ -203,33 +245,12 @@ Reconfiguration reconfigure(const TemplateSet& templates, const Plan& current,
   if (need_replan || alive == 0) {
     r.plan = replan(templates, survivors, current);
     r.plan.faultTolerance = current.faultTolerance;  // keep aiming for f + 1 pipelines
-    note(ReconfigurationKind::kReplan,
+    note(r, ReconfigurationKind::kReplan,
          "re-plan all " + std::to_string(total) +
              " surviving nodes: " + std::to_string(r.plan.pipelines.size()) + " pipelines");
   } else {
     // 5. Assemble the plan and re-split the unchanged global batch.
-    Plan& plan = r.plan;
-    plan.faultTolerance = current.faultTolerance;
-    plan.microbatchesPerStep = current.microbatchesPerStep;
-    plan.idleNodeIds = idle;
-    std::vector<int> sizes;
-    for (const Draft& d : drafts) {
-      if (!d.alive) continue;
-      PipelinePlan pp;
-      pp.nodes = static_cast<int>(d.node_ids.size());
-      pp.nodeIds = d.node_ids;
-      sizes.push_back(pp.nodes);
-      plan.pipelines.push_back(std::move(pp));
-    }
-    BatchSplit split = splitBatch(templates, sizes, current.microbatchesPerStep);
-    for (size_t p = 0; p < plan.pipelines.size(); ++p) {
-      plan.pipelines[p].microbatches = split.microbatches[p];
-      plan.pipelines[p].iterationTicks =
-          templates.find(sizes[p])->iterationTicks(split.microbatches[p]);
-    }
-    plan.iterationTicks = split.iteration_ticks;
-    plan.numLayers = templates.num_layers;
-    plan.workers = workerAssignments(templates, plan);
+    r.plan = assemble(templates, current, drafts, idle);
   }
   r.plan.epoch = current.epoch;
   return r;

@@ -1,6 +1,7 @@
 #include "sinew/pipeline/template_planner.h"
 
 #include <algorithm>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <sstream>
@@ -580,7 +581,10 @@ const PipelineTemplate* TemplateSet::find(int nodes) const {
   return it != templates.end() && it->nodes == nodes ? &*it : nullptr;
 }
 
-TemplateSet planTemplates(const Profile& profile, const TemplateOptions& options) {
+namespace {
+
+// Throws InvalidArgument naming the option out of its range.
+void checkTemplateOptions(const TemplateOptions& options) {
   if (options.nodes < 1 || options.nodes > (1 << 20)) {
     SINEW_THROW(InvalidArgument, "planTemplates: nodes must be in [1, 2^20], got ", options.nodes);
   }
@@ -597,124 +601,60 @@ TemplateSet planTemplates(const Profile& profile, const TemplateOptions& options
     SINEW_THROW(InvalidArgument, "planTemplates: global_microbatches must be >= 1, got ",
                 options.global_microbatches);
   }
-  CostModel model(profile);
-  if (static_cast<__int128>(options.global_microbatches + 1) * model.maxPipelineFillTicks() >=
-      (static_cast<__int128>(1) << 62)) {
-    SINEW_THROW(InvalidArgument, "planTemplates: global_microbatches=", options.global_microbatches,
-                " times a pipeline's fill time (", model.maxPipelineFillTicks(),
-                " ticks) overflows 62 bits");
-  }
-  const int L = model.numLayers();
-  const int G = model.devicesPerNode();
-  const int N = options.nodes;
-  const int f = options.fault_tolerance;
-  const std::vector<int>& widths = model.widths();
-  // The mixed-width search (docs/planner.md, "Mixed widths") runs when the chain has more than
-  // one width and its table for up to n nodes fits kMaxMixedEntries.
-  const std::vector<int> chain = chainWidths(model);
-  auto mixedK = [&](int n) {
-    return static_cast<int>(std::min<int64_t>(L, static_cast<int64_t>(n - f) * G));
-  };
-  auto mixedW = [&](int n) {
-    return static_cast<int>(
-        std::min<int64_t>(static_cast<int64_t>(mixedK(n)) * G, static_cast<int64_t>(n - f) * G));
-  };
-  auto mixedFits = [&](int n) {
-    return chain.size() > 1 &&
-           MixedPlanner::tableEntries(L, mixedK(n), mixedW(n)) <= kMaxMixedEntries;
-  };
-  // The nodes the job may grow to by joins. Growth never turns the mixed search off for the
-  // starting nodes' templates: it stops where that search's table would not fit.
-  int N_grown = std::max(N, options.max_nodes);
-  if (mixedFits(N)) {
-    while (N_grown > N && !mixedFits(N_grown)) --N_grown;
+}
+
+// The best template for a node count: its objective, its split and the width of every stage.
+struct BestTemplate {
+  int64_t objective = kInf;
+  Split split;
+  std::vector<int> widths;
+};
+
+// Steps 1 and 2 (docs/planner.md): one planner per device width, with the bounds of every
+// stage count a job of up to `maxNodes` nodes could use, and the exact search over the
+// bottleneck for the best uniform-width template on n nodes.
+class UniformSearch {
+ public:
+  UniformSearch(const CostModel& model, int maxNodes) : widths_(model.widths()) {
+    const int L = model.numLayers();
+    G_ = model.devicesPerNode();
+    planners_.reserve(widths_.size());
+    for (size_t w = 0; w < widths_.size(); ++w) {
+      int64_t most = static_cast<int64_t>(maxNodes) * G_ / widths_[w];
+      int K = static_cast<int>(std::min<int64_t>(L, most));
+      if (static_cast<int64_t>(L + 1) * (K + 1) > kMaxTableEntries) {
+        SINEW_THROW(InvalidArgument, "planTemplates: ", L, " layers x ", K,
+                    " stages is beyond the planner's table limit of 2^27 entries");
+      }
+      planners_.emplace_back(model, static_cast<int>(w), K);
+      planners_.back().computeBounds();
+    }
   }
 
-  // Step 1 (docs/planner.md): bounds for every width and every stage count the job could use.
-  std::vector<WidthPlanner> planners;
-  planners.reserve(widths.size());
-  for (size_t w = 0; w < widths.size(); ++w) {
-    int64_t most = static_cast<int64_t>(N_grown - f) * G / widths[w];
-    int K = static_cast<int>(std::min<int64_t>(L, most));
-    if (static_cast<int64_t>(L + 1) * (K + 1) > kMaxTableEntries) {
-      SINEW_THROW(InvalidArgument, "planTemplates: ", L, " layers x ", K,
-                  " stages is beyond the planner's table limit of 2^27 entries");
-    }
-    planners.emplace_back(model, static_cast<int>(w), K);
-    planners.back().computeBounds();
-  }
-  // The stage counts that need exactly n nodes at width d: S in ((n - 1) * G / d, n * G / d]
-  // (the last node may keep devices idle), capped at the planner's K for that width.
-  auto stageRange = [&](int n, size_t w) -> std::pair<int, int> {
-    const int64_t per_node = G / widths[w];
-    const int64_t lo = static_cast<int64_t>(n - 1) * per_node + 1;
-    const int64_t hi =
-        std::min<int64_t>(static_cast<int64_t>(n) * per_node, planners[w].maxStages());
-    return {static_cast<int>(std::min<int64_t>(lo, hi + 1)), static_cast<int>(hi)};
-  };
-  auto feasible = [&](int n) {
-    for (size_t w = 0; w < widths.size(); ++w) {
+  // Whether some uniform-width split fits on exactly n nodes.
+  bool feasible(int n) {
+    for (size_t w = 0; w < widths_.size(); ++w) {
       auto r = stageRange(n, w);
       for (int S = r.second; S >= r.first; --S) {
-        if (planners[w].leastBottleneck(S) < kInf) return true;
+        if (planners_[w].leastBottleneck(S) < kInf) return true;
       }
     }
     return false;
-  };
-
-  std::unique_ptr<MixedPlanner> mixed;
-  if (mixedFits(N_grown)) {
-    mixed = std::make_unique<MixedPlanner>(model, chain, mixedK(N_grown), mixedW(N_grown));
-    mixed->run(kInf);
   }
 
-  TemplateSet set;
-  set.devices_per_node = G;
-  set.num_layers = L;
-  set.mixed_widths = mixed != nullptr;
-  int n_min = 0;
-  for (int n = 1; n <= std::min(N - f, L); ++n) {
-    if (feasible(n) || (mixed && mixed->pick(n).fill < kInf)) {
-      n_min = n;
-      break;
-    }
-  }
-  if (n_min == 0) {
-    SINEW_THROW(InvalidArgument, "planTemplates: the model (", L,
-                " layers) fits no pipeline of up to nodes - fault_tolerance = ", N - f,
-                " nodes with device_memory_bytes=", model.deviceMemoryBytes(),
-                " and devices_per_node=", G);
-  }
-  if (static_cast<int64_t>(f + 1) * n_min > N) {
-    SINEW_THROW(InvalidArgument, "planTemplates: fault_tolerance=", f,
-                " needs (f + 1) * n_min = ", static_cast<int64_t>(f + 1) * n_min,
-                " nodes (n_min = ", n_min, ") but nodes=", N);
-  }
-  set.min_nodes = n_min;
-  set.max_nodes = std::min(N_grown - f * n_min, L);
-  const int count = set.max_nodes - n_min + 1;
-
-  // The best template for each n: its objective, its split and the width of every stage.
-  struct Best {
-    int64_t objective = kInf;
-    Split split;
-    std::vector<int> widths;
-  };
-  std::vector<Best> best(count);
-
-  // Step 2, uniform widths: for each n, each width, descend over bottleneck bounds
-  // (docs/planner.md, "Exact search over the bottleneck").
-  for (int n = n_min; n <= set.max_nodes; ++n) {
-    const int64_t M = templateMicrobatches(options.global_microbatches, n, N);
+  // The best uniform-width template on n nodes for M microbatches (objective kInf: none):
+  // for each width, descend over bottleneck bounds (docs/planner.md, "Exact search over the
+  // bottleneck").
+  BestTemplate best(int n, int64_t M) {
     int64_t top = kInf;
     int best_w = -1;
     int best_S = -1;
     int64_t best_T = kInf;
     // Widths largest first, stage counts most first: on equal cost the earlier candidate stays.
-    for (size_t w = 0; w < widths.size(); ++w) {
+    for (size_t w = 0; w < widths_.size(); ++w) {
       const std::pair<int, int> range = stageRange(n, w);
       for (int S = range.second; S >= range.first; --S) {
-        WidthPlanner& p = planners[w];
+        WidthPlanner& p = planners_[w];
         const int64_t t_star = p.leastBottleneck(S);
         if (t_star >= kInf) continue;
         const int64_t g_inf = p.leastFill(S);
@@ -745,89 +685,186 @@ TemplateSet planTemplates(const Profile& profile, const TemplateOptions& options
         }
       }
     }
-    if (best_w < 0) continue;
-    Best& b = best[n - n_min];
-    b.split = planners[best_w].leastFillSplit(best_T, best_S);
+    BestTemplate b;
+    if (best_w < 0) return b;
+    b.split = planners_[best_w].leastFillSplit(best_T, best_S);
     SINEW_ENFORCE(b.split.feasible && b.split.fill + mulSat(M - 1, b.split.bottleneck) == top,
                   "planner reconstruction disagrees for n=", n);
     b.objective = top;
     b.widths.assign(best_S, best_w);
+    return b;
   }
 
-  // Step 3, mixed widths: one descent over bottleneck bounds shared by every n, each bound one
-  // run of the table (docs/planner.md, "Mixed widths"). A mixed template replaces the uniform
-  // one only if strictly better.
-  if (mixed) {
-    struct Search {
-      bool active = false;
-      int64_t M = 1;
-      int64_t t_star = 0;   // least bottleneck of any mixed split on n nodes
-      int64_t fill = kInf;  // least fill under the last bound visited
-      int64_t next = kInf;  // the next bound n needs
-    };
-    std::vector<Search> search(count);
-    // The cap on later bounds for a split to beat `objective`, given that every split under
-    // them has fill >= x.fill (they are below the last bound): (objective - fill - 1) / (M - 1).
-    auto cap = [](const Search& x, int64_t objective) {
-      return x.M == 1 ? int64_t{-1}
-                      : (objective >= kInf ? kInf : (objective - x.fill - 1) / (x.M - 1));
-    };
-    auto stillUseful = [&](Search& x, int64_t objective) {
-      x.next = std::min(x.next, cap(x, objective));
-      x.active = x.next >= x.t_star && x.fill + mulSat(x.M - 1, x.t_star) < objective;
-    };
-    auto consider = [&](int n, int64_t T) {
-      Search& x = search[n - n_min];
-      Best& b = best[n - n_min];
-      MixedPlanner::Pick pk = mixed->pick(n);
-      if (pk.fill >= kInf) {
-        x.active = false;  // no split under T, so none under a smaller bound either
-        return;
-      }
-      std::vector<int> ws;
-      Split s = mixed->split(pk, T, &ws);
-      const int64_t bottleneck = s.bottleneck;
-      const int64_t phi = s.fill + mulSat(x.M - 1, bottleneck);
-      x.fill = pk.fill;
-      if (phi < b.objective) {
-        b.objective = phi;
-        b.split = std::move(s);
-        b.widths = std::move(ws);
-      }
-      // The least-fill split under T is also one under n's own next bound if its bottleneck is
-      // within it (its fill is the least under any bound between), so it answers that bound.
-      if (bottleneck <= x.next) x.next = bottleneck - 1;
-      stillUseful(x, b.objective);
-    };
-    for (int n = n_min; n <= set.max_nodes; ++n) {
-      search[n - n_min].M = templateMicrobatches(options.global_microbatches, n, N);
-      consider(n, kInf);
+ private:
+  // The stage counts that need exactly n nodes at width w: S in ((n - 1) * G / d, n * G / d]
+  // (the last node may keep devices idle), capped at the planner's K for that width.
+  std::pair<int, int> stageRange(int n, size_t w) const {
+    const int64_t per_node = G_ / widths_[w];
+    const int64_t lo = static_cast<int64_t>(n - 1) * per_node + 1;
+    const int64_t hi =
+        std::min<int64_t>(static_cast<int64_t>(n) * per_node, planners_[w].maxStages());
+    return {static_cast<int>(std::min<int64_t>(lo, hi + 1)), static_cast<int>(hi)};
+  }
+
+  const std::vector<int>& widths_;  // the model's
+  int G_ = 1;
+  std::vector<WidthPlanner> planners_;
+};
+
+// Step 3, mixed widths: one descent over bottleneck bounds shared by every n in
+// [n_min, n_min + best.size()), each bound one run of the table (docs/planner.md, "Mixed
+// widths"). A mixed template replaces best[n - n_min] only if strictly better. `M(n)` is n's
+// microbatch count. REQUIRES: mixed.run(kInf) ran.
+void improveWithMixedWidths(MixedPlanner& mixed, int n_min,
+                            const std::function<int64_t(int)>& microbatches,
+                            std::vector<BestTemplate>& best) {
+  struct Search {
+    bool active = false;
+    int64_t M = 1;
+    int64_t t_star = 0;   // least bottleneck of any mixed split on n nodes
+    int64_t fill = kInf;  // least fill under the last bound visited
+    int64_t next = kInf;  // the next bound n needs
+  };
+  const int max_n = n_min + static_cast<int>(best.size()) - 1;
+  std::vector<Search> search(best.size());
+  // The cap on later bounds for a split to beat `objective`, given that every split under
+  // them has fill >= x.fill (they are below the last bound): (objective - fill - 1) / (M - 1).
+  auto cap = [](const Search& x, int64_t objective) {
+    return x.M == 1 ? int64_t{-1}
+                    : (objective >= kInf ? kInf : (objective - x.fill - 1) / (x.M - 1));
+  };
+  auto stillUseful = [&](Search& x, int64_t objective) {
+    x.next = std::min(x.next, cap(x, objective));
+    x.active = x.next >= x.t_star && x.fill + mulSat(x.M - 1, x.t_star) < objective;
+  };
+  auto consider = [&](int n, int64_t T) {
+    Search& x = search[n - n_min];
+    BestTemplate& b = best[n - n_min];
+    MixedPlanner::Pick pk = mixed.pick(n);
+    if (pk.fill >= kInf) {
+      x.active = false;  // no split under T, so none under a smaller bound either
+      return;
     }
-    mixed->runBottleneck();
-    for (int n = n_min; n <= set.max_nodes; ++n) {
-      Search& x = search[n - n_min];
-      if (!x.active) continue;
-      x.t_star = mixed->pick(n).fill;
-      stillUseful(x, best[n - n_min].objective);
+    std::vector<int> ws;
+    Split s = mixed.split(pk, T, &ws);
+    const int64_t bottleneck = s.bottleneck;
+    const int64_t phi = s.fill + mulSat(x.M - 1, bottleneck);
+    x.fill = pk.fill;
+    if (phi < b.objective) {
+      b.objective = phi;
+      b.split = std::move(s);
+      b.widths = std::move(ws);
     }
-    for (;;) {
-      int64_t T = -1;
-      for (const Search& x : search) {
-        if (x.active) T = std::max(T, x.next);
-      }
-      if (T < 0) break;
-      mixed->run(T);
-      for (int n = n_min; n <= set.max_nodes; ++n) {
-        if (search[n - n_min].active) consider(n, T);
-      }
+    // The least-fill split under T is also one under n's own next bound if its bottleneck is
+    // within it (its fill is the least under any bound between), so it answers that bound.
+    if (bottleneck <= x.next) x.next = bottleneck - 1;
+    stillUseful(x, b.objective);
+  };
+  for (int n = n_min; n <= max_n; ++n) {
+    search[n - n_min].M = microbatches(n);
+    consider(n, kInf);
+  }
+  mixed.runBottleneck();
+  for (int n = n_min; n <= max_n; ++n) {
+    Search& x = search[n - n_min];
+    if (!x.active) continue;
+    x.t_star = mixed.pick(n).fill;
+    stillUseful(x, best[n - n_min].objective);
+  }
+  for (;;) {
+    int64_t T = -1;
+    for (const Search& x : search) {
+      if (x.active) T = std::max(T, x.next);
+    }
+    if (T < 0) break;
+    mixed.run(T);
+    for (int n = n_min; n <= max_n; ++n) {
+      if (search[n - n_min].active) consider(n, T);
     }
   }
+}
+
+}  // namespace
+
+TemplateSet planTemplates(const Profile& profile, const TemplateOptions& options) {
+  checkTemplateOptions(options);
+  CostModel model(profile);
+  if (static_cast<__int128>(options.global_microbatches + 1) * model.maxPipelineFillTicks() >=
+      (static_cast<__int128>(1) << 62)) {
+    SINEW_THROW(InvalidArgument, "planTemplates: global_microbatches=", options.global_microbatches,
+                " times a pipeline's fill time (", model.maxPipelineFillTicks(),
+                " ticks) overflows 62 bits");
+  }
+  const int L = model.numLayers();
+  const int G = model.devicesPerNode();
+  const int N = options.nodes;
+  const int f = options.fault_tolerance;
+  // The mixed-width search (docs/planner.md, "Mixed widths") runs when the chain has more than
+  // one width and its table for up to n nodes fits kMaxMixedEntries.
+  const std::vector<int> chain = chainWidths(model);
+  auto mixedK = [&](int n) {
+    return static_cast<int>(std::min<int64_t>(L, static_cast<int64_t>(n - f) * G));
+  };
+  auto mixedW = [&](int n) {
+    return static_cast<int>(
+        std::min<int64_t>(static_cast<int64_t>(mixedK(n)) * G, static_cast<int64_t>(n - f) * G));
+  };
+  auto mixedFits = [&](int n) {
+    return chain.size() > 1 &&
+           MixedPlanner::tableEntries(L, mixedK(n), mixedW(n)) <= kMaxMixedEntries;
+  };
+  // The nodes the job may grow to by joins. Growth never turns the mixed search off for the
+  // starting nodes' templates: it stops where that search's table would not fit.
+  int N_grown = std::max(N, options.max_nodes);
+  if (mixedFits(N)) {
+    while (N_grown > N && !mixedFits(N_grown)) --N_grown;
+  }
+
+  // Step 1 (docs/planner.md): bounds for every width and every stage count the job could use.
+  UniformSearch uniform(model, N_grown - f);
+  std::unique_ptr<MixedPlanner> mixed;
+  if (mixedFits(N_grown)) {
+    mixed = std::make_unique<MixedPlanner>(model, chain, mixedK(N_grown), mixedW(N_grown));
+    mixed->run(kInf);
+  }
+
+  TemplateSet set;
+  set.devices_per_node = G;
+  set.num_layers = L;
+  set.mixed_widths = mixed != nullptr;
+  int n_min = 0;
+  for (int n = 1; n <= std::min(N - f, L); ++n) {
+    if (uniform.feasible(n) || (mixed && mixed->pick(n).fill < kInf)) {
+      n_min = n;
+      break;
+    }
+  }
+  if (n_min == 0) {
+    SINEW_THROW(InvalidArgument, "planTemplates: the model (", L,
+                " layers) fits no pipeline of up to nodes - fault_tolerance = ", N - f,
+                " nodes with device_memory_bytes=", model.deviceMemoryBytes(),
+                " and devices_per_node=", G);
+  }
+  if (static_cast<int64_t>(f + 1) * n_min > N) {
+    SINEW_THROW(InvalidArgument, "planTemplates: fault_tolerance=", f,
+                " needs (f + 1) * n_min = ", static_cast<int64_t>(f + 1) * n_min,
+                " nodes (n_min = ", n_min, ") but nodes=", N);
+  }
+  set.min_nodes = n_min;
+  set.max_nodes = std::min(N_grown - f * n_min, L);
+  auto microbatches = [&](int n) {
+    return templateMicrobatches(options.global_microbatches, n, N);
+  };
+  // Step 2, uniform widths; step 3, mixed widths where they are better.
+  std::vector<BestTemplate> best;
+  best.reserve(set.max_nodes - n_min + 1);
+  for (int n = n_min; n <= set.max_nodes; ++n) best.push_back(uniform.best(n, microbatches(n)));
+  if (mixed) improveWithMixedWidths(*mixed, n_min, microbatches, best);
 
   for (int n = n_min; n <= set.max_nodes; ++n) {
-    const Best& b = best[n - n_min];
+    const BestTemplate& b = best[n - n_min];
     if (b.objective >= kInf) continue;  // no feasible template on n nodes
-    set.templates.push_back(buildTemplate(
-        model, n, templateMicrobatches(options.global_microbatches, n, N), b.split, b.widths));
+    set.templates.push_back(buildTemplate(model, n, microbatches(n), b.split, b.widths));
   }
   return set;
 }

@@ -257,6 +257,9 @@ class JobState {
   json removalCost(const std::set<int>& going) const;
   // The cost of a resize to `nodes` from the present size.
   json resizeCost(int nodes) const;
+  // Each node's removalCost() with its name and workers, cheapest first: a node whose removal
+  // forces no rollback, then the most throughput kept, then the fewest bytes to move.
+  json nodeCosts() const;
   // Pipelines: the state bytes the members of `next` must copy in from the present plan, and
   // whether a layer of it has no live holder among the nodes that stay (a rollback).
   std::pair<int64_t, bool> layerMoves(const pipeline::Plan& next) const;

@@ -183,6 +183,37 @@ json JobState::removalCost(const std::set<int>& going) const {
   return c;
 }
 
+json JobState::nodeCosts() const {
+  json costs = json::array();
+  if (epoch_ >= 0 && !finished_) {
+    std::map<std::string, std::set<int>> byNode;
+    for (int id : members_) {
+      auto w = workers_.find(id);
+      if (!leaving_.count(id) && w != workers_.end()) byNode[w->second.node].insert(id);
+    }
+    for (const auto& [node, ids] : byNode) {
+      json c = removalCost(ids);
+      c["node"] = node;
+      c["workers"] = ids;
+      costs.push_back(c);
+    }
+    auto keeps = [](const json& c) {
+      const json& a = c["samples_per_s_after"];
+      return a.is_number() ? a.get<double>() : 0.0;
+    };
+    auto moves = [](const json& c) {
+      const json& b = c["bytes"];
+      return b.is_number() ? b.get<int64_t>() : INT64_MAX;
+    };
+    std::stable_sort(costs.begin(), costs.end(), [&](const json& x, const json& y) {
+      if (x["rollback"] != y["rollback"]) return !x["rollback"].get<bool>();
+      if (keeps(x) != keeps(y)) return keeps(x) > keeps(y);
+      return moves(x) < moves(y);
+    });
+  }
+  return costs;
+}
+
 ControlReply JobState::scaling(Clock::time_point now) {
   now_ = now;
   ControlReply r;
@@ -285,34 +316,6 @@ ControlReply JobState::scaling(Clock::time_point now) {
     }
     points.push_back(p);
   }
-  // Each node's cost, cheapest first: what the job keeps without it, then the bytes to move.
-  json nodeCosts = json::array();
-  if (epoch_ >= 0 && !finished_) {
-    std::map<std::string, std::set<int>> byNode;
-    for (int id : members_) {
-      auto w = workers_.find(id);
-      if (!leaving_.count(id) && w != workers_.end()) byNode[w->second.node].insert(id);
-    }
-    for (const auto& [node, ids] : byNode) {
-      json c = removalCost(ids);
-      c["node"] = node;
-      c["workers"] = ids;
-      nodeCosts.push_back(c);
-    }
-    auto keeps = [](const json& c) {
-      const json& a = c["samples_per_s_after"];
-      return a.is_number() ? a.get<double>() : 0.0;
-    };
-    auto moves = [](const json& c) {
-      const json& b = c["bytes"];
-      return b.is_number() ? b.get<int64_t>() : INT64_MAX;
-    };
-    std::stable_sort(nodeCosts.begin(), nodeCosts.end(), [&](const json& x, const json& y) {
-      if (x["rollback"] != y["rollback"]) return !x["rollback"].get<bool>();
-      if (keeps(x) != keeps(y)) return keeps(x) > keeps(y);
-      return moves(x) < moves(y);
-    });
-  }
   json changes = json::array();
   const auto& history = changes_.history();
   for (size_t k = history.size() > 10 ? history.size() - 10 : 0; k < history.size(); ++k) {
@@ -324,7 +327,7 @@ ControlReply JobState::scaling(Clock::time_point now) {
   r.body["global_batch"] = globalBatch_;
   r.body["remaining_steps"] = remainingSteps >= 0 ? json(remainingSteps) : json(nullptr);
   r.body["points"] = points;
-  r.body["node_costs"] = nodeCosts;
+  r.body["node_costs"] = nodeCosts();
   r.body["reconfigurations"] = changes;
   r.body["limits"] = limits_.toJson();
   return r;

@@ -43,6 +43,82 @@ uint32_t checksum(const std::vector<at::Tensor>& tensors) {
   return crc;
 }
 
+// A tensor of a layer copy this worker receives, and where it goes in the layer's state.
+struct IncomingTensor {
+  std::string layer, name;
+  at::Tensor tensor;
+  size_t copy;  // its copy's index
+};
+
+// The receive buffers of the copies whose manifests arrived (`manifests`, by copy index), in
+// manifest order and zero-filled like the fresh layers' parameters (`fresh` holds layers from
+// `first` on), each with its receive from the copy's sender in `ops`. The manifests' checksums
+// go to `expected`; r gets the step counts the manifests carry, and the copies and their
+// sources. Throws LayerCopyDamaged naming the layer, the sender and the bad word of a
+// malformed manifest.
+std::vector<IncomingTensor> prepareReceives(
+    const ModelSpec& spec, int self, const std::vector<pipeline::LiveLayerCopy>& copies,
+    const std::map<size_t, at::Tensor>& manifests, const torch::nn::Sequential& fresh, int first,
+    const StateLayout& layout, const std::function<int(int)>& rankIn, Relayout& r,
+    std::map<size_t, uint32_t>& expected, std::vector<collectives::P2POp>& ops) {
+  std::vector<IncomingTensor> incoming;
+  for (const auto& [c, received] : manifests) {
+    const pipeline::LiveLayerCopy& k = copies[c];
+    const std::string& layerName = spec.layers[k.layer].name;
+    auto params = fresh->ptr(k.layer - first)->named_parameters(/*recurse=*/true);
+    at::Tensor words = received.cpu().contiguous();
+    LayerCopyManifest manifest;
+    try {
+      manifest = LayerCopyManifest::decode(
+          words.data_ptr<int64_t>(), static_cast<size_t>(words.numel()), params.size(), layout,
+          "layer '" + layerName + "' from worker " + std::to_string(k.from));
+    } catch (const Corruption& e) {
+      // The decoder's message names the layer, the sender and the bad word (and its place).
+      throw LayerCopyDamaged("worker " + std::to_string(self) + " received " + e.what());
+    }
+    expected[c] = manifest.crc32c;
+    size_t i = 0;
+    for (const auto& np : params) {
+      const LayerCopyManifest::Parameter& p = manifest.parameters[i++];
+      for (const std::string& suffix : LayerCopyManifest::tensorSuffixes(p.fields, layout)) {
+        // Zero-filled, not empty: the pages are faulted in here, while the sender's first
+        // chunks are already on their way, instead of one by one inside Gloo's reads (which
+        // halved the copy's receive time and cut 10% off the reconfiguration).
+        incoming.push_back({layerName, np.key() + suffix, at::zeros_like(np.value()), c});
+        ops.push_back(collectives::P2POp::recv(incoming.back().tensor, rankIn(k.from),
+                                               LayerRelayout::kTagLayerState));
+      }
+      if (layout.countField >= 0 && (p.fields & (int64_t{1} << layout.countField)) != 0) {
+        r.state[layerName][np.key() + "." + layout.fields[layout.countField]] =
+            at::full({1}, p.count, at::kLong);
+      }
+    }
+    r.copied++;
+    r.sources.push_back(k.from);
+  }
+  return incoming;
+}
+
+// Throws LayerCopyDamaged naming the layer, its sender and the two checksums unless the
+// tensors of every copy in `expected` arrived with the crc32c its manifest announced.
+void verifyCopies(const ModelSpec& spec, int self, int64_t epoch,
+                  const std::vector<pipeline::LiveLayerCopy>& copies,
+                  const std::map<size_t, uint32_t>& expected,
+                  const std::vector<IncomingTensor>& incoming) {
+  for (const auto& [c, crc] : expected) {
+    std::vector<at::Tensor> got;
+    for (const auto& in : incoming) {
+      if (in.copy == c) got.push_back(in.tensor);
+    }
+    const uint32_t actual = checksum(got);
+    if (actual != crc) {
+      SINEW_THROW(LayerCopyDamaged, "layer '", spec.layers[copies[c].layer].name,
+                  "' copied from worker ", copies[c].from, " to worker ", self, " in epoch ", epoch,
+                  " arrived damaged: crc32c ", actual, ", the sender's ", crc);
+    }
+  }
+}
+
 }  // namespace
 
 std::map<int, Holding> exchangeHoldings(collectives::Store& store, int64_t epoch,
@@ -302,48 +378,10 @@ std::optional<Relayout> LayerRelayout::run(const pipeline::Plan& plan,
       ops.push_back(collectives::P2POp::send(t, rankIn(copies[c].to), kTagLayerState));
     }
   }
-  struct Incoming {
-    std::string layer, name;
-    at::Tensor tensor;
-    size_t copy;  // its copy's index
-  };
-  std::vector<Incoming> incoming;
   std::map<size_t, uint32_t> expected;  // crc32c by copy index
   const StateLayout& layout = optimizerStateCodec(current.optimizer, "the optimizer").layout();
-  for (const auto& [c, received] : manifests) {
-    const pipeline::LiveLayerCopy& k = copies[c];
-    const std::string& layerName = spec_.layers[k.layer].name;
-    auto params = freshParams(k.layer);
-    at::Tensor words = received.cpu().contiguous();
-    LayerCopyManifest manifest;
-    try {
-      manifest = LayerCopyManifest::decode(
-          words.data_ptr<int64_t>(), static_cast<size_t>(words.numel()), params.size(), layout,
-          "layer '" + layerName + "' from worker " + std::to_string(k.from));
-    } catch (const Corruption& e) {
-      // The decoder's message names the layer, the sender and the bad word (and its place).
-      throw LayerCopyDamaged("worker " + std::to_string(self) + " received " + e.what());
-    }
-    expected[c] = manifest.crc32c;
-    size_t i = 0;
-    for (const auto& np : params) {
-      const LayerCopyManifest::Parameter& p = manifest.parameters[i++];
-      for (const std::string& suffix : LayerCopyManifest::tensorSuffixes(p.fields, layout)) {
-        // Zero-filled, not empty: the pages are faulted in here, while the sender's first
-        // chunks are already on their way, instead of one by one inside Gloo's reads (which
-        // halved the copy's receive time and cut 10% off the reconfiguration).
-        incoming.push_back({layerName, np.key() + suffix, at::zeros_like(np.value()), c});
-        ops.push_back(
-            collectives::P2POp::recv(incoming.back().tensor, rankIn(k.from), kTagLayerState));
-      }
-      if (layout.countField >= 0 && (p.fields & (int64_t{1} << layout.countField)) != 0) {
-        r.state[layerName][np.key() + "." + layout.fields[layout.countField]] =
-            at::full({1}, p.count, at::kLong);
-      }
-    }
-    r.copied++;
-    r.sources.push_back(k.from);
-  }
+  std::vector<IncomingTensor> incoming = prepareReceives(spec_, self, copies, manifests, r.model,
+                                                         first, layout, rankIn, r, expected, ops);
   // The copies run while nothing else of the job does (docs/pipeline.md, "Reconfiguration, step by
   // step"; measured in bench/RESULTS.md, "Quiet copies"): every member enters them once every
   // receiver has built and zero-filled its buffers and every sender has its manifests' checksums,
@@ -362,18 +400,7 @@ std::optional<Relayout> LayerRelayout::run(const pipeline::Plan& plan,
   if (anyCopies) comm.barrier(s_.recoveryTimeout());
   if (keeps) return std::nullopt;
   // Every copy arrived whole, or the reconfiguration fails here (nothing adopted).
-  for (const auto& [c, crc] : expected) {
-    std::vector<at::Tensor> got;
-    for (const auto& in : incoming) {
-      if (in.copy == c) got.push_back(in.tensor);
-    }
-    const uint32_t actual = checksum(got);
-    if (actual != crc) {
-      SINEW_THROW(LayerCopyDamaged, "layer '", spec_.layers[copies[c].layer].name,
-                  "' copied from worker ", copies[c].from, " to worker ", self, " in epoch ",
-                  comm.epoch(), " arrived damaged: crc32c ", actual, ", the sender's ", crc);
-    }
-  }
+  verifyCopies(spec_, self, comm.epoch(), copies, expected, incoming);
   for (auto& in : incoming) {
     r.state[in.layer][in.name] = in.tensor;
     r.adoptable.insert(in.layer);
