@@ -230,7 +230,7 @@ torch::nn::Sequential LayerRelayout::stageModules(int first, int end, const Curr
   // seeds, to be copied into, restored or kept fresh. Building a GPT-2 small block from its
   // seed (its random initialisation) took longer than copying it from a peer, and a tied
   // layer built alone builds its owner too. Nothing of the current modules changes before
-  // adoptLayers.
+  // EpochEntry adopts them.
   torch::nn::Sequential model;
   for (int l = first; l < end;) {
     if (kept(l)) {

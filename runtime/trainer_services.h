@@ -1,8 +1,8 @@
 #pragma once
 
-// Internal: what the trainer's parts (runtime/trainer.cc and the units it delegates to:
-// durable checkpoints, peer-RAM versions, layer relayout, profile agreement, device choice)
-// share: the worker's context, its coordinator client, its event log and options, the
+// Internal: what the trainer's parts (runtime/trainer.cc and the units it delegates to: epoch
+// entry, durable checkpoints, peer-RAM versions, layer relayout, profile agreement, device
+// choice) share: the worker's context, its coordinator client, its event log and options, the
 // deadline hierarchy, and a few scopes and helpers. Not installed.
 //
 // Thread safety: TrainerServices is read-only after construction; its client and event log are
