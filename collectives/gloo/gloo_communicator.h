@@ -205,6 +205,16 @@ class GlooCommunicator final : public Communicator {
   // kBarrier for barrier()'s messages.
   void exchangeOnLanes(const std::vector<P2POp>& ops, const char* name,
                        std::chrono::milliseconds timeout, LaneKind kind);
+  // The state of one exchangeOnLanes() call (gloo/lane_ops.cc).
+  struct LaneExchange;
+  // What can move now without blocking of x's sends to `peer` (x's sockets to poll otherwise);
+  // returns whether any byte moved.
+  bool pumpLaneSends(LaneExchange& x, int peer);
+  // The same for x's receives from `peer`.
+  bool pumpLaneReceives(LaneExchange& x, int peer);
+  // The receive of x that a message from `peer` with header `f` fills: the first one from
+  // that member with its tag not yet matched, or InvalidArgument naming the member.
+  int matchLaneReceive(LaneExchange& x, int peer, const LaneFrame& f);
   // A received frame against what this member's call expects (kind, and for an allreduce
   // dtype, operation number and length): InvalidArgument or Corruption naming the peer.
   void checkFrame(const LaneFrame& in, const LaneFrame& expected, const char* op, int peer);

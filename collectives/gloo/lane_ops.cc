@@ -173,18 +173,8 @@ void GlooCommunicator::allreduceTwo(at::Tensor& t, std::chrono::milliseconds tim
   });
 }
 
-// Point to point, exchange and barrier. Every message is a frame (`kind`, tag, bytes) and its
-// bytes, written on the lane to
-// its receiver in the order of `ops`; the receiver reads straight into the tensor of the first
-// of its receives from that member with the header's tag. It reads from a member only while
-// it still expects a message from it, so a message for a later call stays in the socket. All
-// from this thread with non-blocking calls and poll(): sends to different members and
-// receives from every member move together, and a member waits only while no socket can move.
-// Failures as in allreduceTwo (a deadline or abort() wakes the poll; a broken lane goes to
-// onPairError).
-void GlooCommunicator::exchangeOnLanes(const std::vector<P2POp>& ops, const char* name,
-                                       std::chrono::milliseconds timeout, LaneKind kind) {
-  constexpr size_t kHeader = LaneFrame::kWireBytes;
+struct GlooCommunicator::LaneExchange {
+  static constexpr size_t kHeader = LaneFrame::kWireBytes;
   struct Send {
     const char* data;
     size_t bytes;
@@ -203,157 +193,201 @@ void GlooCommunicator::exchangeOnLanes(const std::vector<P2POp>& ops, const char
     int recv = -1;  // the receive the current message fills, or -1 before its header
     size_t done = 0;
   };
-  const int P = size();
-  std::vector<std::vector<Send>> sends(P);
-  std::vector<std::vector<Recv>> recvs(P);
-  std::vector<size_t> nextSend(P, 0);
-  std::vector<int> expected(P, 0);  // receives from each member not complete yet
-  size_t left = 0;
-  for (const P2POp& op : ops) {
-    const size_t bytes = op.tensor.numel() * op.tensor.element_size();
-    if (bytes == 0) continue;  // Nothing travels: skipped on both sides.
-    if (op.kind == P2POp::Kind::kSend) {
-      Send snd{static_cast<const char*>(op.tensor.data_ptr()), bytes, 0, {}};
-      LaneFrame f;
-      f.kind = static_cast<uint32_t>(kind);
-      f.tag = op.tag;
-      f.bytes = bytes;
-      f.encode(snd.header);
-      sends[op.peer].push_back(snd);
-    } else {
-      recvs[op.peer].push_back({static_cast<char*>(op.tensor.data_ptr()), bytes, op.tag});
-      expected[op.peer]++;
-    }
-    left++;
-  }
-  if (left == 0) return;
-  std::vector<Incoming> in(P);
-  std::vector<pollfd> fds;
-  const auto checkFailed = [&] {
-    if (failed_.load(std::memory_order_acquire)) throwFailure();
-  };
-  runOp(name, timeout, {}, [&] {
-    while (left > 0) {
-      checkFailed();
-      bool progress = false;
-      fds.clear();
-      // Whom a timeout names: a member this one waits to receive from, else one it waits to
-      // send to.
-      int blockedRecv = -1, blockedSend = -1;
-      for (int peer = 0; peer < P; ++peer) {
-        // Send: the rest of the current message's header and a call's worth of its bytes.
-        while (nextSend[peer] < sends[peer].size()) {
-          checkFailed();
-          Send& m = sends[peer][nextSend[peer]];
-          iovec iov[2];
-          int n = 0;
-          if (m.done < kHeader) {
-            iov[n++] = {m.header + m.done, kHeader - m.done};
-          }
-          const size_t sent = m.done > kHeader ? m.done - kHeader : 0;
-          iov[n++] = {const_cast<char*>(m.data) + sent,
-                      std::min(m.bytes - sent, kLaneSendCallBytes)};
-          msghdr msg{};
-          msg.msg_iov = iov;
-          msg.msg_iovlen = n;
-          ssize_t rv = ::sendmsg(lanes_->sendFd(peer), &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
-          if (rv > 0) {
-            m.done += static_cast<size_t>(rv);
-            progress = true;
-            if (m.done == kHeader + m.bytes) {
-              nextSend[peer]++;
-              left--;
-            }
-            continue;
-          }
-          if (rv < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-            onPairError(peer, std::string("lane send: ") + std::strerror(errno));
-          }
-          if (rv < 0 && errno == EINTR) continue;
-          fds.push_back({lanes_->sendFd(peer), POLLOUT, 0});
-          if (blockedSend < 0) blockedSend = peer;
-          break;
-        }
-        // Receive: a header, then its bytes straight into the matching receive's tensor.
-        while (expected[peer] > 0) {
-          checkFailed();
-          Incoming& c = in[peer];
-          char* dst;
-          size_t want;
-          if (c.recv < 0) {
-            dst = reinterpret_cast<char*>(c.header) + c.headerDone;
-            want = kHeader - c.headerDone;
-          } else {
-            Recv& r = recvs[peer][c.recv];
-            dst = r.data + c.done;
-            want = r.bytes - c.done;  // The kernel returns what has arrived.
-          }
-          ssize_t rv = ::recv(lanes_->recvFd(peer), dst, want, MSG_DONTWAIT);
-          if (rv == 0) onPairError(peer, "lane: connection closed");
-          if (rv < 0) {
-            if (errno == EINTR) continue;
-            if (errno != EAGAIN && errno != EWOULDBLOCK) {
-              onPairError(peer, std::string("lane recv: ") + std::strerror(errno));
-            }
-            fds.push_back({lanes_->recvFd(peer), POLLIN, 0});
-            if (blockedRecv < 0) blockedRecv = peer;
-            break;
-          }
-          progress = true;
-          if (c.recv < 0) {
-            c.headerDone += static_cast<size_t>(rv);
-            if (c.headerDone < kHeader) continue;
-            const LaneFrame f = LaneFrame::decode(c.header);
-            LaneFrame expected;
-            expected.kind = static_cast<uint32_t>(kind);
-            checkFrame(f, expected, name, peer);
-            const uint32_t tag = f.tag;
-            const uint64_t bytes = f.bytes;
-            int match = -1;
-            for (size_t i = 0; i < recvs[peer].size(); ++i) {
-              if (!recvs[peer][i].matched && recvs[peer][i].tag == tag) {
-                match = static_cast<int>(i);
-                break;
-              }
-            }
-            if (match < 0) {
-              SINEW_THROW(InvalidArgument, describe(), ": ", name, ": worker ", workerOf(peer),
-                          " sent a message with tag ", tag, " (", bytes,
-                          " bytes) ahead of those this call receives from it, and this call "
-                          "receives none with that tag (on lanes, a member's messages are "
-                          "received in the order it sent them)");
-            }
-            if (bytes != recvs[peer][match].bytes) {
-              SINEW_THROW(InvalidArgument, describe(), ": ", name, ": worker ", workerOf(peer),
-                          " sent ", bytes, " bytes with tag ", tag, "; this member receives ",
-                          recvs[peer][match].bytes, " (the members' calls do not match)");
-            }
-            recvs[peer][match].matched = true;
-            c.recv = match;
-            c.headerDone = 0;
-            c.done = 0;
-          } else {
-            c.done += static_cast<size_t>(rv);
-          }
-          if (c.recv >= 0 && c.done == recvs[peer][c.recv].bytes) {
-            c.recv = -1;
-            c.done = 0;
-            expected[peer]--;
-            left--;
-          }
-        }
+
+  // `ops` by member, empty messages left out (nothing travels: skipped on both sides).
+  LaneExchange(const std::vector<P2POp>& ops, const char* name, LaneKind kind, int members)
+      : name(name),
+        kind(kind),
+        sends(members),
+        recvs(members),
+        nextSend(members, 0),
+        expected(members, 0),
+        in(members) {
+    for (const P2POp& op : ops) {
+      const size_t bytes = op.tensor.numel() * op.tensor.element_size();
+      if (bytes == 0) continue;
+      if (op.kind == P2POp::Kind::kSend) {
+        Send snd{static_cast<const char*>(op.tensor.data_ptr()), bytes, 0, {}};
+        LaneFrame f;
+        f.kind = static_cast<uint32_t>(kind);
+        f.tag = op.tag;
+        f.bytes = bytes;
+        f.encode(snd.header);
+        sends[op.peer].push_back(snd);
+      } else {
+        recvs[op.peer].push_back({static_cast<char*>(op.tensor.data_ptr()), bytes, op.tag});
+        expected[op.peer]++;
       }
-      if (left == 0 || progress) continue;
+      left++;
+    }
+  }
+
+  const char* const name;
+  const LaneKind kind;
+  std::vector<std::vector<Send>> sends;
+  std::vector<std::vector<Recv>> recvs;
+  std::vector<size_t> nextSend;
+  std::vector<int> expected;  // receives from each member not complete yet
+  std::vector<Incoming> in;
+  size_t left = 0;  // messages not complete yet
+  // Of the current round: the sockets to poll, and whom a timeout names (a member this one
+  // waits to receive from, else one it waits to send to).
+  std::vector<pollfd> fds;
+  int blockedRecv = -1, blockedSend = -1;
+};
+
+// Point to point, exchange and barrier. Every message is a frame (`kind`, tag, bytes) and its
+// bytes, written on the lane to its receiver in the order of `ops`; the receiver reads straight
+// into the tensor of the first of its receives from that member with the header's tag. It reads
+// from a member only while it still expects a message from it, so a message for a later call
+// stays in the socket. All from this thread with non-blocking calls and poll(): sends to
+// different members and receives from every member move together, and a member waits only
+// while no socket can move. Failures as in allreduceTwo (a deadline or abort() wakes the poll;
+// a broken lane goes to onPairError).
+void GlooCommunicator::exchangeOnLanes(const std::vector<P2POp>& ops, const char* name,
+                                       std::chrono::milliseconds timeout, LaneKind kind) {
+  const int P = size();
+  LaneExchange x(ops, name, kind, P);
+  if (x.left == 0) return;
+  runOp(name, timeout, {}, [&] {
+    while (x.left > 0) {
+      if (failed_.load(std::memory_order_acquire)) throwFailure();
+      bool progress = false;
+      x.fds.clear();
+      x.blockedRecv = -1;
+      x.blockedSend = -1;
+      for (int peer = 0; peer < P; ++peer) {
+        progress = pumpLaneSends(x, peer) || progress;
+        progress = pumpLaneReceives(x, peer) || progress;
+      }
+      if (x.left == 0 || progress) continue;
       // Nothing moved: sleep until a socket (or the wake fd) is ready.
-      waitingOn_.store(blockedRecv >= 0 ? blockedRecv : blockedSend);
-      fds.push_back({lanes_->wakeFd(), POLLIN, 0});
-      int rv = ::poll(fds.data(), fds.size(), -1);
+      waitingOn_.store(x.blockedRecv >= 0 ? x.blockedRecv : x.blockedSend);
+      x.fds.push_back({lanes_->wakeFd(), POLLIN, 0});
+      int rv = ::poll(x.fds.data(), x.fds.size(), -1);
       if (rv < 0 && errno != EINTR) {
         SINEW_THROW(IoError, describe(), ": ", name, ": poll: ", std::strerror(errno));
       }
       waitingOn_.store(-1);
     }
   });
+}
+
+bool GlooCommunicator::pumpLaneSends(LaneExchange& x, int peer) {
+  constexpr size_t kHeader = LaneExchange::kHeader;
+  bool progress = false;
+  // The rest of the current message's header and a call's worth of its bytes, per call.
+  while (x.nextSend[peer] < x.sends[peer].size()) {
+    if (failed_.load(std::memory_order_acquire)) throwFailure();
+    LaneExchange::Send& m = x.sends[peer][x.nextSend[peer]];
+    iovec iov[2];
+    int n = 0;
+    if (m.done < kHeader) {
+      iov[n++] = {m.header + m.done, kHeader - m.done};
+    }
+    const size_t sent = m.done > kHeader ? m.done - kHeader : 0;
+    iov[n++] = {const_cast<char*>(m.data) + sent, std::min(m.bytes - sent, kLaneSendCallBytes)};
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = n;
+    ssize_t rv = ::sendmsg(lanes_->sendFd(peer), &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (rv > 0) {
+      m.done += static_cast<size_t>(rv);
+      progress = true;
+      if (m.done == kHeader + m.bytes) {
+        x.nextSend[peer]++;
+        x.left--;
+      }
+      continue;
+    }
+    if (rv < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+      onPairError(peer, std::string("lane send: ") + std::strerror(errno));
+    }
+    if (rv < 0 && errno == EINTR) continue;
+    x.fds.push_back({lanes_->sendFd(peer), POLLOUT, 0});
+    if (x.blockedSend < 0) x.blockedSend = peer;
+    break;
+  }
+  return progress;
+}
+
+bool GlooCommunicator::pumpLaneReceives(LaneExchange& x, int peer) {
+  constexpr size_t kHeader = LaneExchange::kHeader;
+  bool progress = false;
+  // A header, then its bytes straight into the matching receive's tensor.
+  while (x.expected[peer] > 0) {
+    if (failed_.load(std::memory_order_acquire)) throwFailure();
+    LaneExchange::Incoming& c = x.in[peer];
+    char* dst;
+    size_t want;
+    if (c.recv < 0) {
+      dst = reinterpret_cast<char*>(c.header) + c.headerDone;
+      want = kHeader - c.headerDone;
+    } else {
+      LaneExchange::Recv& r = x.recvs[peer][c.recv];
+      dst = r.data + c.done;
+      want = r.bytes - c.done;  // The kernel returns what has arrived.
+    }
+    ssize_t rv = ::recv(lanes_->recvFd(peer), dst, want, MSG_DONTWAIT);
+    if (rv == 0) onPairError(peer, "lane: connection closed");
+    if (rv < 0) {
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) {
+        onPairError(peer, std::string("lane recv: ") + std::strerror(errno));
+      }
+      x.fds.push_back({lanes_->recvFd(peer), POLLIN, 0});
+      if (x.blockedRecv < 0) x.blockedRecv = peer;
+      break;
+    }
+    progress = true;
+    if (c.recv < 0) {
+      c.headerDone += static_cast<size_t>(rv);
+      if (c.headerDone < kHeader) continue;
+      const LaneFrame f = LaneFrame::decode(c.header);
+      LaneFrame expected;
+      expected.kind = static_cast<uint32_t>(x.kind);
+      checkFrame(f, expected, x.name, peer);
+      c.recv = matchLaneReceive(x, peer, f);
+      c.headerDone = 0;
+      c.done = 0;
+    } else {
+      c.done += static_cast<size_t>(rv);
+    }
+    if (c.recv >= 0 && c.done == x.recvs[peer][c.recv].bytes) {
+      c.recv = -1;
+      c.done = 0;
+      x.expected[peer]--;
+      x.left--;
+    }
+  }
+  return progress;
+}
+
+int GlooCommunicator::matchLaneReceive(LaneExchange& x, int peer, const LaneFrame& f) {
+  const uint32_t tag = f.tag;
+  const uint64_t bytes = f.bytes;
+  std::vector<LaneExchange::Recv>& recvs = x.recvs[peer];
+  int match = -1;
+  for (size_t i = 0; i < recvs.size(); ++i) {
+    if (!recvs[i].matched && recvs[i].tag == tag) {
+      match = static_cast<int>(i);
+      break;
+    }
+  }
+  if (match < 0) {
+    SINEW_THROW(InvalidArgument, describe(), ": ", x.name, ": worker ", workerOf(peer),
+                " sent a message with tag ", tag, " (", bytes,
+                " bytes) ahead of those this call receives from it, and this call "
+                "receives none with that tag (on lanes, a member's messages are "
+                "received in the order it sent them)");
+  }
+  if (bytes != recvs[match].bytes) {
+    SINEW_THROW(InvalidArgument, describe(), ": ", x.name, ": worker ", workerOf(peer), " sent ",
+                bytes, " bytes with tag ", tag, "; this member receives ", recvs[match].bytes,
+                " (the members' calls do not match)");
+  }
+  recvs[match].matched = true;
+  return match;
 }
 
 void GlooCommunicator::checkFrame(const LaneFrame& in, const LaneFrame& expected, const char* op,
