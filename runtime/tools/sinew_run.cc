@@ -94,109 +94,100 @@ int parseCount(const std::string& flag, const std::string& v, int64_t max) {
   return static_cast<int>(x);
 }
 
-Args parse(int argc, char** argv) {
-  Args a;
-  CLI::App app("Starts a coordinator and N worker processes of program (the local launcher).",
-               "sinew-run");
-  app.footer(
-      "Everything from the first non-option argument (or after --) is the program and its\n"
-      "arguments. Exit status: 0 when the job finished, 75 when every worker was preempted,\n"
-      "2 for bad arguments, 1 otherwise.");
+// The options given as text, checked and converted by checkArgs().
+struct OptionText {
   std::string workers, heartbeat = "100", deadAfter = "1000", stepDeadline = "3000",
                        stepFactor = "20";
-  app.add_option("-n,--nproc", workers, "worker processes to start, in [1, 1000000]")
+  std::string maxWorkers, controlPort = "0", controlTimeout = "10000", drainSignal,
+                          drainDeadline = "120";
+  std::string jobDeadline = "0", exitGrace = "30";
+  std::string limits;
+};
+
+// Declares the options of `app`: the flags into `a`, the values as text into `t`.
+void declareOptions(CLI::App& app, Args& a, OptionText& t) {
+  app.add_option("-n,--nproc", t.workers, "worker processes to start, in [1, 1000000]")
       ->type_name("N");
   app.add_option("--inject", a.inject, "faults to inject (SINEW_INJECT syntax, docs/runtime.md)")
       ->type_name("SPEC");
   app.add_option("--log-dir", a.logDir,
                  "worker logs and coordinator.json (default sinew-logs/run-PID)")
       ->type_name("DIR");
-  app.add_option("--heartbeat-ms", heartbeat, "heartbeat interval in ms (default 100)")
+  app.add_option("--heartbeat-ms", t.heartbeat, "heartbeat interval in ms (default 100)")
       ->type_name("MS");
-  app.add_option("--dead-after-ms", deadAfter,
+  app.add_option("--dead-after-ms", t.deadAfter,
                  "silence in ms after which a worker is declared dead (default 1000)")
       ->type_name("MS");
-  app.add_option("--step-deadline-ms", stepDeadline,
+  app.add_option("--step-deadline-ms", t.stepDeadline,
                  "a worker computing while the others have waited for it this long (ms; at least "
                  "--step-deadline-factor x the median step time) is declared dead; 0 turns the "
                  "check off (default 3000)")
       ->type_name("MS");
-  app.add_option("--step-deadline-factor", stepFactor,
+  app.add_option("--step-deadline-factor", t.stepFactor,
                  "multiple of the median step time the step deadline is at least (default 20)")
       ->type_name("K");
-  std::string maxWorkers, controlPort = "0", controlTimeout = "10000", drainSignal,
-                          drainDeadline = "120";
-  app.add_option("--max-workers", maxWorkers,
+  app.add_option("--max-workers", t.maxWorkers,
                  "workers a resize may grow the job to (joiners this launcher starts; default -n); "
                  "pipeline jobs plan templates up to it (SINEW_MAX_WORKERS)")
       ->type_name("M");
-  app.add_option("--control-port", controlPort,
+  app.add_option("--control-port", t.controlPort,
                  "port of the HTTP control API (docs/control_api.md; default 0: a free one)")
       ->type_name("P");
   app.add_flag("--no-control", a.noControl, "do not serve the control API");
   app.add_option("--control-host", a.controlHost,
                  "address of the control API (default 127.0.0.1; others need a firewall)")
       ->type_name("HOST");
-  app.add_option("--control-timeout-ms", controlTimeout,
+  app.add_option("--control-timeout-ms", t.controlTimeout,
                  "a control request must arrive within this; idle connections close after it "
                  "(default 10000)")
       ->type_name("MS");
-  app.add_option("--drain-signal", drainSignal,
+  app.add_option("--drain-signal", t.drainSignal,
                  "a signal (e.g. USR1, as Slurm's --signal=B:USR1@120 sends) that stops the job "
                  "with a durable checkpoint within --drain-deadline-s")
       ->type_name("SIG");
-  app.add_option("--drain-deadline-s", drainDeadline,
+  app.add_option("--drain-deadline-s", t.drainDeadline,
                  "deadline of the stop --drain-signal asks for, in seconds (default 120)")
       ->type_name("T");
-  std::string jobDeadline = "0", exitGrace = "30";
-  app.add_option("--deadline-s", jobDeadline,
+  app.add_option("--deadline-s", t.jobDeadline,
                  "the job's deadline in seconds: then it stops at a step boundary with that step "
                  "durable (exit 75), or is killed 60 s later (exit 1); default 0: none")
       ->type_name("T");
-  app.add_option("--exit-grace-s", exitGrace,
+  app.add_option("--exit-grace-s", t.exitGrace,
                  "once the job has ended, workers still running after this many seconds are "
                  "killed (default 30)")
       ->type_name("T");
   app.add_flag("--quiet", a.quiet, "do not echo the workers' output (still logged)");
-  std::string limits;
-  app.add_option("--limits", limits,
+  app.add_option("--limits", t.limits,
                  "the job's limits and wishes for schedulers, as POST /v1/limits takes them: "
                  "JSON with min_nodes, max_nodes, sizes, deadline_unix_s, preemptible, priority "
                  "(docs/control_api.md)")
       ->type_name("JSON");
   app.prefix_command();  // The first positional and everything after it: the program.
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    if (e.get_exit_code() == 0) std::exit(app.exit(e));  // --help
-    usage(e.what());
-  }
-  // An unknown option before the program lands in remaining() too, in front of it.
-  a.program = app.remaining();
-  if (!a.program.empty() && a.program.front() == "--") {
-    a.program.erase(a.program.begin());
-  } else if (!a.program.empty() && a.program.front().size() > 1 && a.program.front()[0] == '-') {
-    usage("unknown option '" + a.program.front() + "'");
-  }
-  if (workers.empty()) usage("-n N is required");
-  a.workers = parseCount("-n", workers, 1000000);
-  a.heartbeatMs = parseCount("--heartbeat-ms", heartbeat, 1000000);
-  a.deadAfterMs = parseCount("--dead-after-ms", deadAfter, 1000000);
-  a.stepDeadlineMs = parseCount("--step-deadline-ms", stepDeadline, 100000000);
-  a.stepDeadlineFactor = parseCount("--step-deadline-factor", stepFactor, 1000000);
-  a.maxWorkers = maxWorkers.empty() ? a.workers : parseCount("--max-workers", maxWorkers, 1000000);
-  a.maxWorkersGiven = !maxWorkers.empty();
+}
+
+// Converts the values of `t` into `a`, or exits with usage() naming the option that is wrong.
+void checkArgs(const OptionText& t, Args& a) {
+  if (t.workers.empty()) usage("-n N is required");
+  a.workers = parseCount("-n", t.workers, 1000000);
+  a.heartbeatMs = parseCount("--heartbeat-ms", t.heartbeat, 1000000);
+  a.deadAfterMs = parseCount("--dead-after-ms", t.deadAfter, 1000000);
+  a.stepDeadlineMs = parseCount("--step-deadline-ms", t.stepDeadline, 100000000);
+  a.stepDeadlineFactor = parseCount("--step-deadline-factor", t.stepFactor, 1000000);
+  a.maxWorkers =
+      t.maxWorkers.empty() ? a.workers : parseCount("--max-workers", t.maxWorkers, 1000000);
+  a.maxWorkersGiven = !t.maxWorkers.empty();
   if (a.maxWorkers < a.workers) usage("--max-workers must be at least -n");
   {
     int64_t x = 0;
-    std::string error = sinew::detail::parseIntOrError(controlPort, "--control-port", 0, 65535, &x);
+    std::string error =
+        sinew::detail::parseIntOrError(t.controlPort, "--control-port", 0, 65535, &x);
     if (!error.empty()) usage(error);
     a.controlPort = static_cast<int>(x);
   }
-  a.controlTimeoutMs = parseCount("--control-timeout-ms", controlTimeout, 100000000);
-  if (!drainSignal.empty()) {
+  a.controlTimeoutMs = parseCount("--control-timeout-ms", t.controlTimeout, 100000000);
+  if (!t.drainSignal.empty()) {
     try {
-      a.drainSignal = sinew::runtime::signalNumber("--drain-signal", drainSignal);
+      a.drainSignal = sinew::runtime::signalNumber("--drain-signal", t.drainSignal);
     } catch (const std::exception& e) {
       usage(e.what());
     }
@@ -213,19 +204,45 @@ Args parse(int argc, char** argv) {
     }
     return x;
   };
-  a.drainDeadline = seconds("--drain-deadline-s", drainDeadline, false);
-  a.deadline = seconds("--deadline-s", jobDeadline, true);
-  a.exitGrace = seconds("--exit-grace-s", exitGrace, false);
-  if (!limits.empty()) {
+  a.drainDeadline = seconds("--drain-deadline-s", t.drainDeadline, false);
+  a.deadline = seconds("--deadline-s", t.jobDeadline, true);
+  a.exitGrace = seconds("--exit-grace-s", t.exitGrace, false);
+  if (!t.limits.empty()) {
     try {
-      a.limits = sinew::runtime::control::parseLimits(sinew::runtime::control::parseObject(limits),
-                                                      sinew::runtime::control::JobLimits());
+      a.limits = sinew::runtime::control::parseLimits(
+          sinew::runtime::control::parseObject(t.limits), sinew::runtime::control::JobLimits());
     } catch (const std::exception& e) {
       usage(std::string("--limits: ") + e.what());
     }
   }
   if (a.program.empty()) usage("no program to run");
   if (a.deadAfterMs <= a.heartbeatMs) usage("--dead-after-ms must exceed --heartbeat-ms");
+}
+
+Args parse(int argc, char** argv) {
+  Args a;
+  OptionText t;
+  CLI::App app("Starts a coordinator and N worker processes of program (the local launcher).",
+               "sinew-run");
+  app.footer(
+      "Everything from the first non-option argument (or after --) is the program and its\n"
+      "arguments. Exit status: 0 when the job finished, 75 when every worker was preempted,\n"
+      "2 for bad arguments, 1 otherwise.");
+  declareOptions(app, a, t);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) std::exit(app.exit(e));  // --help
+    usage(e.what());
+  }
+  // An unknown option before the program lands in remaining() too, in front of it.
+  a.program = app.remaining();
+  if (!a.program.empty() && a.program.front() == "--") {
+    a.program.erase(a.program.begin());
+  } else if (!a.program.empty() && a.program.front().size() > 1 && a.program.front()[0] == '-') {
+    usage("unknown option '" + a.program.front() + "'");
+  }
+  checkArgs(t, a);
   return a;
 }
 

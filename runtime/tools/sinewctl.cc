@@ -381,127 +381,121 @@ int showOutcome(const std::string& logDir, bool asJson) {
   }
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  CLI::App app("Talks to a running Sinew job's control API (docs/control_api.md).", "sinewctl");
+// The command line: the global options, each subcommand's, and which subcommand was given.
+struct Command {
   std::string logDir, url, token, etcdEndpoints, job;
   bool asJson = false;
   int timeoutS = 30;
-  app.add_option("--log-dir", logDir, "the job's log directory (holds coordinator.json)");
-  app.add_option("--url", url, "http://host:port of the control API (instead of --log-dir)");
-  app.add_option("--etcd", etcdEndpoints,
-                 "etcd endpoints of a high-availability job (with --job): talk to its leader")
-      ->type_name("EPS");
-  app.add_option("--job", job, "the high-availability job's name (with --etcd)")->type_name("NAME");
-  app.add_option("--token", token,
-                 "bearer token (default: coordinator.json's; with --etcd, SINEW_TOKEN's)");
-  app.add_flag("--json", asJson, "print the API's JSON instead of tables");
-  app.add_option("--timeout-s", timeoutS, "seconds to wait for an answer (default 30)")
-      ->check(CLI::Range(1, 3600));
-  app.require_subcommand(1);
-  auto* status = app.add_subcommand("status", "the job's state, members and checkpoints");
-  auto* scaling = app.add_subcommand("scaling", "samples/s per node count, measured and predicted");
-  auto* metrics = app.add_subcommand("metrics", "the Prometheus metrics");
-  int64_t nodes = 0;
-  auto* resize = app.add_subcommand("resize", "shrink or grow the job to NODES nodes");
-  resize->add_option("nodes", nodes, "target node count")
-      ->required()
-      ->check(CLI::Range(1, 1 << 20));
-  bool dryRun = false;
+  int64_t nodes = 0;    // resize
+  bool dryRun = false;  // drain
   std::vector<int> drainWorkers;
   std::vector<std::string> drainNodes;
-  double deadline = 0;
-  auto* drain = app.add_subcommand("drain", "free these workers or nodes by a deadline");
-  auto* dw = drain->add_option("--workers", drainWorkers, "worker ids")->delimiter(',');
-  auto* dn = drain->add_option("--nodes", drainNodes, "node names")->delimiter(',');
-  dw->excludes(dn);
-  drain->add_option("--deadline-s", deadline, "seconds (required unless --dry-run)");
-  auto* checkpoint = app.add_subcommand("checkpoint", "a durable checkpoint at the next step");
-  auto* stop = app.add_subcommand("stop", "stop at the next step boundary, checkpoint durable");
-  stop->add_option("--deadline-s", deadline, "seconds (default: none)");
-  int count = 0;
+  double deadline = 0;  // drain, stop
+  int count = 0;        // events
   bool follow = false;
   int64_t after = -1;
   double waitS = 0;
-  auto* events = app.add_subcommand(
+  std::string limitsJson;  // limits
+  CLI::App* status = nullptr;
+  CLI::App* scaling = nullptr;
+  CLI::App* metrics = nullptr;
+  CLI::App* resize = nullptr;
+  CLI::App* drain = nullptr;
+  CLI::App* checkpoint = nullptr;
+  CLI::App* stop = nullptr;
+  CLI::App* events = nullptr;
+  CLI::App* limits = nullptr;
+  CLI::App* outcome = nullptr;
+  CLI::Option* afterOpt = nullptr;
+};
+
+// Declares every option and subcommand of `app`, parsed into `c`.
+void declare(CLI::App& app, Command& c) {
+  app.add_option("--log-dir", c.logDir, "the job's log directory (holds coordinator.json)");
+  app.add_option("--url", c.url, "http://host:port of the control API (instead of --log-dir)");
+  app.add_option("--etcd", c.etcdEndpoints,
+                 "etcd endpoints of a high-availability job (with --job): talk to its leader")
+      ->type_name("EPS");
+  app.add_option("--job", c.job, "the high-availability job's name (with --etcd)")
+      ->type_name("NAME");
+  app.add_option("--token", c.token,
+                 "bearer token (default: coordinator.json's; with --etcd, SINEW_TOKEN's)");
+  app.add_flag("--json", c.asJson, "print the API's JSON instead of tables");
+  app.add_option("--timeout-s", c.timeoutS, "seconds to wait for an answer (default 30)")
+      ->check(CLI::Range(1, 3600));
+  app.require_subcommand(1);
+  c.status = app.add_subcommand("status", "the job's state, members and checkpoints");
+  c.scaling = app.add_subcommand("scaling", "samples/s per node count, measured and predicted");
+  c.metrics = app.add_subcommand("metrics", "the Prometheus metrics");
+  c.resize = app.add_subcommand("resize", "shrink or grow the job to NODES nodes");
+  c.resize->add_option("nodes", c.nodes, "target node count")
+      ->required()
+      ->check(CLI::Range(1, 1 << 20));
+  c.drain = app.add_subcommand("drain", "free these workers or nodes by a deadline");
+  auto* dw = c.drain->add_option("--workers", c.drainWorkers, "worker ids")->delimiter(',');
+  auto* dn = c.drain->add_option("--nodes", c.drainNodes, "node names")->delimiter(',');
+  dw->excludes(dn);
+  c.drain->add_option("--deadline-s", c.deadline, "seconds (required unless --dry-run)");
+  c.checkpoint = app.add_subcommand("checkpoint", "a durable checkpoint at the next step");
+  c.stop = app.add_subcommand("stop", "stop at the next step boundary, checkpoint durable");
+  c.stop->add_option("--deadline-s", c.deadline, "seconds (default: none)");
+  c.events = app.add_subcommand(
       "events", "the job's newest events, newest first; or follow them, or wait for the next");
-  events->add_option("--count", count,
-                     "the newest this many (default 20); with --follow, stop after this many");
-  auto* followFlag = events->add_flag("--follow", follow, "print each event as it comes");
-  auto* afterOpt = events->add_option("--after", after,
-                                      "the events after this sequence number (its 'seq'), "
-                                      "oldest first");
-  events->add_option("--wait-s", waitS, "with --after: wait up to this long for one")
+  c.events->add_option("--count", c.count,
+                       "the newest this many (default 20); with --follow, stop after this many");
+  auto* followFlag = c.events->add_flag("--follow", c.follow, "print each event as it comes");
+  c.afterOpt = c.events->add_option("--after", c.after,
+                                    "the events after this sequence number (its 'seq'), "
+                                    "oldest first");
+  c.events->add_option("--wait-s", c.waitS, "with --after: wait up to this long for one")
       ->check(CLI::Range(0.0, 60.0));
-  followFlag->excludes(afterOpt);
-  drain->add_flag("--dry-run", dryRun, "say what the drain would cost; drain nothing");
-  std::string limitsJson;
-  auto* limits = app.add_subcommand(
+  followFlag->excludes(c.afterOpt);
+  c.drain->add_flag("--dry-run", c.dryRun, "say what the drain would cost; drain nothing");
+  c.limits = app.add_subcommand(
       "limits", "the job's limits and wishes; with JSON (e.g. '{\"min_nodes\": 2}'), change them");
-  limits->add_option("json", limitsJson,
-                     "fields of POST /v1/limits: min_nodes, max_nodes, sizes, deadline_unix_s, "
-                     "preemptible, priority (null clears one)");
-  auto* outcome = app.add_subcommand("outcome", "how the ended job ended (exit: its status)");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 2;
-  }
-  if (outcome->parsed()) return showOutcome(logDir, asJson);
-  if (!etcdEndpoints.empty() && (!logDir.empty() || !url.empty())) {
-    fail(2, "give one of --log-dir, --etcd and --url");
-  }
-  if (drain->parsed() && drainWorkers.empty() && drainNodes.empty()) {
-    fail(2, "drain needs --workers or --nodes");
-  }
-  if (drain->parsed() && !dryRun && deadline <= 0) fail(2, "drain needs --deadline-s T");
-  const Target t = etcdEndpoints.empty()
-                       ? findTarget(logDir, url, token)
-                       : findLeader(etcdEndpoints, job, token, std::chrono::seconds(timeoutS));
-  if (events->parsed()) {
-    if (follow) return streamEvents(t, asJson, count);
-    return pollEvents(t, asJson, after, afterOpt->count() > 0 ? waitS : 0,
-                      afterOpt->count() > 0 ? 0 : (count > 0 ? count : 20),
-                      std::chrono::seconds(timeoutS));
-  }
+  c.limits->add_option("json", c.limitsJson,
+                       "fields of POST /v1/limits: min_nodes, max_nodes, sizes, deadline_unix_s, "
+                       "preemptible, priority (null clears one)");
+  c.outcome = app.add_subcommand("outcome", "how the ended job ended (exit: its status)");
+}
+
+// The control API request of a subcommand other than events and outcome.
+struct ApiRequest {
   http::verb verb = http::verb::get;
   std::string path, body;
-  if (status->parsed()) path = "/v1/status";
-  if (scaling->parsed()) path = "/v1/scaling";
-  if (metrics->parsed()) path = "/metrics";
-  if (resize->parsed()) {
-    verb = http::verb::post;
-    path = "/v1/resize";
-    body = json{{"nodes", nodes}}.dump();
-  }
-  if (drain->parsed()) {
-    verb = http::verb::post;
-    path = "/v1/drain";
+};
+
+ApiRequest requestOf(const Command& c) {
+  ApiRequest q;
+  if (c.status->parsed()) q.path = "/v1/status";
+  if (c.scaling->parsed()) q.path = "/v1/scaling";
+  if (c.metrics->parsed()) q.path = "/metrics";
+  if (c.resize->parsed()) q = {http::verb::post, "/v1/resize", json{{"nodes", c.nodes}}.dump()};
+  if (c.drain->parsed()) {
     json b = json::object();
-    if (!dryRun || deadline > 0) b["deadline_s"] = deadline;
-    if (dryRun) b["dry_run"] = true;
-    if (!drainWorkers.empty()) b["workers"] = drainWorkers;
-    if (!drainNodes.empty()) b["nodes"] = drainNodes;
-    body = b.dump();
+    if (!c.dryRun || c.deadline > 0) b["deadline_s"] = c.deadline;
+    if (c.dryRun) b["dry_run"] = true;
+    if (!c.drainWorkers.empty()) b["workers"] = c.drainWorkers;
+    if (!c.drainNodes.empty()) b["nodes"] = c.drainNodes;
+    q = {http::verb::post, "/v1/drain", b.dump()};
   }
-  if (checkpoint->parsed()) {
-    verb = http::verb::post;
-    path = "/v1/checkpoint";
-    body = json{{"durable", true}}.dump();
+  if (c.checkpoint->parsed()) {
+    q = {http::verb::post, "/v1/checkpoint", json{{"durable", true}}.dump()};
   }
-  if (limits->parsed()) {
-    verb = http::verb::post;
-    path = "/v1/limits";
-    body = limitsJson.empty() ? "{}" : limitsJson;  // The server checks it.
+  if (c.limits->parsed()) {
+    // The server checks it.
+    q = {http::verb::post, "/v1/limits", c.limitsJson.empty() ? "{}" : c.limitsJson};
   }
-  if (stop->parsed()) {
-    verb = http::verb::post;
-    path = "/v1/stop";
-    body = deadline > 0 ? json{{"deadline_s", deadline}}.dump() : "{}";
+  if (c.stop->parsed()) {
+    q = {http::verb::post, "/v1/stop",
+         c.deadline > 0 ? json{{"deadline_s", c.deadline}}.dump() : "{}"};
   }
-  auto [code, text] = request(t, verb, path, body, std::chrono::seconds(timeoutS));
-  if (metrics->parsed()) {
+  return q;
+}
+
+// Prints the answer (`code`, `text`) to the request of `path`; returns the exit status.
+int showAnswer(const Command& c, const std::string& path, int code, const std::string& text) {
+  if (c.metrics->parsed()) {
     std::fputs(text.c_str(), code == 200 ? stdout : stderr);
     return code == 200 ? 0 : 1;
   }
@@ -515,11 +509,11 @@ int main(int argc, char** argv) {
     return 1;
   }
   try {
-    if (asJson || j.is_discarded()) {
+    if (c.asJson || j.is_discarded()) {
       std::printf("%s\n", j.is_discarded() ? text.c_str() : j.dump(2).c_str());
-    } else if (status->parsed()) {
+    } else if (c.status->parsed()) {
       printStatus(j);
-    } else if (scaling->parsed()) {
+    } else if (c.scaling->parsed()) {
       printScaling(j);
     } else if (j.is_object()) {
       for (auto it = j.begin(); it != j.end(); ++it) {
@@ -537,4 +531,37 @@ int main(int argc, char** argv) {
     return 1;
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app("Talks to a running Sinew job's control API (docs/control_api.md).", "sinewctl");
+  Command c;
+  declare(app, c);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  if (c.outcome->parsed()) return showOutcome(c.logDir, c.asJson);
+  if (!c.etcdEndpoints.empty() && (!c.logDir.empty() || !c.url.empty())) {
+    fail(2, "give one of --log-dir, --etcd and --url");
+  }
+  if (c.drain->parsed() && c.drainWorkers.empty() && c.drainNodes.empty()) {
+    fail(2, "drain needs --workers or --nodes");
+  }
+  if (c.drain->parsed() && !c.dryRun && c.deadline <= 0) fail(2, "drain needs --deadline-s T");
+  const std::chrono::seconds timeout(c.timeoutS);
+  const Target t = c.etcdEndpoints.empty() ? findTarget(c.logDir, c.url, c.token)
+                                           : findLeader(c.etcdEndpoints, c.job, c.token, timeout);
+  if (c.events->parsed()) {
+    if (c.follow) return streamEvents(t, c.asJson, c.count);
+    const bool after = c.afterOpt->count() > 0;
+    return pollEvents(t, c.asJson, c.after, after ? c.waitS : 0,
+                      after ? 0 : (c.count > 0 ? c.count : 20), timeout);
+  }
+  const ApiRequest q = requestOf(c);
+  auto [code, text] = request(t, q.verb, q.path, q.body, timeout);
+  return showAnswer(c, q.path, code, text);
 }
