@@ -42,10 +42,15 @@ Plan Plan::dataParallel(int64_t epoch, const std::vector<int>& members, int numL
   return p;
 }
 
-const WorkerAssignment& Plan::of(int worker) const {
+const WorkerAssignment* Plan::find(int worker) const {
   for (const auto& a : workers) {
-    if (a.worker == worker) return a;
+    if (a.worker == worker) return &a;
   }
+  return nullptr;
+}
+
+const WorkerAssignment& Plan::of(int worker) const {
+  if (const WorkerAssignment* a = find(worker)) return *a;
   SINEW_THROW(InvalidArgument, "worker ", worker, " is not in the plan of epoch ", epoch);
 }
 

@@ -61,6 +61,8 @@ struct Plan {
                            int64_t microbatchesPerStep);
   // Throws InvalidArgument naming the worker if it is not in the plan.
   const WorkerAssignment& of(int worker) const;
+  // The assignment of `worker`, or null if the plan leaves it out (idle, or not a member).
+  const WorkerAssignment* find(int worker) const;
 };
 
 // The plan as compact JSON (docs/pipeline.md, "The plan on the wire"): what the coordinator

@@ -119,10 +119,7 @@ DurableCheckpoints::Role DurableCheckpoints::roleOf(int worker, bool pipelineMod
     role.writer = !members.empty() && members.front() == worker;
     return role;
   }
-  const pipeline::WorkerAssignment* mine = nullptr;
-  for (const auto& w : plan.workers) {
-    if (w.worker == worker) mine = &w;
-  }
+  const pipeline::WorkerAssignment* mine = plan.find(worker);
   if (mine == nullptr || mine->pipeline != 0) return role;
   if (pipeline::StageExecutor::stageWorkers(plan, 0, mine->stage).front() != worker) return role;
   role.writer = true;

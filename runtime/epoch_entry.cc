@@ -15,18 +15,6 @@
 namespace sinew {
 namespace runtime {
 
-namespace {
-
-// The assignment of `worker` in `plan`, or null if the plan leaves it idle.
-const pipeline::WorkerAssignment* assignmentOf(const pipeline::Plan& plan, int worker) {
-  for (const auto& a : plan.workers) {
-    if (a.worker == worker) return &a;
-  }
-  return nullptr;
-}
-
-}  // namespace
-
 std::shared_ptr<AbortableStore> EpochEntry::epochStore(int64_t e) const {
   CoordinatorClient& client = u_.services.client;
   return std::make_shared<AbortableStore>(u_.services.ctx.store(),
@@ -86,7 +74,7 @@ nlohmann::json EpochEntry::enterPipeline(const EpochInfo& info, WorkerState& w) 
   u_.services.plannedStepMs.store(
       plan.iterationTicks /
       (int64_t{1000000} * std::max(1, u_.profiles.profile().job.devices_per_node)));
-  const pipeline::WorkerAssignment* mine = assignmentOf(plan, self);
+  const pipeline::WorkerAssignment* mine = plan.find(self);
   const int first = mine ? mine->firstLayer : 0;
   const int end = mine ? mine->endLayer : 0;
   const int64_t resumeApplied = info.resumeStep - 1;

@@ -509,10 +509,9 @@ class Trainer::Impl {
     r.checkpointsSkipped = durable_->skipped();
     r.checkpointStallSeconds = ckStall_;
     r.pipelines = static_cast<int>(ws_.plan.pipelines.size());
-    for (const auto& w : ws_.plan.workers) {
-      if (w.worker != ctx_.worker()) continue;
-      r.pipeline = w.pipeline;
-      r.stage = w.stage;
+    if (const pipeline::WorkerAssignment* mine = ws_.plan.find(ctx_.worker())) {
+      r.pipeline = mine->pipeline;
+      r.stage = mine->stage;
     }
     for (const auto& child : ws_.model->named_children()) r.layers.push_back(child.key());
     for (const auto& p : ws_.model->parameters()) r.parameterCount += p.numel();

@@ -168,6 +168,10 @@ class GlooCommunicator final : public Communicator {
   void waitSend(UnboundBuffer* buf, int peer);
   [[noreturn]] void onPairError(int peer, const std::string& what);
   [[noreturn]] void throwFailure();
+  // throwFailure() once a failure is recorded; the lane loops' check, without mu_.
+  void throwIfFailed() {
+    if (failed_.load(std::memory_order_acquire)) throwFailure();
+  }
   // Records the first failure and interrupts the operation in flight. REQUIRES: mu_ held.
   void failLocked(std::exception_ptr error, GoodbyeKind kind, int worker);
   void fail(std::exception_ptr error, GoodbyeKind kind, int worker);

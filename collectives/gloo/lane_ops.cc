@@ -80,7 +80,7 @@ void GlooCommunicator::allreduceTwo(at::Tensor& t, std::chrono::milliseconds tim
     Clock::time_point idleSince{};  // since when nothing moved, or zero
     waitingOn_.store(peer);
     while (reduced < bytes) {
-      if (failed_.load(std::memory_order_acquire)) throwFailure();
+      throwIfFailed();
       bool progress = false;
       short sendEvents = 0, recvEvents = 0;
       // Send: what is left of the header and up to kLaneSendCallBytes of the tensor, in one call.
@@ -251,7 +251,7 @@ void GlooCommunicator::exchangeOnLanes(const std::vector<P2POp>& ops, const char
   if (x.left == 0) return;
   runOp(name, timeout, {}, [&] {
     while (x.left > 0) {
-      if (failed_.load(std::memory_order_acquire)) throwFailure();
+      throwIfFailed();
       bool progress = false;
       x.fds.clear();
       x.blockedRecv = -1;
@@ -278,7 +278,7 @@ bool GlooCommunicator::pumpLaneSends(LaneExchange& x, int peer) {
   bool progress = false;
   // The rest of the current message's header and a call's worth of its bytes, per call.
   while (x.nextSend[peer] < x.sends[peer].size()) {
-    if (failed_.load(std::memory_order_acquire)) throwFailure();
+    throwIfFailed();
     LaneExchange::Send& m = x.sends[peer][x.nextSend[peer]];
     iovec iov[2];
     int n = 0;
@@ -316,7 +316,7 @@ bool GlooCommunicator::pumpLaneReceives(LaneExchange& x, int peer) {
   bool progress = false;
   // A header, then its bytes straight into the matching receive's tensor.
   while (x.expected[peer] > 0) {
-    if (failed_.load(std::memory_order_acquire)) throwFailure();
+    throwIfFailed();
     LaneExchange::Incoming& c = x.in[peer];
     char* dst;
     size_t want;
