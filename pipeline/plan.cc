@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <map>
 
 #include <nlohmann/json.hpp>
 
@@ -172,6 +173,7 @@ Plan planFromJson(const std::string& text) {
   }
   const json& workers = arrayField(j, "workers", kMaxId, top);
   std::vector<int> stagesSeen(plan.pipelines.size(), 0);
+  std::map<int, size_t> listedAt;  // worker id -> its index in workers
   for (size_t i = 0; i < workers.size(); ++i) {
     const std::string field = "workers[" + std::to_string(i) + "]";
     const json& w = workers[i];
@@ -187,6 +189,10 @@ Plan planFromJson(const std::string& text) {
     a.stage = static_cast<int>(intAt(w, 4, 0, plan.numLayers - 1, field));
     a.firstLayer = static_cast<int>(intAt(w, 5, 0, plan.numLayers - 1, field));
     a.endLayer = static_cast<int>(intAt(w, 6, a.firstLayer + 1, plan.numLayers, field));
+    if (const auto [at, fresh] = listedAt.emplace(a.worker, i); !fresh) {
+      bad(field, "lists worker " + std::to_string(a.worker) + " again (workers[" +
+                     std::to_string(at->second) + "] has it)");
+    }
     if (a.stage > stagesSeen[a.pipeline]) {
       bad(field, "skips a stage of pipeline " + std::to_string(a.pipeline));
     }

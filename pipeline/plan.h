@@ -71,7 +71,8 @@ struct Plan {
 std::string planToJson(const Plan& plan);
 // Parses and checks planToJson()'s format: every field present and in range, layer ranges
 // within [0, num_layers), stages of each pipeline numbered from 0, the pipelines'
-// microbatches summing to the global batch's. Throws Corruption naming the field.
+// microbatches summing to the global batch's, no worker listed twice. Throws Corruption naming
+// the field.
 Plan planFromJson(const std::string& text);
 
 }  // namespace pipeline

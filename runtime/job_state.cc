@@ -207,10 +207,8 @@ void JobState::noteProgress(Worker& w, int64_t step, bool waiting, Clock::time_p
 
 std::chrono::milliseconds JobState::stepDeadline() const {
   auto deadline = options_.progressFloor;
-  if (!stepTimes_.empty()) {
-    std::vector<Clock::duration> sorted(stepTimes_.begin(), stepTimes_.end());
-    std::sort(sorted.begin(), sorted.end());
-    auto median = std::chrono::duration_cast<std::chrono::milliseconds>(sorted[sorted.size() / 2]);
+  if (const auto step = measures_.medianStep()) {
+    auto median = std::chrono::duration_cast<std::chrono::milliseconds>(*step);
     deadline = std::max(deadline, options_.progressFactor * median);
   }
   return deadline;
@@ -223,7 +221,7 @@ void JobState::checkProgress(Clock::time_point now) {
   // Not before a step time has been measured: the first step (warm-up, first allocations)
   // may take long on every worker for reasons of its own.
   if (options_.progressFloor.count() <= 0 || epoch_ < 0 || members_.size() < 2 ||
-      stepTimes_.empty()) {
+      !measures_.anyStep()) {
     return;
   }
   const int64_t step = committed_ + 1;
@@ -496,7 +494,7 @@ void JobState::newEpoch(const std::string& why, std::vector<int> joiners,
                         const std::set<std::string>& causes) {
   if (epoch_ >= 0) {
     for (const std::string& c : causes) {
-      changes_.begin(now_, lastCommit_, static_cast<int>(members_.size()), c);
+      changes_.begin(now_, measures_.lastCommit(), static_cast<int>(members_.size()), c);
     }
   }
   epoch_ = epoch_ < 0 ? 0 : epoch_ + 1;
@@ -505,7 +503,7 @@ void JobState::newEpoch(const std::string& why, std::vector<int> joiners,
     w.waiting = false;  // Progress counts afresh in the new epoch.
     w.step = -1;
   }
-  lastCommit_ = Clock::time_point{};  // A recovery is not a step.
+  measures_.onEpoch();
   epochCommits_ = 0;
   goodput_.onEpoch(now_);
   bool first = epoch_ == 0;
@@ -622,7 +620,7 @@ void JobState::onRollback(int worker, int64_t step) {
   }
   const int64_t from = committed_;
   committed_ = step;
-  rollbacks_++;
+  measures_.onRollback();
   goodput_.onRollback(from - step);
   event(
       {{"event", "rollback"}, {"epoch", epoch_}, {"from", from}, {"to", step}, {"worker", worker}});
@@ -970,7 +968,7 @@ void JobState::declareDead(int worker, const std::string& why) {
     dead_.push_back(id);
     workers_.erase(wit);
   }
-  failures_ += static_cast<int64_t>(victims.size());
+  measures_.onFailures(static_cast<int64_t>(victims.size()));
   // Fenced (docs/ha.md): the deaths are stored under this leader's term before anyone hears
   // of them; a leader whose term is over stores nothing, expels nobody and steps down. (Before
   // the first epoch nothing is stored: a successor starts such a job afresh.)
@@ -985,7 +983,7 @@ void JobState::declareDead(int worker, const std::string& why) {
       !members_.empty() &&
       (pipelineJob_ ? wasMember
                     : std::find(victims.begin(), victims.end(), members_.front()) != victims.end());
-  if (writerLost && checkpointStep_ > durable_.step) {
+  if (writerLost && checkpointStep_ > measures_.durable().step) {
     event({{"event", "checkpoint_abandoned"}, {"step", checkpointStep_}, {"reason", why}});
     checkpointStep_ = -1;
   }
@@ -1014,10 +1012,7 @@ void JobState::declareDead(int worker, const std::string& why) {
   }
   if (epoch_ >= 0 && wasMember && !finished_) {
     goodput_.onLoss(now_);
-    if (!recovering_) {
-      recovering_ = true;
-      recoveringSince_ = now_;
-    }
+    measures_.startRecovery(now_);
     newEpoch("worker " + std::to_string(worker) + " failed: " + why, {}, {"failure"});
     checkFinished();
   }

@@ -11,7 +11,9 @@
 // exact event sequences and times (tests/runtime/job_state_test.cc).
 //
 // Files: job_state.cc (sessions, membership, epochs, the vote), job_state_control.cc (the
-// control API and metrics), job_state_ha.cc (the persisted state and takeover).
+// control API and metrics), job_state_scaling.cc (the scaling curve and the costs of a resize
+// or drain), job_state_ha.cc (the persisted state and takeover); what is measured of the job
+// (commits, step times, recoveries, checkpoints) is a JobMeasures (job_measures.h).
 //
 // Thread safety: none; the caller serializes every call.
 
@@ -39,6 +41,7 @@
 #include "sinew/runtime/epoch_changes.h"
 #include "sinew/runtime/event_log.h"
 #include "sinew/runtime/goodput_meter.h"
+#include "sinew/runtime/job_measures.h"
 
 namespace sinew {
 namespace runtime {
@@ -76,15 +79,6 @@ inline ControlReply refusal(int status, const std::string& why) {
   r.status = status;
   r.body = json{{"error", why}};
   return r;
-}
-
-// Prometheus text format: one metric with its help and type.
-inline void metric(std::string& out, const char* name, const char* type, const char* help,
-                   double value) {
-  out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.17g", value);
-  out += std::string(name) + " " + buf + "\n";
 }
 
 // A label value, escaped as the text format requires.
@@ -170,7 +164,7 @@ class JobState {
   // The coordinator's time for the newest step committed on a frame: from reading that frame
   // (the last vote) to the commit written to every member's connection (/metrics'
   // sinew_commit_seconds).
-  void noteCommitWritten(Clock::duration took) { commitSeconds_ = secondsOf(took); }
+  void noteCommitWritten(Clock::duration took) { measures_.setCommitSeconds(secondsOf(took)); }
   const std::vector<int>& members() const { return members_; }
   // The worker connection `s` said hello as, or -1.
   int workerOf(SessionId s) const;
@@ -245,12 +239,8 @@ class JobState {
   int nodesKept(const std::set<int>& going) const;
   std::vector<std::string> nodesOf(const std::vector<int>& workers) const;
   json drainJson(const Drain& d) const;
-  json durableJson() const;
-  double samplesPerSecondNow() const;
   // The goodput meter's account as the status shows it (docs/control_api.md, "goodput").
   nlohmann::json goodputJson(Clock::time_point now) const;
-  // The median of the newest step times (seconds; 0 before any was measured).
-  double medianStepSeconds(size_t newest = SIZE_MAX) const;
   // The step time at n workers from the measured ones (data parallel: t(n) = a + b / n).
   // The cost of the job's present members less `going` (docs/control_api.md, "Costs"):
   // throughput after, predicted pause, state bytes to move, whether it forces a rollback.
@@ -316,12 +306,10 @@ class JobState {
   void checkFinished();
 
   Clock::time_point lastCheck_{};  // when the liveness check last ran
-  Clock::time_point lastCommit_{};
-  std::deque<Clock::duration> stepTimes_;  // between the last commits, at most 20
-  std::map<int, Worker> workers_;          // every worker that said hello and is not dead
-  std::vector<int> hellos_;                // ids before the first epoch formed
-  std::map<int, int64_t> ready_;  // launch ranks ready before the first epoch -> resume step
-  std::vector<int> pendingJoin_;  // joined after the first epoch; added at a step boundary
+  std::map<int, Worker> workers_;  // every worker that said hello and is not dead
+  std::vector<int> hellos_;        // ids before the first epoch formed
+  std::map<int, int64_t> ready_;   // launch ranks ready before the first epoch -> resume step
+  std::vector<int> pendingJoin_;   // joined after the first epoch; added at a step boundary
   std::vector<int> members_;
   std::vector<int> dead_;
   std::vector<int> released_;
@@ -364,37 +352,15 @@ class JobState {
   bool jobFailed_ = false;
   std::string failReason_;  // failJob's
   std::string lastLoss_;    // the last worker declared dead and why ("worker 3: ...")
-  // Commits: how many, when the first was, time between commits of one epoch (per member
-  // count, at most 50 each), their sum (effective training time).
-  int64_t commits_ = 0;
-  Clock::time_point firstCommit_{};
-  std::map<int, std::deque<double>> stepSecondsBySize_;
-  double effectiveSeconds_ = 0;
-  double commitSeconds_ = 0;  // noteCommitWritten
+  // Commits and step times, failures and recoveries, rollbacks, checkpoint stalls, replicas
+  // and durable versions, as measured.
+  JobMeasures measures_;
   GoodputMeter goodput_;      // the wall time by cause (docs/goodput.md), this term's
   EpochChanges changes_;      // each epoch change's measured pause and bytes, this term's
   int64_t epochCommits_ = 0;  // commits in the current epoch
-  // Failures and recoveries (failure declared -> next commit).
-  int64_t failures_ = 0;
-  bool recovering_ = false;
-  Clock::time_point recoveringSince_{};
-  std::vector<double> recoverySeconds_;
-  double stallSeconds_ = 0;
-  int64_t replicatedBytes_ = 0;  // Peer-RAM replica bytes the workers reported with their votes.
-  // Checkpoints: a request waits for the next commit; the durable version reported last.
+  // Checkpoints: a request waits for the next commit.
   bool checkpointNext_ = false;
   int64_t checkpointStep_ = -1;  // the newest step whose commit asked for a checkpoint
-  struct DurableVersion {
-    int64_t step = -1;
-    std::string path;
-    int64_t bytes = 0;
-    double flushSeconds = 0;
-    Clock::time_point at{};
-  } durable_;
-  int64_t durableWrites_ = 0;
-  int64_t rollbacks_ = 0;  // Rollbacks to an older version (pipelines).
-  int64_t durableBytes_ = 0;
-  double flushSecondsTotal_ = 0;
   // Releases, drains, resizes, stop.
   std::map<int, ReleasedWorker> releasedWorkers_;
   std::map<int, std::string> leaveReason_;  // coordinator-initiated leaves -> why

@@ -17,10 +17,10 @@ void JobState::onVoteStats(Worker& w, const json& body) {
   if (body.contains("stall_us")) {
     const double stall = body.at("stall_us").get<int64_t>() * 1e-6;
     w.stallSeconds += stall;
-    stallSeconds_ += stall;
+    measures_.onStall(stall);
   }
   if (body.contains("replicated_bytes"))
-    replicatedBytes_ += body.at("replicated_bytes").get<int64_t>();
+    measures_.onReplicated(body.at("replicated_bytes").get<int64_t>());
   // Votes of older epochs never get here (onMessage drops them).
   if (body.contains("state_bytes_in")) changes_.addStateBytes(body.at("state_bytes_in"));
 }
@@ -28,16 +28,8 @@ void JobState::onVoteStats(Worker& w, const json& body) {
 void JobState::onDurable(int worker, const json& body) {
   const int64_t step = body.at("step").get<int64_t>();
   const double flush = body.at("flush_us").get<int64_t>() * 1e-6;
-  durableWrites_++;
-  durableBytes_ += body.at("bytes").get<int64_t>();
-  flushSecondsTotal_ += flush;
-  if (step >= durable_.step) {
-    durable_.step = step;
-    durable_.path = body.at("path").get<std::string>();
-    durable_.bytes = body.at("bytes").get<int64_t>();
-    durable_.flushSeconds = flush;
-    durable_.at = now_;
-  }
+  measures_.onDurable(step, body.at("path").get<std::string>(), body.at("bytes").get<int64_t>(),
+                      flush, now_);
   persistThrottled();
   event({{"event", "checkpoint"},
          {"step", step},
@@ -69,19 +61,10 @@ void JobState::sendCommit(const std::vector<int>& workers, int64_t step, bool ne
 // Called once per commit, before the commit is sent.
 void JobState::noteCommit(int64_t step) {
   const auto now = now_;
-  if (lastCommit_ != Clock::time_point{}) {
-    stepTimes_.push_back(now - lastCommit_);
-    if (stepTimes_.size() > 20) stepTimes_.pop_front();
-    const double s = secondsOf(now - lastCommit_);
-    effectiveSeconds_ += s;
-    changes_.onSteadyStep(s);
-    auto& bySize = stepSecondsBySize_[static_cast<int>(members_.size())];
-    bySize.push_back(s);
-    if (bySize.size() > 50) bySize.pop_front();
+  if (const auto steady = measures_.onCommit(now, static_cast<int>(members_.size()))) {
+    changes_.onSteadyStep(*steady);
   }
-  lastCommit_ = now;
   goodput_.onCommit(now, globalBatch_ > 0 ? globalBatch_ : 0);
-  if (commits_++ == 0) firstCommit_ = now;
   if (epochCommits_ == 0) {
     if (auto c = changes_.end(now, epoch_, step, static_cast<int>(members_.size()))) {
       json e = EpochChanges::toJson(*c);
@@ -90,11 +73,8 @@ void JobState::noteCommit(int64_t step) {
     }
   }
   epochCommits_++;
-  if (recovering_) {
-    recovering_ = false;
-    const double took = secondsOf(now - recoveringSince_);
-    recoverySeconds_.push_back(took);
-    event({{"event", "recovered"}, {"step", step}, {"epoch", epoch_}, {"seconds", took}});
+  if (const auto took = measures_.endRecovery(now)) {
+    event({{"event", "recovered"}, {"step", step}, {"epoch", epoch_}, {"seconds", *took}});
   }
   if (checkpointNext_) {
     checkpointNext_ = false;
@@ -120,8 +100,8 @@ std::string JobState::state() const {
   if (finished_) return "finished";
   if (epoch_ < 0) return "starting";
   if (stopRequested_ || !leaving_.empty()) return "draining";
-  if (recovering_ || (epoch_ > 0 && epochCommits_ == 0)) return "reconfiguring";
-  if (checkpointNext_ || checkpointStep_ > durable_.step) return "checkpointing";
+  if (measures_.recovering() || (epoch_ > 0 && epochCommits_ == 0)) return "reconfiguring";
+  if (checkpointNext_ || checkpointStep_ > measures_.durable().step) return "checkpointing";
   return "running";
 }
 
@@ -131,8 +111,9 @@ json JobState::outcome() const {
                         : !finished_ ? "running"
                         : stopped_   ? "stopped"
                                      : "finished";
-  json o{{"outcome", outcome},    {"step", committed_},    {"epoch", epoch_},
-         {"workers_lost", dead_}, {"released", released_}, {"last_durable", durableJson()}};
+  json o{{"outcome", outcome},    {"step", committed_},
+         {"epoch", epoch_},       {"workers_lost", dead_},
+         {"released", released_}, {"last_durable", measures_.durableJson(now_)}};
   o["exit_status"] = failed ? 1 : finished_ ? (stopped_ ? 75 : 0) : -1;
   if (!failed) return o;
   if (jobFailed_) {
@@ -172,15 +153,6 @@ int JobState::nodesKept(const std::set<int>& going) const {
   return static_cast<int>(nodesOf(staying).size());
 }
 
-json JobState::durableJson() const {
-  if (durable_.step < 0) return nullptr;
-  return json{{"step", durable_.step},
-              {"path", durable_.path},
-              {"bytes", durable_.bytes},
-              {"flush_s", durable_.flushSeconds},
-              {"age_s", secondsOf(now_ - durable_.at)}};
-}
-
 json JobState::drainJson(const Drain& d) const {
   bool safe = true;
   json workers = json::array();
@@ -198,7 +170,8 @@ json JobState::drainJson(const Drain& d) const {
     }
     workers.push_back({{"worker", id}, {"state", st}});
   }
-  const bool durable = !checkpointsOn_ || (d.releaseStep >= 0 && durable_.step >= d.releaseStep);
+  const bool durable =
+      !checkpointsOn_ || (d.releaseStep >= 0 && measures_.durable().step >= d.releaseStep);
   json out = {{"id", d.id},
               {"workers", workers},
               {"deadline_s", d.deadlineSeconds},
@@ -210,22 +183,6 @@ json JobState::drainJson(const Drain& d) const {
   return out;
 }
 
-double JobState::medianStepSeconds(size_t newest) const {
-  std::vector<double> recent;
-  for (auto it = stepTimes_.rbegin(); it != stepTimes_.rend() && recent.size() < newest; ++it) {
-    recent.push_back(secondsOf(*it));
-  }
-  return median(recent);
-}
-
-double JobState::samplesPerSecondNow() const {
-  if (globalBatch_ <= 0 || stepTimes_.empty() || lastCommit_ == Clock::time_point{}) return 0;
-  const double step = medianStepSeconds(5);
-  // No commit for three step times: the job is not training now (recovering, stuck).
-  if (step <= 0 || secondsOf(now_ - lastCommit_) > 3 * step + 1) return 0;
-  return static_cast<double>(globalBatch_) / step;
-}
-
 ControlReply JobState::status(Clock::time_point now) {
   now_ = now;
   ControlReply r;
@@ -235,7 +192,7 @@ ControlReply JobState::status(Clock::time_point now) {
   b["committed_step"] = committed_;
   b["steps"] = totalSteps_ > 0 ? json(totalSteps_) : json(nullptr);
   b["epoch"] = epoch_;
-  const double step = medianStepSeconds();
+  const double step = measures_.medianStepSeconds();
   b["step_time_s"] = step > 0 ? json(step) : json(nullptr);
   json members = json::array();
   for (int id : members_) {
@@ -271,21 +228,10 @@ ControlReply JobState::status(Clock::time_point now) {
   }
   // Every version is committed when it is durable (peer-RAM versions come with issue 12).
   b["checkpoint"] = {{"enabled", checkpointsOn_},
-                     {"last_committed", durableJson()},
-                     {"last_durable", durableJson()},
+                     {"last_committed", measures_.durableJson(now)},
+                     {"last_durable", measures_.durableJson(now)},
                      {"requested_step", checkpointNext_ ? json("next") : json(checkpointStep_)}};
-  const double wall = firstCommit_ == Clock::time_point{} ? 0 : secondsOf(now - firstCommit_);
-  b["samples_per_s"] = {{"now", samplesPerSecondNow()},
-                        {"average", wall > 0 && globalBatch_ > 0
-                                        ? static_cast<double>((commits_ - 1) * globalBatch_) / wall
-                                        : 0.0}};
-  json recoveries = json::array();
-  for (double s : recoverySeconds_) recoveries.push_back(s);
-  b["failures"] = failures_;
-  b["rollbacks"] = rollbacks_;
-  b["recovery_s"] = recoveries;
-  b["recovering"] = recovering_;
-  b["effective_training_s"] = effectiveSeconds_;
+  measures_.addStatus(b, now, globalBatch_);
   b["goodput"] = goodputJson(now);
   b["wall_s"] = secondsOf(now - startTime_);
   b["dead"] = dead_;
@@ -493,8 +439,8 @@ ControlReply JobState::drain(const control::DrainRequest& request, Clock::time_p
     return r;
   }
   // What it takes: the rest of this step, then the checkpoint of it.
-  const double step = medianStepSeconds();
-  const double flush = durableWrites_ > 0 ? flushSecondsTotal_ / durableWrites_ : 0;
+  const double step = measures_.medianStepSeconds();
+  const double flush = measures_.meanFlushSeconds();
   const double estimate = step + (checkpointsOn_ ? flush : 0);
   Drain d;
   d.id = nextDrain_++;
@@ -548,7 +494,7 @@ ControlReply JobState::checkpoint(Clock::time_point now) {
   }
   ControlReply r;
   checkpointNext_ = true;
-  r.body = {{"at_step", committed_ + 1}, {"last_durable", durableJson()}};
+  r.body = {{"at_step", committed_ + 1}, {"last_durable", measures_.durableJson(now_)}};
   return r;
 }
 
@@ -583,47 +529,21 @@ ControlReply JobState::stop(double deadlineSeconds, Clock::time_point now) {
 std::string JobState::metrics(Clock::time_point now) {
   now_ = now;
   std::string out;
-  metric(out, "sinew_step", "gauge", "The next step the job runs (last committed + 1).",
-         committed_ + 1);
-  metric(out, "sinew_epoch", "gauge", "The current epoch (membership version).", epoch_);
-  metric(out, "sinew_members", "gauge", "Workers training in the current epoch.", members_.size());
-  metric(out, "sinew_nodes", "gauge", "Nodes the job trains on.", currentNodes());
-  metric(out, "sinew_samples_per_second", "gauge",
-         "Samples per second over the last steps (0 while not training).", samplesPerSecondNow());
-  metric(out, "sinew_committed_steps_total", "counter", "Steps committed by this coordinator.",
-         commits_);
-  metric(out, "sinew_commit_seconds", "gauge",
-         "Seconds from reading the last vote of the newest committed step to its commit written "
-         "to every member's connection (0: none yet).",
-         commitSeconds_);
-  metric(out, "sinew_failures_total", "counter", "Workers declared dead.", failures_);
-  metric(out, "sinew_rollbacks_total", "counter",
-         "Rollbacks to an older version because a layer had no live copy (pipelines).", rollbacks_);
-  metric(out, "sinew_recoveries_total", "counter",
-         "Recoveries finished (a failure, then the next committed step).", recoverySeconds_.size());
-  double recoverySum = 0;
-  for (double s : recoverySeconds_) recoverySum += s;
-  metric(out, "sinew_recovery_seconds_total", "counter",
-         "Seconds from failures to the next committed step, summed.", recoverySum);
-  metric(out, "sinew_effective_training_seconds_total", "counter",
-         "Seconds between consecutive commits of one epoch, summed.", effectiveSeconds_);
-  metric(out, "sinew_checkpoint_stall_seconds_total", "counter",
-         "Seconds workers waited for a checkpoint snapshot before an optimizer step, summed.",
-         stallSeconds_);
-  metric(out, "sinew_checkpoint_flush_seconds_total", "counter",
-         "Seconds spent writing durable checkpoints, summed.", flushSecondsTotal_);
-  metric(out, "sinew_checkpoints_durable_total", "counter", "Durable checkpoint versions written.",
-         durableWrites_);
-  metric(out, "sinew_checkpoint_bytes_total", "counter", "Bytes of durable checkpoints written.",
-         durableBytes_);
-  metric(out, "sinew_checkpoint_durable_step", "gauge",
-         "Step of the newest durable checkpoint (-1: none).", durable_.step);
-  metric(out, "sinew_replicated_bytes_total", "counter",
-         "Bytes of checkpoint replicas sent to peers' host memory.", replicatedBytes_);
+  appendMetric(out, "sinew_step", "gauge", "The next step the job runs (last committed + 1).",
+               committed_ + 1);
+  appendMetric(out, "sinew_epoch", "gauge", "The current epoch (membership version).", epoch_);
+  appendMetric(out, "sinew_members", "gauge", "Workers training in the current epoch.",
+               members_.size());
+  appendMetric(out, "sinew_nodes", "gauge", "Nodes the job trains on.", currentNodes());
+  appendMetric(out, "sinew_samples_per_second", "gauge",
+               "Samples per second over the last steps (0 while not training).",
+               measures_.samplesPerSecondNow(now, globalBatch_));
+  measures_.addMetrics(out);
   const GoodputMeter::Account g = goodput_.at(now);
-  metric(out, "sinew_goodput_samples_total", "counter",
-         "Samples of the steps that stayed committed, since the first commit (docs/goodput.md).",
-         g.samples);
+  appendMetric(
+      out, "sinew_goodput_samples_total", "counter",
+      "Samples of the steps that stayed committed, since the first commit (docs/goodput.md).",
+      g.samples);
   out +=
       "# HELP sinew_goodput_seconds_total Wall time since the first commit by cause: training "
       "that stayed committed, redone (steps in flight lost), reconfiguration, rollback.\n";

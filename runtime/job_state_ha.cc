@@ -48,8 +48,8 @@ std::string JobState::stateJson() const {
              {"stopped", stopped_},
              {"failed", jobFailed_},
              {"fail_reason", failReason_},
-             {"durable_step", durable_.step},
-             {"durable_path", durable_.path},
+             {"durable_step", measures_.durable().step},
+             {"durable_path", measures_.durable().path},
              {"shape",
               {{"global_batch", globalBatch_},
                {"microbatch", microbatch_},
@@ -115,8 +115,8 @@ void JobState::restoreState(const std::string& text) {
   failReason_ = st.value("fail_reason", std::string());
   finished_ = st.value("finished", false);
   stopped_ = st.value("stopped", false);
-  durable_.step = st.value("durable_step", int64_t(-1));
-  durable_.path = st.value("durable_path", std::string());
+  measures_.restoreDurable(st.value("durable_step", int64_t(-1)),
+                           st.value("durable_path", std::string()));
   if (st.contains("shape")) {
     const json& shape = st.at("shape");
     globalBatch_ = shape.value("global_batch", int64_t(0));
@@ -173,7 +173,7 @@ void JobState::formTakeoverEpoch(const std::string& why) {
            {"epoch", epoch_},
            {"committed_step", committed_}});
     dead_.push_back(id);
-    failures_++;
+    measures_.onFailures(1);
   }
   if (workers_.empty()) {
     // Every step committed: the members applied the last one and ended (their done may have
@@ -197,8 +197,7 @@ void JobState::formTakeoverEpoch(const std::string& why) {
     if (had < committed_ && workers_.count(id)) sendCommit({id}, committed_, false);
   }
   rejoined_.clear();
-  recovering_ = true;
-  recoveringSince_ = now_;
+  measures_.startRecovery(now_);
   newEpoch("a new leader took over (" + why + ")", {}, {"takeover"});
 }
 

@@ -92,8 +92,8 @@ json JobState::resizeCost(int nodes) const {
     std::string basis =
         "the state each member took in at earlier grows, times the members "
         "but the source";
-    if (perMember == 0 && durable_.bytes > 0) {
-      perMember = durable_.bytes;
+    if (perMember == 0 && measures_.durable().bytes > 0) {
+      perMember = measures_.durable().bytes;
       basis = "the last durable checkpoint's size, times the members but the source";
     }
     const int64_t receivers = static_cast<int64_t>(nodes) * workersPerNode() - 1;
@@ -133,7 +133,7 @@ json JobState::removalCost(const std::set<int>& going) const {
   json c = resizeCost(nodesKept(going));
   c["workers_after"] = staying.size();
   c["nodes_after"] = nodesKept(going);
-  const auto measured = summarizeStepTimes(stepSecondsBySize_);
+  const auto measured = summarizeStepTimes(measures_.stepSecondsBySize());
   const int workersNow = static_cast<int>(members_.size());
   auto here = measured.find(workersNow);
   c["samples_per_s_now"] = here != measured.end() && globalBatch_ > 0
@@ -217,7 +217,7 @@ json JobState::nodeCosts() const {
 ControlReply JobState::scaling(Clock::time_point now) {
   now_ = now;
   ControlReply r;
-  const auto measured = summarizeStepTimes(stepSecondsBySize_);
+  const auto measured = summarizeStepTimes(measures_.stepSecondsBySize());
   const int workersNow = static_cast<int>(members_.size());
   const int nodesNow = currentNodes();
   const int perNode = std::max(1, workersPerNode());

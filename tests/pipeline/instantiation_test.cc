@@ -295,6 +295,8 @@ TEST(PlanTest, JsonRoundTripsAndNamesTheBadField) {
   expectCorrupt(edit("\"num_layers\":", "\"num_layerz\":"), "num_layers is missing");
   expectCorrupt(edit("\"epoch\":3", "\"epoch\":\"3\""), "epoch is not an integer");
   expectCorrupt(edit("\"workers\":[[", "\"workers\":[[1,2],["), "workers[0] is not");
+  // A worker listed twice would be given two assignments, and Plan::find one of them.
+  expectCorrupt(edit("[101,", "[100,"), "workers[1] lists worker 100 again");
 }
 
 }  // namespace
