@@ -7,11 +7,9 @@ namespace sinew {
 namespace runtime {
 namespace {
 
+using coordinator_detail::median;
+using coordinator_detail::secondsOf;
 using nlohmann::json;
-
-double secondsBetween(JobMeasures::Clock::time_point a, JobMeasures::Clock::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
-}
 
 }  // namespace
 
@@ -28,7 +26,7 @@ std::optional<double> JobMeasures::onCommit(Clock::time_point now, int members) 
   if (lastCommit_ != Clock::time_point{}) {
     stepTimes_.push_back(now - lastCommit_);
     if (stepTimes_.size() > 20) stepTimes_.pop_front();
-    const double s = secondsBetween(lastCommit_, now);
+    const double s = secondsOf(now - lastCommit_);
     effectiveSeconds_ += s;
     auto& series = bySize_[members];
     series.push_back(s);
@@ -49,7 +47,7 @@ void JobMeasures::startRecovery(Clock::time_point now) {
 std::optional<double> JobMeasures::endRecovery(Clock::time_point now) {
   if (!recovering_) return std::nullopt;
   recovering_ = false;
-  const double took = secondsBetween(recoveringSince_, now);
+  const double took = secondsOf(now - recoveringSince_);
   recoverySeconds_.push_back(took);
   return took;
 }
@@ -75,11 +73,9 @@ void JobMeasures::restoreDurable(int64_t step, const std::string& path) {
 double JobMeasures::medianStepSeconds(size_t newest) const {
   std::vector<double> recent;
   for (auto it = stepTimes_.rbegin(); it != stepTimes_.rend() && recent.size() < newest; ++it) {
-    recent.push_back(std::chrono::duration<double>(*it).count());
+    recent.push_back(secondsOf(*it));
   }
-  if (recent.empty()) return 0;
-  std::sort(recent.begin(), recent.end());
-  return recent[recent.size() / 2];
+  return median(recent);
 }
 
 std::optional<JobMeasures::Clock::duration> JobMeasures::medianStep() const {
@@ -93,12 +89,12 @@ double JobMeasures::samplesPerSecondNow(Clock::time_point now, int64_t globalBat
   if (globalBatch <= 0 || stepTimes_.empty() || lastCommit_ == Clock::time_point{}) return 0;
   const double step = medianStepSeconds(5);
   // No commit for three step times: the job is not training now (recovering, stuck).
-  if (step <= 0 || secondsBetween(lastCommit_, now) > 3 * step + 1) return 0;
+  if (step <= 0 || secondsOf(now - lastCommit_) > 3 * step + 1) return 0;
   return static_cast<double>(globalBatch) / step;
 }
 
 void JobMeasures::addStatus(json& b, Clock::time_point now, int64_t globalBatch) const {
-  const double wall = firstCommit_ == Clock::time_point{} ? 0 : secondsBetween(firstCommit_, now);
+  const double wall = firstCommit_ == Clock::time_point{} ? 0 : secondsOf(now - firstCommit_);
   b["samples_per_s"] = {{"now", samplesPerSecondNow(now, globalBatch)},
                         {"average", wall > 0 && globalBatch > 0
                                         ? static_cast<double>((commits_ - 1) * globalBatch) / wall
@@ -116,7 +112,7 @@ json JobMeasures::durableJson(Clock::time_point now) const {
               {"path", durable_.path},
               {"bytes", durable_.bytes},
               {"flush_s", durable_.flushSeconds},
-              {"age_s", secondsBetween(durable_.at, now)}};
+              {"age_s", secondsOf(now - durable_.at)}};
 }
 
 void JobMeasures::addMetrics(std::string& out) const {

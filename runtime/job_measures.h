@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -22,6 +23,20 @@
 
 namespace sinew {
 namespace runtime {
+namespace coordinator_detail {
+
+inline double secondsOf(std::chrono::steady_clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
+
+// The upper median (0 for none).
+inline double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace coordinator_detail
 
 class JobMeasures {
  public:
@@ -62,7 +77,6 @@ class JobMeasures {
   // A takeover's restored state: the durable version the leader before stored.
   void restoreDurable(int64_t step, const std::string& path);
   const DurableVersion& durable() const { return durable_; }
-  int64_t failures() const { return failures_; }
   // The mean seconds a durable version took to write (0 before any).
   double meanFlushSeconds() const {
     return durableWrites_ > 0 ? flushSecondsTotal_ / static_cast<double>(durableWrites_) : 0;

@@ -65,13 +65,7 @@ class ProtocolViolation : public Corruption {
 
 namespace coordinator_detail {
 
-inline double secondsOf(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
-
-inline double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+// secondsOf and median are job_measures.h's.
 
 // A control operation's refusal: the status and {"error": why}.
 inline ControlReply refusal(int status, const std::string& why) {
