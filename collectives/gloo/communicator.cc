@@ -45,12 +45,14 @@ void ignoreSigpipe() {
   });
 }
 
-// This process's Gloo TCP device for `hostname`, shared by all its communicators. A device
-// owns an epoll loop thread, which its destructor joins, and an idle loop notices only at its
-// next 10 ms timeout: with a device per communicator, every communicator destroyed cost about
-// 10 ms (measured: 9.6-14 ms in its shutdown), and a reconfiguration drops several. The devices
-// live as long as the process (never destroyed: no join at exit). A forked child starts a map of
-// its own: the parent's devices have no loop thread in it (they are left alone, not destroyed).
+}  // namespace
+
+// A device owns an epoll loop thread, which its destructor joins, and an idle loop notices only
+// at its next 10 ms timeout: with a device per communicator, every communicator destroyed cost
+// about 10 ms (measured: 9.6-14 ms in its shutdown), and a reconfiguration drops several. The
+// devices live as long as the process (never destroyed: no join at exit). A forked child starts
+// a map of its own: the parent's devices have no loop thread in it (they are left alone, not
+// destroyed).
 std::shared_ptr<gloo::transport::Device> sharedDevice(const std::string& hostname) {
   struct Devices {
     pid_t pid;
@@ -69,8 +71,6 @@ std::shared_ptr<gloo::transport::Device> sharedDevice(const std::string& hostnam
   return device;
 }
 
-}  // namespace
-
 GlooCommunicator::GlooCommunicator(const std::shared_ptr<Store>& store,
                                    const CommunicatorOptions& options, const GlooOptions& gloo)
     : Communicator(options),
@@ -87,15 +87,26 @@ GlooCommunicator::GlooCommunicator(const std::shared_ptr<Store>& store,
   }
   if (store == nullptr) SINEW_THROW(InvalidArgument, "createGlooCommunicator: store is null");
   ignoreSigpipe();
+  // The timer runs from the start: the goodbyes of a set-up that fails end at its deadline.
+  timer_ = std::thread([this] { timerLoop(); });
   if (size() > 1) {
     const LinkCounters before = linkCounters();
-    connect(store);
+    try {
+      connect(store);
+    } catch (...) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        stopping_ = true;
+        cv_.notify_all();
+      }
+      if (timer_.joinable()) timer_.join();
+      throw;
+    }
     const LinkCounters after = linkCounters();
     // Process-wide counts: exact where one thread builds communicators at a time.
     linksKept_ = after.linksKept - before.linksKept;
     connectionsMade_ = after.connectionsMade - before.connectionsMade;
   }
-  timer_ = std::thread([this] { timerLoop(); });
 }
 
 std::string GlooCommunicator::describe() const {
@@ -462,6 +473,12 @@ void GlooCommunicator::timerLoop() {
     bool changed = cv_.wait_until(
         lock, deadline, [&] { return stopping_ || opGeneration_ != generation || !deadline_; });
     if (changed) continue;
+    deadline_.reset();
+    if (failure_) {
+      // An operation after the failure (the goodbyes): its deadline only ends its waits.
+      interruptActiveLocked();
+      continue;
+    }
     std::ostringstream os;
     int waiting = waitingOn_.load();
     os << describe() << ": " << (activeOp_ ? activeOp_ : "operation") << " timed out after "
@@ -469,7 +486,13 @@ void GlooCommunicator::timerLoop() {
     if (waiting >= 0)
       os << " waiting for worker " << workerOf(waiting) << " (rank " << waiting << ")";
     failLocked(std::make_exception_ptr(Timeout(os.str())), GoodbyeKind::kTimeout, self());
-    deadline_.reset();
+  }
+}
+
+void GlooCommunicator::interruptActiveLocked() {
+  for (auto* b : active_) {
+    b->abortWaitRecv();
+    b->abortWaitSend();
   }
 }
 
@@ -480,10 +503,7 @@ void GlooCommunicator::failLocked(std::exception_ptr error, GoodbyeKind kind, in
   failureWorker_ = worker;
   failed_.store(true, std::memory_order_release);
   if (lanes_) lanes_->wake();
-  for (auto* b : active_) {
-    b->abortWaitRecv();
-    b->abortWaitSend();
-  }
+  interruptActiveLocked();
   cv_.notify_all();
 }
 
@@ -634,14 +654,19 @@ void GlooCommunicator::sayGoodbye(GoodbyeKind kind, int worker) {
       // That peer's connection is already broken; it needs no goodbye.
     }
   }
-  auto deadline = Clock::now() + kGoodbyeBudget;
+  // The sends end within the budget by the deadline timer, never by a Gloo timeout: that would
+  // close every pair (UnboundBuffer::waitSend signals the whole context), and the watchers
+  // would then find every peer lost, so that no connection to a live member would be kept for
+  // the next communicator. A send to a peer that has just died, before its watcher has seen
+  // it, may never complete: its in-place write fails (ECONNRESET) and Gloo queues it, and its
+  // pair's failure does not signal a queued unbound send.
+  OpScope scope(this, "goodbye", kGoodbyeBudget, {buf.get()});
   try {
     for (int i = 0; i < posted; ++i) {
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-      // A Gloo timeout here closes every pair, which is what we do next anyway.
-      buf->waitSend(nullptr, std::max(left, std::chrono::milliseconds(1)));
+      if (!buf->waitSend(nullptr, kForever)) break;  // The budget is spent.
     }
   } catch (const std::exception&) {
+    // A pair that broke meanwhile: the other goodbyes were written or never will be.
   }
 }
 

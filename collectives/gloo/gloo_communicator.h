@@ -96,6 +96,10 @@ struct Goodbye {
   }
 };
 
+// This process's Gloo TCP device for `hostname`, shared by all its communicators (and so is its
+// loop thread, which serves every pair on it).
+std::shared_ptr<gloo::transport::Device> sharedDevice(const std::string& hostname);
+
 // Splits `numel` elements into `parts` blocks and each block into `segments` segments.
 // Both ends of a transfer compute the same boundaries, so message sizes always match.
 struct Segmenter;
@@ -172,11 +176,14 @@ class GlooCommunicator final : public Communicator {
   void throwIfFailed() {
     if (failed_.load(std::memory_order_acquire)) throwFailure();
   }
+  // Interrupts the waits of the operation in flight on Gloo's buffers. REQUIRES: mu_ held.
+  void interruptActiveLocked();
   // Records the first failure and interrupts the operation in flight. REQUIRES: mu_ held.
   void failLocked(std::exception_ptr error, GoodbyeKind kind, int worker);
   void fail(std::exception_ptr error, GoodbyeKind kind, int worker);
   // Tells every member whose connection works, and whose goodbye has not arrived, why this
-  // one leaves (kind, naming worker), within kGoodbyeBudget. REQUIRES: context_.
+  // one leaves (kind, naming worker), within kGoodbyeBudget (the timer's deadline; no
+  // operation may be in flight). REQUIRES: context_, the timer running.
   void sayGoodbye(GoodbyeKind kind, int worker);
   // Sends Goodbyes, stops the threads and closes every connection. Idempotent.
   void shutdown();

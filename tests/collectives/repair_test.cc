@@ -1,14 +1,21 @@
 // Repair (docs/collectives.md, "Repair: kept connections"), with forked processes: survivors
 // of a SIGKILL keep their connections to each other, a joiner connects only its own pairs, a
 // message an older epoch left on a kept connection never reaches the next, and a loss during
-// a repair still leaves the rest kept.
+// a repair still leaves the rest kept, and a goodbye to a member that has just died costs the
+// connections to the others nothing.
 
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <gloo/transport/tcp/device.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <condition_variable>
 
 #include <iostream>
 #include <string>
@@ -16,6 +23,7 @@
 
 #include "../support.h"
 #include "multiproc.h"
+#include "sinew/collectives/gloo/gloo_communicator.h"
 #include "sinew/collectives/gloo/gloo_options.h"
 #include "sinew/collectives/gloo/kept_links.h"
 #include "sinew/collectives/gloo/pair_mesh.h"
@@ -162,6 +170,59 @@ void waitReady(Store& store, const std::vector<int>& workers) {
   store.wait(keys, 60s);
 }
 
+// Holds the loop thread of this process's Gloo device for `hostname` (every pair's events wait)
+// from construction, once the loop is inside it, until release() or destruction.
+class LoopStall : public gloo::transport::tcp::Handler {
+ public:
+  explicit LoopStall(const std::string& hostname)
+      : device_(std::dynamic_pointer_cast<gloo::transport::tcp::Device>(
+            gloo_backend::sharedDevice(hostname))),
+        fd_(::eventfd(1, EFD_NONBLOCK | EFD_CLOEXEC)) {
+    if (!device_ || fd_ < 0) throw std::runtime_error("LoopStall: no TCP device or eventfd");
+    device_->registerDescriptor(fd_, EPOLLIN, this);
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!cv_.wait_for(lock, 10s, [&] { return entered_; })) {
+      throw std::runtime_error("LoopStall: the loop never ran the handler");
+    }
+  }
+  void release() {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!entered_ || done_) return;
+    released_ = true;
+    cv_.notify_all();
+    cv_.wait(lock, [&] { return done_; });
+  }
+  ~LoopStall() override {
+    release();
+    if (fd_ >= 0) ::close(fd_);
+  }
+  void handleEvents(int) override {
+    uint64_t v;
+    while (::read(fd_, &v, sizeof(v)) == static_cast<ssize_t>(sizeof(v))) {
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    entered_ = true;
+    cv_.notify_all();
+    cv_.wait(lock, [&] { return released_; });
+    device_->unregisterDescriptor(fd_, this);  // On the loop thread: no wait for a tick.
+    done_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  std::shared_ptr<gloo::transport::tcp::Device> device_;
+  int fd_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool entered_ = false, released_ = false, done_ = false;
+};
+
+// Waits until child `pid` has exited (its sockets closed), without reaping it.
+void waitExited(pid_t pid) {
+  siginfo_t info{};
+  ::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOWAIT);
+}
+
 // Four members; one is SIGKILLed in an allreduce. The three survivors build the next epoch
 // without connecting anything (each keeps its two links), then a new member joins: it connects
 // its three pairs (a Gloo pair and two lanes each, 9 connections), each survivor only its one
@@ -305,6 +366,60 @@ TEST(RepairTest, ALossDuringARepairStillKeepsTheRest) {
   group.signal(2, SIGKILL);
   auto exits = group.waitAll(120s);
   EXPECT_TRUE(exits[2].signaled && exits[3].signaled) << exits[2].str() << " " << exits[3].str();
+  for (size_t i : {0, 1}) {
+    EXPECT_TRUE(exits[i].exited && exits[i].code == 0) << "child " << i << " " << exits[i].str();
+  }
+}
+
+// Three members; worker 12 is SIGKILLed while worker 10's Gloo loop is held, so that 10's
+// watchers have not seen the loss (nor worker 11's goodbye) when 10 closes its communicator:
+// 10 sends goodbyes to both. The one to 12 fails in its in-place write and Gloo queues it for
+// good; it must cost no more than the goodbye budget, and the link to 11 must survive it (a
+// Gloo timeout there closes every pair: 10 then kept nothing and connected 11 anew). Epoch 1 of
+// 10 and 11 keeps their link and reduces exactly.
+TEST(RepairTest, AGoodbyeToAMemberThatHasJustDiedCostsTheOthersNothing) {
+  if (!gloo_backend::pairsAdoptConnections()) GTEST_SKIP() << "this Gloo's pairs cannot be kept";
+  ProcessGroup group;
+  PreForked children;
+  const std::vector<int> first = {10, 11, 12}, last = {10, 11};
+  for (int w : first) {
+    children.spawn(group, [&, w](uint16_t port) {
+      at::set_num_threads(1);
+      auto store = connectTo(port);
+      Checker c{w};
+      Built b;
+      auto comm = build(store, options(first, w, 0), &b);
+      if (w == 12) {
+        store->set("ready/12", toBytes("1"));
+        for (;;) std::this_thread::sleep_for(1s);  // Killed.
+      }
+      if (w == 11) {
+        runUntilLost(comm, *store);  // Its allreduce fails with the loss of 12.
+      } else {
+        LoopStall stall(options(first, w, 0).hostname);
+        store->set("ready/10", toBytes("1"));
+        store->get("killed", 60s);
+        const auto start = std::chrono::steady_clock::now();
+        std::thread closer([&] { comm.reset(); });
+        // Longer than the budget: the goodbyes are over (one written, one queued for good).
+        std::this_thread::sleep_for(500ms);
+        stall.release();
+        closer.join();
+        c.expectEq(sinew::testing::elapsedMs(start) < 2000, 1, "closing took under 2 s");
+      }
+      buildAndCheck(c, comm, store, options(last, w, 1), 0, 1);
+      return c.failures;
+    });
+  }
+  TcpStoreServer server{sinew::testing::serverOptions()};
+  for (size_t i = 0; i < children.size(); ++i) children.start(i, server.port());
+  auto store = connectTo(server.port());
+  waitReady(*store, first);
+  group.signal(2, SIGKILL);
+  waitExited(group.pid(2));
+  store->set("killed", toBytes("1"));
+  auto exits = group.waitAll(120s);
+  EXPECT_TRUE(exits[2].signaled) << exits[2].str();
   for (size_t i : {0, 1}) {
     EXPECT_TRUE(exits[i].exited && exits[i].code == 0) << "child " << i << " " << exits[i].str();
   }
