@@ -11,9 +11,10 @@
 // exact event sequences and times (tests/runtime/job_state_test.cc).
 //
 // Files: job_state.cc (sessions, membership, epochs, the vote), job_state_control.cc (the
-// control API and metrics), job_state_scaling.cc (the scaling curve and the costs of a resize
-// or drain), job_state_ha.cc (the persisted state and takeover); what is measured of the job
-// (commits, step times, recoveries, checkpoints) is a JobMeasures (job_measures.h).
+// control API and metrics), job_state_scaling.cc (what the scaling curve and the costs of a
+// resize or drain read of the job; they are a ResizeCosts, resize_costs.h), job_state_ha.cc (the
+// persisted state and takeover); what is measured of the job (commits, step times, recoveries,
+// checkpoints) is a JobMeasures (job_measures.h).
 //
 // Thread safety: none; the caller serializes every call.
 
@@ -42,6 +43,7 @@
 #include "sinew/runtime/event_log.h"
 #include "sinew/runtime/goodput_meter.h"
 #include "sinew/runtime/job_measures.h"
+#include "sinew/runtime/resize_costs.h"
 
 namespace sinew {
 namespace runtime {
@@ -229,27 +231,16 @@ class JobState {
   void updateDrains();
   void noteCommit(int64_t step);
   std::string state() const;
+  // Nodes the job trains on and keeps, and those it keeps when `going` leave too
+  // (ResizeCosts::nodesKept).
   int currentNodes() const;
   int nodesKept(const std::set<int>& going) const;
   std::vector<std::string> nodesOf(const std::vector<int>& workers) const;
   json drainJson(const Drain& d) const;
   // The goodput meter's account as the status shows it (docs/control_api.md, "goodput").
   nlohmann::json goodputJson(Clock::time_point now) const;
-  // The step time at n workers from the measured ones (data parallel: t(n) = a + b / n).
-  // The cost of the job's present members less `going` (docs/control_api.md, "Costs"):
-  // throughput after, predicted pause, state bytes to move, whether it forces a rollback.
-  json removalCost(const std::set<int>& going) const;
-  // The cost of a resize to `nodes` from the present size.
-  json resizeCost(int nodes) const;
-  // Each node's removalCost() with its name and workers, cheapest first: a node whose removal
-  // forces no rollback, then the most throughput kept, then the fewest bytes to move.
-  json nodeCosts() const;
-  // Pipelines: the state bytes the members of `next` must copy in from the present plan, and
-  // whether a layer of it has no live holder among the nodes that stay (a rollback).
-  std::pair<int64_t, bool> layerMoves(const pipeline::Plan& next) const;
-  int workersPerNode() const;
-  // The members' median compute time of their last step and their count ({0, 0}: not known).
-  std::pair<int, double> medianCompute() const;
+  // What the scaling curve and the costs of a resize or drain (ResizeCosts) read of the job.
+  CostInputs costInputs() const;
   // The liveness check (every heartbeatInterval / 2).
   void check(Clock::time_point now);
   void declareDead(int worker, const std::string& why);

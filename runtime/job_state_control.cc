@@ -128,29 +128,19 @@ json JobState::outcome() const {
 }
 
 std::vector<std::string> JobState::nodesOf(const std::vector<int>& workers) const {
-  std::vector<std::string> nodes;
+  std::vector<const std::string*> nodes;
   for (int id : workers) {
     auto it = workers_.find(id);
-    if (it == workers_.end()) continue;
-    if (std::find(nodes.begin(), nodes.end(), it->second.node) == nodes.end()) {
-      nodes.push_back(it->second.node);
-    }
+    if (it != workers_.end()) nodes.push_back(&it->second.node);
   }
-  return nodes;
+  return distinctNodes(nodes);
 }
 
 // Nodes the job trains on and keeps (members not on their way out).
 int JobState::currentNodes() const { return nodesKept({}); }
 
-// Nodes the job keeps when `going` leave too: a pipeline job counts whole nodes of
-// devices_per_node workers, a data-parallel one the nodes its staying workers are on.
 int JobState::nodesKept(const std::set<int>& going) const {
-  std::vector<int> staying;
-  for (int id : members_) {
-    if (!leaving_.count(id) && !going.count(id)) staying.push_back(id);
-  }
-  if (pipelineJob_) return static_cast<int>(staying.size()) / profile_.job.devices_per_node;
-  return static_cast<int>(nodesOf(staying).size());
+  return ResizeCosts(costInputs()).nodesKept(going);
 }
 
 json JobState::drainJson(const Drain& d) const {
@@ -435,7 +425,7 @@ ControlReply JobState::drain(const control::DrainRequest& request, Clock::time_p
     r.body = {{"dry_run", true},
               {"workers", std::vector<int>(chosen.begin(), chosen.end())},
               {"nodes", nodesOf(std::vector<int>(chosen.begin(), chosen.end()))},
-              {"cost", removalCost(chosen)}};
+              {"cost", ResizeCosts(costInputs()).removalCost(chosen)}};
     return r;
   }
   // What it takes: the rest of this step, then the checkpoint of it.
@@ -473,7 +463,7 @@ ControlReply JobState::drain(const control::DrainRequest& request, Clock::time_p
                         "dead then, and the job goes on from the last committed step";
   }
   r.body["nodes"] = nodesOf(stored.workers);
-  r.body["cost"] = removalCost(chosen);
+  r.body["cost"] = ResizeCosts(costInputs()).removalCost(chosen);
   event({{"event", "drain"},
          {"id", stored.id},
          {"workers", stored.workers},
