@@ -74,27 +74,26 @@ double timeMedianMs(int iterations, Op&& op, Barrier&& barrier) {
   return median(ms);
 }
 
-int runWorker(const std::string& variant, int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  int rank, size;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
-  at::set_num_threads(1);
-  auto mpiBarrier = [] { MPI_Barrier(MPI_COMM_WORLD); };
-
+// What a worker reduces with: Sinew's communicator (and rank 0's store server), or a plain
+// Gloo context (and its file store's directory); MPI needs nothing.
+struct Backends {
   std::unique_ptr<sinew::collectives::TcpStoreServer> server;
   std::unique_ptr<sinew::collectives::Communicator> comm;
   std::shared_ptr<gloo::rendezvous::Context> glooContext;
   std::string glooDir;
+};
+
+Backends connectBackends(const std::string& variant, int rank, int size) {
+  Backends b;
   if (variant == "sinew" || variant == "both") {
     // MPI only bootstraps: rank 0 serves the store and broadcasts its port.
     int port = 0;
     unsigned long long token = 0;
     if (rank == 0) {
-      server = std::make_unique<sinew::collectives::TcpStoreServer>(
+      b.server = std::make_unique<sinew::collectives::TcpStoreServer>(
           sinew::collectives::TcpStoreServerOptions());
-      port = server->port();
-      token = server->token();
+      port = b.server->port();
+      token = b.server->token();
     }
     MPI_Bcast(&port, 1, MPI_INT, 0, MPI_COMM_WORLD);
     MPI_Bcast(&token, 1, MPI_UNSIGNED_LONG_LONG, 0, MPI_COMM_WORLD);
@@ -106,25 +105,71 @@ int runWorker(const std::string& variant, int argc, char** argv) {
     for (int r = 0; r < size; ++r) o.members.push_back(r);
     o.self = rank;
     o.name = "bench";
-    comm = sinew::collectives::createGlooCommunicator(store, o);
+    b.comm = sinew::collectives::createGlooCommunicator(store, o);
   } else if (variant == "gloo") {
     char tmpl[] = "/tmp/sinew-bench-gloo-XXXXXX";
-    if (rank == 0) glooDir = mkdtemp(tmpl);
-    int len = glooDir.size();
+    if (rank == 0) b.glooDir = mkdtemp(tmpl);
+    int len = b.glooDir.size();
     MPI_Bcast(&len, 1, MPI_INT, 0, MPI_COMM_WORLD);
-    glooDir.resize(len);
-    MPI_Bcast(&glooDir[0], len, MPI_CHAR, 0, MPI_COMM_WORLD);
-    gloo::rendezvous::FileStore store(glooDir);
+    b.glooDir.resize(len);
+    MPI_Bcast(&b.glooDir[0], len, MPI_CHAR, 0, MPI_COMM_WORLD);
+    gloo::rendezvous::FileStore store(b.glooDir);
     gloo::transport::tcp::attr attr;
     attr.hostname = "127.0.0.1";
     auto device = gloo::transport::tcp::CreateDevice(attr);
-    glooContext = std::make_shared<gloo::rendezvous::Context>(rank, size);
-    glooContext->connectFullMesh(store, device);
+    b.glooContext = std::make_shared<gloo::rendezvous::Context>(rank, size);
+    b.glooContext->connectFullMesh(store, device);
   }
+  return b;
+}
 
-  auto mpiAllreduce = [](at::Tensor& t) {
-    MPI_Allreduce(MPI_IN_PLACE, t.data_ptr<float>(), t.numel(), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
-  };
+void glooSum(const std::shared_ptr<gloo::rendezvous::Context>& context, float* data, size_t n) {
+  gloo::AllreduceOptions opts(context);
+  opts.setOutput(data, n);
+  opts.setReduceFunction(
+      static_cast<void (*)(void*, const void*, const void*, size_t)>(&gloo::sum<float>));
+  gloo::allreduce(opts);
+}
+
+void mpiSum(float* data, int64_t n) {
+  MPI_Allreduce(MPI_IN_PLACE, data, n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+}
+
+// Sinew and MPI turn by turn on the same tensor, each operation after a barrier and on ones
+// (so that no run of sums overflows to inf), who goes first alternating: each one's median ms.
+std::pair<double, double> turnByTurnMs(sinew::collectives::Communicator& comm, at::Tensor& t,
+                                       int iterations) {
+  for (int i = 0; i < 2; ++i) {
+    comm.allreduce(t);
+    mpiSum(t.data_ptr<float>(), t.numel());
+  }
+  std::vector<double> mine, theirs;
+  for (int i = 0; i < iterations; ++i) {
+    for (int k = 0; k < 2; ++k) {
+      const bool sinewsTurn = (i + k) % 2 == 0;
+      t.fill_(1);
+      MPI_Barrier(MPI_COMM_WORLD);
+      auto start = Clock::now();
+      if (sinewsTurn) {
+        comm.allreduce(t);
+      } else {
+        mpiSum(t.data_ptr<float>(), t.numel());
+      }
+      (sinewsTurn ? mine : theirs)
+          .push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+    }
+  }
+  return {median(mine), median(theirs)};
+}
+
+int runWorker(const std::string& variant, int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  int rank, size;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  at::set_num_threads(1);
+  auto mpiBarrier = [] { MPI_Barrier(MPI_COMM_WORLD); };
+  Backends b = connectBackends(variant, rank, size);
   // Prints the slowest rank's median as "<tag> <bytes> <ms>".
   auto report = [&](const char* tag, size_t bytes, double ms) {
     double worst = 0;
@@ -136,62 +181,28 @@ int runWorker(const std::string& variant, int argc, char** argv) {
     at::Tensor t = at::ones({n}, at::kFloat);
     double ms = 0;
     if (variant == "both") {
-      // Turn by turn on the same tensor, each operation after a barrier and on ones (so
-      // that no run of sums overflows to inf), who goes first alternating.
-      for (int i = 0; i < 2; ++i) {
-        comm->allreduce(t);
-        mpiAllreduce(t);
-      }
-      std::vector<double> mine, theirs;
-      for (int i = 0; i < s.iterations; ++i) {
-        for (int k = 0; k < 2; ++k) {
-          const bool sinewsTurn = (i + k) % 2 == 0;
-          t.fill_(1);
-          mpiBarrier();
-          auto start = Clock::now();
-          if (sinewsTurn) {
-            comm->allreduce(t);
-          } else {
-            mpiAllreduce(t);
-          }
-          (sinewsTurn ? mine : theirs)
-              .push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
-        }
-      }
-      report("TIME.sinew", s.bytes, median(mine));
-      report("TIME.mpi", s.bytes, median(theirs));
+      const auto [mine, theirs] = turnByTurnMs(*b.comm, t, s.iterations);
+      report("TIME.sinew", s.bytes, mine);
+      report("TIME.mpi", s.bytes, theirs);
     } else if (variant == "sinew") {
       ms = timeMedianMs(
-          s.iterations, [&] { comm->allreduce(t); }, [&] { comm->barrier(); });
+          s.iterations, [&] { b.comm->allreduce(t); }, [&] { b.comm->barrier(); });
     } else if (variant == "gloo") {
       ms = timeMedianMs(
-          s.iterations,
-          [&] {
-            gloo::AllreduceOptions opts(glooContext);
-            opts.setOutput(t.data_ptr<float>(), n);
-            opts.setReduceFunction(
-                static_cast<void (*)(void*, const void*, const void*, size_t)>(&gloo::sum<float>));
-            gloo::allreduce(opts);
-          },
-          mpiBarrier);
+          s.iterations, [&] { glooSum(b.glooContext, t.data_ptr<float>(), n); }, mpiBarrier);
     } else {
       ms = timeMedianMs(
-          s.iterations, [&] { mpiAllreduce(t); }, mpiBarrier);
+          s.iterations, [&] { mpiSum(t.data_ptr<float>(), n); }, mpiBarrier);
     }
     // Every variant must compute the same thing: after 2 warm-ups and the timed runs
     // the value is size^(runs).. so check a fresh reduction instead.
     at::Tensor check = at::full({1024}, rank + 1.0f, at::kFloat);
     if (variant == "sinew" || variant == "both") {
-      comm->allreduce(check);
+      b.comm->allreduce(check);
     } else if (variant == "gloo") {
-      gloo::AllreduceOptions opts(glooContext);
-      opts.setOutput(check.data_ptr<float>(), 1024);
-      opts.setReduceFunction(
-          static_cast<void (*)(void*, const void*, const void*, size_t)>(&gloo::sum<float>));
-      gloo::allreduce(opts);
+      glooSum(b.glooContext, check.data_ptr<float>(), 1024);
     } else {
-      MPI_Allreduce(MPI_IN_PLACE, check.data_ptr<float>(), 1024, MPI_FLOAT, MPI_SUM,
-                    MPI_COMM_WORLD);
+      mpiSum(check.data_ptr<float>(), 1024);
     }
     float want = size * (size + 1) / 2.0f;
     if (check[0].item<float>() != want || check[1023].item<float>() != want) {
@@ -201,14 +212,14 @@ int runWorker(const std::string& variant, int argc, char** argv) {
     if (variant != "both") report("TIME", s.bytes, ms);
     std::fflush(stdout);
   }
-  comm.reset();
-  glooContext.reset();
+  b.comm.reset();
+  b.glooContext.reset();
   MPI_Barrier(MPI_COMM_WORLD);
-  server.reset();
-  if (rank == 0 && !glooDir.empty()) {
-    std::string cmd = "rm -rf '" + glooDir + "'";
+  b.server.reset();
+  if (rank == 0 && !b.glooDir.empty()) {
+    std::string cmd = "rm -rf '" + b.glooDir + "'";
     if (std::system(cmd.c_str()) != 0)
-      std::fprintf(stderr, "could not remove %s\n", glooDir.c_str());
+      std::fprintf(stderr, "could not remove %s\n", b.glooDir.c_str());
   }
   MPI_Finalize();
   return 0;

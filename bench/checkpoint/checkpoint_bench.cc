@@ -315,6 +315,112 @@ int benchGpu(int steps, int64_t width, int nlayers, int64_t batch) {
 }
 #endif
 
+// The benchmark's MLP of `nlayers` width x width layers on a fixed batch, with Adam's state
+// made by one step.
+Model buildModel(int nlayers, int64_t width, int64_t batch) {
+  torch::manual_seed(0);
+  Model m;
+  std::vector<torch::Tensor> params;
+  for (int i = 0; i < nlayers; ++i) {
+    m.layers.emplace_back(width, width);
+    for (auto& p : m.layers.back()->parameters()) params.push_back(p);
+  }
+  m.adam = std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-4));
+  m.input = torch::randn({batch, width});
+  m.target = torch::randn({batch, width});
+  forwardBackward(m);
+  m.adam->step();  // Creates Adam's state.
+  return m;
+}
+
+int64_t parameterCount(Model& m) {
+  int64_t n = 0;
+  for (auto& l : m.layers) {
+    for (auto& p : l->parameters()) n += p.numel();
+  }
+  return n;
+}
+
+// Replicates each completed snapshot of `arena` to the peer through `client`, from a thread of
+// its own; a version that completes while the last one is still being sent replaces the one
+// waiting.
+class Replicator {
+ public:
+  Replicator(SnapshotArena& arena, ReplicaClient& client) : client_(client) {
+    arena.setOnComplete([this](std::shared_ptr<const HostShard> s) {
+      std::lock_guard<std::mutex> lock(mu_);
+      pending_ = std::move(s);
+      cv_.notify_all();
+    });
+    thread_ = std::thread([this] { run(); });
+  }
+  ~Replicator() { stop(); }
+  // Stops the thread; the versions replicated.
+  int64_t stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+      cv_.notify_all();
+    }
+    if (thread_.joinable()) thread_.join();
+    return replicated_;
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      std::shared_ptr<const HostShard> s;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || pending_; });
+        if (stop_) return;
+        s = std::move(pending_);
+        pending_ = nullptr;
+      }
+      client_.put(*s);
+      replicated_++;
+    }
+  }
+
+  ReplicaClient& client_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::shared_ptr<const HostShard> pending_;
+  bool stop_ = false;
+  std::atomic<int64_t> replicated_{0};
+  std::thread thread_;
+};
+
+// One transfer of `bytes` over a new loopback connection to the peer's sink on `port`, until
+// the sink has read everything and closed: GB/s, or -1 if the connection failed.
+double rawTcpGbps(const uint8_t* data, uint64_t bytes, uint16_t port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(port);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  const auto t = Clock::now();
+  for (uint64_t off = 0; off < bytes;) {
+    ssize_t w = ::send(fd, data + off, std::min<uint64_t>(bytes - off, 4 << 20), 0);
+    if (w <= 0) {
+      ::close(fd);
+      return -1;
+    }
+    off += static_cast<uint64_t>(w);
+  }
+  ::shutdown(fd, SHUT_WR);
+  char c;
+  while (::recv(fd, &c, 1, 0) > 0) {  // Until the sink has read everything and closed.
+  }
+  const double gbps = bytes / since(t) / 1e9;
+  ::close(fd);
+  return gbps;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -365,20 +471,7 @@ int main(int argc, char** argv) {
   if (::read(up[0], ports, sizeof(ports)) != sizeof(ports)) return 1;
   const std::string replicaAddr = "127.0.0.1:" + std::to_string(ports[0]);
 
-  torch::manual_seed(0);
-  Model m;
-  std::vector<torch::Tensor> params;
-  for (int i = 0; i < nlayers; ++i) {
-    m.layers.emplace_back(width, width);
-    for (auto& p : m.layers.back()->parameters()) params.push_back(p);
-  }
-  int64_t nparams = 0;
-  for (auto& p : params) nparams += p.numel();
-  m.adam = std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-4));
-  m.input = torch::randn({batch, width});
-  m.target = torch::randn({batch, width});
-  forwardBackward(m);
-  m.adam->step();  // Creates Adam's state.
+  Model m = buildModel(nlayers, width, batch);
   ShardState state = stateOf(m);
   uint64_t stateBytes = 0;
   for (auto& l : state) {
@@ -386,8 +479,8 @@ int main(int argc, char** argv) {
   }
   std::printf(
       "model: %d layers of %lldx%lld, %.1f M params, checkpoint state %.2f GB, %d threads\n",
-      nlayers, static_cast<long long>(width), static_cast<long long>(width), nparams / 1e6,
-      stateBytes / 1e9, at::get_num_threads());
+      nlayers, static_cast<long long>(width), static_cast<long long>(width),
+      parameterCount(m) / 1e6, stateBytes / 1e9, at::get_num_threads());
 
   auto train = [&](const char* name, const std::function<double(int64_t)>& afterStep,
                    const std::function<double()>& beforeUpdate) {
@@ -402,45 +495,14 @@ int main(int argc, char** argv) {
   co.token = kBenchToken;
   co.timeout = std::chrono::milliseconds(120000);
   ReplicaClient client(1, replicaAddr, co);
-  std::mutex mu;
-  std::condition_variable cv;
-  std::shared_ptr<const HostShard> pending;
-  bool stop = false;
-  std::atomic<int64_t> replicated{0};
-  double replSeconds = 0;
-  arena.setOnComplete([&](std::shared_ptr<const HostShard> s) {
-    std::lock_guard<std::mutex> lock(mu);
-    pending = std::move(s);
-    cv.notify_all();
-  });
-  std::thread replicator([&] {
-    for (;;) {
-      std::shared_ptr<const HostShard> s;
-      {
-        std::unique_lock<std::mutex> lock(mu);
-        cv.wait(lock, [&] { return stop || pending; });
-        if (stop) return;
-        s = std::move(pending);
-        pending = nullptr;
-      }
-      auto t = Clock::now();
-      client.put(*s);
-      replSeconds += since(t);
-      replicated++;
-    }
-  });
+  Replicator replicator(arena, client);
   Run sinewRun = train("sinew snapshot + replication", snapshotAfter(arena, m), waitBefore(arena));
   arena.waitBeforeUpdate();
   auto snapStats = arena.stats();
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    stop = true;
-    cv.notify_all();
-  }
-  replicator.join();
+  const int64_t replicated = replicator.stop();
   std::printf("  snapshots taken %lld, skipped %lld, versions replicated %lld\n",
               static_cast<long long>(snapStats.taken), static_cast<long long>(snapStats.skipped),
-              static_cast<long long>(replicated.load()));
+              static_cast<long long>(replicated));
 
   const std::string path = "/tmp/sinew-bench-checkpoint.pt";
   Run save = train("torch::save every step", torchSaveAfter(m, path), nullptr);
@@ -459,24 +521,9 @@ int main(int argc, char** argv) {
     t = Clock::now();
     client.put(*latest);
     replGbps = std::max(replGbps, bytes / since(t) / 1e9);
-    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    a.sin_port = htons(ports[1]);
-    if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) return 1;
-    t = Clock::now();
-    for (uint64_t off = 0; off < bytes;) {
-      ssize_t w = ::send(fd, latest->data() + off, std::min<uint64_t>(bytes - off, 4 << 20), 0);
-      if (w <= 0) return 1;
-      off += static_cast<uint64_t>(w);
-    }
-    ::shutdown(fd, SHUT_WR);
-    char c;
-    while (::recv(fd, &c, 1, 0) > 0) {  // Until the sink has read everything and closed.
-    }
-    rawGbps = std::max(rawGbps, bytes / since(t) / 1e9);
-    ::close(fd);
+    const double raw = rawTcpGbps(latest->data(), bytes, ports[1]);
+    if (raw < 0) return 1;
+    rawGbps = std::max(rawGbps, raw);
   }
   std::printf(
       "memcpy %.2f GB/s, snapshot copy+crc32c %.2f GB/s, replication %.2f GB/s, raw TCP %.2f "

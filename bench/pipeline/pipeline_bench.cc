@@ -362,86 +362,38 @@ JobStats runJob(const std::string& name, const std::vector<std::string>& args, i
   return stats;
 }
 
-}  // namespace
+// Layer copies: a wider model (width 256, 4 blocks, float32: about 9.5 MB of parameters
+// and Adam state per block, 25 MB per worker) on 6 workers as pipelines of 2 or 3 stages; worker
+// 2 is killed at step 4, and the survivors' plan (since 2026-11-27 the last plan reconfigured:
+// 3+3 shrinks to 2+3, 2+2+2 merges into 3+2) makes them copy whole blocks from live
+// workers. The largest copy one worker received, against raw TCP moving the same bytes (in this
+// run, between two processes), and the chunked exchange alone on the same bytes.
+// kCopyRuns runs (the copies share two cores with the other survivors, and one run's ratio
+// varied from 0.3 to 0.9): each against raw TCP on its bytes measured right after it, and
+// the run of the median largest-copy ratio is printed.
+struct CopyRun {
+  JobStats job;
+  double tcpS = 0;
+  double ratio = 0;       // raw TCP time / the largest copy's time
+  double freshTcpS = 0;   // the same bytes as the first transfer on a new connection
+  double freshRatio = 0;  // that time / the largest copy's time
+  double allRatio = 0;    // all receivers' throughput / one raw TCP stream's
+  // Raw TCP moving that reconfiguration's copies at once (one stream per receiver) / Sinew:
+  // the slowest raw stream's time over the longest receive time.
+  double concurrentTcpS = 0;
+  double concurrentRatio = 0;
+  // exchangeInChunks moving the same copies at once, one pair of processes per receiver:
+  // the transport under the job's concurrency without the job's other work.
+  double concurrentChunkedS = 0;
+};
 
-int main(int argc, char** argv) {
-  int steps = 60;
-  if (argc == 3 && std::string(argv[1]) == "--steps") steps = std::max(15, std::atoi(argv[2]));
-  at::set_num_threads(1);
-  double tcp = rawTcpSeconds();
-  double sinew = sinewSeconds();
-  std::printf("activation transfer of %lld MiB (median of %d, half a round trip)\n",
-              static_cast<long long>(kBytes >> 20), kRounds);
-  std::printf("  raw loopback TCP        %8.3f ms  %6.2f GB/s\n", tcp * 1e3, kBytes / tcp / 1e9);
-  std::printf("  Sinew exchange (lanes)  %8.3f ms  %6.2f GB/s\n", sinew * 1e3,
-              kBytes / sinew / 1e9);
-
-  JobStats pp = runJob("pp", {"--fault-tolerance", "0", "--memory-bytes", "4400000"}, steps);
-  JobStats dp = runJob("dp", {"--data-parallel"}, steps);
-  auto ratio = [](const JobStats& j) {
-    return j.predictedIterationS > 0 ? j.measuredIterationS / j.predictedIterationS : 0;
-  };
-  // The cost model's comparison: three runs, each with its own profile and prediction (this
-  // machine's speed varies by a quarter from run to run), and the run of the median ratio.
-  std::vector<JobStats> bares;
-  for (int i = 0; i < 3; ++i) {
-    bares.push_back(runJob(
-        "pp-bare",
-        {"--fault-tolerance", "0", "--memory-bytes", "4400000", "--peer-checkpoint-every", "0"},
-        steps));
-  }
-  std::sort(bares.begin(), bares.end(),
-            [&](const JobStats& a, const JobStats& b) { return ratio(a) < ratio(b); });
-  const JobStats bare = bares[1];
-  std::printf("train_pp on 2 workers, %d steps\n", steps);
-  std::printf(
-      "  cost model, 3 runs without peer-RAM versions: measured / predicted %.3f %.3f %.3f\n",
-      ratio(bares[0]), ratio(bares[1]), ratio(bares[2]));
-  std::printf(
-      "  pipeline (2 stages), without peer-RAM versions: 1F1B %8.3f ms/step measured (%.3f ms "
-      "of it in sends and receives), %8.3f ms predicted (x%.3f); %8.1f samples/s\n",
-      bare.measuredIterationS * 1e3, bare.waitS * 1e3, bare.predictedIterationS * 1e3, ratio(bare),
-      bare.samplesPerS);
-  std::printf(
-      "  pipeline (2 stages), with peer-RAM versions:    1F1B %8.3f ms/step measured (%.3f ms "
-      "of it in sends and receives), %8.3f ms predicted (x%.3f); %8.1f samples/s\n",
-      pp.measuredIterationS * 1e3, pp.waitS * 1e3, pp.predictedIterationS * 1e3, ratio(pp),
-      pp.samplesPerS);
-  std::printf("  data parallel:                                  %8.1f samples/s\n",
-              dp.samplesPerS);
-  const double iterRatio = ratio(bare);
-  double ppVsDp = dp.samplesPerS > 0 ? pp.samplesPerS / dp.samplesPerS : 0;
-  double peerRatio = pp.samplesPerS > 0 ? bare.samplesPerS / pp.samplesPerS : 0;
-
-  // 5. Layer copies: a wider model (width 256, 4 blocks, float32: about 9.5 MB of parameters
-  // and Adam state per block, 25 MB per worker) on 6 workers as pipelines of 2 or 3 stages; worker
-  // 2 is killed at step 4, and the survivors' plan (since 2026-11-27 the last plan reconfigured:
-  // 3+3 shrinks to 2+3, 2+2+2 merges into 3+2) makes them copy whole blocks from live
-  // workers. The largest copy one worker received, against raw TCP moving the same bytes (in this
-  // run, between two processes), and the chunked exchange alone on the same bytes.
-  // kCopyRuns runs (the copies share two cores with the other survivors, and one run's ratio
-  // varied from 0.3 to 0.9): each against raw TCP on its bytes measured right after it, and
-  // the run of the median largest-copy ratio is printed.
-  struct CopyRun {
-    JobStats job;
-    double tcpS = 0;
-    double ratio = 0;       // raw TCP time / the largest copy's time
-    double freshTcpS = 0;   // the same bytes as the first transfer on a new connection
-    double freshRatio = 0;  // that time / the largest copy's time
-    double allRatio = 0;    // all receivers' throughput / one raw TCP stream's
-    // Raw TCP moving that reconfiguration's copies at once (one stream per receiver) / Sinew:
-    // the slowest raw stream's time over the longest receive time.
-    double concurrentTcpS = 0;
-    double concurrentRatio = 0;
-    // exchangeInChunks moving the same copies at once, one pair of processes per receiver:
-    // the transport under the job's concurrency without the job's other work.
-    double concurrentChunkedS = 0;
-  };
+// The kCopyRuns copy jobs, each with its baseline of autotuned lane buffers in turn
+// (`autotunedRatios`: the largest copy against raw TCP, in run order).
+std::vector<CopyRun> runCopies(std::vector<double>& autotunedRatios) {
   std::vector<CopyRun> copies;
   // The baseline, in turn with them: the same job with the kernel's autotuned buffers on the
   // lanes (SINEW_GLOO_LANE_SOCKET_BUFFER_BYTES=0), the largest copy against raw TCP measured right
   // after it.
-  std::vector<double> autotunedRatios;
   auto copyJob = [](const std::string& laneBuffer) {
     JobStats job = runJob(
         "copy",
@@ -455,8 +407,6 @@ int main(int argc, char** argv) {
     }
     return job;
   };
-  const int laneBuffers =
-      sinew::collectives::Lanes::usableSocketBufferBytes(kLaneSocketBufferBytes);
   for (int i = 0; i < kCopyRuns; ++i) {
     // Which of the two goes first alternates.
     auto baseline = [&] {
@@ -482,6 +432,24 @@ int main(int argc, char** argv) {
     r.concurrentRatio = r.concurrentTcpS / r.job.allCopySeconds;
     copies.push_back(r);
   }
+  return copies;
+}
+
+// The copy runs' ratios, what the RESULT line reports of them.
+struct CopyFigures {
+  double largestRatio = 0;
+  double allRatio = 0;
+  double concurrentRatio = 0;
+  double chunkedRatio = 0;
+  double concurrentChunkedRatio = 0;
+  double freshRatio = 0;
+  double autotunedRatio = 0;
+};
+
+// Prints each copy run and the run of the median largest-copy ratio.
+CopyFigures printCopies(std::vector<CopyRun> copies, const std::vector<double>& autotunedRatios) {
+  const int laneBuffers =
+      sinew::collectives::Lanes::usableSocketBufferBytes(kLaneSocketBufferBytes);
   std::vector<double> allRatios, concurrentRatios, concurrentChunkedRatios, freshRatios;
   for (const auto& r : copies) {
     freshRatios.push_back(r.freshRatio);
@@ -562,13 +530,100 @@ int main(int argc, char** argv) {
       "  exchangeInChunks, %zu pairs %6.3f ms  %6.2f GB/s  (each receiver's bytes, at once)\n",
       copy.epochCopies.size(), mid.concurrentChunkedS * 1e3,
       copy.allCopiedBytes / mid.concurrentChunkedS / 1e9);
+  CopyFigures f;
+  f.largestRatio = mid.ratio;
+  f.allRatio = allRatio;
+  f.concurrentRatio = concurrentRatio;
+  f.chunkedRatio = copyTcp / copyChunked;
+  f.concurrentChunkedRatio = concurrentChunkedRatio;
+  f.freshRatio = freshRatio;
+  f.autotunedRatio = median(autotunedRatios);
+  return f;
+}
+
+// The activation transfer, the cost model and pipelines against data parallel; the RESULT
+// line's first figures.
+struct IterationFigures {
+  double p2pRatio = 0;
+  double iterRatio = 0;
+  double ppVsDp = 0;
+  double peerRatio = 0;
+  double iterRatioWithPeerRam = 0;
+};
+
+IterationFigures runIterations(int steps) {
+  double tcp = rawTcpSeconds();
+  double sinew = sinewSeconds();
+  std::printf("activation transfer of %lld MiB (median of %d, half a round trip)\n",
+              static_cast<long long>(kBytes >> 20), kRounds);
+  std::printf("  raw loopback TCP        %8.3f ms  %6.2f GB/s\n", tcp * 1e3, kBytes / tcp / 1e9);
+  std::printf("  Sinew exchange (lanes)  %8.3f ms  %6.2f GB/s\n", sinew * 1e3,
+              kBytes / sinew / 1e9);
+
+  JobStats pp = runJob("pp", {"--fault-tolerance", "0", "--memory-bytes", "4400000"}, steps);
+  JobStats dp = runJob("dp", {"--data-parallel"}, steps);
+  auto ratio = [](const JobStats& j) {
+    return j.predictedIterationS > 0 ? j.measuredIterationS / j.predictedIterationS : 0;
+  };
+  // The cost model's comparison: three runs, each with its own profile and prediction (this
+  // machine's speed varies by a quarter from run to run), and the run of the median ratio.
+  std::vector<JobStats> bares;
+  for (int i = 0; i < 3; ++i) {
+    bares.push_back(runJob(
+        "pp-bare",
+        {"--fault-tolerance", "0", "--memory-bytes", "4400000", "--peer-checkpoint-every", "0"},
+        steps));
+  }
+  std::sort(bares.begin(), bares.end(),
+            [&](const JobStats& a, const JobStats& b) { return ratio(a) < ratio(b); });
+  const JobStats bare = bares[1];
+  std::printf("train_pp on 2 workers, %d steps\n", steps);
+  std::printf(
+      "  cost model, 3 runs without peer-RAM versions: measured / predicted %.3f %.3f %.3f\n",
+      ratio(bares[0]), ratio(bares[1]), ratio(bares[2]));
+  std::printf(
+      "  pipeline (2 stages), without peer-RAM versions: 1F1B %8.3f ms/step measured (%.3f ms "
+      "of it in sends and receives), %8.3f ms predicted (x%.3f); %8.1f samples/s\n",
+      bare.measuredIterationS * 1e3, bare.waitS * 1e3, bare.predictedIterationS * 1e3, ratio(bare),
+      bare.samplesPerS);
+  std::printf(
+      "  pipeline (2 stages), with peer-RAM versions:    1F1B %8.3f ms/step measured (%.3f ms "
+      "of it in sends and receives), %8.3f ms predicted (x%.3f); %8.1f samples/s\n",
+      pp.measuredIterationS * 1e3, pp.waitS * 1e3, pp.predictedIterationS * 1e3, ratio(pp),
+      pp.samplesPerS);
+  std::printf("  data parallel:                                  %8.1f samples/s\n",
+              dp.samplesPerS);
+  const double iterRatio = ratio(bare);
+  double ppVsDp = dp.samplesPerS > 0 ? pp.samplesPerS / dp.samplesPerS : 0;
+  double peerRatio = pp.samplesPerS > 0 ? bare.samplesPerS / pp.samplesPerS : 0;
+
+  IterationFigures f;
+  f.p2pRatio = tcp / sinew;
+  f.iterRatio = iterRatio;
+  f.ppVsDp = ppVsDp;
+  f.peerRatio = peerRatio;
+  f.iterRatioWithPeerRam = ratio(pp);
+  return f;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int steps = 60;
+  if (argc == 3 && std::string(argv[1]) == "--steps") steps = std::max(15, std::atoi(argv[2]));
+  at::set_num_threads(1);
+  const IterationFigures it = runIterations(steps);
+  std::vector<double> autotunedRatios;
+  std::vector<CopyRun> copies = runCopies(autotunedRatios);
+  const CopyFigures cf = printCopies(std::move(copies), autotunedRatios);
   std::printf(
       "RESULT pp_iter_vs_model=%.3f p2p_ratio_vs_tcp=%.3f pp_vs_dp=%.3f peer_ram_step_ratio=%.3f "
       "pp_iter_vs_model_with_peer_ram=%.3f layer_copy_ratio_vs_tcp=%.3f "
       "layer_copy_all_ratio_vs_tcp=%.3f layer_copy_concurrent_ratio_vs_tcp=%.3f "
       "chunked_exchange_ratio_vs_tcp=%.3f chunked_exchange_concurrent_ratio_vs_tcp=%.3f "
       "layer_copy_ratio_vs_fresh_tcp=%.3f layer_copy_ratio_vs_tcp_autotuned_lanes=%.3f\n",
-      iterRatio, tcp / sinew, ppVsDp, peerRatio, ratio(pp), mid.ratio, allRatio, concurrentRatio,
-      copyTcp / copyChunked, concurrentChunkedRatio, freshRatio, median(autotunedRatios));
+      it.iterRatio, it.p2pRatio, it.ppVsDp, it.peerRatio, it.iterRatioWithPeerRam, cf.largestRatio,
+      cf.allRatio, cf.concurrentRatio, cf.chunkedRatio, cf.concurrentChunkedRatio, cf.freshRatio,
+      cf.autotunedRatio);
   return 0;
 }
