@@ -19,7 +19,6 @@ EXCLUDED_TESTS=(
 EXCLUDED_CASES=(
   SnapshotTest.MemoryStaysFlatOverAThousandCheckpointsWithReplication
   TrainerTest.TheDataParallelGradientSumNeedsABucketNotACopyOfEveryGradient
-  JobTest.KillBetweenReductionAndOptimizerStep
 )
 
 launcher=()
