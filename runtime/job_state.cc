@@ -431,7 +431,7 @@ void JobState::onHello(SessionId s, const json& body) {
     declareDead(id, "the job has already finished");
   } else if (requested < 0 && targetNodes_ >= 0 &&
              currentNodes() + static_cast<int>(pendingJoin_.size()) /
-                                  (pipelineJob_ ? profile_.job.devices_per_node : 1) >=
+                                  (plans_.on() ? plans_.devicesPerNode() : 1) >=
                  targetNodes_) {
     joinersStarting_ = std::max(0, joinersStarting_ - 1);
     release(id, "the job is at its resize target of " + std::to_string(targetNodes_) + " nodes");
@@ -522,9 +522,9 @@ void JobState::newEpoch(const std::string& why, std::vector<int> joiners,
   pendingJoin_.clear();
   std::sort(joined.begin(), joined.end());
   json body = epochBody(joined, first || !joined.empty());
-  if (pipelineJob_) {
+  if (plans_.on()) {
     try {
-      EpochPlan made = pipelinePlan();
+      PipelinePlans::EpochPlan made = plans_.forMembers(members_, epoch_);
       const pipeline::Plan& plan = made.plan;
       body["plan"] = pipeline::planToJson(plan);
       std::vector<std::vector<int>> pipelines;
@@ -543,7 +543,7 @@ void JobState::newEpoch(const std::string& why, std::vector<int> joiners,
              {"workers", holds},
              {"pipelines", plan.pipelines.size()},
              {"iteration_ticks", plan.iterationTicks}});
-      plan_ = plan;
+      plans_.setCurrent(plan);
     } catch (const Error& e) {
       return failJob("no pipeline plan for the " + std::to_string(members_.size()) +
                      " workers of epoch " + std::to_string(epoch_) + ": " + e.what());
@@ -612,7 +612,7 @@ void JobState::onWithdraw(int worker, int64_t step) {
 // epoch this starts (docs/pipeline.md, "Rollback"). Only before the epoch's first commit.
 void JobState::onRollback(int worker, int64_t step) {
   const std::string who = "worker " + std::to_string(worker) + "'s rollback to step ";
-  if (!pipelineJob_ || epochCommits_ > 0 || step >= committed_) {
+  if (!plans_.on() || epochCommits_ > 0 || step >= committed_) {
     log("ignoring " + who + std::to_string(step) + " (epoch " + std::to_string(epoch_) +
         " resumes at step " + std::to_string(committed_ + 1) +
         (epochCommits_ > 0 ? ", and has committed steps" : "") + ")");
@@ -635,7 +635,7 @@ void JobState::onRollback(int worker, int64_t step) {
 // the plan; every later epoch re-instantiates them for its members. Later requests are
 // ignored: the first one fixed the job's templates.
 void JobState::onPipeline(int worker, const json& body) {
-  if (pipelineJob_) return;
+  if (plans_.on()) return;
   const std::string who = "worker " + std::to_string(worker) + "'s pipeline request: ";
   std::string error = planPipelines(body, -1);
   if (!error.empty()) return failJob(who + error);
@@ -646,122 +646,12 @@ void JobState::onPipeline(int worker, const json& body) {
 // members' nodes) up to the workers the job may grow to (max_workers). A coordinator taking
 // over plans them again from the request its predecessor persisted (the planner is
 // deterministic, so they are the predecessor's templates) and reconfigures the predecessor's
-// last plan, which it persisted too (pipelinePlan).
+// last plan, which it persisted too (PipelinePlans::forMembers).
 std::string JobState::planPipelines(const json& body, int nodes) {
-  try {
-    profile_ = pipeline::parseProfileJson(body.at("profile").get<std::string>());
-  } catch (const Error& e) {
-    return std::string("bad profile: ") + e.what();
-  }
-  const int G = profile_.job.devices_per_node;
-  if (nodes < 0) nodes = static_cast<int>(members_.size()) / G;
-  planOptions_.fault_tolerance = body.at("fault_tolerance").get<int>();
-  planOptions_.global_microbatches = body.at("microbatches").get<int64_t>();
-  // The most workers the job may grow to by joins (absent or 0: the workers it starts with).
-  int64_t maxWorkers = 0;
-  try {
-    if (body.contains("max_workers")) {
-      maxWorkers = sinew::detail::jsonInt(body["max_workers"], "max_workers", 0, 1 << 20);
-    }
-  } catch (const Error& e) {
-    return e.what();
-  }
-  try {
-    if (nodes < 1) {
-      SINEW_THROW(InvalidArgument, members_.size(), " workers are fewer than one node of ",
-                  "devices_per_node = ", G);
-    }
-    pipeline::TemplateOptions to;
-    to.nodes = nodes;
-    to.max_nodes = static_cast<int>(maxWorkers / G);
-    to.fault_tolerance = planOptions_.fault_tolerance;
-    to.global_microbatches = planOptions_.global_microbatches;
-    templates_ = pipeline::planTemplates(profile_, to);
-  } catch (const Error& e) {
-    return e.what();
-  }
-  pipelineJob_ = true;
-  pipelineRequest_ = body;
-  pipelineNodes_ = nodes;
-  log("planned pipeline templates for " + std::to_string(templates_.min_nodes) + ".." +
-      std::to_string(templates_.max_nodes) + " nodes (" + std::to_string(nodes) + " nodes of " +
-      std::to_string(G) + " workers, up to " +
-      std::to_string(std::max<int64_t>(nodes, maxWorkers / G)) +
-      " nodes by joins, fault tolerance " + std::to_string(planOptions_.fault_tolerance) + ")");
-  return "";
-}
-
-// The plan for members_: with G devices per node, node k is members [kG, kG + G) in
-// ascending id order (its id the first of them, device i the i-th); members beyond the last
-// full node stay idle. Throws InvalidArgument if the templates cannot cover them.
-// When the members are the nodes of the last epoch's plan less some lost ones (one device per
-// node: with more, a loss renumbers the nodes after it), the plan is that plan reconfigured
-// from the templates (pipeline::reconfigure, docs/pipeline.md section 5): pipelines that lost
-// no node keep their nodes and layers; one that lost some shrinks to a smaller template,
-// takes idle nodes, borrows from the largest pipeline or merges with another, and if none of
-// that applies all survivors are re-planned ("replan"). Otherwise (the first epoch, joins,
-// several devices per node) the templates are instantiated for all of them
-// (pipeline::makePlan; after the first epoch with fewer than f + 1 pipelines if the nodes
-// cannot hold them). The same nodes as the last epoch's keep its plan. A new leader starts
-// from its predecessor's last plan (persisted with the job's state).
-JobState::EpochPlan JobState::pipelinePlan() const {
-  const int G = profile_.job.devices_per_node;
-  const int nodes = static_cast<int>(members_.size()) / G;
-  std::vector<int> nodeIds;
-  for (int k = 0; k < nodes; ++k) nodeIds.push_back(members_[k * G]);
-  EpochPlan out = planOnNodes(nodeIds);
-  out.plan.epoch = epoch_;
-  for (auto& w : out.plan.workers) {
-    const int k =
-        static_cast<int>(std::find(nodeIds.begin(), nodeIds.end(), w.node) - nodeIds.begin());
-    w.worker = members_[k * G + w.device];
-  }
-  return out;
-}
-
-JobState::EpochPlan JobState::planOnNodes(const std::vector<int>& nodeIds) const {
-  const int G = profile_.job.devices_per_node;
-  EpochPlan out;
-  if (G == 1 && plan_) {
-    std::set<int> before(plan_->idleNodeIds.begin(), plan_->idleNodeIds.end());
-    for (const auto& p : plan_->pipelines) before.insert(p.nodeIds.begin(), p.nodeIds.end());
-    bool onlyLosses = true;
-    for (int id : nodeIds) onlyLosses = onlyLosses && before.count(id) > 0;
-    std::vector<int> lost;
-    for (int id : before) {
-      if (std::find(nodeIds.begin(), nodeIds.end(), id) == nodeIds.end()) lost.push_back(id);
-    }
-    if (onlyLosses && lost.empty()) {
-      // The same nodes (a rollback, or a reconfiguration tried again): the same plan, so that
-      // no layer moves for nothing.
-      out.plan = *plan_;
-      out.how = "unchanged";
-    } else if (onlyLosses) {
-      try {
-        pipeline::Reconfiguration r = pipeline::reconfigure(templates_, *plan_, lost);
-        out.plan = std::move(r.plan);
-        out.how = pipeline::reconfigurationKindName(r.kind);
-        out.steps = std::move(r.steps);
-      } catch (const InvalidArgument&) {
-        // Too few survivors for the templates: makePlan says so below, in its own words.
-      }
-    }
-  }
-  if (out.how.empty()) {
-    // After the first epoch, with fewer pipelines than f + 1 if the nodes cannot hold that
-    // many (as pipeline::reconfigure's re-plan and its borrows and merges may leave the job):
-    // training goes on with every node it has.
-    out.plan = plan_ ? pipeline::makePlanLoweringFaultTolerance(templates_, nodeIds, planOptions_)
-                     : pipeline::makePlan(templates_, nodeIds, planOptions_);
-    if (out.plan.faultTolerance < planOptions_.fault_tolerance) {
-      out.steps.push_back("no plan of " + std::to_string(planOptions_.fault_tolerance + 1) +
-                          " pipelines for these nodes: " +
-                          std::to_string(out.plan.faultTolerance + 1) + " instead");
-    }
-    out.plan.faultTolerance = planOptions_.fault_tolerance;  // keep aiming for f + 1
-    out.how = "instantiated";
-  }
-  return out;
+  std::string summary;
+  const std::string error = plans_.plan(body, nodes, members_.size(), &summary);
+  if (error.empty()) log(summary);
+  return error;
 }
 
 // Ends the job: every worker is expelled with the reason (e.g. a plan no template fits).
@@ -981,17 +871,17 @@ void JobState::declareDead(int worker, const std::string& why) {
   // epoch's first member; pipelines: any member): status stops saying "checkpointing".
   const bool writerLost =
       !members_.empty() &&
-      (pipelineJob_ ? wasMember
-                    : std::find(victims.begin(), victims.end(), members_.front()) != victims.end());
+      (plans_.on() ? wasMember
+                   : std::find(victims.begin(), victims.end(), members_.front()) != victims.end());
   if (writerLost && checkpointStep_ > measures_.durable().step) {
     event({{"event", "checkpoint_abandoned"}, {"step", checkpointStep_}, {"reason", why}});
     checkpointStep_ = -1;
   }
   // A writer of the last durable version among the dead (data parallel: the epoch's first
   // member; pipelines: every member) needs the next epoch's writer to write it.
-  const bool writerDied = checkpointsOn_ && !members_.empty() &&
-                          (pipelineJob_ || std::find(victims.begin(), victims.end(),
-                                                     members_.front()) != victims.end());
+  const bool writerDied =
+      checkpointsOn_ && !members_.empty() &&
+      (plans_.on() || std::find(victims.begin(), victims.end(), members_.front()) != victims.end());
   if (epoch_ >= 0 && wasMember && !finished_ && totalSteps_ > 0 && committed_ + 1 >= totalSteps_ &&
       !writerDied) {
     // Every step is committed: the members that live have applied the last one (or will: a

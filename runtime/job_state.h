@@ -14,7 +14,8 @@
 // control API and metrics), job_state_scaling.cc (what the scaling curve and the costs of a
 // resize or drain read of the job; they are a ResizeCosts, resize_costs.h), job_state_ha.cc (the
 // persisted state and takeover); what is measured of the job (commits, step times, recoveries,
-// checkpoints) is a JobMeasures (job_measures.h).
+// checkpoints) is a JobMeasures (job_measures.h), and a pipeline job's templates and plans a
+// PipelinePlans (pipeline_plans.h).
 //
 // Thread safety: none; the caller serializes every call.
 
@@ -43,6 +44,7 @@
 #include "sinew/runtime/event_log.h"
 #include "sinew/runtime/goodput_meter.h"
 #include "sinew/runtime/job_measures.h"
+#include "sinew/runtime/pipeline_plans.h"
 #include "sinew/runtime/resize_costs.h"
 
 namespace sinew {
@@ -258,16 +260,6 @@ class JobState {
   void onPipeline(int worker, const json& body);
   void onRollback(int worker, int64_t step);
   void onWithdraw(int worker, int64_t step);
-  // A plan for members_ and how it was made (pipelinePlan).
-  struct EpochPlan {
-    pipeline::Plan plan;
-    std::string how;                 // "instantiated" or a pipeline::reconfigurationKindName
-    std::vector<std::string> steps;  // a reconfiguration's steps, for the log
-  };
-  EpochPlan pipelinePlan() const;
-  // The plan pipelinePlan would make for nodes `nodeIds` (each node's first worker id; the
-  // plan's workers unbound), from the templates and the present plan.
-  EpochPlan planOnNodes(const std::vector<int>& nodeIds) const;
   void failJob(const std::string& why);
   // High availability (docs/ha.md). Whether this coordinator may still send (its term has
   // not ended); a false answer ends the term.
@@ -308,11 +300,9 @@ class JobState {
   bool stopped_ = false;
   int64_t dropped_ = 0;
   int64_t ignored_ = 0;
-  // A pipeline job (docs/pipeline.md): the profile and options a worker sent, and the
-  // templates planned once from them; every epoch after carries its plan.
-  bool pipelineJob_ = false;
-  json pipelineRequest_;  // the request the templates were planned from, and for how many nodes
-  int pipelineNodes_ = 0;
+  // A pipeline job (docs/pipeline.md): the templates planned once from the profile and options
+  // a worker sent, and the current epoch's plan; every epoch after carries its plan.
+  PipelinePlans plans_;
   // High availability (docs/ha.md).
   bool deposed_ = false;
   Clock::time_point lastPersist_{};
@@ -320,12 +310,6 @@ class JobState {
   bool takingOver_ = false;          // waiting for the members of takeoverMembers_
   std::set<int> takeoverMembers_;    // the previous leader's last epoch's members
   std::map<int, int64_t> rejoined_;  // reconnected members -> the last commit they had
-  pipeline::Profile profile_;
-  pipeline::PlanOptions planOptions_;
-  pipeline::TemplateSet templates_;
-  // The plan of the current epoch (pipeline jobs; none before the first, nor on a new leader
-  // until its first epoch): the next epoch's plan starts from it (pipelinePlan).
-  std::optional<pipeline::Plan> plan_;
 
   // The control API (docs/control_api.md).
   Clock::time_point startTime_{};

@@ -207,9 +207,10 @@ ControlReply JobState::status(Clock::time_point now) {
   b["members"] = members;
   b["pending_joiners"] = pendingJoin_;
   b["nodes"] = currentNodes();
-  if (pipelineJob_ && !members_.empty()) {
+  if (plans_.on() && !members_.empty()) {
     try {
-      b["plan"] = json::parse(pipeline::planToJson(plan_ ? *plan_ : pipelinePlan().plan));
+      b["plan"] = json::parse(pipeline::planToJson(
+          plans_.current() ? *plans_.current() : plans_.forMembers(members_, epoch_).plan));
     } catch (const std::exception& e) {
       b["plan"] = json{{"error", e.what()}};
     }
@@ -290,12 +291,12 @@ ControlReply JobState::resize(int64_t nodes, Clock::time_point at) {
     }
     r.body["released_joiners"] = surplus;
   }
-  if (pipelineJob_) {
-    const int G = profile_.job.devices_per_node;
+  if (plans_.on()) {
+    const int G = plans_.devicesPerNode();
     try {
       std::vector<int> ids(nodes);
       for (int k = 0; k < nodes; ++k) ids[k] = k;
-      pipeline::makePlan(templates_, ids, planOptions_);
+      pipeline::makePlan(plans_.templates(), ids, plans_.options());
     } catch (const Error& e) {
       return refusal(409, "no pipeline plan fits " + std::to_string(nodes) + " nodes: " + e.what());
     }
@@ -356,7 +357,7 @@ ControlReply JobState::resize(int64_t nodes, Clock::time_point at) {
   }
   // Growth: joiners are admitted at the next step boundary after they say hello. Those
   // connected and those a launcher is still starting count towards the target.
-  const int perNode = pipelineJob_ ? profile_.job.devices_per_node : 1;
+  const int perNode = plans_.on() ? plans_.devicesPerNode() : 1;
   const int pending =
       (static_cast<int>(pendingJoin_.size()) + joinersStarting_ + perNode - 1) / perNode;
   const int need = static_cast<int>(nodes) - now - pending;

@@ -56,12 +56,12 @@ std::string JobState::stateJson() const {
                {"steps", totalSteps_},
                {"checkpoints", checkpointsOn_}}},
              {"limits", limits_.toJson()}};
-  if (pipelineJob_) {
-    st["pipeline"] = pipelineRequest_;
-    st["pipeline_nodes"] = pipelineNodes_;
-    // The epoch's plan, which the next one starts from (pipelinePlan): a new leader
+  if (plans_.on()) {
+    st["pipeline"] = plans_.request();
+    st["pipeline_nodes"] = plans_.requestNodes();
+    // The epoch's plan, which the next one starts from (PipelinePlans::forMembers): a new leader
     // reconfigures it for the members that rejoin it.
-    if (plan_) st["plan"] = json::parse(pipeline::planToJson(*plan_));
+    if (plans_.current()) st["plan"] = json::parse(pipeline::planToJson(*plans_.current()));
   }
   return st.dump();
 }
@@ -138,7 +138,7 @@ void JobState::restoreState(const std::string& text) {
     if (!error.empty()) SINEW_THROW(InvalidArgument, what, ": its pipeline request: ", error);
     if (st.contains("plan")) {
       try {
-        plan_ = pipeline::planFromJson(st.at("plan").dump());
+        plans_.setCurrent(pipeline::planFromJson(st.at("plan").dump()));
       } catch (const Error& e) {
         SINEW_THROW(InvalidArgument, what, ": its plan: ", e.what());
       }
