@@ -433,6 +433,8 @@ ControlReply JobState::drain(const control::DrainRequest& request, Clock::time_p
   const double step = measures_.medianStepSeconds();
   const double flush = measures_.meanFlushSeconds();
   const double estimate = step + (checkpointsOn_ ? flush : 0);
+  // Priced before its workers are on their way out, as the dry run prices it.
+  const json cost = ResizeCosts(costInputs()).removalCost(chosen);
   Drain d;
   d.id = nextDrain_++;
   d.workers.assign(chosen.begin(), chosen.end());
@@ -464,7 +466,7 @@ ControlReply JobState::drain(const control::DrainRequest& request, Clock::time_p
                         "dead then, and the job goes on from the last committed step";
   }
   r.body["nodes"] = nodesOf(stored.workers);
-  r.body["cost"] = ResizeCosts(costInputs()).removalCost(chosen);
+  r.body["cost"] = cost;
   event({{"event", "drain"},
          {"id", stored.id},
          {"workers", stored.workers},

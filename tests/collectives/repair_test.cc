@@ -15,6 +15,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <condition_variable>
 
 #include <iostream>
@@ -182,6 +183,9 @@ class LoopStall : public gloo::transport::tcp::Handler {
     device_->registerDescriptor(fd_, EPOLLIN, this);
     std::unique_lock<std::mutex> lock(mu_);
     if (!cv_.wait_for(lock, 10s, [&] { return entered_; })) {
+      lock.unlock();
+      device_->unregisterDescriptor(fd_, this);  // Waits for a tick: then it never runs.
+      ::close(fd_);
       throw std::runtime_error("LoopStall: the loop never ran the handler");
     }
   }
@@ -220,7 +224,9 @@ class LoopStall : public gloo::transport::tcp::Handler {
 // Waits until child `pid` has exited (its sockets closed), without reaping it.
 void waitExited(pid_t pid) {
   siginfo_t info{};
-  ::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOWAIT);
+  while (::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOWAIT) != 0) {
+    if (errno != EINTR) throw std::runtime_error("waitid failed");
+  }
 }
 
 // Four members; one is SIGKILLed in an allreduce. The three survivors build the next epoch

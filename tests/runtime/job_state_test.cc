@@ -542,6 +542,44 @@ TEST(JobStateTest, LimitsRefuseResizesAndDrainsOutsideThem) {
   EXPECT_EQ(taken.at("priority"), 5);
 }
 
+// A drain's reply prices the drain as its dry run did: the workers it takes out are still
+// counted as they were before it (before, the reply's cost was the present size's, since the
+// drained workers were already on their way out: no pause, no straggler's speed-up).
+TEST(JobStateTest, ADrainRepliesWithTheCostItsDryRunPredicted) {
+  Machine m(3);
+  const json shape = {{"resume_step", 0}, {"global_batch", 64}, {"microbatch", 8}, {"steps", 1000}};
+  const std::vector<std::string> nodes = {"a", "b", "c"};
+  for (int id = 0; id < 3; ++id) {
+    m.hello(id + 1, id, nodes[id]);
+    m.frame(id + 1, Type::kReady, -1, shape);
+  }
+  ASSERT_EQ(m.state->epoch(), 0);
+  // Six steps of 80 ms; node c's worker computes for 70 ms of each, the others for 30.
+  for (int64_t step = 0; step < 6; ++step) {
+    m.advance(80ms);
+    for (int id = 0; id < 3; ++id) {
+      m.frame(id + 1, Type::kVote, 0, {{"step", step}, {"compute_us", id == 2 ? 70000 : 30000}});
+    }
+    ASSERT_EQ(m.state->committed(), step);
+  }
+  control::DrainRequest d;
+  d.nodes = {"c"};
+  d.dryRun = true;
+  ControlReply dry = m.state->drain(d, m.t);
+  ASSERT_EQ(dry.status, 200) << dry.body.dump();
+  d.dryRun = false;
+  ControlReply real = m.state->drain(d, m.t);
+  ASSERT_EQ(real.status, 200) << real.body.dump();
+  const json& want = dry.body.at("cost");
+  const json& got = real.body.at("cost");
+  EXPECT_NEAR(want.at("straggler_speedup").get<double>(), 70.0 / 30, 1e-9) << want.dump();
+  for (const char* key :
+       {"workers_after", "nodes_after", "samples_per_s_now", "samples_per_s_after",
+        "straggler_speedup", "pause_s", "basis", "bytes", "rollback", "feasible"}) {
+    EXPECT_EQ(got.value(key, json()), want.value(key, json())) << key << ": " << got.dump();
+  }
+}
+
 // Bad messages are refused with a typed error the caller drops the connection for; the
 // machine's state does not change.
 // What a scheduler reads (docs/control_api.md, "GET /v1/scaling" and "The scheduler
