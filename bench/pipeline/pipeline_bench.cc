@@ -363,7 +363,7 @@ JobStats runJob(const std::string& name, const std::vector<std::string>& args, i
 }
 
 // Layer copies: a wider model (width 256, 4 blocks, float32: about 9.5 MB of parameters
-// and Adam state per block, 25 MB per worker) on 6 workers as pipelines of 2 or 3 stages; worker
+// and Adam state per block, 40 MB per worker) on 6 workers as pipelines of 2 or 3 stages; worker
 // 2 is killed at step 4, and the survivors' plan (since 2026-11-27 the last plan reconfigured:
 // 3+3 shrinks to 2+3, 2+2+2 merges into 3+2) makes them copy whole blocks from live
 // workers. The largest copy one worker received, against raw TCP moving the same bytes (in this
@@ -397,7 +397,7 @@ std::vector<CopyRun> runCopies(std::vector<double>& autotunedRatios) {
   auto copyJob = [](const std::string& laneBuffer) {
     JobStats job = runJob(
         "copy",
-        {"--width", "256", "--blocks", "4", "--memory-bytes", "25000000", "--global-batch", "8",
+        {"--width", "256", "--blocks", "4", "--memory-bytes", "40000000", "--global-batch", "8",
          "--microbatch", "2", "--float32", "--peer-checkpoint-every", "0"},
         10, 6, "kill:worker=2:step=4",
         std::string(sinew::collectives::GlooOptions::kLaneSocketBufferEnv) + "=" + laneBuffer);
