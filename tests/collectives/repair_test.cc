@@ -161,6 +161,18 @@ class PreForked {
   std::vector<int> writers_;
 };
 
+// Every child in `which` exited with 0 (its checks all passed).
+void expectPassed(const std::vector<testing::ChildExit>& exits, const std::vector<size_t>& which) {
+  for (size_t i : which) {
+    EXPECT_TRUE(exits[i].exited && exits[i].code == 0) << "child " << i << " " << exits[i].str();
+  }
+}
+
+// Starts the children 0..n-1 on `server`'s port.
+void startAll(PreForked& children, size_t n, const TcpStoreServer& server) {
+  for (size_t i = 0; i < n; ++i) children.start(i, server.port());
+}
+
 std::shared_ptr<Store> connectTo(uint16_t port) {
   return std::make_shared<TcpStore>("127.0.0.1", port, sinew::testing::storeOptions());
 }
@@ -264,7 +276,7 @@ TEST(RepairTest, SurvivorsKeepTheirConnectionsAndAJoinerConnectsOnlyItsOwn) {
     return c.failures;
   });
   TcpStoreServer server{sinew::testing::serverOptions()};
-  for (size_t i = 0; i < first.size(); ++i) children.start(i, server.port());
+  startAll(children, first.size(), server);
   auto store = connectTo(server.port());
   waitReady(*store, first);
   group.signal(3, SIGKILL);
@@ -275,9 +287,7 @@ TEST(RepairTest, SurvivorsKeepTheirConnectionsAndAJoinerConnectsOnlyItsOwn) {
   children.start(joiner, server.port());
   auto exits = group.waitAll(120s);
   EXPECT_TRUE(exits[3].signaled) << exits[3].str();
-  for (size_t i : {0, 1, 2, 4}) {
-    EXPECT_TRUE(exits[i].exited && exits[i].code == 0) << "child " << i << " " << exits[i].str();
-  }
+  expectPassed(exits, {0, 1, 2, 4});
 }
 
 // A message of epoch 0 that was never received (1,000 floats), and one half written when its
@@ -326,11 +336,9 @@ TEST(RepairTest, AMessageOfTheEpochBeforeIsDroppedOnAKeptConnection) {
     });
   }
   TcpStoreServer server{sinew::testing::serverOptions()};
-  for (size_t i = 0; i < children.size(); ++i) children.start(i, server.port());
+  startAll(children, children.size(), server);
   auto exits = group.waitAll(120s);
-  for (size_t i = 0; i < exits.size(); ++i) {
-    EXPECT_TRUE(exits[i].exited && exits[i].code == 0) << "child " << i << " " << exits[i].str();
-  }
+  expectPassed(exits, {0, 1, 2});
 }
 
 // Four members; one is SIGKILLed. Of the three survivors, one is SIGKILLed too while the
@@ -364,7 +372,7 @@ TEST(RepairTest, ALossDuringARepairStillKeepsTheRest) {
     });
   }
   TcpStoreServer server{sinew::testing::serverOptions()};
-  for (size_t i = 0; i < children.size(); ++i) children.start(i, server.port());
+  startAll(children, children.size(), server);
   auto store = connectTo(server.port());
   waitReady(*store, first);
   group.signal(3, SIGKILL);
@@ -372,9 +380,7 @@ TEST(RepairTest, ALossDuringARepairStillKeepsTheRest) {
   group.signal(2, SIGKILL);
   auto exits = group.waitAll(120s);
   EXPECT_TRUE(exits[2].signaled && exits[3].signaled) << exits[2].str() << " " << exits[3].str();
-  for (size_t i : {0, 1}) {
-    EXPECT_TRUE(exits[i].exited && exits[i].code == 0) << "child " << i << " " << exits[i].str();
-  }
+  expectPassed(exits, {0, 1});
 }
 
 // Three members; worker 12 is SIGKILLed while worker 10's Gloo loop is held, so that 10's
@@ -418,7 +424,7 @@ TEST(RepairTest, AGoodbyeToAMemberThatHasJustDiedCostsTheOthersNothing) {
     });
   }
   TcpStoreServer server{sinew::testing::serverOptions()};
-  for (size_t i = 0; i < children.size(); ++i) children.start(i, server.port());
+  startAll(children, children.size(), server);
   auto store = connectTo(server.port());
   waitReady(*store, first);
   group.signal(2, SIGKILL);
@@ -426,9 +432,7 @@ TEST(RepairTest, AGoodbyeToAMemberThatHasJustDiedCostsTheOthersNothing) {
   store->set("killed", toBytes("1"));
   auto exits = group.waitAll(120s);
   EXPECT_TRUE(exits[2].signaled) << exits[2].str();
-  for (size_t i : {0, 1}) {
-    EXPECT_TRUE(exits[i].exited && exits[i].code == 0) << "child " << i << " " << exits[i].str();
-  }
+  expectPassed(exits, {0, 1});
 }
 
 // With keepConnections off, the survivors connect their pairs anew (one pair: a Gloo pair and two
@@ -457,14 +461,12 @@ TEST(RepairTest, WithoutKeepingEveryPairIsConnectedAnew) {
     });
   }
   TcpStoreServer server{sinew::testing::serverOptions()};
-  for (size_t i = 0; i < children.size(); ++i) children.start(i, server.port());
+  startAll(children, children.size(), server);
   auto store = connectTo(server.port());
   waitReady(*store, first);
   group.signal(2, SIGKILL);
   auto exits = group.waitAll(120s);
-  for (size_t i : {0, 1}) {
-    EXPECT_TRUE(exits[i].exited && exits[i].code == 0) << "child " << i << " " << exits[i].str();
-  }
+  expectPassed(exits, {0, 1});
 }
 
 }  // namespace
