@@ -1,6 +1,7 @@
 #include "sinew/runtime/pipeline_plans.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <set>
 
 #include "sinew/base/error.h"
@@ -15,21 +16,29 @@ using nlohmann::json;
 
 std::string PipelinePlans::plan(const json& request, int nodes, size_t workers,
                                 std::string* summary) {
+  using sinew::detail::jsonField;
+  using sinew::detail::jsonInt;
+  const std::string what = "the pipeline request";
   pipeline::Profile profile;
   try {
-    profile = pipeline::parseProfileJson(request.at("profile").get<std::string>());
+    profile = pipeline::parseProfileJson(
+        sinew::detail::jsonString(jsonField(request, "profile", what), "profile"));
   } catch (const Error& e) {
     return std::string("bad profile: ") + e.what();
   }
   const int G = profile.job.devices_per_node;
   if (nodes < 0) nodes = static_cast<int>(workers) / G;
   pipeline::PlanOptions options;
-  options.fault_tolerance = request.at("fault_tolerance").get<int>();
-  options.global_microbatches = request.at("microbatches").get<int64_t>();
   // The most workers the job may grow to by joins (absent or 0: the workers it starts with).
   int64_t maxWorkers = 0;
   pipeline::TemplateSet templates;
   try {
+    // The bounds a worker's pipeline message is held to (runtime/wire.cc); a persisted request
+    // a new leader reads is checked the same way.
+    options.fault_tolerance = static_cast<int>(
+        jsonInt(jsonField(request, "fault_tolerance", what), "fault_tolerance", 0, 1 << 24));
+    options.global_microbatches =
+        jsonInt(jsonField(request, "microbatches", what), "microbatches", 1, INT32_MAX);
     if (request.contains("max_workers")) {
       maxWorkers = sinew::detail::jsonInt(request["max_workers"], "max_workers", 0, 1 << 20);
     }

@@ -35,8 +35,9 @@ class PipelinePlans {
   bool on() const { return on_; }
   // Plans the templates from a pipeline request (its profile, fault_tolerance, microbatches
   // and max_workers) for `nodes` nodes (-1: `workers` / devices_per_node) up to the workers the
-  // job may grow to. Returns the error ("bad profile: ...", a planner's), or "" with
-  // `*summary` saying what was planned. A failed request leaves the plans off.
+  // job may grow to. Returns the error ("bad profile: ...", a field missing or out of bounds,
+  // fewer workers than a node, a planner's), or "" with `*summary` saying what was planned. A
+  // failed request leaves the plans off.
   std::string plan(const nlohmann::json& request, int nodes, size_t workers, std::string* summary);
   // The plan for `members` (ascending ids) in `epoch`: with G devices per node, node k is
   // members [kG, kG + G) (its id the first of them, device i the i-th); members beyond the

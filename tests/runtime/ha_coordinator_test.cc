@@ -16,6 +16,7 @@
 
 #include "../support.h"
 #include "sinew/pipeline/plan.h"
+#include "sinew/pipeline/profile.h"
 #include "sinew/runtime/coordinator.h"
 #include "sinew/runtime/coordinator_client.h"
 
@@ -297,6 +298,35 @@ TEST(HaCoordinatorTest, ABadStateIsRefusedByName) {
     FAIL() << "no error";
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("committed"), std::string::npos) << e.what();
+  }
+  // A pipeline job's persisted request is held to the bounds of a worker's pipeline message:
+  // a field missing or of the wrong type is named (before, JSON's own exception escaped).
+  pipeline::Profile profile;
+  profile.job.device_memory_bytes = int64_t(1) << 30;
+  profile.layers.resize(2);
+  const json good = {
+      {"profile", pipeline::profileToJson(profile)}, {"fault_tolerance", 0}, {"microbatches", 4}};
+  json state = {
+      {"epoch", 3}, {"committed", 9}, {"next_id", 2}, {"members", {0}}, {"pipeline_nodes", 1}};
+  for (const auto& [field, value] : std::vector<std::pair<std::string, json>>{
+           {"profile", nullptr}, {"fault_tolerance", "one"}, {"microbatches", 0}}) {
+    json request = good;
+    if (value.is_null()) {
+      request.erase(field);
+    } else {
+      request[field] = value;
+    }
+    state["pipeline"] = request;
+    o.takeoverState = state.dump();
+    try {
+      Coordinator c(o);
+      FAIL() << "no error for " << request.dump();
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("pipeline request"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << field << ": not an InvalidArgument: " << e.what();
+    }
   }
 }
 
