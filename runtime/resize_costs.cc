@@ -229,9 +229,9 @@ json ResizeCosts::nodeCosts() const {
   return costs;
 }
 
-std::function<double(int)> ResizeCosts::stepModel(json& body, std::map<int, json>& plans,
+std::function<double(int)> ResizeCosts::stepModel(const std::map<int, MeasuredSize>& measured,
+                                                  json& body, std::map<int, json>& plans,
                                                   int& lastNodes) const {
-  const auto measured = summarizeStepTimes(in_.measures->stepSecondsBySize());
   const int workersNow = static_cast<int>(in_.members.size());
   const int nodesNow = nodesKept({});
   const int perNode = std::max(1, workersPerNode());
@@ -288,7 +288,7 @@ json ResizeCosts::scaling() const {
       in_.totalSteps > 0 ? std::max<int64_t>(0, in_.totalSteps - in_.committed - 1) : -1;
   std::map<int, json> plans;  // pipelines: nodes -> the plan's facts, or why none fits
   int lastNodes = 1;
-  const std::function<double(int)> model = stepModel(body, plans, lastNodes);
+  const std::function<double(int)> model = stepModel(measured, body, plans, lastNodes);
   const std::optional<double> error = modelError(measured, model);
   const int64_t microbatches = in_.microbatch > 0 ? in_.globalBatch / in_.microbatch : 0;
   json points = json::array();

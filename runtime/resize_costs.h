@@ -25,6 +25,7 @@
 #include "sinew/runtime/control_api.h"
 #include "sinew/runtime/epoch_changes.h"
 #include "sinew/runtime/job_measures.h"
+#include "sinew/runtime/scaling_curve.h"
 
 namespace sinew {
 namespace runtime {
@@ -92,9 +93,11 @@ class ResizeCosts {
   // The members' median compute time of their last step and their count ({0, 0}: not every
   // member reported one).
   std::pair<int, double> medianCompute() const;
-  // The model's step time by worker count for the curve, and the node counts it lists; fills
-  // `body`'s model fields and, for pipelines, `plans` (nodes -> the plan's facts or why none).
-  std::function<double(int)> stepModel(nlohmann::json& body, std::map<int, nlohmann::json>& plans,
+  // The model's step time by worker count for the curve, from the sizes `measured`, and the
+  // node counts it lists; fills `body`'s model fields and, for pipelines, `plans` (nodes ->
+  // the plan's facts or why none).
+  std::function<double(int)> stepModel(const std::map<int, MeasuredSize>& measured,
+                                       nlohmann::json& body, std::map<int, nlohmann::json>& plans,
                                        int& lastNodes) const;
 
   CostInputs in_;
